@@ -1,0 +1,28 @@
+# blockrt: every target creates (or reuses) its own virtual environment in .venv.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+EXTRAS ?= test
+
+.PHONY: demo test bench lint clean venv
+
+$(VENV)/.installed-$(EXTRAS): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	touch $@
+
+venv: $(VENV)/.installed-$(EXTRAS)
+
+demo: venv
+	$(PY) examples/sharing_memory.py
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(PY) -m pip install --quiet ruff
+	$(VENV)/bin/ruff check backends allocators runtime tests examples
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,235 @@
+"""The `Allocator` interface, the `Allocation` record, errors, and byte formatting.
+
+`Allocator.allocate` / `free` hold the policy shared by every allocator: size validation, a lock,
+exact accounting, ownership checks and out-of-memory errors with numbers. A concrete allocator
+implements only `_allocate` / `_free` (and `_empty_cache` if it caches), and touches the device
+only through `_device_alloc` / `_device_free`, so reserved bytes are always counted exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import backends
+from backends.base import Device, check_nbytes
+
+
+class OutOfMemoryError(MemoryError):
+    """An allocation could not be satisfied. The message gives requested, in-use, cached and limit
+    sizes; the backend's own error is chained as `__cause__`."""
+
+
+class InvalidFreeError(RuntimeError):
+    """`free` was given an allocation that is not live in this allocator (double or foreign free)."""
+
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB")
+
+
+def format_bytes(nbytes: int | float | None) -> str:
+    """Readable binary units: 512 -> '512 B', 1536 -> '1.50 KiB', None -> 'unknown'."""
+    if nbytes is None:
+        return "unknown"
+    value = float(nbytes)
+    for unit in _UNITS:
+        if abs(value) < 1024 or unit == _UNITS[-1]:
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+class Allocation:
+    """A piece of device memory handed out by an allocator.
+
+    Attributes:
+        device: the Device the memory lives on.
+        raw: the backend's raw memory object (a segment that may hold other allocations too).
+        offset: byte offset of this allocation inside `raw`.
+        nbytes: the bytes that were requested.
+        size: the bytes set aside for it (>= nbytes; size classes may round up).
+        owner: the allocator that handed it out and must get it back.
+        serial: a number unique within the owner, for messages and traces.
+        upstream: for adaptors, the upstream allocation this one wraps (else None).
+    """
+
+    __slots__ = ("device", "raw", "offset", "nbytes", "size", "owner", "serial", "live",
+                 "upstream")
+
+    def __init__(self, device: Device, raw: Any, offset: int, nbytes: int, size: int,
+                 upstream: "Allocation | None" = None) -> None:
+        self.device = device
+        self.raw = raw
+        self.offset = offset
+        self.nbytes = nbytes
+        self.size = size
+        self.upstream = upstream
+        self.owner: Allocator | None = None
+        self.serial = 0
+        self.live = False
+
+    @property
+    def ptr(self) -> int:
+        """The device address of the first byte."""
+        return self.device.address(self.raw) + self.offset
+
+    def __repr__(self) -> str:
+        state = "live" if self.live else "freed"
+        return (f"<Allocation #{self.serial} {format_bytes(self.nbytes)} on {self.device.name} "
+                f"at +{self.offset} ({state})>")
+
+
+class Allocator:
+    """Base of every allocator: validation, accounting, locking and errors live here.
+
+    Subclasses implement `_allocate(nbytes) -> Allocation`, `_free(allocation)` and optionally
+    `_empty_cache()` and `_limit()`.
+
+    Example:
+        >>> import allocators
+        >>> alloc = allocators.create("direct", "cpu")
+        >>> a = alloc.allocate(4096)
+        >>> alloc.stats()["allocated_bytes"]
+        4096
+        >>> alloc.free(a)
+    """
+
+    name = "allocator"
+
+    def __init__(self, device: "Device | str | None" = None) -> None:
+        self.device: Device = backends.get_device(device if device is not None else "cpu")
+        self._lock = threading.Lock()
+        self._serials = itertools.count(1)
+        self._live: dict[int, Allocation] = {}
+        self._counters = dict.fromkeys(
+            ("allocated_bytes", "peak_allocated_bytes", "requested_bytes", "peak_requested_bytes",
+             "reserved_bytes", "peak_reserved_bytes", "num_allocs", "num_frees", "cache_hits",
+             "cache_misses", "num_ooms", "num_device_allocs", "num_device_frees"), 0)
+
+    # ------------------------------------------------------------------ public policy
+    def allocate(self, nbytes: int) -> Allocation:
+        """Return an Allocation of at least `nbytes` bytes (0 is valid).
+
+        Raises:
+            TypeError: nbytes is not an integer.
+            ValueError: nbytes is negative.
+            OutOfMemoryError: the memory cannot be had; says how much was asked, used and allowed.
+        """
+        nbytes = check_nbytes(nbytes, "allocation size")
+        c = self._counters
+        with self._lock:
+            device_allocs = c["num_device_allocs"]
+            try:
+                allocation = self._allocate(nbytes)
+            except MemoryError as exc:
+                c["num_ooms"] += 1
+                raise self._out_of_memory(nbytes, exc) from exc
+            allocation.owner = self
+            allocation.serial = next(self._serials)
+            allocation.live = True
+            self._live[allocation.serial] = allocation
+            c["num_allocs"] += 1
+            c["cache_misses" if c["num_device_allocs"] > device_allocs else "cache_hits"] += 1
+            c["allocated_bytes"] += allocation.size
+            c["requested_bytes"] += nbytes
+            c["peak_allocated_bytes"] = max(c["peak_allocated_bytes"], c["allocated_bytes"])
+            c["peak_requested_bytes"] = max(c["peak_requested_bytes"], c["requested_bytes"])
+        return allocation
+
+    def free(self, allocation: Allocation) -> None:
+        """Give `allocation` back. Raises InvalidFreeError on a double or foreign free."""
+        if not isinstance(allocation, Allocation):
+            raise TypeError(f"free() takes an Allocation, got {type(allocation).__name__}")
+        c = self._counters
+        with self._lock:
+            if self._live.get(allocation.serial) is not allocation:
+                raise InvalidFreeError(self._describe_invalid_free(allocation))
+            del self._live[allocation.serial]
+            allocation.live = False
+            self._free(allocation)
+            c["num_frees"] += 1
+            c["allocated_bytes"] -= allocation.size
+            c["requested_bytes"] -= allocation.nbytes
+
+    def stats(self) -> dict[str, int]:
+        """A snapshot of the counters (bytes and counts); every allocator has the same keys."""
+        with self._lock:
+            snapshot = dict(self._counters)
+        snapshot["cached_bytes"] = snapshot["reserved_bytes"] - snapshot["allocated_bytes"]
+        snapshot["active_allocations"] = snapshot["num_allocs"] - snapshot["num_frees"]
+        return snapshot
+
+    def empty_cache(self) -> None:
+        """Return every cached (free but reserved) byte to the device."""
+        with self._lock:
+            self._empty_cache()
+
+    def live_allocations(self) -> list[Allocation]:
+        """The allocations handed out and not yet freed, oldest first."""
+        with self._lock:
+            return list(self._live.values())
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the accounting or the layout of live allocations is wrong."""
+        with self._lock:
+            live = list(self._live.values())
+            c = dict(self._counters)
+        assert c["allocated_bytes"] == sum(a.size for a in live), "allocated_bytes drifted"
+        assert c["requested_bytes"] == sum(a.nbytes for a in live), "requested_bytes drifted"
+        assert c["reserved_bytes"] >= c["allocated_bytes"], "reserved < allocated"
+        assert c["num_allocs"] - c["num_frees"] == len(live), "alloc/free counts drifted"
+        spans = sorted((a.ptr, a.ptr + a.size, a.serial) for a in live if a.size)
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            assert end <= start, f"allocations #{first} and #{second} overlap"
+
+    # ------------------------------------------------------------------ mechanism for subclasses
+    def _device_alloc(self, nbytes: int) -> Any:
+        """Raw memory from the device, counted in reserved bytes. Call with the lock held."""
+        raw = self.device.raw_alloc(nbytes)
+        c = self._counters
+        c["num_device_allocs"] += 1
+        c["reserved_bytes"] += nbytes
+        c["peak_reserved_bytes"] = max(c["peak_reserved_bytes"], c["reserved_bytes"])
+        return raw
+
+    def _device_free(self, raw: Any, nbytes: int) -> None:
+        """Give raw memory of `nbytes` back to the device. Call with the lock held."""
+        self.device.raw_free(raw)
+        self._counters["num_device_frees"] += 1
+        self._counters["reserved_bytes"] -= nbytes
+
+    def _allocate(self, nbytes: int) -> Allocation:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _allocate()")
+
+    def _free(self, allocation: Allocation) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _free()")
+
+    def _empty_cache(self) -> None:
+        """Nothing cached by default."""
+
+    def _limit(self) -> tuple[int | None, str]:
+        """(bytes this allocator may use, where that limit comes from)."""
+        return self.device.total_memory, "device memory"
+
+    # ------------------------------------------------------------------ errors with numbers
+    def _out_of_memory(self, nbytes: int, cause: BaseException) -> OutOfMemoryError:
+        c = self._counters
+        limit, source = self._limit()
+        cached = c["reserved_bytes"] - c["allocated_bytes"]
+        return OutOfMemoryError(
+            f"out of memory on {self.device.name}: tried to allocate {format_bytes(nbytes)}; "
+            f"{type(self).__name__} has {format_bytes(c['allocated_bytes'])} in use and "
+            f"{format_bytes(cached)} cached; limit {format_bytes(limit)} ({source}); "
+            f"backend said: {cause}")
+
+    def _describe_invalid_free(self, allocation: Allocation) -> str:
+        what = f"allocation #{allocation.serial} of {format_bytes(allocation.nbytes)}"
+        if allocation.owner is None:
+            return f"invalid free: {what} was never handed out by an allocator"
+        if allocation.owner is not self:
+            return (f"invalid free: {what} belongs to {allocation.owner!r}, not to {self!r}")
+        return f"double free: {what} was already freed"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} on {self.device.name}>"

@@ -1,0 +1,184 @@
+"""The `Device` interface every backend implements, and what backends share.
+
+A device hands out raw memory, copies bytes between host and device, makes native array views
+(numpy.ndarray, pyopencl.array.Array, cupy.ndarray) at a byte offset into raw memory, and runs
+kernels on such views. It knows nothing of allocators, blocks or tensors.
+
+Public methods hold the policy (argument checks, error wording); a backend implements the
+underscore hooks. A hook that a backend lacks raises `NotImplementedError` naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+#: Elementwise kernels of one input. "copy" writes its input (possibly broadcast) into out.
+UNARY_KERNELS = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "copy")
+#: Elementwise kernels of two inputs, broadcast by the runtime to the output's shape.
+BINARY_KERNELS = ("add", "sub", "mul", "div")
+#: Reductions over an axis (or all axes).
+REDUCE_KERNELS = ("sum", "mean")
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend was asked for but cannot run here (its package or its hardware is missing)."""
+
+
+def check_nbytes(nbytes: Any, what: str = "size") -> int:
+    """Return `nbytes` as an int, or raise TypeError/ValueError naming the bad value.
+
+    Booleans and floats are refused even when integral: a size is a count of bytes.
+    """
+    if isinstance(nbytes, (bool, np.bool_)) or not isinstance(nbytes, (int, np.integer)):
+        raise TypeError(f"{what} must be an integer number of bytes, got {nbytes!r} "
+                        f"of type {type(nbytes).__name__}")
+    nbytes = int(nbytes)
+    if nbytes < 0:
+        raise ValueError(f"{what} must be >= 0 bytes, got {nbytes}")
+    return nbytes
+
+
+def _missing(device: "Device", hook: str) -> NotImplementedError:
+    return NotImplementedError(f"{type(device).__name__} does not implement the Device hook {hook}()")
+
+
+class Device:
+    """One compute device: raw memory, host<->device copies, native views and kernels.
+
+    Attributes:
+        name: the canonical spec, e.g. "cpu", "opencl:0", "cuda:1".
+        alignment: every raw allocation starts at a multiple of this many bytes.
+
+    Example:
+        >>> import backends
+        >>> dev = backends.get_device("cpu")
+        >>> raw = dev.raw_alloc(64)
+        >>> dev.address(raw) % dev.alignment
+        0
+        >>> dev.raw_free(raw)
+    """
+
+    name: str = "device"
+    alignment: int = 64
+
+    # ----------------------------------------------------------------- memory (public policy)
+    def raw_alloc(self, nbytes: int) -> Any:
+        """Return `nbytes` of raw device memory aligned to `self.alignment`.
+
+        Raises MemoryError (from the backend) when the device cannot provide it.
+        """
+        return self._raw_alloc(check_nbytes(nbytes))
+
+    def raw_free(self, raw: Any) -> None:
+        """Give raw memory from `raw_alloc` back to the device."""
+        self._raw_free(raw)
+
+    def copyin(self, raw: Any, offset: int, host: np.ndarray) -> None:
+        """Copy the bytes of the host array `host` into `raw` starting at byte `offset`."""
+        host = np.ascontiguousarray(host)
+        self._check_range(raw, offset, host.nbytes)
+        self._copyin(raw, offset, host.reshape(-1).view(np.uint8))
+
+    def copyout(self, raw: Any, offset: int, nbytes: int) -> np.ndarray:
+        """Return a new host uint8 array with `nbytes` bytes of `raw` from byte `offset`."""
+        self._check_range(raw, offset, nbytes)
+        return self._copyout(raw, offset, nbytes)
+
+    def array_view(self, raw: Any, offset: int, shape: Sequence[int], dtype: Any,
+                   strides: Sequence[int]) -> Any:
+        """A native array over `raw` at byte `offset` with byte `strides`; no copy is made."""
+        return self._array_view(raw, offset, tuple(shape), np.dtype(dtype), tuple(strides))
+
+    def address(self, raw: Any) -> int:
+        """The integer device address of `raw` (for tracing and overlap checks)."""
+        return self._address(raw)
+
+    def nbytes_of(self, raw: Any) -> int:
+        """How many bytes `raw` holds."""
+        return self._nbytes_of(raw)
+
+    @property
+    def total_memory(self) -> int | None:
+        """Bytes of memory the device has, or None when unknown."""
+        return None
+
+    def _check_range(self, raw: Any, offset: int, nbytes: int) -> None:
+        size = self.nbytes_of(raw)
+        if offset < 0 or nbytes < 0 or offset + nbytes > size:
+            raise ValueError(f"byte range [{offset}, {offset + nbytes}) is outside the raw "
+                             f"allocation of {size} bytes on {self.name}")
+
+    # ----------------------------------------------------------------- kernels (public policy)
+    def unary(self, name: str, x: Any, out: Any) -> None:
+        """out = f(x) elementwise, f one of UNARY_KERNELS; x may be identical to out."""
+        if name not in UNARY_KERNELS:
+            raise ValueError(f"unknown unary kernel {name!r}; known: {', '.join(UNARY_KERNELS)}")
+        self._unary(name, x, out)
+
+    def binary(self, name: str, a: Any, b: Any, out: Any) -> None:
+        """out = a (op) b elementwise; a and b already have out's shape (zero strides broadcast)."""
+        if name not in BINARY_KERNELS:
+            raise ValueError(f"unknown binary kernel {name!r}; known: {', '.join(BINARY_KERNELS)}")
+        self._binary(name, a, b, out)
+
+    def matmul(self, a: Any, b: Any, out: Any) -> None:
+        """out = a @ b for 2-D (or batched N-D) views; out never overlaps a or b."""
+        self._matmul(a, b, out)
+
+    def reduce(self, name: str, x: Any, axis: tuple[int, ...] | None, keepdims: bool,
+               out: Any) -> None:
+        """out = sum or mean of x over `axis` (None: all axes); out never overlaps x."""
+        if name not in REDUCE_KERNELS:
+            raise ValueError(f"unknown reduction {name!r}; known: {', '.join(REDUCE_KERNELS)}")
+        self._reduce(name, x, axis, keepdims, out)
+
+    def to_host(self, view: Any) -> np.ndarray:
+        """A new host numpy array equal to the native view `view` (any strides)."""
+        return self._to_host(view)
+
+    def synchronize(self) -> None:
+        """Wait until every queued kernel and copy has finished (no-op for synchronous devices)."""
+
+    # ----------------------------------------------------------------- hooks (mechanism)
+    def _raw_alloc(self, nbytes: int) -> Any:
+        raise _missing(self, "_raw_alloc")
+
+    def _raw_free(self, raw: Any) -> None:
+        raise _missing(self, "_raw_free")
+
+    def _copyin(self, raw: Any, offset: int, host_bytes: np.ndarray) -> None:
+        raise _missing(self, "_copyin")
+
+    def _copyout(self, raw: Any, offset: int, nbytes: int) -> np.ndarray:
+        raise _missing(self, "_copyout")
+
+    def _array_view(self, raw: Any, offset: int, shape: tuple, dtype: np.dtype,
+                    strides: tuple) -> Any:
+        raise _missing(self, "_array_view")
+
+    def _address(self, raw: Any) -> int:
+        raise _missing(self, "_address")
+
+    def _nbytes_of(self, raw: Any) -> int:
+        raise _missing(self, "_nbytes_of")
+
+    def _unary(self, name: str, x: Any, out: Any) -> None:
+        raise _missing(self, "_unary")
+
+    def _binary(self, name: str, a: Any, b: Any, out: Any) -> None:
+        raise _missing(self, "_binary")
+
+    def _matmul(self, a: Any, b: Any, out: Any) -> None:
+        raise _missing(self, "_matmul")
+
+    def _reduce(self, name: str, x: Any, axis: tuple[int, ...] | None, keepdims: bool,
+                out: Any) -> None:
+        raise _missing(self, "_reduce")
+
+    def _to_host(self, view: Any) -> np.ndarray:
+        raise _missing(self, "_to_host")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"

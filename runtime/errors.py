@@ -1,0 +1,20 @@
+"""Errors the runtime raises. Each message names the tensor, block or op and the numbers involved."""
+
+from __future__ import annotations
+
+
+class UseAfterFreeError(RuntimeError):
+    """A tensor was used after its handle was released or its block's memory was freed."""
+
+
+class UninitializedMemoryError(RuntimeError):
+    """A tensor was read before anything was written to its block (blocks allocate lazily)."""
+
+
+class AliasingError(ValueError):
+    """An op's output overlaps one of its inputs in a way the op cannot compute safely
+    (raised in `runtime.set_aliasing("raise")` mode)."""
+
+
+class ReadOnlyError(RuntimeError):
+    """A write to an immutable (constant) tensor."""

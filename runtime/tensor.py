@@ -1,0 +1,489 @@
+"""`Tensor`: shape, dtype, strides and offset over a Block; views share the Block.
+
+Strides and offsets count elements (as in PyTorch), not bytes. Every tensor and view holds one
+reference to its block; `release()` (or garbage collection) drops it, and any use of a released
+tensor, or of a tensor whose block was freed, raises `UseAfterFreeError`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Sequence
+
+import numpy as np
+
+import backends
+from allocators import Allocator
+from runtime import config
+from runtime.block import Block
+from runtime.errors import UseAfterFreeError
+
+#: The dtypes a tensor may hold. Arithmetic ops accept the float ones.
+DTYPES = tuple(np.dtype(t) for t in ("float32", "float64", "int32", "int64", "uint8", "bool"))
+
+_RELEASED = -1
+
+
+def as_dtype(dtype: Any) -> np.dtype:
+    """Normalise a dtype spec, refusing ones a tensor cannot hold."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"not a dtype: {dtype!r}") from exc
+    if dt not in DTYPES:
+        raise TypeError(f"dtype {dt} is not supported; use one of {', '.join(map(str, DTYPES))}")
+    return dt
+
+
+def as_shape(shape: Any) -> tuple[int, ...]:
+    """Normalise an int or a sequence of ints into a shape, refusing negatives and non-ints."""
+    if isinstance(shape, (numbers.Integral,)) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError as exc:
+        raise TypeError(f"a shape is an int or a sequence of ints, got {shape!r}") from exc
+    for n in dims:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"shape {shape!r} has a non-integer dimension {n!r}")
+        if n < 0:
+            raise ValueError(f"shape {dims} has a negative dimension {n}")
+    return tuple(int(n) for n in dims)
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """C-order strides, in elements, for `shape`."""
+    strides = []
+    step = 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _reshape_strides(shape, strides, new_shape) -> tuple[int, ...] | None:
+    """Strides that view (shape, strides) as new_shape in C order, or None if a copy is needed."""
+    if 0 in shape:
+        return contiguous_strides(new_shape)
+    old = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    out = [1] * len(new_shape)
+    oi = ni = 0
+    while oi < len(old) and ni < len(new_shape):
+        # Grow a group of old and new dimensions until both hold the same number of elements.
+        nsize, osize = new_shape[ni], old[oi][0]
+        nj, oj = ni + 1, oi + 1
+        while nsize != osize:
+            if nsize < osize:
+                nsize *= new_shape[nj]
+                nj += 1
+            else:
+                osize *= old[oj][0]
+                oj += 1
+        # The old dimensions of the group must be laid out as one C-order run.
+        for k in range(oi, oj - 1):
+            if old[k][1] != old[k + 1][0] * old[k + 1][1]:
+                return None
+        step = old[oj - 1][1]
+        for k in range(nj - 1, ni - 1, -1):
+            out[k] = step
+            step *= new_shape[k]
+        oi, ni = oj, nj
+    return tuple(out)
+
+
+class Tensor:
+    """An n-dimensional view over a Block.
+
+    Make tensors with `runtime.tensor`, `runtime.empty`, `runtime.zeros` or `runtime.view`;
+    index and reshape them to get views that share the block.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> x = runtime.tensor(np.arange(6.0).reshape(2, 3))
+        >>> x[:, ::2].numpy()
+        array([[0., 2.],
+               [3., 5.]])
+        >>> x.T.shape
+        (3, 2)
+    """
+
+    __slots__ = ("block", "shape", "dtype", "strides", "offset", "_gen", "__weakref__")
+
+    def __init__(self, block: Block, shape: Sequence[int], dtype: Any,
+                 strides: Sequence[int] | None = None, offset: int = 0) -> None:
+        self.block = block
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.strides = tuple(strides) if strides is not None else contiguous_strides(self.shape)
+        self.offset = offset
+        self._check_bounds()
+        self._gen = block.acquire()
+
+    def _check_bounds(self) -> None:
+        if 0 in self.shape:
+            return
+        lo = hi = self.offset
+        for n, s in zip(self.shape, self.strides):
+            if s > 0:
+                hi += s * (n - 1)
+            else:
+                lo += s * (n - 1)
+        itemsize = self.dtype.itemsize
+        if lo < 0 or (hi + 1) * itemsize > self.block.nbytes:
+            raise ValueError(
+                f"a view of shape {self.shape}, strides {self.strides} at offset {self.offset} "
+                f"reaches elements [{lo}, {hi}] but block #{self.block.id} holds "
+                f"{self.block.nbytes // itemsize} elements of {self.dtype}")
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def device(self) -> backends.Device:
+        return self.block.device
+
+    @property
+    def version(self) -> int:
+        """Moves on at every write to the block, through this tensor or any view."""
+        return self.block.version
+
+    @property
+    def released(self) -> bool:
+        return self._gen == _RELEASED
+
+    def is_contiguous(self) -> bool:
+        """True when the elements lie in C order with no gaps."""
+        return self.size == 0 or all(
+            s == c for n, s, c in zip(self.shape, self.strides, contiguous_strides(self.shape))
+            if n != 1)
+
+    def layout(self, shape: Sequence[int] | None = None) -> tuple:
+        """(byte offset, shape, byte strides, itemsize), broadcast to `shape` if given."""
+        item = self.dtype.itemsize
+        strides = [s * item for s in self.strides]
+        if shape is None or tuple(shape) == self.shape:
+            return self.offset * item, self.shape, tuple(strides), item
+        shape = tuple(shape)
+        lead = len(shape) - self.ndim
+        out = [0] * lead
+        for n, s, target in zip(self.shape, strides, shape[lead:]):
+            out.append(s if n == target else 0)
+        return self.offset * item, shape, tuple(out), item
+
+    # ------------------------------------------------------------------ handle lifetime
+    def _check(self, what: str = "tensor") -> None:
+        if self._gen == _RELEASED:
+            raise UseAfterFreeError(f"{what} was released and can no longer be used "
+                                    f"(shape {self.shape}, block #{self.block.id})")
+        self.block.check(self._gen, what)
+
+    def release(self) -> None:
+        """Drop this handle's reference now; the memory goes back when no handle is left.
+
+        Any later use of this tensor raises UseAfterFreeError. Releasing twice is harmless.
+        """
+        gen, self._gen = self._gen, _RELEASED
+        if gen != _RELEASED:
+            self.block.release(gen)
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser (interpreter shutdown)
+            pass
+
+    # ------------------------------------------------------------------ native views (for ops)
+    def _native_read(self, what: str, shape: Sequence[int] | None = None) -> Any:
+        self._check(what)
+        allocation = self.block.memory_for_read(what)
+        offset, shape, strides, _ = self.layout(shape)
+        return self.device.array_view(allocation.raw, allocation.offset + offset, shape,
+                                      self.dtype, strides)
+
+    def _native_write(self, what: str) -> Any:
+        self._check(what)
+        allocation = self.block.memory_for_write(what)
+        offset, shape, strides, _ = self.layout()
+        return self.device.array_view(allocation.raw, allocation.offset + offset, shape,
+                                      self.dtype, strides)
+
+    # ------------------------------------------------------------------ views
+    def _view(self, shape, strides, offset) -> "Tensor":
+        self._check("view source")
+        return Tensor(self.block, shape, self.dtype, strides, offset)
+
+    def __getitem__(self, key: Any) -> "Tensor":
+        """Basic indexing: ints, slices (any step, negative too), Ellipsis and None. A view."""
+        if not isinstance(key, tuple):
+            key = (key,)
+        if sum(k is Ellipsis for k in key) > 1:
+            raise IndexError("an index can only have a single ellipsis ('...')")
+        consumed = sum(1 for k in key if k is not None and k is not Ellipsis)
+        if consumed > self.ndim:
+            raise IndexError(f"too many indices: tensor is {self.ndim}-dimensional, "
+                             f"but {consumed} were indexed")
+        if Ellipsis not in key:
+            key = key + (Ellipsis,)
+        shape: list[int] = []
+        strides: list[int] = []
+        offset = self.offset
+        dim = 0
+        for k in key:
+            if k is None:
+                shape.append(1)
+                strides.append(0)
+            elif k is Ellipsis:
+                for _ in range(self.ndim - consumed):
+                    shape.append(self.shape[dim])
+                    strides.append(self.strides[dim])
+                    dim += 1
+            elif isinstance(k, slice):
+                start, stop, step = k.indices(self.shape[dim])
+                shape.append(len(range(start, stop, step)))
+                strides.append(self.strides[dim] * step)
+                offset += start * self.strides[dim]
+                dim += 1
+            elif isinstance(k, numbers.Integral) and not isinstance(k, bool):
+                n = self.shape[dim]
+                if not -n <= k < n:
+                    raise IndexError(f"index {k} is out of bounds for axis {dim} with size {n}")
+                offset += (k % n) * self.strides[dim]
+                dim += 1
+            else:
+                raise TypeError(f"unsupported index {k!r}: tensors take ints, slices, None and "
+                                f"'...'; copy out with .numpy() for advanced indexing")
+        return self._view(tuple(shape), tuple(strides), offset)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """Write `value` (a tensor, array or number, broadcast) into the view `self[key]`."""
+        from runtime import ops
+
+        target = self[key]
+        try:
+            if not isinstance(value, Tensor):
+                value = tensor(np.asarray(value, dtype=self.dtype), device=self.device,
+                               allocator=self.block.allocator)
+            ops.copy(value, out=target)
+        finally:
+            target.release()
+
+    @property
+    def T(self) -> "Tensor":
+        """The transpose: axes reversed. A view."""
+        return self._view(self.shape[::-1], self.strides[::-1], self.offset)
+
+    def transpose(self, *axes: int) -> "Tensor":
+        """Permute the axes (reversed when none are given). A view."""
+        if not axes:
+            return self.T
+        if len(axes) == 1 and not isinstance(axes[0], numbers.Integral):
+            axes = tuple(axes[0])
+        if sorted(a % self.ndim if -self.ndim <= a < self.ndim else a for a in axes) != \
+                list(range(self.ndim)):
+            raise ValueError(f"axes {axes} are not a permutation of the {self.ndim} axes")
+        axes = tuple(a % self.ndim for a in axes)
+        return self._view(tuple(self.shape[a] for a in axes),
+                          tuple(self.strides[a] for a in axes), self.offset)
+
+    def reshape(self, *shape: Any) -> "Tensor":
+        """The same elements in C order under a new shape (one -1 is inferred).
+
+        A view when the strides allow it, as in NumPy; otherwise a contiguous copy.
+        """
+        if len(shape) == 1 and not isinstance(shape[0], numbers.Integral):
+            shape = tuple(shape[0])
+        new_shape = _infer_shape(shape, self.size, self.shape)
+        strides = _reshape_strides(self.shape, self.strides, new_shape)
+        if strides is not None:
+            return self._view(new_shape, strides, self.offset)
+        from runtime import ops
+
+        flat = ops.copy(self)
+        try:
+            return flat._view(new_shape, contiguous_strides(new_shape), flat.offset)
+        finally:
+            flat.release()
+
+    # ------------------------------------------------------------------ host access
+    def numpy(self) -> np.ndarray:
+        """A new host numpy array with this tensor's data (a copy)."""
+        return self.device.to_host(self._native_read("numpy()"))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype, copy=False)
+
+    def item(self) -> float | int | bool:
+        """The single element of a size-1 tensor as a Python number."""
+        if self.size != 1:
+            raise ValueError(f"item() needs a tensor of one element, this one has {self.size} "
+                             f"(shape {self.shape})")
+        return self.numpy().reshape(()).item()
+
+    def tolist(self) -> Any:
+        return self.numpy().tolist()
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        head = f"shape={self.shape}, dtype={self.dtype}, device={self.device.name}"
+        if self._gen == _RELEASED or self._gen != self.block.generation:
+            return f"Tensor(<freed>, {head})"
+        if not self.block.written:
+            return f"Tensor(<unwritten>, {head})"
+        if self.size > 64:
+            return f"Tensor({head}, block=#{self.block.id})"
+        body = np.array2string(self.numpy(), separator=", ", prefix="Tensor(")
+        return f"Tensor({body}, {head})"
+
+    # ------------------------------------------------------------------ operators
+    def __add__(self, other: Any) -> "Tensor":
+        return _ops.add(self, other)
+
+    def __radd__(self, other: Any) -> "Tensor":
+        return _ops.add(other, self)
+
+    def __sub__(self, other: Any) -> "Tensor":
+        return _ops.sub(self, other)
+
+    def __rsub__(self, other: Any) -> "Tensor":
+        return _ops.sub(other, self)
+
+    def __mul__(self, other: Any) -> "Tensor":
+        return _ops.mul(self, other)
+
+    def __rmul__(self, other: Any) -> "Tensor":
+        return _ops.mul(other, self)
+
+    def __truediv__(self, other: Any) -> "Tensor":
+        return _ops.div(self, other)
+
+    def __rtruediv__(self, other: Any) -> "Tensor":
+        return _ops.div(other, self)
+
+    def __matmul__(self, other: "Tensor") -> "Tensor":
+        return _ops.matmul(self, other)
+
+    def __neg__(self) -> "Tensor":
+        return _ops.neg(self)
+
+
+def _infer_shape(shape: Sequence[Any], size: int, old_shape: tuple) -> tuple[int, ...]:
+    dims = list(shape)
+    unknown = [i for i, n in enumerate(dims) if isinstance(n, numbers.Integral) and n == -1]
+    if len(unknown) > 1:
+        raise ValueError(f"can only infer one dimension of {tuple(shape)}")
+    if unknown:
+        known = math.prod(n for i, n in enumerate(dims) if i != unknown[0])
+        if known == 0 or size % known:
+            raise ValueError(f"cannot reshape {size} elements {old_shape} into {tuple(shape)}")
+        dims[unknown[0]] = size // known
+    new_shape = as_shape(dims)
+    if math.prod(new_shape) != size:
+        raise ValueError(f"cannot reshape {size} elements {old_shape} into {new_shape} "
+                         f"({math.prod(new_shape)} elements)")
+    return new_shape
+
+
+# ---------------------------------------------------------------------- factories
+def _allocator_for(device: Any, allocator: Allocator | None) -> Allocator:
+    if allocator is None:
+        return config.get_default_allocator(device)
+    if not isinstance(allocator, Allocator):
+        raise TypeError(f"allocator must be an allocators.Allocator, got {type(allocator).__name__}")
+    if device is not None and backends.get_device(device) is not allocator.device:
+        raise ValueError(f"allocator {allocator!r} is on {allocator.device.name}, "
+                         f"but device {backends.get_device(device).name} was asked for")
+    return allocator
+
+
+def empty(shape: Any, dtype: Any = "float32", device: Any = None,
+          allocator: Allocator | None = None) -> Tensor:
+    """A tensor of `shape` whose block holds no memory until first written (lazy)."""
+    shape = as_shape(shape)
+    dt = as_dtype(dtype)
+    alloc = _allocator_for(device, allocator)
+    return Tensor(Block(math.prod(shape) * dt.itemsize, alloc), shape, dt)
+
+
+def tensor(data: Any, dtype: Any = None, device: Any = None,
+           allocator: Allocator | None = None) -> Tensor:
+    """A new tensor holding a copy of `data` (array-like, or a Tensor) on `device`.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> runtime.tensor(np.ones((2, 2), np.float32)).shape
+        (2, 2)
+    """
+    if isinstance(data, Tensor):
+        data = data.numpy()
+    host = np.asarray(data, dtype=dtype)
+    if host.dtype == np.float16 or host.dtype.kind not in "fiub":
+        raise TypeError(f"cannot make a tensor from data of dtype {host.dtype}")
+    if dtype is None and host.dtype not in DTYPES:
+        host = host.astype(np.float64 if host.dtype.kind == "f" else np.int64)
+    out = empty(host.shape, host.dtype, device, allocator)
+    allocation = out.block.memory_for_write("runtime.tensor")
+    out.device.copyin(allocation.raw, allocation.offset, host)
+    out.block.mark_written()
+    return out
+
+
+def zeros(shape: Any, dtype: Any = "float32", device: Any = None,
+          allocator: Allocator | None = None) -> Tensor:
+    """A tensor of `shape` filled with zeros."""
+    return tensor(np.zeros(as_shape(shape), as_dtype(dtype)), device=device, allocator=allocator)
+
+
+def ones(shape: Any, dtype: Any = "float32", device: Any = None,
+         allocator: Allocator | None = None) -> Tensor:
+    """A tensor of `shape` filled with ones."""
+    return tensor(np.ones(as_shape(shape), as_dtype(dtype)), device=device, allocator=allocator)
+
+
+def view(source: Tensor, shape: Any, offset: int = 0) -> Tensor:
+    """A C-order view of `shape` over the memory of `source`, starting `offset` elements in.
+
+    This is Neanderthal's view-ge: one buffer, many matrices over it. `source` must be
+    contiguous, and the view must fit inside it.
+
+    Example:
+        >>> import runtime
+        >>> buf = runtime.zeros(8, "float64")
+        >>> runtime.view(buf, (4, 2)).shape, runtime.view(buf, (1, 2), offset=6).shape
+        ((4, 2), (1, 2))
+    """
+    if not isinstance(source, Tensor):
+        raise TypeError(f"view() needs a Tensor source, got {type(source).__name__}")
+    shape = as_shape(shape)
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
+        raise TypeError(f"offset counts elements and must be an int, got {offset!r}")
+    if not source.is_contiguous():
+        raise ValueError(f"view() needs a contiguous source; this one has shape {source.shape} "
+                         f"and strides {source.strides}")
+    need = math.prod(shape)
+    if offset < 0 or offset + need > source.size:
+        raise ValueError(f"a view of {need} elements {shape} at offset {offset} does not fit in "
+                         f"a source of {source.size} elements")
+    return source._view(shape, contiguous_strides(shape), source.offset + offset)
+
+
+from runtime import ops as _ops  # noqa: E402  (ops imports this module; bound for operators)
