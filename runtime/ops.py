@@ -53,6 +53,22 @@ def _common(op: str, tensors: Sequence[Tensor], floats_only: bool = True) -> tup
     return first.device, first.dtype
 
 
+def _broadcast_shapes(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """NumPy's broadcasting rule, with a fast path for equal shapes (the common case)."""
+    first = shapes[0]
+    if all(s == first for s in shapes):
+        return first
+    ndim = max(len(s) for s in shapes)
+    result = [1] * ndim
+    for s in shapes:
+        for i, n in enumerate(s, ndim - len(s)):
+            if n != 1:
+                if result[i] not in (1, n):
+                    raise ValueError("shapes do not broadcast")
+                result[i] = n
+    return tuple(result)
+
+
 def _prepare_out(op: str, out: Tensor | None, shape: tuple, dtype: np.dtype, like: Tensor) -> Tensor:
     if out is None:
         return empty(shape, dtype, like.device, like.block.allocator)
@@ -107,11 +123,11 @@ def _launch(op: str, policy: str, out: Tensor, inputs: Sequence[tuple[str, Tenso
         finally:
             temp.release()
         return out
-    views = [t._native_read(f"{op} input {label}", shape) for label, t, shape in inputs]
+    views = [t._native_read(op, shape) for _, t, shape in inputs]
     if scalars:
         for position, value in scalars.items():
             views.insert(position, value)
-    target = out._native_write(f"{op} output")
+    target = out._native_write(op)
     run(views, target)
     out.block.mark_written()
     return out
@@ -135,7 +151,7 @@ def _elementwise(op: str, kernel: str, out: Tensor | None, *operands: Operand) -
     if isinstance(out, Tensor):
         shapes.append(out.shape)  # as in NumPy, the inputs broadcast to out's shape
     try:
-        shape = np.broadcast_shapes(*shapes)
+        shape = _broadcast_shapes(shapes)
     except ValueError:
         raise ValueError(f"{op}: shapes {' and '.join(map(str, shapes))} cannot be broadcast "
                          f"together{' (the last is out)' if isinstance(out, Tensor) else ''}"
@@ -227,7 +243,7 @@ def _matmul_shape(a: Tensor, b: Tensor) -> tuple[int, ...]:
     batch_a = a.shape[:-2]
     batch_b = b.shape[:-2]
     try:
-        batch = np.broadcast_shapes(batch_a, batch_b)
+        batch = _broadcast_shapes([batch_a, batch_b])
     except ValueError:
         raise ValueError(f"matmul: batch dimensions {batch_a} and {batch_b} cannot be "
                          f"broadcast together") from None

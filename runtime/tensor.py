@@ -108,7 +108,8 @@ class Tensor:
         (3, 2)
     """
 
-    __slots__ = ("block", "shape", "dtype", "strides", "offset", "_gen", "__weakref__")
+    __slots__ = ("block", "shape", "dtype", "strides", "offset", "_gen", "_layout", "_native",
+                 "__weakref__")
 
     def __init__(self, block: Block, shape: Sequence[int], dtype: Any,
                  strides: Sequence[int] | None = None, offset: int = 0) -> None:
@@ -117,6 +118,8 @@ class Tensor:
         self.dtype = np.dtype(dtype)
         self.strides = tuple(strides) if strides is not None else contiguous_strides(self.shape)
         self.offset = offset
+        self._layout: tuple | None = None   # NOTE: (byte offset, shape, byte strides, itemsize)
+        self._native: tuple | None = None   # NOTE: (allocation, native view) built on it
         self._check_bounds()
         self._gen = block.acquire()
 
@@ -174,16 +177,19 @@ class Tensor:
 
     def layout(self, shape: Sequence[int] | None = None) -> tuple:
         """(byte offset, shape, byte strides, itemsize), broadcast to `shape` if given."""
-        item = self.dtype.itemsize
-        strides = [s * item for s in self.strides]
-        if shape is None or tuple(shape) == self.shape:
-            return self.offset * item, self.shape, tuple(strides), item
+        layout = self._layout
+        if layout is None:
+            item = self.dtype.itemsize
+            layout = self._layout = (self.offset * item, self.shape,
+                                     tuple(s * item for s in self.strides), item)
+        if shape is None or shape == self.shape:
+            return layout
         shape = tuple(shape)
         lead = len(shape) - self.ndim
-        out = [0] * lead
-        for n, s, target in zip(self.shape, strides, shape[lead:]):
-            out.append(s if n == target else 0)
-        return self.offset * item, shape, tuple(out), item
+        strides = [0] * lead
+        for n, s, target in zip(self.shape, layout[2], shape[lead:]):
+            strides.append(s if n == target else 0)
+        return layout[0], shape, tuple(strides), layout[3]
 
     # ------------------------------------------------------------------ handle lifetime
     def _check(self, what: str = "tensor") -> None:
@@ -211,16 +217,26 @@ class Tensor:
     def _native_read(self, what: str, shape: Sequence[int] | None = None) -> Any:
         self._check(what)
         allocation = self.block.memory_for_read(what)
+        if shape is None or shape == self.shape:
+            return self._native_on(allocation)
         offset, shape, strides, _ = self.layout(shape)
-        return self.device.array_view(allocation.raw, allocation.offset + offset, shape,
-                                      self.dtype, strides)
+        return self.device._array_view(allocation.raw, allocation.offset + offset, shape,
+                                       self.dtype, strides)
 
     def _native_write(self, what: str) -> Any:
         self._check(what)
-        allocation = self.block.memory_for_write(what)
+        return self._native_on(self.block.memory_for_write(what))
+
+    def _native_on(self, allocation: Any) -> Any:
+        """The native view of this tensor over `allocation`, cached while the allocation lasts."""
+        cached = self._native
+        if cached is not None and cached[0] is allocation:
+            return cached[1]
         offset, shape, strides, _ = self.layout()
-        return self.device.array_view(allocation.raw, allocation.offset + offset, shape,
-                                      self.dtype, strides)
+        native = self.device._array_view(allocation.raw, allocation.offset + offset, shape,
+                                         self.dtype, strides)
+        self._native = (allocation, native)
+        return native
 
     # ------------------------------------------------------------------ views
     def _view(self, shape, strides, offset) -> "Tensor":
