@@ -11,11 +11,11 @@ Example:
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from importlib import metadata
-from typing import Any, Callable
+from typing import Any
 
-from allocators.base import (Allocation, Allocator, InvalidFreeError, OutOfMemoryError,
-                             format_bytes)
+from allocators.base import Allocation, Allocator, InvalidFreeError, OutOfMemoryError, format_bytes
 from allocators.direct import DirectAllocator
 
 __all__ = ["Allocation", "Allocator", "DirectAllocator", "InvalidFreeError", "OutOfMemoryError",

@@ -22,7 +22,7 @@ class OutOfMemoryError(MemoryError):
 
 
 class InvalidFreeError(RuntimeError):
-    """`free` was given an allocation that is not live in this allocator (double or foreign free)."""
+    """`free` got an allocation that is not live in this allocator (double or foreign free)."""
 
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB")
@@ -58,7 +58,7 @@ class Allocation:
                  "upstream")
 
     def __init__(self, device: Device, raw: Any, offset: int, nbytes: int, size: int,
-                 upstream: "Allocation | None" = None) -> None:
+                 upstream: Allocation | None = None) -> None:
         self.device = device
         self.raw = raw
         self.offset = offset
@@ -97,7 +97,7 @@ class Allocator:
 
     name = "allocator"
 
-    def __init__(self, device: "Device | str | None" = None) -> None:
+    def __init__(self, device: Device | str | None = None) -> None:
         self.device: Device = backends.get_device(device if device is not None else "cpu")
         self._lock = threading.Lock()
         self._serials = itertools.count(1)

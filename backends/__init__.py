@@ -55,8 +55,8 @@ def _load(kind: str) -> type:
     return getattr(module, class_name)
 
 
-def get_device(spec: "str | Device" = "cpu") -> Device:
-    """Return the device for `spec` ("cpu", "opencl", "opencl:1", "cuda:0"); a Device passes through.
+def get_device(spec: str | Device = "cpu") -> Device:
+    """Return the device for `spec` ("cpu", "opencl:1", "cuda:0"); a Device passes through.
 
     The same spec always gives the same Device object, so per-device settings (such as the default
     allocator) attach to it.
@@ -88,6 +88,6 @@ def available() -> list[str]:
         try:
             if _load(kind).device_count() > 0:
                 kinds.append(kind)
-        except Exception:  # noqa: BLE001 - a broken optional backend is simply not available
+        except Exception:
             continue
     return kinds

@@ -10,7 +10,8 @@ underscore hooks. A hook that a backend lacks raises `NotImplementedError` namin
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -40,8 +41,9 @@ def check_nbytes(nbytes: Any, what: str = "size") -> int:
     return nbytes
 
 
-def _missing(device: "Device", hook: str) -> NotImplementedError:
-    return NotImplementedError(f"{type(device).__name__} does not implement the Device hook {hook}()")
+def _missing(device: Device, hook: str) -> NotImplementedError:
+    name = type(device).__name__
+    return NotImplementedError(f"{name} does not implement the Device hook {hook}()")
 
 
 class Device:

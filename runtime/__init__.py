@@ -13,10 +13,8 @@ from __future__ import annotations
 from runtime import ops
 from runtime.aliasing import overlaps
 from runtime.block import Block
-from runtime.config import (get_aliasing, get_default_allocator, set_aliasing,
-                            set_default_allocator)
-from runtime.errors import (AliasingError, ReadOnlyError, UninitializedMemoryError,
-                            UseAfterFreeError)
+from runtime.config import get_aliasing, get_default_allocator, set_aliasing, set_default_allocator
+from runtime.errors import AliasingError, ReadOnlyError, UninitializedMemoryError, UseAfterFreeError
 from runtime.tensor import Tensor, empty, ones, tensor, view, zeros
 
 __all__ = ["AliasingError", "Block", "ReadOnlyError", "Tensor", "UninitializedMemoryError",

@@ -18,8 +18,8 @@ NumPy's own overlap handling. A work budget bounds pathological cases; past it t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from math import gcd
-from typing import Sequence
 
 Layout = tuple[int, Sequence[int], Sequence[int], int]
 

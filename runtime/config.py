@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 ALIASING_MODES = ("copy", "raise")
 
 _state = {"aliasing": "copy"}
-_default_allocators: dict[str, "Allocator"] = {}
+_default_allocators: dict[str, Allocator] = {}
 _lock = threading.Lock()
 
 
@@ -36,8 +36,8 @@ def get_aliasing() -> str:
     return _state["aliasing"]
 
 
-def set_default_allocator(allocator: "str | Allocator", device: "str | Device | None" = None,
-                          **options) -> "Allocator":
+def set_default_allocator(allocator: str | Allocator, device: str | Device | None = None,
+                          **options) -> Allocator:
     """Make `allocator` (a registered name or an Allocator) the default for `device` (default cpu).
 
     Tensors created afterwards on that device without an explicit allocator use it; existing
@@ -59,7 +59,7 @@ def set_default_allocator(allocator: "str | Allocator", device: "str | Device | 
     return allocator
 
 
-def get_default_allocator(device: "str | Device | None" = None) -> "Allocator":
+def get_default_allocator(device: str | Device | None = None) -> Allocator:
     """The default allocator of `device`, created as "direct" on first use."""
     dev = backends.get_device(device if device is not None else "cpu")
     allocator = _default_allocators.get(dev.name)
@@ -69,7 +69,7 @@ def get_default_allocator(device: "str | Device | None" = None) -> "Allocator":
     return allocator
 
 
-def default_allocators() -> dict[str, "Allocator"]:
+def default_allocators() -> dict[str, Allocator]:
     """device name -> default allocator, for every device that has one so far."""
     with _lock:
         return dict(_default_allocators)

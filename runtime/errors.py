@@ -1,4 +1,4 @@
-"""Errors the runtime raises. Each message names the tensor, block or op and the numbers involved."""
+"""Errors the runtime raises; each message names the tensor, block or op and the numbers."""
 
 from __future__ import annotations
 

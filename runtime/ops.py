@@ -15,7 +15,8 @@ partially overlapping operands, on any backend.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -69,7 +70,8 @@ def _broadcast_shapes(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
     return tuple(result)
 
 
-def _prepare_out(op: str, out: Tensor | None, shape: tuple, dtype: np.dtype, like: Tensor) -> Tensor:
+def _prepare_out(op: str, out: Tensor | None, shape: tuple, dtype: np.dtype,
+                 like: Tensor) -> Tensor:
     if out is None:
         return empty(shape, dtype, like.device, like.block.allocator)
     if not isinstance(out, Tensor):
@@ -299,7 +301,7 @@ def _reduce(op: str, x: Tensor, axis: Any, keepdims: bool, out: Tensor | None) -
                    lambda v, o: device.reduce(op, v[0], axes, keepdims, o))
 
 
-def sum(x: Tensor, axis: Any = None, keepdims: bool = False,  # noqa: A001 - mirrors numpy.sum
+def sum(x: Tensor, axis: Any = None, keepdims: bool = False,
         out: Tensor | None = None) -> Tensor:
     """The sum over `axis` (an int, a tuple, or None for all). `out` may not overlap x."""
     return _reduce("sum", x, axis, keepdims, out)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -210,7 +211,7 @@ class Tensor:
     def __del__(self) -> None:
         try:
             self.release()
-        except Exception:  # noqa: BLE001 - never raise from a finaliser (interpreter shutdown)
+        except Exception:
             pass
 
     # ------------------------------------------------------------------ native views (for ops)
@@ -239,11 +240,11 @@ class Tensor:
         return native
 
     # ------------------------------------------------------------------ views
-    def _view(self, shape, strides, offset) -> "Tensor":
+    def _view(self, shape, strides, offset) -> Tensor:
         self._check("view source")
         return Tensor(self.block, shape, self.dtype, strides, offset)
 
-    def __getitem__(self, key: Any) -> "Tensor":
+    def __getitem__(self, key: Any) -> Tensor:
         """Basic indexing: ints, slices (any step, negative too), Ellipsis and None. A view."""
         if not isinstance(key, tuple):
             key = (key,)
@@ -299,11 +300,11 @@ class Tensor:
             target.release()
 
     @property
-    def T(self) -> "Tensor":
+    def T(self) -> Tensor:
         """The transpose: axes reversed. A view."""
         return self._view(self.shape[::-1], self.strides[::-1], self.offset)
 
-    def transpose(self, *axes: int) -> "Tensor":
+    def transpose(self, *axes: int) -> Tensor:
         """Permute the axes (reversed when none are given). A view."""
         if not axes:
             return self.T
@@ -316,7 +317,7 @@ class Tensor:
         return self._view(tuple(self.shape[a] for a in axes),
                           tuple(self.strides[a] for a in axes), self.offset)
 
-    def reshape(self, *shape: Any) -> "Tensor":
+    def reshape(self, *shape: Any) -> Tensor:
         """The same elements in C order under a new shape (one -1 is inferred).
 
         A view when the strides allow it, as in NumPy; otherwise a contiguous copy.
@@ -371,34 +372,34 @@ class Tensor:
         return f"Tensor({body}, {head})"
 
     # ------------------------------------------------------------------ operators
-    def __add__(self, other: Any) -> "Tensor":
+    def __add__(self, other: Any) -> Tensor:
         return _ops.add(self, other)
 
-    def __radd__(self, other: Any) -> "Tensor":
+    def __radd__(self, other: Any) -> Tensor:
         return _ops.add(other, self)
 
-    def __sub__(self, other: Any) -> "Tensor":
+    def __sub__(self, other: Any) -> Tensor:
         return _ops.sub(self, other)
 
-    def __rsub__(self, other: Any) -> "Tensor":
+    def __rsub__(self, other: Any) -> Tensor:
         return _ops.sub(other, self)
 
-    def __mul__(self, other: Any) -> "Tensor":
+    def __mul__(self, other: Any) -> Tensor:
         return _ops.mul(self, other)
 
-    def __rmul__(self, other: Any) -> "Tensor":
+    def __rmul__(self, other: Any) -> Tensor:
         return _ops.mul(other, self)
 
-    def __truediv__(self, other: Any) -> "Tensor":
+    def __truediv__(self, other: Any) -> Tensor:
         return _ops.div(self, other)
 
-    def __rtruediv__(self, other: Any) -> "Tensor":
+    def __rtruediv__(self, other: Any) -> Tensor:
         return _ops.div(other, self)
 
-    def __matmul__(self, other: "Tensor") -> "Tensor":
+    def __matmul__(self, other: Tensor) -> Tensor:
         return _ops.matmul(self, other)
 
-    def __neg__(self) -> "Tensor":
+    def __neg__(self) -> Tensor:
         return _ops.neg(self)
 
 
@@ -424,7 +425,8 @@ def _allocator_for(device: Any, allocator: Allocator | None) -> Allocator:
     if allocator is None:
         return config.get_default_allocator(device)
     if not isinstance(allocator, Allocator):
-        raise TypeError(f"allocator must be an allocators.Allocator, got {type(allocator).__name__}")
+        raise TypeError(f"allocator must be an allocators.Allocator, "
+                        f"got {type(allocator).__name__}")
     if device is not None and backends.get_device(device) is not allocator.device:
         raise ValueError(f"allocator {allocator!r} is on {allocator.device.name}, "
                          f"but device {backends.get_device(device).name} was asked for")
