@@ -26,3 +26,6 @@ lint: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+
+bench: venv
+	$(PY) benchmarks/bench_dispatch.py

@@ -22,7 +22,7 @@ import numpy as np
 
 from runtime import aliasing, config
 from runtime.errors import AliasingError
-from runtime.tensor import Tensor, empty
+from runtime.tensor import Tensor
 
 __all__ = ["add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sigmoid", "relu",
            "matmul", "sum", "mean", "copy"]
@@ -73,7 +73,7 @@ def _broadcast_shapes(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
 def _prepare_out(op: str, out: Tensor | None, shape: tuple, dtype: np.dtype,
                  like: Tensor) -> Tensor:
     if out is None:
-        return empty(shape, dtype, like.device, like.block.allocator)
+        return Tensor._fresh(shape, dtype, like.block.allocator)
     if not isinstance(out, Tensor):
         raise TypeError(f"{op}: out must be a Tensor, got {type(out).__name__}")
     if out.shape != shape:
@@ -117,7 +117,7 @@ def _launch(op: str, policy: str, out: Tensor, inputs: Sequence[tuple[str, Tenso
                 f"{op}: the output {aliasing.describe('out', out.block.id, out.layout())} "
                 f"overlaps {'; '.join(clashes)}. The output of {op} {rule}. Use a separate "
                 f"output, or runtime.set_aliasing('copy') to compute through a temporary")
-        temp = empty(out.shape, out.dtype, out.device, out.block.allocator)
+        temp = Tensor._fresh(out.shape, out.dtype, out.block.allocator)
         try:
             _launch(op, policy, temp, inputs, run, scalars)
             out.device.unary("copy", temp._native_read(op), out._native_write(op))

@@ -39,6 +39,8 @@ def as_dtype(dtype: Any) -> np.dtype:
 
 def as_shape(shape: Any) -> tuple[int, ...]:
     """Normalise an int or a sequence of ints into a shape, refusing negatives and non-ints."""
+    if type(shape) is tuple and all(type(n) is int and n >= 0 for n in shape):
+        return shape  # the common case, checked cheaply
     if isinstance(shape, (numbers.Integral,)) and not isinstance(shape, bool):
         shape = (shape,)
     try:
@@ -123,6 +125,20 @@ class Tensor:
         self._native: tuple | None = None   # NOTE: (allocation, native view) built on it
         self._check_bounds()
         self._gen = block.acquire()
+
+    @classmethod
+    def _fresh(cls, shape: tuple[int, ...], dtype: np.dtype, allocator: Allocator) -> Tensor:
+        """A contiguous tensor over a new lazy block; arguments already validated (op outputs)."""
+        self = cls.__new__(cls)
+        self.block = block = Block(math.prod(shape) * dtype.itemsize, allocator)
+        self.shape = shape
+        self.dtype = dtype
+        self.strides = contiguous_strides(shape)
+        self.offset = 0
+        self._layout = None
+        self._native = None
+        self._gen = block.acquire()
+        return self
 
     def _check_bounds(self) -> None:
         if 0 in self.shape:
