@@ -34,8 +34,10 @@ _registered: dict[str, Callable[..., Allocator]] = {}
 
 def register(name: str, factory: Callable[..., Allocator]) -> None:
     """Make `factory(device, **options)` available as `create(name, ...)` in this process."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"an allocator name is a non-empty string, got {name!r}")
+    if not isinstance(name, str):
+        raise TypeError(f"an allocator name is a string, got {type(name).__name__}")
+    if not name:
+        raise ValueError("an allocator name cannot be empty")
     if not callable(factory):
         raise TypeError(f"the factory for allocator {name!r} must be callable, got {factory!r}")
     _registered[name] = factory

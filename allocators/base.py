@@ -34,7 +34,7 @@ def format_bytes(nbytes: int | float | None) -> str:
         return "unknown"
     value = float(nbytes)
     for unit in _UNITS:
-        if abs(value) < 1024 or unit == _UNITS[-1]:
+        if abs(value) < 1023.995 or unit == _UNITS[-1]:  # so 1048575 reads 1.00 MiB
             return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")

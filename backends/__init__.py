@@ -37,7 +37,7 @@ def parse_spec(spec: str) -> tuple[str, int]:
     kind, _, index = spec.strip().lower().partition(":")
     if kind not in BACKENDS:
         raise ValueError(f"unknown device {spec!r}; known backends: {', '.join(sorted(BACKENDS))}")
-    if not index:
+    if not index and not spec.endswith(":"):
         return kind, 0
     if not index.isdigit():
         raise ValueError(f"device index in {spec!r} must be a non-negative integer")
@@ -74,6 +74,8 @@ def get_device(spec: str | Device = "cpu") -> Device:
         if device is None:
             cls = _load(kind)
             count = cls.device_count()
+            if count == 0:
+                raise BackendUnavailableError(f"backend {kind!r} found no device on this machine")
             if index >= count:
                 raise ValueError(f"device {spec!r} does not exist: backend {kind!r} has "
                                  f"{count} device(s), indices 0..{count - 1}")

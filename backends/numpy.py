@@ -60,7 +60,8 @@ class NumpyDevice(Device):
         except ValueError as exc:  # NumPy's "array is too big" is a failed allocation too
             raise MemoryError(f"cannot allocate {nbytes} bytes: {exc}") from exc
         start = -base.ctypes.data % self.alignment
-        return base[start:start + nbytes]
+        # NOTE: an empty slice keeps its base's pointer; slice one byte first so 0 bytes align too
+        return base[start:start + nbytes] if nbytes else base[start:start + 1][:0]
 
     def _raw_free(self, raw: np.ndarray) -> None:
         pass  # the memory goes back when the last reference to `raw` is dropped

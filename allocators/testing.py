@@ -1,0 +1,318 @@
+"""A conformance kit for allocator authors: one hypothesis state machine for every allocator.
+
+`AllocatorStateMachine` keeps its own model of the live allocations and drives an allocator with
+random allocations (0 bytes, tiny, odd, powers of two and their neighbours, up to 1 MiB), frees,
+double and foreign frees, and `empty_cache()` calls. Each allocation gets a distinctive byte
+pattern, written through its device, that must survive until it is freed. After every step the
+machine checks the allocator's own `check_invariants()`, that no two live allocations overlap, and
+that `stats()` agrees exactly with the model; at the end it frees everything and checks that no
+byte leaked. It uses only the `Allocator`, `Allocation` and `Device` interfaces, so it runs on any
+backend.
+
+Usage, in a test module that pytest collects (hypothesis is a test dependency)::
+
+    import allocators
+    import allocators.testing
+
+    TestMyAllocator = allocators.testing.make_test_case(
+        lambda: allocators.create("my-allocator", "cpu"), max_examples=100)
+
+The factory must build a new allocator on every call: the machine makes two per run, one under
+test and one whose allocations it tries to free through the first. To add rules of your own,
+subclass the machine and override `make_allocator`::
+
+    import backends
+
+    class MyMachine(allocators.testing.AllocatorStateMachine):
+        def make_allocator(self):
+            return MyAllocator(backends.get_device("cpu"), block_size=4096)
+
+    TestMine = allocators.testing.make_test_case(machine=MyMachine)
+"""
+
+from __future__ import annotations
+
+import itertools
+import unittest
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+
+from allocators.base import Allocation, Allocator, InvalidFreeError, OutOfMemoryError, format_bytes
+
+__all__ = ["REQUIRED_STATS", "AllocatorStateMachine", "allocation_sizes", "byte_pattern",
+           "make_test_case"]
+
+#: Keys every allocator's `stats()` has (see DESIGN.md), all non-negative ints.
+REQUIRED_STATS = ("allocated_bytes", "peak_allocated_bytes", "reserved_bytes", "cached_bytes",
+                  "num_allocs", "num_frees", "cache_hits", "cache_misses", "requested_bytes",
+                  "num_ooms")
+
+
+def allocation_sizes(max_nbytes: int = 1 << 20) -> st.SearchStrategy[int]:
+    """Sizes worth asking an allocator for: 0, tiny, odd, powers of two +-1, and up to `max_nbytes`.
+
+    Example:
+        >>> from hypothesis import given
+        >>> @given(allocation_sizes(4096))
+        ... def test_fits(nbytes):
+        ...     assert 0 <= nbytes <= 4096
+    """
+    largest_exponent = max(max_nbytes.bit_length() - 1, 0)
+    near_powers_of_two = st.builds(lambda exponent, delta: 2**exponent + delta,
+                                   st.integers(0, largest_exponent), st.sampled_from((-1, 0, 1)))
+    return st.one_of(
+        st.just(0),
+        st.integers(1, 64),
+        near_powers_of_two.map(lambda nbytes: min(nbytes, max_nbytes)),
+        st.integers(0, max_nbytes // 16).map(lambda k: 2 * k + 1),  # odd, so never aligned
+        st.integers(0, max_nbytes),
+    )
+
+
+def byte_pattern(tag: int, nbytes: int) -> np.ndarray:
+    """`nbytes` pseudo-random bytes determined by `tag`; different tags give unrelated patterns."""
+    return np.random.default_rng(tag).integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+def _expect_invalid_free(allocator: Allocator, allocation: Allocation, what: str) -> None:
+    """Free `allocation` through `allocator`, which must refuse it and leave its stats alone."""
+    before = allocator.stats()
+    try:
+        allocator.free(allocation)
+    except InvalidFreeError:
+        pass
+    else:
+        raise AssertionError(f"{allocator!r} accepted a {what} of {allocation!r}")
+    after = allocator.stats()
+    assert after == before, (
+        f"a refused {what} changed the stats of {allocator!r}: {before} -> {after}")
+
+
+class AllocatorStateMachine(RuleBasedStateMachine):
+    """Drives one allocator against a model of its live allocations (see the module docstring).
+
+    Override `make_allocator` (or use `make_test_case(factory)`), then collect `.TestCase`.
+    The allocator under test is `self.allocator`; `self.foreign` is a second one from the same
+    factory. Allocations that fail with `OutOfMemoryError` are allowed (limits, small arenas), but
+    they must leave the live accounting unchanged and count one `num_ooms`.
+    """
+
+    allocations = Bundle("allocations")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocator = self.make_allocator()
+        self.foreign = self.make_allocator()
+        for made in (self.allocator, self.foreign):
+            if not isinstance(made, Allocator):
+                raise TypeError(f"make_allocator() returned {type(made).__name__}, "
+                                f"not an allocators.Allocator")
+        if self.foreign is self.allocator:
+            raise ValueError("make_allocator() must return a new allocator on every call")
+        # NOTE: the model. id(allocation) -> (allocation, the bytes written into it).
+        self.model: dict[int, tuple[Allocation, np.ndarray]] = {}
+        self.freed: list[Allocation] = []
+        self.expected_allocs = 0
+        self.expected_frees = 0
+        self.expected_ooms = 0
+        self._tags = itertools.count(1)
+
+    def make_allocator(self) -> Allocator:
+        """Build a fresh allocator. `make_test_case(factory)` overrides this to call `factory()`."""
+        raise NotImplementedError(f"{type(self).__name__} must override make_allocator(), or be "
+                                  f"made with allocators.testing.make_test_case(factory)")
+
+    # ------------------------------------------------------------------ rules
+    @rule(target=allocations, nbytes=allocation_sizes())
+    def allocate(self, nbytes: int) -> Any:
+        before = self.allocator.stats()
+        try:
+            allocation = self.allocator.allocate(nbytes)
+        except OutOfMemoryError:
+            self._check_failed_allocation_left_no_trace(before)
+            return multiple()
+        assert isinstance(allocation, Allocation), f"allocate() returned {allocation!r}"
+        assert allocation.nbytes == nbytes, f"asked for {nbytes} bytes, got {allocation!r}"
+        assert allocation.size >= allocation.nbytes, (
+            f"{allocation!r} sets aside {allocation.size} bytes, fewer than its {nbytes}")
+        assert allocation.live and allocation.owner is self.allocator, (
+            f"{allocation!r} is not live or not owned by {self.allocator!r}")
+        pattern = byte_pattern(next(self._tags), nbytes)
+        allocation.device.copyin(allocation.raw, allocation.offset, pattern)
+        self.model[id(allocation)] = (allocation, pattern)
+        self.expected_allocs += 1
+        return allocation
+
+    @rule(allocation=consumes(allocations))
+    def free(self, allocation: Allocation) -> None:
+        self._check_contents(allocation)
+        self.allocator.free(allocation)
+        del self.model[id(allocation)]
+        self.freed.append(allocation)
+        self.expected_frees += 1
+        assert not allocation.live, f"{allocation!r} still says it is live after free()"
+
+    @rule(allocation=allocations)
+    def contents_survive(self, allocation: Allocation) -> None:
+        self._check_contents(allocation)
+
+    @rule()
+    def empty_cache(self) -> None:
+        before = self.allocator.stats()
+        self.allocator.empty_cache()
+        after = self.allocator.stats()
+        for key in ("allocated_bytes", "requested_bytes", "num_allocs", "num_frees"):
+            assert after[key] == before[key], f"empty_cache() changed {key}: {before} -> {after}"
+        assert after["reserved_bytes"] <= before["reserved_bytes"], (
+            f"empty_cache() reserved more memory: {before} -> {after}")
+
+    @precondition(lambda self: self.freed)
+    @rule(data=st.data())
+    def double_free_is_refused(self, data: st.DataObject) -> None:
+        allocation = data.draw(st.sampled_from(self.freed), label="already freed")
+        _expect_invalid_free(self.allocator, allocation, "double free")
+
+    @rule(nbytes=allocation_sizes())
+    def foreign_free_is_refused(self, nbytes: int) -> None:
+        try:
+            stranger = self.foreign.allocate(nbytes)
+        except OutOfMemoryError:
+            return
+        try:
+            _expect_invalid_free(self.allocator, stranger, "free of another allocator's allocation")
+        finally:
+            self.foreign.free(stranger)
+
+    @rule(allocation=allocations)
+    def free_through_another_allocator_is_refused(self, allocation: Allocation) -> None:
+        _expect_invalid_free(self.foreign, allocation, "free of another allocator's allocation")
+        assert allocation.live, f"{allocation!r} died when another allocator refused to free it"
+
+    # ------------------------------------------------------------------ checks after every step
+    @invariant()
+    def allocator_is_consistent(self) -> None:
+        for allocator in (self.allocator, self.foreign):
+            own_check = getattr(allocator, "check_invariants", None)
+            if callable(own_check):
+                own_check()
+        self._check_no_overlap()
+        self._check_stats()
+
+    def _check_no_overlap(self) -> None:
+        live = [allocation for allocation, _ in self.model.values() if allocation.nbytes]
+        spans = sorted((allocation.ptr, allocation.ptr + allocation.nbytes, index)
+                       for index, allocation in enumerate(live))
+        # NOTE: sorted by start, any overlap shows up between neighbours.
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            assert end <= start, f"live allocations {live[first]!r} and {live[second]!r} overlap"
+
+    def _check_stats(self) -> None:
+        stats = self.allocator.stats()
+        missing = [key for key in REQUIRED_STATS if key not in stats]
+        assert not missing, f"stats() lacks {missing}: {stats}"
+        for key, value in stats.items():
+            assert isinstance(value, int) and not isinstance(value, bool) and value >= 0, (
+                f"stats()[{key!r}] = {value!r} is not a non-negative int")
+        requested = sum(allocation.nbytes for allocation, _ in self.model.values())
+        expected = {"requested_bytes": requested, "num_allocs": self.expected_allocs,
+                    "num_frees": self.expected_frees, "num_ooms": self.expected_ooms,
+                    "cached_bytes": stats["reserved_bytes"] - stats["allocated_bytes"],
+                    "cache_hits": stats["num_allocs"] - stats["cache_misses"]}
+        wrong = {key: (stats[key], value) for key, value in expected.items() if stats[key] != value}
+        assert not wrong, f"stats disagree with the model, key: (stats, model): {wrong}"
+        assert stats["num_allocs"] - stats["num_frees"] == len(self.model)
+        assert stats["allocated_bytes"] >= requested, (
+            f"allocated_bytes {stats['allocated_bytes']} < {requested} bytes requested and live")
+        assert stats["reserved_bytes"] >= stats["allocated_bytes"], f"reserved < allocated: {stats}"
+        assert stats["peak_allocated_bytes"] >= stats["allocated_bytes"], f"peak < now: {stats}"
+
+    def _check_contents(self, allocation: Allocation) -> None:
+        _, pattern = self.model[id(allocation)]
+        found = allocation.device.copyout(allocation.raw, allocation.offset, allocation.nbytes)
+        changed = np.flatnonzero(np.asarray(found, dtype=np.uint8) != pattern)
+        if changed.size:
+            raise AssertionError(f"{changed.size} bytes of {allocation!r} changed since they were "
+                                 f"written, the first at byte {int(changed[0])}")
+
+    def _check_failed_allocation_left_no_trace(self, before: dict[str, int]) -> None:
+        self.expected_ooms += 1
+        after = self.allocator.stats()
+        for key in ("allocated_bytes", "requested_bytes", "num_allocs", "num_frees"):
+            assert after[key] == before[key], (
+                f"a failed allocation changed {key}: {before} -> {after}")
+        assert after["num_ooms"] == before["num_ooms"] + 1, (
+            f"a failed allocation did not count one num_ooms: {before} -> {after}")
+        # NOTE: reserved bytes may shrink (an allocator may empty its cache and retry), never grow.
+        assert after["reserved_bytes"] <= before["reserved_bytes"], (
+            f"a failed allocation kept memory reserved: {before} -> {after}")
+
+    # ------------------------------------------------------------------ the end of every run
+    def teardown(self) -> None:
+        for allocation, _ in list(self.model.values()):
+            self._check_contents(allocation)
+            self.allocator.free(allocation)
+        self.model.clear()
+        for allocator in (self.allocator, self.foreign):
+            allocator.empty_cache()
+            stats = allocator.stats()
+            leaks = {key: format_bytes(stats[key])
+                     for key in ("allocated_bytes", "requested_bytes", "reserved_bytes")
+                     if stats[key] != 0}
+            assert not leaks, (f"{allocator!r} leaks after every allocation was freed and the "
+                               f"cache emptied: {leaks}")
+
+    @classmethod
+    def for_factory(cls, factory: Callable[[], Allocator],
+                    name: str | None = None) -> type[AllocatorStateMachine]:
+        """A subclass whose `make_allocator()` returns `factory()`."""
+        if not callable(factory):
+            raise TypeError(f"an allocator factory must be callable, got {factory!r}")
+
+        def make_allocator(self: AllocatorStateMachine) -> Allocator:
+            return factory()
+
+        return type(name or cls.__name__, (cls,), {"make_allocator": make_allocator})
+
+
+def make_test_case(factory: Callable[[], Allocator] | None = None, *,
+                   machine: type[AllocatorStateMachine] = AllocatorStateMachine,
+                   max_examples: int = 50, stateful_step_count: int = 30,
+                   deadline: Any = None, **settings_options: Any) -> type[unittest.TestCase]:
+    """A `unittest.TestCase` class running `machine` (bound to `factory` when given).
+
+    Args:
+        factory: called with no arguments, returns a new Allocator each time.
+        machine: an AllocatorStateMachine subclass; with no factory it must override
+            `make_allocator`.
+        max_examples, stateful_step_count, deadline: hypothesis settings, here with defaults
+            fit for a test suite; any other keyword is passed to `hypothesis.settings` too.
+
+    Returns:
+        A TestCase class; assign it to a module-level name starting with `Test` for pytest.
+
+    Example:
+        >>> import allocators, allocators.testing
+        >>> TestDirect = allocators.testing.make_test_case(
+        ...     lambda: allocators.create("direct", "cpu"), max_examples=10)
+    """
+    if factory is not None:
+        machine = machine.for_factory(factory)
+    options = {"suppress_health_check": [HealthCheck.too_slow], **settings_options}
+    test_case = machine.TestCase
+    test_case.settings = settings(max_examples=max_examples,
+                                  stateful_step_count=stateful_step_count, deadline=deadline,
+                                  **options)
+    return test_case

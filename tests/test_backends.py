@@ -1,0 +1,435 @@
+"""Device specs, the lazy backend table, raw memory, copies, views and kernels.
+
+Tests that take the `device` fixture run on every backend available here; the rest are about the
+registry or the NumPy device in particular.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import backends
+from backends import BackendUnavailableError, Device
+from backends.base import BINARY_KERNELS, REDUCE_KERNELS, UNARY_KERNELS
+from backends.numpy import NumpyDevice
+
+
+@pytest.fixture(scope="module", params=backends.available())
+def device(request) -> Device:
+    return backends.get_device(request.param)
+
+
+def to_device(device: Device, host: np.ndarray):
+    """A C-order native view on `device` holding a copy of `host`."""
+    host = np.ascontiguousarray(host)
+    raw = device.raw_alloc(host.nbytes)
+    device.copyin(raw, 0, host)
+    return device.array_view(raw, 0, host.shape, host.dtype, host.strides)
+
+
+def empty_on(device: Device, shape: tuple[int, ...], dtype=np.float32):
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    strides = np.empty(shape, dtype).strides
+    return device.array_view(device.raw_alloc(nbytes), 0, shape, dtype, strides)
+
+
+# ---------------------------------------------------------------------- specs and the table
+def test_cpu_is_available():
+    kinds = backends.available()
+    assert isinstance(kinds, list)
+    assert "cpu" in kinds
+
+
+def test_the_same_spec_gives_the_same_device():
+    first = backends.get_device("cpu")
+    assert backends.get_device("cpu") is first
+    assert backends.get_device() is first
+    assert isinstance(first, NumpyDevice)
+    assert first.name == "cpu"
+
+
+@pytest.mark.parametrize("spec", ["CPU", "cpu:0", " cpu ", "Cpu:0"])
+def test_spellings_of_cpu_give_the_same_device(spec):
+    assert backends.get_device(spec) is backends.get_device("cpu")
+
+
+def test_parse_spec_splits_kind_and_index():
+    assert backends.parse_spec("cpu") == ("cpu", 0)
+    assert backends.parse_spec("CPU:0") == ("cpu", 0)
+
+
+def test_a_missing_device_index_says_how_many_exist():
+    with pytest.raises(ValueError, match=r"'cpu:1'.*1 device"):
+        backends.get_device("cpu:1")
+
+
+@pytest.mark.parametrize("spec", ["cpu:x", "cpu:-1", "cpu:1.0"])
+def test_a_malformed_index_is_a_value_error(spec):
+    with pytest.raises(ValueError, match="index"):
+        backends.get_device(spec)
+
+
+def test_an_unknown_backend_lists_the_known_ones():
+    with pytest.raises(ValueError, match="tpu") as caught:
+        backends.get_device("tpu")
+    for kind in backends.BACKENDS:
+        assert kind in str(caught.value)
+
+
+@pytest.mark.parametrize("spec", [0, None, b"cpu", ["cpu"]])
+def test_a_spec_that_is_not_a_string_is_a_type_error(spec):
+    with pytest.raises(TypeError, match="string"):
+        backends.get_device(spec)
+
+
+def test_a_device_passes_through():
+    cpu = backends.get_device("cpu")
+    assert backends.get_device(cpu) is cpu
+    homemade = NumpyDevice(0)
+    assert backends.get_device(homemade) is homemade
+
+
+class NoDevices(Device):
+    """A backend whose package imports but finds no hardware."""
+
+    @classmethod
+    def device_count(cls) -> int:
+        return 0
+
+
+class BrokenDriver(Device):
+    """A backend whose driver fails when asked for its devices."""
+
+    @classmethod
+    def device_count(cls) -> int:
+        raise RuntimeError("driver exploded")
+
+
+def test_a_backend_whose_module_is_missing_is_unavailable(monkeypatch):
+    monkeypatch.setitem(backends.BACKENDS, "phantom", "no_such_blockrt_backend:PhantomDevice")
+    with pytest.raises(BackendUnavailableError, match="no_such_blockrt_backend") as caught:
+        backends.get_device("phantom")
+    assert isinstance(caught.value.__cause__, ImportError)
+    kinds = backends.available()
+    assert "phantom" not in kinds
+    assert "cpu" in kinds
+
+
+def test_a_backend_without_hardware_is_unavailable(monkeypatch):
+    monkeypatch.setitem(backends.BACKENDS, "empty", f"{__name__}:NoDevices")
+    assert "empty" not in backends.available()
+    # The get_device docstring: BackendUnavailableError when "package or hardware is missing".
+    with pytest.raises(BackendUnavailableError, match="empty"):
+        backends.get_device("empty")
+
+
+def test_a_backend_whose_driver_fails_is_left_out(monkeypatch):
+    monkeypatch.setitem(backends.BACKENDS, "broken", f"{__name__}:BrokenDriver")
+    kinds = backends.available()
+    assert "broken" not in kinds
+    assert "cpu" in kinds
+
+
+def test_backends_are_imported_only_when_asked_for(monkeypatch):
+    monkeypatch.setitem(backends.BACKENDS, "phantom", "no_such_blockrt_backend:PhantomDevice")
+    assert backends.get_device("cpu").name == "cpu"
+    assert backends.parse_spec("phantom:2") == ("phantom", 2)
+
+
+# ---------------------------------------------------------------------- raw memory
+@given(nbytes=st.integers(1, 1 << 20))
+def test_raw_memory_is_aligned_and_sized(device, nbytes):
+    raw = device.raw_alloc(nbytes)
+    assert device.address(raw) % device.alignment == 0
+    assert device.nbytes_of(raw) == nbytes
+    device.raw_free(raw)
+
+
+def test_zero_byte_raw_memory_is_aligned_too(device):
+    raws = [device.raw_alloc(0) for _ in range(16)]
+    # NOTE: malloc aligns to 16, so 16 zero-byte blocks all aligned by luck are unlikely.
+    misaligned = [device.address(raw) % device.alignment for raw in raws
+                  if device.address(raw) % device.alignment]
+    assert misaligned == []
+    assert [device.nbytes_of(raw) for raw in raws] == [0] * 16
+
+
+def test_cpu_alignment_is_a_cache_line():
+    assert backends.get_device("cpu").alignment == 64
+
+
+def test_live_raw_blocks_do_not_overlap(device):
+    raws = [device.raw_alloc(nbytes) for nbytes in (1, 63, 64, 65, 4096)]
+    spans = sorted((device.address(raw), device.address(raw) + device.nbytes_of(raw))
+                   for raw in raws)
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert end <= start
+
+
+@pytest.mark.parametrize("nbytes", [-1, -4096])
+def test_negative_raw_sizes_are_value_errors(device, nbytes):
+    with pytest.raises(ValueError, match=str(nbytes)):
+        device.raw_alloc(nbytes)
+
+
+@pytest.mark.parametrize("nbytes", [1.0, 8.5, True, "8", None])
+def test_non_integer_raw_sizes_are_type_errors(device, nbytes):
+    with pytest.raises(TypeError, match="integer"):
+        device.raw_alloc(nbytes)
+
+
+def test_an_impossible_raw_size_is_a_memory_error(device):
+    with pytest.raises(MemoryError):
+        device.raw_alloc(2**64)
+
+
+def test_total_memory_is_positive_or_unknown(device):
+    total = device.total_memory
+    assert total is None or (isinstance(total, int) and total > 0)
+
+
+# ---------------------------------------------------------------------- copies
+@st.composite
+def placements(draw):
+    """(raw size, offset, payload) with the payload fitting at the offset."""
+    size = draw(st.integers(0, 4096))
+    offset = draw(st.integers(0, size))
+    payload = draw(st.binary(max_size=size - offset))
+    return size, offset, np.frombuffer(payload, dtype=np.uint8)
+
+
+@given(placement=placements())
+def test_copyin_then_copyout_round_trips_and_touches_nothing_else(device, placement):
+    size, offset, payload = placement
+    raw = device.raw_alloc(size)
+    background = np.full(size, 0xA5, np.uint8)
+    device.copyin(raw, 0, background)
+    device.copyin(raw, offset, payload)
+    back = device.copyout(raw, offset, payload.size)
+    assert back.dtype == np.uint8
+    np.testing.assert_array_equal(back, payload)
+    expected = background.copy()
+    expected[offset:offset + payload.size] = payload
+    np.testing.assert_array_equal(device.copyout(raw, 0, size), expected)
+
+
+def test_copyout_is_a_copy(device):
+    raw = device.raw_alloc(8)
+    device.copyin(raw, 0, np.arange(8, dtype=np.uint8))
+    host = device.copyout(raw, 0, 8)
+    host[:] = 0
+    np.testing.assert_array_equal(device.copyout(raw, 0, 8), np.arange(8))
+
+
+def test_copyin_takes_any_dtype_and_layout(device):
+    values = np.arange(12, dtype=np.float32).reshape(3, 4)
+    raw = device.raw_alloc(values.nbytes)
+    device.copyin(raw, 0, values.T)  # not C-contiguous: copied in C order of the transpose
+    back = device.copyout(raw, 0, values.nbytes).view(np.float32).reshape(4, 3)
+    np.testing.assert_array_equal(back, values.T)
+
+
+@pytest.mark.parametrize(("offset", "nbytes", "span"), [
+    (10, 20, "[10, 30)"), (16, 1, "[16, 17)"), (-1, 4, "[-1, 3)"), (0, 17, "[0, 17)"),
+])
+def test_out_of_range_copies_are_value_errors_with_the_numbers(device, offset, nbytes, span):
+    raw = device.raw_alloc(16)
+    for copy in (lambda: device.copyin(raw, offset, np.zeros(nbytes, np.uint8)),
+                 lambda: device.copyout(raw, offset, nbytes)):
+        with pytest.raises(ValueError) as caught:
+            copy()
+        assert span in str(caught.value)
+        assert "16 bytes" in str(caught.value)
+
+
+def test_negative_copyout_length_is_a_value_error(device):
+    with pytest.raises(ValueError, match="16 bytes"):
+        device.copyout(device.raw_alloc(16), 4, -2)
+
+
+# ---------------------------------------------------------------------- views
+def test_array_view_at_an_offset_with_strides_shares_memory_with_raw():
+    cpu = backends.get_device("cpu")
+    raw = cpu.raw_alloc(64)
+    cpu.copyin(raw, 0, np.zeros(64, np.uint8))
+    # 2 x 3 float32 at byte 8, rows 16 bytes apart: elements at bytes 8,12,16 and 24,28,32.
+    view = cpu.array_view(raw, 8, (2, 3), np.float32, (16, 4))
+    assert isinstance(view, np.ndarray)
+    assert np.shares_memory(view, raw)
+    view[...] = np.arange(1, 7, dtype=np.float32).reshape(2, 3)
+    found = cpu.copyout(raw, 0, 64).view(np.float32)
+    expected = np.zeros(16, np.float32)
+    expected[[2, 3, 4, 6, 7, 8]] = np.arange(1, 7)
+    np.testing.assert_array_equal(found, expected)
+    cpu.copyin(raw, 24, np.array([-1.0], np.float32))
+    assert view[1, 0] == -1.0
+
+
+@given(st.integers(0, 15), st.integers(1, 4), st.integers(1, 4))
+def test_array_view_reads_what_copyin_wrote(device, start, rows, cols):
+    raw = device.raw_alloc(4 * (start + rows * cols))
+    values = np.arange(start + rows * cols, dtype=np.float32)
+    device.copyin(raw, 0, values)
+    view = device.array_view(raw, 4 * start, (rows, cols), "float32", (4 * cols, 4))
+    np.testing.assert_array_equal(device.to_host(view),
+                                  values[start:].reshape(rows, cols))
+
+
+def test_to_host_of_a_strided_view_is_a_separate_copy(device):
+    source = np.arange(12, dtype=np.float32).reshape(3, 4)
+    raw = device.raw_alloc(source.nbytes)
+    device.copyin(raw, 0, source)
+    transposed = device.array_view(raw, 0, (4, 3), np.float32, (4, 16))
+    host = device.to_host(transposed)
+    np.testing.assert_array_equal(host, source.T)
+    host[0, 0] = 99
+    np.testing.assert_array_equal(device.to_host(transposed), source.T)
+
+
+# ---------------------------------------------------------------------- hooks a backend must supply
+class BareDevice(Device):
+    """A backend that implements nothing."""
+
+
+class SizedDevice(Device):
+    """Knows how big raw memory is, and nothing else."""
+
+    def _nbytes_of(self, raw) -> int:
+        return 64
+
+
+HOST = np.zeros((2, 2), np.float32)
+
+
+@pytest.mark.parametrize(("device_class", "call", "hook"), [
+    (BareDevice, lambda d: d.raw_alloc(8), "_raw_alloc"),
+    (BareDevice, lambda d: d.raw_free(object()), "_raw_free"),
+    (BareDevice, lambda d: d.address(object()), "_address"),
+    (BareDevice, lambda d: d.nbytes_of(object()), "_nbytes_of"),
+    (BareDevice, lambda d: d.copyout(object(), 0, 4), "_nbytes_of"),
+    (SizedDevice, lambda d: d.copyin(object(), 0, HOST), "_copyin"),
+    (SizedDevice, lambda d: d.copyout(object(), 0, 4), "_copyout"),
+    (BareDevice, lambda d: d.array_view(object(), 0, (2,), np.float32, (4,)), "_array_view"),
+    (BareDevice, lambda d: d.unary("neg", HOST, HOST), "_unary"),
+    (BareDevice, lambda d: d.binary("add", HOST, HOST, HOST), "_binary"),
+    (BareDevice, lambda d: d.matmul(HOST, HOST, HOST), "_matmul"),
+    (BareDevice, lambda d: d.reduce("sum", HOST, None, False, HOST), "_reduce"),
+    (BareDevice, lambda d: d.to_host(HOST), "_to_host"),
+])
+def test_a_missing_hook_is_named(device_class, call, hook):
+    with pytest.raises(NotImplementedError, match=f"{device_class.__name__}.*{hook}"):
+        call(device_class())
+
+
+def test_a_bare_device_still_synchronizes():
+    BareDevice().synchronize()
+
+
+# ---------------------------------------------------------------------- kernels
+@pytest.mark.parametrize(("call", "kind"), [
+    (lambda d, x: d.unary("square", x, x), "unary"),
+    (lambda d, x: d.unary("add", x, x), "unary"),
+    (lambda d, x: d.binary("pow", x, x, x), "binary"),
+    (lambda d, x: d.binary("neg", x, x, x), "binary"),
+    (lambda d, x: d.reduce("max", x, None, True, x), "reduction"),
+])
+def test_an_unknown_kernel_is_a_value_error_listing_the_known_ones(device, call, kind):
+    x = to_device(device, np.ones((2, 2), np.float32))
+    with pytest.raises(ValueError, match=f"unknown {kind}") as caught:
+        call(device, x)
+    known = {"unary": UNARY_KERNELS, "binary": BINARY_KERNELS, "reduction": REDUCE_KERNELS}[kind]
+    for name in known:
+        assert name in str(caught.value)
+
+
+UNARY_REFERENCE = {
+    "neg": np.negative,
+    "exp": np.exp,
+    "log": np.log,
+    "tanh": np.tanh,
+    "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
+    "relu": lambda x: np.where(x > 0, x, 0),
+    "copy": lambda x: x,
+}
+BINARY_REFERENCE = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+REDUCE_REFERENCE = {"sum": np.sum, "mean": np.mean}
+
+
+def sample(shape: tuple[int, ...], positive: bool = False) -> np.ndarray:
+    values = np.random.default_rng(7).uniform(-3, 3, size=shape)
+    return (np.abs(values) + 0.1 if positive else values).astype(np.float32)
+
+
+def test_every_kernel_has_a_reference():
+    assert set(UNARY_REFERENCE) == set(UNARY_KERNELS)
+    assert set(BINARY_REFERENCE) == set(BINARY_KERNELS)
+    assert set(REDUCE_REFERENCE) == set(REDUCE_KERNELS)
+
+
+@pytest.mark.parametrize("name", UNARY_KERNELS)
+@pytest.mark.parametrize("in_place", [False, True], ids=["out", "in-place"])
+def test_unary_kernels_match_numpy(device, name, in_place):
+    host = sample((3, 5), positive=name == "log")
+    x = to_device(device, host)
+    out = x if in_place else empty_on(device, host.shape)
+    device.unary(name, x, out)
+    device.synchronize()
+    np.testing.assert_allclose(device.to_host(out), UNARY_REFERENCE[name](host.astype(np.float64)),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_sigmoid_saturates_without_overflow(device):
+    host = np.array([-1e4, -100, 0, 100, 1e4], np.float32)
+    out = empty_on(device, host.shape)
+    with np.errstate(all="raise"):
+        device.unary("sigmoid", to_device(device, host), out)
+    np.testing.assert_allclose(device.to_host(out), [0, 0, 0.5, 1, 1], atol=1e-7)
+
+
+@pytest.mark.parametrize("name", BINARY_KERNELS)
+def test_binary_kernels_match_numpy(device, name):
+    a_host = sample((3, 4))
+    b_host = sample((3, 4), positive=True) + 0.5  # away from 0 for div
+    out = empty_on(device, (3, 4))
+    device.binary(name, to_device(device, a_host), to_device(device, b_host), out)
+    expected = BINARY_REFERENCE[name](a_host.astype(np.float64), b_host)
+    np.testing.assert_allclose(device.to_host(out), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", BINARY_KERNELS)
+def test_binary_kernels_broadcast_through_zero_strides(device, name):
+    a_host = sample((3, 4))
+    row = sample((4,), positive=True)
+    raw = device.raw_alloc(row.nbytes)
+    device.copyin(raw, 0, row)
+    b = device.array_view(raw, 0, (3, 4), np.float32, (0, 4))  # one row, seen three times
+    out = empty_on(device, (3, 4))
+    device.binary(name, to_device(device, a_host), b, out)
+    expected = BINARY_REFERENCE[name](a_host.astype(np.float64), row[np.newaxis, :])
+    np.testing.assert_allclose(device.to_host(out), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("a_shape", "b_shape"), [
+    ((3, 4), (4, 2)), ((1, 1), (1, 1)), ((2, 3, 4), (2, 4, 5)),
+])
+def test_matmul_matches_numpy(device, a_shape, b_shape):
+    a_host, b_host = sample(a_shape), sample(b_shape)
+    expected = np.matmul(a_host.astype(np.float64), b_host)
+    out = empty_on(device, expected.shape)
+    device.matmul(to_device(device, a_host), to_device(device, b_host), out)
+    np.testing.assert_allclose(device.to_host(out), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", REDUCE_KERNELS)
+@pytest.mark.parametrize("axis", [None, (0,), (1,), (0, 2)])
+@pytest.mark.parametrize("keepdims", [False, True])
+def test_reductions_match_numpy(device, name, axis, keepdims):
+    host = sample((2, 3, 4))
+    expected = REDUCE_REFERENCE[name](host.astype(np.float64), axis=axis, keepdims=keepdims)
+    out = empty_on(device, np.shape(expected))
+    device.reduce(name, to_device(device, host), axis, keepdims, out)
+    np.testing.assert_allclose(device.to_host(out), expected, rtol=1e-5, atol=1e-6)
