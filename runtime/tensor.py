@@ -264,13 +264,14 @@ class Tensor:
         """Basic indexing: ints, slices (any step, negative too), Ellipsis and None. A view."""
         if not isinstance(key, tuple):
             key = (key,)
-        if sum(k is Ellipsis for k in key) > 1:
+        ellipses = sum(1 for k in key if k is Ellipsis)  # NOTE: `in` would compare arrays
+        if ellipses > 1:
             raise IndexError("an index can only have a single ellipsis ('...')")
         consumed = sum(1 for k in key if k is not None and k is not Ellipsis)
         if consumed > self.ndim:
             raise IndexError(f"too many indices: tensor is {self.ndim}-dimensional, "
                              f"but {consumed} were indexed")
-        if Ellipsis not in key:
+        if not ellipses:
             key = key + (Ellipsis,)
         shape: list[int] = []
         strides: list[int] = []
@@ -300,6 +301,8 @@ class Tensor:
             else:
                 raise TypeError(f"unsupported index {k!r}: tensors take ints, slices, None and "
                                 f"'...'; copy out with .numpy() for advanced indexing")
+        if 0 in shape:
+            offset = self.offset  # NOTE: an empty view may not point past its block
         return self._view(tuple(shape), tuple(strides), offset)
 
     def __setitem__(self, key: Any, value: Any) -> None:
