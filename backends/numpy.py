@@ -22,8 +22,15 @@ def _sigmoid(x: np.ndarray, out: np.ndarray) -> None:
     np.add(out, 0.5, out=out)
 
 
+def _neg(x: np.ndarray, out: np.ndarray) -> None:
+    # NOTE: NumPy 2.4.6's SIMD np.negative, in place on a 16-byte float32 (64-byte float64) stride,
+    # writes wrong values on AVX-512 machines (a[::4] negated in place gets a[1] in a[4]).
+    # Multiplying by -1 gives the same bits (-0.0 included) and is right at every stride.
+    np.multiply(x, -1, out=out)
+
+
 _UNARY = {
-    "neg": np.negative,
+    "neg": _neg,
     "exp": np.exp,
     "log": np.log,
     "tanh": np.tanh,

@@ -144,6 +144,17 @@ def overlaps(a: Layout, b: Layout) -> bool:
     return _solve(terms, rhs)
 
 
+def same_elements(a: Layout, b: Layout) -> bool:
+    """True when both layouts put every index on the same bytes (strides of size-1 dims aside)."""
+    if a == b:
+        return True
+    offset_a, shape_a, strides_a, item_a = a
+    offset_b, shape_b, strides_b, item_b = b
+    if (offset_a, shape_a, item_a) != (offset_b, shape_b, item_b):
+        return False
+    return all(n == 1 or sa == sb for n, sa, sb in zip(shape_a, strides_a, strides_b))
+
+
 def has_internal_overlap(layout: Layout) -> bool:
     """True when two different indices of the layout may share a byte (e.g. a zero stride).
 

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 ALIASING_MODES = ("copy", "raise")
 
 _state = {"aliasing": "copy"}
-_default_allocators: dict[str, Allocator] = {}
+_default_allocators: dict[Device, Allocator] = {}  # NOTE: keyed by the Device object itself
 _lock = threading.Lock()
 
 
@@ -55,21 +55,23 @@ def set_default_allocator(allocator: str | Allocator, device: str | Device | Non
         raise ValueError(f"allocator {allocator!r} lives on {allocator.device.name}, "
                          f"not on {dev.name}")
     with _lock:
-        _default_allocators[dev.name] = allocator
+        _default_allocators[dev] = allocator
     return allocator
 
 
 def get_default_allocator(device: str | Device | None = None) -> Allocator:
     """The default allocator of `device`, created as "direct" on first use."""
     dev = backends.get_device(device if device is not None else "cpu")
-    allocator = _default_allocators.get(dev.name)
+    allocator = _default_allocators.get(dev)
     if allocator is None:
         with _lock:
-            allocator = _default_allocators.setdefault(dev.name, allocators.create("direct", dev))
+            allocator = _default_allocators.get(dev)
+            if allocator is None:
+                allocator = _default_allocators[dev] = allocators.create("direct", dev)
     return allocator
 
 
-def default_allocators() -> dict[str, Allocator]:
-    """device name -> default allocator, for every device that has one so far."""
+def default_allocators() -> dict[Device, Allocator]:
+    """Device -> default allocator, for every device that has one so far."""
     with _lock:
         return dict(_default_allocators)

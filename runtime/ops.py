@@ -97,7 +97,7 @@ def _clashes(policy: str, out: Tensor, inputs: Sequence[tuple[str, Tensor, tuple
             continue
         out_layout = out_layout or out.layout()
         layout = t.layout(shape)
-        if policy == ELEMENTWISE and layout == out_layout:
+        if policy == ELEMENTWISE and aliasing.same_elements(layout, out_layout):
             continue
         if aliasing.overlaps(layout, out_layout):
             found.append(aliasing.describe(f"input {label}", t.block.id, layout))
