@@ -131,10 +131,12 @@ class Allocator:
             self._live[allocation.serial] = allocation
             c["num_allocs"] += 1
             c["cache_misses" if c["num_device_allocs"] > device_allocs else "cache_hits"] += 1
-            c["allocated_bytes"] += allocation.size
-            c["requested_bytes"] += nbytes
-            c["peak_allocated_bytes"] = max(c["peak_allocated_bytes"], c["allocated_bytes"])
-            c["peak_requested_bytes"] = max(c["peak_requested_bytes"], c["requested_bytes"])
+            allocated = c["allocated_bytes"] = c["allocated_bytes"] + allocation.size
+            requested = c["requested_bytes"] = c["requested_bytes"] + nbytes
+            if allocated > c["peak_allocated_bytes"]:
+                c["peak_allocated_bytes"] = allocated
+            if requested > c["peak_requested_bytes"]:
+                c["peak_requested_bytes"] = requested
         return allocation
 
     def free(self, allocation: Allocation) -> None:
@@ -186,11 +188,12 @@ class Allocator:
     # ------------------------------------------------------------------ mechanism for subclasses
     def _device_alloc(self, nbytes: int) -> Any:
         """Raw memory from the device, counted in reserved bytes. Call with the lock held."""
-        raw = self.device.raw_alloc(nbytes)
+        raw = self.device._raw_alloc(nbytes)  # NOTE: allocate() already validated nbytes
         c = self._counters
         c["num_device_allocs"] += 1
-        c["reserved_bytes"] += nbytes
-        c["peak_reserved_bytes"] = max(c["peak_reserved_bytes"], c["reserved_bytes"])
+        reserved = c["reserved_bytes"] = c["reserved_bytes"] + nbytes
+        if reserved > c["peak_reserved_bytes"]:
+            c["peak_reserved_bytes"] = reserved
         return raw
 
     def _device_free(self, raw: Any, nbytes: int) -> None:

@@ -32,6 +32,8 @@ def check_nbytes(nbytes: Any, what: str = "size") -> int:
 
     Booleans and floats are refused even when integral: a size is a count of bytes.
     """
+    if type(nbytes) is int and nbytes >= 0:
+        return nbytes  # the hot path: a plain non-negative int
     if isinstance(nbytes, (bool, np.bool_)) or not isinstance(nbytes, (int, np.integer)):
         raise TypeError(f"{what} must be an integer number of bytes, got {nbytes!r} "
                         f"of type {type(nbytes).__name__}")

@@ -82,7 +82,7 @@ def _prepare_out(op: str, out: Tensor | None, shape: tuple, dtype: np.dtype,
         raise TypeError(f"{op}: out has dtype {out.dtype}, the result has dtype {dtype}")
     if out.device is not like.device:
         raise ValueError(f"{op}: out is on {out.device.name}, the inputs on {like.device.name}")
-    if aliasing.has_internal_overlap(out.layout()):
+    if out.has_internal_overlap():
         raise ValueError(f"{op}: out has internally overlapping memory (strides {out.strides}); "
                          f"writing to it is ill-defined")
     return out
@@ -91,12 +91,15 @@ def _prepare_out(op: str, out: Tensor | None, shape: tuple, dtype: np.dtype,
 def _clashes(policy: str, out: Tensor, inputs: Sequence[tuple[str, Tensor, tuple]]) -> list[str]:
     """Descriptions of the inputs whose memory `out` may not share under `policy`."""
     found = []
-    out_layout = None
+    out_span = None
     for label, t, shape in inputs:
         if t.block is not out.block:
             continue
-        out_layout = out_layout or out.layout()
-        layout = t.layout(shape)
+        out_span = out_span or out.byte_span()
+        span = t.byte_span()  # NOTE: broadcasting adds only zero strides: the span is the same
+        if out_span is None or span is None or span[1] <= out_span[0] or out_span[1] <= span[0]:
+            continue
+        layout, out_layout = t.layout(shape), out.layout()
         if policy == ELEMENTWISE and aliasing.same_elements(layout, out_layout):
             continue
         if aliasing.overlaps(layout, out_layout):

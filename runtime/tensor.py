@@ -16,7 +16,7 @@ import numpy as np
 
 import backends
 from allocators import Allocator
-from runtime import config
+from runtime import aliasing, config
 from runtime.block import Block
 from runtime.errors import UseAfterFreeError
 
@@ -24,6 +24,7 @@ from runtime.errors import UseAfterFreeError
 DTYPES = tuple(np.dtype(t) for t in ("float32", "float64", "int32", "int64", "uint8", "bool"))
 
 _RELEASED = -1
+_UNSET = object()
 
 
 def as_dtype(dtype: Any) -> np.dtype:
@@ -111,8 +112,8 @@ class Tensor:
         (3, 2)
     """
 
-    __slots__ = ("block", "shape", "dtype", "strides", "offset", "_gen", "_layout", "_native",
-                 "__weakref__")
+    __slots__ = ("block", "shape", "dtype", "strides", "offset", "_gen", "_layout", "_span",
+                 "_self_overlap", "_native", "__weakref__")
 
     def __init__(self, block: Block, shape: Sequence[int], dtype: Any,
                  strides: Sequence[int] | None = None, offset: int = 0) -> None:
@@ -122,6 +123,8 @@ class Tensor:
         self.strides = tuple(strides) if strides is not None else contiguous_strides(self.shape)
         self.offset = offset
         self._layout: tuple | None = None   # NOTE: (byte offset, shape, byte strides, itemsize)
+        self._span: Any = _UNSET            # NOTE: cached aliasing.byte_span(self.layout())
+        self._self_overlap: bool | None = None
         self._native: tuple | None = None   # NOTE: (allocation, native view) built on it
         self._check_bounds()
         self._gen = block.acquire()
@@ -136,6 +139,8 @@ class Tensor:
         self.strides = contiguous_strides(shape)
         self.offset = 0
         self._layout = None
+        self._span = _UNSET
+        self._self_overlap = False  # a fresh contiguous tensor never overlaps itself
         self._native = None
         self._gen = block.acquire()
         return self
@@ -207,6 +212,20 @@ class Tensor:
         for n, s, target in zip(self.shape, layout[2], shape[lead:]):
             strides.append(s if n == target else 0)
         return layout[0], shape, tuple(strides), layout[3]
+
+    def byte_span(self) -> tuple[int, int] | None:
+        """[first, last + 1) bytes of the block this tensor touches; None when it is empty."""
+        span = self._span
+        if span is _UNSET:
+            span = self._span = aliasing.byte_span(self.layout())
+        return span
+
+    def has_internal_overlap(self) -> bool:
+        """True when two indices of this tensor may share a byte (then it cannot be written)."""
+        flag = self._self_overlap
+        if flag is None:
+            flag = self._self_overlap = aliasing.has_internal_overlap(self.layout())
+        return flag
 
     # ------------------------------------------------------------------ handle lifetime
     def _check(self, what: str = "tensor") -> None:
