@@ -1,7 +1,8 @@
 """Op dispatch overhead: blockrt ops against the NumPy calls they run, side by side.
 
-Each pair is timed in interleaved rounds (blockrt, NumPy, blockrt, ...) and the best round of each
-is kept, so both see the same machine load. Prints a Markdown table for BENCHMARKS.md.
+Each pair is timed in many short interleaved rounds (blockrt, NumPy, blockrt, ...) and the best
+round of each is kept, so both see the same machine load. BLAS runs on one thread, so that matmul's
+thread scheduling does not drown the dispatch figures. Prints a Markdown table for BENCHMARKS.md.
 
 Run: python benchmarks/bench_dispatch.py [--quick]
 """
@@ -9,7 +10,11 @@ Run: python benchmarks/bench_dispatch.py [--quick]
 from __future__ import annotations
 
 import argparse
+import os
 import timeit
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before NumPy loads its BLAS
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 
@@ -51,11 +56,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (for smoke runs)")
     args = parser.parse_args()
-    rounds = 3 if args.quick else 7
+    rounds = 3 if args.quick else 25
     print("| shape | op | blockrt (us) | NumPy (us) | overhead (us) | ratio |")
     print("|---|---|---:|---:|---:|---:|")
     for n, m in ((64, 256), (1024, 1024)):
-        number = 2000 if n * m < 10**5 else 50
+        number = 400 if n * m < 10**5 else 10
         if args.quick:
             number //= 10
         for name, ours, theirs in cases(n, m):
