@@ -24,11 +24,18 @@ from runtime import aliasing, config
 from runtime.errors import AliasingError
 from runtime.tensor import Tensor
 
-__all__ = ["add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sigmoid", "relu",
-           "matmul", "sum", "mean", "copy"]
+__all__ = ["ALIASING_POLICY", "add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sigmoid",
+           "relu", "matmul", "sum", "mean", "copy"]
 
 ELEMENTWISE = "elementwise"
 NEVER = "never"
+
+#: What each op declares about its output sharing memory with its inputs (see the module docstring).
+ALIASING_POLICY: dict[str, str] = {
+    **dict.fromkeys(("add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sigmoid", "relu",
+                     "copy"), ELEMENTWISE),
+    **dict.fromkeys(("matmul", "sum", "mean"), NEVER),
+}
 
 FLOAT_DTYPES = (np.dtype("float32"), np.dtype("float64"))
 
@@ -108,9 +115,13 @@ def _clashes(policy: str, out: Tensor, inputs: Sequence[tuple[str, Tensor, tuple
 
 
 # ---------------------------------------------------------------------- dispatch
-def _launch(op: str, policy: str, out: Tensor, inputs: Sequence[tuple[str, Tensor, tuple]],
+def _launch(op: str, out: Tensor, inputs: Sequence[tuple[str, Tensor, tuple]],
             run: Callable[[list, Any], None], scalars: dict[int, Any] | None = None) -> Tensor:
-    """Run `run(input_views, out_view)` safely; `inputs` are (label, tensor, broadcast shape)."""
+    """Run `run(input_views, out_view)` under the op's declared aliasing policy.
+
+    `inputs` are (label, tensor, broadcast shape); `scalars` maps argument positions to numbers.
+    """
+    policy = ALIASING_POLICY[op]
     clashes = _clashes(policy, out, inputs)
     if clashes:
         if config.get_aliasing() == "raise":
@@ -122,7 +133,7 @@ def _launch(op: str, policy: str, out: Tensor, inputs: Sequence[tuple[str, Tenso
                 f"output, or runtime.set_aliasing('copy') to compute through a temporary")
         temp = Tensor._fresh(out.shape, out.dtype, out.block.allocator)
         try:
-            _launch(op, policy, temp, inputs, run, scalars)
+            _launch(op, temp, inputs, run, scalars)
             out.device.unary("copy", temp._native_read(op), out._native_write(op))
             out.block.mark_written()
         finally:
@@ -142,7 +153,8 @@ def _is_scalar(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
-def _elementwise(op: str, kernel: str, out: Tensor | None, *operands: Operand) -> Tensor:
+def _elementwise(op: str, out: Tensor | None, *operands: Operand) -> Tensor:
+    """Run the elementwise kernel named `op` (the device's kernel has the op's name)."""
     tensors = [x for x in operands if isinstance(x, Tensor)]
     if not tensors:
         raise TypeError(f"{op}: needs at least one Tensor operand, got "
@@ -151,7 +163,7 @@ def _elementwise(op: str, kernel: str, out: Tensor | None, *operands: Operand) -
         if not isinstance(x, Tensor) and not _is_scalar(x):
             raise TypeError(f"{op}: operands must be Tensors or real numbers, got "
                             f"{type(x).__name__}")
-    device, dtype = _common(op, tensors, floats_only=kernel != "copy")
+    device, dtype = _common(op, tensors, floats_only=op != "copy")
     shapes = [t.shape for t in tensors]
     if isinstance(out, Tensor):
         shapes.append(out.shape)  # as in NumPy, the inputs broadcast to out's shape
@@ -166,61 +178,59 @@ def _elementwise(op: str, kernel: str, out: Tensor | None, *operands: Operand) -
     inputs = [(labels[i], x, shape) for i, x in enumerate(operands) if isinstance(x, Tensor)]
     scalars = {i: dtype.type(x) for i, x in enumerate(operands) if not isinstance(x, Tensor)}
     if len(operands) == 1:
-        return _launch(op, ELEMENTWISE, out, inputs,
-                       lambda v, o: device.unary(kernel, v[0], o))
-    return _launch(op, ELEMENTWISE, out, inputs,
-                   lambda v, o: device.binary(kernel, v[0], v[1], o), scalars)
+        return _launch(op, out, inputs, lambda v, o: device.unary(op, v[0], o))
+    return _launch(op, out, inputs, lambda v, o: device.binary(op, v[0], v[1], o), scalars)
 
 
 # ---------------------------------------------------------------------- elementwise ops
 def add(a: Operand, b: Operand, out: Tensor | None = None) -> Tensor:
     """a + b elementwise, with broadcasting; either may be a number. `out` may be a or b."""
-    return _elementwise("add", "add", out, a, b)
+    return _elementwise("add", out, a, b)
 
 
 def sub(a: Operand, b: Operand, out: Tensor | None = None) -> Tensor:
     """a - b elementwise, with broadcasting."""
-    return _elementwise("sub", "sub", out, a, b)
+    return _elementwise("sub", out, a, b)
 
 
 def mul(a: Operand, b: Operand, out: Tensor | None = None) -> Tensor:
     """a * b elementwise, with broadcasting."""
-    return _elementwise("mul", "mul", out, a, b)
+    return _elementwise("mul", out, a, b)
 
 
 def div(a: Operand, b: Operand, out: Tensor | None = None) -> Tensor:
     """a / b elementwise, with broadcasting."""
-    return _elementwise("div", "div", out, a, b)
+    return _elementwise("div", out, a, b)
 
 
 def neg(x: Tensor, out: Tensor | None = None) -> Tensor:
     """-x elementwise."""
-    return _elementwise("neg", "neg", out, x)
+    return _elementwise("neg", out, x)
 
 
 def exp(x: Tensor, out: Tensor | None = None) -> Tensor:
     """e**x elementwise."""
-    return _elementwise("exp", "exp", out, x)
+    return _elementwise("exp", out, x)
 
 
 def log(x: Tensor, out: Tensor | None = None) -> Tensor:
     """Natural logarithm elementwise."""
-    return _elementwise("log", "log", out, x)
+    return _elementwise("log", out, x)
 
 
 def tanh(x: Tensor, out: Tensor | None = None) -> Tensor:
     """Hyperbolic tangent elementwise."""
-    return _elementwise("tanh", "tanh", out, x)
+    return _elementwise("tanh", out, x)
 
 
 def sigmoid(x: Tensor, out: Tensor | None = None) -> Tensor:
     """1 / (1 + e**-x) elementwise, without overflow for large |x|."""
-    return _elementwise("sigmoid", "sigmoid", out, x)
+    return _elementwise("sigmoid", out, x)
 
 
 def relu(x: Tensor, out: Tensor | None = None) -> Tensor:
     """max(x, 0) elementwise."""
-    return _elementwise("relu", "relu", out, x)
+    return _elementwise("relu", out, x)
 
 
 def copy(x: Tensor, out: Tensor | None = None) -> Tensor:
@@ -231,7 +241,7 @@ def copy(x: Tensor, out: Tensor | None = None) -> Tensor:
         >>> runtime.ops.copy(runtime.tensor(np.arange(3.0))).numpy()
         array([0., 1., 2.])
     """
-    return _elementwise("copy", "copy", out, x)
+    return _elementwise("copy", out, x)
 
 
 # ---------------------------------------------------------------------- matmul
@@ -273,7 +283,7 @@ def matmul(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     shape = _matmul_shape(a, b)
     out = _prepare_out("matmul", out, shape, dtype, a)
     inputs = [("a", a, a.shape), ("b", b, b.shape)]
-    return _launch("matmul", NEVER, out, inputs, lambda v, o: device.matmul(v[0], v[1], o))
+    return _launch("matmul", out, inputs, lambda v, o: device.matmul(v[0], v[1], o))
 
 
 # ---------------------------------------------------------------------- reductions
@@ -300,7 +310,7 @@ def _reduce(op: str, x: Tensor, axis: Any, keepdims: bool, out: Tensor | None) -
     shape = tuple(1 if i in reduced else n for i, n in enumerate(x.shape) if keepdims or
                   i not in reduced)
     out = _prepare_out(op, out, shape, dtype, x)
-    return _launch(op, NEVER, out, [("x", x, x.shape)],
+    return _launch(op, out, [("x", x, x.shape)],
                    lambda v, o: device.reduce(op, v[0], axes, keepdims, o))
 
 

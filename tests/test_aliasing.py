@@ -787,3 +787,20 @@ def test_same_elements_ignores_only_the_strides_of_size_one_dimensions():
     assert not aliasing.same_elements(base, (8, (1, 3), (24, 16), 8))
     assert not aliasing.same_elements(base, (0, (1, 3), (24, 8), 8))
     assert not aliasing.same_elements(base, (8, (3, 1), (8, 24), 8))
+
+
+def test_every_op_declares_a_policy_and_keeps_it():
+    declared = set(ops.ALIASING_POLICY)
+    assert declared == set(ops.__all__) - {"ALIASING_POLICY"}
+    runtime.set_aliasing("raise")
+    for name, policy in ops.ALIASING_POLICY.items():
+        x = runtime.tensor(np.linspace(0.5, 2.0, 9).reshape(3, 3))
+        op = getattr(ops, name)
+        args = (x, x) if name in ("add", "sub", "mul", "div", "matmul") else (x,)
+        kwargs = {"axis": 0, "keepdims": True} if name in ("sum", "mean") else {}
+        out = x if name not in ("sum", "mean") else x[:1]
+        if policy == ops.ELEMENTWISE:
+            assert op(*args, out=out, **kwargs) is out  # the identical view is allowed
+        else:
+            with pytest.raises(runtime.AliasingError, match=name):
+                op(*args, out=out, **kwargs)

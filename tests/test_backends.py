@@ -325,10 +325,6 @@ def test_a_missing_hook_is_named(device_class, call, hook):
         call(device_class())
 
 
-def test_a_bare_device_still_synchronizes():
-    BareDevice().synchronize()
-
-
 # ---------------------------------------------------------------------- kernels
 @pytest.mark.parametrize(("call", "kind"), [
     (lambda d, x: d.unary("square", x, x), "unary"),
