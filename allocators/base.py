@@ -104,8 +104,9 @@ class Allocator:
         self._live: dict[int, Allocation] = {}
         self._counters = dict.fromkeys(
             ("allocated_bytes", "peak_allocated_bytes", "requested_bytes", "peak_requested_bytes",
-             "reserved_bytes", "peak_reserved_bytes", "num_allocs", "num_frees", "cache_hits",
-             "cache_misses", "num_ooms", "num_device_allocs", "num_device_frees"), 0)
+             "reserved_bytes", "peak_reserved_bytes", "peak_cached_bytes", "num_allocs",
+             "num_frees", "cache_hits", "cache_misses", "num_ooms", "num_device_allocs",
+             "num_device_frees"), 0)
 
     # ------------------------------------------------------------------ public policy
     def allocate(self, nbytes: int) -> Allocation:
@@ -137,6 +138,9 @@ class Allocator:
                 c["peak_allocated_bytes"] = allocated
             if requested > c["peak_requested_bytes"]:
                 c["peak_requested_bytes"] = requested
+            cached = c["reserved_bytes"] - allocated  # a new segment may leave some cached
+            if cached > c["peak_cached_bytes"]:
+                c["peak_cached_bytes"] = cached
         return allocation
 
     def free(self, allocation: Allocation) -> None:
@@ -151,15 +155,30 @@ class Allocator:
             allocation.live = False
             self._free(allocation)
             c["num_frees"] += 1
-            c["allocated_bytes"] -= allocation.size
+            allocated = c["allocated_bytes"] = c["allocated_bytes"] - allocation.size
             c["requested_bytes"] -= allocation.nbytes
+            cached = c["reserved_bytes"] - allocated
+            if cached > c["peak_cached_bytes"]:
+                c["peak_cached_bytes"] = cached
 
-    def stats(self) -> dict[str, int]:
-        """A snapshot of the counters (bytes and counts); every allocator has the same keys."""
+    def stats(self) -> dict[str, int | float]:
+        """A snapshot of the counters; every allocator has the same keys.
+
+        Bytes (current and peak): allocated (handed out, after rounding), requested (as asked),
+        reserved (held from the device), cached (reserved but free). Counts: num_allocs,
+        num_frees, cache_hits (allocations served without new device memory), cache_misses,
+        num_ooms, active_allocations. Ratios: hit_rate = cache_hits / num_allocs, and
+        fragmentation = 1 - largest free block / cached bytes (0 when nothing is cached).
+        """
         with self._lock:
-            snapshot = dict(self._counters)
-        snapshot["cached_bytes"] = snapshot["reserved_bytes"] - snapshot["allocated_bytes"]
+            snapshot: dict[str, int | float] = dict(self._counters)
+            largest = self._largest_free_block()
+        cached = snapshot["reserved_bytes"] - snapshot["allocated_bytes"]
+        snapshot["cached_bytes"] = cached
         snapshot["active_allocations"] = snapshot["num_allocs"] - snapshot["num_frees"]
+        allocs = snapshot["num_allocs"]
+        snapshot["hit_rate"] = snapshot["cache_hits"] / allocs if allocs else 0.0
+        snapshot["fragmentation"] = 1.0 - largest / cached if cached else 0.0
         return snapshot
 
     def empty_cache(self) -> None:
@@ -210,6 +229,10 @@ class Allocator:
 
     def _empty_cache(self) -> None:
         """Nothing cached by default."""
+
+    def _largest_free_block(self) -> int:
+        """Bytes of the largest block that could serve one allocation without new device memory."""
+        return 0
 
     def _limit(self) -> tuple[int | None, str]:
         """(bytes this allocator may use, where that limit comes from)."""

@@ -52,13 +52,16 @@ from hypothesis.stateful import (
 
 from allocators.base import Allocation, Allocator, InvalidFreeError, OutOfMemoryError, format_bytes
 
-__all__ = ["REQUIRED_STATS", "AllocatorStateMachine", "allocation_sizes", "byte_pattern",
-           "make_test_case"]
+__all__ = ["RATIO_STATS", "REQUIRED_STATS", "AllocatorStateMachine", "allocation_sizes",
+           "byte_pattern", "make_test_case"]
 
 #: Keys every allocator's `stats()` has (see DESIGN.md), all non-negative ints.
-REQUIRED_STATS = ("allocated_bytes", "peak_allocated_bytes", "reserved_bytes", "cached_bytes",
-                  "num_allocs", "num_frees", "cache_hits", "cache_misses", "requested_bytes",
-                  "num_ooms")
+REQUIRED_STATS = ("allocated_bytes", "peak_allocated_bytes", "reserved_bytes",
+                  "peak_reserved_bytes", "cached_bytes", "peak_cached_bytes", "num_allocs",
+                  "num_frees", "cache_hits", "cache_misses", "requested_bytes",
+                  "peak_requested_bytes", "num_ooms")
+#: Ratios every allocator's `stats()` has, each a float in [0, 1].
+RATIO_STATS = ("hit_rate", "fragmentation")
 
 
 def allocation_sizes(max_nbytes: int = 1 << 20) -> st.SearchStrategy[int]:
@@ -223,9 +226,19 @@ class AllocatorStateMachine(RuleBasedStateMachine):
         stats = self.allocator.stats()
         missing = [key for key in REQUIRED_STATS if key not in stats]
         assert not missing, f"stats() lacks {missing}: {stats}"
+        missing = [key for key in RATIO_STATS if key not in stats]
+        assert not missing, f"stats() lacks {missing}: {stats}"
         for key, value in stats.items():
+            if key in RATIO_STATS:
+                assert isinstance(value, float) and 0.0 <= value <= 1.0, (
+                    f"stats()[{key!r}] = {value!r} is not a ratio in [0, 1]")
+                continue
             assert isinstance(value, int) and not isinstance(value, bool) and value >= 0, (
                 f"stats()[{key!r}] = {value!r} is not a non-negative int")
+        for key in ("allocated_bytes", "reserved_bytes", "cached_bytes", "requested_bytes"):
+            assert stats[f"peak_{key}"] >= stats[key], f"peak_{key} is below {key}: {stats}"
+        allocs = stats["num_allocs"]
+        assert stats["hit_rate"] == (stats["cache_hits"] / allocs if allocs else 0.0)
         requested = sum(allocation.nbytes for allocation, _ in self.model.values())
         expected = {"requested_bytes": requested, "num_allocs": self.expected_allocs,
                     "num_frees": self.expected_frees, "num_ooms": self.expected_ooms,
