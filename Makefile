@@ -6,10 +6,11 @@ EXTRAS ?= test
 
 .PHONY: demo test bench lint clean venv
 
-$(VENV)/.installed-$(EXTRAS): setup.cfg pyproject.toml
+$(VENV)/.installed-$(EXTRAS): setup.cfg pyproject.toml examples/plugin_allocator/setup.cfg
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(PY) -m pip install --quiet -e examples/plugin_allocator
 	touch $@
 
 venv: $(VENV)/.installed-$(EXTRAS)
@@ -27,5 +28,9 @@ lint: venv
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
 
-bench: venv
+# Benchmarks compare against pyopencl's pool on PoCL too, so they install the opencl extra.
+bench:
+	$(MAKE) venv EXTRAS=test,opencl
+	$(PY) benchmarks/bench_alloc.py
+	$(PY) benchmarks/bench_trace.py
 	$(PY) benchmarks/bench_dispatch.py

@@ -15,11 +15,19 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
+from allocators.adaptors import (
+    Adaptor,
+    FaultInjectionAdaptor,
+    LimitAdaptor,
+    StatisticsAdaptor,
+    TraceAdaptor,
+)
 from allocators.base import Allocation, Allocator, InvalidFreeError, OutOfMemoryError, format_bytes
 from allocators.direct import DirectAllocator
 
-__all__ = ["Allocation", "Allocator", "DirectAllocator", "InvalidFreeError", "OutOfMemoryError",
-           "ENTRY_POINT_GROUP", "create", "format_bytes", "names", "register"]
+__all__ = ["Adaptor", "Allocation", "Allocator", "DirectAllocator", "FaultInjectionAdaptor",
+           "InvalidFreeError", "LimitAdaptor", "OutOfMemoryError", "StatisticsAdaptor",
+           "TraceAdaptor", "ENTRY_POINT_GROUP", "create", "format_bytes", "names", "register"]
 
 #: Third-party allocators register a factory `(device, **options) -> Allocator` under this group.
 ENTRY_POINT_GROUP = "blockrt.allocators"
@@ -27,6 +35,7 @@ ENTRY_POINT_GROUP = "blockrt.allocators"
 #: name -> "module:attribute" for the allocators that ship with blockrt.
 BUILTINS: dict[str, str] = {
     "direct": "allocators.direct:DirectAllocator",
+    "caching": "allocators.caching:CachingAllocator",
 }
 
 _registered: dict[str, Callable[..., Allocator]] = {}

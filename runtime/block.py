@@ -10,6 +10,7 @@ memory goes back the block's `generation` moves on, and a handle from an older g
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 from allocators import Allocation, Allocator, format_bytes
 from runtime.errors import ReadOnlyError, UninitializedMemoryError, UseAfterFreeError
@@ -26,6 +27,9 @@ class Block:
         generation: moves on every time the memory is freed; handles record it.
         version: moves on at every write; shared by every tensor and view over this block.
         readonly: writes raise ReadOnlyError (constants).
+        on_return: None, or a callable `on_return(block)` run once, right after the memory next
+            goes back to the allocator; it is cleared before it runs (a constant pool uses it to
+            forget the block).
 
     Example:
         >>> import allocators
@@ -35,7 +39,7 @@ class Block:
     """
 
     __slots__ = ("nbytes", "allocator", "device", "id", "generation", "version", "readonly",
-                 "_allocation", "_written", "_refs", "__weakref__")
+                 "on_return", "_allocation", "_written", "_refs", "__weakref__")
 
     def __init__(self, nbytes: int, allocator: Allocator) -> None:
         self.nbytes = nbytes
@@ -45,6 +49,7 @@ class Block:
         self.generation = 0
         self.version = 0
         self.readonly = False
+        self.on_return: Callable[[Block], None] | None = None
         self._allocation: Allocation | None = None
         self._written = False
         self._refs = 0
@@ -93,8 +98,11 @@ class Block:
         allocation, self._allocation = self._allocation, None
         self._written = False
         self.generation += 1
+        hook, self.on_return = self.on_return, None  # NOTE: one-shot; unused hooks cost one test
         if allocation is not None:
             self.allocator.free(allocation)
+        if hook is not None:
+            hook(self)
 
     # ------------------------------------------------------------------ access
     def check(self, generation: int, what: str = "tensor") -> None:
@@ -116,7 +124,8 @@ class Block:
         """The allocation to write to, allocated now if this is the first use."""
         if self.readonly:
             raise ReadOnlyError(f"{what} writes to read-only block #{self.id} "
-                                f"({format_bytes(self.nbytes)}): constants are immutable")
+                                f"({format_bytes(self.nbytes)}): constants are immutable; "
+                                f"copy one with runtime.ops.copy() to get a writable tensor")
         allocation = self._allocation
         if allocation is None:
             allocation = self._allocation = self.allocator.allocate(self.nbytes)

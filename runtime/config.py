@@ -1,8 +1,27 @@
-"""Process-wide runtime settings: the aliasing mode and each device's default allocator."""
+"""Process-wide runtime settings: the aliasing mode, each device's default allocator and
+default constant pool.
+
+The environment is read once, when this module is first imported, into `SETTINGS`; the rest
+of the runtime asks that object, never `os.environ`, so changing the environment later changes
+nothing.
+
+Environment variables:
+    BLOCKRT_ALLOCATOR: the name of the allocator every device gets by default (one of
+        `allocators.names()`, e.g. "direct" or "caching"; unset or empty: "direct"). The name is
+        checked when a default allocator is first needed, so a plugin registered after import
+        still counts; an unknown name raises ValueError naming the variable, the value and the
+        known names. `runtime.set_default_allocator(...)` overrides it per device.
+
+Example:
+    $ BLOCKRT_ALLOCATOR=caching python train.py
+"""
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import allocators
@@ -11,11 +30,55 @@ import backends
 if TYPE_CHECKING:
     from allocators import Allocator
     from backends import Device
+    from runtime.constant import ConstantPool
 
 ALIASING_MODES = ("copy", "raise")
 
+#: The environment variable that names the default allocator.
+ALLOCATOR_ENV = "BLOCKRT_ALLOCATOR"
+#: The default allocator when the environment names none.
+FALLBACK_ALLOCATOR = "direct"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Configuration read once from the environment (see the module docstring).
+
+    Attributes:
+        allocator: the name of the default allocator, not yet checked against the registry.
+        allocator_source: where the name came from, for error messages.
+    """
+
+    allocator: str = FALLBACK_ALLOCATOR
+    allocator_source: str = "built-in default"
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> Settings:
+        """Settings from an environment mapping (os.environ at import time)."""
+        name = environ.get(ALLOCATOR_ENV, "").strip()
+        if not name:
+            return cls()
+        return cls(allocator=name, allocator_source=f"environment variable {ALLOCATOR_ENV}")
+
+    def default_allocator_name(self) -> str:
+        """The default allocator's name, checked against `allocators.names()` now.
+
+        Raises:
+            ValueError: no allocator has that name; says where the name came from.
+        """
+        known = allocators.names()
+        if self.allocator not in known:
+            raise ValueError(f"{self.allocator_source} is {self.allocator!r}, which names no "
+                             f"allocator; known: {', '.join(known)}")
+        return self.allocator
+
+
+#: Read once, here at the edge; the rest of the runtime asks this object.
+SETTINGS = Settings.from_environ(os.environ)
+
 _state = {"aliasing": "copy"}
 _default_allocators: dict[Device, Allocator] = {}  # NOTE: keyed by the Device object itself
+_default_constant_pools: dict[Device, ConstantPool] = {}
 _lock = threading.Lock()
 
 
@@ -60,14 +123,20 @@ def set_default_allocator(allocator: str | Allocator, device: str | Device | Non
 
 
 def get_default_allocator(device: str | Device | None = None) -> Allocator:
-    """The default allocator of `device`, created as "direct" on first use."""
+    """The default allocator of `device`, created on first use from `SETTINGS.allocator`
+    (BLOCKRT_ALLOCATOR, else "direct") unless `set_default_allocator` chose one.
+
+    Raises:
+        ValueError: BLOCKRT_ALLOCATOR names no registered allocator.
+    """
     dev = backends.get_device(device if device is not None else "cpu")
     allocator = _default_allocators.get(dev)
     if allocator is None:
         with _lock:
             allocator = _default_allocators.get(dev)
             if allocator is None:
-                allocator = _default_allocators[dev] = allocators.create("direct", dev)
+                name = SETTINGS.default_allocator_name()
+                allocator = _default_allocators[dev] = allocators.create(name, dev)
     return allocator
 
 
@@ -75,3 +144,25 @@ def default_allocators() -> dict[Device, Allocator]:
     """Device -> default allocator, for every device that has one so far."""
     with _lock:
         return dict(_default_allocators)
+
+
+def get_default_constant_pool(device: str | Device | None = None) -> ConstantPool:
+    """The constant pool `runtime.constant` uses on `device`, created on first use over the
+    device's default allocator of that moment (a later `set_default_allocator` leaves it be)."""
+    from runtime.constant import ConstantPool  # NOTE: constant imports tensor, which imports us
+
+    dev = backends.get_device(device if device is not None else "cpu")
+    pool = _default_constant_pools.get(dev)
+    if pool is None:
+        allocator = get_default_allocator(dev)
+        with _lock:
+            pool = _default_constant_pools.get(dev)
+            if pool is None:
+                pool = _default_constant_pools[dev] = ConstantPool(allocator)
+    return pool
+
+
+def default_constant_pools() -> dict[Device, ConstantPool]:
+    """Device -> default constant pool, for every device that has one so far."""
+    with _lock:
+        return dict(_default_constant_pools)

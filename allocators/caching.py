@@ -1,0 +1,476 @@
+"""The caching allocator: size classes, best fit, split and coalesce, LRU trimming, OOM retry.
+
+Freed memory stays reserved and serves later requests without asking the device again (DL4J's
+caching layer, PyTorch's CUDACachingAllocator, CuPy's memory pool). The layout follows PyTorch:
+
+- A request is rounded up by a size class policy (`allocators.sizeclass`) to its block size.
+- Blocks of at most `small_size` (1 MiB) are cut from 2 MiB "small" segments; larger blocks come
+  from "large" segments: 20 MiB for blocks under 10 MiB (so several share one), else the block
+  rounded up to 2 MiB. The two pools never lend to each other.
+- A free block that fits is found best-fit: an exact-size hit first, then the smallest larger
+  size. The part not needed is split off as a free block, unless it is too small to be worth it.
+- A freed block coalesces with free neighbours at once, so a segment never holds two adjacent
+  free blocks, and a segment whose blocks are all free is one free block again.
+- Whole free segments are kept in least-recently-freed order; past `max_cached_bytes` cached,
+  the oldest go back to the device. `empty_cache()` returns all of them.
+- When the device (or `limit_bytes`) refuses a new segment, the cache is emptied and the
+  segment asked for once more; then the base class raises `OutOfMemoryError` with the numbers.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from typing import Any
+
+from allocators.base import Allocation, Allocator, format_bytes
+from allocators.sizeclass import SizeClass, get_size_class
+from backends.base import Device, check_nbytes
+
+__all__ = ["CachingAllocator"]
+
+_MiB = 1 << 20
+#: Small blocks are packed into segments of this size (PyTorch's kSmallBuffer).
+SMALL_SEGMENT = 2 * _MiB
+#: Large blocks under MEDIUM_LIMIT share segments of MEDIUM_SEGMENT bytes (kLargeBuffer) ...
+MEDIUM_SEGMENT = 20 * _MiB
+MEDIUM_LIMIT = 10 * _MiB
+#: ... and larger ones get a segment of their own, rounded up to this (kRoundLarge).
+LARGE_ROUND = 2 * _MiB
+#: A best-fit search that steps over this many empty size buckets sweeps them all away.
+_PRUNE_AFTER = 16
+#: Request sizes whose block size is remembered (the memo starts over when full).
+_ROUNDED_MEMO = 4096
+
+
+class _Block:
+    """A run of bytes inside a segment: used (behind one live allocation) or free.
+
+    The blocks of a segment form a doubly linked list by address. The first block of a segment,
+    at offset 0, is its head: blocks merge into the lower neighbour and splits cut from the top,
+    so the head record lives as long as the segment and names it.
+    """
+
+    # NOTE: no __init__: a Python-level __init__ call costs more than the seven stores, and
+    # `_split` makes one block per cache hit. `_new_block` and `_split` set every field.
+    __slots__ = ("raw", "offset", "size", "pool", "free", "prev", "next")
+
+    raw: Any
+    offset: int
+    size: int
+    pool: _Pool
+    free: bool
+    prev: _Block | None
+    next: _Block | None
+
+
+def _new_block(raw: Any, offset: int, size: int, pool: _Pool) -> _Block:
+    """A free, unlinked block."""
+    block = _Block()
+    block.raw = raw
+    block.offset = offset
+    block.size = size
+    block.pool = pool
+    block.free = True
+    block.prev = block.next = None
+    return block
+
+
+class _Pool:
+    """The free blocks of one pool ("small" or "large"), found by size.
+
+    `buckets` maps a block size to the free blocks of exactly that size (a dict used as an
+    insertion-ordered set, so the most recently freed comes out first); `sizes` is the sorted
+    list of the bucket keys, for the best-fit search.
+    """
+
+    __slots__ = ("name", "min_split", "buckets", "sizes")
+
+    def __init__(self, name: str, min_split: int) -> None:
+        self.name = name
+        # NOTE: a free block is split only if the part left over is at least this many bytes.
+        self.min_split = min_split
+        # NOTE: emptied buckets stay (and their sizes in `sizes`) so an alloc/free loop of one
+        # size never re-sorts; the best-fit search steps over them and prunes them in bulk.
+        self.buckets: dict[int, dict[_Block, None]] = {}
+        self.sizes: list[int] = []
+
+    def add(self, block: _Block) -> None:
+        bucket = self.buckets.get(block.size)
+        if bucket is None:
+            bucket = self.buckets[block.size] = {}
+            insort(self.sizes, block.size)
+        bucket[block] = None
+
+    def remove(self, block: _Block) -> None:
+        del self.buckets[block.size][block]
+
+    def take_best_fit(self, size: int) -> _Block | None:
+        """Remove and return a free block of the smallest size >= `size`, or None."""
+        sizes, buckets = self.sizes, self.buckets
+        start = index = bisect_left(sizes, size)
+        end = len(sizes)
+        while index < end:  # NOTE: a while loop costs a third of a for over a range here
+            bucket = buckets[sizes[index]]
+            if bucket:
+                block = bucket.popitem()[0]
+                if index - start > _PRUNE_AFTER:
+                    self.prune()
+                return block
+            index += 1
+        if end - start > _PRUNE_AFTER:
+            self.prune()
+        return None
+
+    def prune(self) -> None:
+        """Forget the sizes that have no free block."""
+        self.sizes = [size for size in self.sizes if self.buckets[size]]
+        self.buckets = {size: self.buckets[size] for size in self.sizes}
+
+    def largest(self) -> int:
+        for size in reversed(self.sizes):
+            if self.buckets[size]:
+                return size
+        return 0
+
+    def free_blocks(self) -> list[_Block]:
+        return [block for bucket in self.buckets.values() for block in bucket]
+
+
+class _CachedAllocation(Allocation):
+    """An Allocation that remembers its block, so `free` finds it without a lookup."""
+
+    __slots__ = ("block",)
+
+
+class CachingAllocator(Allocator):
+    """Keeps freed memory for reuse: size classes, best fit, split/coalesce, LRU ("caching").
+
+    Args:
+        device: a Device or spec ("cpu" when None).
+        size_classes: a policy name from `allocators.sizeclass.SIZE_CLASSES` ("granule",
+            "pow2", "mantissa") or a `SizeClass`; its granule must be a multiple of the device's
+            alignment. Every block, and so every allocation, starts at a multiple of it.
+        max_cached_bytes: bound on free-but-reserved bytes; past it, whole free segments go back
+            to the device, least recently freed first (None: no bound). Free space inside
+            segments that still hold live blocks cannot go back, so it may exceed the bound.
+        limit_bytes: bound on reserved bytes (None: only the device's memory), like PyTorch's
+            per-process memory fraction. Near the limit a new segment is cut to the block's size.
+
+    `allocate(0)` sets aside one granule (512 bytes by default), so it has an address of its own.
+
+    Raises:
+        ValueError / TypeError: bad option values.
+
+    Example:
+        >>> import allocators
+        >>> alloc = allocators.create("caching", "cpu", size_classes="mantissa")
+        >>> alloc.free(alloc.allocate(100_000))
+        >>> a = alloc.allocate(100_000)       # served from the cache
+        >>> alloc.stats()["cache_hits"], a.size
+        (1, 102400)
+        >>> alloc.free(a)
+        >>> alloc.empty_cache()
+        >>> alloc.stats()["reserved_bytes"]
+        0
+    """
+
+    name = "caching"
+
+    def __init__(self, device: Device | str | None = None, *,
+                 size_classes: str | SizeClass = "granule", max_cached_bytes: int | None = None,
+                 limit_bytes: int | None = None) -> None:
+        super().__init__(device)
+        self.size_classes = get_size_class(size_classes)
+        granule = self.size_classes.granule
+        if granule % self.device.alignment:
+            raise ValueError(f"the size classes' granule ({granule} bytes) must be a multiple of "
+                             f"the alignment of {self.device.name} ({self.device.alignment})")
+        self._max_cached_bytes = _optional_nbytes(max_cached_bytes, "max_cached_bytes")
+        self._limit_bytes = _optional_nbytes(limit_bytes, "limit_bytes")
+        small_size = self.size_classes.small_size
+        self._round = self.size_classes.round
+        self._rounded: dict[int, int] = {}  # request bytes -> block bytes, a bounded memo
+        self._small_size = small_size
+        self._small = _Pool("small", min_split=granule)
+        # NOTE: as PyTorch, a large block keeps a leftover of up to small_size bytes: split off,
+        # it would be too small for any large request and unreachable for small ones.
+        self._large = _Pool("large", min_split=small_size + 1)
+        self._segments: dict[_Block, int] = {}  # head block -> bytes of its segment
+        # NOTE: the heads of whole free segments, least recently freed first (dicts keep order).
+        self._idle: dict[_Block, None] = {}
+
+    @property
+    def max_cached_bytes(self) -> int | None:
+        """The bound on cached bytes given to the constructor (None: unbounded)."""
+        return self._max_cached_bytes
+
+    @property
+    def limit_bytes(self) -> int | None:
+        """The bound on reserved bytes given to the constructor (None: the device's memory)."""
+        return self._limit_bytes
+
+    # ------------------------------------------------------------------ hooks (lock held)
+    def _allocate(self, nbytes: int) -> Allocation:
+        size = self._rounded.get(nbytes)
+        if size is None:
+            size = self._round_and_remember(nbytes)
+        pool = self._small if size <= self._small_size else self._large
+        bucket = pool.buckets.get(size)
+        if bucket:
+            block = bucket.popitem()[0]  # an exact fit, the most recently freed
+        else:
+            block = pool.take_best_fit(size)
+            if block is None:
+                block = self._grow(size, pool)
+        if block.prev is None and block.next is None:
+            self._idle.pop(block, None)  # a whole free segment is in use again
+        if block.size - size >= pool.min_split:
+            block = self._split(block, size)
+        block.free = False
+        allocation = _CachedAllocation(self.device, block.raw, block.offset, nbytes, block.size)
+        allocation.block = block
+        return allocation
+
+    def _free(self, allocation: Allocation) -> None:
+        block = allocation.block
+        allocation.block = None
+        allocation.raw = None  # NOTE: a freed allocation must not keep its segment alive
+        pool = block.pool
+        buckets = pool.buckets
+        after = block.next
+        if after is not None and after.free:  # coalesce with the next block
+            del buckets[after.size][after]
+            block.size += after.size
+            after = block.next = after.next
+            if after is not None:
+                after.prev = block
+        before = block.prev
+        if before is not None and before.free:  # and with the previous one
+            del buckets[before.size][before]
+            before.size += block.size
+            before.next = after
+            if after is not None:
+                after.prev = before
+            block = before
+        else:
+            block.free = True
+        bucket = buckets.get(block.size)
+        if bucket is None:
+            pool.add(block)
+        else:
+            bucket[block] = None
+        if block.prev is None and after is None:
+            self._idle[block] = None  # the whole segment is free: newest in the LRU order
+        if self._max_cached_bytes is not None:
+            counters = self._counters
+            # NOTE: the base subtracts allocation.size from allocated bytes after this hook.
+            self._trim(counters["reserved_bytes"] - counters["allocated_bytes"] + allocation.size)
+
+    def _empty_cache(self) -> None:
+        self._release_idle()
+        self._small.prune()
+        self._large.prune()
+
+    def _largest_free_block(self) -> int:
+        return max(self._small.largest(), self._large.largest())
+
+    def _limit(self) -> tuple[int | None, str]:
+        if self._limit_bytes is not None:
+            return self._limit_bytes, "limit_bytes"
+        return super()._limit()
+
+    # ------------------------------------------------------------------ mechanism
+    def _split(self, block: _Block, size: int) -> _Block:
+        """Cut `size` bytes off the top of the free `block`; the rest stays free in its pool."""
+        pool = block.pool
+        used = _Block()  # NOTE: every field is set here, as in _new_block (see _Block)
+        used.raw = block.raw
+        used.offset = block.offset + block.size - size
+        used.size = size
+        used.pool = pool
+        used.free = False
+        after = used.next = block.next
+        if after is not None:
+            after.prev = used
+        used.prev = block
+        block.next = used
+        rest = block.size = block.size - size
+        bucket = pool.buckets.get(rest)
+        if bucket is None:
+            pool.add(block)
+        else:
+            bucket[block] = None
+        return used
+
+    def _round_and_remember(self, nbytes: int) -> int:
+        """The size class of `nbytes`, memoized: a dict hit is cheaper than the policy's call."""
+        size = self._round(nbytes)
+        if size < max(nbytes, 1) or size % self.size_classes.granule:
+            raise ValueError(f"{self.size_classes!r} rounded {nbytes} bytes to {size}, not a "
+                             f"positive multiple of its granule >= the request")
+        if len(self._rounded) >= _ROUNDED_MEMO:
+            self._rounded.clear()
+        self._rounded[nbytes] = size
+        return size
+
+    def _grow(self, size: int, pool: _Pool) -> _Block:
+        """A new segment for a block of `size` bytes, as one free block that is in no free list.
+
+        Recovery is a loop: ask; if refused, empty the cache and ask once more; then give up with
+        the last MemoryError (the base class turns it into an OutOfMemoryError with numbers).
+        """
+        failure: MemoryError | None = None
+        for attempt in range(2):
+            if attempt and not self._release_idle():
+                break  # nothing was cached: asking again would fail the same way
+            try:
+                raw, nbytes = self._reserve(size, pool)
+            except MemoryError as exc:
+                failure = exc
+                continue
+            head = _new_block(raw, 0, nbytes, pool)
+            self._segments[head] = nbytes
+            if self._max_cached_bytes is not None:
+                counters = self._counters
+                # NOTE: the new segment is cached bytes too, except the `size` about to be used.
+                self._trim(counters["reserved_bytes"] - counters["allocated_bytes"] - size)
+            return head
+        assert failure is not None
+        raise failure
+
+    def _reserve(self, size: int, pool: _Pool) -> tuple[Any, int]:
+        """Raw memory for a segment holding a block of `size` bytes, and the segment's bytes."""
+        if pool is self._small:
+            nbytes = max(SMALL_SEGMENT, size)
+        elif size < MEDIUM_LIMIT:
+            nbytes = MEDIUM_SEGMENT
+        else:
+            nbytes = -(-size // LARGE_ROUND) * LARGE_ROUND
+        granule = self.size_classes.granule
+        nbytes = -(-nbytes // granule) * granule
+        limit = self._limit_bytes
+        if limit is not None:
+            reserved = self._counters["reserved_bytes"]
+            if reserved + nbytes > limit:
+                nbytes = size  # NOTE: near the limit, a segment just big enough for the block
+            if reserved + nbytes > limit:
+                raise MemoryError(f"a new segment of {format_bytes(nbytes)} would pass "
+                                  f"limit_bytes: {format_bytes(reserved)} of "
+                                  f"{format_bytes(limit)} already reserved")
+        return self._device_alloc(nbytes), nbytes
+
+    def _release(self, head: _Block) -> None:
+        """Give the whole free segment `head` back to the device."""
+        del self._idle[head]
+        head.pool.remove(head)
+        nbytes = self._segments.pop(head)
+        self._device_free(head.raw, nbytes)
+        head.raw = None
+
+    def _release_idle(self) -> int:
+        """Give every whole free segment back; return the bytes released."""
+        released = 0
+        for head in list(self._idle):
+            released += head.size
+            self._release(head)
+        return released
+
+    def _trim(self, cached: int) -> None:
+        """Release whole free segments, least recently freed first, until `cached` fits the bound.
+
+        `cached` is the cached bytes as they will be once the running call returns.
+        """
+        idle = self._idle
+        bound = self._max_cached_bytes
+        while cached > bound and idle:
+            head = next(iter(idle))
+            cached -= head.size
+            self._release(head)
+
+    # ------------------------------------------------------------------ inspection
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Every segment, by address: its pool, bytes and blocks (offset, size, free).
+
+        Example:
+            >>> import allocators
+            >>> alloc = allocators.create("caching", "cpu")
+            >>> a = alloc.allocate(1000)
+            >>> [(s["pool"], s["nbytes"], len(s["blocks"])) for s in alloc.snapshot()]
+            [('small', 2097152, 2)]
+            >>> alloc.free(a)
+        """
+        with self._lock:
+            segments = []
+            for head, nbytes in self._segments.items():
+                blocks = []
+                block: _Block | None = head
+                while block is not None:
+                    blocks.append({"offset": block.offset, "size": block.size,
+                                   "free": block.free})
+                    block = block.next
+                segments.append({"address": self.device.address(head.raw), "nbytes": nbytes,
+                                 "pool": head.pool.name, "blocks": blocks})
+        return sorted(segments, key=lambda segment: segment["address"])
+
+    def check_invariants(self) -> None:
+        """The base checks, and: segments tile exactly into blocks, free neighbours are merged,
+        the free lists hold exactly the free blocks, the LRU exactly the whole free segments,
+        and used + free bytes add up to allocated and reserved bytes."""
+        super().check_invariants()
+        with self._lock:
+            self._check_layout()
+
+    def _check_layout(self) -> None:
+        granule = self.size_classes.granule
+        counters = self._counters
+        live_blocks = {id(allocation.block): allocation for allocation in self._live.values()}
+        used_bytes = free_bytes = 0
+        free_blocks: list[_Block] = []
+        for head, nbytes in self._segments.items():
+            assert head.prev is None and head.offset == 0, "a segment head is not at offset 0"
+            assert nbytes % granule == 0, f"a segment of {nbytes} bytes is not in granules"
+            block: _Block | None = head
+            end = 0
+            while block is not None:
+                where = f"block at +{block.offset} of a {block.pool.name} segment"
+                assert block.offset == end, f"{where}: expected at +{end} (gap or overlap)"
+                assert block.size > 0 and block.size % granule == 0, f"{where}: size {block.size}"
+                assert block.raw is head.raw and block.pool is head.pool, f"{where}: wrong segment"
+                after = block.next
+                assert after is None or after.prev is block, f"{where}: broken links"
+                if block.free:
+                    assert not (after is not None and after.free), f"{where}: free neighbours"
+                    free_bytes += block.size
+                    free_blocks.append(block)
+                else:
+                    allocation = live_blocks.pop(id(block), None)
+                    assert allocation is not None, f"{where}: used but no live allocation"
+                    assert (allocation.raw is block.raw and allocation.offset == block.offset
+                            and allocation.size == block.size), f"{where}: != {allocation!r}"
+                    used_bytes += block.size
+                end += block.size
+                block = after
+            assert end == nbytes, f"blocks cover {end} of a {nbytes}-byte segment"
+        assert not live_blocks, f"live allocations outside every segment: {live_blocks}"
+        assert sum(self._segments.values()) == counters["reserved_bytes"], "reserved drifted"
+        assert used_bytes == counters["allocated_bytes"], "used blocks != allocated bytes"
+        assert used_bytes + free_bytes == counters["reserved_bytes"], "used + free != reserved"
+        listed: list[_Block] = []
+        for pool in (self._small, self._large):
+            assert pool.sizes == sorted(pool.buckets), f"{pool.name} sizes out of order"
+            for size, bucket in pool.buckets.items():
+                assert all(block.size == size and block.pool is pool and block.free
+                           for block in bucket), f"a wrong block in the {size}-byte bucket"
+            listed.extend(pool.free_blocks())
+        assert sorted(map(id, listed)) == sorted(map(id, free_blocks)), (
+            "the free lists do not hold exactly the free blocks")
+        whole = [head for head in self._segments if head.free and head.next is None]
+        assert set(map(id, self._idle)) == set(map(id, whole)), "the LRU != whole free segments"
+        bound = self._max_cached_bytes
+        assert bound is None or free_bytes <= bound or not self._idle, (
+            f"{format_bytes(free_bytes)} cached past max_cached_bytes {format_bytes(bound)} "
+            f"while whole free segments could go back")
+
+
+def _optional_nbytes(value: Any, what: str) -> int | None:
+    return None if value is None else check_nbytes(value, what)

@@ -1,0 +1,220 @@
+"""Immutable constants: read-only tensors whose equal contents share one block (DL4J's
+immutable buffers).
+
+`constant(data)` hashes the raw bytes of `data` and looks them up in a `ConstantPool`. On a hit
+the stored block is read back and compared byte for byte before it is shared, so a hash collision
+can never hand out the wrong data; on a miss a new block is filled and marked read-only. Only the
+bytes are shared: each returned tensor carries its own dtype and shape over the block. Every
+write to a constant (`out=`, through a view, by copy) raises `ReadOnlyError`. The pool holds no
+reference of its own: the block's memory goes back when its last tensor goes, and the pool
+forgets it then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Any
+
+import numpy as np
+
+import backends
+from allocators import Allocator, format_bytes
+from runtime import config
+from runtime.block import Block
+from runtime.tensor import DTYPES, Tensor, as_dtype
+
+__all__ = ["ConstantPool", "constant", "content_digest"]
+
+Key = tuple[int, bytes]  # (nbytes, digest of the bytes)
+
+
+def content_digest(data: np.ndarray) -> bytes:
+    """The BLAKE2b digest (16 bytes) of the raw bytes of a C-contiguous uint8 array."""
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _host_bytes(data: Any, dtype: Any) -> np.ndarray:
+    """`data` as a C-contiguous host array of a tensor dtype, by runtime.tensor's rules."""
+    if isinstance(data, Tensor):
+        data = data.numpy()
+    host = np.asarray(data, dtype=None if dtype is None else as_dtype(dtype))
+    if host.dtype == np.float16 or host.dtype.kind not in "fiub":
+        raise TypeError(f"cannot make a constant from data of dtype {host.dtype}")
+    if host.dtype not in DTYPES:
+        host = host.astype(np.float64 if host.dtype.kind == "f" else np.int64)
+    return np.require(host, requirements="C")  # NOTE: ascontiguousarray would make 0-d 1-d
+
+
+class ConstantPool:
+    """Deduplicated, read-only blocks on one allocator, keyed by (nbytes, content digest).
+
+    A digest hit is verified by reading the block back; a mismatch is counted as a collision and
+    the data gets a block of its own (several blocks may then share a key). A block stays in the
+    pool exactly as long as its memory lives: when the last tensor over it is released, or
+    `Block.free()` is called, the memory goes back to the allocator and the pool forgets it.
+
+    Example:
+        >>> import numpy as np, allocators
+        >>> pool = ConstantPool(allocators.create("direct"))
+        >>> a = pool.constant(np.arange(4.0))
+        >>> b = pool.constant(np.arange(4.0).reshape(2, 2))
+        >>> a.block is b.block, pool.stats()["hits"]
+        (True, 1)
+    """
+
+    def __init__(self, allocator: Allocator) -> None:
+        if not isinstance(allocator, Allocator):
+            raise TypeError(f"ConstantPool takes an allocators.Allocator, "
+                            f"got {type(allocator).__name__}")
+        self.allocator = allocator
+        self.device = allocator.device
+        # NOTE: a key maps to a list because verified collisions get blocks of their own.
+        self._entries: dict[Key, list[Block]] = {}
+        self._keys: dict[int, Key] = {}  # NOTE: block id -> its key, to forget it in O(1)
+        self._bytes = 0
+        self._counters = dict.fromkeys(("lookups", "hits", "misses", "collisions"), 0)
+        # NOTE: re-entrant because a release during a lookup (garbage collection of another
+        # constant's last tensor) calls back into _forget on the same thread.
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ public policy
+    def constant(self, data: Any, dtype: Any = None) -> Tensor:
+        """A read-only tensor holding `data`, sharing a block with any equal bytes in the pool.
+
+        Raises:
+            TypeError: the data or dtype cannot be held by a tensor.
+        """
+        host = _host_bytes(data, dtype)
+        raw = host.reshape(-1).view(np.uint8)
+        key = (raw.nbytes, content_digest(raw))
+        with self._lock:
+            self._counters["lookups"] += 1
+            for block in list(self._entries.get(key, ())):
+                shared = self._share(block, host, raw)
+                if shared is not None:
+                    self._counters["hits"] += 1
+                    return shared
+            self._counters["misses"] += 1
+            return self._add(key, host)
+
+    def stats(self) -> dict[str, int | float]:
+        """constants (live blocks), bytes (their size), lookups, hits, misses,
+        hit_rate = hits / lookups, and collisions (digest matches whose bytes differed)."""
+        with self._lock:
+            snapshot: dict[str, int | float] = dict(self._counters)
+            snapshot["constants"] = len(self._keys)
+            snapshot["bytes"] = self._bytes
+        lookups = snapshot["lookups"]
+        snapshot["hit_rate"] = snapshot["hits"] / lookups if lookups else 0.0
+        return snapshot
+
+    def blocks(self) -> list[Block]:
+        """The live constant blocks, oldest first."""
+        with self._lock:
+            return [block for bucket in self._entries.values() for block in bucket]
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every entry is a live, read-only, written block of this
+        allocator filed under the digest of its current bytes, and the counters add up."""
+        with self._lock:
+            entries = {key: list(bucket) for key, bucket in self._entries.items()}
+            keys = dict(self._keys)
+            nbytes = self._bytes
+            c = dict(self._counters)
+        blocks = [block for bucket in entries.values() for block in bucket]
+        assert len(blocks) == len(keys) == len({b.id for b in blocks}), "entries and keys drifted"
+        assert all(entries.values()), "an empty bucket was left behind"
+        assert nbytes == sum(b.nbytes for b in blocks), "bytes drifted"
+        assert c["hits"] + c["misses"] == c["lookups"], "hits + misses != lookups"
+        for key, bucket in entries.items():
+            for block in bucket:
+                assert keys[block.id] == key, f"block #{block.id} is filed under two keys"
+                assert block.readonly and block.written, f"block #{block.id} is writable or empty"
+                assert block.refcount > 0, f"block #{block.id} has no user but is still pooled"
+                assert block.allocator is self.allocator, f"block #{block.id} has another owner"
+                assert block.on_return == self._forget, f"block #{block.id} lost its hook"
+                assert (block.nbytes, content_digest(self._read(block))) == key, \
+                    f"block #{block.id} no longer holds the bytes of its key"
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._keys)
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"<ConstantPool on {self.device.name}: {s['constants']} constants, "
+                f"{format_bytes(int(s['bytes']))}, hit rate {s['hit_rate']:.0%}>")
+
+    # ------------------------------------------------------------------ mechanism
+    def _read(self, block: Block) -> np.ndarray:
+        allocation = block.memory_for_read("constant pool verification")
+        return self.device.copyout(allocation.raw, allocation.offset, block.nbytes)
+
+    def _share(self, block: Block, host: np.ndarray, raw: np.ndarray) -> Tensor | None:
+        """A new tensor over `block` if it holds exactly `raw`, else None (a collision)."""
+        # NOTE: take the reference before reading, so the block cannot go away meanwhile.
+        handle = Tensor(block, host.shape, host.dtype)
+        if block.written and np.array_equal(self._read(block), raw):
+            return handle
+        if block.written:
+            self._counters["collisions"] += 1
+        handle.release()
+        return None
+
+    def _add(self, key: Key, host: np.ndarray) -> Tensor:
+        """A new read-only block holding `host`, filed under `key`."""
+        handle = Tensor(Block(host.nbytes, self.allocator), host.shape, host.dtype)
+        block = handle.block
+        allocation = block.memory_for_write("runtime.constant")
+        self.device.copyin(allocation.raw, allocation.offset, host)
+        block.mark_written()
+        block.readonly = True
+        # NOTE: the hook rather than weak references: a Block object outlives its memory (a
+        # released tensor still points at it, and Block.free() keeps it alive), so what must
+        # end the entry is the memory going back, which only the block itself sees.
+        block.on_return = self._forget
+        self._entries.setdefault(key, []).append(block)
+        self._keys[block.id] = key
+        self._bytes += block.nbytes
+        return handle
+
+    def _forget(self, block: Block) -> None:
+        """Block.on_return hook: the block's memory went back, so drop its entry."""
+        with self._lock:
+            key = self._keys.pop(block.id, None)
+            if key is None:
+                return
+            bucket = self._entries[key]
+            bucket.remove(block)
+            if not bucket:
+                del self._entries[key]
+            self._bytes -= block.nbytes
+
+
+def constant(data: Any, dtype: Any = None, device: Any = None,
+             pool: ConstantPool | None = None) -> Tensor:
+    """A read-only tensor holding a copy of `data`; equal bytes share one block.
+
+    `pool` defaults to the device's default constant pool (`device` defaults to the pool's, or
+    cpu). Reading works as for any tensor; every write raises `runtime.ReadOnlyError`. The block
+    is freed when its last tensor is released.
+
+    Raises:
+        TypeError: the data or dtype cannot be held by a tensor, or `pool` is not a ConstantPool.
+        ValueError: `pool` lives on another device than `device`.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> a = runtime.constant(np.arange(4.0))
+        >>> runtime.constant(np.arange(4.0)).block is a.block
+        True
+    """
+    if pool is None:
+        pool = config.get_default_constant_pool(device)
+    elif not isinstance(pool, ConstantPool):
+        raise TypeError(f"pool must be a runtime.ConstantPool, got {type(pool).__name__}")
+    elif device is not None and backends.get_device(device) is not pool.device:
+        raise ValueError(f"the pool is on {pool.device.name}, but device "
+                         f"{backends.get_device(device).name} was asked for")
+    return pool.constant(data, dtype)

@@ -1,0 +1,136 @@
+"""`memory_summary()`: every allocator's and constant pool's stats as a fixed-width text table."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from allocators import Allocator, format_bytes
+from runtime import config
+from runtime.constant import ConstantPool
+
+__all__ = ["memory_summary"]
+
+# (header, stats key, how to show it) for each column of the allocator table.
+_ALLOCATOR_COLUMNS = (
+    ("allocated", "allocated_bytes", "bytes"),
+    ("peak allocated", "peak_allocated_bytes", "bytes"),
+    ("reserved", "reserved_bytes", "bytes"),
+    ("cached", "cached_bytes", "bytes"),
+    ("requested", "requested_bytes", "bytes"),
+    ("allocs", "num_allocs", "count"),
+    ("frees", "num_frees", "count"),
+    ("hit rate", "hit_rate", "ratio"),
+    ("fragmentation", "fragmentation", "ratio"),
+    ("OOMs", "num_ooms", "count"),
+)
+_POOL_COLUMNS = (
+    ("constants", "constants", "count"),
+    ("bytes", "bytes", "bytes"),
+    ("lookups", "lookups", "count"),
+    ("hits", "hits", "count"),
+    ("misses", "misses", "count"),
+    ("hit rate", "hit_rate", "ratio"),
+    ("collisions", "collisions", "count"),
+)
+_GAP = "  "  # NOTE: cells never hold two spaces in a row, so a row splits on this gap
+
+
+def _cell(value: Any, kind: str) -> str:
+    if value is None:
+        return "-"
+    if kind == "bytes":
+        return format_bytes(int(value))
+    if kind == "ratio":
+        return f"{100 * value:.1f}%"
+    return str(int(value))
+
+
+def _table(title: str, columns: Sequence[tuple[str, str, str]],
+           rows: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
+    """Lines of one table: a header, a rule and a row per (label, stats); numbers right-aligned."""
+    header = [title] + [name for name, _, _ in columns]
+    body = [[label] + [_cell(stats.get(key), kind) for _, key, kind in columns]
+            for label, stats in rows]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+
+    def render(cells: list[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = (cell.rjust(width) for cell, width in zip(cells[1:], widths[1:]))
+        return _GAP.join([first, *rest]).rstrip()
+
+    return [render(header), "-" * len(render(header)), *(render(cells) for cells in body)]
+
+
+def _label(obj: Allocator | ConstantPool) -> str:
+    """Device and type, e.g. `cpu CachingAllocator`; an adaptor stack shows every layer, e.g.
+    `cpu StatisticsAdaptor(CachingAllocator)`."""
+    names, inner = [], obj
+    while inner is not None:
+        names.append(type(inner).__name__)
+        inner = getattr(inner, "upstream", None)
+    return f"{obj.device.name} {'('.join(names)}{')' * (len(names) - 1)}"
+
+
+def _collect(objects: Any) -> tuple[list[tuple[str, Allocator]], list[tuple[str, ConstantPool]]]:
+    """Split an explicit list or {label: object} mapping into labelled allocators and pools."""
+    if isinstance(objects, (Allocator, ConstantPool)):
+        objects = [objects]
+    if isinstance(objects, Mapping):
+        items: Iterable[tuple[Any, Any]] = objects.items()
+    elif isinstance(objects, Iterable) and not isinstance(objects, (str, bytes)):
+        items = ((None, obj) for obj in objects)
+    else:
+        raise TypeError(f"memory_summary takes a list or dict of allocators, "
+                        f"got {type(objects).__name__}")
+    found_allocators, found_pools = [], []
+    for label, obj in items:
+        if isinstance(obj, Allocator):
+            found_allocators.append((str(label) if label is not None else _label(obj), obj))
+        elif isinstance(obj, ConstantPool):
+            found_pools.append((str(label) if label is not None else _label(obj), obj))
+        else:
+            raise TypeError(f"memory_summary: {obj!r} is neither an allocators.Allocator nor a "
+                            f"runtime.ConstantPool")
+    return found_allocators, found_pools
+
+
+def _defaults() -> tuple[list[tuple[str, Allocator]], list[tuple[str, ConstantPool]]]:
+    """Every device's default allocator and constant pool, plus any allocator a pool still uses
+    after set_default_allocator replaced it."""
+    found = [(_label(a), a) for a in config.default_allocators().values()]
+    pools = [(_label(p), p) for p in config.default_constant_pools().values()]
+    for _, pool in pools:
+        if all(pool.allocator is not a for _, a in found):
+            found.append((f"{_label(pool.allocator)} (constants)", pool.allocator))
+    return found, pools
+
+
+def memory_summary(allocators: Any = None) -> str:
+    """A readable fixed-width table of allocator stats, one row per allocator.
+
+    By default: every device's default allocator (`runtime.config.default_allocators()`), and a
+    second table of the default constant pools. `allocators` may instead be a list of
+    Allocators (and ConstantPools), or a dict {row label: allocator or pool}. Byte columns are in
+    readable units (allocators.format_bytes); rates are percentages.
+
+    Raises:
+        TypeError: something given is neither an Allocator nor a ConstantPool.
+
+    Example:
+        >>> import allocators, runtime
+        >>> alloc = allocators.create("direct")
+        >>> a = alloc.allocate(3 * 1024)
+        >>> "3.00 KiB" in runtime.memory_summary({"mine": alloc})
+        True
+    """
+    found, pools = _defaults() if allocators is None else _collect(allocators)
+    lines = ["blockrt memory summary", ""]
+    if found or not pools:
+        rows = [(label, a.stats()) for label, a in found]
+        lines += _table("allocator", _ALLOCATOR_COLUMNS, rows) if rows else ["(no allocators)"]
+    if pools:
+        if found:
+            lines.append("")
+        lines += _table("constant pool", _POOL_COLUMNS, [(label, p.stats()) for label, p in pools])
+    return "\n".join(lines)
