@@ -38,6 +38,8 @@ MEDIUM_LIMIT = 10 * _MiB
 LARGE_ROUND = 2 * _MiB
 #: A best-fit search that steps over this many empty size buckets sweeps them all away.
 _PRUNE_AFTER = 16
+#: How new segments are sized (see CachingAllocator).
+SEGMENT_POLICIES = ("exact", "pytorch")
 #: Request sizes whose block size is remembered (the memo starts over when full).
 _ROUNDED_MEMO = 4096
 
@@ -155,6 +157,11 @@ class CachingAllocator(Allocator):
             segments that still hold live blocks cannot go back, so it may exceed the bound.
         limit_bytes: bound on reserved bytes (None: only the device's memory), like PyTorch's
             per-process memory fraction. Near the limit a new segment is cut to the block's size.
+        segments: how big a new segment is. "exact" (default): just the block that needs it,
+            so a workload that repeats its sizes (a training loop) reserves what it uses at its
+            peak, and every later request is an exact-size hit. "pytorch": 2 MiB segments shared
+            by small blocks, 20 MiB by large ones under 10 MiB, else the block rounded up to
+            2 MiB; fewer device allocations for varied sizes, at the price of reserved bytes.
 
     `allocate(0)` sets aside one granule (512 bytes by default), so it has an address of its own.
 
@@ -178,8 +185,11 @@ class CachingAllocator(Allocator):
 
     def __init__(self, device: Device | str | None = None, *,
                  size_classes: str | SizeClass = "granule", max_cached_bytes: int | None = None,
-                 limit_bytes: int | None = None) -> None:
+                 limit_bytes: int | None = None, segments: str = "exact") -> None:
         super().__init__(device)
+        if segments not in SEGMENT_POLICIES:
+            raise ValueError(f"segments must be one of {SEGMENT_POLICIES}, got {segments!r}")
+        self.segments = segments
         self.size_classes = get_size_class(size_classes)
         granule = self.size_classes.granule
         if granule % self.device.alignment:
@@ -340,7 +350,9 @@ class CachingAllocator(Allocator):
 
     def _reserve(self, size: int, pool: _Pool) -> tuple[Any, int]:
         """Raw memory for a segment holding a block of `size` bytes, and the segment's bytes."""
-        if pool is self._small:
+        if self.segments == "exact":
+            nbytes = size
+        elif pool is self._small:
             nbytes = max(SMALL_SEGMENT, size)
         elif size < MEDIUM_LIMIT:
             nbytes = MEDIUM_SEGMENT

@@ -41,9 +41,14 @@ TestCachingPow2 = allocators.testing.make_test_case(lambda: caching(size_classes
 TestCachingMantissa = allocators.testing.make_test_case(lambda: caching(size_classes="mantissa"))
 # NOTE: past 3 MiB cached, whole free 2 MiB segments go back: at most one stays.
 TestCachingSmallCache = allocators.testing.make_test_case(
-    lambda: caching(max_cached_bytes=3 * MiB))
+    lambda: caching(max_cached_bytes=3 * MiB, segments="pytorch"))
+TestCachingPytorchSegments = allocators.testing.make_test_case(
+    lambda: caching(segments="pytorch", size_classes="mantissa"))
 # NOTE: less than one 2 MiB segment: every segment is cut to its block; OOMs happen.
-TestCachingLimited = allocators.testing.make_test_case(lambda: caching(limit_bytes=768 * KiB))
+TestCachingLimited = allocators.testing.make_test_case(
+    lambda: caching(limit_bytes=768 * KiB, segments="pytorch"))
+TestCachingLimitedExact = allocators.testing.make_test_case(
+    lambda: caching(limit_bytes=768 * KiB))
 
 
 class LargeRequestsMachine(AllocatorStateMachine):
@@ -56,7 +61,7 @@ class LargeRequestsMachine(AllocatorStateMachine):
 
 # NOTE: one 2 MiB segment and half as much again: large requests hit the limit at times.
 TestCachingLimitedLarge = allocators.testing.make_test_case(
-    lambda: caching(limit_bytes=5 * MiB // 2), machine=LargeRequestsMachine)
+    lambda: caching(limit_bytes=5 * MiB // 2, segments="pytorch"), machine=LargeRequestsMachine)
 
 
 # ---------------------------------------------------------------------- size classes
@@ -213,7 +218,7 @@ def test_zero_bytes_get_one_granule_each():
 
 
 def test_best_fit_picks_the_smallest_free_block_that_fits():
-    alloc = caching()
+    alloc = caching(segments="pytorch")
     plan = {"a": 256 * KiB, "guard1": 64 * KiB, "b": 128 * KiB, "guard2": 64 * KiB,
             "c": 512 * KiB, "guard3": MiB}  # 2 MiB in all: one small segment, exactly full
     held = {name: alloc.allocate(nbytes) for name, nbytes in plan.items()}
@@ -242,7 +247,7 @@ def test_best_fit_picks_the_smallest_free_block_that_fits():
 @settings(max_examples=40)
 @given(sizes=st.lists(st.integers(0, 300 * KiB), min_size=1, max_size=30), data=st.data())
 def test_split_then_coalesce_leaves_one_free_block_per_segment(sizes, data):
-    alloc = caching()
+    alloc = caching(segments="pytorch")
     live = [alloc.allocate(nbytes) for nbytes in sizes]
     alloc.check_invariants()
     for allocation in data.draw(st.permutations(live), label="free order"):
@@ -257,7 +262,7 @@ def test_split_then_coalesce_leaves_one_free_block_per_segment(sizes, data):
 
 
 def test_fragmentation_is_one_minus_largest_free_block_over_free_bytes():
-    alloc = caching()
+    alloc = caching(segments="pytorch")
     first, middle, last = alloc.allocate(256 * KiB), alloc.allocate(MiB), alloc.allocate(768 * KiB)
     assert alloc.stats()["fragmentation"] == 0.0  # nothing cached
     alloc.free(first)
@@ -363,7 +368,7 @@ def test_a_request_that_fits_after_emptying_the_cache_succeeds():
 
 
 def test_a_request_that_never_fits_raises_with_the_numbers():
-    alloc = caching(limit_bytes=32 * MiB)
+    alloc = caching(limit_bytes=32 * MiB, segments="pytorch")
     keep = [alloc.allocate(12 * MiB), alloc.allocate(1000)]  # the second: a 2 MiB segment
     alloc.free(alloc.allocate(16 * MiB))  # 16 MiB cached in a whole segment
     before = alloc.stats()
@@ -483,3 +488,32 @@ def test_threads_share_one_allocator_without_losing_a_byte():
     alloc.check_invariants()
     alloc.empty_cache()
     assert alloc.stats()["reserved_bytes"] == 0
+
+
+# ---------------------------------------------------------------------- segment policies
+@given(st.lists(st.integers(0, 3 * MiB), min_size=1, max_size=12), st.integers(2, 4))
+@settings(max_examples=40)
+def test_exact_segments_reserve_what_a_repeating_workload_uses(sizes, steps):
+    alloc = caching()
+    blocks = [alloc.size_classes.round(max(n, 1)) for n in sizes]
+    for step in range(steps):
+        live = [alloc.allocate(n) for n in sizes]
+        stats = alloc.stats()
+        # every segment was cut to its block: nothing reserved beyond the blocks in use
+        assert stats["reserved_bytes"] == stats["allocated_bytes"] == sum(blocks)
+        if step:
+            assert stats["cache_hits"] == step * len(sizes)  # every later request is a hit
+        for allocation in live:
+            alloc.free(allocation)
+        alloc.check_invariants()
+
+
+def test_segment_policy_is_validated_and_pytorch_segments_are_shared():
+    with pytest.raises(ValueError, match="segments.*exact.*pytorch.*'tight'"):
+        caching(segments="tight")
+    alloc = caching(segments="pytorch")
+    held = [alloc.allocate(1000), alloc.allocate(1000)]
+    assert alloc.stats()["reserved_bytes"] == 2 * MiB  # both cut from one small segment
+    assert held[0].raw is held[1].raw
+    for allocation in held:
+        alloc.free(allocation)
