@@ -290,7 +290,7 @@ class LimitAdaptor(Adaptor):
             f"{format_bytes(requested)} requested through {self!r}, past its limit")
 
     def _allocate(self, nbytes: int) -> Allocation:
-        in_use = self._counters["allocated_bytes"]
+        in_use = self._allocated_bytes
         if in_use + nbytes > self.limit_bytes:
             self._refusals += 1
             over = in_use + nbytes - self.limit_bytes

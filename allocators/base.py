@@ -80,6 +80,12 @@ class Allocation:
                 f"at +{self.offset} ({state})>")
 
 
+#: The counters every allocator keeps, by stats key; `stats()` adds the derived ones.
+COUNTERS = ("allocated_bytes", "peak_allocated_bytes", "requested_bytes", "peak_requested_bytes",
+            "reserved_bytes", "peak_reserved_bytes", "peak_cached_bytes", "num_allocs",
+            "num_frees", "cache_misses", "num_ooms", "num_device_allocs", "num_device_frees")
+
+
 class Allocator:
     """Base of every allocator: validation, accounting, locking and errors live here.
 
@@ -102,11 +108,15 @@ class Allocator:
         self._lock = threading.Lock()
         self._serials = itertools.count(1)
         self._live: dict[int, Allocation] = {}
-        self._counters = dict.fromkeys(
-            ("allocated_bytes", "peak_allocated_bytes", "requested_bytes", "peak_requested_bytes",
-             "reserved_bytes", "peak_reserved_bytes", "peak_cached_bytes", "num_allocs",
-             "num_frees", "cache_hits", "cache_misses", "num_ooms", "num_device_allocs",
-             "num_device_frees"), 0)
+        # NOTE: counters are plain attributes named "_" + their stats key: on the hot path an
+        # attribute update costs half a dict update. `cache_hits` is derived (allocs - misses).
+        for key in COUNTERS:
+            setattr(self, f"_{key}", 0)
+
+    @property
+    def _counters(self) -> dict[str, int]:
+        """The raw counters by stats key (a read-only snapshot; reading it takes no lock)."""
+        return {key: getattr(self, f"_{key}") for key in COUNTERS}
 
     # ------------------------------------------------------------------ public policy
     def allocate(self, nbytes: int) -> Allocation:
@@ -117,49 +127,50 @@ class Allocator:
             ValueError: nbytes is negative.
             OutOfMemoryError: the memory cannot be had; says how much was asked, used and allowed.
         """
-        nbytes = check_nbytes(nbytes, "allocation size")
-        c = self._counters
+        if type(nbytes) is not int or nbytes < 0:
+            nbytes = check_nbytes(nbytes, "allocation size")
         with self._lock:
-            device_allocs = c["num_device_allocs"]
+            device_allocs = self._num_device_allocs
             try:
                 allocation = self._allocate(nbytes)
             except MemoryError as exc:
-                c["num_ooms"] += 1
+                self._num_ooms += 1
                 raise self._out_of_memory(nbytes, exc) from exc
             allocation.owner = self
-            allocation.serial = next(self._serials)
+            serial = allocation.serial = next(self._serials)
             allocation.live = True
-            self._live[allocation.serial] = allocation
-            c["num_allocs"] += 1
-            c["cache_misses" if c["num_device_allocs"] > device_allocs else "cache_hits"] += 1
-            allocated = c["allocated_bytes"] = c["allocated_bytes"] + allocation.size
-            requested = c["requested_bytes"] = c["requested_bytes"] + nbytes
-            if allocated > c["peak_allocated_bytes"]:
-                c["peak_allocated_bytes"] = allocated
-            if requested > c["peak_requested_bytes"]:
-                c["peak_requested_bytes"] = requested
-            cached = c["reserved_bytes"] - allocated  # a new segment may leave some cached
-            if cached > c["peak_cached_bytes"]:
-                c["peak_cached_bytes"] = cached
+            self._live[serial] = allocation
+            self._num_allocs += 1
+            if self._num_device_allocs != device_allocs:
+                self._cache_misses += 1
+            allocated = self._allocated_bytes = self._allocated_bytes + allocation.size
+            requested = self._requested_bytes = self._requested_bytes + nbytes
+            if allocated > self._peak_allocated_bytes:
+                self._peak_allocated_bytes = allocated
+            if requested > self._peak_requested_bytes:
+                self._peak_requested_bytes = requested
+            cached = self._reserved_bytes - allocated  # a new segment may leave some cached
+            if cached > self._peak_cached_bytes:
+                self._peak_cached_bytes = cached
         return allocation
 
     def free(self, allocation: Allocation) -> None:
         """Give `allocation` back. Raises InvalidFreeError on a double or foreign free."""
-        if not isinstance(allocation, Allocation):
+        if type(allocation) is not Allocation and not isinstance(allocation, Allocation):
             raise TypeError(f"free() takes an Allocation, got {type(allocation).__name__}")
-        c = self._counters
         with self._lock:
-            if self._live.get(allocation.serial) is not allocation:
+            live = self._live
+            if live.get(allocation.serial) is not allocation:
                 raise InvalidFreeError(self._describe_invalid_free(allocation))
-            del self._live[allocation.serial]
+            del live[allocation.serial]
             allocation.live = False
             self._free(allocation)
-            c["num_frees"] += 1
-            allocated = c["allocated_bytes"] = c["allocated_bytes"] - allocation.size
-            c["requested_bytes"] -= allocation.nbytes
-            cached = c["reserved_bytes"] - allocated
-            if cached > c["peak_cached_bytes"]:
-                c["peak_cached_bytes"] = cached
+            self._num_frees += 1
+            allocated = self._allocated_bytes = self._allocated_bytes - allocation.size
+            self._requested_bytes -= allocation.nbytes
+            cached = self._reserved_bytes - allocated
+            if cached > self._peak_cached_bytes:
+                self._peak_cached_bytes = cached
 
     def stats(self) -> dict[str, int | float]:
         """A snapshot of the counters; every allocator has the same keys.
@@ -171,8 +182,9 @@ class Allocator:
         fragmentation = 1 - largest free block / cached bytes (0 when nothing is cached).
         """
         with self._lock:
-            snapshot: dict[str, int | float] = dict(self._counters)
+            snapshot: dict[str, int | float] = self._counters
             largest = self._largest_free_block()
+        snapshot["cache_hits"] = snapshot["num_allocs"] - snapshot["cache_misses"]
         cached = snapshot["reserved_bytes"] - snapshot["allocated_bytes"]
         snapshot["cached_bytes"] = cached
         snapshot["active_allocations"] = snapshot["num_allocs"] - snapshot["num_frees"]
@@ -195,7 +207,7 @@ class Allocator:
         """Raise AssertionError if the accounting or the layout of live allocations is wrong."""
         with self._lock:
             live = list(self._live.values())
-            c = dict(self._counters)
+            c = self._counters
         assert c["allocated_bytes"] == sum(a.size for a in live), "allocated_bytes drifted"
         assert c["requested_bytes"] == sum(a.nbytes for a in live), "requested_bytes drifted"
         assert c["reserved_bytes"] >= c["allocated_bytes"], "reserved < allocated"
@@ -208,18 +220,17 @@ class Allocator:
     def _device_alloc(self, nbytes: int) -> Any:
         """Raw memory from the device, counted in reserved bytes. Call with the lock held."""
         raw = self.device._raw_alloc(nbytes)  # NOTE: allocate() already validated nbytes
-        c = self._counters
-        c["num_device_allocs"] += 1
-        reserved = c["reserved_bytes"] = c["reserved_bytes"] + nbytes
-        if reserved > c["peak_reserved_bytes"]:
-            c["peak_reserved_bytes"] = reserved
+        self._num_device_allocs += 1
+        reserved = self._reserved_bytes = self._reserved_bytes + nbytes
+        if reserved > self._peak_reserved_bytes:
+            self._peak_reserved_bytes = reserved
         return raw
 
     def _device_free(self, raw: Any, nbytes: int) -> None:
         """Give raw memory of `nbytes` back to the device. Call with the lock held."""
         self.device.raw_free(raw)
-        self._counters["num_device_frees"] += 1
-        self._counters["reserved_bytes"] -= nbytes
+        self._num_device_frees += 1
+        self._reserved_bytes -= nbytes
 
     def _allocate(self, nbytes: int) -> Allocation:
         raise NotImplementedError(f"{type(self).__name__} does not implement _allocate()")

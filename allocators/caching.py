@@ -272,9 +272,8 @@ class CachingAllocator(Allocator):
         if block.prev is None and after is None:
             self._idle[block] = None  # the whole segment is free: newest in the LRU order
         if self._max_cached_bytes is not None:
-            counters = self._counters
             # NOTE: the base subtracts allocation.size from allocated bytes after this hook.
-            self._trim(counters["reserved_bytes"] - counters["allocated_bytes"] + allocation.size)
+            self._trim(self._reserved_bytes - self._allocated_bytes + allocation.size)
 
     def _empty_cache(self) -> None:
         self._release_idle()
@@ -341,9 +340,8 @@ class CachingAllocator(Allocator):
             head = _new_block(raw, 0, nbytes, pool)
             self._segments[head] = nbytes
             if self._max_cached_bytes is not None:
-                counters = self._counters
                 # NOTE: the new segment is cached bytes too, except the `size` about to be used.
-                self._trim(counters["reserved_bytes"] - counters["allocated_bytes"] - size)
+                self._trim(self._reserved_bytes - self._allocated_bytes - size)
             return head
         assert failure is not None
         raise failure
@@ -362,7 +360,7 @@ class CachingAllocator(Allocator):
         nbytes = -(-nbytes // granule) * granule
         limit = self._limit_bytes
         if limit is not None:
-            reserved = self._counters["reserved_bytes"]
+            reserved = self._reserved_bytes
             if reserved + nbytes > limit:
                 nbytes = size  # NOTE: near the limit, a segment just big enough for the block
             if reserved + nbytes > limit:

@@ -223,10 +223,10 @@ def test_check_invariants_catches_a_corrupted_adaptor_counter():
     adaptor = StatisticsAdaptor(direct())
     allocation = adaptor.allocate(64)
     adaptor.check_invariants()
-    adaptor._counters["allocated_bytes"] += 1  # deliberate corruption
+    adaptor._allocated_bytes += 1  # deliberate corruption
     with pytest.raises(AssertionError, match="allocated_bytes drifted"):
         adaptor.check_invariants()
-    adaptor._counters["allocated_bytes"] -= 1
+    adaptor._allocated_bytes -= 1
     adaptor.free(allocation)
 
 
@@ -234,10 +234,10 @@ def test_check_invariants_checks_the_upstream_too():
     upstream = direct()
     adaptor = TraceAdaptor(upstream)
     allocation = adaptor.allocate(64)
-    upstream._counters["requested_bytes"] += 1  # deliberate corruption, one level down
+    upstream._requested_bytes += 1  # deliberate corruption, one level down
     with pytest.raises(AssertionError, match="requested_bytes drifted"):
         adaptor.check_invariants()
-    upstream._counters["requested_bytes"] -= 1
+    upstream._requested_bytes -= 1
     adaptor.free(allocation)
 
 

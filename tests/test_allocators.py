@@ -391,20 +391,20 @@ def test_check_invariants_catches_a_corrupted_counter(counter, complaint):
     alloc = direct()
     allocation = alloc.allocate(64)
     alloc.check_invariants()
-    alloc._counters[counter] += 1  # deliberate corruption: no public way to break the books
+    setattr(alloc, f"_{counter}", getattr(alloc, f"_{counter}") + 1)  # deliberate corruption
     with pytest.raises(AssertionError, match=complaint):
         alloc.check_invariants()
-    alloc._counters[counter] -= 1
+    setattr(alloc, f"_{counter}", getattr(alloc, f"_{counter}") - 1)
     alloc.free(allocation)
 
 
 def test_check_invariants_catches_reserved_below_allocated():
     alloc = direct()
     allocation = alloc.allocate(64)
-    alloc._counters["reserved_bytes"] = 0  # deliberate corruption
+    alloc._reserved_bytes = 0  # deliberate corruption
     with pytest.raises(AssertionError, match="reserved < allocated"):
         alloc.check_invariants()
-    alloc._counters["reserved_bytes"] = 64
+    alloc._reserved_bytes = 64
     alloc.free(allocation)
 
 

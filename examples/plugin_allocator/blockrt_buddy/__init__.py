@@ -155,7 +155,7 @@ class BuddyAllocator(Allocator):
         super().check_invariants()
         live = {(id(a.raw), a.offset, a.size) for a in self.live_allocations()}
         with self._lock:
-            reserved = self._counters["reserved_bytes"]
+            reserved = self._counters["reserved_bytes"]  # a read-only view of the base's counters
             assert reserved == sum(arena.nbytes for arena in self._arenas.values()), (
                 f"reserved_bytes {reserved} is not the sum of the arenas")
             for arena in self._arenas.values():
