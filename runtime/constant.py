@@ -22,7 +22,7 @@ import backends
 from allocators import Allocator, format_bytes
 from runtime import config
 from runtime.block import Block
-from runtime.tensor import DTYPES, Tensor, as_dtype
+from runtime.tensor import Tensor, host_array
 
 __all__ = ["ConstantPool", "constant", "content_digest"]
 
@@ -32,18 +32,6 @@ Key = tuple[int, bytes]  # (nbytes, digest of the bytes)
 def content_digest(data: np.ndarray) -> bytes:
     """The BLAKE2b digest (16 bytes) of the raw bytes of a C-contiguous uint8 array."""
     return hashlib.blake2b(data, digest_size=16).digest()
-
-
-def _host_bytes(data: Any, dtype: Any) -> np.ndarray:
-    """`data` as a C-contiguous host array of a tensor dtype, by runtime.tensor's rules."""
-    if isinstance(data, Tensor):
-        data = data.numpy()
-    host = np.asarray(data, dtype=None if dtype is None else as_dtype(dtype))
-    if host.dtype == np.float16 or host.dtype.kind not in "fiub":
-        raise TypeError(f"cannot make a constant from data of dtype {host.dtype}")
-    if host.dtype not in DTYPES:
-        host = host.astype(np.float64 if host.dtype.kind == "f" else np.int64)
-    return np.require(host, requirements="C")  # NOTE: ascontiguousarray would make 0-d 1-d
 
 
 class ConstantPool:
@@ -85,7 +73,7 @@ class ConstantPool:
         Raises:
             TypeError: the data or dtype cannot be held by a tensor.
         """
-        host = _host_bytes(data, dtype)
+        host = host_array(data, dtype, "constant")
         raw = host.reshape(-1).view(np.uint8)
         key = (raw.nbytes, content_digest(raw))
         with self._lock:

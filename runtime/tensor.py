@@ -471,6 +471,22 @@ def _allocator_for(device: Any, allocator: Allocator | None) -> Allocator:
     return allocator
 
 
+def host_array(data: Any, dtype: Any = None, what: str = "tensor") -> np.ndarray:
+    """`data` (array-like or Tensor) as a C-contiguous host array of a dtype tensors hold.
+
+    Without `dtype`, float data becomes float64 and integer data int64 unless already of a
+    supported dtype (as NumPy's defaults). Raises TypeError for data no tensor can hold.
+    """
+    if isinstance(data, Tensor):
+        data = data.numpy()
+    host = np.asarray(data, dtype=None if dtype is None else as_dtype(dtype))
+    if host.dtype == np.float16 or host.dtype.kind not in "fiub":
+        raise TypeError(f"cannot make a {what} from data of dtype {host.dtype}")
+    if host.dtype not in DTYPES:
+        host = host.astype(np.float64 if host.dtype.kind == "f" else np.int64)
+    return np.require(host, requirements="C")  # NOTE: ascontiguousarray would make 0-d 1-d
+
+
 def empty(shape: Any, dtype: Any = "float32", device: Any = None,
           allocator: Allocator | None = None) -> Tensor:
     """A tensor of `shape` whose block holds no memory until first written (lazy)."""
@@ -489,13 +505,7 @@ def tensor(data: Any, dtype: Any = None, device: Any = None,
         >>> runtime.tensor(np.ones((2, 2), np.float32)).shape
         (2, 2)
     """
-    if isinstance(data, Tensor):
-        data = data.numpy()
-    host = np.asarray(data, dtype=dtype)
-    if host.dtype == np.float16 or host.dtype.kind not in "fiub":
-        raise TypeError(f"cannot make a tensor from data of dtype {host.dtype}")
-    if dtype is None and host.dtype not in DTYPES:
-        host = host.astype(np.float64 if host.dtype.kind == "f" else np.int64)
+    host = host_array(data, dtype, "tensor")
     out = empty(host.shape, host.dtype, device, allocator)
     allocation = out.block.memory_for_write("runtime.tensor")
     out.device.copyin(allocation.raw, allocation.offset, host)
