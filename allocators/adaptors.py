@@ -86,7 +86,8 @@ class Adaptor(Allocator):
         share the upstream, the memory keys count their traffic too and the traffic keys do not.
         """
         with self._lock:
-            own = {key: self._counters[key] for key in TRAFFIC_KEYS if key in self._counters}
+            counters = self._counters
+            own = {key: counters[key] for key in TRAFFIC_KEYS if key in counters}
             own["active_allocations"] = len(self._live)
             extra = self._extra_stats()
             # NOTE: taken under our lock, after it the upstream's: the order allocate() uses.
