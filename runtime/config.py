@@ -7,7 +7,7 @@ nothing.
 
 Environment variables:
     BLOCKRT_ALLOCATOR: the name of the allocator every device gets by default (one of
-        `allocators.names()`, e.g. "direct" or "caching"; unset or empty: "direct"). The name is
+        `allocators.names()`, e.g. "direct" or "caching"; unset or empty: "caching"). The name is
         checked when a default allocator is first needed, so a plugin registered after import
         still counts; an unknown name raises ValueError naming the variable, the value and the
         known names. `runtime.set_default_allocator(...)` overrides it per device.
@@ -37,7 +37,7 @@ ALIASING_MODES = ("copy", "raise")
 #: The environment variable that names the default allocator.
 ALLOCATOR_ENV = "BLOCKRT_ALLOCATOR"
 #: The default allocator when the environment names none.
-FALLBACK_ALLOCATOR = "direct"
+FALLBACK_ALLOCATOR = "caching"
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def set_default_allocator(allocator: str | Allocator, device: str | Device | Non
 
 def get_default_allocator(device: str | Device | None = None) -> Allocator:
     """The default allocator of `device`, created on first use from `SETTINGS.allocator`
-    (BLOCKRT_ALLOCATOR, else "direct") unless `set_default_allocator` chose one.
+    (BLOCKRT_ALLOCATOR, else "caching") unless `set_default_allocator` chose one.
 
     Raises:
         ValueError: BLOCKRT_ALLOCATOR names no registered allocator.

@@ -6,7 +6,6 @@ work on empty copies of the config's per-device tables, so no other test sees th
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -57,12 +56,11 @@ PRINT_DEFAULT = REGISTER_TAGGED + """
 
 
 @pytest.mark.parametrize(("value", "expected"), [
-    (None, "DirectAllocator direct"),
-    ("", "DirectAllocator direct"),
+    (None, "CachingAllocator caching"),  # the built-in default
+    ("", "CachingAllocator caching"),
     ("direct", "DirectAllocator direct"),
     ("tagged", "Tagged tagged"),  # registered after import, before first use: still counts
-    pytest.param("caching", "CachingAllocator caching", marks=pytest.mark.skipif(
-        importlib.util.find_spec("allocators.caching") is None, reason="no caching allocator")),
+    ("caching", "CachingAllocator caching"),
 ])
 def test_default_allocator_comes_from_the_environment(value, expected):
     result = run_python(PRINT_DEFAULT, value)
@@ -103,7 +101,7 @@ def test_environment_is_read_once():
 
 
 def test_settings_from_environ():
-    assert config.Settings.from_environ({}) == config.Settings("direct", "built-in default")
+    assert config.Settings.from_environ({}) == config.Settings("caching", "built-in default")
     bogus = config.Settings.from_environ({"BLOCKRT_ALLOCATOR": " bogus "})
     assert bogus.allocator == "bogus"
     with pytest.raises(ValueError, match=r"BLOCKRT_ALLOCATOR is 'bogus'.*known: .*direct"):
