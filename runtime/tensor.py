@@ -240,6 +240,7 @@ class Tensor:
         Any later use of this tensor raises UseAfterFreeError. Releasing twice is harmless.
         """
         gen, self._gen = self._gen, _RELEASED
+        self._native = None  # NOTE: a cached native view would keep the freed memory alive
         if gen != _RELEASED:
             self.block.release(gen)
 

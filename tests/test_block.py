@@ -496,3 +496,18 @@ class BlockMachine(RuleBasedStateMachine):
 
 TestBlockMachine = BlockMachine.TestCase
 TestBlockMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_a_released_tensor_does_not_keep_its_memory_alive():
+    import weakref
+
+    alloc = allocators.create("direct", "cpu")
+    t = runtime.tensor(np.arange(6.0), allocator=alloc)
+    t.numpy()  # builds and caches the native view over the raw memory
+    raw = weakref.ref(t.block._allocation.raw.base)  # the NumPy buffer behind the raw memory
+    t.release()
+    gc.collect()
+    assert alloc.stats()["allocated_bytes"] == 0
+    assert raw() is None, "the released tensor still pins the memory its allocator freed"
+    with pytest.raises(runtime.UseAfterFreeError):
+        t.numpy()
