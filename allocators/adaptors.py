@@ -99,12 +99,7 @@ class Adaptor(Allocator):
     def check_invariants(self) -> None:
         """Check this adaptor's books, that each live allocation wraps a live upstream one over
         the same bytes, then the upstream's own invariants."""
-        with self._lock:
-            live = list(self._live.values())
-            c = dict(self._counters)
-        assert c["allocated_bytes"] == sum(a.size for a in live), "allocated_bytes drifted"
-        assert c["requested_bytes"] == sum(a.nbytes for a in live), "requested_bytes drifted"
-        assert c["num_allocs"] - c["num_frees"] == len(live), "alloc/free counts drifted"
+        live, _ = self._check_books()  # NOTE: not super(): an adaptor reserves nothing itself
         for allocation in live:
             inner = allocation.upstream
             assert inner is not None and inner.live and inner.owner is self.upstream, (

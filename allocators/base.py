@@ -205,16 +205,22 @@ class Allocator:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the accounting or the layout of live allocations is wrong."""
+        live, c = self._check_books()
+        assert c["reserved_bytes"] >= c["allocated_bytes"], "reserved < allocated"
+        spans = sorted((a.ptr, a.ptr + a.size, a.serial) for a in live if a.size)
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            assert end <= start, f"allocations #{first} and #{second} overlap"
+
+    def _check_books(self) -> tuple[list[Allocation], dict[str, int]]:
+        """Assert the traffic counters match the live allocations, from one locked snapshot;
+        returns (live allocations, counters) of that snapshot."""
         with self._lock:
             live = list(self._live.values())
             c = self._counters
         assert c["allocated_bytes"] == sum(a.size for a in live), "allocated_bytes drifted"
         assert c["requested_bytes"] == sum(a.nbytes for a in live), "requested_bytes drifted"
-        assert c["reserved_bytes"] >= c["allocated_bytes"], "reserved < allocated"
         assert c["num_allocs"] - c["num_frees"] == len(live), "alloc/free counts drifted"
-        spans = sorted((a.ptr, a.ptr + a.size, a.serial) for a in live if a.size)
-        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
-            assert end <= start, f"allocations #{first} and #{second} overlap"
+        return live, c
 
     # ------------------------------------------------------------------ mechanism for subclasses
     def _device_alloc(self, nbytes: int) -> Any:

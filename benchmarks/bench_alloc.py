@@ -13,12 +13,16 @@ Run: python benchmarks/bench_alloc.py [--quick]
 from __future__ import annotations
 
 import argparse
-import timeit
+import os
+import sys
 from collections.abc import Callable
 
 import numpy as np
 
 import allocators
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import interleaved_best
 
 SIZES = (256, 64 << 10, 4 << 20, 64 << 20)
 
@@ -55,17 +59,6 @@ def pyopencl_pair(nbytes: int) -> Callable[[], None] | None:
     return pair
 
 
-def measure(contenders: dict[str, Callable[[], None]], number: int, rounds: int) -> dict:
-    for fn in contenders.values():
-        fn()  # warm up: fills the caches
-    best = dict.fromkeys(contenders, float("inf"))
-    for _ in range(rounds):
-        for name, fn in contenders.items():
-            t = min(timeit.repeat(fn, number=number, repeat=1)) / number * 1e6
-            best[name] = min(best[name], t)
-    return best
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (for smoke runs)")
@@ -80,7 +73,8 @@ def main() -> None:
         if opencl is not None:
             contenders["pyopencl pool"] = opencl
         # NOTE: the uncached ones touch fresh memory; fewer repetitions keep the run short
-        best = measure(contenders, number if nbytes < (1 << 20) else number // 10, rounds)
+        best = interleaved_best(contenders, number if nbytes < (1 << 20) else number // 10,
+                                rounds)
         rows.append((nbytes, best))
     names = list(rows[0][1])
     print("| size | " + " | ".join(f"{n} (us)" for n in names) + " | caching / numpy.empty |"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import timeit
+import sys
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before NumPy loads its BLAS
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -21,9 +21,8 @@ import numpy as np
 import runtime
 from runtime import ops
 
-
-def best_us(fn, number: int, rounds: int) -> float:
-    return min(timeit.repeat(fn, number=number, repeat=rounds)) / number * 1e6
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import interleaved_best
 
 
 def cases(n: int, m: int):
@@ -64,11 +63,8 @@ def main() -> None:
         if args.quick:
             number //= 10
         for name, ours, theirs in cases(n, m):
-            ours(), theirs()  # warm up (first-touch allocation, caches)
-            t_ours = t_np = float("inf")
-            for _ in range(rounds):
-                t_ours = min(t_ours, best_us(ours, number, 1))
-                t_np = min(t_np, best_us(theirs, number, 1))
+            best = interleaved_best({"blockrt": ours, "numpy": theirs}, number, rounds)
+            t_ours, t_np = best["blockrt"], best["numpy"]
             print(f"| {n}x{m} | {name} | {t_ours:.1f} | {t_np:.1f} | {t_ours - t_np:.1f} | "
                   f"{t_ours / t_np:.2f} |")
 

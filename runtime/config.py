@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import allocators
 import backends
@@ -122,6 +122,17 @@ def set_default_allocator(allocator: str | Allocator, device: str | Device | Non
     return allocator
 
 
+def _per_device(table: dict, dev: Device, make: Callable[[], Any]) -> Any:
+    """table[dev], made by `make()` the first time; one maker wins when threads race."""
+    value = table.get(dev)
+    if value is None:
+        with _lock:
+            value = table.get(dev)
+            if value is None:
+                value = table[dev] = make()
+    return value
+
+
 def get_default_allocator(device: str | Device | None = None) -> Allocator:
     """The default allocator of `device`, created on first use from `SETTINGS.allocator`
     (BLOCKRT_ALLOCATOR, else "caching") unless `set_default_allocator` chose one.
@@ -130,14 +141,8 @@ def get_default_allocator(device: str | Device | None = None) -> Allocator:
         ValueError: BLOCKRT_ALLOCATOR names no registered allocator.
     """
     dev = backends.get_device(device if device is not None else "cpu")
-    allocator = _default_allocators.get(dev)
-    if allocator is None:
-        with _lock:
-            allocator = _default_allocators.get(dev)
-            if allocator is None:
-                name = SETTINGS.default_allocator_name()
-                allocator = _default_allocators[dev] = allocators.create(name, dev)
-    return allocator
+    return _per_device(_default_allocators, dev,
+                       lambda: allocators.create(SETTINGS.default_allocator_name(), dev))
 
 
 def default_allocators() -> dict[Device, Allocator]:
@@ -154,11 +159,8 @@ def get_default_constant_pool(device: str | Device | None = None) -> ConstantPoo
     dev = backends.get_device(device if device is not None else "cpu")
     pool = _default_constant_pools.get(dev)
     if pool is None:
-        allocator = get_default_allocator(dev)
-        with _lock:
-            pool = _default_constant_pools.get(dev)
-            if pool is None:
-                pool = _default_constant_pools[dev] = ConstantPool(allocator)
+        allocator = get_default_allocator(dev)  # NOTE: outside _lock, which it takes itself
+        pool = _per_device(_default_constant_pools, dev, lambda: ConstantPool(allocator))
     return pool
 
 

@@ -155,14 +155,22 @@ def _is_scalar(x: Any) -> bool:
 
 def _elementwise(op: str, out: Tensor | None, *operands: Operand) -> Tensor:
     """Run the elementwise kernel named `op` (the device's kernel has the op's name)."""
-    tensors = [x for x in operands if isinstance(x, Tensor)]
-    if not tensors:
-        raise TypeError(f"{op}: needs at least one Tensor operand, got "
-                        f"{', '.join(type(x).__name__ for x in operands)}")
-    for x in operands:
-        if not isinstance(x, Tensor) and not _is_scalar(x):
+    # NOTE: one pass sorts the operands: (label, tensor) pairs, and numbers by argument position.
+    labels = "ab" if len(operands) == 2 else "x"
+    named: list[tuple[str, Tensor]] = []
+    numbers_at: dict[int, Any] = {}
+    for i, x in enumerate(operands):
+        if isinstance(x, Tensor):
+            named.append((labels[i], x))
+        elif _is_scalar(x):
+            numbers_at[i] = x
+        else:
             raise TypeError(f"{op}: operands must be Tensors or real numbers, got "
                             f"{type(x).__name__}")
+    if not named:
+        raise TypeError(f"{op}: needs at least one Tensor operand, got "
+                        f"{', '.join(type(x).__name__ for x in operands)}")
+    tensors = [t for _, t in named]
     device, dtype = _common(op, tensors, floats_only=op != "copy")
     shapes = [t.shape for t in tensors]
     if isinstance(out, Tensor):
@@ -174,9 +182,8 @@ def _elementwise(op: str, out: Tensor | None, *operands: Operand) -> Tensor:
                          f"together{' (the last is out)' if isinstance(out, Tensor) else ''}"
                          ) from None
     out = _prepare_out(op, out, shape, dtype, tensors[0])
-    labels = "ab" if len(operands) == 2 else "x"
-    inputs = [(labels[i], x, shape) for i, x in enumerate(operands) if isinstance(x, Tensor)]
-    scalars = {i: dtype.type(x) for i, x in enumerate(operands) if not isinstance(x, Tensor)}
+    inputs = [(label, t, shape) for label, t in named]
+    scalars = {i: dtype.type(x) for i, x in numbers_at.items()}
     if len(operands) == 1:
         return _launch(op, out, inputs, lambda v, o: device.unary(op, v[0], o))
     return _launch(op, out, inputs, lambda v, o: device.binary(op, v[0], v[1], o), scalars)

@@ -146,20 +146,14 @@ class Tensor:
         return self
 
     def _check_bounds(self) -> None:
-        if 0 in self.shape:
+        span = self.byte_span()  # NOTE: cached, so the ops' overlap checks reuse it
+        if span is None or (span[0] >= 0 and span[1] <= self.block.nbytes):
             return
-        lo = hi = self.offset
-        for n, s in zip(self.shape, self.strides):
-            if s > 0:
-                hi += s * (n - 1)
-            else:
-                lo += s * (n - 1)
         itemsize = self.dtype.itemsize
-        if lo < 0 or (hi + 1) * itemsize > self.block.nbytes:
-            raise ValueError(
-                f"a view of shape {self.shape}, strides {self.strides} at offset {self.offset} "
-                f"reaches elements [{lo}, {hi}] but block #{self.block.id} holds "
-                f"{self.block.nbytes // itemsize} elements of {self.dtype}")
+        raise ValueError(
+            f"a view of shape {self.shape}, strides {self.strides} at offset {self.offset} "
+            f"reaches elements [{span[0] // itemsize}, {span[1] // itemsize - 1}] but block "
+            f"#{self.block.id} holds {self.block.nbytes // itemsize} elements of {self.dtype}")
 
     # ------------------------------------------------------------------ properties
     @property

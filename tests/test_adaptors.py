@@ -29,6 +29,7 @@ from allocators.adaptors import (
 )
 from allocators.direct import DirectAllocator
 from allocators.testing import RATIO_STATS, REQUIRED_STATS, make_test_case
+from helpers import run_threads
 
 
 def direct() -> DirectAllocator:
@@ -272,18 +273,14 @@ def test_concurrent_traffic_through_a_stack_keeps_exact_books():
     traced = TraceAdaptor(direct())
     stack = StatisticsAdaptor(traced)
     rounds, workers = 200, 4
-    all_started = threading.Barrier(workers)  # NOTE: all alive at once, so thread ids differ
+    idents = set()
 
-    def churn() -> None:
-        all_started.wait()
+    def churn(_: int) -> None:
+        idents.add(threading.get_ident())
         for nbytes in range(rounds):
             stack.free(stack.allocate(nbytes))
 
-    threads = [threading.Thread(target=churn) for _ in range(workers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_threads(churn, workers)  # NOTE: all alive at once, so thread ids differ
     stats = stack.stats()
     assert stats["num_allocs"] == stats["num_frees"] == rounds * workers
     assert stats["reserved_bytes"] == stats["allocated_bytes"] == 0
@@ -291,7 +288,8 @@ def test_concurrent_traffic_through_a_stack_keeps_exact_books():
     stack.check_invariants()
     events = traced.events
     assert len(events) == 2 * rounds * workers
-    assert {event.thread for event in events} == {thread.ident for thread in threads}
+    assert len(idents) == workers
+    assert {event.thread for event in events} == idents
     assert replay(events, direct())["allocs"] == rounds * workers  # a well-formed sequence
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 import unittest
 
 import numpy as np
@@ -17,6 +16,7 @@ import backends
 from allocators import Allocation, Allocator, InvalidFreeError, OutOfMemoryError, format_bytes
 from allocators.direct import DirectAllocator
 from allocators.testing import RATIO_STATS, REQUIRED_STATS, allocation_sizes, make_test_case
+from helpers import run_threads
 
 STATS_KEYS = ("allocated_bytes", "peak_allocated_bytes", "reserved_bytes", "cached_bytes",
               "num_allocs", "num_frees", "cache_hits", "cache_misses", "requested_bytes",
@@ -348,15 +348,11 @@ def test_concurrent_allocate_and_free_keep_exact_counts():
     alloc = direct()
     rounds, workers = 200, 4
 
-    def churn() -> None:
+    def churn(_: int) -> None:
         for nbytes in range(rounds):
             alloc.free(alloc.allocate(nbytes))
 
-    threads = [threading.Thread(target=churn) for _ in range(workers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_threads(churn, workers)
     stats = alloc.stats()
     assert stats["num_allocs"] == stats["num_frees"] == rounds * workers
     assert stats["allocated_bytes"] == stats["reserved_bytes"] == 0

@@ -15,6 +15,7 @@ import backends
 from backends import BackendUnavailableError, Device
 from backends.base import BINARY_KERNELS, REDUCE_KERNELS, UNARY_KERNELS
 from backends.numpy import NumpyDevice
+from helpers import BINARY_REFERENCE, UNARY_REFERENCE
 
 
 @pytest.fixture(scope="module", params=backends.available())
@@ -342,16 +343,6 @@ def test_an_unknown_kernel_is_a_value_error_listing_the_known_ones(device, call,
         assert name in str(caught.value)
 
 
-UNARY_REFERENCE = {
-    "neg": np.negative,
-    "exp": np.exp,
-    "log": np.log,
-    "tanh": np.tanh,
-    "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
-    "relu": lambda x: np.where(x > 0, x, 0),
-    "copy": lambda x: x,
-}
-BINARY_REFERENCE = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
 REDUCE_REFERENCE = {"sum": np.sum, "mean": np.mean}
 
 

@@ -4,7 +4,6 @@ coalesce, cache hits, LRU trimming, empty_cache, fragmentation, out-of-memory re
 from __future__ import annotations
 
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ from allocators.sizeclass import (
 )
 from allocators.testing import AllocatorStateMachine, allocation_sizes
 from backends.numpy import NumpyDevice
+from helpers import run_threads
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -472,11 +472,7 @@ def test_threads_share_one_allocator_without_losing_a_byte():
     old_interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)  # NOTE: switch threads often, so calls really interleave
     try:
-        threads = [threading.Thread(target=worker, args=(index,)) for index in range(THREADS)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        run_threads(worker, THREADS)
     finally:
         sys.setswitchinterval(old_interval)
     assert not errors, errors[:3]

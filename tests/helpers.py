@@ -1,0 +1,45 @@
+"""Small helpers shared by several test modules."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+#: What each unary kernel / op computes, in NumPy (backends.base.UNARY_KERNELS).
+UNARY_REFERENCE: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "neg": np.negative,
+    "exp": np.exp,
+    "log": np.log,
+    "tanh": np.tanh,
+    "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
+    "relu": lambda x: np.maximum(x, 0),
+    "copy": np.copy,
+}
+#: What each binary kernel / op computes, in NumPy.
+BINARY_REFERENCE = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+
+
+def run_threads(target: Callable[[int], None], workers: int) -> None:
+    """Run target(index) in `workers` threads that start together; re-raise the first error.
+
+    (A plain threading.Thread swallows its exception, so a test would only see its effects.)
+    """
+    start = threading.Barrier(workers)
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        start.wait()
+        try:
+            target(index)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
