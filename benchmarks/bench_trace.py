@@ -7,7 +7,7 @@ MemoryPool on PoCL replay the same events with an equivalent loop. Figures, from
 
 - hit rate after the first step: allocations served from the cache / allocations, steps 2..N;
 - peak reserved / peak requested bytes;
-- time per event (alloc or free), best of several replays.
+- time per event (alloc or free), best of several replays, interleaved across allocators.
 
 Run: python benchmarks/bench_trace.py [--quick]
 """
@@ -26,6 +26,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from mlp_trace import mlp_training_events, peak_live_bytes
+from timing import interleaved_min
 
 import allocators
 from allocators.adaptors import TraceAdaptor, load_trace, replay
@@ -46,12 +47,8 @@ def record_trace(events, path: pathlib.Path) -> None:
         tracer.to_jsonl(f)
 
 
-def blockrt_figures(name: str, trace, steps: int, repeats: int) -> dict:
-    per_event = float("inf")
-    for _ in range(repeats):
-        result = replay(trace, allocators.create(name, "cpu"))
-        per_event = min(per_event, result["us_per_event"])
-    # Figures after the first step: replay one step, reset the counters' view, replay the rest.
+def blockrt_memory(name: str, trace, steps: int) -> dict:
+    """Hit rate after the first step and peak reserved bytes of a fresh allocator."""
     alloc = allocators.create(name, "cpu")
     one_step = len(trace) // steps
     replay(trace[:one_step], alloc)
@@ -60,38 +57,36 @@ def blockrt_figures(name: str, trace, steps: int, repeats: int) -> dict:
     last = alloc.stats()
     allocs = last["num_allocs"] - first["num_allocs"]
     hits = last["cache_hits"] - first["cache_hits"]
-    return {"hit_rate": hits / allocs, "peak_reserved": last["peak_reserved_bytes"],
-            "us_per_event": per_event}
+    return {"hit_rate": hits / allocs, "peak_reserved": last["peak_reserved_bytes"]}
 
 
-def loop_figures(alloc_fn, free_fn, events, steps: int, repeats: int, reserved_fn=None) -> dict:
-    """Replay with plain callables (numpy.empty, pyopencl): time, and reserved bytes if known."""
-    per_event = float("inf")
-    for _ in range(repeats):
-        live = {}
-        start = time.perf_counter()
-        for kind, tensor, nbytes in events:
-            if kind == "alloc":
-                live[tensor] = alloc_fn(nbytes)
-            else:
-                free_fn(live.pop(tensor))
-        per_event = min(per_event, (time.perf_counter() - start) / len(events) * 1e6)
-    figures = {"us_per_event": per_event, "hit_rate": None, "peak_reserved": None}
-    if reserved_fn is not None:
-        live, peak, misses, allocs = {}, 0, 0, 0
-        one_step = len(events) // steps
-        for index, (kind, tensor, nbytes) in enumerate(events):
-            before = reserved_fn()
-            if kind == "alloc":
-                live[tensor] = alloc_fn(nbytes)
-                if index >= one_step:
-                    allocs += 1
-                    misses += reserved_fn() > before
-            else:
-                free_fn(live.pop(tensor))
-            peak = max(peak, reserved_fn())
-        figures.update(hit_rate=1 - misses / allocs, peak_reserved=peak)
-    return figures
+def loop_replay(alloc_fn, free_fn, events) -> float:
+    """One replay with plain callables (numpy.empty, pyopencl); microseconds per event."""
+    live = {}
+    start = time.perf_counter()
+    for kind, tensor, nbytes in events:
+        if kind == "alloc":
+            live[tensor] = alloc_fn(nbytes)
+        else:
+            free_fn(live.pop(tensor))
+    return (time.perf_counter() - start) / len(events) * 1e6
+
+
+def loop_memory(alloc_fn, free_fn, events, steps: int, reserved_fn) -> dict:
+    """Hit rate after the first step and peak reserved bytes, read off `reserved_fn`."""
+    live, peak, misses, allocs = {}, 0, 0, 0
+    one_step = len(events) // steps
+    for index, (kind, tensor, nbytes) in enumerate(events):
+        before = reserved_fn()
+        if kind == "alloc":
+            live[tensor] = alloc_fn(nbytes)
+            if index >= one_step:
+                allocs += 1
+                misses += reserved_fn() > before
+        else:
+            free_fn(live.pop(tensor))
+        peak = max(peak, reserved_fn())
+    return {"hit_rate": 1 - misses / allocs, "peak_reserved": peak}
 
 
 def pyopencl_pool():
@@ -110,20 +105,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     args = parser.parse_args()
     steps = args.steps or (5 if args.quick else 50)
-    repeats = 2 if args.quick else 5
+    repeats = 2 if args.quick else 9
     events = mlp_training_events(batch=256, width=1024, depth=4, steps=steps)
     requested = peak_live_bytes(events)
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "mlp.jsonl"
         record_trace(events, path)
         trace = load_trace(path)
-    rows = {name: blockrt_figures(name, trace, steps, repeats) for name in ALLOCATORS}
-    rows["numpy.empty"] = loop_figures(lambda n: np.empty(n, np.uint8), lambda a: None, events,
-                                       steps, repeats)
+    rows = {name: blockrt_memory(name, trace, steps) for name in ALLOCATORS}
+    timed = {name: (lambda name=name: replay(trace, allocators.create(name, "cpu"))["us_per_event"])
+             for name in ALLOCATORS}
+    rows["numpy.empty"] = {"hit_rate": None, "peak_reserved": None}
+    timed["numpy.empty"] = lambda: loop_replay(lambda n: np.empty(n, np.uint8), lambda a: None,
+                                               events)
     pool = pyopencl_pool()
     if pool is not None:
-        rows["pyopencl pool"] = loop_figures(pool.allocate, lambda b: b.release(), events, steps,
-                                             repeats, reserved_fn=lambda: pool.managed_bytes)
+        rows["pyopencl pool"] = loop_memory(pool.allocate, lambda b: b.release(), events, steps,
+                                            reserved_fn=lambda: pool.managed_bytes)
+        timed["pyopencl pool"] = lambda: loop_replay(pool.allocate, lambda b: b.release(), events)
+    for name, us in interleaved_min(timed, repeats).items():
+        rows[name]["us_per_event"] = us
     print(f"{steps} steps, {len(events)} events, peak requested "
           f"{allocators.format_bytes(requested)}\n")
     print("| allocator | hit rate after step 1 | peak reserved / peak requested | us per event |")
