@@ -15,8 +15,11 @@ $(VENV)/.installed-$(EXTRAS): setup.cfg pyproject.toml examples/plugin_allocator
 
 venv: $(VENV)/.installed-$(EXTRAS)
 
-demo: venv
-	$(PY) examples/sharing_memory.py
+# The main demo trains an MLP on scikit-learn's digits (examples/sharing_memory.py tells the
+# aliasing story: run it with $(PY) examples/sharing_memory.py).
+demo:
+	$(MAKE) venv EXTRAS=demo
+	$(PY) examples/train_mlp.py
 
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)

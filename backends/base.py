@@ -16,9 +16,12 @@ from typing import Any
 import numpy as np
 
 #: Elementwise kernels of one input. "copy" writes its input (possibly broadcast) into out.
-UNARY_KERNELS = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "copy")
-#: Elementwise kernels of two inputs, broadcast by the runtime to the output's shape.
-BINARY_KERNELS = ("add", "sub", "mul", "div")
+UNARY_KERNELS = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "sqrt", "copy")
+#: Elementwise kernels of two inputs, broadcast by the runtime to the output's shape. The
+#: "*_backward" ones take (gradient, the op's output): tanh: a * (1 - b*b); sigmoid:
+#: a * b * (1 - b); relu: a where b > 0, else 0 (autograd's fused derivative kernels).
+BINARY_KERNELS = ("add", "sub", "mul", "div", "tanh_backward", "sigmoid_backward",
+                  "relu_backward")
 #: Reductions over an axis (or all axes).
 REDUCE_KERNELS = ("sum", "mean")
 
@@ -138,6 +141,20 @@ class Device:
             raise ValueError(f"unknown reduction {name!r}; known: {', '.join(REDUCE_KERNELS)}")
         self._reduce(name, x, axis, keepdims, out)
 
+    def cross_entropy(self, logits: Any, labels: Any, losses: Any, probs: Any) -> None:
+        """Softmax cross-entropy per row, computed stably (the row maximum is subtracted first).
+
+        `logits` is (rows, classes), `labels` (rows,) integer class indices, already checked to
+        lie in [0, classes). Writes losses[i] = logsumexp(logits[i]) - logits[i, labels[i]] and
+        probs = softmax(logits) (kept for the backward pass). Outputs never overlap inputs.
+        """
+        self._cross_entropy(logits, labels, losses, probs)
+
+    def cross_entropy_backward(self, probs: Any, labels: Any, grad: Any, out: Any) -> None:
+        """out = (probs - one_hot(labels)) * grad[:, None]: the gradient of the per-row losses
+        of `cross_entropy` with respect to the logits, given the gradient `grad` (rows,)."""
+        self._cross_entropy_backward(probs, labels, grad, out)
+
     def to_host(self, view: Any) -> np.ndarray:
         """A new host numpy array equal to the native view `view` (any strides)."""
         return self._to_host(view)
@@ -180,6 +197,12 @@ class Device:
     def _reduce(self, name: str, x: Any, axis: tuple[int, ...] | None, keepdims: bool,
                 out: Any) -> None:
         raise _missing(self, "_reduce")
+
+    def _cross_entropy(self, logits: Any, labels: Any, losses: Any, probs: Any) -> None:
+        raise _missing(self, "_cross_entropy")
+
+    def _cross_entropy_backward(self, probs: Any, labels: Any, grad: Any, out: Any) -> None:
+        raise _missing(self, "_cross_entropy_backward")
 
     def _to_host(self, view: Any) -> np.ndarray:
         raise _missing(self, "_to_host")

@@ -29,6 +29,23 @@ def _neg(x: np.ndarray, out: np.ndarray) -> None:
     np.multiply(x, -1, out=out)
 
 
+def _relu_backward(grad: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
+    np.multiply(grad, np.greater(y, 0), out=out)
+
+
+def _tanh_backward(grad: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
+    # NOTE: out may be grad or y itself, so the factor is built in a temporary first.
+    factor = np.multiply(y, y, out=np.empty(out.shape, out.dtype))
+    np.subtract(1, factor, out=factor)
+    np.multiply(grad, factor, out=out)
+
+
+def _sigmoid_backward(grad: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
+    factor = np.subtract(1, y, out=np.empty(out.shape, out.dtype))
+    np.multiply(factor, y, out=factor)
+    np.multiply(grad, factor, out=out)
+
+
 _UNARY = {
     "neg": _neg,
     "exp": np.exp,
@@ -36,9 +53,12 @@ _UNARY = {
     "tanh": np.tanh,
     "sigmoid": _sigmoid,
     "relu": lambda x, out: np.maximum(x, 0, out=out),
+    "sqrt": np.sqrt,
     "copy": lambda x, out: np.copyto(out, x),
 }
-_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+           "tanh_backward": _tanh_backward, "sigmoid_backward": _sigmoid_backward,
+           "relu_backward": _relu_backward}
 _REDUCE = {"sum": np.sum, "mean": np.mean}
 
 
@@ -99,6 +119,23 @@ class NumpyDevice(Device):
 
     def _reduce(self, name, x, axis, keepdims, out) -> None:
         _REDUCE[name](x, axis=axis, keepdims=keepdims, out=out)
+
+    def _cross_entropy(self, logits, labels, losses, probs) -> None:
+        rows = np.arange(logits.shape[0])
+        np.max(logits, axis=1, keepdims=True, out=probs[:, :1])  # the row maxima, parked
+        top = probs[:, 0].copy()
+        np.subtract(logits, top[:, None], out=probs)
+        picked = probs[rows, labels]  # logit of the label minus the row maximum
+        np.exp(probs, out=probs)
+        total = np.sum(probs, axis=1)
+        np.divide(probs, total[:, None], out=probs)
+        np.log(total, out=total)
+        np.subtract(total, picked, out=losses)
+
+    def _cross_entropy_backward(self, probs, labels, grad, out) -> None:
+        np.copyto(out, probs)
+        out[np.arange(out.shape[0]), labels] -= 1
+        np.multiply(out, grad[:, None], out=out)
 
     def _to_host(self, view: np.ndarray) -> np.ndarray:
         return np.array(view, copy=True)

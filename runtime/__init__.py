@@ -10,16 +10,24 @@ Example:
 
 from __future__ import annotations
 
-from runtime import ops
+from runtime import nn, ops
 from runtime.aliasing import overlaps
+from runtime.autograd import enable_grad, is_grad_enabled, no_grad
 from runtime.block import Block
 from runtime.config import get_aliasing, get_default_allocator, set_aliasing, set_default_allocator
 from runtime.constant import ConstantPool, constant
-from runtime.errors import AliasingError, ReadOnlyError, UninitializedMemoryError, UseAfterFreeError
+from runtime.errors import (
+                            AliasingError,
+                            AutogradError,
+                            ReadOnlyError,
+                            UninitializedMemoryError,
+                            UseAfterFreeError,
+)
 from runtime.summary import memory_summary
 from runtime.tensor import Tensor, empty, ones, tensor, view, zeros
 
-__all__ = ["AliasingError", "Block", "ConstantPool", "ReadOnlyError", "Tensor",
-           "UninitializedMemoryError", "UseAfterFreeError", "constant", "empty", "get_aliasing",
-           "get_default_allocator", "memory_summary", "ones", "ops", "overlaps", "set_aliasing",
-           "set_default_allocator", "tensor", "view", "zeros"]
+__all__ = ["AliasingError", "AutogradError", "Block", "ConstantPool", "ReadOnlyError", "Tensor",
+           "UninitializedMemoryError", "UseAfterFreeError", "constant", "empty", "enable_grad",
+           "get_aliasing", "get_default_allocator", "is_grad_enabled", "memory_summary", "no_grad",
+           "nn", "ones", "ops", "overlaps", "set_aliasing", "set_default_allocator", "tensor",
+           "view", "zeros"]

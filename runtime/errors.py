@@ -18,3 +18,8 @@ class AliasingError(ValueError):
 
 class ReadOnlyError(RuntimeError):
     """A write to an immutable (constant) tensor."""
+
+
+class AutogradError(RuntimeError):
+    """backward() cannot compute a gradient: nothing requires one, the output is not a scalar,
+    a tensor saved for backward was modified in place, or the graph was already freed."""

@@ -14,18 +14,19 @@ partially overlapping operands, on any backend.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from runtime import aliasing, config
-from runtime.errors import AliasingError
-from runtime.tensor import Tensor
+from runtime import aliasing, autograd, config
+from runtime.errors import AliasingError, AutogradError
+from runtime.tensor import Tensor, empty, host_array, tensor
 
 __all__ = ["ALIASING_POLICY", "add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sigmoid",
-           "relu", "matmul", "sum", "mean", "copy"]
+           "relu", "sqrt", "matmul", "linear", "cross_entropy", "sum", "mean", "copy"]
 
 ELEMENTWISE = "elementwise"
 NEVER = "never"
@@ -33,8 +34,10 @@ NEVER = "never"
 #: What each op declares about its output sharing memory with its inputs (see the module docstring).
 ALIASING_POLICY: dict[str, str] = {
     **dict.fromkeys(("add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sigmoid", "relu",
-                     "copy"), ELEMENTWISE),
-    **dict.fromkeys(("matmul", "sum", "mean"), NEVER),
+                     "sqrt", "copy"), ELEMENTWISE),
+    **dict.fromkeys(("matmul", "linear", "cross_entropy", "sum", "mean"), NEVER),
+    # autograd's fused derivatives (not public ops): (gradient, the op's output) -> gradient
+    **dict.fromkeys(("tanh_backward", "sigmoid_backward", "relu_backward"), ELEMENTWISE),
 }
 
 FLOAT_DTYPES = (np.dtype("float32"), np.dtype("float64"))
@@ -78,11 +81,17 @@ def _broadcast_shapes(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
 
 
 def _prepare_out(op: str, out: Tensor | None, shape: tuple, dtype: np.dtype,
-                 like: Tensor) -> Tensor:
+                 like: Tensor, operands: Sequence[Any] = ()) -> Tensor:
     if out is None:
         return Tensor._fresh(shape, dtype, like.block.allocator)
     if not isinstance(out, Tensor):
         raise TypeError(f"{op}: out must be a Tensor, got {type(out).__name__}")
+    if autograd.needs_grad(out, *operands):
+        what = ("out requires grad" if out.requires_grad else
+                "an input requires grad, and autograd does not record writes into out=")
+        raise AutogradError(f"{op}: cannot write into out= while recording gradients: {what} "
+                            f"(shape {out.shape}); use the op without out=, or write under "
+                            f"runtime.no_grad()")
     if out.shape != shape:
         raise ValueError(f"{op}: out has shape {out.shape}, the result has shape {shape}")
     if out.dtype != dtype:
@@ -181,12 +190,108 @@ def _elementwise(op: str, out: Tensor | None, *operands: Operand) -> Tensor:
         raise ValueError(f"{op}: shapes {' and '.join(map(str, shapes))} cannot be broadcast "
                          f"together{' (the last is out)' if isinstance(out, Tensor) else ''}"
                          ) from None
-    out = _prepare_out(op, out, shape, dtype, tensors[0])
+    out = _prepare_out(op, out, shape, dtype, tensors[0], tensors)
     inputs = [(label, t, shape) for label, t in named]
     scalars = {i: dtype.type(x) for i, x in numbers_at.items()}
     if len(operands) == 1:
-        return _launch(op, out, inputs, lambda v, o: device.unary(op, v[0], o))
-    return _launch(op, out, inputs, lambda v, o: device.binary(op, v[0], v[1], o), scalars)
+        _launch(op, out, inputs, lambda v, o: device.unary(op, v[0], o))
+    else:
+        _launch(op, out, inputs, lambda v, o: device.binary(op, v[0], v[1], o), scalars)
+    if autograd.needs_grad(*tensors):
+        _record_elementwise(op, out, operands)
+    return out
+
+
+# ---------------------------------------------------------------------- derivatives
+def _wants(x: Any) -> bool:
+    return isinstance(x, Tensor) and x.requires_grad
+
+
+def _record_elementwise(op: str, out: Tensor, operands: Sequence[Operand]) -> None:
+    """Attach the backward function of the elementwise `op` (d out / d operand, times g)."""
+    a = operands[0]
+    b = operands[1] if len(operands) == 2 else None
+    na, nb = _wants(a), _wants(b)
+    labels = ("a", "b") if len(operands) == 2 else ("x",)
+    save: list[tuple[str, Any]] = []
+    fn: Callable[..., tuple]
+    if op == "add":
+        def fn(g):
+            return g, g
+    elif op == "sub":
+        def fn(g):
+            return g, neg(g) if nb else None
+    elif op == "mul":
+        save = [("b", b), ("a", a if nb else None)]
+
+        def fn(g, b, a):
+            return mul(g, b) if na else None, mul(g, a) if nb else None
+    elif op == "div":
+        save = [("b", b), ("the output", out if nb else None)]
+
+        def fn(g, b, y):  # d(a/b)/db = -(a/b)/b
+            return div(g, b) if na else None, neg(div(mul(g, y), b)) if nb else None
+    elif op == "neg":
+        def fn(g):
+            return (neg(g),)
+    elif op == "log":
+        save = [("x", a)]
+
+        def fn(g, x):
+            return (div(g, x),)
+    elif op == "copy":
+        def fn(g):
+            return (g,)
+    elif op in ("exp", "sqrt", "tanh", "sigmoid", "relu"):
+        save = [("the output", out)]  # each derivative is a function of the output
+        fn = _OUTPUT_DERIVATIVES[op]
+    else:
+        raise AutogradError(f"{op} has no derivative")
+    autograd.record(op, out, operands, labels, fn, save)
+
+
+_OUTPUT_DERIVATIVES: dict[str, Callable[..., tuple]] = {
+    "exp": lambda g, y: (mul(g, y),),
+    "sqrt": lambda g, y: (div(mul(g, 0.5), y),),
+    "tanh": lambda g, y: (_elementwise("tanh_backward", None, g, y),),
+    "sigmoid": lambda g, y: (_elementwise("sigmoid_backward", None, g, y),),
+    "relu": lambda g, y: (_elementwise("relu_backward", None, g, y),),
+}
+
+
+def _swap_last(t: Tensor) -> Tensor:
+    """A view with the last two axes swapped (the matrix transpose of a batch)."""
+    axes = list(range(t.ndim))
+    axes[-2], axes[-1] = axes[-1], axes[-2]
+    return t.transpose(axes)
+
+
+def _matmul_backward(a_shape: tuple, b_shape: tuple, na: bool, nb: bool) -> Callable:
+    """d(a @ b): ga = g @ b^T, gb = a^T @ g, with 1-D operands promoted to matrices as NumPy
+    does (a as a row, b as a column) and batch broadcasting summed away."""
+    def fn(g: Tensor, b: Tensor | None, a: Tensor | None) -> tuple:
+        if len(b_shape) == 1:  # NOTE: b's column first, so that a's row goes before it
+            g = g[..., None]
+        if len(a_shape) == 1:
+            g = g[..., None, :]
+        ga = gb = None
+        if na:
+            bm = b if len(b_shape) > 1 else b.reshape(b_shape[0], 1)
+            ga = autograd._unbroadcast(matmul(g, _swap_last(bm)), _matrix(a_shape, True))
+            ga = ga.reshape(a_shape)
+        if nb:
+            am = a if len(a_shape) > 1 else a.reshape(1, a_shape[0])
+            gb = autograd._unbroadcast(matmul(_swap_last(am), g), _matrix(b_shape, False))
+            gb = gb.reshape(b_shape)
+        return ga, gb
+    return fn
+
+
+def _matrix(shape: tuple, row: bool) -> tuple:
+    """The shape of a matmul operand with a 1-D one promoted (a row for a, a column for b)."""
+    if len(shape) > 1:
+        return shape
+    return (1, shape[0]) if row else (shape[0], 1)
 
 
 # ---------------------------------------------------------------------- elementwise ops
@@ -240,6 +345,11 @@ def relu(x: Tensor, out: Tensor | None = None) -> Tensor:
     return _elementwise("relu", out, x)
 
 
+def sqrt(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """The square root elementwise."""
+    return _elementwise("sqrt", out, x)
+
+
 def copy(x: Tensor, out: Tensor | None = None) -> Tensor:
     """A copy of x (any dtype); with `out`, x is broadcast into out's shape.
 
@@ -288,9 +398,114 @@ def matmul(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     """
     device, dtype = _common("matmul", [a, b])
     shape = _matmul_shape(a, b)
-    out = _prepare_out("matmul", out, shape, dtype, a)
+    out = _prepare_out("matmul", out, shape, dtype, a, (a, b))
     inputs = [("a", a, a.shape), ("b", b, b.shape)]
-    return _launch("matmul", out, inputs, lambda v, o: device.matmul(v[0], v[1], o))
+    _launch("matmul", out, inputs, lambda v, o: device.matmul(v[0], v[1], o))
+    if autograd.needs_grad(a, b):
+        na, nb = a.requires_grad, b.requires_grad
+        autograd.record("matmul", out, (a, b), ("a", "b"),
+                        _matmul_backward(a.shape, b.shape, na, nb),
+                        [("b", b if na else None), ("a", a if nb else None)])
+    return out
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+           out: Tensor | None = None) -> Tensor:
+    """x @ weight.T + bias, as PyTorch's linear: weight is (out_features, in_features), bias
+    (out_features,) or None, x (..., in_features). One op with one backward, so the weight's
+    gradient comes out contiguous in the weight's own layout (g.T @ x).
+
+    `out` may not share any memory with the inputs.
+    """
+    operands = [x, weight] if bias is None else [x, weight, bias]
+    device, dtype = _common("linear", operands)
+    if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear: x of shape {x.shape} needs a last dimension equal to "
+                         f"in_features of a 2-D weight; the weight has shape {weight.shape}")
+    features = weight.shape[0]
+    if bias is not None and bias.shape != (features,):
+        raise ValueError(f"linear: bias has shape {bias.shape}, expected ({features},)")
+    shape = x.shape[:-1] + (features,)
+    out = _prepare_out("linear", out, shape, dtype, x, operands)
+    with autograd.no_grad():
+        inputs = [("x", x, x.shape), ("weight", weight.T, (weight.shape[1], features))]
+        if bias is not None:
+            inputs.append(("bias", bias, shape))
+
+        def run(v: list, o: Any) -> None:
+            device.matmul(v[0], v[1], o)
+            if bias is not None:
+                device.binary("add", o, v[2], o)
+
+        _launch("linear", out, inputs, run)
+    if autograd.needs_grad(*operands):
+        nx, nw = x.requires_grad, weight.requires_grad
+        nb = bias is not None and bias.requires_grad
+        x_shape = x.shape
+
+        def fn(g: Tensor, x: Tensor | None, w: Tensor | None) -> tuple:
+            g2 = g.reshape(-1, features)
+            gx = matmul(g, w) if nx else None
+            gw = matmul(g2.T, x.reshape(-1, x_shape[-1])) if nw else None
+            gb = sum(g2, axis=0) if nb else None
+            return gx, gw, gb
+
+        autograd.record("linear", out, operands, ("x", "weight", "bias"), fn,
+                        [("x", x if nw else None), ("weight", weight if nx else None)])
+    return out
+
+
+def cross_entropy(logits: Tensor, labels: Any, out: Tensor | None = None) -> Tensor:
+    """Softmax cross-entropy of each row of `logits` (rows, classes) against integer class
+    indices `labels` (rows,): logsumexp(row) - row[label], computed stably. Returns (rows,).
+
+    Raises ValueError for labels of the wrong shape or outside [0, classes), TypeError for
+    non-integer labels. `out` may not share any memory with the inputs.
+    """
+    device, dtype = _common("cross_entropy", [logits])
+    if logits.ndim != 2:
+        raise ValueError(f"cross_entropy: logits must be (rows, classes), got shape "
+                         f"{logits.shape}")
+    rows, classes = logits.shape
+    host = host_array(labels, None, "label tensor")
+    if host.dtype.kind not in "iu":
+        raise TypeError(f"cross_entropy: labels must be integer class indices, got {host.dtype}")
+    if host.shape != (rows,):
+        raise ValueError(f"cross_entropy: labels have shape {host.shape}, expected ({rows},) "
+                         f"for logits of shape {logits.shape}")
+    if rows and (host.min() < 0 or host.max() >= classes):
+        bad = host[(host < 0) | (host >= classes)][0]
+        raise ValueError(f"cross_entropy: label {bad} is outside [0, {classes}) for "
+                         f"{classes} classes")
+    if isinstance(labels, Tensor) and labels.device is device:
+        label_tensor = labels
+    else:
+        label_tensor = tensor(host.astype(np.int64, copy=False), device=device,
+                              allocator=logits.block.allocator)
+    out = _prepare_out("cross_entropy", out, (rows,), dtype, logits, (logits,))
+    probs = Tensor._fresh((rows, classes), dtype, logits.block.allocator)
+
+    def run(v: list, o: Any) -> None:
+        device.cross_entropy(v[0], v[1], o, probs._native_write("cross_entropy"))
+        probs.block.mark_written()
+
+    _launch("cross_entropy", out, [("logits", logits, logits.shape),
+                                   ("labels", label_tensor, (rows,))], run)
+    if autograd.needs_grad(logits):
+        def fn(g: Tensor, probs: Tensor, labels: Tensor) -> tuple:
+            result = Tensor._fresh(probs.shape, probs.dtype, probs.block.allocator)
+            views = (probs._native_read("cross_entropy backward"),
+                     labels._native_read("cross_entropy backward"),
+                     g._native_read("cross_entropy backward"),
+                     result._native_write("cross_entropy backward"))
+            device.cross_entropy_backward(*views)
+            result.block.mark_written()
+            return (result,)
+
+        autograd.record("cross_entropy", out, (logits,), ("logits",), fn,
+                        [("softmax", probs), ("labels", label_tensor)])
+    return out
+
 
 
 # ---------------------------------------------------------------------- reductions
@@ -316,9 +531,22 @@ def _reduce(op: str, x: Tensor, axis: Any, keepdims: bool, out: Tensor | None) -
     reduced = range(x.ndim) if axes is None else axes
     shape = tuple(1 if i in reduced else n for i, n in enumerate(x.shape) if keepdims or
                   i not in reduced)
-    out = _prepare_out(op, out, shape, dtype, x)
-    return _launch(op, out, [("x", x, x.shape)],
-                   lambda v, o: device.reduce(op, v[0], axes, keepdims, o))
+    out = _prepare_out(op, out, shape, dtype, x, (x,))
+    _launch(op, out, [("x", x, x.shape)], lambda v, o: device.reduce(op, v[0], axes, keepdims, o))
+    if autograd.needs_grad(x):
+        x_shape = x.shape
+        kept = tuple(1 if i in reduced else n for i, n in enumerate(x_shape))
+        scale = 1 / math.prod(x_shape[i] for i in reduced) if op == "mean" and x.size else None
+
+        def fn(g: Tensor) -> tuple:
+            if scale is not None:
+                g = mul(g, scale)  # NOTE: on the small reduced tensor, before spreading it
+            result = empty(x_shape, g.dtype, allocator=g.block.allocator)
+            copy(g.reshape(kept), out=result)
+            return (result,)
+
+        autograd.record(op, out, (x,), ("x",), fn)
+    return out
 
 
 def sum(x: Tensor, axis: Any = None, keepdims: bool = False,

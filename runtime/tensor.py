@@ -16,9 +16,10 @@ import numpy as np
 
 import backends
 from allocators import Allocator
-from runtime import aliasing, config
+from runtime import aliasing, autograd, config
+from runtime.autograd import Node
 from runtime.block import Block
-from runtime.errors import UseAfterFreeError
+from runtime.errors import AutogradError, UseAfterFreeError
 
 #: The dtypes a tensor may hold. Arithmetic ops accept the float ones.
 DTYPES = tuple(np.dtype(t) for t in ("float32", "float64", "int32", "int64", "uint8", "bool"))
@@ -113,10 +114,15 @@ class Tensor:
     """
 
     __slots__ = ("block", "shape", "dtype", "strides", "offset", "_gen", "_layout", "_span",
-                 "_self_overlap", "_native", "__weakref__")
+                 "_self_overlap", "_native", "_requires_grad", "_node", "grad", "name",
+                 "__weakref__")
 
     def __init__(self, block: Block, shape: Sequence[int], dtype: Any,
                  strides: Sequence[int] | None = None, offset: int = 0) -> None:
+        self._requires_grad = False
+        self._node: Node | None = None    # NOTE: the autograd record of the op that made it
+        self.grad: Tensor | None = None
+        self.name: str | None = None      # for messages (nn names its parameters)
         self.block = block
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
@@ -142,6 +148,10 @@ class Tensor:
         self._span = _UNSET
         self._self_overlap = False  # a fresh contiguous tensor never overlaps itself
         self._native = None
+        self._requires_grad = False
+        self._node = None
+        self.grad = None
+        self.name = None
         self._gen = block.acquire()
         return self
 
@@ -184,6 +194,51 @@ class Tensor:
     @property
     def released(self) -> bool:
         return self._gen == _RELEASED
+
+    # ------------------------------------------------------------------ autograd
+    @property
+    def requires_grad(self) -> bool:
+        """True when gradients flow to (a leaf) or through (an op result) this tensor."""
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, flag: bool) -> None:
+        if self._node is not None and not flag:
+            raise AutogradError(f"requires_grad can only be turned off on a leaf; this tensor "
+                                f"is the result of {self._node.op}: use detach()")
+        if flag and self.dtype.kind != "f":
+            raise AutogradError(f"only float tensors can require gradients, not {self.dtype}")
+        self._requires_grad = bool(flag)
+
+    def requires_grad_(self, flag: bool = True) -> Tensor:
+        """Set requires_grad in place and return self."""
+        self.requires_grad = flag
+        return self
+
+    @property
+    def is_leaf(self) -> bool:
+        """True unless this tensor is the recorded result of an op."""
+        return self._node is None
+
+    @property
+    def grad_fn(self) -> Node | None:
+        """The autograd record of the op that made this tensor (None for leaves)."""
+        return self._node
+
+    def backward(self, gradient: Tensor | None = None, retain_graph: bool = False) -> None:
+        """Accumulate the gradient of this (scalar) tensor into `.grad` of every leaf that
+        requires one; see `runtime.autograd`."""
+        autograd.backward(self, gradient, retain_graph)
+
+    def detach(self) -> Tensor:
+        """A new handle on the same memory, outside the graph (requires no gradient)."""
+        self._check("detach()")
+        return Tensor(self.block, self.shape, self.dtype, self.strides, self.offset)
+
+    def _record_view(self, view: Tensor, op: str, backward_fn: Any) -> Tensor:
+        if self._requires_grad and autograd.is_grad_enabled():
+            autograd.record(op, view, (self,), ("x",), backward_fn)
+        return view
 
     def is_contiguous(self) -> bool:
         """True when the elements lie in C order with no gaps."""
@@ -317,12 +372,18 @@ class Tensor:
                                 f"'...'; copy out with .numpy() for advanced indexing")
         if 0 in shape:
             offset = self.offset  # NOTE: an empty view may not point past its block
-        return self._view(tuple(shape), tuple(strides), offset)
+        view = self._view(tuple(shape), tuple(strides), offset)
+        return self._record_view(view, "getitem", _scatter_backward(self, view))
 
     def __setitem__(self, key: Any, value: Any) -> None:
         """Write `value` (a tensor, array or number, broadcast) into the view `self[key]`."""
         from runtime import ops
 
+        if autograd.needs_grad(self, value):
+            raise AutogradError(
+                f"item assignment is not recorded by autograd, and this one involves a tensor "
+                f"that requires grad (target shape {self.shape}); assign under "
+                f"runtime.no_grad(), or build the result with ops")
         target = self[key]
         try:
             if not isinstance(value, Tensor):
@@ -335,7 +396,8 @@ class Tensor:
     @property
     def T(self) -> Tensor:
         """The transpose: axes reversed. A view."""
-        return self._view(self.shape[::-1], self.strides[::-1], self.offset)
+        view = self._view(self.shape[::-1], self.strides[::-1], self.offset)
+        return self._record_view(view, "transpose", lambda g: (g.T,))
 
     def transpose(self, *axes: int) -> Tensor:
         """Permute the axes (reversed when none are given). A view."""
@@ -347,8 +409,10 @@ class Tensor:
                 list(range(self.ndim)):
             raise ValueError(f"axes {axes} are not a permutation of the {self.ndim} axes")
         axes = tuple(a % self.ndim for a in axes)
-        return self._view(tuple(self.shape[a] for a in axes),
+        view = self._view(tuple(self.shape[a] for a in axes),
                           tuple(self.strides[a] for a in axes), self.offset)
+        inverse = tuple(sorted(range(len(axes)), key=axes.__getitem__))
+        return self._record_view(view, "transpose", lambda g: (g.transpose(inverse),))
 
     def reshape(self, *shape: Any) -> Tensor:
         """The same elements in C order under a new shape (one -1 is inferred).
@@ -360,14 +424,16 @@ class Tensor:
         new_shape = _infer_shape(shape, self.size, self.shape)
         strides = _reshape_strides(self.shape, self.strides, new_shape)
         if strides is not None:
-            return self._view(new_shape, strides, self.offset)
-        from runtime import ops
+            view = self._view(new_shape, strides, self.offset)
+        else:
+            from runtime import ops
 
-        flat = ops.copy(self)
-        try:
-            return flat._view(new_shape, contiguous_strides(new_shape), flat.offset)
-        finally:
+            with autograd.no_grad():
+                flat = ops.copy(self)
+            view = flat._view(new_shape, contiguous_strides(new_shape), flat.offset)
             flat.release()
+        old_shape = self.shape
+        return self._record_view(view, "reshape", lambda g: (g.reshape(old_shape),))
 
     # ------------------------------------------------------------------ host access
     def numpy(self) -> np.ndarray:
@@ -483,17 +549,22 @@ def host_array(data: Any, dtype: Any = None, what: str = "tensor") -> np.ndarray
 
 
 def empty(shape: Any, dtype: Any = "float32", device: Any = None,
-          allocator: Allocator | None = None) -> Tensor:
+          allocator: Allocator | None = None, requires_grad: bool = False) -> Tensor:
     """A tensor of `shape` whose block holds no memory until first written (lazy)."""
     shape = as_shape(shape)
     dt = as_dtype(dtype)
     alloc = _allocator_for(device, allocator)
-    return Tensor(Block(math.prod(shape) * dt.itemsize, alloc), shape, dt)
+    out = Tensor(Block(math.prod(shape) * dt.itemsize, alloc), shape, dt)
+    if requires_grad:
+        out.requires_grad = True
+    return out
 
 
 def tensor(data: Any, dtype: Any = None, device: Any = None,
-           allocator: Allocator | None = None) -> Tensor:
+           allocator: Allocator | None = None, requires_grad: bool = False) -> Tensor:
     """A new tensor holding a copy of `data` (array-like, or a Tensor) on `device`.
+
+    With `requires_grad=True` it is a leaf of autograd: `backward()` fills its `.grad`.
 
     Example:
         >>> import numpy as np, runtime
@@ -501,7 +572,7 @@ def tensor(data: Any, dtype: Any = None, device: Any = None,
         (2, 2)
     """
     host = host_array(data, dtype, "tensor")
-    out = empty(host.shape, host.dtype, device, allocator)
+    out = empty(host.shape, host.dtype, device, allocator, requires_grad)
     allocation = out.block.memory_for_write("runtime.tensor")
     out.device.copyin(allocation.raw, allocation.offset, host)
     out.block.mark_written()
@@ -509,15 +580,17 @@ def tensor(data: Any, dtype: Any = None, device: Any = None,
 
 
 def zeros(shape: Any, dtype: Any = "float32", device: Any = None,
-          allocator: Allocator | None = None) -> Tensor:
+          allocator: Allocator | None = None, requires_grad: bool = False) -> Tensor:
     """A tensor of `shape` filled with zeros."""
-    return tensor(np.zeros(as_shape(shape), as_dtype(dtype)), device=device, allocator=allocator)
+    return tensor(np.zeros(as_shape(shape), as_dtype(dtype)), device=device, allocator=allocator,
+                  requires_grad=requires_grad)
 
 
 def ones(shape: Any, dtype: Any = "float32", device: Any = None,
-         allocator: Allocator | None = None) -> Tensor:
+         allocator: Allocator | None = None, requires_grad: bool = False) -> Tensor:
     """A tensor of `shape` filled with ones."""
-    return tensor(np.ones(as_shape(shape), as_dtype(dtype)), device=device, allocator=allocator)
+    return tensor(np.ones(as_shape(shape), as_dtype(dtype)), device=device, allocator=allocator,
+                  requires_grad=requires_grad)
 
 
 def view(source: Tensor, shape: Any, offset: int = 0) -> Tensor:
@@ -544,7 +617,29 @@ def view(source: Tensor, shape: Any, offset: int = 0) -> Tensor:
     if offset < 0 or offset + need > source.size:
         raise ValueError(f"a view of {need} elements {shape} at offset {offset} does not fit in "
                          f"a source of {source.size} elements")
-    return source._view(shape, contiguous_strides(shape), source.offset + offset)
+    result = source._view(shape, contiguous_strides(shape), source.offset + offset)
+    return source._record_view(result, "view", _scatter_backward(source, result))
+
+
+def _scatter_backward(base: Tensor, view: Tensor) -> Any:
+    """The backward of a view that picks some elements of `base`: the gradient of the view,
+    written into zeros shaped like `base` at the view's elements (a view never repeats an
+    element, so writing is summing)."""
+    if not base._requires_grad or not autograd.is_grad_enabled():
+        return None
+    shape, strides, offset = view.shape, view.strides, view.offset
+    base_shape, base_strides, base_offset = base.shape, base.strides, base.offset
+    nbytes = base.block.nbytes  # NOTE: plain values only: the closure must not hold `base`
+
+    def backward(g: Tensor) -> tuple[Tensor]:
+        # NOTE: a zeroed copy of the whole block, seen through base's and the view's layouts
+        whole = zeros(nbytes // g.dtype.itemsize, g.dtype, allocator=g.block.allocator)
+        from runtime import ops
+
+        ops.copy(g, out=Tensor(whole.block, shape, g.dtype, strides, offset))
+        return (Tensor(whole.block, base_shape, g.dtype, base_strides, base_offset),)
+
+    return backward
 
 
 from runtime import ops as _ops  # noqa: E402  (ops imports this module; bound for operators)

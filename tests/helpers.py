@@ -15,10 +15,14 @@ UNARY_REFERENCE: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "tanh": np.tanh,
     "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
     "relu": lambda x: np.maximum(x, 0),
+    "sqrt": np.sqrt,
     "copy": np.copy,
 }
 #: What each binary kernel / op computes, in NumPy.
-BINARY_REFERENCE = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+BINARY_REFERENCE = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+                    "tanh_backward": lambda g, y: g * (1 - y * y),
+                    "sigmoid_backward": lambda g, y: g * y * (1 - y),
+                    "relu_backward": lambda g, y: np.where(y > 0, g, 0 * g)}
 
 
 def run_threads(target: Callable[[int], None], workers: int) -> None:

@@ -46,6 +46,7 @@ _UNARY: dict[str, Callable[[Any], Any]] = {
     "tanh": np.tanh,
     "sigmoid": _sigmoid,
     "relu": lambda v: np.maximum(v, 0),
+    "sqrt": np.sqrt,
     "copy": lambda v: v,
 }
 _BINARY: dict[str, Callable[[Any, Any], Any]] = {
@@ -53,6 +54,9 @@ _BINARY: dict[str, Callable[[Any, Any], Any]] = {
     "sub": np.subtract,
     "mul": np.multiply,
     "div": np.divide,
+    "tanh_backward": lambda g, y: g * (1 - y * y),
+    "sigmoid_backward": lambda g, y: g * y * (1 - y),
+    "relu_backward": lambda g, y: g if y > 0 else g * 0,
 }
 
 

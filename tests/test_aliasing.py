@@ -36,7 +36,7 @@ ROW_STEPS = (1, 2, -1, -2)
 COL_STEPS = (1, 2, 3, -1, -2)
 MAX_DIM = 6
 
-UNARY_OPS = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "copy")
+UNARY_OPS = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "sqrt", "copy")
 BINARY_OPS = ("add", "sub", "mul", "div")
 REDUCE_OPS = ("sum", "mean")
 
@@ -44,6 +44,7 @@ REDUCE_OPS = ("sum", "mean")
 NUMPY_OPS: dict[str, Any] = {
     "neg": np.negative, "exp": np.exp, "log": np.log, "tanh": np.tanh,
     "sigmoid": lambda x: 1 / (1 + np.exp(-x)), "relu": lambda x: np.maximum(x, 0),
+    "sqrt": np.sqrt,
     "copy": lambda x: x, "add": np.add, "sub": np.subtract, "mul": np.multiply,
     "div": np.divide, "matmul": np.matmul, "sum": np.sum, "mean": np.mean,
 }
@@ -356,7 +357,7 @@ def elementwise_cases(draw: Any, names: tuple[str, ...], arity: int) -> Case:
     full = [spec for spec, shape in zip(operands, operand_shapes) if shape == (m, n)]
     if full and draw(st.booleans()):
         out = draw(st.sampled_from(full))  # out is the identical view of an input: allowed
-    low = 0.5 if name == "log" else -2.0
+    low = 0.5 if name in ("log", "sqrt") else -2.0
     return Case(name, ops.ELEMENTWISE, _buffer_data(draw, size, low, 2.0), tuple(operands), out)
 
 
@@ -790,15 +791,23 @@ def test_same_elements_ignores_only_the_strides_of_size_one_dimensions():
 
 
 def test_every_op_declares_a_policy_and_keeps_it():
-    declared = set(ops.ALIASING_POLICY)
-    assert declared == set(ops.__all__) - {"ALIASING_POLICY"}
+    public = set(ops.__all__) - {"ALIASING_POLICY"}
+    backward_kernels = {"tanh_backward", "sigmoid_backward", "relu_backward"}
+    assert set(ops.ALIASING_POLICY) == public | backward_kernels
     runtime.set_aliasing("raise")
     for name, policy in ops.ALIASING_POLICY.items():
         x = runtime.tensor(np.linspace(0.5, 2.0, 9).reshape(3, 3))
-        op = getattr(ops, name)
-        args = (x, x) if name in ("add", "sub", "mul", "div", "matmul") else (x,)
+        op = getattr(ops, name, None) or (lambda *a, name=name, **k: ops._elementwise(
+            name, k["out"], *a))
+        args = (x, x) if name in ("add", "sub", "mul", "div", "matmul", "linear") else (x,)
+        if name in backward_kernels:
+            args = (x, x)
         kwargs = {"axis": 0, "keepdims": True} if name in ("sum", "mean") else {}
-        out = x if name not in ("sum", "mean") else x[:1]
+        out = x
+        if name in ("sum", "mean"):
+            out = x[:1]
+        elif name == "cross_entropy":
+            args, out = (x, np.array([0, 1, 2])), x[0]
         if policy == ops.ELEMENTWISE:
             assert op(*args, out=out, **kwargs) is out  # the identical view is allowed
         else:

@@ -1,0 +1,306 @@
+"""Reverse-mode automatic differentiation on runtime tensors (micrograd's shape, PyTorch's rules).
+
+An op whose inputs require gradients records a `Node` on its output: the inputs, a small
+backward function, and the tensors that function needs (saved with the version of their block
+at save time). `Tensor.backward()` sorts the graph topologically and runs the backward functions
+in reverse, accumulating gradients:
+
+- a gradient reaching an input broadcast by the op is summed back to the input's shape;
+- leaves (tensors made by the user with `requires_grad=True`) accumulate into `.grad`, in place
+  once it exists, as PyTorch does; intermediate gradients live only during the pass;
+- a saved tensor whose block was written after it was saved (its version moved on) makes
+  `backward()` raise `AutogradError` naming the op, the operand and both versions;
+- unless `retain_graph=True`, each node drops what it saved as soon as it has run, so the memory
+  of activations returns to the allocator during the backward pass.
+
+No reference cycles: a node holds its inputs and detached handles of what it saved, never its
+own output, so every tensor's memory goes back as soon as the last Python reference does.
+
+Example:
+    >>> import numpy as np, runtime
+    >>> w = runtime.tensor(np.array([1.0, -2.0]), requires_grad=True)
+    >>> runtime.ops.sum(runtime.ops.mul(w, w)).backward()
+    >>> w.grad.numpy()
+    array([ 2., -4.])
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from runtime.errors import AutogradError
+
+if TYPE_CHECKING:
+    from runtime.tensor import Tensor
+
+__all__ = ["Node", "backward", "enable_grad", "is_grad_enabled", "no_grad", "record"]
+
+#: backward(grad, *saved) -> one gradient (or None) per input of the node.
+BackwardFn = Callable[..., Sequence[Any]]
+
+
+class _GradMode(threading.local):
+    enabled = True
+
+
+_mode = _GradMode()
+
+
+def is_grad_enabled() -> bool:
+    """True when ops record the graph for backward (per thread, as in PyTorch)."""
+    return _mode.enabled
+
+
+@contextmanager
+def _grad_mode(enabled: bool) -> Iterator[None]:
+    previous = _mode.enabled
+    _mode.enabled = enabled
+    try:
+        yield
+    finally:
+        _mode.enabled = previous
+
+
+def no_grad() -> Any:
+    """A context manager in which ops record nothing (for updates and evaluation).
+
+    Example:
+        >>> import runtime
+        >>> with runtime.no_grad():
+        ...     pass
+    """
+    return _grad_mode(False)
+
+
+def enable_grad() -> Any:
+    """A context manager that turns recording back on inside `no_grad`."""
+    return _grad_mode(True)
+
+
+class Node:
+    """One recorded op: how to turn the gradient of its output into gradients of its inputs.
+
+    Attributes:
+        op: the op's name, for messages.
+        inputs: per operand, the Node that made it, the leaf Tensor itself, or None (numbers and
+            operands that need no gradient). Non-leaf tensors are not held, so an activation
+            that no backward function saved goes back to its allocator when the user drops it.
+        shapes: the operands' shapes (a gradient is summed back to them after broadcasting).
+        labels: the operands' names in messages ("a", "b", "x", ...).
+    """
+
+    __slots__ = ("op", "inputs", "shapes", "labels", "backward_fn", "saved", "freed")
+
+    def __init__(self, op: str, inputs: Sequence[Node | Tensor | None],
+                 shapes: Sequence[tuple[int, ...] | None], labels: Sequence[str],
+                 backward_fn: BackwardFn, saved: Sequence[tuple[str, Any, int]]) -> None:
+        self.op = op
+        self.inputs = tuple(inputs)
+        self.shapes = tuple(shapes)
+        self.labels = tuple(labels)
+        self.backward_fn = backward_fn
+        # NOTE: (label, detached handle or plain value, block version when saved; -1: no check)
+        self.saved = list(saved)
+        self.freed = False
+
+    def unpack(self) -> list[Any]:
+        """The saved values, after checking that no saved tensor was written since."""
+        if self.freed:
+            raise AutogradError(
+                f"backward through the graph of {self.op} a second time: its saved tensors were "
+                f"already freed; pass retain_graph=True to the first backward() to keep them")
+        values = []
+        for label, value, version in self.saved:
+            if version >= 0 and value.block.version != version:
+                raise AutogradError(
+                    f"a tensor needed to compute gradients was modified in place: {label} of "
+                    f"{self.op} ({_describe(value)}) is at version {value.block.version}, but "
+                    f"version {version} was saved for backward. Write to a copy instead, or "
+                    f"do the write after backward()")
+            values.append(value)
+        return values
+
+    def free(self) -> None:
+        """Drop the saved tensors now (their memory may go back to the allocator)."""
+        for _, value, version in self.saved:
+            if version >= 0:
+                value.release()
+        self.saved = []
+        self.freed = True
+
+    def __repr__(self) -> str:
+        return f"<Node {self.op}>"
+
+
+def _describe(t: Tensor) -> str:
+    name = f"{t.name!r}, " if t.name else ""
+    return f"{name}shape {t.shape}, {t.dtype}, block #{t.block.id}"
+
+
+def needs_grad(*operands: Any) -> bool:
+    """True when recording is on and some operand is a tensor that requires a gradient."""
+    if not _mode.enabled:
+        return False
+    for x in operands:
+        if getattr(x, "_requires_grad", False):
+            return True
+    return False
+
+
+def record(op: str, out: Tensor, inputs: Sequence[Any], labels: Sequence[str],
+           backward_fn: BackwardFn, save: Sequence[tuple[str, Any]] = ()) -> Tensor:
+    """Attach a Node to `out` (call right after the op wrote it, when `needs_grad` said so).
+
+    `inputs` are the op's operands (numbers allowed: they get no gradient); `save` lists
+    (label, value) pairs passed to `backward_fn(grad, *values)`. A saved tensor is kept as a
+    detached handle with its block's version, so a later in-place write is caught; pass `out`
+    itself to save the op's output.
+    """
+    from runtime.tensor import Tensor
+
+    entries: list[Node | Tensor | None] = []
+    shapes: list[tuple[int, ...] | None] = []
+    for x in inputs:
+        if isinstance(x, Tensor) and x._requires_grad:
+            entries.append(x._node if x._node is not None else x)
+            shapes.append(x.shape)
+        else:
+            entries.append(None)
+            shapes.append(None)
+    saved = []
+    for label, value in save:
+        if isinstance(value, Tensor):
+            handle = value.detach()
+            handle.name = value.name
+            saved.append((label, handle, value.block.version))
+        else:
+            saved.append((label, value, -1))
+    out._node = Node(op, entries, shapes, labels, backward_fn, saved)
+    out._requires_grad = True
+    return out
+
+
+# ---------------------------------------------------------------------- the backward pass
+def _topological(root: Node) -> list[Node]:
+    """Every node `root` depends on, each after the nodes of its inputs (an iterative
+    depth-first search, so deep graphs do not hit the recursion limit)."""
+    order: list[Node] = []
+    seen = {id(root)}
+    stack: list[tuple[Node, int]] = [(root, 0)]
+    while stack:
+        node, index = stack.pop()
+        inputs = node.inputs
+        while index < len(inputs):
+            child = inputs[index]
+            index += 1
+            if isinstance(child, Node) and id(child) not in seen:
+                seen.add(id(child))
+                stack.append((node, index))
+                stack.append((child, 0))
+                break
+        else:
+            order.append(node)
+    return order
+
+
+def _unbroadcast(grad: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Sum `grad` over the axes that broadcasting added or stretched, down to `shape`."""
+    from runtime import ops
+
+    lead = grad.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1)
+    summed = ops.sum(grad, axis=axes, keepdims=True) if axes else grad
+    return summed.reshape(shape)
+
+
+def _owned(grad: Tensor, handed: dict[int, Tensor]) -> Tensor:
+    """`grad` if nothing else holds its memory, else a copy (so in-place accumulation into it
+    can never change another gradient or a tensor the user holds)."""
+    from runtime import ops
+
+    if id(grad) in handed or grad.block.refcount > 1:
+        return ops.copy(grad)
+    return grad
+
+
+def backward(root: Tensor, gradient: Tensor | None = None, retain_graph: bool = False) -> None:
+    """Accumulate d(root)/d(leaf) into the `.grad` of every leaf that requires a gradient.
+
+    Raises:
+        AutogradError: root needs no gradient; a non-scalar root without `gradient`; a saved
+            tensor modified in place; a second backward through a freed graph.
+    """
+    import numpy as np
+
+    from runtime import ops
+    from runtime.tensor import tensor as make_tensor
+
+    if not root._requires_grad:
+        raise AutogradError(f"backward() on a tensor that does not require grad "
+                            f"({_describe(root)}); set requires_grad=True on a leaf it uses")
+    with no_grad():
+        if gradient is None:
+            if root.size != 1:
+                raise AutogradError(f"backward() without a gradient needs a scalar (one "
+                                    f"element) output, this one has shape {root.shape}; pass "
+                                    f"gradient=")
+            gradient = make_tensor(np.ones(root.shape, root.dtype), device=root.device,
+                                   allocator=root.block.allocator)
+        elif gradient.shape != root.shape or gradient.dtype != root.dtype:
+            raise AutogradError(f"backward(): gradient has shape {gradient.shape} and dtype "
+                                f"{gradient.dtype}; the output has shape {root.shape} and "
+                                f"dtype {root.dtype}")
+        else:
+            gradient = ops.copy(gradient)
+        if root._node is None:
+            _accumulate_leaf(root, gradient, {})
+        else:
+            _run(root._node, gradient, retain_graph)
+
+
+def _run(root: Node, gradient: Tensor, retain_graph: bool) -> None:
+    from runtime import ops
+
+    grads: dict[Node, Tensor] = {root: gradient}
+    handed: dict[int, Tensor] = {id(gradient): gradient}  # NOTE: gradients stored, by id
+    for node in reversed(_topological(root)):
+        g = grads.pop(node, None)
+        if g is None:
+            continue  # nothing flowed here
+        del handed[id(g)]
+        results = node.backward_fn(g, *node.unpack())
+        if not retain_graph:
+            node.free()
+        if not any(r is g for r in results):
+            g.release()  # NOTE: its memory may serve the gradients computed next
+        del g
+        for entry, shape, grad in zip(node.inputs, node.shapes, results):
+            if entry is None or grad is None:
+                continue
+            if grad.shape != shape:
+                grad = _unbroadcast(grad, shape)
+            if not isinstance(entry, Node):
+                _accumulate_leaf(entry, grad, handed)
+                continue
+            previous = grads.get(entry)
+            if previous is None:
+                grad = _owned(grad, handed)
+            else:
+                del handed[id(previous)]
+                grad = ops.add(previous, grad)
+            grads[entry] = grad
+            handed[id(grad)] = grad
+
+
+def _accumulate_leaf(leaf: Tensor, grad: Tensor, handed: dict[int, Tensor]) -> None:
+    from runtime import ops
+
+    if leaf.grad is None:
+        leaf.grad = grad = _owned(grad, handed)
+        handed[id(grad)] = grad
+    else:
+        ops.add(leaf.grad, grad, out=leaf.grad)

@@ -1,0 +1,383 @@
+"""Dense layers, activations, losses and optimizers on runtime tensors (micrograd's nn, PyTorch's
+names and defaults).
+
+Modules have `parameters()`, `named_parameters()`, `zero_grad()`, `__call__` and a readable
+`repr`. Optimizers update parameters in place under `no_grad`; every buffer they need (momentum,
+Adam's moments, one or two scratch tensors per parameter) is made at the first step, so a warm
+step asks the allocator for nothing.
+
+Example:
+    >>> import numpy as np, runtime
+    >>> from runtime import nn
+    >>> nn.manual_seed(0)
+    >>> model = nn.Sequential(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 3))
+    >>> opt = nn.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    >>> x = runtime.tensor(np.ones((2, 4), np.float32))
+    >>> loss = nn.softmax_cross_entropy(model(x), np.array([0, 2]))
+    >>> loss.backward()
+    >>> opt.step()
+    >>> model
+    Sequential(
+      (0): Dense(in_features=4, out_features=8, bias=True)
+      (1): ReLU()
+      (2): Dense(in_features=8, out_features=3, bias=True)
+    )
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from allocators import Allocator
+from runtime import ops
+from runtime.autograd import no_grad
+from runtime.tensor import Tensor, empty, host_array, tensor
+
+__all__ = ["SGD", "Adam", "Dense", "Module", "Optimizer", "ReLU", "Sequential", "Sigmoid", "Tanh",
+           "manual_seed", "mse", "softmax_cross_entropy"]
+
+_rng = np.random.default_rng()
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the generator that initialises new layers (each layer may also take `rng=`)."""
+    global _rng
+    _rng = np.random.default_rng(seed)
+
+
+# ---------------------------------------------------------------------- modules
+class Module:
+    """Base of every layer: tensors that require grad become parameters, modules submodules,
+    in the order they are assigned."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_parameters", {})
+        object.__setattr__(self, "_modules", {})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_parameters" not in self.__dict__:
+            raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() "
+                               f"before assigning {name!r}")
+        self._parameters.pop(name, None)
+        self._modules.pop(name, None)
+        if isinstance(value, Tensor) and value.requires_grad:
+            self._parameters[name] = value
+        elif isinstance(value, Module):
+            self._modules[name] = value
+        object.__setattr__(self, name, value)
+
+    def forward(self, *args: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not implement forward()")
+
+    def __call__(self, *args: Any) -> Any:
+        return self.forward(*args)
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
+        """(qualified name, parameter) pairs, each parameter once; names them for messages."""
+        seen: set[int] = set()
+        for name, p in self._named(prefix):
+            if id(p) not in seen:
+                seen.add(id(p))
+                p.name = name
+                yield name, p
+
+    def _named(self, prefix: str) -> Iterator[tuple[str, Tensor]]:
+        for name, p in self._parameters.items():
+            yield prefix + name, p
+        for name, module in self._modules.items():
+            yield from module._named(f"{prefix}{name}.")
+
+    def parameters(self) -> list[Tensor]:
+        """Every parameter of this module and its submodules, each once."""
+        return [p for _, p in self.named_parameters()]
+
+    def zero_grad(self) -> None:
+        """Forget every parameter's gradient (sets `.grad` to None, as PyTorch does by default;
+        the memory goes back to the allocator, which hands it out again next backward)."""
+        for p in self.parameters():
+            p.grad = None
+
+    def extra_repr(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        head = f"{type(self).__name__}({self.extra_repr()}"
+        if not self._modules:
+            return head + ")"
+        lines = [head]
+        for name, module in self._modules.items():
+            body = repr(module).replace("\n", "\n  ")
+            lines.append(f"  ({name}): {body}")
+        return "\n".join(lines) + "\n)"
+
+
+def _uniform(rng: np.random.Generator, shape: tuple[int, ...], bound: float, dtype: Any,
+             device: Any, allocator: Allocator | None) -> Tensor:
+    data = rng.uniform(-bound, bound, size=shape).astype(dtype)
+    return tensor(data, device=device, allocator=allocator, requires_grad=True)
+
+
+class Dense(Module):
+    """A fully connected layer: y = x @ weight.T + bias.
+
+    `weight` is (out_features, in_features) and, like `bias`, starts uniform in
+    [-1/sqrt(in_features), 1/sqrt(in_features)] (PyTorch's nn.Linear initialisation).
+
+    Args:
+        in_features, out_features: positive sizes.
+        bias: whether to add a learned bias.
+        dtype, device, allocator: where the parameters live.
+        rng: a numpy Generator or seed for the initial values (default: `manual_seed`'s).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 dtype: Any = "float32", device: Any = None, allocator: Allocator | None = None,
+                 rng: np.random.Generator | int | None = None) -> None:
+        super().__init__()
+        for what, n in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0:
+                raise ValueError(f"Dense: {what} must be a positive int, got {n!r}")
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        generator = _rng if rng is None else np.random.default_rng(rng)
+        bound = 1 / math.sqrt(in_features)
+        self.weight = _uniform(generator, (out_features, in_features), bound, dtype, device,
+                               allocator)
+        self.bias = (_uniform(generator, (out_features,), bound, dtype, device, allocator)
+                     if bias else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+
+class ReLU(Module):
+    """max(x, 0) elementwise."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.relu(x)
+
+
+class Tanh(Module):
+    """The hyperbolic tangent elementwise."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.tanh(x)
+
+
+class Sigmoid(Module):
+    """1 / (1 + e**-x) elementwise."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.sigmoid(x)
+
+
+class Sequential(Module):
+    """Modules applied in order; indexable, iterable, with a length."""
+
+    def __init__(self, *modules: Module) -> None:
+        super().__init__()
+        for index, module in enumerate(modules):
+            if not isinstance(module, Module):
+                raise TypeError(f"Sequential takes Modules; argument {index} is a "
+                                f"{type(module).__name__}")
+            setattr(self, str(index), module)
+
+    def forward(self, x: Any) -> Any:
+        for module in self._modules.values():
+            x = module(x)
+        return x
+
+    def __getitem__(self, index: int) -> Module:
+        return list(self._modules.values())[index]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[Module]:
+        return iter(self._modules.values())
+
+
+# ---------------------------------------------------------------------- losses
+def softmax_cross_entropy(logits: Tensor, labels: Any) -> Tensor:
+    """The mean over the batch of the softmax cross-entropy of `logits` (batch, classes) against
+    integer class indices `labels` (batch,), computed stably; PyTorch's F.cross_entropy."""
+    return ops.mean(ops.cross_entropy(logits, labels))
+
+
+def mse(prediction: Tensor, target: Any) -> Tensor:
+    """The mean squared error, mean((prediction - target)**2); PyTorch's F.mse_loss."""
+    if not isinstance(target, Tensor):
+        target = tensor(host_array(target, prediction.dtype, "target"), device=prediction.device,
+                        allocator=prediction.block.allocator)
+    if target.shape != prediction.shape:
+        raise ValueError(f"mse: target has shape {target.shape}, prediction {prediction.shape}")
+    diff = ops.sub(prediction, target)
+    return ops.mean(ops.mul(diff, diff))
+
+
+# ---------------------------------------------------------------------- optimizers
+def _check_number(what: str, value: Any, low: float, high: float = math.inf,
+                  low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number, got {value!r}")
+    value = float(value)
+    if not (low < value if low_open else low <= value) or not value < high:
+        bounds = f"{'(' if low_open else '['}{low}, {high})"
+        raise ValueError(f"{what} must lie in {bounds}, got {value}")
+    return value
+
+
+class Optimizer:
+    """Base of the optimizers: holds the parameters and per-parameter state; `step()` runs
+    `_update(param, grad, state)` under no_grad for each parameter that has a gradient."""
+
+    def __init__(self, params: Iterable[Tensor], lr: float) -> None:
+        self.params: list[Tensor] = []
+        for p in params:
+            if not isinstance(p, Tensor):
+                raise TypeError(f"{type(self).__name__} takes Tensors, got {type(p).__name__}")
+            if not p.requires_grad or not p.is_leaf:
+                raise ValueError(f"{type(self).__name__}: parameter {p.name or p.shape} must be "
+                                 f"a leaf tensor with requires_grad=True")
+            if all(p is not q for q in self.params):
+                self.params.append(p)
+        if not self.params:
+            raise ValueError(f"{type(self).__name__} got an empty parameter list")
+        self.lr = _check_number("lr", lr, 0.0)
+        self.state: dict[int, dict[str, Any]] = {id(p): {} for p in self.params}
+
+    def zero_grad(self) -> None:
+        """Forget the parameters' gradients (set them to None)."""
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        """Update every parameter that has a gradient, in place."""
+        with no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    self._update(p, p.grad, self.state[id(p)])
+
+    def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _update()")
+
+    @staticmethod
+    def _buffer(state: dict[str, Any], name: str, like: Tensor) -> Tensor:
+        """The persistent buffer `name` of a parameter, shaped like it (lazy: its memory comes
+        at the first write)."""
+        buffer = state.get(name)
+        if buffer is None:
+            buffer = state[name] = empty(like.shape, like.dtype, device=like.device,
+                                         allocator=like.block.allocator)
+        return buffer
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._options()}, {len(self.params)} parameters)"
+
+    def _options(self) -> str:
+        return f"lr={self.lr}"
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with momentum, dampening, Nesterov and weight decay, with
+    PyTorch's update rule (momentum buffer = gradient at the first step)."""
+
+    def __init__(self, params: Iterable[Tensor], lr: float, momentum: float = 0.0,
+                 weight_decay: float = 0.0, dampening: float = 0.0,
+                 nesterov: bool = False) -> None:
+        super().__init__(params, lr)
+        self.momentum = _check_number("momentum", momentum, 0.0)
+        self.weight_decay = _check_number("weight_decay", weight_decay, 0.0)
+        self.dampening = _check_number("dampening", dampening, 0.0, 1.0 + 1e-12)
+        if nesterov and (self.momentum == 0 or self.dampening != 0):
+            raise ValueError("Nesterov momentum needs momentum > 0 and dampening 0")
+        self.nesterov = bool(nesterov)
+
+    def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
+        scratch = self._buffer(state, "scratch", p)
+        d = grad
+        if self.weight_decay:
+            ops.mul(p, self.weight_decay, out=scratch)
+            d = ops.add(scratch, grad, out=scratch)
+        if self.momentum:
+            buf = state.get("momentum")
+            if buf is None:
+                buf = state["momentum"] = ops.copy(d)
+            else:
+                ops.mul(buf, self.momentum, out=buf)
+                if self.dampening:
+                    d = ops.mul(d, 1 - self.dampening, out=scratch)
+                ops.add(buf, d, out=buf)
+            if self.nesterov:  # p -= lr * (d + momentum * buf), in two subtractions
+                ops.mul(d, self.lr, out=scratch)
+                ops.sub(p, scratch, out=p)
+                ops.mul(buf, self.lr * self.momentum, out=scratch)
+                ops.sub(p, scratch, out=p)
+                return
+            d = buf
+        ops.mul(d, self.lr, out=scratch)
+        ops.sub(p, scratch, out=p)
+
+    def _options(self) -> str:
+        return (f"lr={self.lr}, momentum={self.momentum}, weight_decay={self.weight_decay}"
+                + (", nesterov=True" if self.nesterov else ""))
+
+
+class Adam(Optimizer):
+    """Adam (Kingma and Ba 2015) with PyTorch's defaults and bias correction; weight_decay
+    adds weight_decay * param to the gradient (L2, as torch.optim.Adam)."""
+
+    def __init__(self, params: Iterable[Tensor], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params, lr)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"betas must be a pair of numbers, got {betas!r}")
+        self.betas = (_check_number("betas[0]", betas[0], 0.0, 1.0),
+                      _check_number("betas[1]", betas[1], 0.0, 1.0))
+        self.eps = _check_number("eps", eps, 0.0, low_open=True)
+        self.weight_decay = _check_number("weight_decay", weight_decay, 0.0)
+
+    def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
+        beta1, beta2 = self.betas
+        t = state["step"] = state.get("step", 0) + 1
+        m = self._buffer(state, "exp_avg", p)
+        v = self._buffer(state, "exp_avg_sq", p)
+        s1 = self._buffer(state, "scratch", p)
+        s2 = self._buffer(state, "scratch2", p)
+        g = grad
+        if self.weight_decay:
+            ops.mul(p, self.weight_decay, out=s1)
+            g = ops.add(s1, grad, out=s1)
+        if t == 1:  # the moments start at zero
+            ops.mul(g, 1 - beta1, out=m)
+            ops.mul(g, g, out=v)
+            ops.mul(v, 1 - beta2, out=v)
+        else:
+            ops.mul(m, beta1, out=m)
+            ops.mul(g, 1 - beta1, out=s2)
+            ops.add(m, s2, out=m)
+            ops.mul(g, g, out=s2)
+            ops.mul(s2, 1 - beta2, out=s2)
+            ops.mul(v, beta2, out=v)
+            ops.add(v, s2, out=v)
+        # p -= lr / (1 - beta1**t) * m / (sqrt(v / (1 - beta2**t)) + eps)
+        ops.mul(v, 1 / (1 - beta2 ** t), out=s2)
+        ops.sqrt(s2, out=s2)
+        ops.add(s2, self.eps, out=s2)
+        ops.mul(m, self.lr / (1 - beta1 ** t), out=s1)
+        ops.div(s1, s2, out=s1)
+        ops.sub(p, s1, out=p)
+
+    def _options(self) -> str:
+        return (f"lr={self.lr}, betas={self.betas}, eps={self.eps}, "
+                f"weight_decay={self.weight_decay}")
