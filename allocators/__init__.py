@@ -6,6 +6,9 @@ Example:
     True
     >>> alloc = allocators.create("direct", "cpu")
     >>> alloc.free(alloc.allocate(256))
+
+`ACCELERATED` is True when the caching allocator's C hot path (allocators._speedups) is in use;
+the environment variable BLOCKRT_PURE_PYTHON=1 turns it off (see allocators/_core.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
+from allocators._core import ACCELERATED
 from allocators.adaptors import (
     Adaptor,
     FaultInjectionAdaptor,
@@ -25,9 +29,10 @@ from allocators.adaptors import (
 from allocators.base import Allocation, Allocator, InvalidFreeError, OutOfMemoryError, format_bytes
 from allocators.direct import DirectAllocator
 
-__all__ = ["Adaptor", "Allocation", "Allocator", "DirectAllocator", "FaultInjectionAdaptor",
-           "InvalidFreeError", "LimitAdaptor", "OutOfMemoryError", "StatisticsAdaptor",
-           "TraceAdaptor", "ENTRY_POINT_GROUP", "create", "format_bytes", "names", "register"]
+__all__ = ["ACCELERATED", "Adaptor", "Allocation", "Allocator", "DirectAllocator",
+           "FaultInjectionAdaptor", "InvalidFreeError", "LimitAdaptor", "OutOfMemoryError",
+           "StatisticsAdaptor", "TraceAdaptor", "ENTRY_POINT_GROUP", "create", "format_bytes",
+           "names", "register"]
 
 #: Third-party allocators register a factory `(device, **options) -> Allocator` under this group.
 ENTRY_POINT_GROUP = "blockrt.allocators"

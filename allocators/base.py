@@ -8,11 +8,10 @@ only through `_device_alloc` / `_device_free`, so reserved bytes are always coun
 
 from __future__ import annotations
 
-import itertools
-import threading
 from typing import Any
 
 import backends
+from allocators._core import COUNTERS, AllocationRecord, AllocatorState, speedups
 from backends.base import Device, check_nbytes
 
 
@@ -40,7 +39,7 @@ def format_bytes(nbytes: int | float | None) -> str:
     raise AssertionError("unreachable")
 
 
-class Allocation:
+class Allocation(AllocationRecord):
     """A piece of device memory handed out by an allocator.
 
     Attributes:
@@ -52,22 +51,18 @@ class Allocation:
         owner: the allocator that handed it out and must get it back.
         serial: a number unique within the owner, for messages and traces.
         upstream: for adaptors, the upstream allocation this one wraps (else None).
+        live: True from `allocate` until `free`.
+        handle: the owner's own record of the allocation, for it to find again on free (the
+            caching allocator keeps its block here); None unless the owner sets it.
+
+    `Allocation(device, raw, offset, nbytes, size, upstream=None)` makes one (in an allocator's
+    `_allocate`); the base class sets owner, serial and live. offset, nbytes, size and serial
+    are ints (64-bit when the C accelerator is in use).
     """
 
-    __slots__ = ("device", "raw", "offset", "nbytes", "size", "owner", "serial", "live",
-                 "upstream")
-
-    def __init__(self, device: Device, raw: Any, offset: int, nbytes: int, size: int,
-                 upstream: Allocation | None = None) -> None:
-        self.device = device
-        self.raw = raw
-        self.offset = offset
-        self.nbytes = nbytes
-        self.size = size
-        self.upstream = upstream
-        self.owner: Allocator | None = None
-        self.serial = 0
-        self.live = False
+    # NOTE: the fields are AllocationRecord's (allocators/_core.py), a C struct when the
+    # accelerator is built, so the C hot path makes and frees allocations too.
+    __slots__ = ()
 
     @property
     def ptr(self) -> int:
@@ -80,17 +75,18 @@ class Allocation:
                 f"at +{self.offset} ({state})>")
 
 
-#: The counters every allocator keeps, by stats key; `stats()` adds the derived ones.
-COUNTERS = ("allocated_bytes", "peak_allocated_bytes", "requested_bytes", "peak_requested_bytes",
-            "reserved_bytes", "peak_reserved_bytes", "peak_cached_bytes", "num_allocs",
-            "num_frees", "cache_misses", "num_ooms", "num_device_allocs", "num_device_frees")
+if speedups is not None:
+    speedups.set_allocation_class(Allocation)  # NOTE: what the C hot path hands out
 
 
-class Allocator:
+class Allocator(AllocatorState):
     """Base of every allocator: validation, accounting, locking and errors live here.
 
     Subclasses implement `_allocate(nbytes) -> Allocation`, `_free(allocation)` and optionally
     `_empty_cache()` and `_limit()`.
+
+    The state `allocate` and `free` keep (counters, serials, the live set, the lock) is in
+    `AllocatorState` (allocators/_core.py), shared with the caching allocator's C hot path.
 
     Example:
         >>> import allocators
@@ -104,14 +100,8 @@ class Allocator:
     name = "allocator"
 
     def __init__(self, device: Device | str | None = None) -> None:
+        super().__init__()
         self.device: Device = backends.get_device(device if device is not None else "cpu")
-        self._lock = threading.Lock()
-        self._serials = itertools.count(1)
-        self._live: dict[int, Allocation] = {}
-        # NOTE: counters are plain attributes named "_" + their stats key: on the hot path an
-        # attribute update costs half a dict update. `cache_hits` is derived (allocs - misses).
-        for key in COUNTERS:
-            setattr(self, f"_{key}", 0)
 
     @property
     def _counters(self) -> dict[str, int]:
@@ -137,7 +127,7 @@ class Allocator:
                 self._num_ooms += 1
                 raise self._out_of_memory(nbytes, exc) from exc
             allocation.owner = self
-            serial = allocation.serial = next(self._serials)
+            serial = allocation.serial = self._last_serial = self._last_serial + 1
             allocation.live = True
             self._live[serial] = allocation
             self._num_allocs += 1

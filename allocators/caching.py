@@ -22,6 +22,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from typing import Any
 
+from allocators._core import Block, PoolRecord, speedups
 from allocators.base import Allocation, Allocator, format_bytes
 from allocators.sizeclass import SizeClass, get_size_class
 from backends.base import Device, check_nbytes
@@ -44,48 +45,34 @@ SEGMENT_POLICIES = ("exact", "pytorch")
 _ROUNDED_MEMO = 4096
 
 
-class _Block:
-    """A run of bytes inside a segment: used (behind one live allocation) or free.
-
-    The blocks of a segment form a doubly linked list by address. The first block of a segment,
-    at offset 0, is its head: blocks merge into the lower neighbour and splits cut from the top,
-    so the head record lives as long as the segment and names it.
-    """
-
-    # NOTE: no __init__: a Python-level __init__ call costs more than the seven stores, and
-    # `_split` makes one block per cache hit. `_new_block` and `_split` set every field.
-    __slots__ = ("raw", "offset", "size", "pool", "free", "prev", "next")
-
-    raw: Any
-    offset: int
-    size: int
-    pool: _Pool
-    free: bool
-    prev: _Block | None
-    next: _Block | None
+#: A run of bytes inside a segment (see `allocators._core.Block`, a C struct when the
+#: accelerator is built, so the C hot path reads and moves blocks too).
+_Block = Block
 
 
 def _new_block(raw: Any, offset: int, size: int, pool: _Pool) -> _Block:
-    """A free, unlinked block."""
+    """A free block, linked to no neighbour and in no free list."""
     block = _Block()
     block.raw = raw
     block.offset = offset
     block.size = size
     block.pool = pool
     block.free = True
-    block.prev = block.next = None
+    block.prev = block.next = block.prev_free = block.next_free = None
     return block
 
 
-class _Pool:
+class _Pool(PoolRecord):
     """The free blocks of one pool ("small" or "large"), found by size.
 
-    `buckets` maps a block size to the free blocks of exactly that size (a dict used as an
-    insertion-ordered set, so the most recently freed comes out first); `sizes` is the sorted
-    list of the bucket keys, for the best-fit search.
+    `buckets` maps a block size to the first block of the free list of that size, a doubly
+    linked list through the blocks' `prev_free` / `next_free`, most recently freed first (None
+    when no block of that size is free); `sizes` is the sorted list of the bucket keys, for the
+    best-fit search. Pushing, popping and removing a block are O(1) and allocate nothing.
     """
 
-    __slots__ = ("name", "min_split", "buckets", "sizes")
+    # NOTE: the fields are PoolRecord's (allocators/_core.py), which the C hot path reads.
+    __slots__ = ()
 
     def __init__(self, name: str, min_split: int) -> None:
         self.name = name
@@ -93,18 +80,38 @@ class _Pool:
         self.min_split = min_split
         # NOTE: emptied buckets stay (and their sizes in `sizes`) so an alloc/free loop of one
         # size never re-sorts; the best-fit search steps over them and prunes them in bulk.
-        self.buckets: dict[int, dict[_Block, None]] = {}
+        self.buckets: dict[int, _Block | None] = {}
         self.sizes: list[int] = []
 
-    def add(self, block: _Block) -> None:
-        bucket = self.buckets.get(block.size)
-        if bucket is None:
-            bucket = self.buckets[block.size] = {}
-            insort(self.sizes, block.size)
-        bucket[block] = None
+    def push(self, block: _Block) -> None:
+        """Put the free `block` first on the free list of its size."""
+        buckets, size = self.buckets, block.size
+        first = buckets.get(size)
+        if first is None and size not in buckets:
+            insort(self.sizes, size)
+        block.prev_free = None
+        block.next_free = first
+        if first is not None:
+            first.prev_free = block
+        buckets[size] = block
 
     def remove(self, block: _Block) -> None:
-        del self.buckets[block.size][block]
+        """Take the free `block` off its free list."""
+        before, after = block.prev_free, block.next_free
+        if before is None:
+            self.buckets[block.size] = after  # it was the first
+        else:
+            before.next_free = after
+        if after is not None:
+            after.prev_free = before
+        block.prev_free = block.next_free = None
+
+    def pop(self, size: int) -> _Block | None:
+        """Remove and return the most recently freed block of exactly `size` bytes, or None."""
+        block = self.buckets.get(size)
+        if block is not None:
+            self.remove(block)
+        return block
 
     def take_best_fit(self, size: int) -> _Block | None:
         """Remove and return a free block of the smallest size >= `size`, or None."""
@@ -112,9 +119,9 @@ class _Pool:
         start = index = bisect_left(sizes, size)
         end = len(sizes)
         while index < end:  # NOTE: a while loop costs a third of a for over a range here
-            bucket = buckets[sizes[index]]
-            if bucket:
-                block = bucket.popitem()[0]
+            block = buckets[sizes[index]]
+            if block is not None:
+                self.remove(block)
                 if index - start > _PRUNE_AFTER:
                     self.prune()
                 return block
@@ -125,23 +132,25 @@ class _Pool:
 
     def prune(self) -> None:
         """Forget the sizes that have no free block."""
-        self.sizes = [size for size in self.sizes if self.buckets[size]]
-        self.buckets = {size: self.buckets[size] for size in self.sizes}
+        buckets = self.buckets
+        self.sizes = [size for size in self.sizes if buckets[size] is not None]
+        self.buckets = {size: buckets[size] for size in self.sizes}
 
     def largest(self) -> int:
         for size in reversed(self.sizes):
-            if self.buckets[size]:
+            if self.buckets[size] is not None:
                 return size
         return 0
 
     def free_blocks(self) -> list[_Block]:
-        return [block for bucket in self.buckets.values() for block in bucket]
-
-
-class _CachedAllocation(Allocation):
-    """An Allocation that remembers its block, so `free` finds it without a lookup."""
-
-    __slots__ = ("block",)
+        """Every block on the free lists, walking each list from its first block."""
+        blocks = []
+        for first in self.buckets.values():
+            block = first
+            while block is not None:
+                blocks.append(block)
+                block = block.next_free
+        return blocks
 
 
 class CachingAllocator(Allocator):
@@ -208,6 +217,10 @@ class CachingAllocator(Allocator):
         self._segments: dict[_Block, int] = {}  # head block -> bytes of its segment
         # NOTE: the heads of whole free segments, least recently freed first (dicts keep order).
         self._idle: dict[_Block, None] = {}
+        # NOTE: the C hot path (allocate / free below) serves only what the hooks here would do;
+        # a subclass with hooks of its own gets the Python path throughout.
+        self._hot = (speedups is not None and type(self)._allocate is CachingAllocator._allocate
+                     and type(self)._free is CachingAllocator._free)
 
     @property
     def max_cached_bytes(self) -> int | None:
@@ -219,16 +232,25 @@ class CachingAllocator(Allocator):
         """The bound on reserved bytes given to the constructor (None: the device's memory)."""
         return self._limit_bytes
 
+    # ------------------------------------------------------------------ the hot path
+    # NOTE: with the C accelerator, allocate / free serve an exact-size cache hit and the free
+    # of a block whose neighbours are in use in C (allocators/_speedups.c), with the same
+    # accounting, and call Allocator.allocate / free (as _allocate_slow / _free_slow) for
+    # everything else. Without it, they are Allocator's.
+    _allocate_slow = Allocator.allocate
+    _free_slow = Allocator.free
+    if speedups is not None:
+        allocate = speedups.AllocatorState._caching_allocate
+        free = speedups.AllocatorState._caching_free
+
     # ------------------------------------------------------------------ hooks (lock held)
     def _allocate(self, nbytes: int) -> Allocation:
         size = self._rounded.get(nbytes)
         if size is None:
             size = self._round_and_remember(nbytes)
         pool = self._small if size <= self._small_size else self._large
-        bucket = pool.buckets.get(size)
-        if bucket:
-            block = bucket.popitem()[0]  # an exact fit, the most recently freed
-        else:
+        block = pool.pop(size)  # an exact fit, the most recently freed
+        if block is None:
             block = pool.take_best_fit(size)
             if block is None:
                 block = self._grow(size, pool)
@@ -237,26 +259,25 @@ class CachingAllocator(Allocator):
         if block.size - size >= pool.min_split:
             block = self._split(block, size)
         block.free = False
-        allocation = _CachedAllocation(self.device, block.raw, block.offset, nbytes, block.size)
-        allocation.block = block
+        allocation = Allocation(self.device, block.raw, block.offset, nbytes, block.size)
+        allocation.handle = block
         return allocation
 
     def _free(self, allocation: Allocation) -> None:
-        block = allocation.block
-        allocation.block = None
+        block = allocation.handle
+        allocation.handle = None
         allocation.raw = None  # NOTE: a freed allocation must not keep its segment alive
         pool = block.pool
-        buckets = pool.buckets
         after = block.next
         if after is not None and after.free:  # coalesce with the next block
-            del buckets[after.size][after]
+            pool.remove(after)
             block.size += after.size
             after = block.next = after.next
             if after is not None:
                 after.prev = block
         before = block.prev
         if before is not None and before.free:  # and with the previous one
-            del buckets[before.size][before]
+            pool.remove(before)
             before.size += block.size
             before.next = after
             if after is not None:
@@ -264,11 +285,7 @@ class CachingAllocator(Allocator):
             block = before
         else:
             block.free = True
-        bucket = buckets.get(block.size)
-        if bucket is None:
-            pool.add(block)
-        else:
-            bucket[block] = None  # NOTE: pool.add inlined for the common case: one call less
+        pool.push(block)
         if block.prev is None and after is None:
             self._idle[block] = None  # the whole segment is free: newest in the LRU order
         if self._max_cached_bytes is not None:
@@ -298,17 +315,14 @@ class CachingAllocator(Allocator):
         used.size = size
         used.pool = pool
         used.free = False
+        used.prev_free = used.next_free = None
         after = used.next = block.next
         if after is not None:
             after.prev = used
         used.prev = block
         block.next = used
-        rest = block.size = block.size - size
-        bucket = pool.buckets.get(rest)
-        if bucket is None:
-            pool.add(block)
-        else:
-            bucket[block] = None
+        block.size -= size
+        pool.push(block)
         return used
 
     def _round_and_remember(self, nbytes: int) -> int:
@@ -433,7 +447,7 @@ class CachingAllocator(Allocator):
     def _check_layout(self) -> None:
         granule = self.size_classes.granule
         counters = self._counters
-        live_blocks = {id(allocation.block): allocation for allocation in self._live.values()}
+        live_blocks = {id(allocation.handle): allocation for allocation in self._live.values()}
         used_bytes = free_bytes = 0
         free_blocks: list[_Block] = []
         for head, nbytes in self._segments.items():
@@ -453,6 +467,8 @@ class CachingAllocator(Allocator):
                     free_bytes += block.size
                     free_blocks.append(block)
                 else:
+                    assert block.prev_free is None and block.next_free is None, (
+                        f"{where}: used but on a free list")
                     allocation = live_blocks.pop(id(block), None)
                     assert allocation is not None, f"{where}: used but no live allocation"
                     assert (allocation.raw is block.raw and allocation.offset == block.offset
@@ -468,10 +484,15 @@ class CachingAllocator(Allocator):
         listed: list[_Block] = []
         for pool in (self._small, self._large):
             assert pool.sizes == sorted(pool.buckets), f"{pool.name} sizes out of order"
-            for size, bucket in pool.buckets.items():
-                assert all(block.size == size and block.pool is pool and block.free
-                           for block in bucket), f"a wrong block in the {size}-byte bucket"
-            listed.extend(pool.free_blocks())
+            for size, first in pool.buckets.items():
+                before, block = None, first
+                while block is not None and len(listed) <= len(free_blocks):
+                    where = f"the {size}-byte free list of the {pool.name} pool"
+                    assert block.size == size and block.pool is pool and block.free, (
+                        f"{where} holds a wrong block (at +{block.offset}, {block.size} bytes)")
+                    assert block.prev_free is before, f"{where}: broken links"
+                    listed.append(block)
+                    before, block = block, block.next_free
         assert sorted(map(id, listed)) == sorted(map(id, free_blocks)), (
             "the free lists do not hold exactly the free blocks")
         whole = [head for head in self._segments if head.free and head.next is None]

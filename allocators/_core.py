@@ -1,0 +1,126 @@
+"""The records and state that allocators.base and allocators.caching share with the C hot path.
+
+The caching allocator's most common case (an exact-size cache hit, and the free of a block whose
+neighbours are in use) runs in C, in the optional extension `allocators._speedups`; everything
+else runs in Python. For C and Python to work on one state, the records and the allocator state
+are types of that extension when it is built: the fields of an `Allocation`, of a caching
+`_Block` and `_Pool`, and an allocator's counters, serial counter, live set and lock. This module
+defines the same names in Python, then takes the C ones when it can (as CPython's `heapq` does
+with `_heapq`).
+
+The environment variable BLOCKRT_PURE_PYTHON, read once when `allocators` is first imported,
+turns the extension off: set to anything but "", "0", "false" or "no", the pure-Python classes
+below are used. `ACCELERATED` says which are in use.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+__all__ = ["ACCELERATED", "COUNTERS", "PURE_PYTHON", "PURE_PYTHON_ENV", "AllocationRecord",
+           "AllocatorState", "Block", "Lock", "PoolRecord", "speedups"]
+
+#: The environment variable that turns the C hot path off (see the module docstring).
+PURE_PYTHON_ENV = "BLOCKRT_PURE_PYTHON"
+PURE_PYTHON = os.environ.get(PURE_PYTHON_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+#: The counters every allocator keeps, by stats key; `stats()` adds the derived ones.
+COUNTERS = ("allocated_bytes", "peak_allocated_bytes", "requested_bytes", "peak_requested_bytes",
+            "reserved_bytes", "peak_reserved_bytes", "peak_cached_bytes", "num_allocs",
+            "num_frees", "cache_misses", "num_ooms", "num_device_allocs", "num_device_frees")
+
+Lock = threading.Lock
+
+
+class AllocationRecord:
+    """The fields of an `allocators.Allocation` (see there)."""
+
+    __slots__ = ("device", "raw", "offset", "nbytes", "size", "owner", "serial", "live",
+                 "upstream", "handle")
+
+    def __init__(self, device: Any, raw: Any, offset: int, nbytes: int, size: int,
+                 upstream: Any = None) -> None:
+        self.device = device
+        self.raw = raw
+        self.offset = offset
+        self.nbytes = nbytes
+        self.size = size
+        self.upstream = upstream
+        self.owner = None
+        self.serial = 0
+        self.live = False
+        self.handle = None
+
+
+class AllocatorState:
+    """What an allocator's hot path reads and writes: counters, serials, live set, lock.
+
+    Every counter of COUNTERS is an attribute named "_" + its key. `_last_serial` is the serial
+    of the last allocation handed out; `_live` maps serial -> live Allocation. `_hot` turns on
+    the C hot path of the caching allocator (always False here).
+    """
+
+    def __init__(self) -> None:
+        self._lock = Lock()
+        self._live: dict[int, Any] = {}
+        self._last_serial = 0
+        self._hot = False
+        # NOTE: counters are plain attributes: on the hot path an attribute update costs half
+        # a dict update. `cache_hits` is derived (allocs - misses).
+        for key in COUNTERS:
+            setattr(self, f"_{key}", 0)
+
+
+class Block:
+    """A run of bytes inside a segment of the caching allocator: used (behind one live
+    allocation) or free.
+
+    The blocks of a segment form a doubly linked list by address (`prev`, `next`). The first
+    block of a segment, at offset 0, is its head: blocks merge into the lower neighbour and
+    splits cut from the top, so the head record lives as long as the segment and names it.
+    A free block is also on the free list of its size in its pool (`prev_free`, `next_free`,
+    see `caching._Pool`); a used block has None there. `pool` is its `caching._Pool`.
+    """
+
+    # NOTE: no __init__: a Python-level __init__ call costs more than the stores, and
+    # `caching._split` makes one block per split. `_new_block` and `_split` set every field.
+    __slots__ = ("raw", "offset", "size", "pool", "free", "prev", "next", "prev_free",
+                 "next_free")
+
+    raw: Any
+    offset: int
+    size: int
+    pool: Any
+    free: bool
+    prev: Block | None
+    next: Block | None
+    prev_free: Block | None
+    next_free: Block | None
+
+
+class PoolRecord:
+    """The fields of a pool of the caching allocator (see `caching._Pool`)."""
+
+    __slots__ = ("name", "min_split", "buckets", "sizes")
+
+
+speedups: Any = None
+if not PURE_PYTHON:
+    try:
+        from allocators import _speedups as speedups
+    except ImportError:  # NOTE: not built (no compiler when installed): Python does it all
+        speedups = None
+
+if speedups is not None:
+    from allocators._speedups import (
+        AllocationRecord,
+        AllocatorState,
+        Block,
+        Lock,
+        PoolRecord,
+    )
+
+#: True when the C hot path (allocators._speedups) is in use.
+ACCELERATED = speedups is not None
