@@ -1,0 +1,350 @@
+"""The MLP training step of the training benchmark, and its contenders.
+
+The model: `depth` hidden Dense layers of `width` x `width` (input features = `width`), each
+followed by a ReLU, then one Dense classifier layer `width` -> 10 classes (so `depth + 1` Dense
+layers in all). Weights are stored as PyTorch stores them, `(out_features, in_features)`, so a
+layer computes `x @ W.T + b`. Everything is float32.
+
+One training step on a fixed batch `x` (batch, width) with integer labels (batch,): forward, softmax
+cross-entropy loss (mean over the batch), backward, plain SGD update `p -= lr * grad` (no momentum,
+no weight decay). Initial weights are PyTorch's default for `nn.Linear`: uniform(-1/sqrt(fan_in),
+1/sqrt(fan_in)) for weight and bias, drawn from one seeded `numpy.random.Generator`, so every
+contender starts from the same weights and trains on the same batch.
+
+A contender is a factory `make(params, x, labels, lr) -> Trainer`: it copies the given NumPy
+weights into its own representation (the caller's arrays are never written) and returns a
+`Trainer` whose `step()` runs one training step and returns the loss as a Python float (so the
+step has completed when it returns), and whose `params()` returns the current weights as NumPy
+copies for correctness checks. Contenders:
+
+- `numpy-naive`: the plain NumPy reference (`reference_step`), a fresh array for every result;
+- `numpy-prealloc`: hand-written NumPy with every buffer allocated once (the practical limit);
+- `torch`: PyTorch CPU eager, `nn.Linear` layers, `F.cross_entropy`, SGD as `optim.SGD` runs it;
+- `blockrt-eager`: blockrt's autograd and `runtime.nn`, eager.
+
+Optional dependencies (torch, blockrt's nn) are imported inside their factory only; a factory
+whose dependency is missing raises `ContenderUnavailable` with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+CLASSES = 10
+LR = 0.01
+
+Params = list[tuple[np.ndarray, np.ndarray]]  # [(weight (out, in), bias (out,)), ...]
+
+
+class MLPConfig(NamedTuple):
+    """One benchmark configuration: batch rows, layer width, number of hidden layers."""
+
+    batch: int
+    width: int
+    depth: int
+
+    def step_flop(self) -> float:
+        """Floating-point operations of the matmuls of one training step (forward and backward).
+
+        Forward 2*b*i*o per layer; backward the same for the weight gradient and again for the
+        input gradient, except at the first layer (no gradient for the data).
+        """
+        b, w = self.batch, self.width
+        layers = [(w, w)] * self.depth + [(w, CLASSES)]
+        forward = sum(2 * b * i * o for i, o in layers)
+        return 3 * forward - 2 * b * w * w
+
+
+CONFIGS = {
+    "S": MLPConfig(batch=64, width=256, depth=8),
+    "M": MLPConfig(batch=256, width=1024, depth=4),
+    "L": MLPConfig(batch=1024, width=4096, depth=4),
+}
+# NOTE: `--quick` and the correctness check use these; the same code paths, sizes of no cost
+QUICK_CONFIGS = {
+    "S": MLPConfig(batch=16, width=32, depth=8),
+    "M": MLPConfig(batch=32, width=64, depth=4),
+    "L": MLPConfig(batch=64, width=128, depth=4),
+}
+CHECK_CONFIG = MLPConfig(batch=8, width=16, depth=3)
+# Largest absolute differences from the reference that `check_against_reference` accepts, after
+# 3 steps at CHECK_CONFIG: float32 rounding in a different summation order (losses are about 2.3,
+# weights about 0.25, and 3 steps move a weight by up to about 5e-3).
+LOSS_ATOL = 1e-5
+PARAM_ATOL = 1e-6
+
+
+class ContenderUnavailable(RuntimeError):
+    """A contender's optional dependency is missing; the message says which and why."""
+
+
+class Trainer(NamedTuple):
+    """What a contender factory returns.
+
+    `step()` runs one training step and returns the loss (before the update) as a float;
+    `params()` returns the current weights as NumPy copies, in the layout of `Params`.
+    """
+
+    step: Callable[[], float]
+    params: Callable[[], Params]
+
+
+def init_params(config: MLPConfig, seed: int = 0) -> Params:
+    """PyTorch-style initial weights: uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)), float32."""
+    rng = np.random.default_rng(seed)
+
+    def uniform(shape: tuple[int, ...], bound: float) -> np.ndarray:
+        # NOTE: drawn in float32 and scaled in place, so that no float64 or temporary copy of a
+        # 64 MiB weight raises the process's peak memory (ru_maxrss) before training starts
+        values = rng.random(shape, dtype=np.float32)
+        values *= 2 * bound
+        values -= bound
+        return values
+
+    shapes = [(config.width, config.width)] * config.depth + [(CLASSES, config.width)]
+    params = []
+    for out_features, in_features in shapes:
+        bound = 1.0 / math.sqrt(in_features)
+        weight = uniform((out_features, in_features), bound)
+        params.append((weight, uniform((out_features,), bound)))
+    return params
+
+
+def make_batch(config: MLPConfig, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """A standard-normal float32 batch (batch, width) and int64 labels in [0, 10)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((config.batch, config.width), dtype=np.float32)
+    labels = rng.integers(0, CLASSES, config.batch, dtype=np.int64)
+    return x, labels
+
+
+def copy_params(params: Params) -> Params:
+    """Fresh copies of every weight and bias."""
+    return [(weight.copy(), bias.copy()) for weight, bias in params]
+
+
+# --- the plain NumPy reference -----------------------------------------------------------------
+
+
+def reference_step(params: Params, x: np.ndarray, labels: np.ndarray, lr: float = LR) -> float:
+    """One training step written the obvious way; updates `params` in place, returns the loss."""
+    # Forward, keeping every layer's input for the backward pass.
+    inputs = []
+    a = x
+    for i, (weight, bias) in enumerate(params):
+        inputs.append(a)
+        a = a @ weight.T + bias
+        if i < len(params) - 1:
+            a = np.maximum(a, 0)
+    # Softmax cross-entropy, mean over the batch, and its gradient with respect to the logits.
+    shifted = a - a.max(axis=1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    rows = np.arange(len(labels))
+    loss = -log_probs[rows, labels].mean()
+    grad = np.exp(log_probs)
+    grad[rows, labels] -= 1
+    grad /= len(labels)
+    # Backward, last layer first; every gradient is computed before its layer is updated.
+    for i in reversed(range(len(params))):
+        weight, bias = params[i]
+        grad_weight = grad.T @ inputs[i]
+        grad_bias = grad.sum(axis=0)
+        if i > 0:
+            grad = (grad @ weight) * (inputs[i] > 0)
+        weight -= lr * grad_weight
+        bias -= lr * grad_bias
+    return float(loss)
+
+
+def make_numpy_naive(params: Params, x: np.ndarray, labels: np.ndarray,
+                     lr: float = LR) -> Trainer:
+    """The plain NumPy reference as a contender: a fresh array for every intermediate."""
+    own = copy_params(params)
+    return Trainer(step=lambda: reference_step(own, x, labels, lr),
+                   params=lambda: copy_params(own))
+
+
+# --- hand-written NumPy with preallocated buffers ----------------------------------------------
+
+
+def make_numpy_prealloc(params: Params, x: np.ndarray, labels: np.ndarray,
+                        lr: float = LR) -> Trainer:
+    """Hand-written NumPy training step; every buffer is allocated here, once.
+
+    Each step runs only `out=` and in-place ufuncs and matmuls: no array is allocated but a few
+    of batch x 10 in the loss (NumPy's fancy indexing). The learning rate is folded into the
+    loss gradient: backprop is linear in the upstream gradient and ReLU masks do not depend on
+    its scale, so every gradient comes out already multiplied by `lr` and the update is one
+    in-place subtraction per parameter.
+    """
+    own = copy_params(params)
+    batch = x.shape[0]
+    widths = [weight.shape[0] for weight, _ in own]
+    acts = [np.empty((batch, width), np.float32) for width in widths]  # layer outputs
+    grads = [np.empty((batch, width), np.float32) for width in widths]  # d loss / d output
+    masks = [np.empty((batch, width), bool) for width in widths[:-1]]  # output <= 0 (ReLU off)
+    grad_weights = [np.empty_like(weight) for weight, _ in own]
+    grad_biases = [np.empty_like(bias) for _, bias in own]
+    row_max = np.empty((batch, 1), np.float32)
+    row_sum = np.empty((batch, 1), np.float32)
+    rows = np.arange(batch)
+    last = len(own) - 1
+
+    def step() -> float:
+        # Forward: a_i = relu(a_{i-1} @ W_i.T + b_i), in place in acts[i].
+        a = x
+        for i, (weight, bias) in enumerate(own):
+            np.matmul(a, weight.T, out=acts[i])
+            np.add(acts[i], bias, out=acts[i])
+            if i < last:
+                np.maximum(acts[i], 0, out=acts[i])
+            a = acts[i]
+        # Loss: log-softmax of the logits into grads[last], then lr * (softmax - onehot) / batch.
+        logits, grad = acts[last], grads[last]
+        np.max(logits, axis=1, keepdims=True, out=row_max)
+        np.subtract(logits, row_max, out=grad)
+        np.exp(grad, out=logits)  # the logits are not needed any more
+        np.sum(logits, axis=1, keepdims=True, out=row_sum)
+        np.log(row_sum, out=row_sum)
+        np.subtract(grad, row_sum, out=grad)  # log-probabilities
+        loss = -float(grad[rows, labels].mean())
+        np.exp(grad, out=grad)
+        grad[rows, labels] -= 1.0
+        np.multiply(grad, lr / batch, out=grad)
+        # Backward, last layer first: weight and bias gradients, the input gradient masked by
+        # the previous ReLU, then the update (after the input gradient has used the old weight).
+        for i in range(last, -1, -1):
+            weight, bias = own[i]
+            layer_input = acts[i - 1] if i > 0 else x
+            np.matmul(grads[i].T, layer_input, out=grad_weights[i])
+            np.sum(grads[i], axis=0, out=grad_biases[i])
+            if i > 0:
+                np.matmul(grads[i], weight, out=grads[i - 1])
+                np.less_equal(acts[i - 1], 0, out=masks[i - 1])
+                np.copyto(grads[i - 1], 0.0, where=masks[i - 1])
+            np.subtract(weight, grad_weights[i], out=weight)
+            np.subtract(bias, grad_biases[i], out=bias)
+        return loss
+
+    return Trainer(step=step, params=lambda: copy_params(own))
+
+
+# --- PyTorch CPU eager -------------------------------------------------------------------------
+
+
+def make_torch(params: Params, x: np.ndarray, labels: np.ndarray, lr: float = LR) -> Trainer:
+    """PyTorch CPU eager: `nn.Linear` layers, `F.cross_entropy`, SGD by hand under `no_grad`.
+
+    The step is written as PyTorch users write it: `zero_grad()` (gradients set to None, so they
+    are allocated anew each step), forward, loss, `backward()`, update. The update is the loop
+    `torch.optim.SGD` runs on CPU tensors (`p.add_(p.grad, alpha=-lr)`; no foreach or fused
+    kernels there); creating a `torch.optim` optimizer imports torch._dynamo, 1.3 s here.
+    """
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError as e:
+        raise ContenderUnavailable(f"torch is not importable ({e}); "
+                                   "pip install torch==2.13.0 for the CPU build") from e
+    layers: list[torch.nn.Module] = []
+    for i, (weight, bias) in enumerate(params):
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0])
+        with torch.no_grad():
+            linear.weight.copy_(torch.from_numpy(weight))
+            linear.bias.copy_(torch.from_numpy(bias))
+        layers.append(linear)
+        if i < len(params) - 1:
+            layers.append(torch.nn.ReLU())
+    model = torch.nn.Sequential(*layers)
+    parameters = list(model.parameters())
+    tx, tlabels = torch.from_numpy(x), torch.from_numpy(labels)
+
+    def step() -> float:
+        model.zero_grad()
+        loss = F.cross_entropy(model(tx), tlabels)
+        loss.backward()
+        with torch.no_grad():
+            for parameter in parameters:
+                parameter.add_(parameter.grad, alpha=-lr)
+        return loss.item()
+
+    def current() -> Params:
+        linears = [layer for layer in model if isinstance(layer, torch.nn.Linear)]
+        return [(m.weight.detach().numpy().copy(), m.bias.detach().numpy().copy())
+                for m in linears]
+
+    return Trainer(step=step, params=current)
+
+
+# --- blockrt, eager ----------------------------------------------------------------------------
+
+
+def make_blockrt_eager(params: Params, x: np.ndarray, labels: np.ndarray,
+                       lr: float = LR) -> Trainer:
+    """blockrt eager: `nn.Sequential` of `nn.Dense` and `nn.ReLU`, `nn.softmax_cross_entropy`,
+    `nn.SGD`, on the default ("cpu") device and default allocator."""
+    try:
+        import runtime
+        from runtime import nn
+    except ImportError as e:
+        raise ContenderUnavailable(f"blockrt's nn is not importable ({e})") from e
+    layers = []
+    for i, (weight, bias) in enumerate(params):
+        dense = nn.Dense(weight.shape[1], weight.shape[0])
+        with runtime.no_grad():
+            dense.weight[...] = weight
+            dense.bias[...] = bias
+        layers.append(dense)
+        if i < len(params) - 1:
+            layers.append(nn.ReLU())
+    model = nn.Sequential(*layers)
+    opt = nn.SGD(model.parameters(), lr=lr)
+    tx, tlabels = runtime.tensor(x), runtime.tensor(labels)
+
+    def step() -> float:
+        opt.zero_grad()
+        loss = nn.softmax_cross_entropy(model(tx), tlabels)
+        loss.backward()
+        opt.step()
+        return float(loss.item())
+
+    def current() -> Params:
+        return [(dense.weight.numpy().copy(), dense.bias.numpy().copy())
+                for dense in layers[::2]]
+
+    return Trainer(step=step, params=current)
+
+
+CONTENDERS: dict[str, Callable[..., Trainer]] = {
+    "numpy-naive": make_numpy_naive,
+    "numpy-prealloc": make_numpy_prealloc,
+    "torch": make_torch,
+    "blockrt-eager": make_blockrt_eager,
+}
+
+
+def check_against_reference(make: Callable[..., Trainer], config: MLPConfig = CHECK_CONFIG,
+                            steps: int = 3) -> dict[str, float]:
+    """Train `steps` steps with `make` and with `reference_step` from the same start.
+
+    Returns the largest absolute difference of the losses ("loss") and of any weight or bias
+    after the last step ("params"), and the largest parameter change the training made
+    ("moved", to show the comparison is not of two untouched copies).
+    """
+    start = init_params(config)
+    x, labels = make_batch(config)
+    trainer = make(start, x, labels, LR)
+    reference = copy_params(start)
+    loss_diff = 0.0
+    for _ in range(steps):
+        loss_diff = max(loss_diff, abs(trainer.step() - reference_step(reference, x, labels)))
+    ours = trainer.params()
+    param_diff = max(float(np.max(np.abs(a - b)))
+                     for pair, ref in zip(ours, reference) for a, b in zip(pair, ref))
+    moved = max(float(np.max(np.abs(a - b)))
+                for pair, ref in zip(start, reference) for a, b in zip(pair, ref))
+    return {"loss": loss_diff, "params": param_diff, "moved": moved}

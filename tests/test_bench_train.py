@@ -1,0 +1,56 @@
+"""The training benchmark's contenders compute the same training steps as a plain NumPy reference.
+
+Three steps at batch 8, width 16, depth 3 from the same weights and batch: losses and updated
+weights must agree to float32 tolerance (benchmarks/mlp_reference.py says which).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import mlp_reference
+
+
+def assert_matches_reference(name: str) -> None:
+    try:
+        diff = mlp_reference.check_against_reference(mlp_reference.CONTENDERS[name])
+    except mlp_reference.ContenderUnavailable as e:
+        pytest.skip(str(e))
+    assert diff["moved"] > 100 * mlp_reference.PARAM_ATOL  # the steps changed the weights
+    assert diff["loss"] <= mlp_reference.LOSS_ATOL
+    assert diff["params"] <= mlp_reference.PARAM_ATOL
+
+
+def test_numpy_prealloc_matches_the_reference():
+    assert_matches_reference("numpy-prealloc")
+
+
+def test_numpy_prealloc_trains_its_own_copy_of_the_weights():
+    config = mlp_reference.CHECK_CONFIG
+    x, labels = mlp_reference.make_batch(config)
+    start = mlp_reference.init_params(config)
+    trainer = mlp_reference.make_numpy_prealloc(start, x, labels)
+    first = trainer.step()
+    for _ in range(20):
+        last = trainer.step()
+    assert last < first  # training on one batch lowers its loss
+    for (weight, bias), (weight0, bias0) in zip(start, mlp_reference.init_params(config)):
+        np.testing.assert_array_equal(weight, weight0)
+        np.testing.assert_array_equal(bias, bias0)
+
+
+def test_blockrt_eager_matches_the_reference():
+    assert_matches_reference("blockrt-eager")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                    reason="torch is not installed (optional: pip install torch==2.13.0)")
+def test_torch_matches_the_reference():
+    assert_matches_reference("torch")
