@@ -121,6 +121,11 @@ class NumpyDevice(Device):
         _REDUCE[name](x, axis=axis, keepdims=keepdims, out=out)
 
     def _cross_entropy(self, logits, labels, losses, probs) -> None:
+        classes = logits.shape[1]
+        if labels.size and (labels.min() < 0 or labels.max() >= classes):
+            bad = labels[(labels < 0) | (labels >= classes)][0]
+            raise ValueError(f"cross_entropy: label {bad} is outside [0, {classes}) for "
+                             f"{classes} classes")
         rows = np.arange(logits.shape[0])
         np.max(logits, axis=1, keepdims=True, out=probs[:, :1])  # the row maxima, parked
         top = probs[:, 0].copy()

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from runtime import tape
 from runtime.errors import AutogradError
 
 if TYPE_CHECKING:
@@ -256,10 +257,11 @@ def backward(root: Tensor, gradient: Tensor | None = None, retain_graph: bool = 
                                 f"dtype {root.dtype}")
         else:
             gradient = ops.copy(gradient)
-        if root._node is None:
-            _accumulate_leaf(root, gradient, {})
-        else:
-            _run(root._node, gradient, retain_graph)
+        with tape.phase("backward"):
+            if root._node is None:
+                _accumulate_leaf(root, gradient, {})
+            else:
+                _run(root._node, gradient, retain_graph)
 
 
 def _run(root: Node, gradient: Tensor, retain_graph: bool) -> None:

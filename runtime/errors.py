@@ -23,3 +23,8 @@ class ReadOnlyError(RuntimeError):
 class AutogradError(RuntimeError):
     """backward() cannot compute a gradient: nothing requires one, the output is not a scalar,
     a tensor saved for backward was modified in place, or the graph was already freed."""
+
+
+class GraphCaptureError(RuntimeError):
+    """Something a captured function did cannot be recorded (reading a value while capturing,
+    nested captures) or a replay cannot go on (its inputs do not match)."""

@@ -3,8 +3,8 @@ names and defaults).
 
 Modules have `parameters()`, `named_parameters()`, `zero_grad()`, `__call__` and a readable
 `repr`. Optimizers update parameters in place under `no_grad`; every buffer they need (momentum,
-Adam's moments, one or two scratch tensors per parameter) is made at the first step, so a warm
-step asks the allocator for nothing.
+Adam's moments, one or two scratch tensors per parameter shape, shared by the parameters of that
+shape) is made at the first step, so a warm step asks the allocator for nothing.
 
 Example:
     >>> import numpy as np, runtime
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from allocators import Allocator
-from runtime import ops
+from runtime import ops, tape
 from runtime.autograd import no_grad
 from runtime.tensor import Tensor, empty, host_array, tensor
 
@@ -254,6 +254,7 @@ class Optimizer:
             raise ValueError(f"{type(self).__name__} got an empty parameter list")
         self.lr = _check_number("lr", lr, 0.0)
         self.state: dict[int, dict[str, Any]] = {id(p): {} for p in self.params}
+        self._scratch_pool: dict[tuple, Tensor] = {}
 
     def zero_grad(self) -> None:
         """Forget the parameters' gradients (set them to None)."""
@@ -270,14 +271,17 @@ class Optimizer:
     def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not implement _update()")
 
-    @staticmethod
-    def _buffer(state: dict[str, Any], name: str, like: Tensor) -> Tensor:
-        """The persistent buffer `name` of a parameter, shaped like it (lazy: its memory comes
-        at the first write)."""
-        buffer = state.get(name)
+    def _scratch(self, like: Tensor, index: int = 0) -> Tensor | None:
+        """Scratch tensor number `index` shaped like `like`, shared by every parameter of that
+        shape (updates run one after another), made once, lazily. None while a graph captures:
+        there, plain op results are temporaries the graph's memory plan places."""
+        if tape.active() is not None:
+            return None
+        key = (like.shape, like.dtype, id(like.block.allocator), index)
+        buffer = self._scratch_pool.get(key)
         if buffer is None:
-            buffer = state[name] = empty(like.shape, like.dtype, device=like.device,
-                                         allocator=like.block.allocator)
+            buffer = self._scratch_pool[key] = empty(like.shape, like.dtype, device=like.device,
+                                                     allocator=like.block.allocator)
         return buffer
 
     def __repr__(self) -> str:
@@ -303,11 +307,11 @@ class SGD(Optimizer):
         self.nesterov = bool(nesterov)
 
     def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
-        scratch = self._buffer(state, "scratch", p)
+        scratch = self._scratch(p)  # NOTE: with out=None (capturing) each op makes a temporary
         d = grad
         if self.weight_decay:
-            ops.mul(p, self.weight_decay, out=scratch)
-            d = ops.add(scratch, grad, out=scratch)
+            decay = ops.mul(p, self.weight_decay, out=scratch)
+            d = ops.add(decay, grad, out=scratch)
         if self.momentum:
             buf = state.get("momentum")
             if buf is None:
@@ -318,14 +322,11 @@ class SGD(Optimizer):
                     d = ops.mul(d, 1 - self.dampening, out=scratch)
                 ops.add(buf, d, out=buf)
             if self.nesterov:  # p -= lr * (d + momentum * buf), in two subtractions
-                ops.mul(d, self.lr, out=scratch)
-                ops.sub(p, scratch, out=p)
-                ops.mul(buf, self.lr * self.momentum, out=scratch)
-                ops.sub(p, scratch, out=p)
+                ops.sub(p, ops.mul(d, self.lr, out=scratch), out=p)
+                ops.sub(p, ops.mul(buf, self.lr * self.momentum, out=scratch), out=p)
                 return
             d = buf
-        ops.mul(d, self.lr, out=scratch)
-        ops.sub(p, scratch, out=p)
+        ops.sub(p, ops.mul(d, self.lr, out=scratch), out=p)
 
     def _options(self) -> str:
         return (f"lr={self.lr}, momentum={self.momentum}, weight_decay={self.weight_decay}"
@@ -334,7 +335,11 @@ class SGD(Optimizer):
 
 class Adam(Optimizer):
     """Adam (Kingma and Ba 2015) with PyTorch's defaults and bias correction; weight_decay
-    adds weight_decay * param to the gradient (L2, as torch.optim.Adam)."""
+    adds weight_decay * param to the gradient (L2, as torch.optim.Adam).
+
+    The bias corrections live on the device (beta**t as 0-d tensors updated by ops at every
+    step), so a captured graph replays later steps correctly, like PyTorch's capturable Adam.
+    """
 
     def __init__(self, params: Iterable[Tensor], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -346,37 +351,53 @@ class Adam(Optimizer):
                       _check_number("betas[1]", betas[1], 0.0, 1.0))
         self.eps = _check_number("eps", eps, 0.0, low_open=True)
         self.weight_decay = _check_number("weight_decay", weight_decay, 0.0)
+        # NOTE: beta1**t, beta2**t, lr / (1 - beta1**t) and 1 / (1 - beta2**t), as 0-d tensors
+        self._powers: tuple[Tensor, Tensor] | None = None
+        self._step_size: Tensor | None = None
+        self._inverse_correction: Tensor | None = None
+
+    def step(self) -> None:
+        """Advance the bias corrections, then update every parameter that has a gradient."""
+        beta1, beta2 = self.betas
+        with no_grad():
+            if self._powers is None:
+                like = self.params[0]
+                self._powers = tuple(  # type: ignore[assignment]
+                    tensor(np.ones((), like.dtype), device=like.device,
+                           allocator=like.block.allocator) for _ in range(2))
+                self._step_size = empty((), like.dtype, like.device, like.block.allocator)
+                self._inverse_correction = empty((), like.dtype, like.device,
+                                                 like.block.allocator)
+            power1, power2 = self._powers
+            ops.mul(power1, beta1, out=power1)
+            ops.mul(power2, beta2, out=power2)
+            ops.sub(1.0, power1, out=self._step_size)
+            ops.div(self.lr, self._step_size, out=self._step_size)
+            ops.sub(1.0, power2, out=self._inverse_correction)
+            ops.div(1.0, self._inverse_correction, out=self._inverse_correction)
+        super().step()
 
     def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
         beta1, beta2 = self.betas
-        t = state["step"] = state.get("step", 0) + 1
-        m = self._buffer(state, "exp_avg", p)
-        v = self._buffer(state, "exp_avg_sq", p)
-        s1 = self._buffer(state, "scratch", p)
-        s2 = self._buffer(state, "scratch2", p)
+        if "exp_avg" not in state:  # the moments start at zero
+            for name in ("exp_avg", "exp_avg_sq"):
+                state[name] = tensor(np.zeros(p.shape, p.dtype), device=p.device,
+                                     allocator=p.block.allocator)
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        s1, s2 = self._scratch(p, 0), self._scratch(p, 1)  # None while capturing
         g = grad
         if self.weight_decay:
-            ops.mul(p, self.weight_decay, out=s1)
-            g = ops.add(s1, grad, out=s1)
-        if t == 1:  # the moments start at zero
-            ops.mul(g, 1 - beta1, out=m)
-            ops.mul(g, g, out=v)
-            ops.mul(v, 1 - beta2, out=v)
-        else:
-            ops.mul(m, beta1, out=m)
-            ops.mul(g, 1 - beta1, out=s2)
-            ops.add(m, s2, out=m)
-            ops.mul(g, g, out=s2)
-            ops.mul(s2, 1 - beta2, out=s2)
-            ops.mul(v, beta2, out=v)
-            ops.add(v, s2, out=v)
+            g = ops.add(ops.mul(p, self.weight_decay, out=s1), grad, out=s1)
+        ops.mul(m, beta1, out=m)
+        ops.add(m, ops.mul(g, 1 - beta1, out=s2), out=m)
+        ops.mul(v, beta2, out=v)
+        squared = ops.mul(g, g, out=s2)
+        ops.add(v, ops.mul(squared, 1 - beta2, out=s2), out=v)
         # p -= lr / (1 - beta1**t) * m / (sqrt(v / (1 - beta2**t)) + eps)
-        ops.mul(v, 1 / (1 - beta2 ** t), out=s2)
-        ops.sqrt(s2, out=s2)
-        ops.add(s2, self.eps, out=s2)
-        ops.mul(m, self.lr / (1 - beta1 ** t), out=s1)
-        ops.div(s1, s2, out=s1)
-        ops.sub(p, s1, out=p)
+        denominator = ops.sqrt(ops.mul(v, self._inverse_correction, out=s2), out=s2)
+        denominator = ops.add(denominator, self.eps, out=s2)
+        step = ops.mul(m, self._step_size, out=s1)
+        ops.sub(p, ops.div(step, denominator, out=s1), out=p)
 
     def _options(self) -> str:
         return (f"lr={self.lr}, betas={self.betas}, eps={self.eps}, "

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime import aliasing, autograd, config
+from runtime import aliasing, autograd, config, tape
 from runtime.errors import AliasingError, AutogradError
 from runtime.tensor import Tensor, empty, host_array, tensor
 
@@ -38,6 +38,7 @@ ALIASING_POLICY: dict[str, str] = {
     **dict.fromkeys(("matmul", "linear", "cross_entropy", "sum", "mean"), NEVER),
     # autograd's fused derivatives (not public ops): (gradient, the op's output) -> gradient
     **dict.fromkeys(("tanh_backward", "sigmoid_backward", "relu_backward"), ELEMENTWISE),
+    "cross_entropy_backward": NEVER,
 }
 
 FLOAT_DTYPES = (np.dtype("float32"), np.dtype("float64"))
@@ -125,10 +126,13 @@ def _clashes(policy: str, out: Tensor, inputs: Sequence[tuple[str, Tensor, tuple
 
 # ---------------------------------------------------------------------- dispatch
 def _launch(op: str, out: Tensor, inputs: Sequence[tuple[str, Tensor, tuple]],
-            run: Callable[[list, Any], None], scalars: dict[int, Any] | None = None) -> Tensor:
-    """Run `run(input_views, out_view)` under the op's declared aliasing policy.
+            run: Callable[..., None], scalars: dict[int, Any] | None = None,
+            also: Sequence[Tensor] = ()) -> Tensor:
+    """Run `run(input_views, out_view, *also_views)` under the op's declared aliasing policy.
 
-    `inputs` are (label, tensor, broadcast shape); `scalars` maps argument positions to numbers.
+    `inputs` are (label, tensor, broadcast shape); `scalars` maps argument positions to numbers;
+    `also` are further outputs, fresh tensors that overlap nothing. Inside a graph capture the
+    launch is recorded on the tape instead (see runtime.tape).
     """
     policy = ALIASING_POLICY[op]
     clashes = _clashes(policy, out, inputs)
@@ -142,19 +146,27 @@ def _launch(op: str, out: Tensor, inputs: Sequence[tuple[str, Tensor, tuple]],
                 f"output, or runtime.set_aliasing('copy') to compute through a temporary")
         temp = Tensor._fresh(out.shape, out.dtype, out.block.allocator)
         try:
-            _launch(op, temp, inputs, run, scalars)
-            out.device.unary("copy", temp._native_read(op), out._native_write(op))
-            out.block.mark_written()
+            _launch(op, temp, inputs, run, scalars, also)
+            device = out.device
+            _launch("copy", out, [("x", temp, out.shape)],
+                    lambda v, o: device.unary("copy", v[0], o))
         finally:
             temp.release()
+        return out
+    recorder = tape.active()
+    if recorder is not None:
+        recorder.record(op, policy, run, [(t, shape) for _, t, shape in inputs], [out, *also],
+                        scalars)
         return out
     views = [t._native_read(op, shape) for _, t, shape in inputs]
     if scalars:
         for position, value in scalars.items():
             views.insert(position, value)
     target = out._native_write(op)
-    run(views, target)
+    run(views, target, *[t._native_write(op) for t in also])
     out.block.mark_written()
+    for t in also:
+        t.block.mark_written()
     return out
 
 
@@ -459,53 +471,59 @@ def cross_entropy(logits: Tensor, labels: Any, out: Tensor | None = None) -> Ten
     """Softmax cross-entropy of each row of `logits` (rows, classes) against integer class
     indices `labels` (rows,): logsumexp(row) - row[label], computed stably. Returns (rows,).
 
-    Raises ValueError for labels of the wrong shape or outside [0, classes), TypeError for
-    non-integer labels. `out` may not share any memory with the inputs.
+    `labels` is an integer array-like (checked here) or an integer Tensor on the same device
+    (checked by the kernel). Raises ValueError for labels of the wrong shape or outside
+    [0, classes), TypeError for non-integer labels. `out` may not share memory with the inputs.
     """
     device, dtype = _common("cross_entropy", [logits])
     if logits.ndim != 2:
         raise ValueError(f"cross_entropy: logits must be (rows, classes), got shape "
                          f"{logits.shape}")
     rows, classes = logits.shape
-    host = host_array(labels, None, "label tensor")
-    if host.dtype.kind not in "iu":
-        raise TypeError(f"cross_entropy: labels must be integer class indices, got {host.dtype}")
-    if host.shape != (rows,):
-        raise ValueError(f"cross_entropy: labels have shape {host.shape}, expected ({rows},) "
-                         f"for logits of shape {logits.shape}")
-    if rows and (host.min() < 0 or host.max() >= classes):
-        bad = host[(host < 0) | (host >= classes)][0]
-        raise ValueError(f"cross_entropy: label {bad} is outside [0, {classes}) for "
-                         f"{classes} classes")
-    if isinstance(labels, Tensor) and labels.device is device:
+    if isinstance(labels, Tensor):
         label_tensor = labels
+        kind, shape = labels.dtype.kind, labels.shape
+        if labels.device is not device:
+            raise ValueError(f"cross_entropy: labels are on {labels.device.name}, logits on "
+                             f"{device.name}")
     else:
-        label_tensor = tensor(host.astype(np.int64, copy=False), device=device,
-                              allocator=logits.block.allocator)
+        host = host_array(labels, None, "label tensor")
+        kind, shape = host.dtype.kind, host.shape
+        if kind in "iu" and shape == (rows,):
+            _check_labels(host, classes)
+            label_tensor = tensor(host.astype(np.int64, copy=False), device=device,
+                                  allocator=logits.block.allocator)
+    if kind not in "iu":
+        raise TypeError(f"cross_entropy: labels must be integer class indices, got "
+                        f"{labels.dtype if isinstance(labels, Tensor) else host.dtype}")
+    if shape != (rows,):
+        raise ValueError(f"cross_entropy: labels have shape {shape}, expected ({rows},) "
+                         f"for logits of shape {logits.shape}")
     out = _prepare_out("cross_entropy", out, (rows,), dtype, logits, (logits,))
     probs = Tensor._fresh((rows, classes), dtype, logits.block.allocator)
-
-    def run(v: list, o: Any) -> None:
-        device.cross_entropy(v[0], v[1], o, probs._native_write("cross_entropy"))
-        probs.block.mark_written()
-
     _launch("cross_entropy", out, [("logits", logits, logits.shape),
-                                   ("labels", label_tensor, (rows,))], run)
+                                   ("labels", label_tensor, (rows,))],
+            lambda v, o, p: device.cross_entropy(v[0], v[1], o, p), also=(probs,))
     if autograd.needs_grad(logits):
         def fn(g: Tensor, probs: Tensor, labels: Tensor) -> tuple:
             result = Tensor._fresh(probs.shape, probs.dtype, probs.block.allocator)
-            views = (probs._native_read("cross_entropy backward"),
-                     labels._native_read("cross_entropy backward"),
-                     g._native_read("cross_entropy backward"),
-                     result._native_write("cross_entropy backward"))
-            device.cross_entropy_backward(*views)
-            result.block.mark_written()
+            _launch("cross_entropy_backward", result,
+                    [("probs", probs, probs.shape), ("labels", labels, labels.shape),
+                     ("grad", g, g.shape)],
+                    lambda v, o: device.cross_entropy_backward(v[0], v[1], v[2], o))
             return (result,)
 
         autograd.record("cross_entropy", out, (logits,), ("logits",), fn,
                         [("softmax", probs), ("labels", label_tensor)])
     return out
 
+
+def _check_labels(labels: np.ndarray, classes: int) -> None:
+    """ValueError naming the first label outside [0, classes) (the kernels check them too)."""
+    if labels.size and (labels.min() < 0 or labels.max() >= classes):
+        bad = labels[(labels < 0) | (labels >= classes)][0]
+        raise ValueError(f"cross_entropy: label {bad} is outside [0, {classes}) for "
+                         f"{classes} classes")
 
 
 # ---------------------------------------------------------------------- reductions

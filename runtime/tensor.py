@@ -16,7 +16,7 @@ import numpy as np
 
 import backends
 from allocators import Allocator
-from runtime import aliasing, autograd, config
+from runtime import aliasing, autograd, config, tape
 from runtime.autograd import Node
 from runtime.block import Block
 from runtime.errors import AutogradError, UseAfterFreeError
@@ -438,6 +438,7 @@ class Tensor:
     # ------------------------------------------------------------------ host access
     def numpy(self) -> np.ndarray:
         """A new host numpy array with this tensor's data (a copy)."""
+        tape.refuse_read("numpy()")
         return self.device.to_host(self._native_read("numpy()"))
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
@@ -573,6 +574,10 @@ def tensor(data: Any, dtype: Any = None, device: Any = None,
     """
     host = host_array(data, dtype, "tensor")
     out = empty(host.shape, host.dtype, device, allocator, requires_grad)
+    recorder = tape.active()
+    if recorder is not None:  # inside a graph capture: a recorded load, run at replay
+        recorder.load(out, host)
+        return out
     allocation = out.block.memory_for_write("runtime.tensor")
     out.device.copyin(allocation.raw, allocation.offset, host)
     out.block.mark_written()
