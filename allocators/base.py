@@ -195,9 +195,11 @@ class Allocator(AllocatorState):
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the accounting or the layout of live allocations is wrong."""
-        live, c = self._check_books()
+        _, c = self._check_books()
         assert c["reserved_bytes"] >= c["allocated_bytes"], "reserved < allocated"
-        spans = sorted((a.ptr, a.ptr + a.size, a.serial) for a in live if a.size)
+        with self._lock:  # NOTE: a free in another thread clears allocation.raw
+            spans = sorted((a.ptr, a.ptr + a.size, a.serial) for a in self._live.values()
+                           if a.size)
         for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
             assert end <= start, f"allocations #{first} and #{second} overlap"
 
