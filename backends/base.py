@@ -98,6 +98,20 @@ class Device:
         """A native array over `raw` at byte `offset` with byte `strides`; no copy is made."""
         return self._array_view(raw, offset, tuple(shape), np.dtype(dtype), tuple(strides))
 
+    def scratch(self, shape: Sequence[int], dtype: Any) -> Any:
+        """A new contiguous native array of `shape`, for a kernel's own temporaries (fused
+        chains keep their inner results in block-sized ones). Not tracked by any allocator:
+        keep them small."""
+        dtype = np.dtype(dtype)
+        shape = tuple(shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        strides = []
+        step = dtype.itemsize
+        for n in reversed(shape):
+            strides.append(step)
+            step *= max(n, 1)
+        return self._array_view(self.raw_alloc(nbytes), 0, shape, dtype, tuple(reversed(strides)))
+
     def address(self, raw: Any) -> int:
         """The integer device address of `raw` (for tracing and overlap checks)."""
         return self._address(raw)

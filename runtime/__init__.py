@@ -19,15 +19,17 @@ from runtime.constant import ConstantPool, constant
 from runtime.errors import (
                             AliasingError,
                             AutogradError,
+                            GraphCaptureError,
                             ReadOnlyError,
                             UninitializedMemoryError,
                             UseAfterFreeError,
 )
+from runtime.graph import Graph, graph
 from runtime.summary import memory_summary
 from runtime.tensor import Tensor, empty, ones, tensor, view, zeros
 
-__all__ = ["AliasingError", "AutogradError", "Block", "ConstantPool", "ReadOnlyError", "Tensor",
-           "UninitializedMemoryError", "UseAfterFreeError", "constant", "empty", "enable_grad",
-           "get_aliasing", "get_default_allocator", "is_grad_enabled", "memory_summary", "no_grad",
-           "nn", "ones", "ops", "overlaps", "set_aliasing", "set_default_allocator", "tensor",
-           "view", "zeros"]
+__all__ = ["AliasingError", "AutogradError", "Block", "ConstantPool", "Graph", "GraphCaptureError",
+           "ReadOnlyError", "Tensor", "UninitializedMemoryError", "UseAfterFreeError", "constant",
+           "empty", "enable_grad", "get_aliasing", "get_default_allocator", "graph",
+           "is_grad_enabled", "memory_summary", "no_grad", "nn", "ones", "ops", "overlaps",
+           "set_aliasing", "set_default_allocator", "tensor", "view", "zeros"]

@@ -305,6 +305,21 @@ class SGD(Optimizer):
         if nesterov and (self.momentum == 0 or self.dampening != 0):
             raise ValueError("Nesterov momentum needs momentum > 0 and dampening 0")
         self.nesterov = bool(nesterov)
+        self._dampened: Tensor | None = None  # 0-d: 1 at the first step, then 1 - dampening
+
+    def _coefficient(self, like: Tensor) -> Tensor:
+        if self._dampened is None:
+            self._dampened = tensor(np.ones((), like.dtype), device=like.device,
+                                    allocator=like.block.allocator)
+        return self._dampened
+
+    def step(self) -> None:
+        """Update every parameter that has a gradient, in place."""
+        super().step()
+        if self._dampened is not None:
+            with no_grad():  # from now on the gradient counts 1 - dampening
+                ops.mul(self._dampened, 0.0, out=self._dampened)
+                ops.add(self._dampened, 1 - self.dampening, out=self._dampened)
 
     def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
         scratch = self._scratch(p)  # NOTE: with out=None (capturing) each op makes a temporary
@@ -313,14 +328,17 @@ class SGD(Optimizer):
             decay = ops.mul(p, self.weight_decay, out=scratch)
             d = ops.add(decay, grad, out=scratch)
         if self.momentum:
+            # NOTE: the buffer starts at zero and the first step adds d itself (coefficient 1,
+            # later 1 - dampening), so the same ops run at every step: a captured graph
+            # replays PyTorch's rule, where the buffer starts as the first d.
             buf = state.get("momentum")
             if buf is None:
-                buf = state["momentum"] = ops.copy(d)
-            else:
-                ops.mul(buf, self.momentum, out=buf)
-                if self.dampening:
-                    d = ops.mul(d, 1 - self.dampening, out=scratch)
-                ops.add(buf, d, out=buf)
+                buf = state["momentum"] = tensor(np.zeros(p.shape, p.dtype), device=p.device,
+                                                 allocator=p.block.allocator)
+            ops.mul(buf, self.momentum, out=buf)
+            if self.dampening:
+                d = ops.mul(d, self._coefficient(p), out=scratch)
+            ops.add(buf, d, out=buf)
             if self.nesterov:  # p -= lr * (d + momentum * buf), in two subtractions
                 ops.sub(p, ops.mul(d, self.lr, out=scratch), out=p)
                 ops.sub(p, ops.mul(buf, self.lr * self.momentum, out=scratch), out=p)

@@ -1,0 +1,797 @@
+"""The graph runtime: capture a step once, then replay it under a memory plan.
+
+`runtime.graph(fn, plan=..., checkpoint=..., fuse=...)` returns a callable `Graph`. Its first call
+with a given input signature captures `fn`:
+
+1. **Capture** (delayed execution). `fn` runs with every op recorded on a tape instead of
+   launched (`runtime.tape`): nothing computes and blocks made inside stay lazy. Each instruction
+   names the blocks it reads and writes, as layouts.
+2. **Rewrite.** With `checkpoint="sqrt"`, the forward instructions are cut into about sqrt(n)
+   segments; forward results that the backward pass needs are recomputed from the segment's
+   boundary just before their first backward use (Chen et al. 2016), so they need not stay live.
+3. **Dependencies and schedule.** Read-after-write, write-after-read and write-after-write
+   hazards on blocks give a DAG; a list scheduler walks it preferring instructions that do not
+   add live bytes, so, e.g., each parameter's update runs as soon as its gradient is complete
+   and the gradient dies at once.
+4. **Fusion and in-place reuse** (`fuse=True`). A chain of elementwise instructions whose
+   intermediates feed only the next one becomes one instruction run in cache-sized row blocks,
+   so the intermediates never exist at full size. An elementwise instruction writes over an
+   input that dies there when the layouts match (NNVM's rule); never for matmul, constants,
+   parameters or tensors the user holds.
+5. **Memory plan** for the blocks made inside the capture that nothing outside holds
+   (intermediates): "none" allocates each at its first write and frees all at the end of the
+   step; "recycle" frees each right after its last use (SINGA's reference-count recycling);
+   "static" puts them all at offsets in one arena (`runtime.planner`), allocated once, so a
+   replay calls no allocator at all.
+
+Later calls with the same signature replay the schedule on the new inputs without running the
+Python function. Blocks that existed before the capture (parameters, optimizer state) are read
+and written in place; blocks made inside that something still holds after `fn` returns (its
+outputs, gradients kept in `.grad`, new optimizer state) are kept by the graph and written at
+every replay.
+
+What a capture bakes in (and so what invalidates it without being detected): Python control flow
+and Python numbers (learning rates, loop counts), the set of tensors `fn` touches (replacing a
+parameter tensor or changing the model), and settings read while capturing (aliasing mode,
+default allocator). A change of input shape or dtype, or of a non-array argument, captures again;
+`recapture()` forgets every capture.
+
+Example:
+    >>> import numpy as np, runtime
+    >>> from runtime import nn
+    >>> nn.manual_seed(0)
+    >>> model = nn.Sequential(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 3))
+    >>> opt = nn.SGD(model.parameters(), lr=0.1)
+    >>> def train_step(x, y):
+    ...     loss = nn.softmax_cross_entropy(model(x), y)
+    ...     loss.backward()
+    ...     opt.step()
+    ...     opt.zero_grad()
+    ...     return loss
+    >>> step = runtime.graph(train_step, plan="static")
+    >>> x, y = np.ones((2, 4), np.float32), np.array([0, 2])
+    >>> first = step(x, y).item()        # captures, plans, runs
+    >>> second = step(x, y).item()       # replays
+    >>> second < first
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from allocators import Allocation, Allocator
+from runtime import autograd, config, planner, tape
+from runtime.block import Block
+from runtime.errors import GraphCaptureError
+from runtime.tape import Instruction, Operand, Tape
+from runtime.tensor import Tensor, tensor
+
+__all__ = ["CHECKPOINTS", "PLANS", "Graph", "graph"]
+
+PLANS = ("none", "recycle", "static")
+CHECKPOINTS = (None, "sqrt")
+#: A fused chain runs in row blocks of about this many bytes per operand (fits in L2).
+FUSED_BLOCK_BYTES = 64 << 10
+
+
+def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None = None,
+          fuse: bool = True, device: Any = None, allocator: Allocator | None = None) -> Graph:
+    """Wrap `fn` (a training or inference step) as a captured, planned, replayable graph.
+
+    Args:
+        fn: called with tensors in place of its array arguments; returns a Tensor, a tuple or
+            list of Tensors, or None.
+        plan: "none", "recycle" or "static" (see the module docstring).
+        checkpoint: None, or "sqrt" to recompute forward results during backward.
+        fuse: fuse elementwise chains and reuse dying inputs in place.
+        device, allocator: where array arguments and the plan's memory go (default device and
+            its default allocator).
+
+    Raises:
+        ValueError: an unknown plan or checkpoint.
+    """
+    return Graph(fn, plan, checkpoint, fuse, device, allocator)
+
+
+# ---------------------------------------------------------------------- the captured program
+@dataclass
+class _Step:
+    """One scheduled instruction, or a fused chain of them, ready to replay."""
+
+    instructions: list[Instruction]
+    #: blocks of intermediates internal to a fused chain (never materialised at full size)
+    internal: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Capture:
+    """Everything one capture produced: the schedule, the plan and the graph-held tensors."""
+
+    steps: list[_Step]
+    placeholders: list[Tensor | None]
+    outputs: list[Tensor]
+    output_kind: str
+    held: list[Tensor]                       # handles keeping graph-written blocks alive
+    buffer_of: dict[int, int]                # intermediate block id -> buffer (class) id
+    lifetimes: list[planner.Lifetime]        # per buffer, in schedule positions
+    naive_bytes: int
+    static_plan: planner.Plan
+    position_count: int
+    device: Any
+    allocator: Allocator
+    stats: dict[str, int]
+    outside: list[Block]                     # blocks outside the plan that the steps touch
+    outside_ids: set[int]
+    init: list[_Step]                        # loads that initialise kept state: run once
+    arena: Allocation | None = None
+    views: list[Callable[[], None]] | None = None   # static: the steps with bound views
+    view_key: tuple = ()
+    peak_bytes: int = 0
+
+
+class Graph:
+    """A step function captured once per input signature and replayed under a memory plan.
+
+    See `runtime.graph` and the module docstring.
+    """
+
+    def __init__(self, fn: Callable[..., Any], plan: str = "static",
+                 checkpoint: str | None = None, fuse: bool = True, device: Any = None,
+                 allocator: Allocator | None = None) -> None:
+        if plan not in PLANS:
+            raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
+        if checkpoint not in CHECKPOINTS:
+            raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
+        if not callable(fn):
+            raise TypeError(f"graph() needs a callable, got {type(fn).__name__}")
+        self.fn = fn
+        self.plan = plan
+        self.checkpoint = checkpoint
+        self.fuse = bool(fuse)
+        self._device = device
+        self._allocator = allocator
+        self._captures: dict[tuple, _Capture] = {}
+        self._last: _Capture | None = None
+
+    # ------------------------------------------------------------------ calling
+    def __call__(self, *args: Any) -> Any:
+        if tape.active() is not None:
+            raise GraphCaptureError("a graph was called while another graph is capturing; "
+                                    "captures do not nest: call the inner function directly")
+        key = _signature(args)
+        capture = self._captures.get(key)
+        if capture is None:
+            capture = self._captures[key] = self._capture(args)
+        self._last = capture
+        _copy_inputs(capture, args)
+        _replay(capture, self.plan)
+        return _results(capture)
+
+    def recapture(self) -> None:
+        """Forget every capture (and free their memory); the next call captures again."""
+        for capture in self._captures.values():
+            _release(capture)
+        self._captures.clear()
+        self._last = None
+
+    release = recapture
+
+    # ------------------------------------------------------------------ reports
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes of the intermediates of the last capture used.
+
+        Keys: planned_bytes (the static arena), lower_bound_bytes (the most bytes live at once
+        over the schedule, after fusion and in-place reuse), naive_bytes (every intermediate
+        block at full size, no reuse), peak_bytes (the most bytes this graph's plan held at
+        once in its last run), activation_bytes (the most bytes of forward results live at
+        once), plan, and counts: instructions, steps, fused, in_place, recomputed.
+        """
+        capture = self._require_capture()
+        static = capture.static_plan
+        return {"plan": self.plan, "checkpoint": self.checkpoint,
+                "planned_bytes": static.planned_bytes,
+                "lower_bound_bytes": static.lower_bound_bytes,
+                "naive_bytes": capture.naive_bytes, "peak_bytes": capture.peak_bytes,
+                **capture.stats}
+
+    def timeline(self) -> list[int]:
+        """Bytes live at each scheduled step under this graph's plan (one value per step)."""
+        capture = self._require_capture()
+        n = capture.position_count
+        if self.plan == "none":  # nothing goes back before the end of the step
+            grown = [0] * n
+            for life in capture.lifetimes:
+                grown[life.first] += life.nbytes
+            return list(np.cumsum(grown).tolist()) if n else []
+        if self.plan == "static":
+            return [capture.static_plan.planned_bytes] * n
+        return planner.live_bytes(capture.lifetimes, n)
+
+    def _require_capture(self) -> _Capture:
+        if self._last is None:
+            raise GraphCaptureError("the graph has not run yet: call it once first")
+        return self._last
+
+    # ------------------------------------------------------------------ capture
+    def _capture(self, args: Sequence[Any]) -> _Capture:
+        device, allocator = self._where(args)
+        placeholders: list[Tensor | None] = []
+        call_args = []
+        for arg in args:
+            if _is_array(arg):
+                holder = tensor(_host(arg), device=device, allocator=allocator)
+                placeholders.append(holder)
+                call_args.append(holder)
+            else:
+                placeholders.append(None)
+                call_args.append(arg)
+        first = Block(0, allocator).id + 1
+        recorder = Tape(first)
+        with tape.recording(recorder):
+            result = self.fn(*call_args)
+        outputs, kind = _flatten(result)
+        del result, call_args
+        return _build(recorder, placeholders, outputs, kind, device, allocator, self.plan,
+                      self.checkpoint, self.fuse)
+
+    def _where(self, args: Sequence[Any]) -> tuple[Any, Allocator]:
+        device = self._device
+        if device is None:
+            device = next((a.device for a in args if isinstance(a, Tensor)), "cpu")
+        allocator = self._allocator or config.get_default_allocator(device)
+        return allocator.device, allocator
+
+    def __repr__(self) -> str:
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        return (f"<Graph {name} plan={self.plan} checkpoint={self.checkpoint} fuse={self.fuse} "
+                f"captures={len(self._captures)}>")
+
+
+# ---------------------------------------------------------------------- arguments and results
+def _is_array(arg: Any) -> bool:
+    return isinstance(arg, (np.ndarray, Tensor))
+
+
+def _host(arg: Any) -> np.ndarray:
+    return arg.numpy() if isinstance(arg, Tensor) else np.ascontiguousarray(arg)
+
+
+def _signature(args: Sequence[Any]) -> tuple:
+    key = []
+    for arg in args:
+        if _is_array(arg):
+            key.append(("array", tuple(arg.shape), np.dtype(arg.dtype).str))
+        else:
+            try:
+                hash(arg)
+            except TypeError:
+                raise GraphCaptureError(
+                    f"graph arguments must be arrays, tensors or hashable values (they are "
+                    f"baked into the capture); got a {type(arg).__name__}") from None
+            key.append(("value", type(arg).__name__, arg))
+    return tuple(key)
+
+
+def _flatten(result: Any) -> tuple[list[Tensor], str]:
+    if result is None:
+        return [], "none"
+    if isinstance(result, Tensor):
+        return [result], "single"
+    if isinstance(result, (tuple, list)) and all(isinstance(t, Tensor) for t in result):
+        return list(result), type(result).__name__
+    raise GraphCaptureError(f"a captured function must return a Tensor, a tuple or list of "
+                            f"Tensors, or None; got {type(result).__name__}")
+
+
+def _copy_inputs(capture: _Capture, args: Sequence[Any]) -> None:
+    for holder, arg in zip(capture.placeholders, args):
+        if holder is None:
+            continue
+        if isinstance(arg, Tensor):
+            from runtime import ops
+
+            with autograd.no_grad():
+                ops.copy(arg, out=holder)
+        else:
+            allocation = holder.block.memory_for_write("graph input")
+            holder.device.copyin(allocation.raw, allocation.offset, np.ascontiguousarray(arg))
+            holder.block.mark_written()
+
+
+def _results(capture: _Capture) -> Any:
+    handles = [Tensor(t.block, t.shape, t.dtype, t.strides, t.offset) for t in capture.outputs]
+    if capture.output_kind == "none":
+        return None
+    if capture.output_kind == "single":
+        return handles[0]
+    return tuple(handles) if capture.output_kind == "tuple" else handles
+
+
+# ---------------------------------------------------------------------- building a capture
+def _build(recorder: Tape, placeholders: list[Tensor | None], outputs: list[Tensor], kind: str,
+           device: Any, allocator: Allocator, plan: str, checkpoint: str | None,
+           fuse: bool) -> _Capture:
+    program = recorder.instructions
+    # Phase 1: which blocks are intermediates (made here, held by nothing once fn returned).
+    blocks: dict[int, Block] = {}
+    for instr in program:
+        for operand in (*instr.inputs, *instr.outputs):
+            blocks[operand.block.id] = operand.block
+    held = [t.detach() for t in outputs] + list(recorder.external.values())
+    for block in blocks.values():
+        if recorder.made_here(block) and block.refcount > 0:
+            held.append(Tensor(block, (block.nbytes,), np.uint8))
+    kept = {t.block.id for t in held}
+    intermediate = {bid for bid, block in blocks.items()
+                    if recorder.made_here(block) and bid not in kept}
+    # NOTE: host data loaded into a block made here that outlives the call (optimizer state made
+    # at the first step) initialises it: it runs at the first replay only.
+    init = [instr for instr in program if instr.kind == "load"
+            and recorder.made_here(instr.outputs[0].block)
+            and instr.outputs[0].block.id not in intermediate]
+    program = [instr for instr in program if not any(instr is i for i in init)]
+    recomputed = 0
+    if checkpoint == "sqrt":
+        program, recomputed = _recompute_sqrt(program, intermediate)
+        for instr in program:
+            for operand in instr.outputs:
+                if operand.block.id not in blocks:
+                    blocks[operand.block.id] = operand.block
+                    intermediate.add(operand.block.id)
+    # Phase 2: dependencies and a memory-aware schedule.
+    order = _schedule(program, intermediate)
+    scheduled = [program[i] for i in order]
+    # Phase 3: fusion into steps, then in-place reuse, both on the schedule.
+    steps = _fuse(scheduled, intermediate) if fuse else [_Step([i]) for i in scheduled]
+    internal = set().union(*(step.internal for step in steps))
+    buffer_of, in_place = _buffers(steps, intermediate - internal, fuse and plan != "none")
+    # Phase 4: lifetimes per buffer, in step positions, and the static plan.
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for position, step in enumerate(steps):
+        for instr in step.instructions:
+            for operand in (*instr.inputs, *instr.outputs):
+                buffer = buffer_of.get(operand.block.id)
+                if buffer is not None:
+                    first.setdefault(buffer, position)
+                    last[buffer] = position
+    sizes: dict[int, int] = {}
+    for bid, buffer in buffer_of.items():
+        sizes[buffer] = max(sizes.get(buffer, 0), blocks[bid].nbytes)
+    lifetimes = [planner.Lifetime(b, first[b], last[b], sizes[b]) for b in first]
+    alignment = max(allocator.device.alignment, 64)
+    static_plan = planner.plan(lifetimes, alignment=alignment)
+    forward = {buffer_of.get(operand.block.id) for instr in scheduled
+               if instr.phase in ("forward", "recompute") for operand in instr.outputs}
+    activation = [life for life in lifetimes if life.key in forward]
+    stats = {"instructions": len(scheduled), "steps": len(steps),
+             "fused": sum(len(s.instructions) for s in steps if len(s.instructions) > 1),
+             "in_place": in_place, "recomputed": recomputed,
+             "activation_bytes": planner.lower_bound(activation) if activation else 0}
+    naive = sum(blocks[bid].nbytes for bid in intermediate)
+    outside = [block for bid, block in blocks.items() if bid not in intermediate]
+    return _Capture(steps, placeholders, [t.detach() for t in outputs], kind, held, buffer_of,
+                    lifetimes, naive, static_plan, len(steps), device, allocator, stats,
+                    outside, {block.id for block in outside}, [_Step([i]) for i in init])
+
+
+def _dependencies(program: Sequence[Instruction]) -> list[set[int]]:
+    """Predecessors of each instruction: read-after-write, write-after-read, write-after-write
+    on blocks (whole blocks: conservative for disjoint views of one block)."""
+    last_write: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    preds: list[set[int]] = []
+    for j, instr in enumerate(program):
+        before: set[int] = set()
+        for operand in instr.inputs:
+            writer = last_write.get(operand.block.id)
+            if writer is not None:
+                before.add(writer)
+        for operand in instr.outputs:
+            bid = operand.block.id
+            writer = last_write.get(bid)
+            if writer is not None:
+                before.add(writer)
+            before.update(readers.get(bid, ()))
+        before.discard(j)
+        preds.append(before)
+        for operand in instr.inputs:
+            readers.setdefault(operand.block.id, []).append(j)
+        for operand in instr.outputs:
+            last_write[operand.block.id] = j
+            readers[operand.block.id] = []
+    return preds
+
+
+def _schedule(program: Sequence[Instruction], intermediate: set[int]) -> list[int]:
+    """A topological order of `program` that prefers, among ready instructions, one that adds
+    no live bytes (it frees at least what it allocates), else the earliest in program order."""
+    preds = _dependencies(program)
+    waiting = [len(p) for p in preds]
+    succs: list[list[int]] = [[] for _ in program]
+    for j, before in enumerate(preds):
+        for i in before:
+            succs[i].append(j)
+    uses: dict[int, int] = {}
+    sizes: dict[int, int] = {}
+    for instr in program:
+        for operand in {o.block.id: o for o in (*instr.inputs, *instr.outputs)}.values():
+            bid = operand.block.id
+            if bid in intermediate:
+                uses[bid] = uses.get(bid, 0) + 1
+                sizes[bid] = operand.block.nbytes
+    born: set[int] = set()
+    ready = [j for j, n in enumerate(waiting) if n == 0]
+    order: list[int] = []
+
+    def growth(j: int) -> int:
+        touched = {o.block.id for o in (*program[j].inputs, *program[j].outputs)}
+        delta = 0
+        for bid in touched & intermediate:
+            if bid not in born:
+                delta += sizes[bid]
+            if uses[bid] == 1:
+                delta -= sizes[bid]
+        return delta
+
+    while ready:
+        pick = min(ready, key=lambda j: (growth(j) > 0, j))
+        ready.remove(pick)
+        order.append(pick)
+        for bid in {o.block.id for o in (*program[pick].inputs, *program[pick].outputs)}:
+            if bid in intermediate:
+                born.add(bid)
+                uses[bid] -= 1
+        for j in succs[pick]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                ready.append(j)
+    if len(order) != len(program):
+        raise AssertionError("the dependency graph has a cycle")  # program order is a witness
+    return order
+
+
+def _readers(steps_or_instrs: Sequence[Instruction]) -> dict[int, list[int]]:
+    found: dict[int, list[int]] = {}
+    for position, instr in enumerate(steps_or_instrs):
+        for operand in instr.inputs:
+            found.setdefault(operand.block.id, []).append(position)
+    return found
+
+
+def _writers(instrs: Sequence[Instruction]) -> dict[int, list[int]]:
+    found: dict[int, list[int]] = {}
+    for position, instr in enumerate(instrs):
+        for operand in instr.outputs:
+            found.setdefault(operand.block.id, []).append(position)
+    return found
+
+
+def _fusable(instr: Instruction) -> bool:
+    return instr.kind == "kernel" and instr.policy == "elementwise" and len(instr.outputs) == 1
+
+
+def _fuse(scheduled: list[Instruction], intermediate: set[int]) -> list[_Step]:
+    """Group chains of elementwise instructions, consecutive in the schedule, where each link's
+    output is an intermediate written whole, read only by the next link (whole), and dead after
+    it. The chain runs in row blocks; its inner results never exist at full size."""
+    readers = _readers(scheduled)
+    writers = _writers(scheduled)
+    steps: list[_Step] = []
+    for position, instr in enumerate(scheduled):
+        if steps and position and _fusable(instr) and _fusable(scheduled[position - 1]):
+            previous = scheduled[position - 1]
+            link = previous.outputs[0]
+            bid = link.block.id
+            if (bid in intermediate and link.whole and readers.get(bid) == [position]
+                    and writers.get(bid) == [position - 1]
+                    and previous.outputs[0].shape == instr.outputs[0].shape
+                    and all(o.whole for o in instr.inputs if o.block.id == bid)
+                    and steps[-1].instructions[-1] is previous):
+                steps[-1].instructions.append(instr)
+                steps[-1].internal.add(bid)
+                continue
+        steps.append(_Step([instr]))
+    return steps
+
+
+def _buffers(steps: list[_Step], planned: set[int], in_place: bool) -> tuple[dict[int, int], int]:
+    """Map each planned block to a buffer: its own, or (in place) the buffer of an elementwise
+    input that dies at the step writing it, when both cover their blocks whole with one size."""
+    flat = [(position, instr) for position, step in enumerate(steps)
+            for instr in step.instructions]
+    last_use: dict[int, int] = {}
+    first_write: dict[int, int] = {}
+    for position, instr in flat:
+        for operand in instr.inputs:
+            last_use[operand.block.id] = position
+        for operand in instr.outputs:
+            first_write.setdefault(operand.block.id, position)
+            last_use[operand.block.id] = position
+    buffer_of: dict[int, int] = {}
+    reused = 0
+    taken: set[int] = set()
+    for position, instr in flat:
+        for out in instr.outputs:
+            bid = out.block.id
+            if bid not in planned or bid in buffer_of:
+                continue
+            donor = None
+            if in_place and instr.policy == "elementwise" and out.whole \
+                    and first_write[bid] == position:
+                for operand in instr.inputs:
+                    source = operand.block.id
+                    if (source in buffer_of and source not in taken and operand.whole
+                            and last_use[source] == position
+                            and operand.block.nbytes == out.block.nbytes
+                            and operand.shape == out.shape and operand.dtype == out.dtype):
+                        donor = source
+                        break
+            if donor is None:
+                buffer_of[bid] = bid  # NOTE: a buffer is named by the first block it holds
+            else:
+                buffer_of[bid] = buffer_of[donor]
+                taken.add(donor)
+                reused += 1
+    return buffer_of, reused
+
+
+def _recompute_sqrt(program: list[Instruction], intermediate: set[int]
+                    ) -> tuple[list[Instruction], int]:
+    """Chen et al.'s sqrt(n) checkpointing on the instruction list.
+
+    The forward instructions are cut into segments of about sqrt(n). The last result of each
+    segment, and anything a later segment reads, is kept; the other forward results that the
+    backward phase reads are recomputed: the segment's instructions are cloned, writing fresh
+    blocks, just before the first backward instruction that needs them, and the backward reads
+    are pointed at the clones.
+    """
+    forward = [i for i, instr in enumerate(program) if instr.phase == "forward"]
+    n = len(forward)
+    if n < 4:
+        return program, 0
+    size = max(2, math.ceil(math.sqrt(n)))
+    segments = [forward[k:k + size] for k in range(0, n, size)]
+    segment_of: dict[int, int] = {}
+    for s, members in enumerate(segments):
+        for i in members:
+            for operand in program[i].outputs:
+                segment_of.setdefault(operand.block.id, s)
+    later_reads: set[int] = set()  # forward results read by a later forward segment
+    for s, members in enumerate(segments):
+        for i in members:
+            for operand in program[i].inputs:
+                home = segment_of.get(operand.block.id)
+                if home is not None and home < s:
+                    later_reads.add(operand.block.id)
+    backward_reads: dict[int, int] = {}  # block -> first backward instruction reading it
+    for i, instr in enumerate(program):
+        if instr.phase != "forward":
+            for operand in instr.inputs:
+                backward_reads.setdefault(operand.block.id, i)
+    insert_before: dict[int, list[Instruction]] = {}
+    renamed: dict[int, Block] = {}
+    count = 0
+    for s, members in enumerate(segments):
+        boundary = {o.block.id for o in program[members[-1]].outputs}
+        wanted = {bid for bid, home in segment_of.items()
+                  if home == s and bid in intermediate and bid in backward_reads
+                  and bid not in boundary and bid not in later_reads}
+        if not wanted or s == len(segments) - 1:
+            continue  # NOTE: the last segment's results are used at once: nothing to drop
+        clones: list[Instruction] = []
+        local: dict[int, Block] = {}
+        last_wanted = max(i for i in members if any(o.block.id in wanted
+                                                      for o in program[i].outputs))
+        for i in members:
+            if i > last_wanted:
+                break
+            instr = program[i]
+            outputs = []
+            for operand in instr.outputs:
+                shadow = local.get(operand.block.id)
+                if shadow is None:
+                    shadow = local[operand.block.id] = Block(operand.block.nbytes,
+                                                             operand.block.allocator)
+                outputs.append(_moved(operand, shadow))
+            inputs = [_moved(o, local[o.block.id]) if o.block.id in local else o
+                      for o in instr.inputs]
+            clones.append(Instruction(instr.op, instr.policy, inputs, outputs, run=instr.run,
+                                      scalars=instr.scalars, host=instr.host,
+                                      phase="recompute"))
+        count += len(clones)
+        at = min(backward_reads[bid] for bid in wanted)
+        insert_before.setdefault(at, []).extend(clones)
+        for bid in wanted:
+            renamed[bid] = local[bid]
+    rewritten: list[Instruction] = []
+    for i, instr in enumerate(program):
+        rewritten.extend(insert_before.get(i, ()))
+        if instr.phase != "forward":
+            instr = Instruction(instr.op, instr.policy,
+                                [_moved(o, renamed[o.block.id]) if o.block.id in renamed else o
+                                 for o in instr.inputs], instr.outputs, run=instr.run,
+                                scalars=instr.scalars, host=instr.host, phase=instr.phase)
+        rewritten.append(instr)
+    for index, instr in enumerate(rewritten):
+        instr.index = index
+    return rewritten, count
+
+
+def _moved(operand: Operand, block: Block) -> Operand:
+    return Operand(block, operand.offset, operand.shape, operand.strides, operand.dtype)
+
+
+# ---------------------------------------------------------------------- replay
+Memory = dict[int, tuple[Any, int]]  # buffer -> (raw memory, byte offset)
+
+
+def _replay(capture: _Capture, plan: str) -> None:
+    for step in capture.init:
+        _bind(step, capture, {})()
+    capture.init = []
+    if plan == "static":
+        _replay_static(capture)
+        return
+    allocator = capture.allocator
+    starts: dict[int, list[planner.Lifetime]] = {}
+    ends: dict[int, list[int]] = {}
+    for life in capture.lifetimes:
+        starts.setdefault(life.first, []).append(life)
+        if plan == "recycle":
+            ends.setdefault(life.last, []).append(life.key)
+    memory: Memory = {}
+    allocations: dict[int, Allocation] = {}
+    live = peak = 0
+    try:
+        for position, step in enumerate(capture.steps):
+            for life in starts.get(position, ()):
+                allocation = allocations[life.key] = allocator.allocate(life.nbytes)
+                memory[life.key] = (allocation.raw, allocation.offset)
+                live += allocation.size
+            peak = max(peak, live)
+            _bind(step, capture, memory)()
+            for key in ends.get(position, ()):
+                allocation = allocations.pop(key)
+                del memory[key]
+                live -= allocation.size
+                allocator.free(allocation)
+    finally:
+        for allocation in allocations.values():
+            allocator.free(allocation)
+    capture.peak_bytes = peak
+
+
+def _replay_static(capture: _Capture) -> None:
+    """Run the prebuilt steps; they are rebuilt only when an outside block's memory moved."""
+    if capture.arena is None and capture.static_plan.planned_bytes:
+        capture.arena = capture.allocator.allocate(capture.static_plan.planned_bytes)
+        capture.views = None
+    key = tuple(id(block._allocation) for block in capture.outside)
+    if capture.views is None or key != capture.view_key:
+        arena = capture.arena
+        memory: Memory = {}
+        if arena is not None:
+            for buffer, offset in capture.static_plan.offsets.items():
+                memory[buffer] = (arena.raw, arena.offset + offset)
+        capture.views = [_bind(step, capture, memory) for step in capture.steps]
+        capture.view_key = tuple(id(block._allocation) for block in capture.outside)
+        capture.peak_bytes = arena.size if arena is not None else 0
+    for thunk in capture.views:
+        thunk()
+
+
+def _memory_of(operand: Operand, capture: _Capture, memory: Memory) -> tuple[Any, int]:
+    buffer = capture.buffer_of.get(operand.block.id)
+    if buffer is not None:
+        return memory[buffer]
+    block = operand.block
+    allocation = block._allocation  # NOTE: the capture checked every read; lazy ones get memory
+    if allocation is None:
+        allocation = block.memory_for_write("graph replay")
+    return allocation.raw, allocation.offset
+
+
+def _view(operand: Operand, capture: _Capture, memory: Memory) -> Any:
+    raw, base = _memory_of(operand, capture, memory)
+    return capture.device._array_view(raw, base + operand.offset, operand.shape, operand.dtype,
+                                      operand.strides)
+
+
+def _outside_writes(instructions: Sequence[Instruction], capture: _Capture) -> list[Block]:
+    """Blocks outside the plan that these instructions write: their versions move on."""
+    return [o.block for instr in instructions for o in instr.outputs
+            if o.block.id not in capture.buffer_of and o.block.id in capture.outside_ids]
+
+
+def _bind(step: _Step, capture: _Capture, memory: Memory) -> Callable[[], None]:
+    """A function that runs `step` on views bound now."""
+    marks = _outside_writes(step.instructions, capture)
+    if len(step.instructions) > 1:
+        run = _bind_fused(step, capture, memory)
+    else:
+        run = _bind_one(step.instructions[0], capture, memory)
+    if not marks:
+        return run
+
+    def run_and_mark() -> None:
+        run()
+        for block in marks:
+            block.mark_written()
+
+    return run_and_mark
+
+
+def _bind_one(instr: Instruction, capture: _Capture, memory: Memory) -> Callable[[], None]:
+    if instr.kind == "load":
+        raw, base = _memory_of(instr.outputs[0], capture, memory)
+        offset, host, copyin = base + instr.outputs[0].offset, instr.host, capture.device.copyin
+        return lambda: copyin(raw, offset, host)
+    views = [_view(o, capture, memory) for o in instr.inputs]
+    if instr.scalars:
+        for position, value in instr.scalars.items():
+            views.insert(position, value)
+    targets = [_view(o, capture, memory) for o in instr.outputs]
+    run = instr.run
+    return lambda: run(views, *targets)
+
+
+def _bind_fused(step: _Step, capture: _Capture, memory: Memory) -> Callable[[], None]:
+    """A chain of elementwise instructions run block by block over the leading axis; each inner
+    result lives in one block-sized scratch array, never at full size."""
+    device = capture.device
+    final = step.instructions[-1].outputs[0]
+    shape = final.shape
+    row_bytes = max(1, math.prod(shape[1:]) * final.dtype.itemsize)
+    rows = max(1, FUSED_BLOCK_BYTES // row_bytes) if shape else 1
+    scratch: dict[int, Any] = {}
+    links = []
+    for instr in step.instructions:
+        inputs = []
+        for operand in instr.inputs:
+            bid = operand.block.id
+            inputs.append((bid, None) if bid in step.internal else
+                          (None, _view(operand, capture, memory)))
+        output = instr.outputs[0]
+        if output.block.id in step.internal:
+            scratch[output.block.id] = device.scratch(
+                (min(rows, shape[0]),) + shape[1:] if shape else (), output.dtype)
+            target = (output.block.id, None)
+        else:
+            target = (None, _view(output, capture, memory))
+        links.append((instr.run, inputs, sorted((instr.scalars or {}).items()), target))
+
+    def pick(ref: tuple, start: int, stop: int) -> Any:
+        bid, view = ref
+        if view is None:
+            whole = scratch[bid]
+            return whole[:stop - start] if shape else whole
+        return view[start:stop] if shape else view
+
+    def run() -> None:
+        total = shape[0] if shape else 1
+        for start in range(0, total, rows):
+            stop = min(start + rows, total)
+            for kernel, inputs, scalars, target in links:
+                views = [pick(ref, start, stop) for ref in inputs]
+                for position, value in scalars:
+                    views.insert(position, value)
+                kernel(views, pick(target, start, stop))
+
+    return run
+
+
+def _release(capture: _Capture) -> None:
+    if capture.arena is not None:
+        capture.allocator.free(capture.arena)
+        capture.arena = None
+    capture.views = None
+    for t in capture.held:
+        t.release()
+    capture.held.clear()
