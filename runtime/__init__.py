@@ -25,11 +25,12 @@ from runtime.errors import (
                             UseAfterFreeError,
 )
 from runtime.graph import Graph, graph
-from runtime.summary import memory_summary
+from runtime.summary import format_report, memory_summary, plot_memory_timeline
 from runtime.tensor import Tensor, empty, ones, tensor, view, zeros
 
 __all__ = ["AliasingError", "AutogradError", "Block", "ConstantPool", "Graph", "GraphCaptureError",
            "ReadOnlyError", "Tensor", "UninitializedMemoryError", "UseAfterFreeError", "constant",
-           "empty", "enable_grad", "get_aliasing", "get_default_allocator", "graph",
-           "is_grad_enabled", "memory_summary", "no_grad", "nn", "ones", "ops", "overlaps",
-           "set_aliasing", "set_default_allocator", "tensor", "view", "zeros"]
+           "empty", "enable_grad", "format_report", "get_aliasing", "get_default_allocator",
+           "graph", "is_grad_enabled", "memory_summary", "no_grad", "nn", "ones", "ops",
+           "overlaps", "plot_memory_timeline", "set_aliasing", "set_default_allocator", "tensor",
+           "view", "zeros"]

@@ -1,4 +1,5 @@
-"""`memory_summary()`: every allocator's and constant pool's stats as a fixed-width text table."""
+"""Reports: `memory_summary()` (every allocator's and constant pool's stats as a fixed-width text
+table), `format_report` (a graph's memory report) and `plot_memory_timeline` (a PNG)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from allocators import Allocator, format_bytes
 from runtime import config
 from runtime.constant import ConstantPool
 
-__all__ = ["memory_summary"]
+__all__ = ["format_report", "memory_summary", "plot_memory_timeline"]
 
 # (header, stats key, how to show it) for each column of the allocator table.
 _ALLOCATOR_COLUMNS = (
@@ -133,4 +134,47 @@ def memory_summary(allocators: Any = None) -> str:
         if found:
             lines.append("")
         lines += _table("constant pool", _POOL_COLUMNS, [(label, p.stats()) for label, p in pools])
+    return "\n".join(lines)
+
+
+def plot_memory_timeline(timelines: Mapping[str, Sequence[int]], path: str,
+                         title: str = "bytes live per op") -> str:
+    """Write a PNG with one line per plan: the bytes its intermediates hold at each scheduled
+    step (`Graph.timeline()`). Needs matplotlib (the `plot` extra). Returns `path`.
+
+    Example:
+        >>> plot_memory_timeline({"recycle": [64, 128, 64]}, "/tmp/t.png")  # doctest: +SKIP
+        '/tmp/t.png'
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("plot_memory_timeline needs matplotlib: pip install "
+                          "'blockrt[plot]'") from exc
+    if not timelines:
+        raise ValueError("plot_memory_timeline needs at least one timeline")
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for name, line in timelines.items():
+        axes.step(range(len(line)), [b / 2**20 for b in line], where="post", label=name)
+    axes.set_xlabel("scheduled step")
+    axes.set_ylabel("MiB held by intermediates")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """A graph's `memory_report()` as aligned `key: value` lines, bytes in readable units."""
+    width = max(len(key) for key in report)
+    lines = []
+    for key, value in report.items():
+        shown = format_bytes(value) if key.endswith("_bytes") else value
+        lines.append(f"{key:<{width}}  {shown}")
     return "\n".join(lines)

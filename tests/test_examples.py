@@ -31,12 +31,17 @@ def test_sharing_memory_walks_through_the_seed_example():
     assert lines[-1] == "after the parameters go: 0 B in use"
 
 
-def test_train_mlp_reaches_the_target_accuracy_and_prints_the_memory_summary():
-    pytest.importorskip("sklearn", reason="the demo needs scikit-learn (the demo/test extras)")
-    pytest.importorskip("tqdm", reason="the demo needs tqdm (the demo/test extras)")
-    lines = run_example("train_mlp.py", "--no-progress").splitlines()
+def test_train_mlp_reaches_the_target_accuracy_and_reports_memory(tmp_path):
+    for package in ("sklearn", "tqdm", "matplotlib"):
+        pytest.importorskip(package, reason=f"the demo needs {package} (the demo/test extras)")
+    plot = tmp_path / "timeline.png"
+    lines = run_example("train_mlp.py", "--no-progress", "--plot", str(plot)).splitlines()
     result = next(line for line in lines if "test accuracy" in line)
     accuracy = float(result.split("test accuracy")[1].split()[0])
     assert accuracy >= 0.97, result
+    report = {line.split()[0]: line.split(None, 1)[1] for line in lines
+              if line.split() and line.split()[0].endswith("_bytes")}
+    assert set(report) >= {"planned_bytes", "lower_bound_bytes", "naive_bytes", "peak_bytes"}
     assert "blockrt memory summary" in lines
     assert any(line.startswith("cpu CachingAllocator") for line in lines)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
