@@ -4,7 +4,7 @@ then show where the memory went.
 The data set ships inside scikit-learn (1797 grey 8x8 images of the digits 0-9), so nothing is
 downloaded. Pixels are standardised with the training split's mean and spread. The model is
 Dense(64, 256) -> ReLU -> Dense(256, 256) -> ReLU -> Dense(256, 10), trained with Adam (lr 1e-3)
-on mini-batches of 64 (whole batches only) of a stratified 75/25 split, on the default device and its default
+on whole mini-batches of 64 of a stratified 75/25 split, on the default device and its default
 (caching) allocator. The training step (forward, loss, backward, update) is captured once by
 `runtime.graph` and replayed from a static memory plan: one arena for every intermediate.
 
