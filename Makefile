@@ -6,7 +6,8 @@ EXTRAS ?= test
 
 .PHONY: demo test bench lint clean venv
 
-$(VENV)/.installed-$(EXTRAS): setup.cfg pyproject.toml examples/plugin_allocator/setup.cfg
+$(VENV)/.installed-$(EXTRAS): setup.cfg setup.py pyproject.toml allocators/_speedups.c \
+		examples/plugin_allocator/setup.cfg
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
@@ -29,7 +30,7 @@ lint: venv
 	$(VENV)/bin/ruff check backends allocators runtime tests examples
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis allocators/*.so
 
 # Benchmarks compare against pyopencl's pool on PoCL too, so they install the opencl extra.
 bench:
