@@ -1,0 +1,172 @@
+"""Static memory planner: planned arena / lower bound on synthetic schedules, and planning time.
+
+Cases (all seeded, so every run plans the same lifetimes):
+- `chain`: op i writes buffer i and op i+1 reads it; sizes log-uniform 1 KiB .. 4 MiB.
+- `chain-skip`: the same, but a buffer is read by the next one or two ops (lives 2-3 ops).
+- `dag`: each op writes one buffer (sometimes two) and reads one to three earlier ones, mostly
+  recent and one read in ten up to 64 buffers back (a skip connection); sizes drawn from a few
+  dozen "shapes". `dag-wide`: the same, but those reads go back to any earlier buffer, so many
+  buffers live long (harder than real networks).
+- `mlp-train`: forward, loss and backward of an MLP, batch x width float32 activations kept until
+  their backward use, short-lived gradients; `-fused` updates each weight as soon as its gradient
+  exists, `-step` keeps all weight gradients until one optimizer step at the end.
+
+Columns: buffers, naive (sum of sizes, no reuse), the lower bound (most bytes live at one op),
+planned (the arena `runtime.planner.plan` returns), planned / lower bound, and the best of a few
+planning times. Sizes are rounded to 64 bytes everywhere, as `plan` does by default.
+
+Run: python benchmarks/bench_planner.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+
+from runtime.planner import Lifetime, plan
+
+KiB = 1 << 10
+
+
+def chain(n: int, seed: int, max_span: int = 1) -> list[Lifetime]:
+    """Buffer i is written by op i and last read by op i + 1 .. i + max_span."""
+    rng = random.Random(seed)
+    return [Lifetime(i, i, i + rng.randint(1, max_span), int(KiB * 4096 ** rng.random()))
+            for i in range(n)]
+
+
+def dag(n_ops: int, seed: int, reach: int | None = 64) -> list[Lifetime]:
+    """A random op DAG in schedule order: reads mostly recent buffers, sometimes older ones.
+
+    One read in ten goes back up to `reach` buffers (a skip connection); `reach=None` lets it go
+    back to any buffer at all, so many buffers live long: a harder case than real networks.
+    """
+    rng = random.Random(seed)
+    shapes = [int(KiB * 2048 ** rng.random()) for _ in range(32)]
+    first: list[int] = []
+    last: list[int] = []
+    nbytes: list[int] = []
+    for op in range(n_ops):
+        for _ in range(rng.randint(1, 3) if first else 0):
+            if rng.random() < 0.9:  # a recent buffer
+                j = max(0, len(first) - 1 - int(rng.expovariate(0.5)))
+            elif reach is None:  # from anywhere before
+                j = rng.randrange(len(first))
+            else:  # a skip connection
+                j = max(0, len(first) - 1 - rng.randrange(reach))
+            last[j] = max(last[j], op)
+        for _ in range(2 if rng.random() < 0.1 else 1):
+            first.append(op)
+            last.append(op)
+            nbytes.append(rng.choice(shapes))
+    return [Lifetime(i, f, la, b) for i, (f, la, b) in enumerate(zip(first, last, nbytes))]
+
+
+def mlp_train(batch: int, widths: list[int], fused_update: bool) -> list[Lifetime]:
+    """Lifetimes of one MLP training step (Dense + ReLU layers, softmax cross-entropy)."""
+    spans: dict[str, list[int]] = {}  # name -> [first, last, nbytes]
+    op = 0
+
+    def write(name: str, nbytes: int) -> None:
+        spans[name] = [op, op, nbytes]
+
+    def read(*names: str) -> None:
+        for name in names:
+            spans[name][1] = op
+
+    def step() -> None:
+        nonlocal op
+        op += 1
+
+    # Forward: z = a @ W (+ b), a' = relu(z); z and the input a are saved for backward.
+    depth = len(widths) - 1
+    for layer in range(depth):
+        if layer > 0:
+            read(f"a{layer}")
+        write(f"z{layer + 1}", batch * widths[layer + 1] * 4)
+        step()
+        read(f"z{layer + 1}")
+        write(f"a{layer + 1}", batch * widths[layer + 1] * 4)
+        step()
+    read(f"a{depth}")
+    write("loss", 4)
+    write("dlogits", batch * widths[-1] * 4)
+    step()
+    read("loss")
+    step()
+    # Backward: dz = da * (z > 0); dW = a^T dz; db = sum(dz); da_prev = dz @ W^T.
+    grad = "dlogits"
+    for layer in range(depth, 0, -1):
+        read(grad, f"z{layer}")
+        write(f"dz{layer}", batch * widths[layer] * 4)
+        step()
+        if layer > 1:
+            read(f"a{layer - 1}")
+        read(f"dz{layer}")
+        write(f"dW{layer}", widths[layer - 1] * widths[layer] * 4)
+        step()
+        read(f"dz{layer}")
+        write(f"db{layer}", widths[layer] * 4)
+        step()
+        if fused_update:
+            read(f"dW{layer}", f"db{layer}")
+            step()
+        if layer > 1:
+            read(f"dz{layer}")
+            write(f"da{layer - 1}", batch * widths[layer - 1] * 4)
+            step()
+            grad = f"da{layer - 1}"
+    if not fused_update:
+        for layer in range(1, depth + 1):
+            read(f"dW{layer}", f"db{layer}")
+            step()
+    return [Lifetime(name, f, la, b) for name, (f, la, b) in spans.items()]
+
+
+def suite(quick: bool) -> list[tuple[str, Callable[[], list[Lifetime]]]]:
+    sizes = (50, 500) if quick else (50, 200, 1000, 2000)
+    seeds = (0,) if quick else (0, 1, 2)
+    cases: list[tuple[str, Callable[[], list[Lifetime]]]] = []
+    for n in sizes:
+        for seed in seeds:
+            cases.append((f"chain n={n} seed={seed}", lambda n=n, s=seed: chain(n, s)))
+            cases.append((f"chain-skip n={n} seed={seed}",
+                          lambda n=n, s=seed: chain(n, s, max_span=2)))
+            cases.append((f"dag ops={n} seed={seed}", lambda n=n, s=seed: dag(n, s)))
+            cases.append((f"dag-wide ops={n} seed={seed}",
+                          lambda n=n, s=seed: dag(n, s, reach=None)))
+    for batch, width, depth in ((64, 256, 8), (256, 1024, 4), (128, 512, 32)):
+        widths = [784] + [width] * depth + [10]
+        for fused in (True, False):
+            name = f"mlp-train-{'fused' if fused else 'step'} b={batch} w={width} d={depth}"
+            cases.append((name, lambda b=batch, w=widths, f=fused: mlp_train(b, w, f)))
+    return cases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer and smaller cases")
+    args = parser.parse_args()
+    print("| case | buffers | naive | lower bound | planned | planned / lower bound "
+          "| planning time (ms) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    worst = 1.0
+    for name, make in suite(args.quick):
+        lifetimes = make()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            result = plan(lifetimes)
+            times.append(time.perf_counter() - start)
+        result.check_invariants(lifetimes)
+        ratio = result.planned_bytes / result.lower_bound_bytes
+        worst = max(worst, ratio)
+        print(f"| {name} | {len(lifetimes)} | {result.naive_bytes} | {result.lower_bound_bytes} "
+              f"| {result.planned_bytes} | {ratio:.4f} | {min(times) * 1e3:.1f} |")
+    print(f"\nworst planned / lower bound: {worst:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,428 @@
+"""Static memory planning: put every intermediate buffer of a captured schedule in one arena.
+
+The graph runtime knows, for each buffer of a captured op schedule, the op that first writes it and
+the op that last reads it. `plan` turns those lifetimes into byte offsets in one arena so that two
+buffers share bytes only when they are never live at the same op.
+
+Two buffers conflict when their inclusive intervals [first, last] intersect. In particular a buffer
+last read by op k and a buffer first written by op k conflict: an op reads its inputs while it
+writes its output, so the output may not take the inputs' bytes. (In-place ops are the graph's
+business: it gives them no new buffer.)
+
+Sizes are rounded up to `alignment` before placement, and the lower bound is computed on the same
+rounded sizes, so `planned_bytes >= lower_bound_bytes` always holds and the ratio says how much the
+placement itself costs, not the padding.
+
+The algorithm is greedy by size with best fit (TFLite's arena planner; Pisarchyk & Lee 2020,
+"Efficient Memory Management for Deep Neural Net Inference"), run over a few orderings and with
+first fit too, keeping the smallest arena, then a few rounds that move the buffers at the top of
+the arena to the front of the order. All of it stops at the lower bound, and within a fixed work
+budget, so a plan is deterministic. When at most two buffers are ever live at once (a plain
+chain), a two-colouring reaches the lower bound exactly; when every buffer overlaps only a few
+others, a bounded depth-first search tries for the lower bound where the greedy missed it.
+
+Example:
+    >>> from runtime.planner import Lifetime, plan
+    >>> p = plan([Lifetime("a", 0, 1, 100), Lifetime("b", 1, 2, 50), Lifetime("c", 2, 3, 100)])
+    >>> p.offsets["a"] == p.offsets["c"], p.planned_bytes, p.lower_bound_bytes, p.naive_bytes
+    (True, 192, 192, 320)
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import numpy as np
+
+__all__ = ["Lifetime", "Plan", "live_bytes", "lower_bound", "plan"]
+
+# Improvement rounds after the orderings; each replans once (stops early at the lower bound).
+_IMPROVE_ROUNDS = 8
+# Placements stop once they have looked at about this many conflicting pairs in all (at least two
+# placements run): a few thousand buffers plan in well under a second, and always the same way.
+_WORK_BUDGET = 500_000
+# The search for a plan at the lower bound gives up after this many placements (plus two a buffer).
+_SEARCH_NODES = 2000
+# ... and runs only when no buffer conflicts with more than this many others.
+_SEARCH_MAX_CONFLICTS = 8
+# Buffers with at least this many conflicts find their gap with NumPy, fewer in plain Python.
+_VECTOR_MIN = 48
+
+
+@dataclass(frozen=True)
+class Lifetime:
+    """One buffer of a schedule: written first by op `first`, read last by op `last` (inclusive).
+
+    Raises ValueError when `first < 0`, `last < first` or `nbytes < 0`. A 0-byte buffer takes no
+    room: it is placed at offset 0 and conflicts with nothing.
+
+    Example:
+        >>> Lifetime("h1", first=3, last=7, nbytes=4096).last
+        7
+    """
+
+    key: Hashable
+    first: int
+    last: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if self.first < 0 or self.last < self.first:
+            raise ValueError(f"lifetime of {self.key!r}: need 0 <= first <= last, "
+                             f"got first={self.first}, last={self.last}")
+        if self.nbytes < 0:
+            raise ValueError(f"lifetime of {self.key!r}: nbytes must be >= 0, got {self.nbytes}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where each buffer lives in the arena, with the numbers to judge the placement by.
+
+    All byte counts use sizes rounded up to `alignment`: `naive_bytes` is the arena without any
+    reuse (the sum of the sizes), `lower_bound_bytes` the most bytes live at any one op, which no
+    placement can beat, and `planned_bytes` the arena this plan needs.
+
+    Example:
+        >>> p = plan([Lifetime("x", 0, 0, 10), Lifetime("y", 1, 1, 10)], alignment=16)
+        >>> dict(p.offsets), p.planned_bytes
+        ({'x': 0, 'y': 0}, 16)
+    """
+
+    offsets: Mapping[Hashable, int]
+    planned_bytes: int
+    lower_bound_bytes: int
+    naive_bytes: int
+    # NOTE: the alignment the sizes were rounded to; check_invariants needs it to redo the sums
+    alignment: int = field(default=1)
+
+    def check_invariants(self, lifetimes: Iterable[Lifetime]) -> None:
+        """Raise AssertionError unless this plan is a valid placement of `lifetimes`.
+
+        Checks: one offset per buffer and no others; offsets aligned and non-negative; every
+        buffer inside the arena and the arena no larger than needed; no two buffers live at the
+        same op share a byte (the message names both); the three totals match `lifetimes` and
+        lower bound <= planned <= naive.
+
+        Example:
+            >>> lts = [Lifetime("a", 0, 1, 8), Lifetime("b", 1, 2, 8)]
+            >>> Plan({"a": 0, "b": 4}, 12, 16, 16).check_invariants(lts)
+            Traceback (most recent call last):
+            ...
+            AssertionError: buffers 'a' [0, 8) and 'b' [4, 12) are both live at op 1 and overlap
+        """
+        lifetimes = list(lifetimes)
+        align = self.alignment
+        keys = [lt.key for lt in lifetimes]
+        assert set(keys) == set(self.offsets), (
+            f"plan places {sorted(map(repr, set(self.offsets) - set(keys)))} that are not "
+            f"buffers and misses {sorted(map(repr, set(keys) - set(self.offsets)))}")
+        top = 0
+        for lt in lifetimes:
+            off, size = self.offsets[lt.key], _round_up(lt.nbytes, align)
+            assert off >= 0 and off % align == 0, (
+                f"offset {off} of {lt.key!r} is not a non-negative multiple of {align}")
+            assert off + size <= self.planned_bytes, (
+                f"{lt.key!r} at [{off}, {off + size}) runs past the arena of "
+                f"{self.planned_bytes} bytes")
+            top = max(top, off + size)
+        assert top == self.planned_bytes, f"arena of {self.planned_bytes} bytes, {top} used"
+        _check_no_overlap(lifetimes, self.offsets, align)
+        lower = lower_bound(lifetimes, align)
+        naive = sum(_round_up(lt.nbytes, align) for lt in lifetimes)
+        assert self.lower_bound_bytes == lower, (
+            f"lower_bound_bytes {self.lower_bound_bytes}, lifetimes give {lower}")
+        assert self.naive_bytes == naive, f"naive_bytes {self.naive_bytes}, lifetimes give {naive}"
+        assert lower <= self.planned_bytes <= naive, (
+            f"planned {self.planned_bytes} outside [lower bound {lower}, naive {naive}]")
+
+
+def live_bytes(lifetimes: Iterable[Lifetime], n_ops: int | None = None, *,
+               alignment: int = 1) -> list[int]:
+    """Bytes live at each op index 0 .. n_ops-1 (sizes rounded up to `alignment`).
+
+    `n_ops` defaults to one past the last op any buffer reaches; a smaller one raises ValueError.
+    Handy for a memory timeline plot.
+
+    Example:
+        >>> live_bytes([Lifetime("a", 0, 1, 8), Lifetime("b", 1, 2, 4)], n_ops=4)
+        [8, 12, 4, 0]
+    """
+    lifetimes = list(lifetimes)
+    needed = max((lt.last + 1 for lt in lifetimes), default=0)
+    if n_ops is None:
+        n_ops = needed
+    if n_ops < needed:
+        raise ValueError(f"n_ops={n_ops}, but a buffer is live at op {needed - 1}")
+    # A difference array: +size where a buffer starts, -size one past where it ends.
+    delta = [0] * (n_ops + 1)
+    for lt in lifetimes:
+        size = _round_up(lt.nbytes, alignment)
+        delta[lt.first] += size
+        delta[lt.last + 1] -= size
+    live, running = [], 0
+    for step in delta[:n_ops]:
+        running += step
+        live.append(running)
+    return live
+
+
+def lower_bound(lifetimes: Iterable[Lifetime], alignment: int = 1) -> int:
+    """The most bytes live at any one op: no arena can be smaller (sizes rounded to `alignment`).
+
+    Example:
+        >>> lower_bound([Lifetime("a", 0, 1, 8), Lifetime("b", 1, 2, 4)])
+        12
+    """
+    return max(live_bytes(lifetimes, alignment=alignment), default=0)
+
+
+def plan(lifetimes: Sequence[Lifetime], alignment: int = 64) -> Plan:
+    """Place every buffer at an `alignment`-aligned offset in one arena; reuse bytes over time.
+
+    Takes the lifetimes (keys unique) and returns a Plan; mutates nothing. Raises ValueError on a
+    repeated key or an alignment below 1.
+
+    Example (the 8-tensor example of Pisarchyk & Lee 2020 reaches its lower bound):
+        >>> spans = [(0, 1, 32), (1, 4, 28), (2, 5, 36), (3, 5, 16), (4, 5, 8), (5, 7, 64),
+        ...          (6, 8, 10), (7, 8, 40)]
+        >>> p = plan([Lifetime(i, *s) for i, s in enumerate(spans)], alignment=1)
+        >>> p.planned_bytes, p.lower_bound_bytes, p.naive_bytes
+        (124, 124, 234)
+    """
+    # Phase 1: lifetimes. Validate, round sizes up; buffers are numbered 0..n-1 from here on.
+    if alignment < 1:
+        raise ValueError(f"alignment must be >= 1, got {alignment}")
+    lifetimes = list(lifetimes)
+    keys = [lt.key for lt in lifetimes]
+    seen: set[Hashable] = set()
+    for key in keys:
+        if key in seen:
+            raise ValueError(f"buffer key {key!r} appears more than once")
+        seen.add(key)
+    first = [lt.first for lt in lifetimes]
+    last = [lt.last for lt in lifetimes]
+    size = [_round_up(lt.nbytes, alignment) for lt in lifetimes]
+
+    # Phase 2: events. Sweep the start and end events once: the live bytes at each op give the
+    # lower bound; the buffers live when another starts give every conflicting pair.
+    lower = lower_bound(lifetimes, alignment)
+    naive = sum(size)
+    conflicts = _conflicts(first, last, size)
+
+    # Phase 3: offsets. Two-colour a chain; otherwise greedy best fit over several orderings,
+    # then improvement rounds from the best one. Keep the smallest arena.
+    offsets, arena = _two_colour(conflicts, size, lower)
+    if arena != lower:
+        offsets, arena = _best_of_orderings(first, last, size, conflicts, lower)
+    if arena != lower and max(map(len, conflicts), default=0) <= _SEARCH_MAX_CONFLICTS:
+        # A bounded search may still fit everything into the lower bound when few buffers
+        # overlap each one (chains with short skips): each try then costs little.
+        found = _search_lower_bound(first, last, size, conflicts, lower)
+        if found is not None:
+            offsets, arena = found, lower
+
+    # Phase 4: result.
+    return Plan(offsets=MappingProxyType(dict(zip(keys, offsets))), planned_bytes=arena,
+                lower_bound_bytes=lower, naive_bytes=naive, alignment=alignment)
+
+
+def _round_up(nbytes: int, alignment: int) -> int:
+    return -(-nbytes // alignment) * alignment
+
+
+def _conflicts(first: list[int], last: list[int], size: list[int]) -> list[list[int]]:
+    """For each buffer, the buffers live at some op it is live at (0-byte buffers: none)."""
+    conflicts: list[list[int]] = [[] for _ in size]
+    live: list[tuple[int, int]] = []  # heap of (last op, buffer) of buffers live so far
+    for i in sorted(range(len(size)), key=first.__getitem__):
+        if size[i] == 0:
+            continue
+        while live and live[0][0] < first[i]:
+            heapq.heappop(live)
+        # NOTE: every buffer still on the heap started no later than i and ends at or after it
+        for _, j in live:
+            conflicts[i].append(j)
+            conflicts[j].append(i)
+        heapq.heappush(live, (last[i], i))
+    return conflicts
+
+
+def _two_colour(conflicts: list[list[int]], size: list[int], lower: int
+                ) -> tuple[list[int], int]:
+    """Exact when the conflict graph is bipartite and no conflicting pair exceeds `lower`.
+
+    That is the case when at most two buffers are ever live at once (the graph is then a forest):
+    one colour sits at the bottom of an arena of `lower` bytes, the other at its top. Returns an
+    arena of -1 when the graph has an odd cycle or a pair does not fit.
+    """
+    colour = [-1] * len(size)
+    for root in range(len(size)):
+        if colour[root] >= 0:
+            continue
+        colour[root], stack = 0, [root]
+        while stack:
+            i = stack.pop()
+            for j in conflicts[i]:
+                if size[i] + size[j] > lower:
+                    return [], -1
+                if colour[j] < 0:
+                    colour[j] = 1 - colour[i]
+                    stack.append(j)
+                elif colour[j] == colour[i]:
+                    return [], -1
+    offsets = [0 if c == 0 else lower - s for c, s in zip(colour, size)]
+    return offsets, max((o + s for o, s in zip(offsets, size)), default=0)
+
+
+def _place(order: Iterable[int], size: list[int], conflicts: list[list[int]], best_fit: bool,
+           arrays: tuple[list[np.ndarray], np.ndarray]) -> tuple[list[int], int]:
+    """Place buffers in `order`, each in a gap among the placed buffers it conflicts with.
+
+    A gap is free space between placed conflicting buffers; the space above the highest of them
+    counts as a gap up to the current arena top. `best_fit` takes the tightest gap that fits
+    (TFLite), otherwise the lowest (first fit). When no gap fits the buffer goes on top of its
+    conflicts, growing the arena. Buffers with many conflicts take a vectorized path.
+    """
+    conflict_arrays, size_array = arrays
+    offset = [-1] * len(size)
+    offset_array = np.full(len(size), -1, dtype=np.int64)
+    arena = 0
+    for i in order:
+        need = size[i]
+        if len(conflicts[i]) < _VECTOR_MIN:
+            spans = sorted((offset[j], offset[j] + size[j])
+                           for j in conflicts[i] if offset[j] >= 0)
+            los = [lo for lo, _ in spans]
+            tops = list(itertools.accumulate((hi for _, hi in spans), max, initial=0))
+            gaps = [lo - below for lo, below in zip(los, tops)]
+        else:
+            placed = conflict_arrays[i][offset_array[conflict_arrays[i]] >= 0]
+            lo_array = offset_array[placed]
+            by_offset = np.argsort(lo_array, kind="stable")
+            lo_array = lo_array[by_offset]
+            top_array = np.maximum.accumulate(lo_array + size_array[placed][by_offset])
+            los = lo_array.tolist()
+            tops = [0, *top_array.tolist()]
+            gaps = (lo_array - np.concatenate(([0], top_array[:-1]))).tolist()
+        # The space above every conflict, up to the arena top, is one more (bounded) gap.
+        los.append(arena)
+        gaps.append(arena - tops[-1])
+        fits = [k for k, gap in enumerate(gaps) if gap >= need]
+        if not fits:
+            best = tops[-1]
+        elif best_fit:
+            best = tops[min(fits, key=gaps.__getitem__)]
+        else:
+            best = tops[fits[0]]
+        offset[i] = best
+        offset_array[i] = best
+        arena = max(arena, best + need)
+    return offset, arena
+
+
+def _best_of_orderings(first: list[int], last: list[int], size: list[int],
+                       conflicts: list[list[int]], lower: int) -> tuple[list[int], int]:
+    """Best fit and first fit over a few orderings, then bounded improvement from the best."""
+    n = len(size)
+    arrays = ([np.array(c, dtype=np.int64) for c in conflicts], np.array(size, dtype=np.int64))
+    duration = [last[i] - first[i] + 1 for i in range(n)]
+    orderings = (
+        # greedy by size (TFLite); ties: the longer-lived first, then the earlier
+        lambda i: (-size[i], -duration[i], first[i]),
+        # greedy by breadth: bytes x ops
+        lambda i: (-size[i] * duration[i], -size[i], first[i]),
+        # longest-lived first: they constrain everything they overlap
+        lambda i: (-duration[i], -size[i], first[i]),
+        # in schedule order, as a linear-scan allocator would see them
+        lambda i: (first[i], -size[i], -duration[i]),
+    )
+    # NOTE: a placement costs about one step per conflicting pair; past the budget, stop early
+    rounds = max(2, _WORK_BUDGET // max(1, sum(map(len, conflicts))))
+    best = (-1, [], [], False)  # arena, offsets, order, best fit
+    for key in orderings:
+        order = sorted(range(n), key=key)
+        for best_fit in (True, False):
+            offsets, arena = _place(order, size, conflicts, best_fit, arrays)
+            if best[0] < 0 or arena < best[0]:
+                best = (arena, offsets, order, best_fit)
+            rounds -= 1
+            if best[0] == lower or rounds == 0:
+                return best[1], best[0]
+    # Improvement: the buffers that reach the top of the arena were placed too late; move them
+    # to the front of the order and replan. A bounded number of rounds, kept only when smaller.
+    best_arena, best_offsets, order, best_fit = best
+    for _ in range(min(rounds, _IMPROVE_ROUNDS)):
+        top = {i for i in range(n) if best_offsets[i] + size[i] == best_arena}
+        order = [i for i in order if i in top] + [i for i in order if i not in top]
+        offsets, arena = _place(order, size, conflicts, best_fit, arrays)
+        if arena < best_arena:
+            best_offsets, best_arena = offsets, arena
+            if arena == lower:
+                break
+    return best_offsets, best_arena
+
+
+def _search_lower_bound(first: list[int], last: list[int], size: list[int],
+                        conflicts: list[list[int]], lower: int) -> list[int] | None:
+    """Offsets that fit every buffer into `lower` bytes, found by a bounded depth-first search.
+
+    Buffers are placed in schedule order; each tries the bottom, the top and the edges of the
+    placed buffers it conflicts with. Returns None when the search gives up (after
+    `_SEARCH_NODES` tries plus two per buffer) or finds that these positions cannot do it.
+    """
+    order = sorted((i for i in range(len(size)) if size[i]), key=lambda i: (first[i], -size[i]))
+    rank = {i: depth for depth, i in enumerate(order)}
+    offset = [0] * len(size)
+    failed: set[tuple[int, frozenset[tuple[int, int]]]] = set()
+    budget = _SEARCH_NODES + 2 * len(order)
+
+    def candidates(depth: int) -> tuple[tuple[int, frozenset[tuple[int, int]]], list[int]]:
+        i = order[depth]
+        live = frozenset((j, offset[j]) for j in conflicts[i] if rank[j] < depth)
+        edges = {0, lower - size[i]}
+        for j, lo in live:
+            edges.update((lo + size[j], lo - size[i]))
+        fits = [pos for pos in sorted(edges) if 0 <= pos <= lower - size[i] and all(
+            pos + size[i] <= lo or lo + size[j] <= pos for j, lo in live)]
+        return (depth, live), fits
+
+    # NOTE: an explicit stack of (state, untried positions); a state that failed once fails again
+    stack = [candidates(0)] if order else []
+    while stack:
+        state, fits = stack[-1]
+        if not fits or state in failed:
+            failed.add(state)
+            stack.pop()
+            continue
+        budget -= 1
+        if budget < 0:
+            return None
+        depth = len(stack) - 1
+        offset[order[depth]] = fits.pop(0)
+        if depth + 1 == len(order):
+            return offset
+        stack.append(candidates(depth + 1))
+    return None if order else offset
+
+
+def _check_no_overlap(lifetimes: list[Lifetime], offsets: Mapping[Hashable, int],
+                      alignment: int) -> None:
+    """AssertionError naming two buffers live at the same op whose byte ranges intersect."""
+    starts: dict[int, list[Lifetime]] = {}
+    for lt in lifetimes:
+        if lt.nbytes > 0:
+            starts.setdefault(lt.first, []).append(lt)
+    live: list[Lifetime] = []
+    # NOTE: two buffers that are ever live together are both live when the later one starts
+    for op in sorted(starts):
+        live = [lt for lt in live if lt.last >= op] + starts[op]
+        # NOTE: in offset order, if any two overlap then two neighbours do
+        spans = sorted(((offsets[lt.key], offsets[lt.key] + _round_up(lt.nbytes, alignment), lt)
+                        for lt in live), key=lambda span: span[:2])
+        for (lo_a, hi_a, a), (lo_b, hi_b, b) in zip(spans, spans[1:]):
+            assert hi_a <= lo_b, (f"buffers {a.key!r} [{lo_a}, {hi_a}) and {b.key!r} "
+                                  f"[{lo_b}, {hi_b}) are both live at op {op} and overlap")

@@ -1,0 +1,163 @@
+"""The static memory planner: valid placements always, the lower bound where it is reachable."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runtime.planner import Lifetime, Plan, live_bytes, lower_bound, plan
+
+# (first op, last op, bytes) of the 8-tensor example of Pisarchyk & Lee 2020.
+PAPER_EXAMPLE = [(0, 1, 32), (1, 4, 28), (2, 5, 36), (3, 5, 16), (4, 5, 8), (5, 7, 64),
+                 (6, 8, 10), (7, 8, 40)]
+
+
+@st.composite
+def lifetimes(draw, max_buffers: int = 40, max_ops: int = 30) -> list[Lifetime]:
+    """Random lifetimes: any spans, sizes from 1 byte to 10 kB, now and then a 0-byte buffer."""
+    n = draw(st.integers(0, max_buffers))
+    result = []
+    for key in range(n):
+        first = draw(st.integers(0, max_ops - 1))
+        last = draw(st.integers(first, max_ops - 1))
+        nbytes = draw(st.integers(0, 10_000) | st.sampled_from([0, 1, 64, 4096]))
+        result.append(Lifetime(f"t{key}", first, last, nbytes))
+    return result
+
+
+@st.composite
+def chains(draw, spans: tuple[int, ...] = (1,)) -> list[Lifetime]:
+    """Op i writes buffer i; the last read is `span` ops later, a span drawn from `spans`."""
+    sizes = draw(st.lists(st.integers(1, 1 << 20), min_size=1, max_size=60))
+    return [Lifetime(i, i, i + draw(st.sampled_from(spans)), nbytes)
+            for i, nbytes in enumerate(sizes)]
+
+
+def live_together(a: Lifetime, b: Lifetime) -> bool:
+    return a.first <= b.last and b.first <= a.last
+
+
+@given(lifetimes(), st.sampled_from([1, 8, 64, 256]))
+def test_random_lifetimes_give_a_valid_plan(lts: list[Lifetime], alignment: int) -> None:
+    before = copy.deepcopy(lts)
+    result = plan(lts, alignment=alignment)
+    assert lts == before  # nothing mutated
+    result.check_invariants(lts)
+    # The same properties, checked here pairwise rather than by the plan's own checker.
+    size = {lt.key: -(-lt.nbytes // alignment) * alignment for lt in lts}
+    for lt in lts:
+        assert result.offsets[lt.key] % alignment == 0
+        assert result.offsets[lt.key] + size[lt.key] <= result.planned_bytes
+    for i, a in enumerate(lts):
+        for b in lts[i + 1:]:
+            if live_together(a, b) and size[a.key] and size[b.key]:
+                a_lo, b_lo = result.offsets[a.key], result.offsets[b.key]
+                assert a_lo + size[a.key] <= b_lo or b_lo + size[b.key] <= a_lo, (a, b)
+    assert result.lower_bound_bytes <= result.planned_bytes <= result.naive_bytes
+    assert result.lower_bound_bytes == lower_bound(lts, alignment)
+
+
+@given(lifetimes(max_buffers=12, max_ops=8))
+def test_lower_bound_is_the_busiest_op(lts: list[Lifetime]) -> None:
+    # Against its definition, op by op.
+    n_ops = max((lt.last + 1 for lt in lts), default=0)
+    by_op = [sum(lt.nbytes for lt in lts if lt.first <= op <= lt.last) for op in range(n_ops)]
+    assert live_bytes(lts) == by_op
+    assert lower_bound(lts) == max(by_op, default=0)
+
+
+@given(chains())
+def test_chains_reach_the_lower_bound(lts: list[Lifetime]) -> None:
+    result = plan(lts, alignment=64)
+    result.check_invariants(lts)
+    assert result.planned_bytes == result.lower_bound_bytes
+
+
+@given(chains(spans=(1, 2)))
+def test_chains_with_buffers_living_two_or_three_ops_reach_the_lower_bound(
+        lts: list[Lifetime]) -> None:
+    result = plan(lts, alignment=1)
+    result.check_invariants(lts)
+    assert result.planned_bytes == result.lower_bound_bytes
+
+
+def test_paper_example_reaches_the_lower_bound() -> None:
+    lts = [Lifetime(i, first, last, nbytes) for i, (first, last, nbytes) in
+           enumerate(PAPER_EXAMPLE)]
+    result = plan(lts, alignment=1)
+    result.check_invariants(lts)
+    assert result.lower_bound_bytes == 124
+    assert result.planned_bytes == 124
+    assert result.naive_bytes == sum(nbytes for _, _, nbytes in PAPER_EXAMPLE)
+
+
+def test_an_output_may_not_take_its_inputs_bytes() -> None:
+    # "a" is last read by op 1, which writes "b": they are live together at op 1.
+    lts = [Lifetime("a", 0, 1, 64), Lifetime("b", 1, 2, 64)]
+    result = plan(lts)
+    assert result.offsets["a"] != result.offsets["b"]
+    assert result.lower_bound_bytes == result.planned_bytes == 128
+    # One op apart, they share.
+    lts = [Lifetime("a", 0, 1, 64), Lifetime("b", 2, 3, 64)]
+    assert plan(lts).planned_bytes == 64
+
+
+def test_sizes_are_rounded_to_the_alignment() -> None:
+    lts = [Lifetime("a", 0, 0, 1), Lifetime("b", 0, 0, 65)]
+    result = plan(lts, alignment=64)
+    assert sorted(result.offsets.values()) in ([0, 64], [0, 128])
+    assert result.planned_bytes == result.lower_bound_bytes == result.naive_bytes == 192
+    assert lower_bound(lts) == 66  # unaligned on request
+
+
+def test_empty_and_zero_byte_buffers() -> None:
+    result = plan([])
+    assert (dict(result.offsets), result.planned_bytes, result.lower_bound_bytes) == ({}, 0, 0)
+    lts = [Lifetime("z", 0, 3, 0), Lifetime("a", 1, 2, 10)]
+    result = plan(lts, alignment=1)
+    result.check_invariants(lts)
+    assert result.offsets["z"] == 0 and result.planned_bytes == 10
+
+
+def test_check_invariants_catches_an_overlap() -> None:
+    lts = [Lifetime("a", 0, 2, 64), Lifetime("b", 2, 4, 64), Lifetime("c", 3, 4, 64)]
+    good = plan(lts)
+    good.check_invariants(lts)
+    # Hand-made: "b" and "c" share bytes while both live at ops 3 and 4.
+    bad = Plan(offsets={"a": 0, "b": 64, "c": 64}, planned_bytes=128,
+               lower_bound_bytes=128, naive_bytes=192, alignment=64)
+    with pytest.raises(AssertionError, match="'b'.*'c'.*overlap"):
+        bad.check_invariants(lts)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (Plan({"a": 32, "b": 0}, 96, 128, 128, alignment=64), "multiple of 64"),
+    (Plan({"a": 0, "b": 64}, 64, 128, 128, alignment=64), "past the arena"),
+    (Plan({"a": 0}, 64, 128, 128, alignment=64), "misses"),
+    (Plan({"a": 0, "b": 64}, 128, 64, 128, alignment=64), "lower_bound_bytes"),
+])
+def test_check_invariants_catches_a_bad_plan(bad: Plan, message: str) -> None:
+    lts = [Lifetime("a", 0, 1, 64), Lifetime("b", 1, 2, 64)]
+    with pytest.raises(AssertionError, match=message):
+        bad.check_invariants(lts)
+
+
+def test_bad_input_raises() -> None:
+    with pytest.raises(ValueError, match="first <= last"):
+        Lifetime("a", 3, 2, 8)
+    with pytest.raises(ValueError, match="nbytes"):
+        Lifetime("a", 0, 2, -1)
+    with pytest.raises(ValueError, match="more than once"):
+        plan([Lifetime("a", 0, 1, 8), Lifetime("a", 2, 3, 8)])
+    with pytest.raises(ValueError, match="alignment"):
+        plan([], alignment=0)
+    with pytest.raises(ValueError, match="n_ops"):
+        live_bytes([Lifetime("a", 0, 5, 8)], n_ops=3)
+
+
+def test_plan_is_deterministic() -> None:
+    lts = [Lifetime(i, i % 7, i % 7 + i % 5, 100 + 37 * i) for i in range(200)]
+    assert dict(plan(lts).offsets) == dict(plan(lts).offsets)
