@@ -95,9 +95,11 @@ class Tape:
 
     def operand(self, t: Tensor, shape: tuple[int, ...] | None = None) -> Operand:
         offset, shape, strides, _ = t.layout(shape)
-        if not self.made_here(t.block) and t.block.id not in self.external:
-            self.external[t.block.id] = t.detach()
-        return Operand(t.block, offset, shape, strides, t.dtype)
+        block = t.block
+        # NOTE: constants made inside the capture hold real data already: kept like outside ones
+        if (block.readonly or not self.made_here(block)) and block.id not in self.external:
+            self.external[block.id] = t.detach()
+        return Operand(block, offset, shape, strides, t.dtype)
 
     def record(self, op: str, policy: str, run: Callable[..., None],
                inputs: list[tuple[Tensor, tuple[int, ...]]], outputs: list[Tensor],

@@ -1,0 +1,192 @@
+"""Memory of the graph runtime's plans on MLP training steps, and what checkpointing costs.
+
+The step is the one of benchmarks/mlp_reference.py (`depth` hidden Dense layers of `width` with
+ReLU, a Dense classifier to 10 classes, float32, softmax cross-entropy, plain SGD lr 0.01), written
+with blockrt's nn and captured by `runtime.graph`; `opt.zero_grad()` ends the step, so gradients
+are intermediates. Configurations (batch, width, depth): S = 64, 256, 8; M = 256, 1024, 4;
+L = 1024, 4096, 4; D = 64, 256, 64.
+
+Tables:
+1. Bytes of intermediates per plan: naive (no reuse), peak under "none", "recycle", "static" and
+   "static" with checkpoint="sqrt"; the static plan's lower bound; static / naive (goal <= 0.5).
+2. Planned / lower bound over a suite: chains, these MLP training graphs with and without
+   checkpointing, random DAG-shaped programs (goal <= 1.05).
+3. Checkpointing on D: activation bytes (the most bytes of forward results live at once) and step
+   time, static against static + sqrt, interleaved rounds, best step of each (goal: >= 4x less
+   activation memory at <= 1.35x step time).
+
+Run: python benchmarks/bench_graph.py [--quick] [--configs S,M,L,D]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mlp_reference import LR, MLPConfig, init_params, make_batch
+
+import runtime
+from allocators import format_bytes
+from runtime import nn, ops
+
+CONFIGS = {"S": MLPConfig(64, 256, 8), "M": MLPConfig(256, 1024, 4),
+           "L": MLPConfig(1024, 4096, 4), "D": MLPConfig(64, 256, 64)}
+QUICK = {"S": MLPConfig(16, 32, 8), "M": MLPConfig(32, 64, 4), "L": MLPConfig(64, 128, 4),
+         "D": MLPConfig(16, 32, 64)}
+VARIANTS = (("none", None), ("recycle", None), ("static", None), ("static", "sqrt"))
+
+
+def training_graph(config: MLPConfig, plan: str, checkpoint: str | None) -> runtime.Graph:
+    """blockrt's model with the reference weights, its step captured under `plan`."""
+    layers: list[nn.Module] = []
+    for weight, bias in init_params(config):
+        dense = nn.Dense(weight.shape[1], weight.shape[0])
+        with runtime.no_grad():
+            dense.weight[...] = weight
+            dense.bias[...] = bias
+        layers += [dense, nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
+    opt = nn.SGD(model.parameters(), lr=LR)
+
+    def step(x: runtime.Tensor, y: runtime.Tensor) -> runtime.Tensor:
+        loss = nn.softmax_cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return runtime.graph(step, plan=plan, checkpoint=checkpoint)
+
+
+def memory_table(configs: dict[str, MLPConfig]) -> list[tuple[str, float]]:
+    """Table 1; returns (case, planned / lower bound) rows for table 2."""
+    print("| config | naive | none | recycle | static | static + sqrt | lower bound (static) "
+          "| static / naive |")
+    print("|---|---|---|---|---|---|---|---|")
+    ratios = []
+    for name, config in configs.items():
+        x, y = make_batch(config)
+        peaks = {}
+        naive = lower = 0
+        for plan, checkpoint in VARIANTS:
+            graph = training_graph(config, plan, checkpoint)
+            graph(x, y)
+            report = graph.memory_report()
+            peaks[(plan, checkpoint)] = report["peak_bytes"]
+            if plan == "static":
+                ratios.append((f"MLP {name}{' sqrt' if checkpoint else ''}",
+                               report["planned_bytes"] / report["lower_bound_bytes"]))
+                if checkpoint is None:
+                    naive, lower = report["naive_bytes"], report["lower_bound_bytes"]
+            graph.release()
+            del graph
+            gc.collect()
+        cells = [format_bytes(peaks[v]) for v in VARIANTS]
+        static = peaks[("static", None)]
+        print(f"| {name} {config.batch}x{config.width}x{config.depth} | {format_bytes(naive)} | "
+              f"{' | '.join(cells)} | {format_bytes(lower)} | {static / naive:.3f} |")
+    return ratios
+
+
+def chain_program(length: int, seed: int) -> tuple[runtime.Graph, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 64, size=length)
+
+    def fn(x: runtime.Tensor) -> runtime.Tensor:
+        h = x
+        for n in sizes:  # each result feeds only the next op: a chain of varied sizes
+            h = ops.tanh(ops.matmul(h, runtime.constant(np.ones((h.shape[1], int(n))))))
+        return ops.sum(h)
+
+    return runtime.graph(fn, plan="static", fuse=False), rng.normal(size=(8, 16))
+
+
+def dag_program(ops_count: int, seed: int) -> tuple[runtime.Graph, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    picks = [(int(rng.integers(0, i + 1)), int(rng.integers(0, i + 1)),
+              int(rng.integers(1, 9))) for i in range(ops_count)]
+
+    def fn(x: runtime.Tensor) -> runtime.Tensor:
+        values = [x]
+        for a, b, rows in picks:  # random operands: long and short lifetimes, varied sizes
+            left, right = values[a], values[b]
+            mix_a = runtime.constant(np.full((rows, left.shape[0]), 0.5))
+            mix_b = runtime.constant(np.full((rows, right.shape[0]), 0.25))
+            values.append(ops.tanh(ops.add(ops.matmul(mix_a, left), ops.matmul(mix_b, right))))
+        return ops.sum(values[-1])
+
+    return runtime.graph(fn, plan="static"), rng.normal(size=(4, 32))
+
+
+def suite_table(mlp_ratios: list[tuple[str, float]], quick: bool) -> None:
+    rows = list(mlp_ratios)
+    for length in (8, 32) if quick else (8, 64, 256):
+        graph, x = chain_program(length, seed=length)
+        graph(x)
+        report = graph.memory_report()
+        rows.append((f"chain of {length}", report["planned_bytes"] / report["lower_bound_bytes"]))
+    for count in (20, 60) if quick else (50, 200, 500):
+        graph, x = dag_program(count, seed=count)
+        graph(x)
+        report = graph.memory_report()
+        rows.append((f"random DAG, {count} ops",
+                     report["planned_bytes"] / report["lower_bound_bytes"]))
+    print("\n| case | planned / lower bound |")
+    print("|---|---|")
+    for case, ratio in rows:
+        print(f"| {case} | {ratio:.3f} |")
+    print(f"| **worst** | **{max(r for _, r in rows):.3f}** |")
+
+
+def checkpoint_table(config: MLPConfig, rounds: int) -> None:
+    x, y = make_batch(config)
+    graphs = {"static": training_graph(config, "static", None),
+              "static + sqrt": training_graph(config, "static", "sqrt")}
+    for graph in graphs.values():
+        graph(x, y)
+        graph(x, y)
+    best = dict.fromkeys(graphs, float("inf"))
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            for _ in range(3):
+                start = time.perf_counter()
+                graph(x, y)
+                best[name] = min(best[name], time.perf_counter() - start)
+    plain, sqrt = (graphs[k].memory_report() for k in graphs)
+    print(f"\nCheckpointing on D ({config.batch}x{config.width}x{config.depth}), best step of "
+          f"{rounds} interleaved rounds:\n")
+    print("| | activation bytes | peak bytes | recomputed ops | ms per step |")
+    print("|---|---|---|---|---|")
+    for name, report in (("static", plain), ("static + sqrt", sqrt)):
+        print(f"| {name} | {format_bytes(report['activation_bytes'])} | "
+              f"{format_bytes(report['peak_bytes'])} | {report['recomputed']} | "
+              f"{best[name] * 1e3:.2f} |")
+    print(f"| **ratio** | **{plain['activation_bytes'] / sqrt['activation_bytes']:.2f}x less** | "
+          f"{plain['peak_bytes'] / sqrt['peak_bytes']:.2f}x less | | "
+          f"**{best['static + sqrt'] / best['static']:.2f}x time** |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke runs)")
+    parser.add_argument("--configs", default="S,M,L,D")
+    args = parser.parse_args()
+    table = QUICK if args.quick else CONFIGS
+    configs = {name: table[name] for name in args.configs.split(",")}
+    ratios = memory_table(configs)
+    suite_table(ratios, args.quick)
+    if "D" in configs:
+        checkpoint_table(configs["D"], rounds=2 if args.quick else 7)
+
+
+if __name__ == "__main__":
+    main()
