@@ -312,3 +312,14 @@ def test_memory_report_and_timeline_have_what_they_promise():
         assert len(line) == report["steps"] and max(line) > 0
         if plan == "none":
             assert list(itertools.accumulate(line, max)) == line  # never goes down
+
+
+def test_constants_made_inside_the_capture_survive_replays():
+    def fn(a):
+        scale = runtime.constant(np.full((2, 2), 3.0))  # made (and filled) while capturing
+        return ops.sum(ops.matmul(a, scale))
+
+    for plan in PLANS:
+        graph = runtime.graph(fn, plan=plan)
+        for value in (1.0, 2.0, 1.0):
+            assert graph(np.full((2, 2), value)).item() == pytest.approx(24.0 * value)
