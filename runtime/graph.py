@@ -457,18 +457,12 @@ def _schedule(program: Sequence[Instruction], intermediate: set[int]) -> list[in
     return order
 
 
-def _readers(steps_or_instrs: Sequence[Instruction]) -> dict[int, list[int]]:
-    found: dict[int, list[int]] = {}
-    for position, instr in enumerate(steps_or_instrs):
-        for operand in instr.inputs:
-            found.setdefault(operand.block.id, []).append(position)
-    return found
-
-
-def _writers(instrs: Sequence[Instruction]) -> dict[int, list[int]]:
+def _positions(instrs: Sequence[Instruction], side: str) -> dict[int, list[int]]:
+    """Block id -> positions of the instructions that read it ("inputs") or write it
+    ("outputs")."""
     found: dict[int, list[int]] = {}
     for position, instr in enumerate(instrs):
-        for operand in instr.outputs:
+        for operand in getattr(instr, side):
             found.setdefault(operand.block.id, []).append(position)
     return found
 
@@ -481,8 +475,8 @@ def _fuse(scheduled: list[Instruction], intermediate: set[int]) -> list[_Step]:
     """Group chains of elementwise instructions, consecutive in the schedule, where each link's
     output is an intermediate written whole, read only by the next link (whole), and dead after
     it. The chain runs in row blocks; its inner results never exist at full size."""
-    readers = _readers(scheduled)
-    writers = _writers(scheduled)
+    readers = _positions(scheduled, "inputs")
+    writers = _positions(scheduled, "outputs")
     steps: list[_Step] = []
     for position, instr in enumerate(scheduled):
         if steps and position and _fusable(instr) and _fusable(scheduled[position - 1]):
