@@ -263,7 +263,7 @@ class Optimizer:
 
     def step(self) -> None:
         """Update every parameter that has a gradient, in place."""
-        with no_grad():
+        with no_grad(), tape.phase("update"):
             for p in self.params:
                 if p.grad is not None:
                     self._update(p, p.grad, self.state[id(p)])
@@ -317,7 +317,7 @@ class SGD(Optimizer):
         """Update every parameter that has a gradient, in place."""
         super().step()
         if self._dampened is not None:
-            with no_grad():  # from now on the gradient counts 1 - dampening
+            with no_grad(), tape.phase("update"):  # from now on d counts 1 - dampening
                 ops.mul(self._dampened, 0.0, out=self._dampened)
                 ops.add(self._dampened, 1 - self.dampening, out=self._dampened)
 
@@ -377,7 +377,7 @@ class Adam(Optimizer):
     def step(self) -> None:
         """Advance the bias corrections, then update every parameter that has a gradient."""
         beta1, beta2 = self.betas
-        with no_grad():
+        with no_grad(), tape.phase("update"):
             if self._powers is None:
                 like = self.params[0]
                 self._powers = tuple(  # type: ignore[assignment]
