@@ -32,9 +32,15 @@ lint: venv
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis allocators/*.so
 
-# Benchmarks compare against pyopencl's pool on PoCL too, so they install the opencl extra.
+# Benchmarks compare against pyopencl's pool on PoCL and against PyTorch CPU, so they install the
+# opencl extra and torch (benchmark-only; exactly 2.13.0, the CPU build these machines carry).
 bench:
 	$(MAKE) venv EXTRAS=test,opencl
+	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) benchmarks/bench_alloc.py
 	$(PY) benchmarks/bench_trace.py
 	$(PY) benchmarks/bench_dispatch.py
+	$(PY) benchmarks/bench_train.py --check
+	$(PY) benchmarks/bench_train.py
+	$(PY) benchmarks/bench_graph.py
+	$(PY) benchmarks/bench_planner.py

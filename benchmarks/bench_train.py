@@ -62,15 +62,37 @@ from mlp_reference import (
 
 THREADS = 2  # as set above
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-DEFAULT_CONTENDERS = ("numpy-prealloc", "torch", "blockrt-eager")
+DEFAULT_CONTENDERS = ("numpy-prealloc", "torch", "blockrt-eager", "blockrt-none",
+                      "blockrt-recycle", "blockrt-static")
 RATIOS = (("blockrt-eager", "numpy-prealloc"), ("blockrt-eager", "torch"),
-          ("torch", "numpy-prealloc"))
+          ("blockrt-static", "blockrt-eager"), ("blockrt-static", "numpy-prealloc"),
+          ("blockrt-static", "torch"), ("torch", "numpy-prealloc"))
 ROUNDS = {"S": 7, "M": 5, "L": 3}
 
 
 def maxrss_kib() -> int:
     """The peak resident memory of this process so far, in KiB (Linux units)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def reset_peak_rss() -> int | None:
+    """Reset this process's peak resident memory to what it holds now (Linux: writing 5 to
+    /proc/self/clear_refs) and return that, in KiB; None where it cannot be reset. Setup
+    transients (weights drawn in float64, copies) then no longer hide what training adds."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_kib("VmHWM")
+    except OSError:
+        return None
+
+
+def _status_kib(field: str) -> int | None:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return None
 
 
 def measure(name: str, config_name: str, quick: bool, seconds: float) -> dict[str, Any]:
@@ -91,6 +113,7 @@ def measure(name: str, config_name: str, quick: bool, seconds: float) -> dict[st
         torch.set_num_threads(THREADS)
         threads["torch"] = torch.get_num_threads()
     rss_setup = maxrss_kib()
+    rss_before = reset_peak_rss()
     # Warm up: at least one step and a tenth of the measuring time (first touch, caches).
     start = time.perf_counter()
     first_loss = trainer.step()
@@ -107,7 +130,9 @@ def measure(name: str, config_name: str, quick: bool, seconds: float) -> dict[st
     return {**record, "status": "ok", "threads": threads, "first_loss": first_loss,
             "last_loss": last_loss, "warmup_steps": warmup_steps, "steps": len(times),
             "ms_per_step": 1e3 * sum(times) / len(times), "ms_min_step": 1e3 * min(times),
-            "maxrss_kib": {"data": rss_data, "setup": rss_setup, "after": maxrss_kib()}}
+            "maxrss_kib": {"data": rss_data, "setup": rss_setup, "after": maxrss_kib()},
+            "added_by_training_kib": (None if rss_before is None
+                                      else _status_kib("VmHWM") - rss_before)}
 
 
 def run_child(name: str, config_name: str, quick: bool, seconds: float) -> dict[str, Any]:
@@ -174,6 +199,21 @@ def print_table(results: dict[str, dict[str, list[dict[str, Any]]]], names: list
               f"{config.step_flop() / 1e9:.3g} | " + " | ".join(cells) + " |")
 
 
+def print_memory_table(results: dict[str, dict[str, list[dict[str, Any]]]],
+                       names: list[str]) -> None:
+    """Peak process memory added by training (first round of each contender: a fresh process,
+    peak reset after setup), in MiB."""
+    print("\n| config | " + " | ".join(f"{name} (MiB added)" for name in names) + " |")
+    print("|---|" + "---:|" * len(names))
+    for config_name, records in results.items():
+        cells = []
+        for name in names:
+            first = records[name][0] if records[name] else {}
+            added = first.get("added_by_training_kib")
+            cells.append(f"{added / 1024:.0f}" if added is not None else "n/a")
+        print(f"| {config_name} | " + " | ".join(cells) + " |")
+
+
 def run_check(names: list[str]) -> int:
     """Every contender against the plain NumPy reference at CHECK_CONFIG; 1 if any disagrees."""
     print(f"Check: 3 steps at batch {CHECK_CONFIG.batch}, width {CHECK_CONFIG.width}, depth "
@@ -235,6 +275,7 @@ def main() -> None:
           f"1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after:")
     print()
     print_table(results, names, args.quick)
+    print_memory_table(results, names)
     if args.json:
         with open(args.json, "w") as f:
             for records in results.values():

@@ -21,6 +21,8 @@ copies for correctness checks. Contenders:
 - `numpy-prealloc`: hand-written NumPy with every buffer allocated once (the practical limit);
 - `torch`: PyTorch CPU eager, `nn.Linear` layers, `F.cross_entropy`, SGD as `optim.SGD` runs it;
 - `blockrt-eager`: blockrt's autograd and `runtime.nn`, eager.
+- `blockrt-none`, `blockrt-recycle`, `blockrt-static`, `blockrt-static-sqrt`: the same step
+  captured by `runtime.graph` under each memory plan (the last with checkpoint="sqrt").
 
 Optional dependencies (torch, blockrt's nn) are imported inside their factory only; a factory
 whose dependency is missing raises `ContenderUnavailable` with the reason.
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -283,10 +285,8 @@ def make_torch(params: Params, x: np.ndarray, labels: np.ndarray, lr: float = LR
 # --- blockrt, eager ----------------------------------------------------------------------------
 
 
-def make_blockrt_eager(params: Params, x: np.ndarray, labels: np.ndarray,
-                       lr: float = LR) -> Trainer:
-    """blockrt eager: `nn.Sequential` of `nn.Dense` and `nn.ReLU`, `nn.softmax_cross_entropy`,
-    `nn.SGD`, on the default ("cpu") device and default allocator."""
+def _blockrt_model(params: Params, lr: float) -> tuple[Any, Any, list[Any]]:
+    """blockrt's `nn.Sequential` of `nn.Dense` and `nn.ReLU` holding `params`, and plain SGD."""
     try:
         import runtime
         from runtime import nn
@@ -302,7 +302,21 @@ def make_blockrt_eager(params: Params, x: np.ndarray, labels: np.ndarray,
         if i < len(params) - 1:
             layers.append(nn.ReLU())
     model = nn.Sequential(*layers)
-    opt = nn.SGD(model.parameters(), lr=lr)
+    return model, nn.SGD(model.parameters(), lr=lr), layers[::2]
+
+
+def _current(denses: list[Any]) -> Callable[[], Params]:
+    return lambda: [(dense.weight.numpy().copy(), dense.bias.numpy().copy()) for dense in denses]
+
+
+def make_blockrt_eager(params: Params, x: np.ndarray, labels: np.ndarray,
+                       lr: float = LR) -> Trainer:
+    """blockrt eager: `nn.Sequential` of `nn.Dense` and `nn.ReLU`, `nn.softmax_cross_entropy`,
+    `nn.SGD`, on the default ("cpu") device and default allocator."""
+    import runtime
+    from runtime import nn
+
+    model, opt, denses = _blockrt_model(params, lr)
     tx, tlabels = runtime.tensor(x), runtime.tensor(labels)
 
     def step() -> float:
@@ -312,11 +326,34 @@ def make_blockrt_eager(params: Params, x: np.ndarray, labels: np.ndarray,
         opt.step()
         return float(loss.item())
 
-    def current() -> Params:
-        return [(dense.weight.numpy().copy(), dense.bias.numpy().copy())
-                for dense in layers[::2]]
+    return Trainer(step=step, params=_current(denses))
 
-    return Trainer(step=step, params=current)
+
+def blockrt_graph(plan: str, checkpoint: str | None = None) -> Callable[..., Trainer]:
+    """A factory for blockrt's step captured by `runtime.graph(plan=..., checkpoint=...)`: the
+    step ends with `opt.zero_grad()`, so gradients are intermediates the plan places."""
+    def make(params: Params, x: np.ndarray, labels: np.ndarray, lr: float = LR) -> Trainer:
+        model, opt, denses = _blockrt_model(params, lr)
+        import runtime
+        from runtime import nn
+
+        def train_step(xb: Any, yb: Any) -> Any:
+            loss = nn.softmax_cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        graph = runtime.graph(train_step, plan=plan, checkpoint=checkpoint)
+        tx, tlabels = runtime.tensor(x), runtime.tensor(labels)
+
+        def step() -> float:
+            return float(graph(tx, tlabels).item())
+
+        return Trainer(step=step, params=_current(denses))
+
+    make.__doc__ = f"blockrt's step under runtime.graph(plan={plan!r}, checkpoint={checkpoint!r})"
+    return make
 
 
 CONTENDERS: dict[str, Callable[..., Trainer]] = {
@@ -324,6 +361,10 @@ CONTENDERS: dict[str, Callable[..., Trainer]] = {
     "numpy-prealloc": make_numpy_prealloc,
     "torch": make_torch,
     "blockrt-eager": make_blockrt_eager,
+    "blockrt-none": blockrt_graph("none"),
+    "blockrt-recycle": blockrt_graph("recycle"),
+    "blockrt-static": blockrt_graph("static"),
+    "blockrt-static-sqrt": blockrt_graph("static", "sqrt"),
 }
 
 
