@@ -23,9 +23,10 @@ copies for correctness checks. Contenders:
 - `blockrt-eager`: blockrt's autograd and `runtime.nn`, eager.
 - `blockrt-none`, `blockrt-recycle`, `blockrt-static`, `blockrt-static-sqrt`: the same step
   captured by `runtime.graph` under each memory plan (the last with checkpoint="sqrt").
+- `tinygrad`: tinygrad on its CPU device, the step under `TinyJit` (needs tinygrad and a clang).
 
-Optional dependencies (torch, blockrt's nn) are imported inside their factory only; a factory
-whose dependency is missing raises `ContenderUnavailable` with the reason.
+Optional dependencies (torch, tinygrad, blockrt's nn) are imported inside their factory only; a
+factory whose dependency is missing raises `ContenderUnavailable` with the reason.
 """
 
 from __future__ import annotations
@@ -356,6 +357,94 @@ def blockrt_graph(plan: str, checkpoint: str | None = None) -> Callable[..., Tra
     return make
 
 
+# --- tinygrad ----------------------------------------------------------------------------------
+
+
+def make_tinygrad(params: Params, x: np.ndarray, labels: np.ndarray, lr: float = LR,
+                  jit: bool = True) -> Trainer:
+    """tinygrad on its CPU device: `Tensor.linear` and `relu` layers holding the weights in
+    PyTorch's layout, `sparse_categorical_crossentropy` (mean), `nn.optim.SGD`, the step as
+    tinygrad trains: under `Context(TRAINING=1)`, `zero_grad()`, forward, loss, `backward()`,
+    then `loss.realize(*opt.schedule_step())` (what `opt.step()` realizes, and the loss, in one
+    schedule), wrapped in `TinyJit` (kernels captured on the second call, replayed after;
+    `jit=False` runs the same step eagerly, scheduled anew each call).
+
+    tinygrad's CPU device compiles its kernels (and, in 0.14, its worker thread's programs when
+    the device opens) with the C compiler named by `CC`, default `clang`; where `CC` is unset
+    and there is no `clang` but a versioned `clang-N` (Debian's `clang-14` package installs
+    only that name), `CC` is set to the newest. `NUM_CPU_THREADS` (tinygrad's split of a kernel
+    over cores) is set to `OMP_NUM_THREADS` where that is set and it is not. Every tensor is
+    placed on "CPU" explicitly, so a GPU tinygrad could pick by default is not used.
+    """
+    import glob
+    import os
+    import shutil
+
+    if not os.environ.get("CC") and shutil.which("clang") is None:
+        versioned = [os.path.basename(path) for directory in os.get_exec_path()
+                     for path in glob.glob(os.path.join(directory, "clang-[0-9]*"))
+                     if os.path.basename(path)[len("clang-"):].isdigit()]
+        if versioned:
+            os.environ["CC"] = max(versioned, key=lambda name: int(name[len("clang-"):]))
+    compiler = os.environ.get("CC") or "clang"
+    if shutil.which(compiler) is None:
+        raise ContenderUnavailable(f"tinygrad's CPU device compiles with {compiler!r} (CC), which "
+                                   "is not on PATH; install clang (apt-get install clang) or set "
+                                   "CC to a clang")
+    if "OMP_NUM_THREADS" in os.environ:
+        os.environ.setdefault("NUM_CPU_THREADS", os.environ["OMP_NUM_THREADS"])
+    try:
+        from tinygrad import Device, Tensor, TinyJit
+        from tinygrad.helpers import Context
+        from tinygrad.nn.optim import SGD
+    except ImportError as e:
+        raise ContenderUnavailable(f"tinygrad is not importable ({e}); "
+                                   "pip install tinygrad (0.14.0 measured)") from e
+    device = "CPU"
+    try:
+        Device[device]  # opening it compiles the worker's programs with CC
+    except Exception as e:  # what the compiler or loader raised
+        raise ContenderUnavailable(f"tinygrad's CPU device does not open here ({e!r})") from e
+
+    def on_device(array: np.ndarray) -> Any:
+        # NOTE: Tensor(ndarray) wraps the array; realize() copies it into a CPU-device buffer,
+        # so the caller's arrays are only read
+        return Tensor(array, device=device).contiguous().realize()
+
+    weights = [on_device(weight) for weight, _ in params]
+    biases = [on_device(bias) for _, bias in params]
+    tx, tlabels = on_device(x), on_device(labels.astype(np.int32))
+    opt = SGD([t for pair in zip(weights, biases) for t in pair], lr=lr)
+    last = len(weights) - 1
+
+    def train_step(xb: Any, yb: Any) -> Any:
+        opt.zero_grad()
+        a = xb
+        for i, (weight, bias) in enumerate(zip(weights, biases)):
+            a = a.linear(weight.transpose(), bias)
+            if i < last:
+                a = a.relu()
+        loss = a.sparse_categorical_crossentropy(yb)
+        loss.backward()
+        return loss.realize(*opt.schedule_step())
+
+    run = TinyJit(train_step) if jit else train_step
+
+    def step() -> float:
+        with Context(TRAINING=1):
+            loss = run(tx, tlabels)
+        # NOTE: backward() gives every live float tensor a gradient, the batch too; dropped so
+        # that its lazy graph does not grow step by step (it is never realized)
+        tx.grad = None
+        return float(loss.item())
+
+    def current() -> Params:
+        return [(weight.numpy().copy(), bias.numpy().copy())
+                for weight, bias in zip(weights, biases)]
+
+    return Trainer(step=step, params=current)
+
+
 CONTENDERS: dict[str, Callable[..., Trainer]] = {
     "numpy-naive": make_numpy_naive,
     "numpy-prealloc": make_numpy_prealloc,
@@ -365,6 +454,7 @@ CONTENDERS: dict[str, Callable[..., Trainer]] = {
     "blockrt-recycle": blockrt_graph("recycle"),
     "blockrt-static": blockrt_graph("static"),
     "blockrt-static-sqrt": blockrt_graph("static", "sqrt"),
+    "tinygrad": make_tinygrad,
 }
 
 

@@ -54,3 +54,10 @@ def test_blockrt_eager_matches_the_reference():
                     reason="torch is not installed (optional: pip install torch==2.13.0)")
 def test_torch_matches_the_reference():
     assert_matches_reference("torch")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tinygrad") is None,
+                    reason="tinygrad is not installed (optional: pip install tinygrad)")
+def test_tinygrad_matches_the_reference():
+    # skipped (ContenderUnavailable) where tinygrad's CPU device has no clang to compile with
+    assert_matches_reference("tinygrad")
