@@ -15,11 +15,14 @@ placement itself costs, not the padding.
 
 The algorithm is greedy by size with best fit (TFLite's arena planner; Pisarchyk & Lee 2020,
 "Efficient Memory Management for Deep Neural Net Inference"), run over a few orderings and with
-first fit too, keeping the smallest arena, then a few rounds that move the buffers at the top of
-the arena to the front of the order. All of it stops at the lower bound, and within a fixed work
-budget, so a plan is deterministic. When at most two buffers are ever live at once (a plain
-chain), a two-colouring reaches the lower bound exactly; when every buffer overlaps only a few
-others, a bounded depth-first search tries for the lower bound where the greedy missed it.
+first fit too, keeping the smallest arena. One ordering puts first the buffers live at the busiest
+ops (at an op where the lower bound is set, the buffers live there must tile the arena exactly).
+From the best, a local search (iterated greedy) moves a buffer that reaches the arena top earlier
+in the order, or swaps two neighbours, and replans the rest. All of it stops at the lower bound,
+and within a fixed work budget with a seeded generator, so a plan is deterministic: small problems
+get many tries, large ones only a few orderings. When at most two buffers are ever live at once (a
+plain chain), a two-colouring reaches the lower bound exactly; when every buffer overlaps only a
+few others, a bounded depth-first search tries for the lower bound where the greedy missed it.
 
 Example:
     >>> from runtime.planner import Lifetime, plan
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -40,17 +44,26 @@ import numpy as np
 
 __all__ = ["Lifetime", "Plan", "live_bytes", "lower_bound", "plan"]
 
-# Improvement rounds after the orderings; each replans once (stops early at the lower bound).
-_IMPROVE_ROUNDS = 8
-# Placements stop once they have looked at about this many conflicting pairs in all (at least two
-# placements run): a few thousand buffers plan in well under a second, and always the same way.
-_WORK_BUDGET = 500_000
+# Placements stop after about this many steps in all (at least two placements run), a step being
+# a conflicting pair looked at or 1/_BUFFER_STEPS of a buffer placed: a few thousand buffers plan
+# in well under a second, and always the same way.
+_WORK_BUDGET = 1_000_000
+_BUFFER_STEPS = 48
+# The local search spends at most this many whole placements' worth of the budget (it replans
+# only the end of the order, so it makes about twice as many tries).
+_LOCAL_PLACEMENTS = 50
+# Its moves: this share moves a buffer at the arena top earlier in the order; the others swap two
+# buffers at most _SWAP_REACH apart.
+_MOVE_TOP = 0.5
+_SWAP_REACH = 5
 # The search for a plan at the lower bound gives up after this many placements (plus two a buffer).
 _SEARCH_NODES = 2000
 # ... and runs only when no buffer conflicts with more than this many others.
 _SEARCH_MAX_CONFLICTS = 8
 # Buffers with at least this many conflicts find their gap with NumPy, fewer in plain Python.
 _VECTOR_MIN = 48
+# NOTE: a gap that no buffer fits, for the vectorized best fit
+_NO_FIT = np.iinfo(np.int64).max
 
 
 @dataclass(frozen=True)
@@ -208,16 +221,19 @@ def plan(lifetimes: Sequence[Lifetime], alignment: int = 64) -> Plan:
     size = [_round_up(lt.nbytes, alignment) for lt in lifetimes]
 
     # Phase 2: events. Sweep the start and end events once: the live bytes at each op give the
-    # lower bound; the buffers live when another starts give every conflicting pair.
-    lower = lower_bound(lifetimes, alignment)
+    # lower bound, and each buffer's pressure (the most bytes live while it is); the buffers
+    # live when another starts give every conflicting pair.
+    live = live_bytes(lifetimes, alignment=alignment)
+    lower = max(live, default=0)
     naive = sum(size)
     conflicts = _conflicts(first, last, size)
+    pressure = _pressure(live, first, last)
 
     # Phase 3: offsets. Two-colour a chain; otherwise greedy best fit over several orderings,
-    # then improvement rounds from the best one. Keep the smallest arena.
+    # then a bounded local search from the best one. Keep the smallest arena.
     offsets, arena = _two_colour(conflicts, size, lower)
     if arena != lower:
-        offsets, arena = _best_of_orderings(first, last, size, conflicts, lower)
+        offsets, arena = _best_of_orderings(first, last, size, pressure, conflicts, lower)
     if arena != lower and max(map(len, conflicts), default=0) <= _SEARCH_MAX_CONFLICTS:
         # A bounded search may still fit everything into the lower bound when few buffers
         # overlap each one (chains with short skips): each try then costs little.
@@ -251,6 +267,15 @@ def _conflicts(first: list[int], last: list[int], size: list[int]) -> list[list[
     return conflicts
 
 
+def _pressure(live: list[int], first: list[int], last: list[int]) -> list[int]:
+    """For each buffer, the most bytes live at any op it is live at."""
+    if not first:
+        return []
+    # NOTE: reduceat over [first, last + 1) pairs; the padding keeps last + 1 a valid index
+    bounds = np.column_stack((first, np.add(last, 1))).ravel()
+    return np.maximum.reduceat(np.array([*live, 0], dtype=np.int64), bounds)[::2].tolist()
+
+
 def _two_colour(conflicts: list[list[int]], size: list[int], lower: int
                 ) -> tuple[list[int], int]:
     """Exact when the conflict graph is bipartite and no conflicting pair exceeds `lower`.
@@ -278,92 +303,140 @@ def _two_colour(conflicts: list[list[int]], size: list[int], lower: int
     return offsets, max((o + s for o, s in zip(offsets, size)), default=0)
 
 
-def _place(order: Iterable[int], size: list[int], conflicts: list[list[int]], best_fit: bool,
-           arrays: tuple[list[np.ndarray], np.ndarray]) -> tuple[list[int], int]:
+def _place(order: Sequence[int], size: list[int], conflicts: list[list[int]], best_fit: bool,
+           arrays: tuple[list[np.ndarray], np.ndarray], placed: list[int] | None = None
+           ) -> tuple[list[int], int]:
     """Place buffers in `order`, each in a gap among the placed buffers it conflicts with.
 
     A gap is free space between placed conflicting buffers; the space above the highest of them
     counts as a gap up to the current arena top. `best_fit` takes the tightest gap that fits
     (TFLite), otherwise the lowest (first fit). When no gap fits the buffer goes on top of its
-    conflicts, growing the arena. Buffers with many conflicts take a vectorized path.
+    conflicts, growing the arena. Buffers with many conflicts take a vectorized path. `placed`,
+    when given, holds the offsets of buffers already placed (-1 for the others, which must be
+    exactly those in `order`); it is copied, not changed.
     """
     conflict_arrays, size_array = arrays
-    offset = [-1] * len(size)
-    offset_array = np.full(len(size), -1, dtype=np.int64)
-    arena = 0
+    offset = [-1] * len(size) if placed is None else list(placed)
+    offset_array = np.array(offset, dtype=np.int64)
+    arena = max((o + s for o, s in zip(offset, size) if o >= 0), default=0)
     for i in order:
         need = size[i]
         if len(conflicts[i]) < _VECTOR_MIN:
             spans = sorted((offset[j], offset[j] + size[j])
                            for j in conflicts[i] if offset[j] >= 0)
-            los = [lo for lo, _ in spans]
             tops = list(itertools.accumulate((hi for _, hi in spans), max, initial=0))
-            gaps = [lo - below for lo, below in zip(los, tops)]
+            gaps = [lo - below for (lo, _), below in zip(spans, tops)]
+            # The space above every conflict, up to the arena top, is one more (bounded) gap.
+            gaps.append(arena - tops[-1])
+            fits = [k for k, gap in enumerate(gaps) if gap >= need]
+            if not fits:
+                best = tops[-1]
+            elif best_fit:
+                best = tops[min(fits, key=gaps.__getitem__)]
+            else:
+                best = tops[fits[0]]
         else:
-            placed = conflict_arrays[i][offset_array[conflict_arrays[i]] >= 0]
-            lo_array = offset_array[placed]
+            # The same in NumPy: gaps below each placed conflict in offset order, then the top.
+            placed_conflicts = conflict_arrays[i][offset_array[conflict_arrays[i]] >= 0]
+            lo_array = offset_array[placed_conflicts]
             by_offset = np.argsort(lo_array, kind="stable")
-            lo_array = lo_array[by_offset]
-            top_array = np.maximum.accumulate(lo_array + size_array[placed][by_offset])
-            los = lo_array.tolist()
-            tops = [0, *top_array.tolist()]
-            gaps = (lo_array - np.concatenate(([0], top_array[:-1]))).tolist()
-        # The space above every conflict, up to the arena top, is one more (bounded) gap.
-        los.append(arena)
-        gaps.append(arena - tops[-1])
-        fits = [k for k, gap in enumerate(gaps) if gap >= need]
-        if not fits:
-            best = tops[-1]
-        elif best_fit:
-            best = tops[min(fits, key=gaps.__getitem__)]
-        else:
-            best = tops[fits[0]]
+            tops = np.zeros(len(lo_array) + 1, dtype=np.int64)
+            np.maximum.accumulate(lo_array[by_offset] + size_array[placed_conflicts][by_offset],
+                                  out=tops[1:])
+            gaps = np.append(lo_array[by_offset], arena) - tops
+            fits = gaps >= need
+            if not fits.any():
+                best = int(tops[-1])
+            elif best_fit:
+                # NOTE: argmin returns the first smallest, as min() does in the loop above
+                best = int(tops[np.argmin(np.where(fits, gaps, _NO_FIT))])
+            else:
+                best = int(tops[np.argmax(fits)])
         offset[i] = best
         offset_array[i] = best
         arena = max(arena, best + need)
     return offset, arena
 
 
-def _best_of_orderings(first: list[int], last: list[int], size: list[int],
+def _best_of_orderings(first: list[int], last: list[int], size: list[int], pressure: list[int],
                        conflicts: list[list[int]], lower: int) -> tuple[list[int], int]:
-    """Best fit and first fit over a few orderings, then bounded improvement from the best."""
+    """Best fit and first fit over a few orderings, then a seeded local search from the best.
+
+    Work is counted in steps (`_BUFFER_STEPS` a buffer placed plus one a conflicting pair looked
+    at) against `_WORK_BUDGET`, so small problems get many tries, large ones few, and the result
+    depends on the input only.
+    """
     n = len(size)
     arrays = ([np.array(c, dtype=np.int64) for c in conflicts], np.array(size, dtype=np.int64))
     duration = [last[i] - first[i] + 1 for i in range(n)]
-    orderings = (
-        # greedy by size (TFLite); ties: the longer-lived first, then the earlier
-        lambda i: (-size[i], -duration[i], first[i]),
-        # greedy by breadth: bytes x ops
-        lambda i: (-size[i] * duration[i], -size[i], first[i]),
+    cost = [_BUFFER_STEPS + len(c) for c in conflicts]
+    # Sort keys, each an ordering to try; ties fall to the next element.
+    keys = {
+        # greedy by size (TFLite); the longer-lived, then the earlier first
+        "size": [(-size[i], -duration[i], first[i]) for i in range(n)],
+        # the buffers live at the busiest ops first, in schedule order: at an op where the
+        # lower bound is set they must tile the arena exactly, so they go in before the rest
+        "pressure": [(-pressure[i], first[i], -size[i]) for i in range(n)],
+        # ... or by size among the same pressure
+        "pressure, size": [(-pressure[i], -size[i], first[i]) for i in range(n)],
         # longest-lived first: they constrain everything they overlap
-        lambda i: (-duration[i], -size[i], first[i]),
+        "duration": [(-duration[i], -size[i], first[i]) for i in range(n)],
+        # greedy by breadth: bytes x ops
+        "breadth": [(-size[i] * duration[i], -size[i], first[i]) for i in range(n)],
         # in schedule order, as a linear-scan allocator would see them
-        lambda i: (first[i], -size[i], -duration[i]),
-    )
-    # NOTE: a placement costs about one step per conflicting pair; past the budget, stop early
-    rounds = max(2, _WORK_BUDGET // max(1, sum(map(len, conflicts))))
+        "schedule": [(first[i], -size[i], -duration[i]) for i in range(n)],
+    }
+    # (ordering, best fit), those that win most often on random DAGs first, as large problems
+    # get through only a few of them
+    orderings = (("size", False), ("pressure", True), ("pressure, size", True),
+                 ("size", True), ("pressure", False), ("pressure, size", False),
+                 ("duration", True), ("breadth", True), ("duration", False),
+                 ("breadth", False), ("schedule", True), ("schedule", False))
+    # NOTE: at least two placements run whatever the budget; past it, stop early
+    placement = sum(cost)
+    budget = max(_WORK_BUDGET, 2 * placement)
     best = (-1, [], [], False)  # arena, offsets, order, best fit
-    for key in orderings:
-        order = sorted(range(n), key=key)
-        for best_fit in (True, False):
-            offsets, arena = _place(order, size, conflicts, best_fit, arrays)
-            if best[0] < 0 or arena < best[0]:
-                best = (arena, offsets, order, best_fit)
-            rounds -= 1
-            if best[0] == lower or rounds == 0:
-                return best[1], best[0]
-    # Improvement: the buffers that reach the top of the arena were placed too late; move them
-    # to the front of the order and replan. A bounded number of rounds, kept only when smaller.
-    best_arena, best_offsets, order, best_fit = best
-    for _ in range(min(rounds, _IMPROVE_ROUNDS)):
-        top = {i for i in range(n) if best_offsets[i] + size[i] == best_arena}
-        order = [i for i in order if i in top] + [i for i in order if i not in top]
+    for name, best_fit in orderings:
+        order = sorted(range(n), key=keys[name].__getitem__)
         offsets, arena = _place(order, size, conflicts, best_fit, arrays)
-        if arena < best_arena:
-            best_offsets, best_arena = offsets, arena
-            if arena == lower:
-                break
-    return best_offsets, best_arena
+        budget -= placement
+        if best[0] < 0 or arena < best[0]:
+            best = (arena, offsets, order, best_fit)
+        if best[0] == lower or budget < placement:
+            return best[1], best[0]
+    # Local search (iterated greedy): a buffer that reaches the top of the arena was placed too
+    # late; move one, picked by a seeded generator, to an earlier place in the order and replan
+    # from there (the buffers before it keep their offsets). Keep the new order when its arena
+    # is no larger, so the search can walk across plateaus.
+    arena, offsets, order, best_fit = best
+    rng = random.Random(0)
+    budget = min(budget, _LOCAL_PLACEMENTS * placement)
+    while arena > lower:
+        trial_order = list(order)
+        if rng.random() < _MOVE_TOP:
+            moved = rng.choice([i for i in range(n) if offsets[i] + size[i] == arena])
+            old = order.index(moved)
+            # NOTE: old > 0: the first buffer in the order sits at 0, so it tops the arena only
+            # when the arena is no larger than it, hence at the lower bound
+            start = rng.randrange(old)
+            trial_order[start:old + 1] = [moved, *order[start:old]]
+        else:
+            a = rng.randrange(n)
+            b = min(n - 1, max(0, a + rng.randint(-_SWAP_REACH, _SWAP_REACH)))
+            trial_order[a], trial_order[b] = order[b], order[a]
+            start = min(a, b)
+        spent = sum(cost[i] for i in trial_order[start:])
+        if budget < spent:
+            break
+        budget -= spent
+        placed = list(offsets)
+        for i in trial_order[start:]:
+            placed[i] = -1
+        trial_offsets, trial_arena = _place(trial_order[start:], size, conflicts, best_fit,
+                                            arrays, placed)
+        if trial_arena <= arena:
+            order, offsets, arena = trial_order, trial_offsets, trial_arena
+    return offsets, arena
 
 
 def _search_lower_bound(first: list[int], last: list[int], size: list[int],

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import random
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from runtime import planner
 from runtime.planner import Lifetime, Plan, live_bytes, lower_bound, plan
 
 # (first op, last op, bytes) of the 8-tensor example of Pisarchyk & Lee 2020.
@@ -34,6 +37,29 @@ def chains(draw, spans: tuple[int, ...] = (1,)) -> list[Lifetime]:
     sizes = draw(st.lists(st.integers(1, 1 << 20), min_size=1, max_size=60))
     return [Lifetime(i, i, i + draw(st.sampled_from(spans)), nbytes)
             for i, nbytes in enumerate(sizes)]
+
+
+def dag_lifetimes(n_ops: int, seed: int) -> list[Lifetime]:
+    """One buffer an op, read by one to three later ops: mostly the next few, one in five any."""
+    rng = random.Random(seed)
+    first: list[int] = []
+    last: list[int] = []
+    for op in range(n_ops):
+        for _ in range(rng.randint(1, 3) if first else 0):
+            if rng.random() < 0.2:
+                j = rng.randrange(len(first))
+            else:
+                j = max(0, len(first) - 1 - int(rng.expovariate(0.5)))
+            last[j] = max(last[j], op)
+        first.append(op)
+        last.append(op)
+    return [Lifetime(i, f, la, rng.randint(1, 8) * 256)
+            for i, (f, la) in enumerate(zip(first, last))]
+
+
+@st.composite
+def dags(draw) -> list[Lifetime]:
+    return dag_lifetimes(draw(st.integers(1, 60)), draw(st.integers(0, 2**32)))
 
 
 def live_together(a: Lifetime, b: Lifetime) -> bool:
@@ -161,3 +187,54 @@ def test_bad_input_raises() -> None:
 def test_plan_is_deterministic() -> None:
     lts = [Lifetime(i, i % 7, i % 7 + i % 5, 100 + 37 * i) for i in range(200)]
     assert dict(plan(lts).offsets) == dict(plan(lts).offsets)
+
+
+@given(dags(), st.sampled_from([1, 64, 512]))
+def test_dag_shaped_lifetimes_give_a_valid_deterministic_plan(lts: list[Lifetime],
+                                                              alignment: int) -> None:
+    # DAG-shaped lifetimes send the planner through its local search (seeded, bounded).
+    before = copy.deepcopy(lts)
+    result = plan(lts, alignment=alignment)
+    assert lts == before
+    result.check_invariants(lts)
+    assert dict(plan(lts, alignment=alignment).offsets) == dict(result.offsets)
+
+
+def test_random_dags_come_close_to_the_lower_bound() -> None:
+    # Before the pressure orderings and the local search, 8 of these were 1.5-7.6% over; seed 9
+    # stays 5.6% over within the budget (a budget 50 times larger reaches the lower bound).
+    ratios = []
+    for seed in range(10):
+        lts = dag_lifetimes(80, seed)
+        result = plan(lts)
+        result.check_invariants(lts)
+        ratios.append(result.planned_bytes / result.lower_bound_bytes)
+    assert max(ratios) <= 1.06, ratios
+    assert sum(ratio == 1 for ratio in ratios) >= 8, ratios
+
+
+@given(lifetimes(max_buffers=20, max_ops=12))
+def test_pressure_is_the_most_bytes_live_during_a_lifetime(lts: list[Lifetime]) -> None:
+    live = live_bytes(lts)
+    first = [lt.first for lt in lts]
+    last = [lt.last for lt in lts]
+    assert planner._pressure(live, first, last) == [
+        max(live[lt.first:lt.last + 1]) for lt in lts]
+
+
+@given(lifetimes(max_buffers=60, max_ops=20), st.data())
+def test_replanning_the_end_of_an_order_matches_planning_it_whole(lts: list[Lifetime],
+                                                                  data: st.DataObject) -> None:
+    # The local search keeps the offsets of the buffers before the one it moves and replans
+    # the rest; that must give what a placement of the whole order gives.
+    first = [lt.first for lt in lts]
+    last = [lt.last for lt in lts]
+    size = [lt.nbytes for lt in lts]
+    conflicts = planner._conflicts(first, last, size)
+    arrays = ([np.array(c, dtype=np.int64) for c in conflicts], np.array(size, dtype=np.int64))
+    order = data.draw(st.permutations(range(len(lts))))
+    cut = data.draw(st.integers(0, len(lts)))
+    best_fit = data.draw(st.booleans())
+    whole, arena = planner._place(order, size, conflicts, best_fit, arrays)
+    placed = [whole[i] if i in order[:cut] else -1 for i in range(len(lts))]
+    assert planner._place(order[cut:], size, conflicts, best_fit, arrays, placed) == (whole, arena)
