@@ -14,7 +14,14 @@ from runtime import nn, ops
 from runtime.aliasing import overlaps
 from runtime.autograd import enable_grad, is_grad_enabled, no_grad
 from runtime.block import Block
-from runtime.config import get_aliasing, get_default_allocator, set_aliasing, set_default_allocator
+from runtime.config import (
+                            get_aliasing,
+                            get_default_allocator,
+                            get_default_device,
+                            set_aliasing,
+                            set_default_allocator,
+                            set_default_device,
+)
 from runtime.constant import ConstantPool, constant
 from runtime.errors import (
                             AliasingError,
@@ -31,6 +38,6 @@ from runtime.tensor import Tensor, empty, ones, tensor, view, zeros
 __all__ = ["AliasingError", "AutogradError", "Block", "ConstantPool", "Graph", "GraphCaptureError",
            "ReadOnlyError", "Tensor", "UninitializedMemoryError", "UseAfterFreeError", "constant",
            "empty", "enable_grad", "format_report", "get_aliasing", "get_default_allocator",
-           "graph", "is_grad_enabled", "memory_summary", "no_grad", "nn", "ones", "ops",
-           "overlaps", "plot_memory_timeline", "set_aliasing", "set_default_allocator", "tensor",
-           "view", "zeros"]
+           "get_default_device", "graph", "is_grad_enabled", "memory_summary", "no_grad", "nn",
+           "ones", "ops", "overlaps", "plot_memory_timeline", "set_aliasing",
+           "set_default_allocator", "set_default_device", "tensor", "view", "zeros"]

@@ -12,8 +12,12 @@ Environment variables:
         still counts; an unknown name raises ValueError naming the variable, the value and the
         known names. `runtime.set_default_allocator(...)` overrides it per device.
 
+    BLOCKRT_DEVICE: the device that tensors, constants and graphs use when none is given
+        (a spec such as "cpu", "opencl" or "opencl:1"; unset or empty: "cpu"). It is checked
+        when first used; `runtime.set_default_device(...)` overrides it.
+
 Example:
-    $ BLOCKRT_ALLOCATOR=caching python train.py
+    $ BLOCKRT_ALLOCATOR=caching BLOCKRT_DEVICE=opencl python train.py
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ ALIASING_MODES = ("copy", "raise")
 ALLOCATOR_ENV = "BLOCKRT_ALLOCATOR"
 #: The default allocator when the environment names none.
 FALLBACK_ALLOCATOR = "caching"
+#: The environment variable that names the default device.
+DEVICE_ENV = "BLOCKRT_DEVICE"
 
 
 @dataclass(frozen=True)
@@ -51,14 +57,17 @@ class Settings:
 
     allocator: str = FALLBACK_ALLOCATOR
     allocator_source: str = "built-in default"
+    device: str = "cpu"
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Settings:
         """Settings from an environment mapping (os.environ at import time)."""
         name = environ.get(ALLOCATOR_ENV, "").strip()
+        device = environ.get(DEVICE_ENV, "").strip() or "cpu"
         if not name:
-            return cls()
-        return cls(allocator=name, allocator_source=f"environment variable {ALLOCATOR_ENV}")
+            return cls(device=device)
+        return cls(allocator=name, allocator_source=f"environment variable {ALLOCATOR_ENV}",
+                   device=device)
 
     def default_allocator_name(self) -> str:
         """The default allocator's name, checked against `allocators.names()` now.
@@ -76,7 +85,7 @@ class Settings:
 #: Read once, here at the edge; the rest of the runtime asks this object.
 SETTINGS = Settings.from_environ(os.environ)
 
-_state = {"aliasing": "copy"}
+_state: dict[str, Any] = {"aliasing": "copy", "device": None}
 _default_allocators: dict[Device, Allocator] = {}  # NOTE: keyed by the Device object itself
 _default_constant_pools: dict[Device, ConstantPool] = {}
 _lock = threading.Lock()
@@ -99,14 +108,43 @@ def get_aliasing() -> str:
     return _state["aliasing"]
 
 
+def set_default_device(device: str | Device) -> Device:
+    """Make `device` the one used when a tensor, constant or graph names none; returns it."""
+    dev = backends.get_device(device)
+    _state["device"] = dev
+    return dev
+
+
+def get_default_device() -> Device:
+    """The default device: `set_default_device`'s, else BLOCKRT_DEVICE's, else "cpu".
+
+    Raises:
+        ValueError / BackendUnavailableError: BLOCKRT_DEVICE names no usable device (the message
+            names the variable).
+    """
+    dev = _state["device"]
+    if dev is None:
+        try:
+            dev = _state["device"] = backends.get_device(SETTINGS.device)
+        except (ValueError, backends.BackendUnavailableError) as exc:
+            raise type(exc)(f"environment variable {DEVICE_ENV}={SETTINGS.device!r}: "
+                            f"{exc}") from exc
+    return dev
+
+
+def _device(device: str | Device | None) -> Device:
+    return backends.get_device(device) if device is not None else get_default_device()
+
+
 def set_default_allocator(allocator: str | Allocator, device: str | Device | None = None,
                           **options) -> Allocator:
-    """Make `allocator` (a registered name or an Allocator) the default for `device` (default cpu).
+    """Make `allocator` (a registered name or an Allocator) the default for `device` (default:
+    the default device).
 
     Tensors created afterwards on that device without an explicit allocator use it; existing
     tensors keep the allocator they were made with. Returns the allocator now in use.
     """
-    dev = backends.get_device(device if device is not None else "cpu")
+    dev = _device(device)
     if isinstance(allocator, str):
         allocator = allocators.create(allocator, dev, **options)
     elif not isinstance(allocator, allocators.Allocator):
@@ -140,7 +178,7 @@ def get_default_allocator(device: str | Device | None = None) -> Allocator:
     Raises:
         ValueError: BLOCKRT_ALLOCATOR names no registered allocator.
     """
-    dev = backends.get_device(device if device is not None else "cpu")
+    dev = _device(device)
     return _per_device(_default_allocators, dev,
                        lambda: allocators.create(SETTINGS.default_allocator_name(), dev))
 
@@ -156,7 +194,7 @@ def get_default_constant_pool(device: str | Device | None = None) -> ConstantPoo
     device's default allocator of that moment (a later `set_default_allocator` leaves it be)."""
     from runtime.constant import ConstantPool  # NOTE: constant imports tensor, which imports us
 
-    dev = backends.get_device(device if device is not None else "cpu")
+    dev = _device(device)
     pool = _default_constant_pools.get(dev)
     if pool is None:
         allocator = get_default_allocator(dev)  # NOTE: outside _lock, which it takes itself

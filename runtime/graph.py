@@ -243,7 +243,8 @@ class Graph:
     def _where(self, args: Sequence[Any]) -> tuple[Any, Allocator]:
         device = self._device
         if device is None:
-            device = next((a.device for a in args if isinstance(a, Tensor)), "cpu")
+            device = next((a.device for a in args if isinstance(a, Tensor)), None)
+            device = device or config.get_default_device()
         allocator = self._allocator or config.get_default_allocator(device)
         return allocator.device, allocator
 

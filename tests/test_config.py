@@ -248,3 +248,17 @@ def test_default_summary_shows_default_allocators_and_constant_pools(fresh_defau
 
 def test_summary_with_nothing_yet(fresh_defaults):
     assert "(no allocators)" in runtime.memory_summary()
+
+
+def test_the_default_device_comes_from_the_environment_once_and_can_be_set(monkeypatch):
+    from runtime import config
+
+    assert config.Settings.from_environ({"BLOCKRT_DEVICE": " opencl:1 "}).device == "opencl:1"
+    assert config.Settings.from_environ({}).device == "cpu"
+    monkeypatch.setitem(config._state, "device", None)
+    monkeypatch.setattr(config, "SETTINGS", config.Settings(device="nosuch"))
+    with pytest.raises(ValueError, match="BLOCKRT_DEVICE='nosuch'.*unknown device"):
+        runtime.get_default_device()
+    cpu = runtime.set_default_device("cpu")
+    assert runtime.get_default_device() is cpu
+    assert runtime.tensor([1.0]).device is cpu
