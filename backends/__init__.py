@@ -23,6 +23,7 @@ __all__ = ["BackendUnavailableError", "Device", "available", "get_device", "pars
 #: kind -> "module:Class". The only place backends are named; no discovery by file name.
 BACKENDS: dict[str, str] = {
     "cpu": "backends.numpy:NumpyDevice",
+    "opencl": "backends.opencl:OpenCLDevice",
 }
 
 _devices: dict[str, Device] = {}

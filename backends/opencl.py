@@ -1,0 +1,511 @@
+"""The OpenCL device (pyopencl): buffers, blocking copies and kernels of our own.
+
+Every OpenCL device of every platform is one `OpenCLDevice`, "opencl:N" in enumeration order, with
+one context and one in-order command queue. Raw memory is a `cl.Buffer` (wrapped with its size and
+a stable address); native views are `pyopencl.array.Array`s at a byte offset into it.
+
+Kernels are OpenCL C generated per (op, dtype, ndim): one work item per output element finds its
+multi-index from the shape and each operand's strides and offset, in elements, so any strided,
+broadcast (0-stride) or offset view works; dimensions that every operand walks contiguously are
+merged first, so most launches are 1-D. Each program is built once and kept (`kernel_cache_stats`).
+
+Recycling without events (pyopencl issue 447): memory freed while a queued kernel still reads it
+must not be overwritten before that kernel runs. Here it cannot be: every kernel and every copy of
+a device goes to its one in-order queue, so a command enqueued after a free (a write into the
+recycled memory) starts only after every command enqueued before the free has finished; and host
+copies are blocking, so the host never sees or supplies bytes early. The allocator may therefore
+hand freed memory out again at once, with no event to wait for. A second queue, or non-blocking
+host copies, would break this reasoning.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+
+from backends.base import BackendUnavailableError, Device
+
+try:
+    import pyopencl as cl
+    import pyopencl.array as cla
+except ImportError as exc:  # NOTE: backends._load turns this into BackendUnavailableError
+    raise ImportError(f"the opencl backend needs pyopencl ({exc})") from exc
+
+#: Work items per work group for elementwise, reduction and cross-entropy kernels.
+GROUP = 128
+#: Side of the square GEMM tile kept in local memory.
+TILE = 16
+
+_FLOAT_TYPES = {np.dtype("float32"): "float", np.dtype("float64"): "double"}
+_BITS_TYPES = {1: "uchar", 2: "ushort", 4: "uint", 8: "ulong"}  # "copy" moves bits of any dtype
+_INT_TYPES = {np.dtype(f"{k}{n}"): f"{'u' if k == 'uint' else ''}{c}" for k in ("int", "uint")
+              for n, c in ((8, "char"), (16, "short"), (32, "int"), (64, "long"))}
+_FP64 = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"
+
+_UNARY = {"neg": "-x0", "exp": "exp(x0)", "log": "log(x0)", "tanh": "tanh(x0)",
+          # NOTE: 0.5 tanh(0.5 x) + 0.5 never overflows, unlike 1 / (1 + exp(-x)), as NumPy's.
+          "sigmoid": "(T)0.5 * tanh((T)0.5 * x0) + (T)0.5",
+          "relu": "x0 < (T)0 ? (T)0 : x0",  # NaN stays NaN, as np.maximum
+          "sqrt": "sqrt(x0)", "copy": "x0"}
+_BINARY = {"add": "x0 + x1", "sub": "x0 - x1", "mul": "x0 * x1", "div": "x0 / x1",
+           "tanh_backward": "x0 * ((T)1 - x1 * x1)",
+           "sigmoid_backward": "x0 * (((T)1 - x1) * x1)",
+           "relu_backward": "x1 > (T)0 ? x0 : x0 * (T)0"}
+
+
+class _Raw:
+    """A cl.Buffer with its size and a synthetic, aligned, never reused address."""
+
+    __slots__ = ("buffer", "nbytes", "address")
+
+    def __init__(self, buffer: Any, nbytes: int, address: int) -> None:
+        self.buffer = buffer
+        self.nbytes = nbytes  # NOTE: a 0-byte raw holds a 1-byte buffer (OpenCL has no empty ones)
+        self.address = address
+
+
+def _all_devices() -> list:
+    try:
+        return [d for platform in cl.get_platforms() for d in platform.get_devices()]
+    except cl.Error:  # no ICD or no platform
+        return []
+
+
+def _elements(view: Any) -> tuple[int, tuple[int, ...]]:
+    """(offset, strides) of a native view in elements of its dtype."""
+    size = view.dtype.itemsize
+    if view.offset % size or any(s % size for s in view.strides):
+        raise ValueError(f"view at byte offset {view.offset} with strides {view.strides} is not "
+                         f"aligned to its {view.dtype} elements")
+    return view.offset // size, tuple(s // size for s in view.strides)
+
+
+def _collapse(shape: tuple, strides: list[tuple]) -> tuple[list[int], list[list[int]]]:
+    """Drop size-1 dims and merge neighbours that every operand walks contiguously."""
+    dims: list[int] = []
+    steps: list[list[int]] = [[] for _ in strides]
+    for i, n in enumerate(shape):
+        if n == 1:
+            continue
+        if dims and all(s[-1] == t[i] * n for s, t in zip(steps, strides)):
+            dims[-1] *= n
+            for s, t in zip(steps, strides):
+                s[-1] = t[i]
+            continue
+        dims.append(n)
+        for s, t in zip(steps, strides):
+            s.append(t[i])
+    return dims, steps
+
+
+def _walk(var: str, dims: str, pointers: list[str], ndim: int) -> str:
+    """OpenCL C that splits the flat index `var` over `ndim` dims (sizes `{dims}{d}`) and moves
+    each pointer p by its stride `{p}_s{d}`."""
+    lines = [f"    long r_{var} = {var};"]
+    for d in range(ndim - 1, -1, -1):
+        if d:
+            lines.append(f"    long c{d}_{var} = r_{var} % {dims}{d}; r_{var} /= {dims}{d};")
+        index = f"c{d}_{var}" if d else f"r_{var}"
+        lines += [f"    {p} += {index} * {p}_s{d};" for p in pointers]
+    return "\n".join(lines)
+
+
+def _longs(names: list[str]) -> str:
+    return "".join(f", long {n}" for n in names)
+
+
+class OpenCLDevice(Device):
+    """One OpenCL device: `cl.Buffer` memory, an in-order queue and generated kernels.
+
+    Args:
+        index: position in the list of the devices of all platforms (`device_count()`).
+
+    Example:
+        >>> import backends
+        >>> dev = backends.get_device("opencl")   # doctest: +SKIP
+        >>> dev.name                              # doctest: +SKIP
+        'opencl:0'
+    """
+
+    def __init__(self, index: int = 0) -> None:
+        found = _all_devices()
+        if not 0 <= index < len(found):
+            raise BackendUnavailableError(f"opencl:{index} does not exist ({len(found)} devices)")
+        self.name = f"opencl:{index}"
+        self.cl_device = found[index]
+        self.context = cl.Context([self.cl_device])
+        self.queue = cl.CommandQueue(self.context)  # NOTE: in order: see the module docstring
+        # NOTE: MEM_BASE_ADDR_ALIGN is in bits. A value above 512 bytes makes the caching
+        # allocator refuse this device unless it is given size classes of a larger granule.
+        self.alignment = max(self.cl_device.mem_base_addr_align // 8, 1)
+        self.fp64 = "cl_khr_fp64" in self.cl_device.extensions
+        self._next_address = self.alignment
+        self._kernels: dict[tuple, Any] = {}
+        self._hits = self._misses = 0
+        self._lock = threading.RLock()
+        self._flag: Any = None  # one int for cross_entropy's bad-label report
+
+    @classmethod
+    def device_count(cls) -> int:
+        return len(_all_devices())
+
+    @property
+    def total_memory(self) -> int | None:
+        return int(self.cl_device.global_mem_size)
+
+    def synchronize(self) -> None:
+        self.queue.finish()
+
+    def kernel_cache_stats(self) -> dict[str, int]:
+        """{"kernels": programs built, "hits": launches that found theirs, "misses": builds}."""
+        return {"kernels": len(self._kernels), "hits": self._hits, "misses": self._misses}
+
+    # ----------------------------------------------------------------- memory
+    def _raw_alloc(self, nbytes: int) -> _Raw:
+        if nbytes > self.cl_device.max_mem_alloc_size:
+            raise MemoryError(f"cannot allocate {nbytes} bytes on {self.name}: its largest "
+                              f"buffer is {self.cl_device.max_mem_alloc_size} bytes")
+        try:
+            buffer = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, max(nbytes, 1))
+        except cl.Error as exc:
+            raise MemoryError(f"cannot allocate {nbytes} bytes on {self.name}: {exc}") from exc
+        with self._lock:
+            address = self._next_address
+            self._next_address += -(-max(nbytes, 1) // self.alignment) * self.alignment
+        return _Raw(buffer, nbytes, address)
+
+    def _raw_free(self, raw: _Raw) -> None:
+        # NOTE: OpenCL keeps the memory until the commands already queued on it have run.
+        raw.buffer.release()
+
+    def _copyin(self, raw: _Raw, offset: int, host_bytes: np.ndarray) -> None:
+        if host_bytes.size:
+            cl.enqueue_copy(self.queue, raw.buffer, host_bytes, dst_offset=offset,
+                            is_blocking=True)
+
+    def _copyout(self, raw: _Raw, offset: int, nbytes: int) -> np.ndarray:
+        host = np.empty(nbytes, np.uint8)
+        if nbytes:
+            cl.enqueue_copy(self.queue, host, raw.buffer, src_offset=offset, is_blocking=True)
+        return host
+
+    def _array_view(self, raw: _Raw, offset, shape, dtype, strides) -> Any:
+        return cla.Array(self.queue, shape, dtype, strides=strides, data=raw.buffer,
+                         offset=offset)
+
+    def _address(self, raw: _Raw) -> int:
+        return raw.address
+
+    def _nbytes_of(self, raw: _Raw) -> int:
+        return raw.nbytes
+
+    def _to_host(self, view: Any) -> np.ndarray:
+        if view.size == 0:
+            return np.empty(view.shape, view.dtype)
+        # read the byte span the view covers, then pick its elements on the host
+        low = sum(s * (n - 1) for s, n in zip(view.strides, view.shape) if s < 0)
+        high = sum(s * (n - 1) for s, n in zip(view.strides, view.shape) if s > 0)
+        span = np.empty(high - low + view.dtype.itemsize, np.uint8)
+        cl.enqueue_copy(self.queue, span, view.base_data, src_offset=view.offset + low,
+                        is_blocking=True)
+        picked = np.ndarray(view.shape, view.dtype, buffer=span, offset=-low,
+                            strides=view.strides)
+        return picked.copy()
+
+    # ----------------------------------------------------------------- kernels
+    def _type(self, dtype: np.dtype) -> str:
+        ctype = _FLOAT_TYPES.get(dtype)
+        if ctype is None:
+            raise TypeError(f"{self.name} kernels support float32 and float64, got {dtype}")
+        if ctype == "double" and not self.fp64:
+            raise TypeError(f"{self.name} ({self.cl_device.name}) has no float64 support "
+                            f"(cl_khr_fp64); use float32")
+        return ctype
+
+    def _kernel(self, key: tuple, source: Any) -> Any:
+        """The kernel built from `source()` (OpenCL C defining `k`), cached under `key`, which
+        determines the source."""
+        kernel = self._kernels.get(key)
+        if kernel is not None:
+            self._hits += 1
+            return kernel
+        with self._lock:
+            kernel = self._kernels.get(key)
+            if kernel is None:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", cl.CompilerWarning)
+                    kernel = cl.Program(self.context, source()).build().k
+                self._kernels[key] = kernel
+                self._misses += 1
+            return kernel
+
+    def _run(self, kernel: Any, size: tuple, local: tuple | None, *args: Any) -> None:
+        with self._lock:  # NOTE: a kernel's arguments are shared state until it is enqueued
+            kernel(self.queue, size, local, *args)
+
+    def _elementwise(self, op: str, expr: str, operands: list, out: Any, ctype: str) -> None:
+        """out = expr(x0, x1, ...) where each operand is a view or a NumPy scalar."""
+        if out.size == 0:
+            return
+        views = [x for x in operands if not np.isscalar(x)]
+        offsets, strides = zip(*(_elements(v) for v in [out, *views]))
+        dims, steps = _collapse(out.shape, list(strides))
+        if not dims:
+            dims, steps = [1], [[0] for _ in steps]
+        ndim = len(dims)
+        kinds = "".join("s" if np.isscalar(x) else "v" for x in operands)
+        key = ("elementwise", op, ctype, ndim, kinds)
+        kernel = self._kernel(key, lambda: _elementwise_source(expr, ctype, kinds, ndim))
+        args: list[Any] = [out.base_data, np.int64(offsets[0])]
+        v = 1
+        for x in operands:
+            if np.isscalar(x):
+                args.append(x)
+            else:
+                args += [x.base_data, np.int64(offsets[v])]
+                v += 1
+        n = math.prod(dims)
+        args += [np.int64(a) for a in [n, *dims, *(s for step in steps for s in step)]]
+        self._run(kernel, (-(-n // GROUP) * GROUP,), (GROUP,), *args)
+
+    def _unary(self, name, x, out) -> None:
+        if name == "copy":  # moves bits: any dtype of 1, 2, 4 or 8 bytes
+            ctype = _BITS_TYPES.get(out.dtype.itemsize)
+            if ctype is None:
+                raise TypeError(f"{self.name} cannot copy {out.dtype} "
+                                f"({out.dtype.itemsize}-byte elements)")
+        else:
+            ctype = self._type(out.dtype)
+        self._elementwise(name, _UNARY[name], [x], out, ctype)
+
+    def _binary(self, name, a, b, out) -> None:
+        self._elementwise(name, _BINARY[name], [a, b], out, self._type(out.dtype))
+
+    def _reduce(self, name, x, axis, keepdims, out) -> None:
+        ctype = self._type(x.dtype)
+        if out.size == 0:
+            return
+        axes = range(x.ndim) if axis is None else axis
+        kept = [i for i in range(x.ndim) if i not in axes]
+        offset_x, strides_x = _elements(x)
+        offset_o, strides_o = _elements(out)
+        out_strides = [strides_o[i] for i in kept] if keepdims else list(strides_o)
+        kdims, ksteps = _collapse(tuple(x.shape[i] for i in kept),
+                                  [tuple(strides_x[i] for i in kept), tuple(out_strides)])
+        rdims, rsteps = _collapse(tuple(x.shape[i] for i in axes),
+                                  [tuple(strides_x[i] for i in axes)])
+        n_out, n_red = math.prod(kdims), math.prod(rdims)
+        acc = "double" if self.fp64 else ctype
+        key = ("reduce", name, ctype, len(kdims), len(rdims))
+        kernel = self._kernel(key, lambda: _reduce_source(name == "mean", ctype, acc,
+                                                          len(kdims), len(rdims)))
+        numbers = [n_out, n_red, *kdims, *ksteps[0], *ksteps[1], *rdims, *rsteps[0]]
+        self._run(kernel, (-(-n_out // GROUP) * GROUP,), (GROUP,), out.base_data,
+                  np.int64(offset_o), x.base_data, np.int64(offset_x),
+                  *[np.int64(n) for n in numbers])
+
+    def _matmul(self, a, b, out) -> None:
+        ctype = self._type(out.dtype)
+        (oa, sa), (ob, sb), (oc, sc) = _elements(a), _elements(b), _elements(out)
+        a_shape, b_shape, c_shape = a.shape, b.shape, out.shape
+        if a.ndim == 1:  # NumPy's rules: a row, b a column, the extra output dim dropped
+            a_shape, sa = (1,) + a_shape, (0,) + sa
+            c_shape, sc = c_shape[:-1] + (1,) + c_shape[-1:], sc[:-1] + (0,) + sc[-1:]
+        if b.ndim == 1:
+            b_shape, sb = b_shape + (1,), sb + (0,)
+            c_shape, sc = c_shape + (1,), sc + (0,)
+        (m, k), n = a_shape[-2:], b_shape[-1]
+        if m == 0 or n == 0 or 0 in c_shape:
+            return
+        batch = c_shape[:-2]
+        batch_strides = [sc[:-2]]
+        for shape, strides in ((a_shape, sa), (b_shape, sb)):
+            pad = len(batch) - (len(shape) - 2)
+            batch_strides.append(tuple(0 if i < pad or shape[i - pad] == 1 else strides[i - pad]
+                                       for i in range(len(batch))))
+        bdims, bsteps = _collapse(batch, batch_strides)
+        nbatch = math.prod(bdims)
+        key = ("matmul", ctype, len(bdims))
+        kernel = self._kernel(key, lambda: _matmul_source(ctype, len(bdims)))
+        numbers = [m, n, k, sa[-2], sa[-1], sb[-2], sb[-1], sc[-2], sc[-1], *bdims,
+                   *(s for step in bsteps for s in step)]
+        size = (-(-n // TILE) * TILE, -(-m // TILE) * TILE, nbatch)
+        self._run(kernel, size, (TILE, TILE, 1), out.base_data, np.int64(oc), a.base_data,
+                  np.int64(oa), b.base_data, np.int64(ob), *[np.int64(x) for x in numbers])
+
+    def _labels_type(self, labels: Any) -> str:
+        ltype = _INT_TYPES.get(labels.dtype)
+        if ltype is None:
+            raise TypeError(f"cross_entropy: labels must be integers, got {labels.dtype}")
+        return ltype
+
+    def _cross_entropy(self, logits, labels, losses, probs) -> None:
+        ctype, ltype = self._type(logits.dtype), self._labels_type(labels)
+        rows, classes = logits.shape
+        if rows == 0:
+            return
+        key = ("cross_entropy", ctype, ltype)
+        kernel = self._kernel(key, lambda: _xent_source(ctype, ltype))
+        args = [np.int64(rows), np.int64(classes)]
+        for view in (losses, probs, logits, labels):
+            offset, strides = _elements(view)
+            args += [view.base_data, np.int64(offset), *[np.int64(s) for s in strides]]
+        with self._lock:
+            if self._flag is None:
+                self._flag = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, 4)
+            first_bad = np.array([np.iinfo(np.int32).max], np.int32)
+            cl.enqueue_copy(self.queue, self._flag, first_bad, is_blocking=True)
+            self._run(kernel, (-(-rows // GROUP) * GROUP,), (GROUP,), self._flag, *args)
+            cl.enqueue_copy(self.queue, first_bad, self._flag, is_blocking=True)
+        if first_bad[0] < rows:
+            bad = self._to_host(labels[int(first_bad[0]):int(first_bad[0]) + 1])[0]
+            raise ValueError(f"cross_entropy: label {bad} is outside [0, {classes}) for "
+                             f"{classes} classes")
+
+    def _cross_entropy_backward(self, probs, labels, grad, out) -> None:
+        ctype, ltype = self._type(probs.dtype), self._labels_type(labels)
+        rows, classes = out.shape
+        if rows * classes == 0:
+            return
+        key = ("cross_entropy_backward", ctype, ltype)
+        kernel = self._kernel(key, lambda: _xent_backward_source(ctype, ltype))
+        args = [np.int64(rows), np.int64(classes)]
+        for view in (out, probs, labels, grad):
+            offset, strides = _elements(view)
+            args += [view.base_data, np.int64(offset), *[np.int64(s) for s in strides]]
+        total = rows * classes
+        self._run(kernel, (-(-total // GROUP) * GROUP,), (GROUP,), *args)
+
+
+# ---------------------------------------------------------------------- kernel sources
+def _header(ctype: str) -> str:
+    return (_FP64 if "double" in ctype else "") + f"typedef {ctype} T;\n"
+
+
+def _elementwise_source(expr: str, ctype: str, kinds: str, ndim: int) -> str:
+    params = ["__global T* out, long out_o"]
+    loads = []
+    pointers = ["out_o"]
+    for i, kind in enumerate(kinds):
+        if kind == "s":
+            params.append(f"T x{i}")
+        else:
+            params.append(f"__global const T* in{i}, long in{i}_o")
+            pointers.append(f"in{i}_o")
+            loads.append(f"    T x{i} = in{i}[in{i}_o];")
+    strides = [f"{p}_s{d}" for p in pointers for d in range(ndim)]
+    return f"""{_header(ctype)}
+__kernel void k({", ".join(params)}, long n{_longs([f"n{d}" for d in range(ndim)])}
+                {_longs(strides)})
+{{
+    long i = get_global_id(0);
+    if (i >= n) return;
+{_walk("i", "n", pointers, ndim)}
+{chr(10).join(loads)}
+    out[out_o] = {expr};
+}}
+"""
+
+
+def _reduce_source(mean: bool, ctype: str, acc: str, nkept: int, nred: int) -> str:
+    kept = [f"k{d}" for d in range(nkept)]
+    kept_steps = [f"x_o_s{d}" for d in range(nkept)] + [f"out_o_s{d}" for d in range(nkept)]
+    red = [f"r{d}" for d in range(nred)]
+    red_steps = [f"p_s{d}" for d in range(nred)]
+    result = "total / (A)n_red" if mean else "total"
+    return f"""{_header(ctype)}{_FP64 if acc == "double" else ""}typedef {acc} A;
+__kernel void k(__global T* out, long out_o, __global const T* x, long x_o, long n_out,
+                long n_red{_longs(kept + kept_steps + red + red_steps)})
+{{
+    long i = get_global_id(0);
+    if (i >= n_out) return;
+{_walk("i", "k", ["x_o", "out_o"], nkept)}
+    A total = 0;
+    for (long j = 0; j < n_red; j++) {{
+        long p = x_o;
+{_walk("j", "r", ["p"], nred)}
+        total += x[p];
+    }}
+    out[out_o] = (T)({result});
+}}
+"""
+
+
+def _matmul_source(ctype: str, nbatch: int) -> str:
+    batch = [f"b{d}" for d in range(nbatch)]
+    steps = [f"{p}_s{d}" for p in ("c_o", "a_o", "b_o") for d in range(nbatch)]
+    return f"""{_header(ctype)}#define TS {TILE}
+__kernel __attribute__((reqd_work_group_size(TS, TS, 1)))
+void k(__global T* c, long c_o, __global const T* a, long a_o, __global const T* b, long b_o,
+       long M, long N, long K, long am, long ak, long bk, long bn, long cm, long cn
+       {_longs(batch + steps)})
+{{
+    __local T at[TS][TS];
+    __local T bt[TS][TS + 1];
+    int lr = get_local_id(1), lc = get_local_id(0);
+    long row = get_group_id(1) * TS + lr, col = get_group_id(0) * TS + lc;
+    long z = get_global_id(2);
+{_walk("z", "b", ["c_o", "a_o", "b_o"], nbatch)}
+    T total = 0;
+    for (long t = 0; t < K; t += TS) {{
+        long ka = t + lc, kb = t + lr;
+        at[lr][lc] = row < M && ka < K ? a[a_o + row * am + ka * ak] : (T)0;
+        bt[lr][lc] = kb < K && col < N ? b[b_o + kb * bk + col * bn] : (T)0;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int q = 0; q < TS; q++) total += at[lr][q] * bt[q][lc];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }}
+    if (row < M && col < N) c[c_o + row * cm + col * cn] = total;
+}}
+"""
+
+
+def _xent_source(ctype: str, ltype: str) -> str:
+    return f"""{_header(ctype)}typedef {ltype} L;
+__kernel void k(__global int* first_bad, long rows, long classes,
+                __global T* loss, long loss_o, long loss_s,
+                __global T* p, long p_o, long p_r, long p_c,
+                __global const T* x, long x_o, long x_r, long x_c,
+                __global const L* labels, long l_o, long l_s)
+{{
+    long i = get_global_id(0);
+    if (i >= rows) return;
+    long label = (long)labels[l_o + i * l_s];
+    __global const T* row = x + x_o + i * x_r;
+    __global T* prob = p + p_o + i * p_r;
+    if (label < 0 || label >= classes) {{
+        atomic_min(first_bad, (int)min(i, (long)INT_MAX));
+        return;
+    }}
+    T top = row[0];
+    for (long j = 1; j < classes; j++) top = fmax(top, row[j * x_c]);
+    T total = 0;
+    for (long j = 0; j < classes; j++) {{
+        T e = exp(row[j * x_c] - top);
+        prob[j * p_c] = e;
+        total += e;
+    }}
+    for (long j = 0; j < classes; j++) prob[j * p_c] /= total;
+    loss[loss_o + i * loss_s] = log(total) - (row[label * x_c] - top);
+}}
+"""
+
+
+def _xent_backward_source(ctype: str, ltype: str) -> str:
+    return f"""{_header(ctype)}typedef {ltype} L;
+__kernel void k(long rows, long classes, __global T* out, long o_o, long o_r, long o_c,
+                __global const T* p, long p_o, long p_r, long p_c,
+                __global const L* labels, long l_o, long l_s,
+                __global const T* g, long g_o, long g_s)
+{{
+    long i = get_global_id(0);
+    if (i >= rows * classes) return;
+    long r = i / classes, c = i % classes;
+    T hit = (long)labels[l_o + r * l_s] == c ? (T)1 : (T)0;
+    out[o_o + r * o_r + c * o_c] = (p[p_o + r * p_r + c * p_c] - hit) * g[g_o + r * g_s];
+}}
+"""
