@@ -24,6 +24,8 @@ BINARY_KERNELS = ("add", "sub", "mul", "div", "tanh_backward", "sigmoid_backward
                   "relu_backward")
 #: Reductions over an axis (or all axes).
 REDUCE_KERNELS = ("sum", "mean")
+#: The default `Device.fused` runs a chain in blocks of about this many bytes per operand (L2).
+FUSED_BLOCK_BYTES = 64 << 10
 
 
 class BackendUnavailableError(RuntimeError):
@@ -168,6 +170,56 @@ class Device:
         """out = (probs - one_hot(labels)) * grad[:, None]: the gradient of the per-row losses
         of `cross_entropy` with respect to the logits, given the gradient `grad` (rows,)."""
         self._cross_entropy_backward(probs, labels, grad, out)
+
+    def fused(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
+              out: Any) -> None:
+        """Run a chain of elementwise kernels as one, so inner results never exist at full size.
+
+        `program[i]` is (kernel name, args, result dtype); each arg is ("input", k) for
+        `inputs[k]` (a native view already broadcast to out's shape), ("link", j) for the result
+        of `program[j]` (j < i) or ("number", value). The last link's result goes to `out`.
+        The default runs the kernels block by block over the leading axis with block-sized
+        scratch arrays; a backend may compile the chain into one kernel instead (`_fused`).
+        """
+        for i, (name, args, _) in enumerate(program):
+            known = UNARY_KERNELS if len(args) == 1 else BINARY_KERNELS
+            if name not in known or len(args) > 2:
+                raise ValueError(f"fused: link {i} names no elementwise kernel: {name!r} with "
+                                 f"{len(args)} argument(s)")
+            for kind, ref in args:
+                if kind == "link" and not 0 <= ref < i:
+                    raise ValueError(f"fused: link {i} reads link {ref}, which is not before it")
+        self._fused(program, inputs, out)
+
+    def _fused(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
+               out: Any) -> None:
+        shape = tuple(out.shape)
+        row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * out.dtype.itemsize)
+        rows = max(1, FUSED_BLOCK_BYTES // row_bytes) if shape else 1
+        total = shape[0] if shape else 1
+        scratch = [self.scratch((min(rows, total),) + shape[1:] if shape else (), dtype)
+                   for _, _, dtype in program[:-1]]
+        for start in range(0, total, rows):
+            stop = min(start + rows, total)
+            results: list[Any] = []
+            for i, (name, args, _) in enumerate(program):
+                operands = []
+                for kind, ref in args:
+                    if kind == "input":
+                        operands.append(inputs[ref][start:stop] if shape else inputs[ref])
+                    elif kind == "link":
+                        operands.append(results[ref])
+                    else:
+                        operands.append(ref)
+                if i == len(program) - 1:
+                    target = out[start:stop] if shape else out
+                else:
+                    target = scratch[i][:stop - start] if shape else scratch[i]
+                if len(operands) == 1:
+                    self._unary(name, operands[0], target)
+                else:
+                    self._binary(name, operands[0], operands[1], target)
+                results.append(target)
 
     def to_host(self, view: Any) -> np.ndarray:
         """A new host numpy array equal to the native view `view` (any strides)."""

@@ -76,8 +76,6 @@ __all__ = ["CHECKPOINTS", "PLANS", "Graph", "graph"]
 
 PLANS = ("none", "recycle", "static")
 CHECKPOINTS = (None, "sqrt")
-#: A fused chain runs in row blocks of about this many bytes per operand (fits in L2).
-FUSED_BLOCK_BYTES = 64 << 10
 
 
 def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None = None,
@@ -738,48 +736,31 @@ def _bind_one(instr: Instruction, capture: _Capture, memory: Memory) -> Callable
 
 
 def _bind_fused(step: _Step, capture: _Capture, memory: Memory) -> Callable[[], None]:
-    """A chain of elementwise instructions run block by block over the leading axis; each inner
-    result lives in one block-sized scratch array, never at full size."""
-    device = capture.device
-    final = step.instructions[-1].outputs[0]
-    shape = final.shape
-    row_bytes = max(1, math.prod(shape[1:]) * final.dtype.itemsize)
-    rows = max(1, FUSED_BLOCK_BYTES // row_bytes) if shape else 1
-    scratch: dict[int, Any] = {}
-    links = []
-    for instr in step.instructions:
-        inputs = []
-        for operand in instr.inputs:
-            bid = operand.block.id
-            inputs.append((bid, None) if bid in step.internal else
-                          (None, _view(operand, capture, memory)))
+    """A chain of elementwise instructions as one `Device.fused` program: the chain's external
+    operands are its inputs, its inner results are links that never exist at full size."""
+    inputs: list[Any] = []
+    program: list[tuple[str, tuple, Any]] = []
+    link_of: dict[int, int] = {}
+    for index, instr in enumerate(step.instructions):
+        scalars = instr.scalars or {}
+        operands = iter(instr.inputs)
+        args = []
+        for position in range(len(instr.inputs) + len(scalars)):
+            if position in scalars:
+                args.append(("number", scalars[position]))
+                continue
+            operand = next(operands)
+            if operand.block.id in step.internal:
+                args.append(("link", link_of[operand.block.id]))
+            else:
+                args.append(("input", len(inputs)))
+                inputs.append(_view(operand, capture, memory))
         output = instr.outputs[0]
-        if output.block.id in step.internal:
-            scratch[output.block.id] = device.scratch(
-                (min(rows, shape[0]),) + shape[1:] if shape else (), output.dtype)
-            target = (output.block.id, None)
-        else:
-            target = (None, _view(output, capture, memory))
-        links.append((instr.run, inputs, sorted((instr.scalars or {}).items()), target))
-
-    def pick(ref: tuple, start: int, stop: int) -> Any:
-        bid, view = ref
-        if view is None:
-            whole = scratch[bid]
-            return whole[:stop - start] if shape else whole
-        return view[start:stop] if shape else view
-
-    def run() -> None:
-        total = shape[0] if shape else 1
-        for start in range(0, total, rows):
-            stop = min(start + rows, total)
-            for kernel, inputs, scalars, target in links:
-                views = [pick(ref, start, stop) for ref in inputs]
-                for position, value in scalars:
-                    views.insert(position, value)
-                kernel(views, pick(target, start, stop))
-
-    return run
+        program.append((instr.op, tuple(args), output.dtype))
+        link_of[output.block.id] = index
+    out = _view(step.instructions[-1].outputs[0], capture, memory)
+    fused, chain = capture.device.fused, tuple(program)
+    return lambda: fused(chain, inputs, out)
 
 
 def _release(capture: _Capture) -> None:
