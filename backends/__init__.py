@@ -24,6 +24,7 @@ __all__ = ["BackendUnavailableError", "Device", "available", "get_device", "pars
 BACKENDS: dict[str, str] = {
     "cpu": "backends.numpy:NumpyDevice",
     "opencl": "backends.opencl:OpenCLDevice",
+    "cuda": "backends.cuda:CudaDevice",
 }
 
 _devices: dict[str, Device] = {}

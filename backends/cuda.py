@@ -1,0 +1,271 @@
+"""The CUDA device, through CuPy: raw memory from cudaMalloc, kernels from CuPy on one stream.
+
+CuPy is imported only inside the functions that need it (as rmm's CuPy allocator does), so this
+module imports without CuPy or a GPU; `CudaDevice.device_count()` is then 0 and
+`backends.available()` leaves "cuda" out.
+
+Raw memory is a `cupy.cuda.Memory` (one cudaMalloc each), not a block of CuPy's pool: blockrt's
+allocators are the pool. Native views are `cupy.ndarray`s over a `MemoryPointer` into it.
+
+Why a freed block is safe to reuse: every copy and kernel of a device runs on its one stream,
+`CudaDevice.stream`, and a stream runs its work in order. When a block goes back to an allocator
+its last kernel may still be queued, but whatever reuses the memory is queued behind it on the
+same stream, so it cannot start before that kernel ends. Host reads (`copyout`, `to_host`) wait
+for the stream. With several streams this no longer holds: a block freed by work on stream A and
+reused on stream B needs an event recorded on A and waited on by B (PyTorch's `record_stream`),
+or a pool per stream (CuPy's). `use_with_cupy` does this join for memory it lends to CuPy.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from backends.base import BackendUnavailableError, Device
+
+_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
+
+
+def _cupy() -> Any:
+    """The cupy module, or BackendUnavailableError saying how to get it."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"the CUDA backend needs CuPy ({exc}); install blockrt[cuda]") from exc
+    return cupy
+
+
+@functools.cache
+def _kernels() -> dict[str, Any]:
+    """The fused elementwise kernels, compiled by CuPy on first use."""
+    cp = _cupy()
+    kernel = cp.ElementwiseKernel
+    return {
+        # NOTE: 0.5 * tanh(0.5 x) + 0.5 never overflows, and rounds as the NumPy device does.
+        "sigmoid": kernel("T x", "T y", "y = (T)0.5 * tanh((T)0.5 * x) + (T)0.5",
+                          "blockrt_sigmoid"),
+        "tanh_backward": kernel("T g, T y", "T out", "out = g * ((T)1 - y * y)",
+                                "blockrt_tanh_backward"),
+        "sigmoid_backward": kernel("T g, T y", "T out", "out = g * (((T)1 - y) * y)",
+                                   "blockrt_sigmoid_backward"),
+        # NOTE: g * (y > 0), not a select, so a NaN gradient stays NaN as on the NumPy device.
+        "relu_backward": kernel("T g, T y", "T out", "out = g * (T)(y > (T)0)",
+                                "blockrt_relu_backward"),
+        "cross_entropy_backward": kernel(
+            "T p, L label, T g, L col", "T out", "out = (p - (T)(col == label)) * g",
+            "blockrt_cross_entropy_backward"),
+    }
+
+
+def _on_stream(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a hook with this device current and its stream as CuPy's current stream."""
+    @functools.wraps(hook)
+    def run(self: CudaDevice, *args: Any) -> Any:
+        with self.cuda_device, self.stream:
+            return hook(self, *args)
+    return run
+
+
+class CudaDevice(Device):
+    """One CUDA GPU through CuPy, with one stream for all of its copies and kernels.
+
+    Attributes:
+        index: the CUDA device ordinal.
+        cuda_device: the `cupy.cuda.Device`.
+        stream: the `cupy.cuda.Stream` every copy and kernel of this device runs on.
+    """
+
+    alignment = 256  # cudaMalloc returns 256-byte aligned memory
+
+    def __init__(self, index: int = 0) -> None:
+        cp = _cupy()
+        self.index = index
+        self.name = f"cuda:{index}"
+        self.cuda_device = cp.cuda.Device(index)
+        with self.cuda_device:
+            self.stream = cp.cuda.Stream(non_blocking=True)
+
+    @classmethod
+    def device_count(cls) -> int:
+        """GPUs CuPy can see; 0 when CuPy, the driver or a GPU is missing."""
+        try:
+            cp = _cupy()
+            return int(cp.cuda.runtime.getDeviceCount())
+        except Exception:  # no cupy, no driver, no device: all mean "none here"
+            return 0
+
+    @property
+    def total_memory(self) -> int | None:
+        with self.cuda_device:
+            return int(_cupy().cuda.runtime.memGetInfo()[1])
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    # ----------------------------------------------------------------- memory
+    def _raw_alloc(self, nbytes: int) -> Any:
+        cp = _cupy()
+        try:
+            with self.cuda_device:
+                return cp.cuda.Memory(nbytes)
+        except cp.cuda.runtime.CUDARuntimeError as exc:
+            if getattr(exc, "status", None) != _ERROR_MEMORY_ALLOCATION:
+                raise
+            raise MemoryError(f"cudaMalloc of {nbytes} bytes failed on {self.name}: {exc}") \
+                from exc
+
+    def _raw_free(self, raw: Any) -> None:
+        pass  # cudaFree runs when the last reference to `raw` (views included) goes
+
+    def _pointer(self, raw: Any, offset: int) -> Any:
+        return _cupy().cuda.MemoryPointer(raw, offset)
+
+    def _copyin(self, raw: Any, offset: int, host_bytes: np.ndarray) -> None:
+        # NOTE: from pageable memory the copy returns once the source is staged: `host_bytes`
+        # may go right after; the copy itself stays ordered on the stream.
+        self._pointer(raw, offset).copy_from_host_async(host_bytes.ctypes.data, host_bytes.nbytes,
+                                                        self.stream)
+
+    def _copyout(self, raw: Any, offset: int, nbytes: int) -> np.ndarray:
+        host = np.empty(nbytes, np.uint8)
+        self._pointer(raw, offset).copy_to_host_async(host.ctypes.data, nbytes, self.stream)
+        self.stream.synchronize()
+        return host
+
+    def _array_view(self, raw, offset, shape, dtype, strides) -> Any:
+        return _cupy().ndarray(shape, dtype, memptr=self._pointer(raw, offset), strides=strides)
+
+    def _address(self, raw: Any) -> int:
+        return int(raw.ptr)
+
+    def _nbytes_of(self, raw: Any) -> int:
+        return int(raw.size)
+
+    # ----------------------------------------------------------------- kernels
+    @_on_stream
+    def _unary(self, name, x, out) -> None:
+        cp = _cupy()
+        if name == "sigmoid":
+            _kernels()["sigmoid"](x, out)
+        elif name == "relu":
+            cp.maximum(x, 0, out=out)
+        elif name == "copy":
+            cp.copyto(out, x)
+        else:
+            getattr(cp, "negative" if name == "neg" else name)(x, out=out)
+
+    @_on_stream
+    def _binary(self, name, a, b, out) -> None:
+        cp = _cupy()
+        if name.endswith("_backward"):
+            _kernels()[name](a, b, out)
+        else:
+            ufunc = {"add": cp.add, "sub": cp.subtract, "mul": cp.multiply, "div": cp.divide}
+            ufunc[name](a, b, out=out)
+
+    @_on_stream
+    def _matmul(self, a, b, out) -> None:
+        _cupy().matmul(a, b, out=out)  # cuBLAS for float dtypes
+
+    @_on_stream
+    def _reduce(self, name, x, axis, keepdims, out) -> None:
+        cp = _cupy()
+        reduction = cp.sum if name == "sum" else cp.mean
+        reduction(x, axis=axis, dtype=out.dtype, out=out, keepdims=keepdims)
+
+    @_on_stream
+    def _cross_entropy(self, logits, labels, losses, probs) -> None:
+        cp = _cupy()
+        classes = logits.shape[1]
+        bad = labels[(labels < 0) | (labels >= classes)]
+        if bad.size:  # NOTE: a host sync, as the NumPy device checks labels too
+            raise ValueError(f"cross_entropy: label {int(bad[0])} is outside [0, {classes}) for "
+                             f"{classes} classes")
+        # NOTE: the small temporaries below come from CuPy's current allocator (its pool, or
+        # blockrt after use_with_cupy); the outputs are blockrt memory.
+        cp.subtract(logits, cp.max(logits, axis=1, keepdims=True), out=probs)
+        picked = probs[cp.arange(logits.shape[0]), labels]  # label logit minus the row maximum
+        cp.exp(probs, out=probs)
+        total = cp.sum(probs, axis=1)
+        cp.divide(probs, total[:, None], out=probs)
+        cp.subtract(cp.log(total), picked, out=losses)
+
+    @_on_stream
+    def _cross_entropy_backward(self, probs, labels, grad, out) -> None:
+        columns = _cupy().arange(probs.shape[1], dtype=labels.dtype)
+        _kernels()["cross_entropy_backward"](probs, labels[:, None], grad[:, None],
+                                             columns[None, :], out)
+
+    @_on_stream
+    def _to_host(self, view: Any) -> np.ndarray:
+        return view.get(stream=self.stream)  # blocking: waits for the stream
+
+
+# ---------------------------------------------------------------------- embedding in CuPy
+class _Lease:
+    """Owns one blockrt allocation lent to CuPy; CuPy's memory object keeps it alive."""
+
+    __slots__ = ("allocation", "__weakref__")
+
+    def __init__(self, allocation: Any) -> None:
+        self.allocation = allocation
+
+
+def _give_back(allocator: Any, allocation: Any, device: CudaDevice, stream: Any) -> None:
+    # NOTE: CuPy may have used the memory on `stream`; the device's own stream, where blockrt
+    # reuses it, waits for that work before anything queued after this point runs.
+    if stream is not None and stream.ptr != device.stream.ptr:
+        device.stream.wait_event(stream.record())
+    allocator.free(allocation)
+
+
+def use_with_cupy(allocator: Any) -> Callable[[int], Any]:
+    """Make `allocator` (on a CUDA device) CuPy's allocator for the whole process.
+
+    Every CuPy allocation then comes from `allocator.allocate(nbytes)`: CuPy gets a
+    `MemoryPointer` over `UnownedMemory` whose owner holds the blockrt Allocation, and when CuPy
+    drops the memory the Allocation goes back with `allocator.free`. Any object shaped like an
+    allocator works (`allocate(nbytes) -> allocation` with `.ptr`, and `free(allocation)`).
+
+    Memory allocated while CuPy's current stream is not the device's stream is ordered after
+    the device's stream first, and the device's stream waits for CuPy's stream when the memory
+    comes back, so reuse across the two streams is safe.
+
+    Returns the malloc function that was installed (it also works with
+    `cupy.cuda.using_allocator`). Undo with `cupy.cuda.set_allocator(None)`.
+
+    Raises:
+        BackendUnavailableError: CuPy is missing.
+        ValueError: the allocator is not on a CUDA device.
+
+    Example:
+        >>> import allocators, backends                       # doctest: +SKIP
+        >>> alloc = allocators.create("caching", "cuda")      # doctest: +SKIP
+        >>> backends.cuda.use_with_cupy(alloc)                # doctest: +SKIP
+    """
+    cp = _cupy()
+    device = allocator.device
+    if not isinstance(device, CudaDevice):
+        raise ValueError(f"use_with_cupy needs an allocator on a CUDA device, not on "
+                         f"{device.name}")
+
+    def malloc(nbytes: int) -> Any:
+        if cp.cuda.Device().id != device.index:
+            raise ValueError(f"CuPy asked for memory on cuda:{cp.cuda.Device().id}, but the "
+                             f"blockrt allocator lends memory of {device.name}")
+        stream = cp.cuda.get_current_stream()
+        if stream.ptr != device.stream.ptr:
+            stream.wait_event(device.stream.record())  # earlier blockrt uses come first
+        allocation = allocator.allocate(nbytes)
+        lease = _Lease(allocation)
+        weakref.finalize(lease, _give_back, allocator, allocation, device, stream)
+        memory = cp.cuda.UnownedMemory(allocation.ptr, nbytes, lease, device_id=device.index)
+        return cp.cuda.MemoryPointer(memory, 0)
+
+    cp.cuda.set_allocator(malloc)
+    return malloc

@@ -1,0 +1,243 @@
+"""The CUDA backend (CuPy): kernels against the NumPy device, raw memory, views, the runtime.
+
+Without CuPy or a GPU only the import and availability checks run; every other test skips with
+the reason below.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import allocators
+import backends
+import runtime
+from backends.base import BINARY_KERNELS, UNARY_KERNELS
+
+NO_CUDA = "no CUDA device (cupy not installed or no GPU)"
+needs_cuda = pytest.mark.skipif("cuda" not in backends.available(), reason=NO_CUDA)
+FLOATS = (np.float32, np.float64)
+
+
+# ---------------------------------------------------------------------- runs everywhere
+def test_the_module_imports_without_importing_cupy():
+    code = "import sys, backends.cuda; print('cupy' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_cuda_is_in_the_table_and_available_only_with_a_device():
+    from backends.cuda import CudaDevice
+
+    assert backends.BACKENDS["cuda"] == "backends.cuda:CudaDevice"
+    count = CudaDevice.device_count()
+    assert ("cuda" in backends.available()) == (count > 0)
+    if count == 0:
+        with pytest.raises(backends.BackendUnavailableError, match="cuda"):
+            backends.get_device("cuda")
+
+
+# ---------------------------------------------------------------------- needs a GPU
+@pytest.fixture(scope="module")
+def gpu():
+    if "cuda" not in backends.available():
+        pytest.skip(NO_CUDA)
+    return backends.get_device("cuda")
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return backends.get_device("cpu")
+
+
+def _raw_on(device, host: np.ndarray):
+    """Raw memory on `device` holding a copy of the bytes of `host`."""
+    raw = device.raw_alloc(max(host.nbytes, 1))
+    device.copyin(raw, 0, host)
+    return raw
+
+
+def _on(device, host: np.ndarray):
+    """A native view on `device` holding a copy of `host` (C order)."""
+    host = np.require(host, requirements="C")  # NOTE: ascontiguousarray makes 0-d 1-d
+    return device.array_view(_raw_on(device, host), 0, host.shape, host.dtype, host.strides)
+
+
+def _empty(device, shape, dtype):
+    dtype = np.dtype(dtype)
+    return _on(device, np.zeros(shape, dtype))
+
+
+def _check(gpu, got, want, dtype):
+    tol = 1e-5 if np.dtype(dtype) == np.float32 else 1e-12
+    np.testing.assert_allclose(gpu.to_host(got), want, rtol=tol, atol=tol)
+
+
+@needs_cuda
+def test_raw_memory_is_aligned_and_copies_round_trip(gpu):
+    raw = gpu.raw_alloc(4096)
+    assert gpu.address(raw) % gpu.alignment == 0 and gpu.nbytes_of(raw) == 4096
+    data = np.arange(256, dtype=np.uint8)
+    gpu.copyin(raw, 1000, data)
+    np.testing.assert_array_equal(gpu.copyout(raw, 1000, 256), data)
+    with pytest.raises(ValueError, match="outside"):
+        gpu.copyout(raw, 4000, 256)
+    gpu.raw_free(raw)
+
+
+@needs_cuda
+def test_views_share_raw_memory_at_an_offset_with_strides(gpu):
+    raw = gpu.raw_alloc(1024)
+    gpu.copyin(raw, 0, np.arange(128, dtype=np.float64))
+    view = gpu.array_view(raw, 16, (3, 2), np.float64, (32, 16))  # start at element 2
+    np.testing.assert_array_equal(gpu.to_host(view), [[2, 4], [6, 8], [10, 12]])
+    view[0, 0] = -1
+    gpu.synchronize()
+    assert gpu.copyout(raw, 16, 8).view(np.float64)[0] == -1
+
+
+@needs_cuda
+def test_out_of_memory_is_a_memory_error(gpu):
+    with pytest.raises(MemoryError, match="cudaMalloc"):
+        gpu.raw_alloc(1 << 60)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("name", UNARY_KERNELS)
+def test_unary_kernels_match_numpy(gpu, cpu, name, dtype):
+    host = np.linspace(0.1 if name in ("log", "sqrt") else -3, 3, 24, dtype=dtype).reshape(4, 6)
+    want = _empty(cpu, host.shape, dtype)
+    cpu.unary(name, host, want)
+    x, out = _on(gpu, host), _empty(gpu, host.shape, dtype)
+    gpu.unary(name, x[:, ::2], out[:, ::2])  # strided views too
+    gpu.unary(name, x[:, 1::2], out[:, 1::2])
+    _check(gpu, out, want, dtype)
+    gpu.unary(name, x, x)  # in place
+    _check(gpu, x, want, dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("name", BINARY_KERNELS)
+def test_binary_kernels_match_numpy_with_broadcasting(gpu, cpu, name, dtype):
+    rng = np.random.default_rng(0)
+    a = rng.uniform(-2, 2, (5, 4)).astype(dtype)
+    b = rng.uniform(0.5, 2, (1, 4)).astype(dtype)
+    b_full = np.broadcast_to(b, a.shape)
+    want = _empty(cpu, a.shape, dtype)
+    cpu.binary(name, a, b_full, want)
+    b_broadcast = gpu.array_view(_raw_on(gpu, b), 0, a.shape, dtype, (0, b.strides[1]))
+    out = _empty(gpu, a.shape, dtype)
+    gpu.binary(name, _on(gpu, a), b_broadcast, out)
+    _check(gpu, out, want, dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_matmul_matches_numpy_for_transposed_and_batched_views(gpu, dtype):
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((6, 4)).astype(dtype), rng.standard_normal((6, 5)).astype(dtype)
+    out = _empty(gpu, (4, 5), dtype)
+    gpu.matmul(_on(gpu, a).T, _on(gpu, b), out)
+    _check(gpu, out, a.T @ b, dtype)
+    x = rng.standard_normal((3, 2, 4)).astype(dtype)
+    y = rng.standard_normal((3, 4, 2)).astype(dtype)
+    out = _empty(gpu, (3, 2, 2), dtype)
+    gpu.matmul(_on(gpu, x), _on(gpu, y), out)
+    _check(gpu, out, x @ y, dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["sum", "mean"])
+@pytest.mark.parametrize("axis, keepdims", [(None, False), ((0,), False), ((1,), True),
+                                            ((0, 2), False)])
+def test_reductions_match_numpy(gpu, cpu, name, axis, keepdims):
+    host = np.arange(24, dtype=np.float64).reshape(2, 3, 4) / 7
+    want = getattr(np, name)(host, axis=axis, keepdims=keepdims)
+    out = _empty(gpu, np.shape(want), np.float64)
+    gpu.reduce(name, _on(gpu, host), axis, keepdims, out)
+    _check(gpu, out, want, np.float64)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_cross_entropy_and_its_backward_match_numpy(gpu, cpu, dtype):
+    rng = np.random.default_rng(2)
+    logits = (rng.standard_normal((8, 5)) * 30).astype(dtype)  # large: the stable path matters
+    labels = rng.integers(0, 5, 8)
+    grad = rng.uniform(0, 1, 8).astype(dtype)
+    losses, probs = _empty(cpu, (8,), dtype), _empty(cpu, (8, 5), dtype)
+    cpu.cross_entropy(logits, labels, losses, probs)
+    back = _empty(cpu, (8, 5), dtype)
+    cpu.cross_entropy_backward(probs, labels, grad, back)
+    g_losses, g_probs = _empty(gpu, (8,), dtype), _empty(gpu, (8, 5), dtype)
+    g_labels = _on(gpu, labels)
+    gpu.cross_entropy(_on(gpu, logits), g_labels, g_losses, g_probs)
+    _check(gpu, g_losses, losses, dtype)
+    _check(gpu, g_probs, probs, dtype)
+    g_back = _empty(gpu, (8, 5), dtype)
+    gpu.cross_entropy_backward(g_probs, g_labels, _on(gpu, grad), g_back)
+    _check(gpu, g_back, back, dtype)
+    with pytest.raises(ValueError, match="label 7"):
+        gpu.cross_entropy(_on(gpu, logits), _on(gpu, np.full(8, 7)), g_losses, g_probs)
+
+
+@needs_cuda
+def test_allocators_pool_cuda_memory(gpu):
+    alloc = allocators.create("caching", gpu)
+    a = alloc.allocate(1 << 20)
+    first = a.ptr
+    alloc.free(a)
+    b = alloc.allocate(1 << 20)
+    assert alloc.stats()["cache_hits"] == 1 and b.ptr == first
+    alloc.free(b)
+    alloc.empty_cache()
+    assert alloc.stats()["reserved_bytes"] == 0
+    alloc.check_invariants()
+
+
+@needs_cuda
+def test_runtime_ops_and_autograd_on_cuda(gpu):
+    rng = np.random.default_rng(3)
+    xh, wh = rng.standard_normal((4, 3)).astype(np.float32), rng.standard_normal((3, 2))
+    x = runtime.tensor(xh, device=gpu)
+    w = runtime.tensor(wh.astype(np.float32), device=gpu, requires_grad=True)
+    loss = runtime.ops.sum(runtime.ops.tanh(runtime.ops.matmul(x, w)))
+    loss.backward()
+    y = np.tanh(xh @ wh.astype(np.float32))
+    np.testing.assert_allclose(loss.item(), y.sum(), rtol=1e-5)
+    np.testing.assert_allclose(w.grad.numpy(), xh.T @ (1 - y * y), rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(x[1:, ::2].numpy(), xh[1:, ::2])
+
+
+@needs_cuda
+def test_training_steps_on_cuda_match_the_cpu(gpu):
+    from runtime import nn
+
+    rng = np.random.default_rng(4)
+    xh = rng.standard_normal((32, 8)).astype(np.float32)
+    yh = rng.integers(0, 3, 32)
+    losses = {}
+    for device in ("cpu", gpu):
+        model = nn.Sequential(nn.Dense(8, 16, device=device), nn.Sigmoid(),
+                              nn.Dense(16, 3, device=device))
+        for p, seed in zip(model.parameters(), range(10)):
+            with runtime.no_grad():
+                init = np.random.default_rng(seed).uniform(-0.5, 0.5, p.shape)
+                runtime.ops.copy(runtime.tensor(init.astype(np.float32), device=device), out=p)
+        opt = nn.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        x, y = runtime.tensor(xh, device=device), runtime.tensor(yh, device=device)
+        history = []
+        for _ in range(5):
+            opt.zero_grad()
+            loss = nn.softmax_cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            history.append(loss.item())
+        losses[str(device)] = history
+    np.testing.assert_allclose(losses[str(gpu)], losses["cpu"], rtol=1e-4)
