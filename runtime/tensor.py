@@ -16,7 +16,7 @@ import numpy as np
 
 import backends
 from allocators import Allocator
-from runtime import aliasing, autograd, config, tape
+from runtime import aliasing, autograd, config, dlpack, tape
 from runtime.autograd import Node
 from runtime.block import Block
 from runtime.errors import AutogradError, UseAfterFreeError
@@ -444,6 +444,20 @@ class Tensor:
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         array = self.numpy()
         return array if dtype is None else array.astype(dtype, copy=False)
+
+    # ------------------------------------------------------------------ DLPack
+    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
+        """A DLPack capsule over this tensor's memory, without a copy (`np.from_dlpack(t)`).
+
+        The consumer's array keeps the block's memory alive after this handle is released; see
+        `runtime.dlpack`. Raises BufferError for devices DLPack cannot exchange (OpenCL).
+        """
+        return dlpack.export(self, stream, max_version, dl_device, copy)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """(DLPack device type, index): (1, 0) on the CPU, (2, i) on cuda:i, (4, i) on opencl:i."""
+        return dlpack.dlpack_device(self.device)
 
     def item(self) -> float | int | bool:
         """The single element of a size-1 tensor as a Python number."""

@@ -1,0 +1,235 @@
+"""DLPack exchange without copies: `Tensor.__dlpack__` / `__dlpack_device__` and `from_dlpack`.
+
+Export. A tensor's native view (a numpy.ndarray on the CPU, a cupy.ndarray on CUDA) already
+speaks DLPack, so a tensor exports through it. The view handed over is made over a small holder
+object that keeps a new handle on the tensor's block: NumPy's and CuPy's DLPack capsules hold the
+array they export, and a consumer's array holds the capsule, so the block keeps its memory (it is
+not returned to its allocator, and so not reused) until the consumer lets go of it. Releasing the
+tensor only drops the tensor's own reference; `Block.free()` still frees at once, by definition.
+
+Import. `from_dlpack(x)` asks NumPy (or CuPy) to take `x` and wraps the result in a
+`ForeignBlock`: a Block that is written from birth, holds the producer's memory (and so the
+producer) as its allocation, and when its last handle goes simply drops that reference. The
+foreign memory never reaches an allocator: its Allocation has no owner, so handing it to any
+allocator's `free` raises InvalidFreeError. The block's allocator serves only the results of ops
+on it (ops allocate outputs from their input's allocator).
+
+Writes through the other library are not seen by blockrt: they do not move `Tensor.version`
+(autograd's in-place check), as in PyTorch. Blocks over foreign memory are assumed not to overlap
+other blocks, so the aliasing checks of `out=` do not look across them; importing a blockrt tensor
+itself gives a handle on the same block, which they do see.
+
+Example:
+    >>> import numpy as np, runtime
+    >>> host = np.arange(6.0).reshape(2, 3)
+    >>> t = runtime.from_dlpack(host)          # no copy: t is a view of host's memory
+    >>> host[0, 0] = 7.0
+    >>> float(t[0, 0].item())
+    7.0
+    >>> back = np.from_dlpack(t)               # no copy the other way either
+    >>> back[1, 2] = -1.0
+    >>> float(host[1, 2])
+    -1.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import backends
+from allocators import Allocation, Allocator
+from backends.base import Device
+from backends.numpy import NumpyDevice
+from runtime import tape
+from runtime.block import Block
+
+#: DLPack's DLDeviceType codes that blockrt meets.
+KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_OPENCL = 1, 2, 3, 4
+_DEVICE_TYPES = {1: "CPU", 2: "CUDA", 3: "CUDA host", 4: "OpenCL", 7: "Vulkan", 8: "Metal",
+                 9: "VPI", 10: "ROCm", 11: "ROCm host", 12: "ExtDev", 13: "CUDA managed",
+                 14: "oneAPI", 15: "WebGPU", 16: "Hexagon", 17: "MAIA"}
+
+
+class ForeignBlock(Block):
+    """A Block over memory that another library owns (made by `from_dlpack`).
+
+    It is written from birth and its allocation is the foreign memory, whose `raw` keeps the
+    producer alive. When its last handle goes (or `free()` is called) the block drops that
+    reference instead of returning the memory to an allocator; `allocator` serves only the
+    results of ops on it. Later writes through new handles allocate as any Block does.
+
+    Attributes:
+        foreign: the Allocation over the producer's memory (owner None: no allocator's), or
+            None once it was let go.
+    """
+
+    __slots__ = ("foreign",)
+
+    def __init__(self, foreign: Allocation, allocator: Allocator, readonly: bool) -> None:
+        super().__init__(foreign.nbytes, allocator)
+        self.foreign: Allocation | None = foreign
+        self._allocation = foreign
+        self._written = True
+        self.readonly = readonly
+
+    def _return_memory(self) -> None:
+        # NOTE: the foreign allocation is detached first, so Block never hands it to `free`.
+        if self._allocation is not None and self._allocation is self.foreign:
+            self._allocation = None
+        self.foreign = None
+        super()._return_memory()
+
+
+# ---------------------------------------------------------------------- export
+def dlpack_device(device: Device) -> tuple[int, int]:
+    """(DLPack device type, device index) of `device`; BufferError for a device DLPack lacks."""
+    kind, _, index = device.name.partition(":")
+    if isinstance(device, NumpyDevice):
+        return KDL_CPU, 0
+    if kind == "cuda":
+        return KDL_CUDA, int(index or 0)
+    if kind == "opencl":
+        return KDL_OPENCL, int(index or 0)
+    raise BufferError(f"device {device.name} ({type(device).__name__}) has no DLPack device type")
+
+
+class _Export:
+    """Holds a tensor handle and shows the tensor's memory through an array interface."""
+
+    def __init__(self, interface_name: str, interface: dict, handle: Any) -> None:
+        setattr(self, interface_name, interface)
+        self.handle = handle  # NOTE: a reference on the block: its memory stays while we live
+
+
+def _share_host(native: np.ndarray, handle: Any) -> np.ndarray:
+    interface = dict(native.__array_interface__)
+    interface["data"] = (interface["data"][0], bool(handle.block.readonly))
+    return np.asarray(_Export("__array_interface__", interface, handle))
+
+
+def _share_cuda(native: Any, handle: Any) -> Any:
+    from backends.cuda import _cupy
+
+    interface = dict(native.__cuda_array_interface__)
+    interface.pop("stream", None)  # NOTE: the export runs on the device's stream already
+    return _cupy().asarray(_Export("__cuda_array_interface__", interface, handle))
+
+
+def export(tensor: Any, stream: Any = None, max_version: tuple[int, int] | None = None,
+           dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
+    """`tensor.__dlpack__(...)`: a DLPack capsule over the tensor's memory (see the module).
+
+    Raises:
+        BufferError: the tensor's device cannot be exchanged through DLPack (OpenCL), or the
+            native library refuses the request (e.g. a stream on the CPU).
+        UseAfterFreeError / UninitializedMemoryError: the tensor has no readable memory.
+        GraphCaptureError: called while a graph is capturing.
+    """
+    tape.refuse_read("__dlpack__()")
+    device_type, _ = dlpack_device(tensor.device)
+    share = {KDL_CPU: _share_host, KDL_CUDA: _share_cuda}.get(device_type)
+    if share is None:
+        raise BufferError(f"__dlpack__: tensors on {tensor.device.name} cannot be exported: no "
+                          f"array library imports {_DEVICE_TYPES[device_type]} memory through "
+                          f"DLPack; copy with tensor.numpy()")
+    if device_type == KDL_CPU and stream is not None:
+        raise BufferError(f"__dlpack__: stream must be None for a tensor on the CPU, "
+                          f"got {stream!r}")
+    native = tensor._native_read("__dlpack__()")
+    options = {"stream": stream, "max_version": max_version, "dl_device": dl_device,
+               "copy": copy}
+    options = {key: value for key, value in options.items() if value is not None}
+    if device_type == KDL_CUDA:
+        with tensor.device.cuda_device, tensor.device.stream:
+            return _share_cuda(native, tensor.detach()).__dlpack__(**options)
+    return _share_host(native, tensor.detach()).__dlpack__(**options)
+
+
+# ---------------------------------------------------------------------- import
+def _host_memory(address: int, nbytes: int, readonly: bool, owner: Any) -> np.ndarray:
+    """A uint8 array over `nbytes` at `address` that keeps `owner` alive (the NumPy raw)."""
+    interface = {"data": (address, readonly), "shape": (nbytes,), "typestr": "|u1",
+                 "version": 3}
+    return np.asarray(_Export("__array_interface__", interface, owner))
+
+
+def _import_host(obj: Any, index: int) -> tuple[Device, Any, int, Callable[..., Any]]:
+    native = np.from_dlpack(obj)
+    readonly = not native.flags.writeable
+
+    def memory(address: int, nbytes: int) -> np.ndarray:
+        return _host_memory(address, nbytes, readonly, native)
+
+    return backends.get_device("cpu"), native, native.__array_interface__["data"][0], memory
+
+
+def _import_cuda(obj: Any, index: int) -> tuple[Device, Any, int, Callable[..., Any]]:
+    device = backends.get_device(f"cuda:{index}")
+    from backends.cuda import _cupy
+
+    cp = _cupy()
+    with device.cuda_device, device.stream:  # the producer's work is ordered before ours
+        native = cp.from_dlpack(obj)
+
+    def memory(address: int, nbytes: int) -> Any:
+        return cp.cuda.UnownedMemory(address, nbytes, native, device_id=index)
+
+    return device, native, int(native.data.ptr), memory
+
+
+def from_dlpack(obj: Any, allocator: Allocator | None = None) -> Any:
+    """A Tensor over the memory of `obj` (anything with `__dlpack__`), without a copy.
+
+    The tensor keeps `obj`'s memory alive as long as any handle on it lives; writes on either
+    side are seen on the other. `allocator` (default: the device's default allocator) serves the
+    results of ops on the tensor. A blockrt Tensor gives a new handle on its own block.
+
+    Raises:
+        TypeError: `obj` has no `__dlpack__`, or holds a dtype tensors do not (e.g. float16).
+        BufferError: its memory is on a device blockrt cannot use through DLPack.
+        BackendUnavailableError: its memory is on CUDA and the CUDA backend is unavailable.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> runtime.from_dlpack(np.ones((2, 3), np.float32)[:, ::2]).strides
+        (3, 2)
+    """
+    from runtime.tensor import Tensor, _allocator_for, as_dtype
+
+    if isinstance(obj, Tensor):
+        return obj.detach()
+    if not hasattr(obj, "__dlpack__") or not hasattr(obj, "__dlpack_device__"):
+        raise TypeError(f"from_dlpack needs an object with __dlpack__ and __dlpack_device__, "
+                        f"got {type(obj).__name__}")
+    device_type, index = (int(n) for n in obj.__dlpack_device__())
+    importer = {KDL_CPU: _import_host, KDL_CUDA: _import_cuda}.get(device_type)
+    if importer is None:
+        where = _DEVICE_TYPES.get(device_type, "unknown")
+        raise BufferError(f"from_dlpack: {where} memory (DLPack device type {device_type}, "
+                          f"index {index}) is not supported; blockrt imports CPU and CUDA memory")
+    device, native, address, memory = importer(obj, index)
+    dtype = as_dtype(native.dtype)
+    item = dtype.itemsize
+    if any(s % item for s in native.strides):
+        raise BufferError(f"from_dlpack: strides {native.strides} (bytes) are not multiples of "
+                          f"the item size {item}")
+    strides = tuple(s // item for s in native.strides)
+    lo = hi = 0  # NOTE: the byte span [lo, hi) the array touches, from its first element
+    for n, s in zip(native.shape, native.strides):
+        if n == 0:
+            lo = hi = 0
+            break
+        if s > 0:
+            hi += s * (n - 1)
+        else:
+            lo += s * (n - 1)
+    else:
+        hi += item
+    raw = memory(address + lo, hi - lo)
+    foreign = Allocation(device, raw, 0, hi - lo, hi - lo)
+    block = ForeignBlock(foreign, _allocator_for(device, allocator),
+                         readonly=isinstance(native, np.ndarray) and not native.flags.writeable)
+    return Tensor(block, native.shape, dtype, strides, -lo // item)
