@@ -237,7 +237,8 @@ def use_with_cupy(allocator: Any) -> Callable[[int], Any]:
     comes back, so reuse across the two streams is safe.
 
     Returns the malloc function that was installed (it also works with
-    `cupy.cuda.using_allocator`). Undo with `cupy.cuda.set_allocator(None)`.
+    `cupy.cuda.using_allocator`). CuPy's own pool comes back with
+    `cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)`.
 
     Raises:
         BackendUnavailableError: CuPy is missing.

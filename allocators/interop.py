@@ -1,0 +1,94 @@
+"""Lending a blockrt allocator to other array libraries.
+
+`pyopencl_allocator(alloc)` is an `allocator=` for pyopencl (`pyopencl.array.Array`,
+`pyopencl.array.empty`, ...), for an allocator on an OpenCL device. CuPy's counterpart lives with
+its backend: `backends.cuda.use_with_cupy(alloc)`. pyopencl is imported only when a hook runs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from allocators.base import Allocation, Allocator
+
+
+class _Lease:
+    """Owns one blockrt allocation lent to pyopencl; the buffer handed out holds it."""
+
+    __slots__ = ("allocation", "__weakref__")
+
+    def __init__(self, allocation: Allocation) -> None:
+        self.allocation = allocation
+
+
+def _sub_buffer(allocation: Allocation) -> Any:
+    """A new cl.Buffer over exactly the bytes of `allocation`.
+
+    The device's own native view (a pyopencl Array) says which cl.Buffer holds the allocation
+    and where, whatever the backend wraps its raw memory in.
+    """
+    import pyopencl as cl
+
+    view = allocation.device.array_view(allocation.raw, allocation.offset, (allocation.nbytes,),
+                                        np.uint8, (1,))
+    buffer, offset = view.base_data, view.offset
+    parent = buffer.get_info(cl.mem_info.ASSOCIATED_MEMOBJECT)
+    if parent is not None:  # NOTE: OpenCL has no sub-buffer of a sub-buffer
+        offset += buffer.get_info(cl.mem_info.OFFSET)
+        buffer = parent
+    align = max(buffer.context.devices[0].mem_base_addr_align // 8, 1)
+    if offset % align:
+        raise ValueError(f"a pyopencl buffer cannot start at byte {offset} of a cl.Buffer: "
+                         f"OpenCL sub-buffers start at multiples of {align} bytes "
+                         f"(CL_DEVICE_MEM_BASE_ADDR_ALIGN); give the allocator that alignment")
+    return buffer.get_sub_region(offset, allocation.nbytes)
+
+
+def pyopencl_allocator(allocator: Allocator) -> Callable[[int], Any]:
+    """An `allocator=` for pyopencl that takes its memory from blockrt's `allocator`.
+
+    Each call `hook(nbytes)` allocates from `allocator` and returns a new `cl.Buffer` (a
+    sub-buffer of the allocation's segment, at its offset) that pyopencl uses as an array's
+    data. When pyopencl drops the buffer the allocation goes back with `allocator.free`.
+
+    The allocator's device must make pyopencl arrays as native views (blockrt's OpenCL backend),
+    and allocations must start at multiples of the device's CL_DEVICE_MEM_BASE_ADDR_ALIGN.
+
+    Memory goes back at once, as with pyopencl's own pool, and is safe to reuse because of queue
+    order: give pyopencl the device's own in-order queue (`device.queue`), so that whatever reuses
+    the memory is queued after the work on it. With another queue, `finish()` it before the
+    array goes.
+
+    Raises:
+        TypeError: `allocator` is not a blockrt Allocator.
+        ValueError (on a call): the allocation is not aligned for an OpenCL sub-buffer.
+
+    Example:
+        >>> import allocators, backends, pyopencl.array                # doctest: +SKIP
+        >>> alloc = allocators.create("caching", "opencl")             # doctest: +SKIP
+        >>> hook = pyopencl_allocator(alloc)                           # doctest: +SKIP
+        >>> x = pyopencl.array.zeros(queue, (1024,), "float32", allocator=hook)  # doctest: +SKIP
+    """
+    if not isinstance(allocator, Allocator):
+        raise TypeError(f"pyopencl_allocator needs a blockrt Allocator, got "
+                        f"{type(allocator).__name__}")
+
+    def hook(nbytes: int) -> Any:
+        allocation = allocator.allocate(max(nbytes, 1))  # NOTE: OpenCL has no empty buffers
+        try:
+            buffer = _sub_buffer(allocation)
+        except BaseException:
+            allocator.free(allocation)
+            raise
+        lease = _Lease(allocation)
+        weakref.finalize(lease, allocator.free, allocation)
+        # NOTE: cl.Buffer takes no weak references but has a __dict__: the lease lives (and the
+        # allocation stays out) exactly as long as the buffer does.
+        buffer._blockrt_lease = lease
+        return buffer
+
+    return hook
