@@ -12,6 +12,8 @@ import runtime
 settings.register_profile("default", deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", parent=settings.get_profile("default"), print_blob=True)
+# tests/test_conformance.py reruns the runtime's suites on each non-cpu backend with this profile
+settings.register_profile("conformance", parent=settings.get_profile("ci"), max_examples=25)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 
