@@ -184,9 +184,8 @@ def print_table(results: dict[str, dict[str, list[dict[str, Any]]]], names: list
                 quick: bool) -> None:
     """The Markdown table: ms per step of each contender (best step) and the ratios."""
     ratios = [(a, b) for a, b in RATIOS if a in names and b in names]
-    print("| config | batch, width, depth | GFLOP/step | "
-          + " | ".join(f"{name} (ms)" for name in names) + " | "
-          + " | ".join(f"{a} / {b}" for a, b in ratios) + " |")
+    columns = [f"{name} (ms)" for name in names] + [f"{a} / {b}" for a, b in ratios]
+    print("| config | batch, width, depth | GFLOP/step | " + " | ".join(columns) + " |")
     print("|---|---|---:|" + "---:|" * (len(names) + len(ratios)))
     for config_name, records in results.items():
         config = (QUICK_CONFIGS if quick else CONFIGS)[config_name]
