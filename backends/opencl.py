@@ -159,6 +159,9 @@ class OpenCLDevice(Device):
         # allocator refuse this device unless it is given size classes of a larger granule.
         self.alignment = max(self.cl_device.mem_base_addr_align // 8, 1)
         self.fp64 = "cl_khr_fp64" in self.cl_device.extensions
+        # NOTE: local-memory GEMM tiles suit GPUs; on CPU devices (PoCL) the barriers make them
+        # ~5x slower than one plain dot product per work item, so those get the plain kernel.
+        self.tiled_gemm = not self.cl_device.type & cl.device_type.CPU
         self._next_address = self.alignment
         self._kernels: dict[tuple, Any] = {}
         self._hits = self._misses = 0
@@ -347,8 +350,8 @@ class OpenCLDevice(Device):
                                        for i in range(len(batch))))
         bdims, bsteps = _collapse(batch, batch_strides)
         nbatch = math.prod(bdims)
-        key = ("matmul", ctype, len(bdims))
-        kernel = self._kernel(key, lambda: _matmul_source(ctype, len(bdims)))
+        key = ("matmul", ctype, len(bdims), self.tiled_gemm)
+        kernel = self._kernel(key, lambda: _matmul_source(ctype, len(bdims), self.tiled_gemm))
         numbers = [m, n, k, sa[-2], sa[-1], sb[-2], sb[-1], sc[-2], sc[-1], *bdims,
                    *(s for step in bsteps for s in step)]
         size = (-(-n // TILE) * TILE, -(-m // TILE) * TILE, nbatch)
@@ -457,30 +460,37 @@ __kernel void k(__global T* out, long out_o, __global const T* x, long x_o, long
 """
 
 
-def _matmul_source(ctype: str, nbatch: int) -> str:
+def _matmul_source(ctype: str, nbatch: int, tiled: bool) -> str:
     batch = [f"b{d}" for d in range(nbatch)]
     steps = [f"{p}_s{d}" for p in ("c_o", "a_o", "b_o") for d in range(nbatch)]
-    return f"""{_header(ctype)}#define TS {TILE}
-__kernel __attribute__((reqd_work_group_size(TS, TS, 1)))
-void k(__global T* c, long c_o, __global const T* a, long a_o, __global const T* b, long b_o,
-       long M, long N, long K, long am, long ak, long bk, long bn, long cm, long cn
-       {_longs(batch + steps)})
-{{
+    if tiled:  # TS x TS tiles of a and b in local memory, one output element per work item
+        body = """
     __local T at[TS][TS];
     __local T bt[TS][TS + 1];
     int lr = get_local_id(1), lc = get_local_id(0);
-    long row = get_group_id(1) * TS + lr, col = get_group_id(0) * TS + lc;
-    long z = get_global_id(2);
-{_walk("z", "b", ["c_o", "a_o", "b_o"], nbatch)}
-    T total = 0;
-    for (long t = 0; t < K; t += TS) {{
+    for (long t = 0; t < K; t += TS) {
         long ka = t + lc, kb = t + lr;
         at[lr][lc] = row < M && ka < K ? a[a_o + row * am + ka * ak] : (T)0;
         bt[lr][lc] = kb < K && col < N ? b[b_o + kb * bk + col * bn] : (T)0;
         barrier(CLK_LOCAL_MEM_FENCE);
         for (int q = 0; q < TS; q++) total += at[lr][q] * bt[q][lc];
         barrier(CLK_LOCAL_MEM_FENCE);
-    }}
+    }"""
+    else:
+        body = """
+    if (row >= M || col >= N) return;
+    for (long q = 0; q < K; q++)
+        total += a[a_o + row * am + q * ak] * b[b_o + q * bk + col * bn];"""
+    return f"""{_header(ctype)}#define TS {TILE}
+__kernel __attribute__((reqd_work_group_size(TS, TS, 1)))
+void k(__global T* c, long c_o, __global const T* a, long a_o, __global const T* b, long b_o,
+       long M, long N, long K, long am, long ak, long bk, long bn, long cm, long cn
+       {_longs(batch + steps)})
+{{
+    long row = get_global_id(1), col = get_global_id(0);
+    long z = get_global_id(2);
+{_walk("z", "b", ["c_o", "a_o", "b_o"], nbatch)}
+    T total = 0;{body}
     if (row < M && col < N) c[c_o + row * cm + col * cn] = total;
 }}
 """

@@ -245,6 +245,27 @@ def test_matmul_matches_numpy(dev, a_shape, b_shape, where, dtype):
     np.testing.assert_allclose(out.base_on_device(), out.base, **tol)
 
 
+@pytest.fixture(scope="module")
+def other_gemm() -> OpenCLDevice:
+    """A device running the GEMM variant this one does not (local-memory tiles on a CPU)."""
+    fresh = OpenCLDevice(0)
+    fresh.tiled_gemm = not fresh.tiled_gemm
+    return fresh
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("a_shape", "b_shape"), MATMUL_SHAPES)
+def test_the_other_gemm_variant_matches_numpy(other_gemm, a_shape, b_shape, dtype):
+    a = Placed(other_gemm, a_shape, dtype, "strided")
+    b = Placed(other_gemm, b_shape, dtype, "transposed", seed=1)
+    expected = np.matmul(a.host.astype(np.float64), b.host)
+    out = Placed(other_gemm, expected.shape, dtype, "offset", seed=2)
+    other_gemm.matmul(a.view, b.view, out.view)
+    out.host[...] = expected
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == np.float32 else {"rtol": 1e-12}
+    np.testing.assert_allclose(out.base_on_device(), out.base, **tol)
+
+
 def test_matmul_of_a_broadcast_operand(dev):
     a = Placed(dev, (4, 6), np.float32, "broadcast")  # every row the same
     b = Placed(dev, (6, 3), np.float32, "contiguous", seed=1)
