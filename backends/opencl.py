@@ -307,6 +307,30 @@ class OpenCLDevice(Device):
     def _binary(self, name, a, b, out) -> None:
         self._elementwise(name, _BINARY[name], [a, b], out, self._type(out.dtype))
 
+    def _fused(self, program, inputs, out) -> None:
+        """A fused elementwise chain as one generated kernel: each link's expression is inlined
+        into the next, so nothing but the inputs and `out` touches memory. The program is
+        cached by its expression (kernel_cache_stats counts the hits)."""
+        if any(dtype != out.dtype for _, _, dtype in program):
+            super()._fused(program, inputs, out)  # NOTE: mixed dtypes: the blocked default
+            return
+        ctype = self._type(out.dtype)
+        operands: list[Any] = []
+        links: list[str] = []
+
+        def name_of(kind: str, ref: Any) -> str:
+            if kind == "link":
+                return f"({links[ref]})"
+            operands.append(inputs[ref] if kind == "input" else out.dtype.type(ref))
+            return f"x{len(operands) - 1}"
+
+        for name, args, _ in program:
+            template = (_UNARY if len(args) == 1 else _BINARY)[name]
+            names = [name_of(kind, ref) for kind, ref in args]
+            links.append(re.sub(r"\bx([01])\b", lambda m, names=names: names[int(m.group(1))],
+                                template))
+        self._elementwise(f"fused {links[-1]}", links[-1], operands, out, ctype)
+
     def _reduce(self, name, x, axis, keepdims, out) -> None:
         ctype = self._type(x.dtype)
         if out.size == 0:

@@ -59,7 +59,10 @@ def test_a_fused_chain_equals_its_kernels_run_one_by_one(device, shape):
     program = tuple((name, args, np.dtype(dtype)) for name, args, dtype in PROGRAM)
     device.fused(program, inputs, out)
     expected = sequential(device, program, inputs, shape, np.float32)
-    np.testing.assert_array_equal(device.to_host(out), expected)
+    if device.name == "cpu":  # the same kernels on blocks: bit for bit
+        np.testing.assert_array_equal(device.to_host(out), expected)
+    else:  # one generated kernel: its compiler may contract a * b + c into one rounding
+        np.testing.assert_allclose(device.to_host(out), expected, rtol=2e-6, atol=1e-7)
 
 
 @given(rows=st.integers(1, 3000), cols=st.integers(1, 40))
