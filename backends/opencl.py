@@ -430,7 +430,10 @@ class OpenCLDevice(Device):
 def _header(ctype: str) -> str:
     # NOTE: PoCL's float tanh(-500) is -0.99999994, not -1; past 20 tanh rounds to +-1 in both
     # precisions, so saturate there (NaN still goes through tanh).
-    return (_FP64 if "double" in ctype else "") + f"typedef {ctype} T;\n" + (
+    # NOTE: no contraction of a * b + c into one FMA: each op rounds as it would alone, so a
+    # fused chain gives bitwise the results of its kernels run one by one.
+    return ("#pragma OPENCL FP_CONTRACT OFF\n" + (_FP64 if "double" in ctype else "")
+            + f"typedef {ctype} T;\n") + (
         "inline T tanh_(T x) { return fabs(x) > (T)20 ? copysign((T)1, x) : tanh(x); }\n"
         if ctype in ("float", "double") else "")
 
