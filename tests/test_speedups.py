@@ -97,7 +97,10 @@ def run_program(alloc: CachingAllocator, program, check: bool = True) -> list:
 @given(program=operations)
 @settings(max_examples=60, deadline=None)
 def test_random_programs_keep_the_invariants_after_every_step(options, program):
-    run_program(allocators.create("caching", "cpu", **options), program)
+    # NOTE: run_program calls check_invariants() after every step; the counts must be exact too
+    seen, stats, _ = run_program(allocators.create("caching", "cpu", **options), program)
+    assert stats["num_allocs"] == sum(1 for event in seen if event[0] == "alloc")
+    assert stats["num_frees"] == sum(1 for event in seen if event[0] == "free")
 
 
 @needs_speedups
