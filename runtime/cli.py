@@ -1,0 +1,361 @@
+"""The `blockrt` command: what is installed, what a training step's memory plan looks like,
+and the demo and benchmarks of a repository checkout.
+
+Subcommands:
+    blockrt allocators      the registered allocators, where each comes from, the default
+    blockrt info            Python/NumPy versions, backends and their devices, the default device
+    blockrt plan            capture an MLP training step and print its memory report
+                            (--config S|M|L|D, --plan, --checkpoint sqrt, --plot PATH)
+    blockrt demo [ARGS]     run examples/train_mlp.py (a checkout, and the `demo` extra)
+    blockrt bench [NAME]    list (--list) or run benchmarks/bench_NAME.py (a checkout)
+
+Example:
+    $ blockrt plan --config D --checkpoint sqrt
+    $ blockrt bench graph -- --quick
+    $ python -m runtime.cli info
+
+Exit status: 0 on success, 2 for bad command-line input (argparse's convention), 1 for other
+errors; `demo` and `bench` return their scripts' status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+import allocators
+import backends
+import runtime
+from runtime import config, nn
+from runtime.graph import PLANS
+
+__all__ = ["CONFIGS", "MLPConfig", "build_parser", "main", "training_step"]
+
+CLASSES = 10
+
+
+class MLPConfig(NamedTuple):
+    """A benchmark MLP: batch rows, layer width, number of hidden layers."""
+
+    batch: int
+    width: int
+    depth: int
+
+
+#: The configurations of benchmarks/bench_graph.py (kept in step with it by hand).
+CONFIGS: dict[str, MLPConfig] = {"S": MLPConfig(64, 256, 8), "M": MLPConfig(256, 1024, 4),
+                                 "L": MLPConfig(1024, 4096, 4), "D": MLPConfig(64, 256, 64)}
+
+#: What examples/train_mlp.py imports beyond blockrt (the `demo` extra).
+DEMO_MODULES = ("sklearn", "tqdm", "matplotlib")
+
+#: The repository checkout this package was imported from, if it is one (an editable install).
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class CommandError(Exception):
+    """A subcommand cannot run (missing checkout or optional dependency); exit status 1."""
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def training_step(cfg: MLPConfig, plan: str, checkpoint: str | None,
+                  seed: int = 0) -> runtime.Graph:
+    """The MLP training step of benchmarks/bench_graph.py captured by `runtime.graph`.
+
+    `cfg.depth` hidden Dense(width, width) layers with ReLU, a Dense(width, 10) classifier,
+    softmax cross-entropy, SGD lr 0.01, `zero_grad()` at the end of the step (so gradients are
+    intermediates). Weights come from `seed`; the caller runs the step.
+    """
+    rng = np.random.default_rng(seed)
+    layers: list[nn.Module] = []
+    for _ in range(cfg.depth):
+        layers += [nn.Dense(cfg.width, cfg.width, rng=rng), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Dense(cfg.width, CLASSES, rng=rng))
+    opt = nn.SGD(model.parameters(), lr=0.01)
+
+    def step(x: runtime.Tensor, y: runtime.Tensor) -> runtime.Tensor:
+        loss = nn.softmax_cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return runtime.graph(step, plan=plan, checkpoint=checkpoint)
+
+
+def _batch(cfg: MLPConfig, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed + 1)
+    x = rng.standard_normal((cfg.batch, cfg.width), dtype=np.float32)
+    return x, rng.integers(0, CLASSES, size=cfg.batch)
+
+
+def _checkout_dir(name: str, what: str) -> Path:
+    """ROOT/name, or CommandError saying that `what` needs a repository checkout."""
+    path = ROOT / name
+    if not path.is_dir():
+        raise CommandError(f"{what} needs a blockrt repository checkout (no {name}/ next to the "
+                           f"installed package at {ROOT}); clone the repository and run it there, "
+                           f"or install it with `pip install -e .`")
+    return path
+
+
+def _run_script(script: Path, args: Sequence[str]) -> int:
+    """Run `script` with this Python in the checkout root; its exit status."""
+    command = [sys.executable, str(script), *args]
+    print("$ " + " ".join(command), flush=True)
+    return subprocess.call(command, cwd=ROOT)
+
+
+def _positive(text: str) -> int:
+    """argparse type: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid positive integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"invalid positive integer: {text!r}")
+    return value
+
+
+def _png_path(text: str) -> str:
+    """argparse type: a file path whose directory exists."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"cannot write a plot to {text!r}: it is a directory")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write a plot to {text!r}: "
+                                         f"no directory {folder!r}")
+    return text
+
+
+# --- subcommands -------------------------------------------------------------------------------
+
+
+def cmd_allocators(args: argparse.Namespace) -> int:
+    """Print every registered allocator, where it comes from, and the default."""
+    entry_points = {ep.name: ep for ep in metadata.entry_points(group=allocators.ENTRY_POINT_GROUP)}
+    default = config.SETTINGS.allocator
+    rows = []
+    for name in allocators.names():
+        sources = []
+        if name in allocators.BUILTINS:
+            sources.append(f"built-in ({allocators.BUILTINS[name]})")
+        ep = entry_points.get(name)
+        if ep is not None:
+            dist = getattr(ep, "dist", None)
+            owner = f", from {dist.name}" if dist is not None else ""
+            sources.append(f"entry point {ep.value}{owner}")
+        if not sources:
+            sources.append("allocators.register() in this process")
+        marker = "*" if name == default else " "
+        rows.append((f"{marker} {name}", "; ".join(sources)))
+    width = max(len(label) for label, _ in rows)
+    for label, source in rows:
+        print(f"{label:<{width}}  {source}")
+    print()
+    hint = "" if config.ALLOCATOR_ENV in config.SETTINGS.allocator_source else \
+        f"; set {config.ALLOCATOR_ENV} to change it"
+    print(f"default (*): {default} ({config.SETTINGS.allocator_source}{hint})")
+    if default not in allocators.names():
+        print(f"warning: {default!r} names no registered allocator", file=sys.stderr)
+    return 0
+
+
+def _devices(kind: str) -> list[backends.Device]:
+    devices = []
+    while True:
+        try:
+            devices.append(backends.get_device(f"{kind}:{len(devices)}"))
+        except (ValueError, backends.BackendUnavailableError):
+            return devices
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Print versions, backends and their devices, the C hot path and the default device."""
+    print(f"blockrt {_version()}")
+    print(f"Python {platform.python_version()} ({sys.executable})")
+    print(f"NumPy {np.__version__}")
+    accelerated = "yes" if allocators.ACCELERATED else "no (pure Python)"
+    print(f"C allocator hot path: {accelerated}")
+    kinds = backends.available()
+    print(f"backends: {', '.join(kinds)}")
+    for kind in kinds:
+        for dev in _devices(kind):
+            total = dev.total_memory
+            memory = allocators.format_bytes(total) if total is not None else "unknown"
+            print(f"  {dev.name}: alignment {dev.alignment} B, memory {memory}")
+    try:
+        print(f"default device: {runtime.get_default_device().name}")
+    except (ValueError, backends.BackendUnavailableError) as exc:
+        print(f"default device: unusable: {exc}")
+    return 0
+
+
+def _version() -> str:
+    try:
+        return metadata.version("blockrt")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Capture the MLP training step, run it once, print its memory report; maybe plot."""
+    base = CONFIGS[args.config]
+    cfg = MLPConfig(args.batch or base.batch, args.width or base.width, args.depth or base.depth)
+    x, y = _batch(cfg, args.seed)
+    checkpoint = args.checkpoint
+    label = args.config if cfg == base else f"{args.config} with overrides"
+    print(f"config {label}: batch {cfg.batch}, width {cfg.width}, depth {cfg.depth}; "
+          f"plan {args.plan}, checkpoint {checkpoint or 'none'}")
+    plans = PLANS if args.plot else (args.plan,)
+    timelines = {}
+    for plan in plans:
+        step = training_step(cfg, plan, checkpoint, args.seed)
+        step(x, y)
+        timelines[plan] = step.timeline()
+        if plan == args.plan:
+            print(runtime.format_report(step.memory_report()))
+    if args.plot:
+        try:
+            path = runtime.plot_memory_timeline(
+                timelines, args.plot, f"blockrt plan {args.config}: MiB held by intermediates")
+        except ImportError as exc:
+            raise CommandError(f"--plot needs matplotlib: pip install 'blockrt[plot]' ({exc})") \
+                from exc
+        print(f"memory timeline of {', '.join(plans)} written to {path}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run examples/train_mlp.py with this Python, passing the extra arguments through."""
+    script = _checkout_dir("examples", "blockrt demo") / "train_mlp.py"
+    missing = [m for m in DEMO_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CommandError(f"blockrt demo needs {', '.join(missing)}: pip install 'blockrt[demo]'")
+    return _run_script(script, args.extra)
+
+
+def _bench_scripts() -> dict[str, Path]:
+    folder = _checkout_dir("benchmarks", "blockrt bench")
+    return {path.stem.removeprefix("bench_"): path for path in sorted(folder.glob("bench_*.py"))}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """List the benchmark scripts, or run the named ones one after another."""
+    scripts = _bench_scripts()
+    if args.list or not args.names:
+        for name, path in scripts.items():
+            print(f"{name:<10}  {path.relative_to(ROOT)}")
+        return 0
+    status = 0
+    for name in args.names:
+        status = _run_script(scripts[name], args.extra) or status
+    return status
+
+
+# --- parser ------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `blockrt` argument parser with its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="blockrt", description="blockrt: allocators, a runtime with autograd and a graph "
+        "runtime. Run `blockrt COMMAND --help` for a command's options.")
+    parser.add_argument("--version", action="version", version=f"blockrt {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("allocators", help="list the registered allocators and the default",
+                       description="List allocators.names(), where each comes from (built-in, "
+                       f"entry point group {allocators.ENTRY_POINT_GROUP}), and the default "
+                       f"({config.ALLOCATOR_ENV}).")
+    p.set_defaults(run=cmd_allocators)
+
+    p = sub.add_parser("info", help="versions, backends, devices, the default device",
+                       description="Print the Python and NumPy versions, the available backends "
+                       "and their devices, whether the C allocator hot path is in use, and the "
+                       "default device.")
+    p.set_defaults(run=cmd_info)
+
+    p = sub.add_parser("plan", help="memory report of an MLP training step",
+                       description="Capture the MLP training step of benchmarks/bench_graph.py "
+                       "with runtime.graph, run it once on random data, and print its memory "
+                       "report. Configurations (batch, width, depth): "
+                       + "; ".join(f"{k} {c.batch},{c.width},{c.depth}"
+                                   for k, c in CONFIGS.items()) + ".")
+    p.add_argument("--config", choices=list(CONFIGS), default="S", help="default: S")
+    p.add_argument("--plan", choices=PLANS, default="static", help="default: static")
+    p.add_argument("--checkpoint", choices=["sqrt"], default=None,
+                   help="recompute forward results (Chen et al. 2016); default: none")
+    p.add_argument("--plot", metavar="PATH", type=_png_path,
+                   help="also write a PNG of the memory timeline of all three plans "
+                   "(needs matplotlib: the `plot` extra)")
+    p.add_argument("--batch", type=_positive, help="override the configuration's batch")
+    p.add_argument("--width", type=_positive, help="override the configuration's width")
+    p.add_argument("--depth", type=_positive, help="override the configuration's depth")
+    p.add_argument("--seed", type=int, default=0, help="weights and data (default: 0)")
+    p.set_defaults(run=cmd_plan)
+
+    p = sub.add_parser("demo", help="train the MLP of examples/train_mlp.py (checkout only)",
+                       description="Run examples/train_mlp.py (scikit-learn's digits; needs a "
+                       "repository checkout and the `demo` extra) with this Python. Other "
+                       "arguments, or those after `--`, go to the script, e.g. "
+                       "`blockrt demo --epochs 5 --no-progress`.")
+    p.set_defaults(run=cmd_demo)
+
+    p = sub.add_parser("bench", help="list or run the benchmarks (checkout only)",
+                       description="Run benchmarks/bench_NAME.py for each NAME, one after another, "
+                       "with this Python; without NAME or with --list, list them. Other "
+                       "arguments, or those after `--`, go to each script, e.g. "
+                       "`blockrt bench graph alloc -- --quick`.")
+    p.add_argument("names", nargs="*", metavar="NAME", help="e.g. graph (bench_graph.py)")
+    p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    p.set_defaults(run=cmd_bench)
+    for name, subparser in sub.choices.items():
+        subparser.set_defaults(parser=subparser, passthrough=name in ("demo", "bench"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `blockrt` command with `argv` (default: sys.argv[1:]); returns the exit status.
+
+    Bad command-line input exits through argparse (SystemExit 2, the message names the value).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not args.passthrough:
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra and not args.passthrough:
+        args.parser.error(f"no arguments are taken after '--': {' '.join(extra)}")
+    args.extra = unknown + extra
+    try:
+        if args.command == "bench":
+            known = _bench_scripts()
+            for name in args.names:
+                if name.removeprefix("bench_").removesuffix(".py") not in known:
+                    args.parser.error(f"unknown benchmark {name!r}; known: {', '.join(known)}")
+            args.names = [n.removeprefix("bench_").removesuffix(".py") for n in args.names]
+        return args.run(args)
+    except CommandError as exc:
+        print(f"blockrt {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
