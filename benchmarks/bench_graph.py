@@ -56,15 +56,7 @@ def training_graph(config: MLPConfig, plan: str, checkpoint: str | None) -> runt
         layers += [dense, nn.ReLU()]
     model = nn.Sequential(*layers[:-1])
     opt = nn.SGD(model.parameters(), lr=LR)
-
-    def step(x: runtime.Tensor, y: runtime.Tensor) -> runtime.Tensor:
-        loss = nn.softmax_cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return runtime.graph(step, plan=plan, checkpoint=checkpoint)
+    return runtime.graph(nn.train_step(model, opt), plan=plan, checkpoint=checkpoint)
 
 
 def memory_table(configs: dict[str, MLPConfig]) -> list[tuple[str, float]]:

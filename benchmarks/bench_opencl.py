@@ -109,15 +109,7 @@ def training_table(device: backends.Device, config: MLPConfig, rounds: int) -> N
         loss.item()
 
     g_model, g_opt = model_and_opt()
-
-    def step(xb, yb):
-        loss = nn.softmax_cross_entropy(g_model(xb), yb)
-        loss.backward()
-        g_opt.step()
-        g_opt.zero_grad()
-        return loss
-
-    graph = runtime.graph(step, plan="static", device=device)
+    graph = runtime.graph(nn.train_step(g_model, g_opt), plan="static", device=device)
 
     def static() -> None:
         graph(tx, ty).item()

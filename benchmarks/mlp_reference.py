@@ -338,14 +338,7 @@ def blockrt_graph(plan: str, checkpoint: str | None = None) -> Callable[..., Tra
         import runtime
         from runtime import nn
 
-        def train_step(xb: Any, yb: Any) -> Any:
-            loss = nn.softmax_cross_entropy(model(xb), yb)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        graph = runtime.graph(train_step, plan=plan, checkpoint=checkpoint)
+        graph = runtime.graph(nn.train_step(model, opt), plan=plan, checkpoint=checkpoint)
         tx, tlabels = runtime.tensor(x), runtime.tensor(labels)
 
         def step() -> float:

@@ -49,23 +49,12 @@ def make_model() -> nn.Sequential:
                          nn.Dense(256, 10))
 
 
-def make_step(model: nn.Module, opt: nn.Optimizer):
-    def train_step(x: runtime.Tensor, y: runtime.Tensor) -> runtime.Tensor:
-        loss = nn.softmax_cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()  # the gradients die here, so the plan reuses their memory
-        return loss
-
-    return train_step
-
-
 def timelines(x: np.ndarray, y: np.ndarray) -> dict[str, list[int]]:
     """Bytes live per step of the same training step under each plan (throwaway models)."""
     lines = {}
     for plan in PLANS:
         model = make_model()
-        step = runtime.graph(make_step(model, nn.Adam(model.parameters(), lr=1e-3)), plan=plan)
+        step = runtime.graph(nn.train_step(model, nn.Adam(model.parameters(), lr=1e-3)), plan=plan)
         step(x, y)
         lines[plan] = step.timeline()
     return lines
@@ -91,7 +80,7 @@ def main() -> int:
     nn.manual_seed(args.seed)
     model = make_model()
     opt = nn.Adam(model.parameters(), lr=1e-3)
-    step = runtime.graph(make_step(model, opt), plan=args.plan)
+    step = runtime.graph(nn.train_step(model, opt), plan=args.plan)
     print(model)
     print(f"{len(x_train)} training and {len(x_test)} test images; {opt}")
 

@@ -84,15 +84,7 @@ def training_step(cfg: MLPConfig, plan: str, checkpoint: str | None,
         layers += [nn.Dense(cfg.width, cfg.width, rng=rng), nn.ReLU()]
     model = nn.Sequential(*layers, nn.Dense(cfg.width, CLASSES, rng=rng))
     opt = nn.SGD(model.parameters(), lr=0.01)
-
-    def step(x: runtime.Tensor, y: runtime.Tensor) -> runtime.Tensor:
-        loss = nn.softmax_cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return runtime.graph(step, plan=plan, checkpoint=checkpoint)
+    return runtime.graph(nn.train_step(model, opt), plan=plan, checkpoint=checkpoint)
 
 
 def _batch(cfg: MLPConfig, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -120,7 +120,6 @@ class _Capture:
     lifetimes: list[planner.Lifetime]        # per buffer, in schedule positions
     naive_bytes: int
     static_plan: planner.Plan
-    position_count: int
     device: Any
     allocator: Allocator
     stats: dict[str, int]
@@ -201,7 +200,7 @@ class Graph:
     def timeline(self) -> list[int]:
         """Bytes live at each scheduled step under this graph's plan (one value per step)."""
         capture = self._require_capture()
-        n = capture.position_count
+        n = len(capture.steps)
         if self.plan == "none":  # nothing goes back before the end of the step
             grown = [0] * n
             for life in capture.lifetimes:
@@ -376,7 +375,7 @@ def _build(recorder: Tape, placeholders: list[Tensor | None], outputs: list[Tens
     naive = sum(blocks[bid].nbytes for bid in intermediate)
     outside = [block for bid, block in blocks.items() if bid not in intermediate]
     return _Capture(steps, placeholders, [t.detach() for t in outputs], kind, held, buffer_of,
-                    lifetimes, naive, static_plan, len(steps), device, allocator, stats,
+                    lifetimes, naive, static_plan, device, allocator, stats,
                     outside, {block.id for block in outside}, [_Step([i]) for i in init])
 
 

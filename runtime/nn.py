@@ -39,7 +39,7 @@ from runtime.autograd import no_grad
 from runtime.tensor import Tensor, empty, host_array, tensor
 
 __all__ = ["SGD", "Adam", "Dense", "Module", "Optimizer", "ReLU", "Sequential", "Sigmoid", "Tanh",
-           "manual_seed", "mse", "softmax_cross_entropy"]
+           "manual_seed", "mse", "softmax_cross_entropy", "train_step"]
 
 _rng = np.random.default_rng()
 
@@ -222,6 +222,28 @@ def mse(prediction: Tensor, target: Any) -> Tensor:
         raise ValueError(f"mse: target has shape {target.shape}, prediction {prediction.shape}")
     diff = ops.sub(prediction, target)
     return ops.mean(ops.mul(diff, diff))
+
+
+def train_step(model: Module, optimizer: Optimizer,
+               loss: Any = softmax_cross_entropy) -> Any:
+    """A training step `step(x, target) -> loss tensor`: forward, loss, backward, update, then
+    `optimizer.zero_grad()`. Ending with zero_grad lets the gradients die inside the step, so a
+    `runtime.graph` capture of it plans their memory (each is freed after its update).
+
+    Example:
+        >>> import runtime
+        >>> from runtime import nn
+        >>> model = nn.Sequential(nn.Dense(4, 2))
+        >>> step = runtime.graph(nn.train_step(model, nn.SGD(model.parameters(), lr=0.1)))
+    """
+    def step(x: Tensor, target: Any) -> Tensor:
+        value = loss(model(x), target)
+        value.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return value
+
+    return step
 
 
 # ---------------------------------------------------------------------- optimizers

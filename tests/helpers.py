@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +24,14 @@ BINARY_REFERENCE = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div"
                     "tanh_backward": lambda g, y: g * (1 - y * y),
                     "sigmoid_backward": lambda g, y: g * y * (1 - y),
                     "relu_backward": lambda g, y: np.where(y > 0, g, 0 * g)}
+
+
+def to_device(device: Any, host: np.ndarray) -> Any:
+    """A C-order native view on `device` holding a copy of the host array `host`."""
+    host = np.ascontiguousarray(host)
+    raw = device.raw_alloc(host.nbytes)
+    device.copyin(raw, 0, host)
+    return device.array_view(raw, 0, host.shape, host.dtype, host.strides)
 
 
 def run_threads(target: Callable[[int], None], workers: int) -> None:

@@ -15,20 +15,12 @@ import backends
 from backends import BackendUnavailableError, Device
 from backends.base import BINARY_KERNELS, REDUCE_KERNELS, UNARY_KERNELS
 from backends.numpy import NumpyDevice
-from helpers import BINARY_REFERENCE, UNARY_REFERENCE
+from helpers import BINARY_REFERENCE, UNARY_REFERENCE, to_device
 
 
 @pytest.fixture(scope="module", params=backends.available())
 def device(request) -> Device:
     return backends.get_device(request.param)
-
-
-def to_device(device: Device, host: np.ndarray):
-    """A C-order native view on `device` holding a copy of `host`."""
-    host = np.ascontiguousarray(host)
-    raw = device.raw_alloc(host.nbytes)
-    device.copyin(raw, 0, host)
-    return device.array_view(raw, 0, host.shape, host.dtype, host.strides)
 
 
 def empty_on(device: Device, shape: tuple[int, ...], dtype=np.float32):

@@ -10,18 +10,12 @@ from hypothesis import strategies as st
 
 import backends
 from backends import Device
+from helpers import to_device
 
 
 @pytest.fixture(scope="module", params=backends.available())
 def device(request) -> Device:
     return backends.get_device(request.param)
-
-
-def on_device(device: Device, host: np.ndarray):
-    host = np.ascontiguousarray(host)
-    raw = device.raw_alloc(host.nbytes)
-    device.copyin(raw, 0, host)
-    return device.array_view(raw, 0, host.shape, host.dtype, host.strides)
 
 
 def sequential(device: Device, program, inputs, shape, dtype):
@@ -30,7 +24,7 @@ def sequential(device: Device, program, inputs, shape, dtype):
     for name, args, _ in program:
         operands = [inputs[ref] if kind == "input" else results[ref] if kind == "link" else ref
                     for kind, ref in args]
-        target = on_device(device, np.zeros(shape, dtype))
+        target = to_device(device, np.zeros(shape, dtype))
         if len(operands) == 1:
             device.unary(name, operands[0], target)
         else:
@@ -54,8 +48,8 @@ def test_a_fused_chain_equals_its_kernels_run_one_by_one(device, shape):
     rng = np.random.default_rng(len(shape))
     a = rng.normal(size=shape).astype(np.float32)
     b = rng.normal(size=shape).astype(np.float32)
-    inputs = [on_device(device, a), on_device(device, b)]
-    out = on_device(device, np.zeros(shape, np.float32))
+    inputs = [to_device(device, a), to_device(device, b)]
+    out = to_device(device, np.zeros(shape, np.float32))
     program = tuple((name, args, np.dtype(dtype)) for name, args, dtype in PROGRAM)
     device.fused(program, inputs, out)
     expected = sequential(device, program, inputs, shape, np.float32)
@@ -75,15 +69,15 @@ def test_fused_chains_cut_into_blocks_anywhere_match_numpy(rows, cols):
     raw = device.raw_alloc(row.nbytes)
     device.copyin(raw, 0, row)
     bias = device.array_view(raw, 0, (rows, cols), np.float64, (0, 8))  # one row, broadcast
-    out = on_device(device, np.zeros((rows, cols)))
+    out = to_device(device, np.zeros((rows, cols)))
     program = (("add", (("input", 0), ("input", 1)), np.dtype(np.float64)),
                ("exp", (("link", 0),), np.dtype(np.float64)))
-    device.fused(program, [on_device(device, a), bias], out)
+    device.fused(program, [to_device(device, a), bias], out)
     np.testing.assert_allclose(device.to_host(out), np.exp(a + row), rtol=1e-15)
 
 
 def test_bad_programs_are_refused_naming_the_link(device):
-    x = on_device(device, np.ones(3, np.float32))
+    x = to_device(device, np.ones(3, np.float32))
     with pytest.raises(ValueError, match="link 0 names no elementwise kernel: 'matmul'"):
         device.fused((("matmul", (("input", 0), ("input", 0)), np.float32),), [x], x)
     with pytest.raises(ValueError, match="link 0 reads link 0"):

@@ -28,16 +28,7 @@ def mlp_step(widths, optimizer, seed=0, activation=nn.ReLU, allocator=None):
     for a, b in zip(widths, widths[1:]):
         modules += [nn.Dense(a, b, allocator=allocator), activation()]
     model = nn.Sequential(*modules[:-1])
-    opt = optimizer(model.parameters())
-
-    def step(x, y):
-        loss = nn.softmax_cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return model, step
+    return model, nn.train_step(model, optimizer(model.parameters()))
 
 
 def batches(count, rows, features, classes, seed=1):
