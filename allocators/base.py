@@ -263,7 +263,11 @@ class Allocator(AllocatorState):
         if allocation.owner is None:
             return f"invalid free: {what} was never handed out by an allocator"
         if allocation.owner is not self:
-            return (f"invalid free: {what} belongs to {allocation.owner!r}, not to {self!r}")
+            owner, me = repr(allocation.owner), repr(self)
+            if owner == me:  # NOTE: two allocators of one kind on one device read alike
+                owner, me = f"{owner} at {id(allocation.owner):#x}", f"{me} at {id(self):#x}"
+            return (f"invalid free: {what} belongs to another allocator, {owner}, not to this "
+                    f"one, {me}; free it through its owner")
         return f"double free: {what} was already freed"
 
     def __repr__(self) -> str:

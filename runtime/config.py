@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import allocators
 import backends
+from runtime.errors import device_names
 
 if TYPE_CHECKING:
     from allocators import Allocator
@@ -153,8 +154,8 @@ def set_default_allocator(allocator: str | Allocator, device: str | Device | Non
     elif options:
         raise TypeError("options are only accepted together with an allocator name")
     if allocator.device is not dev:
-        raise ValueError(f"allocator {allocator!r} lives on {allocator.device.name}, "
-                         f"not on {dev.name}")
+        where, wanted = device_names(allocator.device, dev)
+        raise ValueError(f"allocator {allocator!r} lives on {where}, not on {wanted}")
     with _lock:
         _default_allocators[dev] = allocator
     return allocator

@@ -28,3 +28,16 @@ class AutogradError(RuntimeError):
 class GraphCaptureError(RuntimeError):
     """Something a captured function did cannot be recorded (reading a value while capturing,
     nested captures) or a replay cannot go on (its inputs do not match)."""
+
+
+def device_names(first: object, second: object) -> tuple[str, str]:
+    """The names of two devices for a message that says they differ.
+
+    Two Device instances may share a name (two NumPy devices are both "cpu"); then each name
+    gets the instance's id, so that "cpu and cpu" does not read as the same device.
+    """
+    a, b = first.name, second.name  # type: ignore[attr-defined]
+    if a == b and first is not second:
+        a = f"{a} (Device instance {id(first):#x})"
+        b = f"{b} (another Device instance, {id(second):#x})"
+    return a, b

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from runtime import aliasing, autograd, config, tape
-from runtime.errors import AliasingError, AutogradError
+from runtime.errors import AliasingError, AutogradError, device_names
 from runtime.tensor import Tensor, empty, host_array, tensor
 
 __all__ = ["ALIASING_POLICY", "add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sigmoid",
@@ -55,8 +55,9 @@ def _common(op: str, tensors: Sequence[Tensor], floats_only: bool = True) -> tup
             raise TypeError(f"{op}: expected a Tensor, got {type(t).__name__}")
     for t in tensors[1:]:
         if t.device is not first.device:
-            raise ValueError(f"{op}: operands are on different devices: {first.device.name} and "
-                             f"{t.device.name}; copy one over first")
+            a, b = device_names(first.device, t.device)
+            raise ValueError(f"{op}: operands are on different devices: {a} and {b}; "
+                             f"copy one over first")
         if t.dtype != first.dtype:
             raise TypeError(f"{op}: operands have different dtypes: {first.dtype} and {t.dtype}; "
                             f"convert one first")
@@ -98,7 +99,8 @@ def _prepare_out(op: str, out: Tensor | None, shape: tuple, dtype: np.dtype,
     if out.dtype != dtype:
         raise TypeError(f"{op}: out has dtype {out.dtype}, the result has dtype {dtype}")
     if out.device is not like.device:
-        raise ValueError(f"{op}: out is on {out.device.name}, the inputs on {like.device.name}")
+        where, inputs = device_names(out.device, like.device)
+        raise ValueError(f"{op}: out is on {where}, the inputs on {inputs}")
     if out.has_internal_overlap():
         raise ValueError(f"{op}: out has internally overlapping memory (strides {out.strides}); "
                          f"writing to it is ill-defined")
@@ -484,8 +486,8 @@ def cross_entropy(logits: Tensor, labels: Any, out: Tensor | None = None) -> Ten
         label_tensor = labels
         kind, shape = labels.dtype.kind, labels.shape
         if labels.device is not device:
-            raise ValueError(f"cross_entropy: labels are on {labels.device.name}, logits on "
-                             f"{device.name}")
+            where, logits_on = device_names(labels.device, device)
+            raise ValueError(f"cross_entropy: labels are on {where}, logits on {logits_on}")
     else:
         host = host_array(labels, None, "label tensor")
         kind, shape = host.dtype.kind, host.shape

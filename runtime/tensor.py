@@ -9,21 +9,23 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 import numpy as np
 
 import backends
-from allocators import Allocator
+from allocators import Allocator, format_bytes
 from runtime import aliasing, autograd, config, dlpack, tape
 from runtime.autograd import Node
 from runtime.block import Block
-from runtime.errors import AutogradError, UseAfterFreeError
+from runtime.errors import AutogradError, UseAfterFreeError, device_names
 
 #: The dtypes a tensor may hold. Arithmetic ops accept the float ones.
 DTYPES = tuple(np.dtype(t) for t in ("float32", "float64", "int32", "int64", "uint8", "bool"))
 
+#: The most bytes one tensor may span: what a 64-bit signed size (NumPy's intp) can count.
+MAX_NBYTES = 2**63 - 1
 _RELEASED = -1
 _UNSET = object()
 
@@ -45,6 +47,8 @@ def as_shape(shape: Any) -> tuple[int, ...]:
         return shape  # the common case, checked cheaply
     if isinstance(shape, (numbers.Integral,)) and not isinstance(shape, bool):
         shape = (shape,)
+    if isinstance(shape, (str, bytes, Mapping, Set)):  # iterable, but not a list of sizes
+        raise TypeError(f"a shape is an int or a sequence of ints, got {shape!r}")
     try:
         dims = tuple(shape)
     except TypeError as exc:
@@ -55,6 +59,16 @@ def as_shape(shape: Any) -> tuple[int, ...]:
         if n < 0:
             raise ValueError(f"shape {dims} has a negative dimension {n}")
     return tuple(int(n) for n in dims)
+
+
+def checked_nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    """The bytes a C-contiguous tensor of `shape` and `dtype` holds, refusing sizes no device
+    can address (more than MAX_NBYTES) with a ValueError naming the shape, dtype and bytes."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > MAX_NBYTES:
+        raise ValueError(f"shape {shape} of {dtype} needs {nbytes} bytes ({format_bytes(nbytes)}), "
+                         f"more than the {MAX_NBYTES} bytes a tensor can span")
+    return nbytes
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -279,7 +293,7 @@ class Tensor:
     # ------------------------------------------------------------------ handle lifetime
     def _check(self, what: str = "tensor") -> None:
         if self._gen == _RELEASED:
-            raise UseAfterFreeError(f"{what} was released and can no longer be used "
+            raise UseAfterFreeError(f"{what}: the tensor was released and can no longer be used "
                                     f"(shape {self.shape}, block #{self.block.id})")
         self.block.check(self._gen, what)
 
@@ -387,7 +401,8 @@ class Tensor:
         target = self[key]
         try:
             if not isinstance(value, Tensor):
-                value = tensor(np.asarray(value, dtype=self.dtype), device=self.device,
+                host = host_array(value, None, f"value to assign to a tensor of {self.dtype}")
+                value = tensor(host.astype(self.dtype, copy=False), device=self.device,
                                allocator=self.block.allocator)
             ops.copy(value, out=target)
         finally:
@@ -541,9 +556,11 @@ def _allocator_for(device: Any, allocator: Allocator | None) -> Allocator:
     if not isinstance(allocator, Allocator):
         raise TypeError(f"allocator must be an allocators.Allocator, "
                         f"got {type(allocator).__name__}")
-    if device is not None and backends.get_device(device) is not allocator.device:
-        raise ValueError(f"allocator {allocator!r} is on {allocator.device.name}, "
-                         f"but device {backends.get_device(device).name} was asked for")
+    dev = backends.get_device(device) if device is not None else allocator.device
+    if dev is not allocator.device:
+        where, wanted = device_names(allocator.device, dev)
+        raise ValueError(f"allocator {allocator!r} is on {where}, but device {wanted} was "
+                         f"asked for")
     return allocator
 
 
@@ -555,7 +572,12 @@ def host_array(data: Any, dtype: Any = None, what: str = "tensor") -> np.ndarray
     """
     if isinstance(data, Tensor):
         data = data.numpy()
-    host = np.asarray(data, dtype=None if dtype is None else as_dtype(dtype))
+    dt = None if dtype is None else as_dtype(dtype)
+    try:
+        host = np.asarray(data, dtype=dt)
+    except (TypeError, ValueError) as exc:  # ragged lists, strings that are not numbers
+        raise type(exc)(f"cannot make a {what}{'' if dt is None else f' of {dt}'} from "
+                        f"{type(data).__name__} {_brief(data)}: {exc}") from exc
     if host.dtype == np.float16 or host.dtype.kind not in "fiub":
         raise TypeError(f"cannot make a {what} from data of dtype {host.dtype}")
     if host.dtype not in DTYPES:
@@ -563,13 +585,26 @@ def host_array(data: Any, dtype: Any = None, what: str = "tensor") -> np.ndarray
     return np.require(host, requirements="C")  # NOTE: ascontiguousarray would make 0-d 1-d
 
 
+def _brief(value: Any, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters for a message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def empty(shape: Any, dtype: Any = "float32", device: Any = None,
           allocator: Allocator | None = None, requires_grad: bool = False) -> Tensor:
-    """A tensor of `shape` whose block holds no memory until first written (lazy)."""
+    """A tensor of `shape` whose block holds no memory until first written (lazy).
+
+    Raises:
+        TypeError: the shape is not an int or a sequence of ints, or the dtype is not one of
+            DTYPES.
+        ValueError: a dimension is negative, or the tensor would span more than MAX_NBYTES.
+    """
     shape = as_shape(shape)
     dt = as_dtype(dtype)
+    nbytes = checked_nbytes(shape, dt)
     alloc = _allocator_for(device, allocator)
-    out = Tensor(Block(math.prod(shape) * dt.itemsize, alloc), shape, dt)
+    out = Tensor(Block(nbytes, alloc), shape, dt)
     if requires_grad:
         out.requires_grad = True
     return out
@@ -601,14 +636,18 @@ def tensor(data: Any, dtype: Any = None, device: Any = None,
 def zeros(shape: Any, dtype: Any = "float32", device: Any = None,
           allocator: Allocator | None = None, requires_grad: bool = False) -> Tensor:
     """A tensor of `shape` filled with zeros."""
-    return tensor(np.zeros(as_shape(shape), as_dtype(dtype)), device=device, allocator=allocator,
+    shape, dt = as_shape(shape), as_dtype(dtype)
+    checked_nbytes(shape, dt)  # NOTE: before NumPy, whose error names neither
+    return tensor(np.zeros(shape, dt), device=device, allocator=allocator,
                   requires_grad=requires_grad)
 
 
 def ones(shape: Any, dtype: Any = "float32", device: Any = None,
          allocator: Allocator | None = None, requires_grad: bool = False) -> Tensor:
     """A tensor of `shape` filled with ones."""
-    return tensor(np.ones(as_shape(shape), as_dtype(dtype)), device=device, allocator=allocator,
+    shape, dt = as_shape(shape), as_dtype(dtype)
+    checked_nbytes(shape, dt)
+    return tensor(np.ones(shape, dt), device=device, allocator=allocator,
                   requires_grad=requires_grad)
 
 
