@@ -303,7 +303,8 @@ class AllocatorStateMachine(RuleBasedStateMachine):
 def make_test_case(factory: Callable[[], Allocator] | None = None, *,
                    machine: type[AllocatorStateMachine] = AllocatorStateMachine,
                    max_examples: int = 50, stateful_step_count: int = 30,
-                   deadline: Any = None, **settings_options: Any) -> type[unittest.TestCase]:
+                   deadline: Any = None, soak: int = 1,
+                   **settings_options: Any) -> type[unittest.TestCase]:
     """A `unittest.TestCase` class running `machine` (bound to `factory` when given).
 
     Args:
@@ -312,6 +313,9 @@ def make_test_case(factory: Callable[[], Allocator] | None = None, *,
             `make_allocator`.
         max_examples, stateful_step_count, deadline: hypothesis settings, here with defaults
             fit for a test suite; any other keyword is passed to `hypothesis.settings` too.
+        soak: a whole number >= 1 that multiplies max_examples (soak mode; under pytest, the
+            blockrt plugin scales collected TestCases itself when BLOCKRT_SOAK is set, so leave
+            this at 1 for classes that pytest collects).
 
     Returns:
         A TestCase class; assign it to a module-level name starting with `Test` for pytest.
@@ -321,11 +325,13 @@ def make_test_case(factory: Callable[[], Allocator] | None = None, *,
         >>> TestDirect = allocators.testing.make_test_case(
         ...     lambda: allocators.create("direct", "cpu"), max_examples=10)
     """
+    if isinstance(soak, bool) or not isinstance(soak, int) or soak < 1:
+        raise ValueError(f"soak must be a whole number >= 1, got {soak!r}")
     if factory is not None:
         machine = machine.for_factory(factory)
     options = {"suppress_health_check": [HealthCheck.too_slow], **settings_options}
     test_case = machine.TestCase
-    test_case.settings = settings(max_examples=max_examples,
+    test_case.settings = settings(max_examples=max_examples * soak,
                                   stateful_step_count=stateful_step_count, deadline=deadline,
                                   **options)
     return test_case

@@ -1,4 +1,10 @@
-"""Shared test settings: hypothesis profiles and a fresh runtime state for every test."""
+"""Shared test settings: hypothesis profiles, soak mode and a fresh runtime state for every test.
+
+Soak mode (BLOCKRT_SOAK, see docs/testing.md) multiplies every hypothesis test's example count,
+those with their own `@settings(max_examples=...)` included. The blockrt pytest plugin does it
+when pytest loads it by its entry point; the hooks here do it too, so a run with plugin
+autoloading off (PYTEST_DISABLE_PLUGIN_AUTOLOAD) soaks as well. Scaling twice scales once.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import runtime
+from allocators.pytest_plugin import soak_factor, soak_items
 
 settings.register_profile("default", deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -15,6 +22,25 @@ settings.register_profile("ci", parent=settings.get_profile("default"), print_bl
 # tests/test_conformance.py reruns the runtime's suites on each non-cpu backend with this profile
 settings.register_profile("conformance", parent=settings.get_profile("ci"), max_examples=25)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+_soak = pytest.StashKey[int]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # NOTE: BLOCKRT_SOAK is read once, here; a bad value stops the run with its name and value.
+    try:
+        config.stash[_soak] = soak_factor()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    soak_items(items, config.stash[_soak])
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    factor = config.stash[_soak]
+    return f"blockrt soak mode: {factor}x hypothesis examples" if factor > 1 else None
 
 
 @pytest.fixture(autouse=True)
