@@ -4,6 +4,11 @@ A device hands out raw memory, copies bytes between host and device, makes nativ
 (numpy.ndarray, pyopencl.array.Array, cupy.ndarray) at a byte offset into raw memory, and runs
 kernels on such views. It knows nothing of allocators, blocks or tensors.
 
+Raw memory comes in two kinds: ordinary, and read-only (`raw_alloc(nbytes, read_only=True)`),
+which kernels may only read while the host still fills it (`copyin`) and reads it back
+(`copyout`); constants live there. A device that has no such memory (CUDA) hands out ordinary
+memory instead and says so with `read_only_memory = False`.
+
 Public methods hold the policy (argument checks, error wording); a backend implements the
 underscore hooks. A hook that a backend lacks raises `NotImplementedError` naming it.
 """
@@ -59,6 +64,8 @@ class Device:
     Attributes:
         name: the canonical spec, e.g. "cpu", "opencl:0", "cuda:1".
         alignment: every raw allocation starts at a multiple of this many bytes.
+        read_only_memory: True when `raw_alloc(n, read_only=True)` gives memory that the device
+            itself marks read-only for kernels; False when it gives ordinary memory.
 
     Example:
         >>> import backends
@@ -71,14 +78,21 @@ class Device:
 
     name: str = "device"
     alignment: int = 64
+    read_only_memory: bool = False
 
     # ----------------------------------------------------------------- memory (public policy)
-    def raw_alloc(self, nbytes: int) -> Any:
+    def raw_alloc(self, nbytes: int, read_only: bool = False) -> Any:
         """Return `nbytes` of raw device memory aligned to `self.alignment`.
+
+        With `read_only=True` the memory is for constants: kernels may only read it (an OpenCL
+        `CL_MEM_READ_ONLY` buffer, a non-writeable ndarray); `copyin` and `copyout` work as on
+        any memory. Where the device has no read-only memory (`read_only_memory` False) it is
+        ordinary memory, and only the runtime's `ReadOnlyError` checks keep kernels off it.
 
         Raises MemoryError (from the backend) when the device cannot provide it.
         """
-        return self._raw_alloc(check_nbytes(nbytes))
+        nbytes = check_nbytes(nbytes)
+        return self._raw_alloc_read_only(nbytes) if read_only else self._raw_alloc(nbytes)
 
     def raw_free(self, raw: Any) -> None:
         """Give raw memory from `raw_alloc` back to the device."""
@@ -113,6 +127,10 @@ class Device:
             strides.append(step)
             step *= max(n, 1)
         return self._array_view(self.raw_alloc(nbytes), 0, shape, dtype, tuple(reversed(strides)))
+
+    def is_read_only(self, raw: Any) -> bool:
+        """True when the device marks `raw` read-only for kernels (see `raw_alloc`)."""
+        return self._is_read_only(raw)
 
     def address(self, raw: Any) -> int:
         """The integer device address of `raw` (for tracing and overlap checks)."""
@@ -231,6 +249,14 @@ class Device:
     # ----------------------------------------------------------------- hooks (mechanism)
     def _raw_alloc(self, nbytes: int) -> Any:
         raise _missing(self, "_raw_alloc")
+
+    def _raw_alloc_read_only(self, nbytes: int) -> Any:
+        """Ordinary memory: a device with read-only memory overrides this (and `_is_read_only`)
+        and sets `read_only_memory`."""
+        return self._raw_alloc(nbytes)
+
+    def _is_read_only(self, raw: Any) -> bool:
+        return False
 
     def _raw_free(self, raw: Any) -> None:
         raise _missing(self, "_raw_free")

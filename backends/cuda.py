@@ -7,6 +7,12 @@ module imports without CuPy or a GPU; `CudaDevice.device_count()` is then 0 and
 Raw memory is a `cupy.cuda.Memory` (one cudaMalloc each), not a block of CuPy's pool: blockrt's
 allocators are the pool. Native views are `cupy.ndarray`s over a `MemoryPointer` into it.
 
+Read-only memory: CUDA has no flag that makes device memory read-only to kernels (`__constant__`
+memory is a 64 KiB per-module symbol, not an allocation, and `cudaMemAdviseSetReadMostly` is a
+hint for managed memory), and a cupy.ndarray has no writeable flag. So `read_only_memory` is
+False and `raw_alloc(n, read_only=True)` gives ordinary cudaMalloc memory: constants here are
+protected only by the runtime, which raises `ReadOnlyError` before any kernel would write them.
+
 Why a freed block is safe to reuse: every copy and kernel of a device runs on its one stream,
 `CudaDevice.stream`, and a stream runs its work in order. When a block goes back to an allocator
 its last kernel may still be queued, but whatever reuses the memory is queued behind it on the

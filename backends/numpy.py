@@ -1,8 +1,11 @@
 """The NumPy CPU device: the embedded default backend.
 
 Raw memory is a uint8 ndarray whose first byte is aligned to 64 bytes (a cache line and the
-widest AVX-512 vector). Kernels are NumPy ufuncs writing into `out=`; the runtime guarantees that
-`out` never partially overlaps an input, so nothing here relies on NumPy's own overlap handling.
+widest AVX-512 vector). Read-only memory (constants) is the same with `flags.writeable` off, so
+every view over it is read-only too and a ufunc writing into one raises ValueError; only
+`copyin` fills it, through a writable view of its own. Kernels are NumPy ufuncs writing into
+`out=`; the runtime guarantees that `out` never partially overlaps an input, so nothing here
+relies on NumPy's own overlap handling.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class NumpyDevice(Device):
     """Host memory and NumPy kernels. There is one CPU device: index 0."""
 
     alignment = 64
+    read_only_memory = True  # non-writeable ndarrays
 
     def __init__(self, index: int = 0) -> None:
         self.name = "cpu"
@@ -90,10 +94,21 @@ class NumpyDevice(Device):
         # NOTE: an empty slice keeps its base's pointer; slice one byte first so 0 bytes align too
         return base[start:start + nbytes] if nbytes else base[start:start + 1][:0]
 
+    def _raw_alloc_read_only(self, nbytes: int) -> np.ndarray:
+        raw = self._raw_alloc(nbytes)
+        raw.flags.writeable = False
+        return raw
+
+    def _is_read_only(self, raw: np.ndarray) -> bool:
+        return not raw.flags.writeable
+
     def _raw_free(self, raw: np.ndarray) -> None:
         pass  # the memory goes back when the last reference to `raw` is dropped
 
     def _copyin(self, raw: np.ndarray, offset: int, host_bytes: np.ndarray) -> None:
+        if not raw.flags.writeable:  # read-only to kernels, not to the host filling it
+            raw = raw.view()
+            raw.flags.writeable = True  # NOTE: allowed: the base array we allocated is writable
         raw[offset:offset + host_bytes.size] = host_bytes
 
     def _copyout(self, raw: np.ndarray, offset: int, nbytes: int) -> np.ndarray:

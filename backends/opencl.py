@@ -2,7 +2,11 @@
 
 Every OpenCL device of every platform is one `OpenCLDevice`, "opencl:N" in enumeration order, with
 one context and one in-order command queue. Raw memory is a `cl.Buffer` (wrapped with its size and
-a stable address); native views are `pyopencl.array.Array`s at a byte offset into it.
+a stable address); native views are `pyopencl.array.Array`s at a byte offset into it. Ordinary
+memory is a `READ_WRITE` buffer; read-only memory (constants) a `READ_ONLY` one, which kernels
+get only as inputs (`__global const`) and the host fills and reads with `enqueue_copy`. OpenCL
+leaves a kernel's write to a `READ_ONLY` buffer undefined and PoCL does not stop it, so the
+runtime refuses such writes (`ReadOnlyError`) before any kernel is enqueued.
 
 Kernels are OpenCL C generated per (op, dtype, ndim): one work item per output element finds its
 multi-index from the shape and each operand's strides and offset, in elements, so any strided,
@@ -147,6 +151,8 @@ class OpenCLDevice(Device):
         'opencl:0'
     """
 
+    read_only_memory = True  # READ_ONLY buffers
+
     def __init__(self, index: int = 0) -> None:
         found = _all_devices()
         if not 0 <= index < len(found):
@@ -185,11 +191,21 @@ class OpenCLDevice(Device):
 
     # ----------------------------------------------------------------- memory
     def _raw_alloc(self, nbytes: int) -> _Raw:
+        return self._buffer(nbytes, cl.mem_flags.READ_WRITE)
+
+    def _raw_alloc_read_only(self, nbytes: int) -> _Raw:
+        return self._buffer(nbytes, cl.mem_flags.READ_ONLY)
+
+    def _is_read_only(self, raw: _Raw) -> bool:
+        return bool(raw.buffer.flags & cl.mem_flags.READ_ONLY)
+
+    def _buffer(self, nbytes: int, flags: int) -> _Raw:
+        """A new buffer of `nbytes` with the given `cl.mem_flags`, at a fresh address."""
         if nbytes > self.cl_device.max_mem_alloc_size:
             raise MemoryError(f"cannot allocate {nbytes} bytes on {self.name}: its largest "
                               f"buffer is {self.cl_device.max_mem_alloc_size} bytes")
         try:
-            buffer = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, max(nbytes, 1))
+            buffer = cl.Buffer(self.context, flags, max(nbytes, 1))
         except cl.Error as exc:
             raise MemoryError(f"cannot allocate {nbytes} bytes on {self.name}: {exc}") from exc
         with self._lock:

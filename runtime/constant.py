@@ -8,6 +8,12 @@ bytes are shared: each returned tensor carries its own dtype and shape over the 
 write to a constant (`out=`, through a view, by copy) raises `ReadOnlyError`. The pool holds no
 reference of its own: the block's memory goes back when its last tensor goes, and the pool
 forgets it then.
+
+Where constants live: a pool made without an allocator keeps them in its device's read-only
+memory through a `ReadOnlyAllocator` of its own: `READ_ONLY` buffers on OpenCL, non-writeable
+ndarrays on the CPU, so the device itself refuses kernel writes where it can (CUDA cannot: there
+they are ordinary memory, see `backends.cuda`). A pool given an allocator uses that allocator's
+memory, which is ordinary; `ReadOnlyError` guards constants everywhere either way.
 """
 
 from __future__ import annotations
@@ -19,12 +25,12 @@ from typing import Any
 import numpy as np
 
 import backends
-from allocators import Allocator, format_bytes
+from allocators import Allocator, DirectAllocator, format_bytes
 from runtime import config
 from runtime.block import Block
 from runtime.tensor import Tensor, host_array
 
-__all__ = ["ConstantPool", "constant", "content_digest"]
+__all__ = ["ConstantPool", "ReadOnlyAllocator", "constant", "content_digest"]
 
 Key = tuple[int, bytes]  # (nbytes, digest of the bytes)
 
@@ -32,6 +38,33 @@ Key = tuple[int, bytes]  # (nbytes, digest of the bytes)
 def content_digest(data: np.ndarray) -> bytes:
     """The BLAKE2b digest (16 bytes) of the raw bytes of a C-contiguous uint8 array."""
     return hashlib.blake2b(data, digest_size=16).digest()
+
+
+class ReadOnlyAllocator(DirectAllocator):
+    """A direct allocator over its device's read-only memory (`Device.raw_alloc(n,
+    read_only=True)`): each allocation is its own read-only buffer, and goes back to the device
+    when freed. Kernels may only read what it hands out; the host fills it with `copyin`. It is
+    where a `ConstantPool` made without an allocator keeps its constants, and suits nothing else:
+    an ordinary tensor in this memory could not be written by any kernel.
+
+    Example:
+        >>> alloc = ReadOnlyAllocator("cpu")
+        >>> a = alloc.allocate(64)
+        >>> alloc.device.is_read_only(a.raw)
+        True
+        >>> alloc.free(a)
+    """
+
+    name = "read-only"
+
+    def _device_alloc(self, nbytes: int) -> Any:
+        # NOTE: Allocator._device_alloc with read-only memory: the same reserved-bytes books.
+        raw = self.device.raw_alloc(nbytes, read_only=True)
+        self._num_device_allocs += 1
+        reserved = self._reserved_bytes = self._reserved_bytes + nbytes
+        if reserved > self._peak_reserved_bytes:
+            self._peak_reserved_bytes = reserved
+        return raw
 
 
 class ConstantPool:
@@ -42,6 +75,16 @@ class ConstantPool:
     pool exactly as long as its memory lives: when the last tensor over it is released, or
     `Block.free()` is called, the memory goes back to the allocator and the pool forgets it.
 
+    Args:
+        allocator: where the blocks' memory comes from. None (the default): a new
+            `ReadOnlyAllocator` on `device`, so the constants sit in read-only device memory.
+        device: the device of a pool made without an allocator (default: the default device);
+            given with an allocator, it must be the allocator's.
+
+    Raises:
+        TypeError: `allocator` is not an allocators.Allocator.
+        ValueError: `device` is not the allocator's device.
+
     Example:
         >>> import numpy as np, allocators
         >>> pool = ConstantPool(allocators.create("direct"))
@@ -49,12 +92,21 @@ class ConstantPool:
         >>> b = pool.constant(np.arange(4.0).reshape(2, 2))
         >>> a.block is b.block, pool.stats()["hits"]
         (True, 1)
+        >>> ConstantPool(device="cpu").allocator
+        <ReadOnlyAllocator on cpu>
     """
 
-    def __init__(self, allocator: Allocator) -> None:
-        if not isinstance(allocator, Allocator):
+    def __init__(self, allocator: Allocator | None = None, *, device: Any = None) -> None:
+        if allocator is None:
+            dev = backends.get_device(device) if device is not None else \
+                config.get_default_device()
+            allocator = ReadOnlyAllocator(dev)
+        elif not isinstance(allocator, Allocator):
             raise TypeError(f"ConstantPool takes an allocators.Allocator, "
                             f"got {type(allocator).__name__}")
+        elif device is not None and backends.get_device(device) is not allocator.device:
+            raise ValueError(f"allocator {allocator!r} is on {allocator.device.name}, but "
+                             f"device {backends.get_device(device).name} was asked for")
         self.allocator = allocator
         self.device = allocator.device
         # NOTE: a key maps to a list because verified collisions get blocks of their own.
@@ -104,13 +156,16 @@ class ConstantPool:
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every entry is a live, read-only, written block of this
-        allocator filed under the digest of its current bytes, and the counters add up."""
+        allocator filed under the digest of its current bytes, in read-only device memory when
+        the allocator is a ReadOnlyAllocator on a device that has it, and the counters add up."""
         with self._lock:
             entries = {key: list(bucket) for key, bucket in self._entries.items()}
             keys = dict(self._keys)
             nbytes = self._bytes
             c = dict(self._counters)
         blocks = [block for bucket in entries.values() for block in bucket]
+        read_only_memory = (isinstance(self.allocator, ReadOnlyAllocator)
+                            and self.device.read_only_memory)
         assert len(blocks) == len(keys) == len({b.id for b in blocks}), "entries and keys drifted"
         assert all(entries.values()), "an empty bucket was left behind"
         assert nbytes == sum(b.nbytes for b in blocks), "bytes drifted"
@@ -124,6 +179,10 @@ class ConstantPool:
                 assert block.on_return == self._forget, f"block #{block.id} lost its hook"
                 assert (block.nbytes, content_digest(self._read(block))) == key, \
                     f"block #{block.id} no longer holds the bytes of its key"
+                if read_only_memory:
+                    raw = block.memory_for_read("constant pool check").raw
+                    assert self.device.is_read_only(raw), \
+                        f"block #{block.id} is not in read-only memory"
 
     def __len__(self) -> int:
         with self._lock:

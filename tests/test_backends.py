@@ -185,6 +185,68 @@ def test_total_memory_is_positive_or_unknown(device):
     assert total is None or (isinstance(total, int) and total > 0)
 
 
+# ---------------------------------------------------------------------- read-only raw memory
+class NoReadOnlyDevice(NumpyDevice):
+    """Host memory without the read-only kind, as on CUDA: the base class's fallback."""
+
+    read_only_memory = False
+    _raw_alloc_read_only = Device._raw_alloc_read_only
+    _is_read_only = Device._is_read_only
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 100, 4096])
+def test_read_only_raw_memory_is_filled_by_copies_and_read_by_kernels(device, nbytes):
+    raw = device.raw_alloc(nbytes, read_only=True)
+    assert device.is_read_only(raw) is device.read_only_memory
+    assert device.address(raw) % device.alignment == 0
+    assert device.nbytes_of(raw) == nbytes
+    payload = np.arange(nbytes, dtype=np.uint8)
+    device.copyin(raw, 0, payload)
+    np.testing.assert_array_equal(device.copyout(raw, 0, nbytes), payload)
+    n = nbytes // 4
+    values = device.array_view(raw, 0, (n,), np.float32, (4,))
+    out = empty_on(device, (n,))
+    device.unary("neg", values, out)
+    np.testing.assert_array_equal(device.to_host(out), -payload[:4 * n].view(np.float32))
+    device.raw_free(raw)
+
+
+def test_ordinary_raw_memory_is_not_read_only(device):
+    assert not device.is_read_only(device.raw_alloc(64))
+    assert not device.is_read_only(device.raw_alloc(64, read_only=False))
+
+
+def test_read_only_raw_sizes_are_checked_like_any(device):
+    with pytest.raises(ValueError, match="-8"):
+        device.raw_alloc(-8, read_only=True)
+    with pytest.raises(TypeError, match="integer"):
+        device.raw_alloc(8.0, read_only=True)
+
+
+def test_cpu_read_only_memory_is_a_non_writeable_ndarray_that_kernels_cannot_write():
+    cpu = backends.get_device("cpu")
+    assert cpu.read_only_memory
+    raw = cpu.raw_alloc(16, read_only=True)
+    assert not raw.flags.writeable
+    cpu.copyin(raw, 0, np.arange(4, dtype=np.float32))  # the host fills it
+    assert not raw.flags.writeable
+    view = cpu.array_view(raw, 0, (4,), np.float32, (4,))
+    assert not view.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        cpu.unary("neg", view, view)
+    np.testing.assert_array_equal(cpu.to_host(view), np.arange(4))
+
+
+def test_a_device_without_read_only_memory_hands_out_ordinary_memory():
+    dev = NoReadOnlyDevice()
+    raw = dev.raw_alloc(16, read_only=True)
+    assert not dev.read_only_memory and not dev.is_read_only(raw)
+    view = dev.array_view(raw, 0, (4,), np.float32, (4,))
+    dev.copyin(raw, 0, np.ones(4, np.float32))
+    dev.unary("neg", view, view)  # nothing stops a kernel: the runtime's checks must
+    np.testing.assert_array_equal(dev.to_host(view), -np.ones(4))
+
+
 # ---------------------------------------------------------------------- copies
 @st.composite
 def placements(draw):
@@ -300,6 +362,7 @@ HOST = np.zeros((2, 2), np.float32)
 
 @pytest.mark.parametrize(("device_class", "call", "hook"), [
     (BareDevice, lambda d: d.raw_alloc(8), "_raw_alloc"),
+    (BareDevice, lambda d: d.raw_alloc(8, read_only=True), "_raw_alloc"),
     (BareDevice, lambda d: d.raw_free(object()), "_raw_free"),
     (BareDevice, lambda d: d.address(object()), "_address"),
     (BareDevice, lambda d: d.nbytes_of(object()), "_nbytes_of"),

@@ -1,6 +1,6 @@
 """The OpenCL device against NumPy: every kernel on contiguous, strided, broadcast and offset
 views in float32 and float64, the kernel cache, alignment, and memory recycled while a queued
-kernel still reads it (pyopencl issue 447).
+kernel still reads it (pyopencl issue 447), and constants in READ_ONLY buffers.
 
 Skipped when pyopencl or an OpenCL device (PoCL counts) is missing.
 """
@@ -408,3 +408,115 @@ def test_memory_recycled_under_a_queued_kernel_keeps_the_old_data(dev):
         source = alloc.allocate(n * 4)
         assert source.ptr == old_address
         dev.copyin(source.raw, source.offset, np.full(n, 1.0, np.float32))
+
+
+# ------------------------------------------------------------------ constants in READ_ONLY buffers
+def buffer_flags(t: runtime.Tensor) -> int:
+    """The cl.mem_flags of the real cl.Buffer under tensor `t`, as OpenCL reports them."""
+    return t.block.memory_for_read().raw.buffer.get_info(cl.mem_info.FLAGS)
+
+
+@pytest.fixture
+def ro_pool(dev) -> runtime.ConstantPool:
+    return runtime.ConstantPool(device=dev)
+
+
+def test_constants_live_in_read_only_buffers_and_tensors_do_not(dev, ro_pool):
+    c = ro_pool.constant(np.arange(6, dtype=np.float32))
+    assert buffer_flags(c) & cl.mem_flags.READ_ONLY
+    assert not buffer_flags(c) & (cl.mem_flags.READ_WRITE | cl.mem_flags.WRITE_ONLY)
+    assert dev.is_read_only(c.block.memory_for_read().raw)
+    t = runtime.tensor(np.arange(6, dtype=np.float32), device=dev)
+    assert buffer_flags(t) & cl.mem_flags.READ_WRITE
+    assert not buffer_flags(t) & cl.mem_flags.READ_ONLY
+    assert not dev.is_read_only(t.block.memory_for_read().raw)
+    np.testing.assert_array_equal(c.numpy(), np.arange(6))  # the host reads it back
+    ro_pool.check_invariants()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ops_reading_constants_match_numpy(dev, ro_pool, dtype):
+    rng = np.random.default_rng(3)
+    w, b, a = (rng.uniform(-1, 1, shape).astype(dtype) for shape in ((4, 3), (3,), (5, 4)))
+    cw, cb = ro_pool.constant(w), ro_pool.constant(b)
+    x = runtime.tensor(a, device=dev)
+    tol = tolerance(dtype)
+    ops = runtime.ops
+    # NOTE: an ordinary tensor first: a result takes its first operand's allocator
+    np.testing.assert_allclose(ops.matmul(x, cw).numpy(), a @ w, **tol)
+    np.testing.assert_allclose(ops.matmul(x[:, ::2], cw[::2]).numpy(), a[:, ::2] @ w[::2], **tol)
+    np.testing.assert_allclose(ops.add(ops.matmul(x, cw), cb).numpy(), a @ w + b, **tol)  # bcast
+    np.testing.assert_allclose(ops.mul(x.T[:, :3], cw).numpy(), a.T[:, :3] * w, **tol)
+    np.testing.assert_allclose(ops.sub(x[0, :3], cb[::-1]).numpy(), a[0, :3] - b[::-1], **tol)
+    np.testing.assert_allclose(ops.sum(ops.add(x[:, :3], cb)).item(), (a[:, :3] + b).sum(),
+                               rtol=1e-5)
+
+
+def test_dedup_and_exact_accounting_in_read_only_buffers(dev, ro_pool):
+    alloc = ro_pool.allocator
+    a = ro_pool.constant(np.arange(8, dtype=np.float32))
+    b = ro_pool.constant(np.arange(8, dtype=np.float32).reshape(2, 4))  # a verified digest hit
+    c = ro_pool.constant(np.arange(3, dtype=np.float64))
+    assert a.block is b.block and c.block is not a.block
+    stats = ro_pool.stats()
+    assert (stats["constants"], stats["bytes"], stats["hits"], stats["misses"]) == (2, 56, 1, 2)
+    s = alloc.stats()
+    assert (s["allocated_bytes"], s["reserved_bytes"], s["num_allocs"]) == (56, 56, 2)
+    alloc.check_invariants()
+    ro_pool.check_invariants()
+    a.release()
+    assert alloc.stats()["allocated_bytes"] == 56  # b still uses the block
+    b.release()
+    c.release()
+    s = alloc.stats()
+    assert (s["allocated_bytes"], s["reserved_bytes"], s["num_frees"]) == (0, 0, 2)
+    assert len(ro_pool) == 0
+    again = ro_pool.constant(np.arange(8, dtype=np.float32))  # a new buffer, filled again
+    assert buffer_flags(again) & cl.mem_flags.READ_ONLY
+    np.testing.assert_array_equal(again.numpy(), np.arange(8))
+
+
+def test_a_write_into_a_constant_is_refused_before_any_kernel_is_enqueued(dev, ro_pool):
+    c = ro_pool.constant(np.arange(4, dtype=np.float32))
+    x = runtime.tensor(np.full(4, 7.0, np.float32), device=dev)
+    ops = runtime.ops
+    writes = [lambda: ops.add(x, x, out=c), lambda: ops.relu(c, out=c),
+              lambda: ops.copy(x, out=c), lambda: c.__setitem__(slice(1, 3), 5.0),
+              lambda: ops.mul(x[:2], 2.0, out=c[2:])]
+    for write in writes:
+        launched = dev.kernel_cache_stats()
+        with pytest.raises(runtime.ReadOnlyError, match="constants are immutable"):
+            write()
+        after = dev.kernel_cache_stats()
+        assert after["hits"] + after["misses"] == launched["hits"] + launched["misses"]
+    dev.synchronize()
+    np.testing.assert_array_equal(c.numpy(), np.arange(4))
+
+
+@pytest.mark.parametrize("plan", ["none", "recycle", "static"])
+def test_graphs_reading_constants_run_under_every_plan(dev, ro_pool, plan):
+    ops = runtime.ops
+    w_host = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)
+    w = ro_pool.constant(w_host)
+
+    def step(a):
+        bias = ro_pool.constant(np.full(3, 0.25, np.float32))  # made inside the capture
+        h = ops.tanh(ops.add(ops.matmul(a, w), bias))         # a fused chain reads `bias`
+        return ops.sum(ops.mul(bias, h))                      # a constant as first operand
+
+    graph = runtime.graph(step, plan=plan, device=dev)
+    for value in (1.0, -0.5, 1.0):
+        a = np.full((5, 4), value, np.float32)
+        expected = (0.25 * np.tanh(a @ w_host + 0.25)).sum()
+        assert graph(a).item() == pytest.approx(expected, rel=1e-5)
+    assert all(dev.is_read_only(block.memory_for_read().raw) for block in ro_pool.blocks())
+    np.testing.assert_array_equal(w.numpy(), w_host)
+    ro_pool.check_invariants()
+
+
+@pytest.mark.xfail(strict=True, reason="runtime/ops.py gives an op's result the allocator of its "
+                   "first operand's block: from a constant, a READ_ONLY buffer")
+def test_results_computed_from_a_constant_are_read_write_buffers(dev, ro_pool):
+    c = ro_pool.constant(np.arange(4, dtype=np.float32))
+    result = runtime.ops.add(c, runtime.tensor(np.ones(4, np.float32), device=dev))
+    assert buffer_flags(result) & cl.mem_flags.READ_WRITE
