@@ -134,6 +134,9 @@ class Adaptor(Allocator):
     def _limit(self) -> tuple[int | None, str]:
         return self.upstream._limit()
 
+    def available_bytes(self) -> int | None:
+        return self.upstream.available_bytes()
+
     def _extra_stats(self) -> dict[str, int | float]:
         """Keys this adaptor adds to `stats()`. Called with the lock held."""
         return {}
@@ -296,6 +299,12 @@ class LimitAdaptor(Adaptor):
 
     def _limit(self) -> tuple[int | None, str]:
         return self.limit_bytes, "LimitAdaptor"
+
+    def available_bytes(self) -> int | None:
+        with self._lock:
+            here = max(0, self.limit_bytes - self._allocated_bytes)
+        upstream = self.upstream.available_bytes()
+        return here if upstream is None else min(here, upstream)
 
     def _extra_stats(self) -> dict[str, int | float]:
         return {"limit_bytes": self.limit_bytes, "limit_refusals": self._refusals}

@@ -247,6 +247,17 @@ class Allocator(AllocatorState):
         """(bytes this allocator may use, where that limit comes from)."""
         return self.device.total_memory, "device memory"
 
+    def available_bytes(self) -> int | None:
+        """Bytes this allocator could still hand out before it reaches its limit (`_limit()`,
+        less what is allocated now), or None when it knows no limit. An upper bound: a request
+        above it certainly fails; one below it may still fail (fragmentation, other users of
+        the device)."""
+        limit, _ = self._limit()
+        if limit is None:
+            return None
+        with self._lock:
+            return max(0, limit - self._allocated_bytes)
+
     # ------------------------------------------------------------------ errors with numbers
     def _out_of_memory(self, nbytes: int, cause: BaseException) -> OutOfMemoryError:
         c = self._counters

@@ -259,7 +259,7 @@ def backward(root: Tensor, gradient: Tensor | None = None, retain_graph: bool = 
             gradient = ops.copy(gradient)
         with tape.phase("backward"):
             if root._node is None:
-                _accumulate_leaf(root, gradient, {})
+                _store_leaf(root, gradient)
             else:
                 _run(root._node, gradient, retain_graph)
 
@@ -269,6 +269,9 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> None:
 
     grads: dict[Node, Tensor] = {root: gradient}
     handed: dict[int, Tensor] = {id(gradient): gradient}  # NOTE: gradients stored, by id
+    # NOTE: the leaves' gradients reach `.grad` only once all are computed, and that last part
+    # allocates nothing, so an OutOfMemoryError midway leaves every `.grad` as it was.
+    leaves: dict[int, tuple[Tensor, Tensor]] = {}
     for node in reversed(_topological(root)):
         g = grads.pop(node, None)
         if g is None:
@@ -286,7 +289,14 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> None:
             if grad.shape != shape:
                 grad = _unbroadcast(grad, shape)
             if not isinstance(entry, Node):
-                _accumulate_leaf(entry, grad, handed)
+                held = leaves.get(id(entry))
+                if held is None:
+                    grad = _owned(grad, handed)
+                else:
+                    del handed[id(held[1])]
+                    grad = ops.add(held[1], grad)
+                leaves[id(entry)] = (entry, grad)
+                handed[id(grad)] = grad
                 continue
             previous = grads.get(entry)
             if previous is None:
@@ -296,13 +306,15 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> None:
                 grad = ops.add(previous, grad)
             grads[entry] = grad
             handed[id(grad)] = grad
+    for leaf, grad in leaves.values():
+        _store_leaf(leaf, grad)
 
 
-def _accumulate_leaf(leaf: Tensor, grad: Tensor, handed: dict[int, Tensor]) -> None:
+def _store_leaf(leaf: Tensor, grad: Tensor) -> None:
+    """Set or accumulate (in place) an owned gradient into `leaf.grad`."""
     from runtime import ops
 
     if leaf.grad is None:
-        leaf.grad = grad = _owned(grad, handed)
-        handed[id(grad)] = grad
+        leaf.grad = grad
     else:
         ops.add(leaf.grad, grad, out=leaf.grad)

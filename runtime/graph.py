@@ -65,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from allocators import Allocation, Allocator
+from allocators import Allocation, Allocator, OutOfMemoryError, format_bytes
 from runtime import autograd, config, planner, tape
 from runtime.block import Block
 from runtime.errors import GraphCaptureError
@@ -126,6 +126,8 @@ class _Capture:
     outside: list[Block]                     # blocks outside the plan that the steps touch
     outside_ids: set[int]
     init: list[_Step]                        # loads that initialise kept state: run once
+    commit: int = 0                          # the first step that writes state
+    tail_plan: planner.Plan | None = None    # recycle: buffers first used from `commit` on
     arena: Allocation | None = None
     views: list[Callable[[], None]] | None = None   # static: the steps with bound views
     view_key: tuple = ()
@@ -179,6 +181,13 @@ class Graph:
 
     release = recapture
 
+    def __del__(self) -> None:
+        # NOTE: a graph dropped without release() gives its arenas back to the allocator
+        try:
+            self.recapture()
+        except Exception:
+            pass
+
     # ------------------------------------------------------------------ reports
     def memory_report(self) -> dict[str, Any]:
         """Bytes of the intermediates of the last capture used.
@@ -199,16 +208,22 @@ class Graph:
 
     def timeline(self) -> list[int]:
         """Bytes live at each scheduled step under this graph's plan (one value per step)."""
-        capture = self._require_capture()
-        n = len(capture.steps)
+        return self._timeline_of(self._require_capture())
+
+    def _timeline_of(self, capture: _Capture) -> list[int]:
+        n, commit = len(capture.steps), capture.commit
+        if self.plan == "static":
+            return [capture.static_plan.planned_bytes] * n
         if self.plan == "none":  # nothing goes back before the end of the step
             grown = [0] * n
             for life in capture.lifetimes:
-                grown[life.first] += life.nbytes
+                grown[min(life.first, commit)] += life.nbytes
             return list(np.cumsum(grown).tolist()) if n else []
-        if self.plan == "static":
-            return [capture.static_plan.planned_bytes] * n
-        return planner.live_bytes(capture.lifetimes, n)
+        early = [life for life in capture.lifetimes if life.first < commit]
+        live = planner.live_bytes(early, n) if early else [0] * n
+        if capture.tail_plan is not None:  # the tail arena, held from the commit step on
+            live[commit:] = [b + capture.tail_plan.planned_bytes for b in live[commit:]]
+        return live
 
     def _require_capture(self) -> _Capture:
         if self._last is None:
@@ -234,8 +249,32 @@ class Graph:
             result = self.fn(*call_args)
         outputs, kind = _flatten(result)
         del result, call_args
-        return _build(recorder, placeholders, outputs, kind, device, allocator, self.plan,
-                      self.checkpoint, self.fuse)
+        capture = _build(recorder, placeholders, outputs, kind, device, allocator, self.plan,
+                         self.checkpoint, self.fuse)
+        self._check_fits(capture)
+        return capture
+
+    def _check_fits(self, capture: _Capture) -> None:
+        """Refuse, before anything runs, a plan whose memory cannot fit in what the allocator
+        has left (e.g. under a LimitAdaptor). State the capture made (optimizer moments) is
+        still initialised when it fits, so the tensors it belongs to stay usable."""
+        lazy = sum(block.nbytes for block in capture.outside
+                   if block._allocation is None and not block.readonly)
+        planned = max(self._timeline_of(capture), default=0)
+        available = capture.allocator.available_bytes()
+        if available is None or planned + lazy <= available:
+            return
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        message = (f"the {self.plan} plan of {name} needs {format_bytes(planned + lazy)} "
+                   f"({format_bytes(planned)} of intermediates + {format_bytes(lazy)} of "
+                   f"outputs and state made in the step) but {capture.allocator!r} has "
+                   f"{format_bytes(available)} available; nothing has run")
+        try:
+            _run_init(capture)
+        except OutOfMemoryError as error:
+            message += f" (and the state the capture made could not be initialised: {error})"
+        _release(capture)
+        raise OutOfMemoryError(message)
 
     def _where(self, args: Sequence[Any]) -> tuple[Any, Allocator]:
         device = self._device
@@ -374,9 +413,33 @@ def _build(recorder: Tape, placeholders: list[Tensor | None], outputs: list[Tens
              "activation_bytes": planner.lower_bound(activation) if activation else 0}
     naive = sum(blocks[bid].nbytes for bid in intermediate)
     outside = [block for bid, block in blocks.items() if bid not in intermediate]
+    for block in outside:
+        if recorder.made_here(block) and block._allocation is None:
+            block._written = False  # NOTE: written on the tape only; a replay writes it for real
+    commit = _commit_point(steps, {block.id for block in outside}, recorder)
+    tail = [life for life in lifetimes if life.first >= commit]
+    tail_plan = planner.plan(tail, alignment=alignment) if plan == "recycle" and tail else None
     return _Capture(steps, placeholders, [t.detach() for t in outputs], kind, held, buffer_of,
                     lifetimes, naive, static_plan, device, allocator, stats,
-                    outside, {block.id for block in outside}, [_Step([i]) for i in init])
+                    outside, {block.id for block in outside}, [_Step([i]) for i in init],
+                    commit, tail_plan)
+
+
+def _commit_point(steps: Sequence[_Step], outside: set[int], recorder: Tape) -> int:
+    """The position of the first step that writes state: a block that existed before the
+    capture (parameters, earlier optimizer state) or one made here that a step reads before or
+    where it first writes it (state carried from step to step). Outputs that are only written
+    are not state. A replay makes every allocator call before this position, so a failed
+    allocation leaves the state as it was."""
+    read: set[int] = set()
+    for position, step in enumerate(steps):
+        for instr in step.instructions:
+            read.update(o.block.id for o in instr.inputs)
+            for operand in instr.outputs:
+                block = operand.block
+                if block.id in outside and (block.id in read or not recorder.made_here(block)):
+                    return position
+    return len(steps)
 
 
 def _dependencies(program: Sequence[Instruction]) -> list[set[int]]:
@@ -625,24 +688,34 @@ Memory = dict[int, tuple[Any, int]]  # buffer -> (raw memory, byte offset)
 
 
 def _replay(capture: _Capture, plan: str) -> None:
-    for step in capture.init:
-        _bind(step, capture, {})()
-    capture.init = []
+    """Run the schedule once. Every allocator call comes before the first write to state
+    (`capture.commit`), so an OutOfMemoryError leaves parameters and optimizer state as they
+    were: blocks the graph keeps get memory first, "static" then takes its arena, and "none" and
+    "recycle" take, just before the commit step, all the memory the rest of the step uses
+    ("recycle" as one arena planned over those buffers' lifetimes)."""
+    for block in capture.outside:
+        if block._allocation is None and not block.readonly:
+            block.memory_for_write("graph replay")
     if plan == "static":
         _replay_static(capture)
         return
+    _run_init(capture)
     allocator = capture.allocator
     starts: dict[int, list[planner.Lifetime]] = {}
     ends: dict[int, list[int]] = {}
     for life in capture.lifetimes:
-        starts.setdefault(life.first, []).append(life)
-        if plan == "recycle":
-            ends.setdefault(life.last, []).append(life.key)
+        if life.first < capture.commit:
+            starts.setdefault(life.first, []).append(life)
+            if plan == "recycle":
+                ends.setdefault(life.last, []).append(life.key)
+    tail = [life for life in capture.lifetimes if life.first >= capture.commit]
     memory: Memory = {}
     allocations: dict[int, Allocation] = {}
     live = peak = 0
     try:
         for position, step in enumerate(capture.steps):
+            if position == capture.commit:
+                live += _take_tail(capture, tail, allocations, memory)
             for life in starts.get(position, ()):
                 allocation = allocations[life.key] = allocator.allocate(life.nbytes)
                 memory[life.key] = (allocation.raw, allocation.offset)
@@ -660,11 +733,38 @@ def _replay(capture: _Capture, plan: str) -> None:
     capture.peak_bytes = peak
 
 
+_TAIL = -1  # NOTE: the key of recycle's tail arena among a replay's allocations
+
+
+def _take_tail(capture: _Capture, tail: list[planner.Lifetime],
+               allocations: dict[int, Allocation], memory: Memory) -> int:
+    """Allocate the buffers first used at or after the commit step; return the bytes taken."""
+    taken = 0
+    if capture.tail_plan is not None:  # recycle: one arena, its buffers placed by the planner
+        arena = allocations[_TAIL] = capture.allocator.allocate(capture.tail_plan.planned_bytes)
+        for key, offset in capture.tail_plan.offsets.items():
+            memory[key] = (arena.raw, arena.offset + offset)
+        return arena.size
+    for life in tail:  # none: one allocation each, as at their first writes
+        allocation = allocations[life.key] = capture.allocator.allocate(life.nbytes)
+        memory[life.key] = (allocation.raw, allocation.offset)
+        taken += allocation.size
+    return taken
+
+
+def _run_init(capture: _Capture) -> None:
+    """Load the host data that initialises state made in the capture: at the first replay."""
+    for step in capture.init:
+        _bind(step, capture, {})()
+    capture.init = []
+
+
 def _replay_static(capture: _Capture) -> None:
     """Run the prebuilt steps; they are rebuilt only when an outside block's memory moved."""
     if capture.arena is None and capture.static_plan.planned_bytes:
         capture.arena = capture.allocator.allocate(capture.static_plan.planned_bytes)
         capture.views = None
+    _run_init(capture)
     key = tuple(id(block._allocation) for block in capture.outside)
     if capture.views is None or key != capture.view_key:
         arena = capture.arena

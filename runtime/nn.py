@@ -227,7 +227,9 @@ def mse(prediction: Tensor, target: Any) -> Tensor:
 def train_step(model: Module, optimizer: Optimizer,
                loss: Any = softmax_cross_entropy) -> Any:
     """A training step `step(x, target) -> loss tensor`: forward, loss, backward, update, then
-    `optimizer.zero_grad()`. Ending with zero_grad lets the gradients die inside the step, so a
+    `optimizer.zero_grad()`. The optimizer's memory is prepared first and backward stores the
+    gradients only once all are computed, so an OutOfMemoryError anywhere in the step leaves
+    parameters, gradients and optimizer state as they were. Ending with zero_grad lets the gradients die inside the step, so a
     `runtime.graph` capture of it plans their memory (each is freed after its update).
 
     Example:
@@ -237,6 +239,7 @@ def train_step(model: Module, optimizer: Optimizer,
         >>> step = runtime.graph(nn.train_step(model, nn.SGD(model.parameters(), lr=0.1)))
     """
     def step(x: Tensor, target: Any) -> Tensor:
+        optimizer.prepare()  # NOTE: its allocations first: then a failed step changes nothing
         value = loss(model(x), target)
         value.backward()
         optimizer.step()
@@ -256,6 +259,14 @@ def _check_number(what: str, value: Any, low: float, high: float = math.inf,
         bounds = f"{'(' if low_open else '['}{low}, {high})"
         raise ValueError(f"{what} must lie in {bounds}, got {value}")
     return value
+
+
+def _allocated(t: Tensor) -> Tensor:
+    """`t` with its memory allocated now rather than at its first write (outside a capture,
+    where memory is the plan's business), so that a step's allocations all come first."""
+    if tape.active() is None:
+        t.block.memory_for_write("optimizer state")
+    return t
 
 
 class Optimizer:
@@ -284,14 +295,47 @@ class Optimizer:
             p.grad = None
 
     def step(self) -> None:
-        """Update every parameter that has a gradient, in place."""
+        """Update every parameter that has a gradient, in place.
+
+        All the memory a step needs (state, scratch) is allocated before the first write, so an
+        OutOfMemoryError leaves the parameters and the optimizer state as they were.
+        """
         with no_grad(), tape.phase("update"):
+            todo = [p for p in self.params if p.grad is not None]
+            self._prepare_shared()
+            for p in todo:
+                self._prepare(p, self.state[id(p)])
+            self._begin()
+            for p in todo:
+                self._update(p, p.grad, self.state[id(p)])
+            self._end()
+
+    def prepare(self) -> None:
+        """Allocate now the state and scratch of every parameter (`step()` would make them at
+        its first call), so that a later `step()` allocates nothing and cannot fail for memory
+        once the gradients are there. `nn.train_step` calls it first thing."""
+        with no_grad(), tape.phase("update"):
+            self._prepare_shared()
             for p in self.params:
-                if p.grad is not None:
-                    self._update(p, p.grad, self.state[id(p)])
+                self._prepare(p, self.state[id(p)])
+
+    def _prepare_shared(self) -> None:
+        """Make the state shared by all parameters (e.g. Adam's bias corrections)."""
+
+    def _prepare(self, p: Tensor, state: dict[str, Any]) -> None:
+        """Make what updating `p` needs: its state and scratch. The only allocations of a step."""
+
+    def _begin(self) -> None:
+        """Writes that come before the updates (e.g. Adam's bias corrections)."""
+
+    def _end(self) -> None:
+        """Writes that come after the updates."""
 
     def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not implement _update()")
+
+    def _zeros_like(self, p: Tensor) -> Tensor:
+        return tensor(np.zeros(p.shape, p.dtype), device=p.device, allocator=p.block.allocator)
 
     def _scratch(self, like: Tensor, index: int = 0) -> Tensor | None:
         """Scratch tensor number `index` shaped like `like`, shared by every parameter of that
@@ -302,8 +346,8 @@ class Optimizer:
         key = (like.shape, like.dtype, id(like.block.allocator), index)
         buffer = self._scratch_pool.get(key)
         if buffer is None:
-            buffer = self._scratch_pool[key] = empty(like.shape, like.dtype, device=like.device,
-                                                     allocator=like.block.allocator)
+            buffer = self._scratch_pool[key] = _allocated(
+                empty(like.shape, like.dtype, device=like.device, allocator=like.block.allocator))
         return buffer
 
     def __repr__(self) -> str:
@@ -335,13 +379,17 @@ class SGD(Optimizer):
                                     allocator=like.block.allocator)
         return self._dampened
 
-    def step(self) -> None:
-        """Update every parameter that has a gradient, in place."""
-        super().step()
-        if self._dampened is not None:
-            with no_grad(), tape.phase("update"):  # from now on d counts 1 - dampening
-                ops.mul(self._dampened, 0.0, out=self._dampened)
-                ops.add(self._dampened, 1 - self.dampening, out=self._dampened)
+    def _prepare(self, p: Tensor, state: dict[str, Any]) -> None:
+        self._scratch(p)
+        if self.momentum and "momentum" not in state:
+            state["momentum"] = self._zeros_like(p)
+        if self.momentum and self.dampening:
+            self._coefficient(p)
+
+    def _end(self) -> None:
+        if self._dampened is not None:  # from now on d counts 1 - dampening
+            ops.mul(self._dampened, 0.0, out=self._dampened)
+            ops.add(self._dampened, 1 - self.dampening, out=self._dampened)
 
     def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
         scratch = self._scratch(p)  # NOTE: with out=None (capturing) each op makes a temporary
@@ -353,10 +401,7 @@ class SGD(Optimizer):
             # NOTE: the buffer starts at zero and the first step adds d itself (coefficient 1,
             # later 1 - dampening), so the same ops run at every step: a captured graph
             # replays PyTorch's rule, where the buffer starts as the first d.
-            buf = state.get("momentum")
-            if buf is None:
-                buf = state["momentum"] = tensor(np.zeros(p.shape, p.dtype), device=p.device,
-                                                 allocator=p.block.allocator)
+            buf = state["momentum"]
             ops.mul(buf, self.momentum, out=buf)
             if self.dampening:
                 d = ops.mul(d, self._coefficient(p), out=scratch)
@@ -396,33 +441,35 @@ class Adam(Optimizer):
         self._step_size: Tensor | None = None
         self._inverse_correction: Tensor | None = None
 
-    def step(self) -> None:
-        """Advance the bias corrections, then update every parameter that has a gradient."""
+    def _prepare_shared(self) -> None:
+        if self._powers is not None:
+            return
+        dtype, device, allocator = self.params[0].dtype, self.params[0].device, \
+            self.params[0].block.allocator
+        # NOTE: all made before any is kept, so a failed allocation leaves none half made
+        made = [tensor(np.ones((), dtype), device=device, allocator=allocator) for _ in range(2)]
+        made += [_allocated(empty((), dtype, device, allocator)) for _ in range(2)]
+        self._powers = (made[0], made[1])
+        self._step_size, self._inverse_correction = made[2], made[3]
+
+    def _prepare(self, p: Tensor, state: dict[str, Any]) -> None:
+        if "exp_avg" not in state:  # the moments start at zero
+            state["exp_avg"], state["exp_avg_sq"] = self._zeros_like(p), self._zeros_like(p)
+        self._scratch(p, 0)
+        self._scratch(p, 1)
+
+    def _begin(self) -> None:
         beta1, beta2 = self.betas
-        with no_grad(), tape.phase("update"):
-            if self._powers is None:
-                like = self.params[0]
-                self._powers = tuple(  # type: ignore[assignment]
-                    tensor(np.ones((), like.dtype), device=like.device,
-                           allocator=like.block.allocator) for _ in range(2))
-                self._step_size = empty((), like.dtype, like.device, like.block.allocator)
-                self._inverse_correction = empty((), like.dtype, like.device,
-                                                 like.block.allocator)
-            power1, power2 = self._powers
-            ops.mul(power1, beta1, out=power1)
-            ops.mul(power2, beta2, out=power2)
-            ops.sub(1.0, power1, out=self._step_size)
-            ops.div(self.lr, self._step_size, out=self._step_size)
-            ops.sub(1.0, power2, out=self._inverse_correction)
-            ops.div(1.0, self._inverse_correction, out=self._inverse_correction)
-        super().step()
+        power1, power2 = self._powers
+        ops.mul(power1, beta1, out=power1)
+        ops.mul(power2, beta2, out=power2)
+        ops.sub(1.0, power1, out=self._step_size)
+        ops.div(self.lr, self._step_size, out=self._step_size)
+        ops.sub(1.0, power2, out=self._inverse_correction)
+        ops.div(1.0, self._inverse_correction, out=self._inverse_correction)
 
     def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
         beta1, beta2 = self.betas
-        if "exp_avg" not in state:  # the moments start at zero
-            for name in ("exp_avg", "exp_avg_sq"):
-                state[name] = tensor(np.zeros(p.shape, p.dtype), device=p.device,
-                                     allocator=p.block.allocator)
         m, v = state["exp_avg"], state["exp_avg_sq"]
         s1, s2 = self._scratch(p, 0), self._scratch(p, 1)  # None while capturing
         g = grad
