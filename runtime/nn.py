@@ -229,8 +229,9 @@ def train_step(model: Module, optimizer: Optimizer,
     """A training step `step(x, target) -> loss tensor`: forward, loss, backward, update, then
     `optimizer.zero_grad()`. The optimizer's memory is prepared first and backward stores the
     gradients only once all are computed, so an OutOfMemoryError anywhere in the step leaves
-    parameters, gradients and optimizer state as they were. Ending with zero_grad lets the gradients die inside the step, so a
-    `runtime.graph` capture of it plans their memory (each is freed after its update).
+    parameters, gradients and optimizer state as they were. Ending with zero_grad lets the
+    gradients die inside the step, so a `runtime.graph` capture of it plans their memory (each
+    is freed after its update).
 
     Example:
         >>> import runtime
