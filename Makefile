@@ -44,3 +44,4 @@ bench:
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_graph.py
 	$(PY) benchmarks/bench_planner.py
+	$(PY) benchmarks/bench_opencl.py
