@@ -1,0 +1,949 @@
+"""A catalogue of bad input: each case raises an error of the documented type whose message names
+the problem and its numbers (sizes, shapes, dtypes, names), and loses nothing already computed.
+
+"Loses nothing" is checked after every error: the tensors, views and constants made before still
+hold their data and versions (nothing was written), the allocator has the same allocations live
+with the same accounting, and the allocator and constant pool pass their invariant checks.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import allocators
+import backends
+import runtime
+from allocators import InvalidFreeError, OutOfMemoryError
+from backends.numpy import NumpyDevice
+from runtime import AliasingError, AutogradError, ReadOnlyError, UseAfterFreeError, config, ops
+from runtime.errors import UninitializedMemoryError
+from runtime.tensor import MAX_NBYTES, Tensor
+
+ROOT = Path(__file__).resolve().parent.parent
+ALLOCATOR_KINDS = ("direct", "caching")
+#: What a failed call may not change: the memory in use and the allocations live.
+IN_USE = ("allocated_bytes", "requested_bytes", "active_allocations")
+
+
+def parts(*pieces: str) -> str:
+    """A regex matching the literal `pieces` in this order, anything between them."""
+    return ".*".join(re.escape(piece) for piece in pieces)
+
+
+def in_use(allocator: allocators.Allocator) -> dict[str, Any]:
+    stats = allocator.stats()
+    return {key: stats[key] for key in IN_USE}
+
+
+# ---------------------------------------------------------------------- what must survive
+class World:
+    """Tensors with known data over one allocator, a constant pool, and a snapshot of both."""
+
+    def __init__(self, allocator: allocators.Allocator) -> None:
+        self.allocator = allocator
+        self.x = runtime.tensor(np.arange(12.0).reshape(3, 4), allocator=allocator)
+        self.view = self.x[:, 1::2]
+        self.f32 = runtime.tensor(np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3),
+                                  allocator=allocator)
+        self.i64 = runtime.tensor(np.arange(6).reshape(2, 3), allocator=allocator)
+        self.pool = runtime.ConstantPool(allocator)
+        self.c = self.pool.constant(np.arange(4.0))
+        self.tensors: dict[str, Tensor] = {}
+        self.adopt(x=self.x, view=self.view, f32=self.f32, i64=self.i64, c=self.c)
+
+    def adopt(self, **tensors: Tensor) -> None:
+        """Add `tensors` to what must survive, and snapshot everything again."""
+        self.tensors.update(tensors)
+        self.data = {name: t.numpy() for name, t in self.tensors.items()}
+        self.versions = {name: t.version for name, t in self.tensors.items()}
+        self.live = [a.serial for a in self.allocator.live_allocations()]
+        self.stats = in_use(self.allocator)
+        self.pool_blocks = len(self.pool)
+
+    def check_intact(self) -> None:
+        """Assert that nothing made before the bad call was lost, written or leaked."""
+        gc.collect()  # NOTE: temporaries of the failed call may sit in reference cycles
+        for name, t in self.tensors.items():
+            assert not t.released, f"{name} was released"
+            np.testing.assert_array_equal(t.numpy(), self.data[name], err_msg=name)
+            assert t.version == self.versions[name], f"{name} was written"
+        assert [a.serial for a in self.allocator.live_allocations()] == self.live
+        assert in_use(self.allocator) == self.stats
+        assert len(self.pool) == self.pool_blocks
+        self.allocator.check_invariants()
+        self.pool.check_invariants()
+
+
+@pytest.fixture(params=ALLOCATOR_KINDS)
+def world(request) -> World:
+    return World(allocators.create(request.param, "cpu"))
+
+
+def raises_and_keeps(world: World, call: Callable[[World], Any], error: type, match: str) -> str:
+    """Run `call(world)`, expecting `error` with a message matching `match`; then check that the
+    world is intact. Returns the message."""
+    with pytest.raises(error, match=match) as info:
+        call(world)
+    message = str(info.value)
+    del info  # NOTE: its traceback holds the failed call's frames and their temporaries
+    world.check_intact()
+    return message
+
+
+# ---------------------------------------------------------------------- the catalogue
+def _empty(shape, dtype="float64"):
+    return lambda w: runtime.empty(shape, dtype, allocator=w.allocator)
+
+
+def _assign(key, value, target="x"):
+    def call(w: World) -> None:
+        getattr(w, target)[key] = value
+    return call
+
+
+DTYPE_CASES = [
+    pytest.param(lambda w: ops.add(w.x[:2, :3], w.f32), TypeError,
+                 parts("add: operands have different dtypes: float64 and float32"),
+                 id="add-float64-float32"),
+    pytest.param(lambda w: ops.matmul(w.i64, w.i64.T), TypeError,
+                 parts("matmul: supports float32 and float64, got int64"), id="matmul-int64"),
+    pytest.param(lambda w: ops.exp(w.i64), TypeError,
+                 parts("exp: supports float32 and float64, got int64"), id="exp-int64"),
+    pytest.param(lambda w: ops.add(w.x[:2, :3], 1.0, out=w.f32), TypeError,
+                 parts("add: out has dtype float32, the result has dtype float64"),
+                 id="out-dtype"),
+    pytest.param(lambda w: ops.copy(w.i64, out=w.x[:2, :3]), TypeError,
+                 parts("copy: out has dtype float64, the result has dtype int64"),
+                 id="copy-into-other-dtype"),
+    pytest.param(lambda w: ops.matmul(w.f32, w.f32.T, out=w.x[:2, :2]), TypeError,
+                 parts("matmul: out has dtype float64, the result has dtype float32"),
+                 id="out-dtype-matmul"),
+    pytest.param(_empty(3, "complex64"), TypeError,
+                 parts("dtype complex64 is not supported; use one of float32, float64, int32"),
+                 id="empty-complex64"),
+    pytest.param(_empty(3, "float16"), TypeError, parts("dtype float16 is not supported"),
+                 id="empty-float16"),
+    pytest.param(_empty(3, "nonsense"), TypeError, parts("not a dtype: 'nonsense'"),
+                 id="empty-not-a-dtype"),
+    pytest.param(lambda w: runtime.tensor(np.ones(3, complex), allocator=w.allocator), TypeError,
+                 parts("cannot make a tensor from data of dtype complex128"),
+                 id="tensor-complex"),
+    pytest.param(lambda w: runtime.tensor(["a", "b"], allocator=w.allocator), TypeError,
+                 parts("cannot make a tensor from data of dtype <U1"), id="tensor-strings"),
+    pytest.param(lambda w: runtime.tensor([1.0, 2.0], dtype="int8", allocator=w.allocator),
+                 TypeError, parts("dtype int8 is not supported"), id="tensor-int8"),
+    pytest.param(_assign(0, "abc"), TypeError,
+                 parts("value to assign to a tensor of float64", "dtype <U3"),
+                 id="assign-string"),
+    pytest.param(_assign(0, None), TypeError,
+                 parts("value to assign to a tensor of float64", "dtype object"),
+                 id="assign-None"),
+    pytest.param(lambda w: w.i64.requires_grad_(), AutogradError,
+                 parts("only float tensors can require gradients, not int64"),
+                 id="requires-grad-int64"),
+    pytest.param(lambda w: ops.cross_entropy(w.x, [0.0, 1.0, 2.0]), TypeError,
+                 parts("cross_entropy: labels must be integer class indices, got float64"),
+                 id="cross-entropy-float-labels"),
+    pytest.param(lambda w: ops.add(w.x, "1"), TypeError,
+                 parts("add: operands must be Tensors or real numbers, got str"),
+                 id="add-string-operand"),
+    pytest.param(lambda w: ops.mul(w.x, np.ones(4)), TypeError,
+                 parts("mul: operands must be Tensors or real numbers, got ndarray"),
+                 id="mul-ndarray-operand"),
+    pytest.param(lambda w: ops.add(1.0, 2.0), TypeError,
+                 parts("add: needs at least one Tensor operand, got float, float"),
+                 id="add-no-tensor"),
+]
+
+SHAPE_CASES = [
+    pytest.param(lambda w: ops.add(w.x, runtime.tensor(np.ones(3), allocator=w.allocator)),
+                 ValueError, parts("add: shapes (3, 4) and (3,) cannot be broadcast together"),
+                 id="broadcast"),
+    pytest.param(lambda w: ops.matmul(w.x, w.x), ValueError,
+                 parts("matmul: shapes (3, 4) and (3, 4) do not align: 4 (last dim of a) != 3 "
+                       "(dim -2 of b)"), id="matmul-inner-dim"),
+    pytest.param(lambda w: ops.matmul(w.c[:3], w.x.T), ValueError,
+                 parts("matmul: shapes (3,) and (4, 3) do not align: 3 (last dim of a) != 4 "
+                       "(dim -2 of b)"), id="matmul-vector"),
+    pytest.param(lambda w: ops.matmul(w.x[0, 0], w.x), ValueError,
+                 parts("matmul: operands must have at least one dimension, got shapes () and "
+                       "(3, 4)"), id="matmul-0d"),
+    pytest.param(lambda w: ops.matmul(w.x.reshape(3, 1, 4), w.x[:2].reshape(2, 4, 1)),
+                 ValueError, parts("matmul: batch dimensions (3,) and (2,) cannot be broadcast"),
+                 id="matmul-batch"),
+    pytest.param(lambda w: ops.add(w.x, w.x, out=w.view), ValueError,
+                 parts("add: shapes (3, 4) and (3, 4) and (3, 2) cannot be broadcast together "
+                       "(the last is out)"), id="out-shape-elementwise"),
+    pytest.param(lambda w: ops.neg(w.x, out=w.x[:, :, None]), ValueError,
+                 parts("neg: shapes (3, 4) and (3, 4, 1) cannot be broadcast together"),
+                 id="out-shape-extra-axis"),
+    pytest.param(lambda w: ops.matmul(w.x, w.x.T, out=w.view), ValueError,
+                 parts("matmul: out has shape (3, 2), the result has shape (3, 3)"),
+                 id="out-shape-matmul"),
+    pytest.param(lambda w: ops.sum(w.x, axis=0, out=w.view[:, 0]), ValueError,
+                 parts("sum: out has shape (3,), the result has shape (4,)"),
+                 id="out-shape-sum"),
+    pytest.param(lambda w: ops.mean(w.x, out=w.x[0]), ValueError,
+                 parts("mean: out has shape (4,), the result has shape ()"),
+                 id="out-shape-mean"),
+    pytest.param(lambda w: w.x.reshape(5, 2), ValueError,
+                 parts("cannot reshape 12 elements (3, 4) into (5, 2) (10 elements)"),
+                 id="reshape-count"),
+    pytest.param(lambda w: w.x.reshape(-1, 5), ValueError,
+                 parts("cannot reshape 12 elements (3, 4) into (-1, 5)"), id="reshape-infer"),
+    pytest.param(lambda w: w.x.reshape(-1, -1), ValueError,
+                 parts("can only infer one dimension of (-1, -1)"), id="reshape-two-unknown"),
+    pytest.param(lambda w: w.x.reshape(2, 1.5), TypeError,
+                 parts("non-integer dimension 1.5"), id="reshape-float"),
+    pytest.param(lambda w: w.x.transpose(0, 0), ValueError,
+                 parts("axes (0, 0) are not a permutation of the 2 axes"), id="transpose"),
+    pytest.param(lambda w: runtime.view(w.x, (2, 2), offset=10), ValueError,
+                 parts("a view of 4 elements (2, 2) at offset 10 does not fit in a source of 12 "
+                       "elements"), id="view-past-end"),
+    pytest.param(lambda w: runtime.view(w.x, (2,), offset=-1), ValueError,
+                 parts("a view of 2 elements (2,) at offset -1 does not fit"),
+                 id="view-negative-offset"),
+    pytest.param(lambda w: runtime.view(w.x, (2,), offset=1.0), TypeError,
+                 parts("offset counts elements and must be an int, got 1.0"), id="view-float"),
+    pytest.param(lambda w: runtime.view(w.view, (2,)), ValueError,
+                 parts("view() needs a contiguous source; this one has shape (3, 2) and strides "
+                       "(4, 2)"), id="view-non-contiguous"),
+    pytest.param(lambda w: runtime.view(np.ones(4), (2,)), TypeError,
+                 parts("view() needs a Tensor source, got ndarray"), id="view-of-ndarray"),
+    pytest.param(_assign(0, np.ones(5)), ValueError,
+                 parts("shapes (5,) and (4,) cannot be broadcast together (the last is out)"),
+                 id="assign-shape"),
+    pytest.param(_assign(0, [[1.0, 2.0], [3.0]]), ValueError,
+                 parts("cannot make a value to assign to a tensor of float64 from list",
+                       "inhomogeneous"), id="assign-ragged"),
+    pytest.param(lambda w: runtime.tensor([[1.0, 2.0], [3.0]], allocator=w.allocator),
+                 ValueError, parts("cannot make a tensor from list [[1.0, 2.0], [3.0]]"),
+                 id="tensor-ragged"),
+    pytest.param(lambda w: ops.linear(w.x, w.x.T), ValueError,
+                 parts("linear: x of shape (3, 4) needs a last dimension equal to in_features",
+                       "the weight has shape (4, 3)"), id="linear-weight"),
+    pytest.param(lambda w: ops.linear(w.x, w.x[:2], w.c), ValueError,
+                 parts("linear: bias has shape (4,), expected (2,)"), id="linear-bias"),
+    pytest.param(lambda w: ops.cross_entropy(w.x, [0, 1]), ValueError,
+                 parts("cross_entropy: labels have shape (2,), expected (3,) for logits of "
+                       "shape (3, 4)"), id="cross-entropy-label-shape"),
+    pytest.param(lambda w: ops.cross_entropy(w.x, [0, 1, 4]), ValueError,
+                 parts("cross_entropy: label 4 is outside [0, 4) for 4 classes"),
+                 id="cross-entropy-label-range"),
+    pytest.param(lambda w: ops.cross_entropy(w.c, [0]), ValueError,
+                 parts("cross_entropy: logits must be (rows, classes), got shape (4,)"),
+                 id="cross-entropy-1d-logits"),
+    pytest.param(lambda w: w.x.item(), ValueError,
+                 parts("item() needs a tensor of one element, this one has 12 (shape (3, 4))"),
+                 id="item"),
+    pytest.param(lambda w: len(w.x[0, 0]), TypeError, parts("len() of a 0-d tensor"),
+                 id="len-0d"),
+    pytest.param(lambda w: ops.sum(ops.mul(w.x, 2.0)).backward(), AutogradError,
+                 parts("backward() on a tensor that does not require grad (shape (), float64"),
+                 id="backward-no-grad"),
+]
+
+AXIS_AND_INDEX_CASES = [
+    pytest.param(lambda w: ops.sum(w.x, axis=2), ValueError,
+                 parts("sum: axis 2 is out of range for a 2-dimensional tensor"), id="axis-2"),
+    pytest.param(lambda w: ops.mean(w.x, axis=-3), ValueError,
+                 parts("mean: axis -3 is out of range for a 2-dimensional tensor"),
+                 id="axis-minus-3"),
+    pytest.param(lambda w: ops.sum(w.x, axis=(0, -2)), ValueError,
+                 parts("sum: axis (0, -2) repeats an axis"), id="axis-repeated"),
+    pytest.param(lambda w: ops.sum(w.x, axis=1.0), TypeError,
+                 parts("sum: axis must be an int or a tuple of ints, got 1.0"), id="axis-float"),
+    pytest.param(lambda w: ops.mean(w.x, axis="0"), TypeError,
+                 parts("mean: axis must be an int or a tuple of ints, got '0'"), id="axis-str"),
+    pytest.param(lambda w: w.x[3], IndexError,
+                 parts("index 3 is out of bounds for axis 0 with size 3"), id="index-3"),
+    pytest.param(lambda w: w.x[0, -5], IndexError,
+                 parts("index -5 is out of bounds for axis 1 with size 4"), id="index-minus-5"),
+    pytest.param(lambda w: w.x[0, 0, 0], IndexError,
+                 parts("too many indices: tensor is 2-dimensional, but 3 were indexed"),
+                 id="index-too-many"),
+    pytest.param(lambda w: w.x[[0, 1]], TypeError,
+                 parts("unsupported index [0, 1]: tensors take ints, slices, None and '...'"),
+                 id="index-list"),
+    pytest.param(lambda w: w.x[1.0], TypeError, parts("unsupported index 1.0"),
+                 id="index-float"),
+    pytest.param(lambda w: w.x[True], TypeError, parts("unsupported index True"),
+                 id="index-bool"),
+    pytest.param(lambda w: w.x[..., ...], IndexError, parts("single ellipsis"),
+                 id="index-two-ellipses"),
+    pytest.param(lambda w: w.x[::0], ValueError, parts("slice step cannot be zero"),
+                 id="slice-step-0"),
+    pytest.param(_assign((0, 7), 1.0), IndexError,
+                 parts("index 7 is out of bounds for axis 1 with size 4"), id="assign-index"),
+]
+
+SIZE_CASES = [
+    pytest.param(_empty((2, -3)), ValueError, parts("shape (2, -3) has a negative dimension -3"),
+                 id="empty-negative"),
+    pytest.param(lambda w: runtime.zeros(-1, allocator=w.allocator), ValueError,
+                 parts("shape (-1,) has a negative dimension -1"), id="zeros-negative"),
+    pytest.param(_empty((2.0, 3)), TypeError,
+                 parts("shape (2.0, 3) has a non-integer dimension 2.0"),
+                 id="empty-float-dim"),
+    pytest.param(_empty((2, True)), TypeError, parts("non-integer dimension True"),
+                 id="empty-bool-dim"),
+    pytest.param(_empty(None), TypeError,
+                 parts("a shape is an int or a sequence of ints, got None"),
+                 id="empty-None"),
+    pytest.param(_empty("23"), TypeError,
+                 parts("a shape is an int or a sequence of ints, got '23'"),
+                 id="empty-str"),
+    pytest.param(_empty({2: 3}), TypeError, parts("a shape is an int or a sequence of ints"),
+                 id="empty-dict"),
+    pytest.param(_empty((2**40, 2**40), "float32"), ValueError,
+                 parts(f"shape {(2**40, 2**40)} of float32 needs {2**82} bytes",
+                       f"more than the {MAX_NBYTES} bytes"), id="empty-huge"),
+    pytest.param(lambda w: runtime.zeros((2**31, 2**31), allocator=w.allocator), ValueError,
+                 parts(f"shape {(2**31, 2**31)} of float32 needs {2**64} bytes (16.00 EiB)"),
+                 id="zeros-huge"),
+    pytest.param(lambda w: runtime.ones(2**62, "float64", allocator=w.allocator), ValueError,
+                 parts(f"shape {(2**62,)} of float64 needs {2**65} bytes"), id="ones-huge"),
+    # a huge shape that can be addressed is lazy; the first write asks for the memory
+    pytest.param(lambda w: ops.copy(w.x[0, 0], out=runtime.empty((2**29, 2**30), "float64",
+                                                                 allocator=w.allocator)),
+                 OutOfMemoryError, parts("out of memory on cpu: tried to allocate 4.00 EiB"),
+                 id="write-huge-lazy"),
+]
+
+FREED_CASES = [
+    pytest.param(lambda w, t: t.numpy(), id="numpy"),
+    pytest.param(lambda w, t: ops.add(t, 1.0), id="add"),
+    pytest.param(lambda w, t: ops.add(w.x[0], 1.0, out=t), id="out"),
+    pytest.param(lambda w, t: t[0], id="index"),
+    pytest.param(lambda w, t: t.reshape(2, 2), id="reshape"),
+    pytest.param(lambda w, t: t.T, id="transpose"),
+    pytest.param(lambda w, t: t.__setitem__(0, 1.0), id="assign"),
+    pytest.param(lambda w, t: runtime.view(t, (2,)), id="view"),
+    pytest.param(lambda w, t: np.from_dlpack(t), id="dlpack"),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "match"),
+                         DTYPE_CASES + SHAPE_CASES + AXIS_AND_INDEX_CASES + SIZE_CASES)
+def test_bad_arguments_raise_a_clear_error_and_lose_nothing(world, call, error, match):
+    raises_and_keeps(world, call, error, match)
+
+
+# ---------------------------------------------------------------------- bad out=
+def test_out_that_is_not_a_tensor(world):
+    raises_and_keeps(world, lambda w: ops.add(w.x, 1.0, out=np.empty((3, 4))), TypeError,
+                     parts("add: out must be a Tensor, got ndarray"))
+
+
+def test_out_that_overlaps_itself(world):
+    # a row repeated by a zero stride: two elements of out share memory
+    scratch = runtime.tensor(np.zeros(4), allocator=world.allocator)
+    world.adopt(scratch=scratch)
+    repeated = Tensor(scratch.block, (3, 4), scratch.dtype, strides=(0, 1))
+    raises_and_keeps(world, lambda w: ops.add(w.x, 1.0, out=repeated), ValueError,
+                     parts("add: out has internally overlapping memory (strides (0, 1))"))
+
+
+def test_out_that_requires_grad():
+    x = runtime.tensor(np.ones(3), requires_grad=True)
+    out = runtime.zeros(3, "float64")
+    with pytest.raises(AutogradError, match=parts("add: cannot write into out= while recording "
+                                                  "gradients", "(shape (3,))")):
+        ops.add(x, 1.0, out=out)
+    np.testing.assert_array_equal(out.numpy(), np.zeros(3))
+    assert x.grad is None
+
+
+def test_an_overlapping_out_in_raise_mode_is_refused_and_writes_nothing(world):
+    runtime.set_aliasing("raise")  # conftest restores "copy"
+    square = runtime.tensor(np.arange(16.0).reshape(4, 4), allocator=world.allocator)
+    before = square.numpy()
+    with pytest.raises(AliasingError, match=parts("matmul: the output", "overlaps input a",
+                                                  "may not share memory with any input")):
+        ops.matmul(square, square, out=square)
+    np.testing.assert_array_equal(square.numpy(), before)
+    square.release()
+    world.check_intact()
+
+
+# ---------------------------------------------------------------------- sizes at the allocator
+def _allocator(kind: str) -> allocators.Allocator:
+    if kind == "statistics(direct)":
+        return allocators.StatisticsAdaptor(allocators.create("direct"))
+    if kind == "limit(caching)":
+        return allocators.LimitAdaptor(allocators.create("caching"), 1 << 20)
+    return allocators.create(kind)
+
+
+ALLOCATORS = [*ALLOCATOR_KINDS, "statistics(direct)", "limit(caching)",
+              *(["buddy"] if "buddy" in allocators.names() else [])]
+
+
+@pytest.mark.parametrize("kind", ALLOCATORS)
+@pytest.mark.parametrize(("nbytes", "error", "match"), [
+    pytest.param(-1, ValueError, parts("allocation size must be >= 0 bytes, got -1"), id="-1"),
+    pytest.param(np.int64(-3), ValueError, parts("must be >= 0 bytes, got -3"), id="np-int-3"),
+    pytest.param(1.5, TypeError, parts("must be an integer number of bytes, got 1.5 of type float"),
+                 id="float"),
+    pytest.param(8.0, TypeError, parts("got 8.0 of type float"), id="integral-float"),
+    pytest.param(True, TypeError, parts("got True of type bool"), id="bool"),
+    pytest.param("8", TypeError, parts("got '8' of type str"), id="str"),
+    pytest.param(None, TypeError, parts("got None of type NoneType"), id="None"),
+    pytest.param(2**70, OutOfMemoryError, parts("tried to allocate 1.00 ZiB"), id="2**70"),
+    pytest.param(2**64, OutOfMemoryError, parts("tried to allocate 16.00 EiB"), id="2**64"),
+])
+def test_bad_sizes_at_the_allocator(kind, nbytes, error, match):
+    alloc = _allocator(kind)
+    kept = alloc.allocate(100)
+    before = alloc.stats()
+    with pytest.raises(error, match=match):
+        alloc.allocate(nbytes)
+    after = alloc.stats()
+    assert {k: after[k] for k in IN_USE} == {k: before[k] for k in IN_USE}
+    assert after["num_allocs"] == before["num_allocs"]
+    assert after["num_ooms"] == before["num_ooms"] + (error is OutOfMemoryError)
+    assert alloc.live_allocations() == [kept]
+    alloc.check_invariants()
+    alloc.free(kept)
+    assert alloc.stats()["allocated_bytes"] == 0
+
+
+def test_out_of_memory_in_an_op_names_the_limit_and_loses_nothing():
+    alloc = allocators.LimitAdaptor(allocators.create("caching"), 2048)
+    world = World(alloc)  # about 1.8 KiB in use: no room for one more 96-byte result
+    room = 2048 - alloc.stats()["allocated_bytes"]
+    shape = (room // 8 + 1,)
+    source = runtime.empty(shape, "float64", allocator=alloc)
+    raises_and_keeps(world, lambda w: ops.copy(w.c[0], out=source), OutOfMemoryError,
+                     parts(f"tried to allocate {shape[0] * 8} B", "limit 2.00 KiB"))
+    raises_and_keeps(world, lambda w: runtime.tensor(np.ones(shape), allocator=alloc),
+                     OutOfMemoryError, parts("limit 2.00 KiB"))
+
+
+# ---------------------------------------------------------------------- use after free
+@pytest.mark.parametrize("use", FREED_CASES)
+def test_a_released_tensor_refuses_every_use(world, use):
+    t = runtime.tensor(np.arange(4.0), allocator=world.allocator)
+    sibling = t[1:]
+    t.release()
+    world.adopt(sibling=sibling)  # it keeps the block's memory
+    raises_and_keeps(world, lambda w: use(w, t), UseAfterFreeError,
+                     r"the tensor was released and can no longer be used \(shape \(4,\), "
+                     rf"block #{t.block.id}\)")
+    np.testing.assert_array_equal(sibling.numpy(), [1.0, 2.0, 3.0])
+
+
+@pytest.mark.parametrize("use", FREED_CASES)
+def test_a_view_of_a_freed_block_refuses_every_use(world, use):
+    t = runtime.tensor(np.arange(4.0), allocator=world.allocator)
+    block = t.block
+    block.free()  # every handle goes stale; the memory is back at once
+    assert in_use(world.allocator) == world.stats
+    raises_and_keeps(world, lambda w: use(w, t), UseAfterFreeError,
+                     parts(f"uses block #{block.id} (32 B) after its memory was freed (handle "
+                           f"generation 0, block generation 1)"))
+
+
+def test_reading_a_tensor_never_written(world):
+    fresh = runtime.empty((2, 2), "float64", allocator=world.allocator)
+    raises_and_keeps(world, lambda w: fresh.numpy(), UninitializedMemoryError,
+                     parts(f"numpy() reads block #{fresh.block.id} (32 B) before anything was "
+                           f"written to it"))
+    assert not fresh.block.allocated
+
+
+# ---------------------------------------------------------------------- foreign allocations
+PAIRS = [(a, b) for a in ALLOCATORS for b in ALLOCATORS
+         if "(" not in a and "(" not in b]
+
+
+@pytest.mark.parametrize(("owner_kind", "other_kind"), PAIRS)
+def test_freeing_another_allocators_allocation(owner_kind, other_kind):
+    owner, other = _allocator(owner_kind), _allocator(other_kind)
+    foreign = owner.allocate(1000)
+    own = other.allocate(1000)  # NOTE: serial #1 in both allocators
+    assert foreign.serial == own.serial == 1
+    stats = owner.stats(), other.stats()
+    message = parts("invalid free: allocation #1 of 1000 B belongs to another allocator, "
+                    f"<{type(owner).__name__} on cpu", f"not to this one, <{type(other).__name__}",
+                    "free it through its owner")
+    with pytest.raises(InvalidFreeError, match=message):
+        other.free(foreign)
+    assert (owner.stats(), other.stats()) == stats
+    assert foreign.live and own.live
+    assert owner.live_allocations() == [foreign] and other.live_allocations() == [own]
+    owner.check_invariants()
+    other.check_invariants()
+    owner.free(foreign)
+    other.free(own)
+    assert owner.stats()["allocated_bytes"] == other.stats()["allocated_bytes"] == 0
+
+
+def test_two_allocators_of_one_kind_are_told_apart():
+    first, second = allocators.create("direct"), allocators.create("direct")
+    allocation = first.allocate(16)
+    with pytest.raises(InvalidFreeError, match=rf"at {id(first):#x}, not to this one, "
+                                               rf"<DirectAllocator on cpu> at {id(second):#x}"):
+        second.free(allocation)
+    first.free(allocation)
+
+
+@pytest.mark.parametrize("kind", ALLOCATORS)
+def test_double_free_and_non_allocations(kind):
+    alloc = _allocator(kind)
+    kept, gone = alloc.allocate(64), alloc.allocate(64)
+    alloc.free(gone)
+    before = alloc.stats()
+    with pytest.raises(InvalidFreeError, match=parts(f"double free: allocation #{gone.serial} of "
+                                                     "64 B was already freed")):
+        alloc.free(gone)
+    for bad in (None, object(), 4096):
+        with pytest.raises(TypeError, match=parts("free() takes an Allocation, got "
+                                                  f"{type(bad).__name__}")):
+            alloc.free(bad)
+    assert alloc.stats() == before
+    assert alloc.live_allocations() == [kept]
+    alloc.check_invariants()
+
+
+def test_an_adaptor_refuses_its_upstreams_allocation():
+    upstream = allocators.create("caching")
+    adaptor = allocators.StatisticsAdaptor(upstream)
+    mine = adaptor.allocate(64)
+    theirs = upstream.allocate(64)
+    before = adaptor.stats(), upstream.stats()
+    with pytest.raises(InvalidFreeError, match="belongs to another allocator"):
+        adaptor.free(theirs)
+    with pytest.raises(InvalidFreeError, match="belongs to another allocator"):
+        upstream.free(mine)
+    assert (adaptor.stats(), upstream.stats()) == before
+    adaptor.free(mine)
+    upstream.free(theirs)
+    upstream.check_invariants()
+
+
+# ---------------------------------------------------------------------- writes to constants
+READ_ONLY = parts("writes to read-only block #", "(32 B): constants are immutable; copy one with "
+                  "runtime.ops.copy()")
+
+
+@pytest.mark.parametrize("write", [
+    pytest.param(lambda w: ops.neg(w.x[0], out=w.c), id="out"),
+    pytest.param(lambda w: ops.add(w.c, 1.0, out=w.c), id="out-in-place"),
+    pytest.param(lambda w: ops.add(w.c[::2], 1.0, out=w.c[::2]), id="out-view"),
+    pytest.param(lambda w: ops.copy(w.x[1], out=w.c), id="copy-into"),
+    pytest.param(lambda w: w.c.__setitem__(0, 5.0), id="assign"),
+    pytest.param(lambda w: w.c.__setitem__(slice(None), w.x[2]), id="assign-tensor"),
+    pytest.param(lambda w: w.c[1:].__setitem__(0, 5.0), id="assign-through-view"),
+    pytest.param(lambda w: w.c.reshape(2, 2).__setitem__((1, 1), 5.0), id="assign-reshaped"),
+    pytest.param(lambda w: runtime.view(w.c, (2,), offset=2).__setitem__(0, 5.0),
+                 id="assign-through-runtime-view"),
+])
+def test_writes_to_a_constant_are_refused(world, write):
+    message = raises_and_keeps(world, write, ReadOnlyError, READ_ONLY)
+    assert f"#{world.c.block.id} " in message
+    assert world.c.block.readonly
+
+
+# ---------------------------------------------------------------------- mixed devices
+def _second_cpu() -> allocators.Allocator:
+    """An allocator on a second NumPy device: also named "cpu", but another Device."""
+    device = NumpyDevice(0)
+    assert device is not backends.get_device("cpu") and device.name == "cpu"
+    return allocators.create("direct", device)
+
+
+TWO_CPUS = r"cpu \(Device instance 0x[0-9a-f]+\)", r"cpu \(another Device instance, 0x[0-9a-f]+\)"
+A_CPU = r"cpu \((?:another )?Device instance,? 0x[0-9a-f]+\)"
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    pytest.param(lambda w, o: ops.add(w.x, o), "add: operands are on different devices: "
+                 "{0} and {1}; copy one over first", id="add"),
+    pytest.param(lambda w, o: ops.matmul(w.x, o.T), "matmul: operands are on different devices: "
+                 "{0} and {1}", id="matmul"),
+    pytest.param(lambda w, o: ops.add(w.x, w.x, out=o), "add: out is on {1}, the inputs on {0}",
+                 id="out"),
+    pytest.param(lambda w, o: w.x.__setitem__(slice(None), o), "copy: out is on {0}, the "
+                 "inputs on {1}", id="assign"),
+    pytest.param(lambda w, o: runtime.tensor([1.0], device="cpu", allocator=o.block.allocator),
+                 r"allocator <DirectAllocator on cpu> is on {1}, but device {0} was asked for",
+                 id="tensor-allocator"),
+    pytest.param(lambda w, o: ops.cross_entropy(w.x, runtime.tensor(
+                 np.zeros(3, np.int64), allocator=o.block.allocator)),
+                 "cross_entropy: labels are on {1}, logits on {0}", id="labels"),
+])
+def test_two_numpy_devices_do_not_mix(world, call, match):
+    other = runtime.tensor(np.ones((3, 4)), allocator=_second_cpu())
+    message = raises_and_keeps(world, lambda w: call(w, other), ValueError,
+                               match.format(A_CPU, A_CPU))
+    # NOTE: both "cpu" devices are named, told apart by their ids; {0} is the world's device
+    here, there = f"{id(world.x.device):#x}", f"{id(other.device):#x}"
+    assert here in message and there in message, message
+    assert (message.index(here) < message.index(there)) == (match.index("{0}") <
+                                                              match.index("{1}"))
+    np.testing.assert_array_equal(other.numpy(), np.ones((3, 4)))
+
+
+def test_set_default_allocator_on_another_device_changes_nothing(monkeypatch):
+    monkeypatch.setattr(config, "_default_allocators", {})
+    default = runtime.get_default_allocator("cpu")
+    foreign = _second_cpu()
+    with pytest.raises(ValueError, match=r"allocator <DirectAllocator on cpu> lives on "
+                                         rf"{TWO_CPUS[0]}, not on {TWO_CPUS[1]}"):
+        runtime.set_default_allocator(foreign, "cpu")
+    assert runtime.get_default_allocator("cpu") is default
+
+
+def _opencl() -> backends.Device:
+    pytest.importorskip("pyopencl", reason="pyopencl is not installed")
+    if "opencl" not in backends.available():
+        pytest.skip("pyopencl finds no OpenCL device here")
+    return backends.get_device("opencl")
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    pytest.param(lambda w, g: ops.add(w.x, g), parts("add: operands are on different devices: "
+                                                     "cpu and opencl:0"), id="add"),
+    pytest.param(lambda w, g: ops.matmul(g, w.x.T), parts("matmul: operands are on different "
+                                                          "devices: opencl:0 and cpu"),
+                 id="matmul"),
+    pytest.param(lambda w, g: ops.add(g, g, out=w.x), parts("add: out is on cpu, the inputs on "
+                                                            "opencl:0"), id="out-on-cpu"),
+    pytest.param(lambda w, g: w.x.__setitem__(slice(None), g), parts("copy: out is on cpu, the "
+                                                                     "inputs on opencl:0"),
+                 id="assign"),
+    pytest.param(lambda w, g: runtime.tensor([1.0], device="opencl", allocator=w.allocator),
+                 parts("is on cpu, but device opencl:0 was asked for"), id="tensor-allocator"),
+])
+def test_numpy_and_opencl_do_not_mix(world, call, match):
+    gpu = runtime.tensor(np.ones((3, 4)), device=_opencl())
+    raises_and_keeps(world, lambda w: call(w, gpu), ValueError, match)
+    np.testing.assert_array_equal(gpu.numpy(), np.ones((3, 4)))
+
+
+# ---------------------------------------------------------------------- unknown names
+def test_an_unknown_allocator_name_lists_the_known_ones():
+    known = allocators.names()
+    for call in (lambda: allocators.create("bogus", "cpu"),
+                 lambda: runtime.set_default_allocator("bogus")):
+        with pytest.raises(ValueError, match=r"unknown allocator 'bogus'; known: ") as info:
+            call()
+        assert str(info.value).endswith(", ".join(known))
+
+
+@pytest.mark.parametrize(("call", "error", "match"), [
+    pytest.param(lambda: allocators.create(3), TypeError,
+                 parts("an allocator name is a string, got int"), id="create-int"),
+    pytest.param(lambda: allocators.create("direct", bogus=1), TypeError,
+                 parts("unexpected keyword argument 'bogus'"), id="create-bad-option"),
+    pytest.param(lambda: allocators.create("caching", size_classes="bogus"), ValueError,
+                 parts("unknown size classes 'bogus'; known: granule, pow2, mantissa"),
+                 id="size-classes"),
+    pytest.param(lambda: allocators.create("caching", segments="bogus"), ValueError,
+                 parts("segments must be one of ('exact', 'pytorch'), got 'bogus'"),
+                 id="segments"),
+    pytest.param(lambda: allocators.create("caching", max_cached_bytes=-1), ValueError,
+                 parts("max_cached_bytes must be >= 0 bytes, got -1"), id="max-cached"),
+    pytest.param(lambda: allocators.create("caching", limit_bytes=1.5), TypeError,
+                 parts("limit_bytes must be an integer number of bytes, got 1.5"), id="limit"),
+    pytest.param(lambda: allocators.LimitAdaptor(allocators.create("direct"), -5), ValueError,
+                 parts("limit_bytes must be >= 0 bytes, got -5"), id="limit-adaptor"),
+    pytest.param(lambda: allocators.StatisticsAdaptor("direct"), TypeError,
+                 parts("StatisticsAdaptor wraps an allocators.Allocator, got str"),
+                 id="adaptor-of-a-name"),
+    pytest.param(lambda: allocators.register("", allocators.DirectAllocator), ValueError,
+                 parts("an allocator name cannot be empty"), id="register-empty"),
+    pytest.param(lambda: allocators.register("x", 5), TypeError,
+                 parts("the factory for allocator 'x' must be callable, got 5"),
+                 id="register-not-callable"),
+    pytest.param(lambda: allocators.create("direct", "nonsense"), ValueError,
+                 parts("unknown device 'nonsense'; known backends: cpu, cuda, opencl"),
+                 id="create-on-unknown-device"),
+    pytest.param(lambda: backends.get_device("bogus"), ValueError,
+                 parts("unknown device 'bogus'; known backends: cpu, cuda, opencl"),
+                 id="device-bogus"),
+    pytest.param(lambda: backends.get_device("cpu:5"), ValueError,
+                 parts("device 'cpu:5' does not exist: backend 'cpu' has 1 device(s), "
+                       "indices 0..0"), id="device-index"),
+    pytest.param(lambda: backends.get_device("cpu:x"), ValueError,
+                 parts("device index in 'cpu:x' must be a non-negative integer"),
+                 id="device-index-x"),
+    pytest.param(lambda: backends.get_device(0), TypeError,
+                 parts("a device spec is a string such as 'cpu' or 'opencl:1', got 0 of type "
+                       "int"), id="device-int"),
+    pytest.param(lambda: runtime.set_default_allocator(3), TypeError,
+                 parts("set_default_allocator takes a name or an Allocator, got int"),
+                 id="default-allocator-int"),
+    pytest.param(lambda: runtime.tensor([1.0], allocator="direct"), TypeError,
+                 parts("allocator must be an allocators.Allocator, got str"),
+                 id="tensor-allocator-name"),
+    pytest.param(lambda: runtime.set_aliasing("bogus"), ValueError,
+                 parts("aliasing mode must be one of ('copy', 'raise'), got 'bogus'"),
+                 id="aliasing-mode"),
+    pytest.param(lambda: runtime.from_dlpack([1, 2]), TypeError,
+                 parts("from_dlpack needs an object with __dlpack__ and __dlpack_device__, got "
+                       "list"), id="from-dlpack"),
+])
+def test_unknown_names_and_bad_options(call, error, match):
+    registered = allocators.names()
+    with pytest.raises(error, match=match):
+        call()
+    assert allocators.names() == registered  # a failed register or create registers nothing
+    assert runtime.get_aliasing() == "copy"
+
+
+# ---------------------------------------------------------------------- graph arguments
+def _step(x):
+    return ops.add(x, 1.0)
+
+
+@pytest.mark.parametrize(("make", "error", "match"), [
+    pytest.param(lambda: runtime.graph(_step, plan="bogus"), ValueError,
+                 parts("plan must be one of ('none', 'recycle', 'static'), got 'bogus'"),
+                 id="plan"),
+    pytest.param(lambda: runtime.graph(_step, plan=None), ValueError,
+                 parts("plan must be one of ('none', 'recycle', 'static'), got None"),
+                 id="plan-None"),
+    pytest.param(lambda: runtime.graph(_step, checkpoint="bogus"), ValueError,
+                 parts("checkpoint must be one of (None, 'sqrt'), got 'bogus'"), id="checkpoint"),
+    pytest.param(lambda: runtime.graph(_step, checkpoint=3), ValueError,
+                 parts("checkpoint must be one of (None, 'sqrt'), got 3"), id="checkpoint-int"),
+    pytest.param(lambda: runtime.graph(42), TypeError,
+                 parts("graph() needs a callable, got int"), id="fn-not-callable"),
+])
+def test_bad_graph_arguments(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+# ---------------------------------------------------------------------- environment values
+@pytest.fixture
+def fresh_config(monkeypatch):
+    """No default device or allocator chosen yet, as in a process that just started."""
+    monkeypatch.setitem(config._state, "device", None)
+    monkeypatch.setattr(config, "_default_allocators", {})
+    monkeypatch.setattr(config, "_default_constant_pools", {})
+
+
+@pytest.mark.parametrize(("environ", "error", "match"), [
+    pytest.param({"BLOCKRT_DEVICE": "nonsense"}, ValueError,
+                 parts("environment variable BLOCKRT_DEVICE='nonsense': unknown device "
+                       "'nonsense'; known backends: cpu, cuda, opencl"), id="device-nonsense"),
+    pytest.param({"BLOCKRT_DEVICE": "cpu:7"}, ValueError,
+                 parts("environment variable BLOCKRT_DEVICE='cpu:7': device 'cpu:7' does not "
+                       "exist: backend 'cpu' has 1 device(s)"), id="device-index"),
+    pytest.param({"BLOCKRT_DEVICE": "cpu:-1"}, ValueError,
+                 parts("BLOCKRT_DEVICE='cpu:-1': device index in 'cpu:-1' must be a "
+                       "non-negative integer"), id="device-negative-index"),
+    pytest.param({"BLOCKRT_ALLOCATOR": "bogus"}, ValueError,
+                 parts("environment variable BLOCKRT_ALLOCATOR is 'bogus', which names no "
+                       f"allocator; known: {', '.join(allocators.names())}"),
+                 id="allocator-bogus"),
+])
+def test_bad_environment_values_name_the_variable(fresh_config, monkeypatch, environ, error,
+                                                  match):
+    monkeypatch.setattr(config, "SETTINGS", config.Settings.from_environ(environ))
+    kept = runtime.tensor(np.arange(3.0), device="cpu", allocator=allocators.create("direct"))
+    for call in (lambda: runtime.tensor([1.0]), lambda: runtime.zeros(2),
+                 lambda: runtime.constant(np.ones(2))):
+        with pytest.raises(error, match=match):
+            call()
+    assert config._state["device"] is None or "BLOCKRT_ALLOCATOR" in environ
+    assert config.default_allocators() == {}  # nothing half-made is kept
+    np.testing.assert_array_equal(kept.numpy(), np.arange(3.0))
+    runtime.set_default_device("cpu")  # the way out works
+    runtime.set_default_allocator("direct")
+    assert runtime.tensor([1.0]).numpy().tolist() == [1.0]
+
+
+@pytest.mark.parametrize(("variable", "value", "match"), [
+    ("BLOCKRT_DEVICE", "nonsense", "environment variable BLOCKRT_DEVICE='nonsense': unknown "
+                                   "device 'nonsense'"),
+    ("BLOCKRT_ALLOCATOR", "bogus", "environment variable BLOCKRT_ALLOCATOR is 'bogus', which "
+                                   "names no allocator; known: "),
+])
+def test_bad_environment_values_end_to_end(variable, value, match):
+    """Importing works; the first tensor raises, naming the variable and its value."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKRT_")}
+    env[variable] = value
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    code = textwrap.dedent("""
+        import runtime
+        try:
+            runtime.tensor([1.0])
+        except ValueError as exc:
+            print("ValueError:", exc)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ValueError: " + match), result.stdout
+
+
+# ---------------------------------------------------------------------- broken plugins
+PLUGIN_MODULE = "blockrt_bad_input_plugin"
+PLUGINS = {
+    "exploding": f"{PLUGIN_MODULE}_exploding:Factory",   # importing the module raises
+    "missing": f"{PLUGIN_MODULE}:NoSuchFactory",          # the attribute is not there
+    "not_an_allocator": f"{PLUGIN_MODULE}:make_dict",     # returns a dict
+    "raises": f"{PLUGIN_MODULE}:make_nothing",            # the factory itself raises
+}
+
+
+@pytest.fixture
+def broken_plugins(tmp_path, monkeypatch):
+    """A real installed distribution on sys.path whose blockrt.allocators entry points are
+    broken in the ways third-party code breaks."""
+    dist = tmp_path / "blockrt_bad_input_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: blockrt-bad-input-plugin\n"
+                                   "Version: 1.0\n")
+    lines = [f"{name} = {target}" for name, target in PLUGINS.items()]
+    (dist / "entry_points.txt").write_text(f"[{allocators.ENTRY_POINT_GROUP}]\n" +
+                                           "\n".join(lines) + "\n")
+    (tmp_path / f"{PLUGIN_MODULE}_exploding.py").write_text(
+        "raise RuntimeError('the plugin is broken: no libfoo.so')\n")
+    (tmp_path / f"{PLUGIN_MODULE}.py").write_text(textwrap.dedent("""
+        def make_dict(device=None, **options):
+            return {"device": device}
+
+
+        def make_nothing(device=None, **options):
+            raise RuntimeError("make_nothing: cannot reach the pool server")
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    for name in (PLUGIN_MODULE, f"{PLUGIN_MODULE}_exploding"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize(("name", "error", "match"), [
+    pytest.param("exploding", ImportError,
+                 parts("allocator plugin 'exploding' (blockrt_bad_input_plugin_exploding:Factory,"
+                       " entry point group blockrt.allocators) failed to load: the plugin is "
+                       "broken: no libfoo.so"), id="import-raises"),
+    pytest.param("missing", ImportError,
+                 parts("allocator plugin 'missing' (blockrt_bad_input_plugin:NoSuchFactory",
+                       "failed to load", "NoSuchFactory"), id="no-attribute"),
+    pytest.param("not_an_allocator", TypeError,
+                 parts("allocator factory 'not_an_allocator' returned dict, not an "
+                       "allocators.Allocator"), id="returns-a-dict"),
+    pytest.param("raises", RuntimeError, parts("make_nothing: cannot reach the pool server"),
+                 id="factory-raises"),
+])
+def test_a_broken_plugin_fails_clearly_and_breaks_nothing(broken_plugins, name, error, match):
+    assert set(PLUGINS) <= set(allocators.names())
+    alloc = allocators.create("direct")
+    kept = runtime.tensor(np.arange(3.0), allocator=alloc)
+    with pytest.raises(error, match=match) as info:
+        allocators.create(name, "cpu")
+    if error is ImportError:
+        assert info.value.__cause__ is not None  # the plugin's own error is chained
+    np.testing.assert_array_equal(kept.numpy(), np.arange(3.0))
+    assert set(PLUGINS) <= set(allocators.names())  # the registry still lists everything
+    assert type(allocators.create("caching")).__name__ == "CachingAllocator"
+
+
+# ---------------------------------------------------------------------- families of bad input
+small_shapes = hnp.array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=4)
+
+
+def _broadcasts(a: tuple, b: tuple) -> bool:
+    try:
+        np.broadcast_shapes(a, b)
+    except ValueError:
+        return False
+    return True
+
+
+@given(small_shapes, small_shapes, st.sampled_from(["add", "sub", "mul", "div"]))
+def test_shapes_that_do_not_broadcast_always_raise_and_never_write(a_shape, b_shape, op):
+    assume(not _broadcasts(a_shape, b_shape))
+    world = World(allocators.create("direct"))
+    a = runtime.tensor(np.ones(a_shape), allocator=world.allocator)
+    b = runtime.tensor(np.full(b_shape, 2.0), allocator=world.allocator)
+    world.adopt(a=a, b=b)
+    raises_and_keeps(world, lambda w: getattr(ops, op)(a, b), ValueError,
+                     parts(f"{op}: shapes {a_shape} and {b_shape} cannot be broadcast together"))
+    raises_and_keeps(world, lambda w: getattr(ops, op)(a, 1.0, out=b), ValueError,
+                     parts(f"{op}: shapes {a_shape} and {b_shape} cannot be broadcast together "
+                           "(the last is out)"))
+
+
+@given(st.integers(1, 5), st.integers(1, 5), st.integers(1, 5), st.integers(1, 5))
+def test_matmul_with_unequal_inner_dimensions_names_both(m, k, k2, n):
+    assume(k != k2)
+    alloc = allocators.create("direct")
+    a = runtime.tensor(np.ones((m, k)), allocator=alloc)
+    b = runtime.tensor(np.ones((k2, n)), allocator=alloc)
+    before = in_use(alloc)
+    with pytest.raises(ValueError, match=parts(f"shapes {(m, k)} and {(k2, n)} do not align: "
+                                               f"{k} (last dim of a) != {k2} (dim -2 of b)")):
+        ops.matmul(a, b)
+    assert in_use(alloc) == before
+    assert a.numpy().sum() == m * k and b.numpy().sum() == k2 * n
+
+
+@given(small_shapes, st.lists(st.integers(1, 6), min_size=1, max_size=3))
+def test_reshape_to_another_element_count_names_both_counts(shape, new_shape):
+    size, new_size = int(np.prod(shape)), int(np.prod(new_shape))
+    assume(size != new_size)
+    x = runtime.tensor(np.arange(float(size)).reshape(shape), allocator=allocators.create("direct"))
+    with pytest.raises(ValueError, match=parts(f"cannot reshape {size} elements {shape} into "
+                                               f"{tuple(new_shape)} ({new_size} elements)")):
+        x.reshape(new_shape)
+    np.testing.assert_array_equal(x.numpy(), np.arange(float(size)).reshape(shape))
+
+
+@given(small_shapes, st.data())
+def test_an_index_out_of_range_names_the_index_axis_and_size(shape, data):
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    n = shape[axis]
+    index = data.draw(st.one_of(st.integers(n, n + 100), st.integers(-n - 100, -n - 1)))
+    x = runtime.tensor(np.zeros(shape), allocator=allocators.create("direct"))
+    key = (0,) * axis + (index,)
+    with pytest.raises(IndexError, match=parts(f"index {index} is out of bounds for axis {axis} "
+                                               f"with size {n}")):
+        x[key]
+    with pytest.raises(IndexError, match=parts(f"index {index} is out of bounds")):
+        x[key] = 1.0
+    assert not x.numpy().any() and x.version == 1
+
+
+@given(st.sampled_from(ALLOCATORS), st.integers(max_value=-1))
+def test_any_negative_size_is_refused_with_its_number(kind, nbytes):
+    alloc = _allocator(kind)
+    kept = alloc.allocate(10)
+    before = alloc.stats()
+    match = parts(f"allocation size must be >= 0 bytes, got {nbytes}")
+    with pytest.raises(ValueError, match=match):
+        alloc.allocate(nbytes)
+    assert alloc.stats() == before
+    assert alloc.live_allocations() == [kept]
+
+
+@given(st.lists(st.integers(-5, 5), min_size=1, max_size=4))
+def test_a_negative_dimension_is_named(shape):
+    assume(any(n < 0 for n in shape))
+    first = next(n for n in shape if n < 0)
+    alloc = allocators.create("direct")
+    for make in (runtime.empty, runtime.zeros, runtime.ones):
+        with pytest.raises(ValueError, match=parts(f"shape {tuple(shape)} has a negative "
+                                                   f"dimension {first}")):
+            make(shape, allocator=alloc)
+    assert alloc.stats()["num_allocs"] == 0
