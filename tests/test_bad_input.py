@@ -106,13 +106,13 @@ def raises_and_keeps(world: World, call: Callable[[World], Any], error: type, ma
 
 # ---------------------------------------------------------------------- the catalogue
 def _empty(shape, dtype="float64"):
+    """runtime.empty on the world's allocator."""
     return lambda w: runtime.empty(shape, dtype, allocator=w.allocator)
 
 
-def _assign(key, value, target="x"):
-    def call(w: World) -> None:
-        getattr(w, target)[key] = value
-    return call
+def _assign(key, value):
+    """x[key] = value."""
+    return lambda w: w.x.__setitem__(key, value)
 
 
 DTYPE_CASES = [
@@ -378,6 +378,43 @@ def test_an_overlapping_out_in_raise_mode_is_refused_and_writes_nothing(world):
     np.testing.assert_array_equal(square.numpy(), before)
     square.release()
     world.check_intact()
+
+
+# ---------------------------------------------------------------------- autograd misuse
+def _modified_after_save(w: runtime.Tensor) -> None:
+    y = ops.exp(w)
+    with runtime.no_grad():
+        y[0] = 5.0
+    ops.sum(y).backward()
+
+
+def _backward_twice(w: runtime.Tensor) -> None:
+    loss = ops.sum(ops.exp(w))
+    loss.backward()
+    w.grad = None
+    loss.backward()
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    pytest.param(lambda w: ops.exp(w).backward(), parts(
+        "backward() without a gradient needs a scalar (one element) output, this one has shape "
+        "(3,)"), id="non-scalar"),
+    pytest.param(lambda w: ops.exp(w).backward(runtime.tensor(np.ones(2))), parts(
+        "backward(): gradient has shape (2,) and dtype float64; the output has shape (3,)"),
+        id="gradient-shape"),
+    pytest.param(_modified_after_save, parts(
+        "a tensor needed to compute gradients was modified in place: the output of exp (shape "
+        "(3,), float64", "is at version 2, but version 1 was saved"), id="modified-after-save"),
+    pytest.param(_backward_twice, parts("backward through the graph of sum a second time",
+                                        "retain_graph=True"), id="twice"),
+    pytest.param(lambda w: w.__setitem__(0, 2.0), parts(
+        "item assignment is not recorded by autograd", "(target shape (3,))"), id="assign"),
+])
+def test_autograd_misuse_names_the_problem(world, call, match):
+    w = runtime.tensor(np.arange(3.0), requires_grad=True, allocator=world.allocator)
+    world.adopt(w=w)
+    raises_and_keeps(world, lambda _: call(w), AutogradError, match)
+    assert w.grad is None
 
 
 # ---------------------------------------------------------------------- sizes at the allocator
@@ -750,6 +787,11 @@ def fresh_config(monkeypatch):
     pytest.param({"BLOCKRT_DEVICE": "cpu:-1"}, ValueError,
                  parts("BLOCKRT_DEVICE='cpu:-1': device index in 'cpu:-1' must be a "
                        "non-negative integer"), id="device-negative-index"),
+    pytest.param({"BLOCKRT_DEVICE": "cuda"}, backends.BackendUnavailableError,
+                 parts("environment variable BLOCKRT_DEVICE='cuda': backend 'cuda' "),
+                 marks=pytest.mark.skipif("cuda" in backends.available(),
+                                          reason="CUDA is available here"),
+                 id="device-unavailable"),
     pytest.param({"BLOCKRT_ALLOCATOR": "bogus"}, ValueError,
                  parts("environment variable BLOCKRT_ALLOCATOR is 'bogus', which names no "
                        f"allocator; known: {', '.join(allocators.names())}"),
