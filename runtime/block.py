@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 from allocators import Allocation, Allocator, format_bytes
 from runtime.errors import ReadOnlyError, UninitializedMemoryError, UseAfterFreeError
@@ -39,7 +40,7 @@ class Block:
     """
 
     __slots__ = ("nbytes", "allocator", "device", "id", "generation", "version", "readonly",
-                 "on_return", "_allocation", "_written", "_refs", "__weakref__")
+                 "on_return", "lock", "_allocation", "_written", "_refs", "__weakref__")
 
     def __init__(self, nbytes: int, allocator: Allocator) -> None:
         self.nbytes = nbytes
@@ -50,6 +51,10 @@ class Block:
         self.version = 0
         self.readonly = False
         self.on_return: Callable[[Block], None] | None = None
+        # NOTE: set by owners that hand the block to new handles from other threads (the
+        # constant pool): references then move under it, so a handle never revives a block
+        # whose last reference is going
+        self.lock: Any = None
         self._allocation: Allocation | None = None
         self._written = False
         self._refs = 0
@@ -73,26 +78,44 @@ class Block:
     # ------------------------------------------------------------------ references
     def acquire(self) -> int:
         """Add a reference; returns the generation the new handle belongs to."""
-        self._refs += 1
-        return self.generation
+        lock = self.lock
+        if lock is None:
+            self._refs += 1
+            return self.generation
+        with lock:
+            self._refs += 1
+            return self.generation
 
     def release(self, generation: int) -> None:
         """Drop a reference taken at `generation`; the last one returns the memory.
 
         A handle from an older generation (its memory already freed) drops nothing.
         """
-        if generation != self.generation:
+        lock = self.lock
+        if lock is None:
+            if generation == self.generation:
+                self._refs -= 1
+                if self._refs == 0:
+                    self._return_memory()
             return
-        self._refs -= 1
-        if self._refs == 0:
-            self._return_memory()
+        with lock:
+            if generation == self.generation:
+                self._refs -= 1
+                if self._refs == 0:
+                    self._return_memory()
 
     def free(self) -> None:
         """Return the memory now, whatever references remain: every existing handle goes stale
         and raises UseAfterFreeError when used. The block can be written (and allocated) again
         through handles acquired afterwards."""
-        self._refs = 0
-        self._return_memory()
+        lock = self.lock
+        if lock is None:
+            self._refs = 0
+            self._return_memory()
+            return
+        with lock:
+            self._refs = 0
+            self._return_memory()
 
     def _return_memory(self) -> None:
         allocation, self._allocation = self._allocation, None

@@ -221,6 +221,7 @@ class ConstantPool:
         # released tensor still points at it, and Block.free() keeps it alive), so what must
         # end the entry is the memory going back, which only the block itself sees.
         block.on_return = self._forget
+        block.lock = self._lock  # NOTE: a lookup never shares a block whose last release runs
         self._entries.setdefault(key, []).append(block)
         self._keys[block.id] = key
         self._bytes += block.nbytes

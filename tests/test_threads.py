@@ -14,9 +14,9 @@ over what the programs did so far), and finish. Checked throughout:
   allocated) are exact at the halfway barrier and at the end, where they are back to where they
   started, and the allocator's `check_invariants()` passes;
 - the constant pool shares one block per content across threads, its lookups equal the lookups
-  made, hits + misses add up, each miss is one allocation, and it is empty once the tensors go.
-  (Lookups and releases of constants take turns, see `Workload.constant_lock`; everything else
-  runs at once.)
+  made, hits + misses add up, each miss is one allocation, and it is empty once the tensors go;
+  a lookup racing the release of the last tensor over the same content never hands out a tensor
+  whose memory is being freed (`test_a_lookup_never_revives_a_constant_being_freed`).
 
 The allocators: the caching allocator's C hot path, its Python path (`_hot` off: the same state,
 no C), the same under a StatisticsAdaptor, and the runtime's default allocator and default
@@ -45,6 +45,7 @@ import runtime
 from allocators import Allocation, Allocator, StatisticsAdaptor
 from allocators._core import PURE_PYTHON_ENV
 from allocators.testing import allocation_sizes, byte_pattern
+from helpers import run_threads
 from runtime import ConstantPool
 from runtime.config import get_default_constant_pool
 
@@ -127,11 +128,6 @@ class Workload:
                  constant: Callable[[np.ndarray], runtime.Tensor]) -> None:
         self.allocator, self.pool, self.constant = allocator, pool, constant
         self.register = Register()
-        # NOTE: constant lookups and releases take turns. Block.release is not thread-safe
-        # against a lookup of the same content: a thread can share a block whose last tensor
-        # another thread is releasing, and get a tensor whose memory is then freed under it
-        # (UseAfterFreeError). Reported with issue 7; the fix belongs in runtime/.
-        self.constant_lock = threading.Lock()
         self.counts = [Counts() for _ in range(THREADS)]
         self.stats0 = allocator.stats()
         self.pool0 = pool.stats()
@@ -188,8 +184,7 @@ class Workload:
         self.register.check()
 
     def _constant(self, thread: int, step: int, which: int) -> None:
-        with self.constant_lock:
-            tensor = self.constant(CONTENTS[which])
+        tensor = self.constant(CONTENTS[which])
         self.counts[thread].lookups += 1
         self._check_constant(tensor, which, thread)
         self.counts[thread].constants.append((tensor, which))
@@ -199,8 +194,7 @@ class Workload:
         if constants:
             tensor, which = constants.pop(value % len(constants))
             self._check_constant(tensor, which, thread)
-            with self.constant_lock:
-                tensor.release()
+            tensor.release()
 
     @staticmethod
     def _write_pattern(allocation: Allocation, thread: int, step: int) -> np.ndarray:
@@ -387,3 +381,29 @@ def test_the_thread_tests_pass_in_pure_python_mode():
                           cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "1 skipped" in done.stdout, "the C hot path test should skip without the extension"
+
+
+def test_a_lookup_never_revives_a_constant_being_freed() -> None:
+    """Four threads look up the same content and release it at once, switching every
+    microsecond: a lookup racing the last release must either share the block before the
+    release (which then frees nothing) or miss and make a new block, never share a block whose
+    memory is going back (its tensor would raise UseAfterFreeError)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        pool = ConstantPool(allocators.create("caching", "cpu"))
+        data = np.arange(16.0)
+
+        def worker(index: int) -> None:
+            for _ in range(3000):
+                t = pool.constant(data)
+                assert np.array_equal(t.numpy(), data)
+                t.release()
+
+        run_threads(worker, THREADS)
+    finally:
+        sys.setswitchinterval(interval)
+    stats = pool.stats()
+    assert stats["lookups"] == 3000 * THREADS == stats["hits"] + stats["misses"]
+    assert stats["constants"] == 0 and pool.allocator.stats()["allocated_bytes"] == 0
+    pool.check_invariants()
