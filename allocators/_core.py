@@ -9,8 +9,8 @@ defines the same names in Python, then takes the C ones when it can (as CPython'
 with `_heapq`).
 
 The environment variable BLOCKRT_PURE_PYTHON, read once when `allocators` is first imported,
-turns the extension off: set to anything but "", "0", "false" or "no", the pure-Python classes
-below are used. `ACCELERATED` says which are in use.
+turns the extension off: set to 1, true, yes or on, the pure-Python classes below are used; 0,
+false, no, off or unset keep it; anything else is an error. `ACCELERATED` says which are in use.
 """
 
 from __future__ import annotations
@@ -24,7 +24,20 @@ __all__ = ["ACCELERATED", "COUNTERS", "PURE_PYTHON", "PURE_PYTHON_ENV", "Allocat
 
 #: The environment variable that turns the C hot path off (see the module docstring).
 PURE_PYTHON_ENV = "BLOCKRT_PURE_PYTHON"
-PURE_PYTHON = os.environ.get(PURE_PYTHON_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _flag(variable: str) -> bool:
+    value = os.environ.get(variable, "")
+    word = value.strip().lower()
+    if word in ("", "0", "false", "no", "off"):
+        return False
+    if word in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"environment variable {variable}={value!r}: expected 1/true/yes/on or "
+                     f"0/false/no/off (or unset)")
+
+
+PURE_PYTHON = _flag(PURE_PYTHON_ENV)
 
 #: The counters every allocator keeps, by stats key; `stats()` adds the derived ones.
 COUNTERS = ("allocated_bytes", "peak_allocated_bytes", "requested_bytes", "peak_requested_bytes",

@@ -22,7 +22,7 @@ from runtime.config import (
                             set_default_allocator,
                             set_default_device,
 )
-from runtime.constant import ConstantPool, constant
+from runtime.constant import ConstantPool, ReadOnlyAllocator, constant
 from runtime.dlpack import from_dlpack
 from runtime.errors import (
                             AliasingError,
@@ -37,9 +37,9 @@ from runtime.summary import format_report, memory_summary, plot_memory_timeline
 from runtime.tensor import Tensor, empty, ones, tensor, view, zeros
 
 __all__ = ["AliasingError", "AutogradError", "Block", "ConstantPool", "Graph", "GraphCaptureError",
-           "ReadOnlyError", "Tensor", "UninitializedMemoryError", "UseAfterFreeError", "constant",
-           "empty", "enable_grad", "format_report", "from_dlpack", "get_aliasing",
-           "get_default_allocator", "get_default_device", "graph", "is_grad_enabled",
-           "memory_summary", "no_grad", "nn", "ones", "ops", "overlaps", "plot_memory_timeline",
-           "set_aliasing", "set_default_allocator", "set_default_device", "tensor", "view",
-           "zeros"]
+           "ReadOnlyAllocator", "ReadOnlyError", "Tensor", "UninitializedMemoryError",
+           "UseAfterFreeError", "constant", "empty", "enable_grad", "format_report", "from_dlpack",
+           "get_aliasing", "get_default_allocator", "get_default_device", "graph",
+           "is_grad_enabled", "memory_summary", "no_grad", "nn", "ones", "ops", "overlaps",
+           "plot_memory_timeline", "set_aliasing", "set_default_allocator", "set_default_device",
+           "tensor", "view", "zeros"]

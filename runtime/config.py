@@ -191,15 +191,14 @@ def default_allocators() -> dict[Device, Allocator]:
 
 
 def get_default_constant_pool(device: str | Device | None = None) -> ConstantPool:
-    """The constant pool `runtime.constant` uses on `device`, created on first use over the
-    device's default allocator of that moment (a later `set_default_allocator` leaves it be)."""
+    """The constant pool `runtime.constant` uses on `device`, created on first use over a
+    `ReadOnlyAllocator` of its own: constants live in the device's read-only memory."""
     from runtime.constant import ConstantPool  # NOTE: constant imports tensor, which imports us
 
     dev = _device(device)
     pool = _default_constant_pools.get(dev)
     if pool is None:
-        allocator = get_default_allocator(dev)  # NOTE: outside _lock, which it takes itself
-        pool = _per_device(_default_constant_pools, dev, lambda: ConstantPool(allocator))
+        pool = _per_device(_default_constant_pools, dev, lambda: ConstantPool(device=dev))
     return pool
 
 

@@ -28,6 +28,7 @@ import backends
 from allocators import Allocator, DirectAllocator, format_bytes
 from runtime import config
 from runtime.block import Block
+from runtime.errors import device_names
 from runtime.tensor import Tensor, host_array
 
 __all__ = ["ConstantPool", "ReadOnlyAllocator", "constant", "content_digest"]
@@ -56,6 +57,8 @@ class ReadOnlyAllocator(DirectAllocator):
     """
 
     name = "read-only"
+    #: what ops check before placing a result next to its operand (runtime/ops.py)
+    read_only_memory = True
 
     def _device_alloc(self, nbytes: int) -> Any:
         # NOTE: Allocator._device_alloc with read-only memory: the same reserved-bytes books.
@@ -105,8 +108,9 @@ class ConstantPool:
             raise TypeError(f"ConstantPool takes an allocators.Allocator, "
                             f"got {type(allocator).__name__}")
         elif device is not None and backends.get_device(device) is not allocator.device:
-            raise ValueError(f"allocator {allocator!r} is on {allocator.device.name}, but "
-                             f"device {backends.get_device(device).name} was asked for")
+            have, asked = device_names(allocator.device, backends.get_device(device))
+            raise ValueError(f"allocator {allocator!r} is on {have}, but device {asked} was "
+                             f"asked for")
         self.allocator = allocator
         self.device = allocator.device
         # NOTE: a key maps to a list because verified collisions get blocks of their own.
@@ -263,6 +267,6 @@ def constant(data: Any, dtype: Any = None, device: Any = None,
     elif not isinstance(pool, ConstantPool):
         raise TypeError(f"pool must be a runtime.ConstantPool, got {type(pool).__name__}")
     elif device is not None and backends.get_device(device) is not pool.device:
-        raise ValueError(f"the pool is on {pool.device.name}, but device "
-                         f"{backends.get_device(device).name} was asked for")
+        have, asked = device_names(pool.device, backends.get_device(device))
+        raise ValueError(f"the pool is on {have}, but device {asked} was asked for")
     return pool.constant(data, dtype)

@@ -82,10 +82,19 @@ def _broadcast_shapes(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
     return tuple(result)
 
 
+def _result_allocator(like: Tensor) -> Any:
+    """Where a result computed from `like` goes: like's allocator, unless that one hands out
+    read-only memory (a constant pool's); then the device's default allocator."""
+    allocator = like.block.allocator
+    if like.block.readonly and getattr(allocator, "read_only_memory", False):
+        return config.get_default_allocator(like.device)
+    return allocator
+
+
 def _prepare_out(op: str, out: Tensor | None, shape: tuple, dtype: np.dtype,
                  like: Tensor, operands: Sequence[Any] = ()) -> Tensor:
     if out is None:
-        return Tensor._fresh(shape, dtype, like.block.allocator)
+        return Tensor._fresh(shape, dtype, _result_allocator(like))
     if not isinstance(out, Tensor):
         raise TypeError(f"{op}: out must be a Tensor, got {type(out).__name__}")
     if autograd.needs_grad(out, *operands):
@@ -146,7 +155,7 @@ def _launch(op: str, out: Tensor, inputs: Sequence[tuple[str, Tensor, tuple]],
                 f"{op}: the output {aliasing.describe('out', out.block.id, out.layout())} "
                 f"overlaps {'; '.join(clashes)}. The output of {op} {rule}. Use a separate "
                 f"output, or runtime.set_aliasing('copy') to compute through a temporary")
-        temp = Tensor._fresh(out.shape, out.dtype, out.block.allocator)
+        temp = Tensor._fresh(out.shape, out.dtype, _result_allocator(out))
         try:
             _launch(op, temp, inputs, run, scalars, also)
             device = out.device
@@ -494,7 +503,7 @@ def cross_entropy(logits: Tensor, labels: Any, out: Tensor | None = None) -> Ten
         if kind in "iu" and shape == (rows,):
             _check_labels(host, classes)
             label_tensor = tensor(host.astype(np.int64, copy=False), device=device,
-                                  allocator=logits.block.allocator)
+                                  allocator=_result_allocator(logits))
     if kind not in "iu":
         raise TypeError(f"cross_entropy: labels must be integer class indices, got "
                         f"{labels.dtype if isinstance(labels, Tensor) else host.dtype}")
@@ -502,7 +511,7 @@ def cross_entropy(logits: Tensor, labels: Any, out: Tensor | None = None) -> Ten
         raise ValueError(f"cross_entropy: labels have shape {shape}, expected ({rows},) "
                          f"for logits of shape {logits.shape}")
     out = _prepare_out("cross_entropy", out, (rows,), dtype, logits, (logits,))
-    probs = Tensor._fresh((rows, classes), dtype, logits.block.allocator)
+    probs = Tensor._fresh((rows, classes), dtype, _result_allocator(logits))
     _launch("cross_entropy", out, [("logits", logits, logits.shape),
                                    ("labels", label_tensor, (rows,))],
             lambda v, o, p: device.cross_entropy(v[0], v[1], o, p), also=(probs,))

@@ -801,8 +801,13 @@ def test_bad_environment_values_name_the_variable(fresh_config, monkeypatch, env
                                                   match):
     monkeypatch.setattr(config, "SETTINGS", config.Settings.from_environ(environ))
     kept = runtime.tensor(np.arange(3.0), device="cpu", allocator=allocators.create("direct"))
-    for call in (lambda: runtime.tensor([1.0]), lambda: runtime.zeros(2),
-                 lambda: runtime.constant(np.ones(2))):
+    calls = [lambda: runtime.tensor([1.0]), lambda: runtime.zeros(2)]
+    if "BLOCKRT_ALLOCATOR" in environ:
+        # NOTE: constants live in read-only memory from an allocator of their pool's own
+        np.testing.assert_array_equal(runtime.constant(np.ones(2)).numpy(), np.ones(2))
+    else:
+        calls.append(lambda: runtime.constant(np.ones(2)))
+    for call in calls:
         with pytest.raises(error, match=match):
             call()
     assert config._state["device"] is None or "BLOCKRT_ALLOCATOR" in environ
@@ -835,6 +840,41 @@ def test_bad_environment_values_end_to_end(variable, value, match):
                             text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ValueError: " + match), result.stdout
+
+
+@pytest.mark.parametrize("value", ["nonsense", "2", "enable"])
+def test_a_bad_pure_python_switch_names_the_variable(value):
+    """BLOCKRT_PURE_PYTHON takes 1/true/yes/on or 0/false/no/off; anything else stops the
+    import of allocators with the variable and the value, rather than silently picking a mode."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKRT_")}
+    env["BLOCKRT_PURE_PYTHON"] = value
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-c", "import allocators"], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode != 0
+    assert f"environment variable BLOCKRT_PURE_PYTHON={value!r}: expected 1/true/yes/on" in \
+        result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(("value", "accelerated"), [("off", True), ("on", False)])
+def test_the_pure_python_switch_words(value, accelerated):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKRT_")}
+    env["BLOCKRT_PURE_PYTHON"] = value
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    expected = accelerated and allocators.ACCELERATED
+    code = "import allocators; print(allocators.ACCELERATED)"
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.stdout.strip() == str(expected), result.stderr
+
+
+def test_a_pool_on_another_device_instance_tells_the_two_apart():
+    other = type(backends.get_device("cpu"))(0)
+    pool = runtime.ConstantPool(device=other)
+    with pytest.raises(ValueError, match=r"the pool is on cpu \(Device instance 0x[0-9a-f]+\), "
+                                         r"but device cpu \(another Device instance"):
+        runtime.constant(np.ones(2), device="cpu", pool=pool)
+    assert pool.stats()["lookups"] == 0
 
 
 # ---------------------------------------------------------------------- broken plugins

@@ -422,6 +422,8 @@ def ro_pool(dev) -> runtime.ConstantPool:
 
 
 def test_constants_live_in_read_only_buffers_and_tensors_do_not(dev, ro_pool):
+    assert buffer_flags(runtime.constant(np.ones(3, np.float32), device=dev)) & \
+        cl.mem_flags.READ_ONLY  # the default pool too
     c = ro_pool.constant(np.arange(6, dtype=np.float32))
     assert buffer_flags(c) & cl.mem_flags.READ_ONLY
     assert not buffer_flags(c) & (cl.mem_flags.READ_WRITE | cl.mem_flags.WRITE_ONLY)
@@ -514,8 +516,6 @@ def test_graphs_reading_constants_run_under_every_plan(dev, ro_pool, plan):
     ro_pool.check_invariants()
 
 
-@pytest.mark.xfail(strict=True, reason="runtime/ops.py gives an op's result the allocator of its "
-                   "first operand's block: from a constant, a READ_ONLY buffer")
 def test_results_computed_from_a_constant_are_read_write_buffers(dev, ro_pool):
     c = ro_pool.constant(np.arange(4, dtype=np.float32))
     result = runtime.ops.add(c, runtime.tensor(np.ones(4, np.float32), device=dev))
