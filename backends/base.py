@@ -15,7 +15,8 @@ underscore hooks. A hook that a backend lacks raises `NotImplementedError` namin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,19 @@ def check_nbytes(nbytes: Any, what: str = "size") -> int:
 def _missing(device: Device, hook: str) -> NotImplementedError:
     name = type(device).__name__
     return NotImplementedError(f"{name} does not implement the Device hook {hook}()")
+
+
+def _check_program(program: Sequence[tuple[str, tuple, Any]]) -> None:
+    """Raise ValueError unless every link of a fused program names an elementwise kernel and
+    reads only inputs, numbers and links before it."""
+    for i, (name, args, _) in enumerate(program):
+        known = UNARY_KERNELS if len(args) == 1 else BINARY_KERNELS
+        if name not in known or len(args) > 2:
+            raise ValueError(f"fused: link {i} names no elementwise kernel: {name!r} with "
+                             f"{len(args)} argument(s)")
+        for kind, ref in args:
+            if kind == "link" and not 0 <= ref < i:
+                raise ValueError(f"fused: link {i} reads link {ref}, which is not before it")
 
 
 class Device:
@@ -199,24 +213,39 @@ class Device:
         The default runs the kernels block by block over the leading axis with block-sized
         scratch arrays; a backend may compile the chain into one kernel instead (`_fused`).
         """
-        for i, (name, args, _) in enumerate(program):
-            known = UNARY_KERNELS if len(args) == 1 else BINARY_KERNELS
-            if name not in known or len(args) > 2:
-                raise ValueError(f"fused: link {i} names no elementwise kernel: {name!r} with "
-                                 f"{len(args)} argument(s)")
-            for kind, ref in args:
-                if kind == "link" and not 0 <= ref < i:
-                    raise ValueError(f"fused: link {i} reads link {ref}, which is not before it")
+        _check_program(program)
         self._fused(program, inputs, out)
+
+    def prepare_fused(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
+                      out: Any, scratch: dict | None = None) -> Callable[[], None]:
+        """`fused(program, inputs, out)` checked and set up once, as a function that runs it:
+        for a caller that runs the same chain on the same views many times (a graph's replay).
+        The default's scratch arrays and block views are made here, not at every run; pass the
+        same `scratch` dict to chains that never run at the same time and they share them."""
+        _check_program(program)
+        if type(self)._fused is not Device._fused:  # NOTE: the backend compiles its own kernel
+            return functools.partial(self._fused, program, inputs, out)
+        return self._blocked(program, inputs, out, {} if scratch is None else scratch)
 
     def _fused(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
                out: Any) -> None:
+        self._blocked(program, inputs, out, {})()
+
+    def _blocked(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
+                 out: Any, shared: dict) -> Callable[[], None]:
+        """The chain as kernel calls over row blocks of at most FUSED_BLOCK_BYTES, inner
+        results in block-sized scratch arrays: every view made now, a function runs them."""
         shape = tuple(out.shape)
         row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * out.dtype.itemsize)
         rows = max(1, FUSED_BLOCK_BYTES // row_bytes) if shape else 1
         total = shape[0] if shape else 1
-        scratch = [self.scratch((min(rows, total),) + shape[1:] if shape else (), dtype)
-                   for _, _, dtype in program[:-1]]
+        scratch = []
+        for i, (_, _, dtype) in enumerate(program[:-1]):
+            key = ((min(rows, total),) + shape[1:] if shape else (), np.dtype(dtype), i)
+            if key not in shared:
+                shared[key] = self.scratch(key[0], key[1])
+            scratch.append(shared[key])
+        calls: list[tuple[Callable[..., None], tuple]] = []
         for start in range(0, total, rows):
             stop = min(start + rows, total)
             results: list[Any] = []
@@ -233,11 +262,15 @@ class Device:
                     target = out[start:stop] if shape else out
                 else:
                     target = scratch[i][:stop - start] if shape else scratch[i]
-                if len(operands) == 1:
-                    self._unary(name, operands[0], target)
-                else:
-                    self._binary(name, operands[0], operands[1], target)
+                kernel = self._unary if len(operands) == 1 else self._binary
+                calls.append((kernel, (name, *operands, target)))
                 results.append(target)
+
+        def run() -> None:
+            for kernel, args in calls:
+                kernel(*args)
+
+        return run
 
     def to_host(self, view: Any) -> np.ndarray:
         """A new host numpy array equal to the native view `view` (any strides)."""

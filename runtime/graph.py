@@ -132,6 +132,7 @@ class _Capture:
     views: list[Callable[[], None]] | None = None   # static: the steps with bound views
     view_key: tuple = ()
     peak_bytes: int = 0
+    scratch: dict = field(default_factory=dict)   # fused chains' block-sized scratch, shared
 
 
 class Graph:
@@ -196,7 +197,9 @@ class Graph:
         over the schedule, after fusion and in-place reuse), naive_bytes (every intermediate
         block at full size, no reuse), peak_bytes (the most bytes this graph's plan held at
         once in its last run), activation_bytes (the most bytes of forward results live at
-        once), plan, and counts: instructions, steps, fused, in_place, recomputed.
+        once), scratch_bytes (the block-sized scratch arrays fused chains share, made by the
+        device outside any allocator), plan, and counts: instructions, steps, fused, in_place,
+        recomputed.
         """
         capture = self._require_capture()
         static = capture.static_plan
@@ -204,6 +207,7 @@ class Graph:
                 "planned_bytes": static.planned_bytes,
                 "lower_bound_bytes": static.lower_bound_bytes,
                 "naive_bytes": capture.naive_bytes, "peak_bytes": capture.peak_bytes,
+                "scratch_bytes": sum(int(a.nbytes) for a in capture.scratch.values()),
                 **capture.stats}
 
     def timeline(self) -> list[int]:
@@ -858,8 +862,7 @@ def _bind_fused(step: _Step, capture: _Capture, memory: Memory) -> Callable[[], 
         program.append((instr.op, tuple(args), output.dtype))
         link_of[output.block.id] = index
     out = _view(step.instructions[-1].outputs[0], capture, memory)
-    fused, chain = capture.device.fused, tuple(program)
-    return lambda: fused(chain, inputs, out)
+    return capture.device.prepare_fused(tuple(program), inputs, out, capture.scratch)
 
 
 def _release(capture: _Capture) -> None:
@@ -867,6 +870,7 @@ def _release(capture: _Capture) -> None:
         capture.allocator.free(capture.arena)
         capture.arena = None
     capture.views = None
+    capture.scratch.clear()
     for t in capture.held:
         t.release()
     capture.held.clear()
