@@ -137,6 +137,10 @@ class Adaptor(Allocator):
     def available_bytes(self) -> int | None:
         return self.upstream.available_bytes()
 
+    @property
+    def read_only_memory(self) -> bool:  # type: ignore[override]
+        return self.upstream.read_only_memory
+
     def _extra_stats(self) -> dict[str, int | float]:
         """Keys this adaptor adds to `stats()`. Called with the lock held."""
         return {}

@@ -98,6 +98,9 @@ class Allocator(AllocatorState):
     """
 
     name = "allocator"
+    #: whether the memory it hands out is the device's read-only memory (kernels may only read
+    #: it; the host fills it by copies): set by allocators for constants
+    read_only_memory = False
 
     def __init__(self, device: Device | str | None = None) -> None:
         super().__init__()
@@ -216,8 +219,11 @@ class Allocator(AllocatorState):
 
     # ------------------------------------------------------------------ mechanism for subclasses
     def _device_alloc(self, nbytes: int) -> Any:
-        """Raw memory from the device, counted in reserved bytes. Call with the lock held."""
-        raw = self.device._raw_alloc(nbytes)  # NOTE: allocate() already validated nbytes
+        """Raw memory from the device (its read-only memory when `read_only_memory` is set),
+        counted in reserved bytes. Call with the lock held."""
+        device = self.device  # NOTE: allocate() already validated nbytes
+        raw = (device._raw_alloc_read_only(nbytes) if self.read_only_memory
+               else device._raw_alloc(nbytes))
         self._num_device_allocs += 1
         reserved = self._reserved_bytes = self._reserved_bytes + nbytes
         if reserved > self._peak_reserved_bytes:

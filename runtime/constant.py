@@ -57,17 +57,7 @@ class ReadOnlyAllocator(DirectAllocator):
     """
 
     name = "read-only"
-    #: what ops check before placing a result next to its operand (runtime/ops.py)
-    read_only_memory = True
-
-    def _device_alloc(self, nbytes: int) -> Any:
-        # NOTE: Allocator._device_alloc with read-only memory: the same reserved-bytes books.
-        raw = self.device.raw_alloc(nbytes, read_only=True)
-        self._num_device_allocs += 1
-        reserved = self._reserved_bytes = self._reserved_bytes + nbytes
-        if reserved > self._peak_reserved_bytes:
-            self._peak_reserved_bytes = reserved
-        return raw
+    read_only_memory = True  # NOTE: Allocator._device_alloc then asks for read-only memory
 
 
 class ConstantPool:

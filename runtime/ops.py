@@ -86,7 +86,7 @@ def _result_allocator(like: Tensor) -> Any:
     """Where a result computed from `like` goes: like's allocator, unless that one hands out
     read-only memory (a constant pool's); then the device's default allocator."""
     allocator = like.block.allocator
-    if like.block.readonly and getattr(allocator, "read_only_memory", False):
+    if like.block.readonly and allocator.read_only_memory:
         return config.get_default_allocator(like.device)
     return allocator
 

@@ -180,9 +180,15 @@ def test_a_pool_without_an_allocator_keeps_constants_in_read_only_memory(direct)
     assert pool.allocator.stats()["allocated_bytes"] == 48
 
 
-def test_results_computed_from_constants_are_ordinary_writable_tensors():
-    pool = ConstantPool(device="cpu")
+@pytest.mark.parametrize("wrap", [lambda a: a, allocators.StatisticsAdaptor,
+                                  lambda a: allocators.LimitAdaptor(a, 1 << 20)],
+                         ids=["read-only", "statistics", "limit"])
+def test_results_computed_from_constants_are_ordinary_writable_tensors(wrap):
+    allocator = wrap(runtime.ReadOnlyAllocator("cpu"))
+    assert allocator.read_only_memory  # NOTE: an adaptor says what its upstream hands out
+    pool = ConstantPool(allocator)
     c = pool.constant(np.arange(4.0))
+    assert c.device.is_read_only(c.block.memory_for_read().raw)
     for result in (ops.add(c, 1.0), ops.copy(c), ops.neg(c)):
         assert not result.device.is_read_only(result.block.memory_for_read().raw)
         result[0] = 9.0
