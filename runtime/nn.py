@@ -445,8 +445,8 @@ class Adam(Optimizer):
     def _prepare_shared(self) -> None:
         if self._powers is not None:
             return
-        dtype, device, allocator = self.params[0].dtype, self.params[0].device, \
-            self.params[0].block.allocator
+        like = self.params[0]
+        dtype, device, allocator = like.dtype, like.device, like.block.allocator
         # NOTE: all made before any is kept, so a failed allocation leaves none half made
         made = [tensor(np.ones((), dtype), device=device, allocator=allocator) for _ in range(2)]
         made += [_allocated(empty((), dtype, device, allocator)) for _ in range(2)]
