@@ -26,12 +26,17 @@ __all__ = ["ACCELERATED", "COUNTERS", "PURE_PYTHON", "PURE_PYTHON_ENV", "Allocat
 PURE_PYTHON_ENV = "BLOCKRT_PURE_PYTHON"
 
 
+#: The words an on/off environment variable of blockrt accepts (any case).
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
 def _flag(variable: str) -> bool:
     value = os.environ.get(variable, "")
     word = value.strip().lower()
-    if word in ("", "0", "false", "no", "off"):
+    if word in ("", *FALSE_WORDS):
         return False
-    if word in ("1", "true", "yes", "on"):
+    if word in TRUE_WORDS:
         return True
     raise ValueError(f"environment variable {variable}={value!r}: expected 1/true/yes/on or "
                      f"0/false/no/off (or unset)")

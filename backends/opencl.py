@@ -28,6 +28,7 @@ import math
 import re
 import threading
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -418,12 +419,9 @@ class OpenCLDevice(Device):
         rows, classes = logits.shape
         if rows == 0:
             return
-        key = ("cross_entropy", ctype, ltype)
-        kernel = self._kernel(key, lambda: _xent_source(ctype, ltype))
-        args = [rows, classes]
-        for view in (losses, probs, logits, labels):
-            offset, strides = _elements(view)
-            args += [view.base_data, offset, *strides]
+        kernel = self._kernel(("cross_entropy", ctype, ltype),
+                              lambda: _xent_source(ctype, ltype))
+        args = _xent_args(rows, classes, (losses, probs, logits, labels))
         with self._lock:
             if self._flag is None:
                 self._flag = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, 4)
@@ -441,14 +439,21 @@ class OpenCLDevice(Device):
         rows, classes = out.shape
         if rows * classes == 0:
             return
-        key = ("cross_entropy_backward", ctype, ltype)
-        kernel = self._kernel(key, lambda: _xent_backward_source(ctype, ltype))
-        args = [rows, classes]
-        for view in (out, probs, labels, grad):
-            offset, strides = _elements(view)
-            args += [view.base_data, offset, *strides]
+        kernel = self._kernel(("cross_entropy_backward", ctype, ltype),
+                              lambda: _xent_backward_source(ctype, ltype))
+        args = _xent_args(rows, classes, (out, probs, labels, grad))
         total = rows * classes
         self._run(kernel, (-(-total // GROUP) * GROUP,), (GROUP,), *args)
+
+
+def _xent_args(rows: int, classes: int, views: Sequence[Any]) -> list[Any]:
+    """The cross-entropy kernels' arguments: the sizes, then buffer, offset and strides (in
+    elements) of each view, in the kernel's parameter order."""
+    args: list[Any] = [rows, classes]
+    for view in views:
+        offset, strides = _elements(view)
+        args += [view.base_data, offset, *strides]
+    return args
 
 
 # ---------------------------------------------------------------------- kernel sources

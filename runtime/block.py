@@ -92,6 +92,8 @@ class Block:
         A handle from an older generation (its memory already freed) drops nothing.
         """
         lock = self.lock
+        # NOTE: the body is written twice, not moved into a helper: this runs for every tensor
+        # handle that goes, and blocks without a lock should pay one attribute read, no call
         if lock is None:
             if generation == self.generation:
                 self._refs -= 1

@@ -818,6 +818,16 @@ def test_bad_environment_values_name_the_variable(fresh_config, monkeypatch, env
     assert runtime.tensor([1.0]).numpy().tolist() == [1.0]
 
 
+def _python(code: str, **environ: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh Python with this checkout importable, no BLOCKRT_* variable from
+    our environment, and `environ` added."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKRT_")}
+    env.update(environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
 @pytest.mark.parametrize(("variable", "value", "match"), [
     ("BLOCKRT_DEVICE", "nonsense", "environment variable BLOCKRT_DEVICE='nonsense': unknown "
                                    "device 'nonsense'"),
@@ -826,18 +836,13 @@ def test_bad_environment_values_name_the_variable(fresh_config, monkeypatch, env
 ])
 def test_bad_environment_values_end_to_end(variable, value, match):
     """Importing works; the first tensor raises, naming the variable and its value."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKRT_")}
-    env[variable] = value
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    code = textwrap.dedent("""
+    result = _python(textwrap.dedent("""
         import runtime
         try:
             runtime.tensor([1.0])
         except ValueError as exc:
             print("ValueError:", exc)
-    """)
-    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
-                            text=True, timeout=120, check=False)
+    """), **{variable: value})
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ValueError: " + match), result.stdout
 
@@ -846,11 +851,7 @@ def test_bad_environment_values_end_to_end(variable, value, match):
 def test_a_bad_pure_python_switch_names_the_variable(value):
     """BLOCKRT_PURE_PYTHON takes 1/true/yes/on or 0/false/no/off; anything else stops the
     import of allocators with the variable and the value, rather than silently picking a mode."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKRT_")}
-    env["BLOCKRT_PURE_PYTHON"] = value
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, "-c", "import allocators"], env=env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=120, check=False)
+    result = _python("import allocators", BLOCKRT_PURE_PYTHON=value)
     assert result.returncode != 0
     assert f"environment variable BLOCKRT_PURE_PYTHON={value!r}: expected 1/true/yes/on" in \
         result.stderr, result.stderr
@@ -858,14 +859,8 @@ def test_a_bad_pure_python_switch_names_the_variable(value):
 
 @pytest.mark.parametrize(("value", "accelerated"), [("off", True), ("on", False)])
 def test_the_pure_python_switch_words(value, accelerated):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKRT_")}
-    env["BLOCKRT_PURE_PYTHON"] = value
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    expected = accelerated and allocators.ACCELERATED
-    code = "import allocators; print(allocators.ACCELERATED)"
-    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=120, check=False)
-    assert result.stdout.strip() == str(expected), result.stderr
+    result = _python("import allocators; print(allocators.ACCELERATED)", BLOCKRT_PURE_PYTHON=value)
+    assert result.stdout.strip() == str(accelerated and allocators.ACCELERATED), result.stderr
 
 
 def test_a_pool_on_another_device_instance_tells_the_two_apart():

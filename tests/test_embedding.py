@@ -192,24 +192,19 @@ def _run(name: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300, check=False, cwd=ROOT)
 
 
-def test_embed_cupy_example_runs_or_says_why_not():
-    result = _run("embed_cupy.py")
-    if "cuda" in backends.available():
+@pytest.mark.parametrize(("script", "backend", "success", "refusal"), [
+    ("embed_cupy.py", "cuda", "cupy allocations served by blockrt", "needs a CUDA device"),
+    ("embed_pyopencl.py", "opencl", "pyopencl arrays served by blockrt",
+     "needs blockrt's OpenCL backend"),
+])
+def test_embedding_example_runs_or_says_why_not(script, backend, success, refusal):
+    result = _run(script)
+    if backend in backends.available():
         assert result.returncode == 0, result.stderr
-        assert "cupy allocations served by blockrt" in result.stdout
+        assert success in result.stdout
     else:
         assert result.returncode == 1
-        assert "needs a CUDA device" in result.stderr
-
-
-def test_embed_pyopencl_example_runs_or_says_why_not():
-    result = _run("embed_pyopencl.py")
-    if "opencl" in backends.available():
-        assert result.returncode == 0, result.stderr
-        assert "pyopencl arrays served by blockrt" in result.stdout
-    else:
-        assert result.returncode == 1
-        assert "needs blockrt's OpenCL backend" in result.stderr
+        assert refusal in result.stderr
 
 
 def test_dlpack_numpy_example_shares_memory():
