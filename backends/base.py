@@ -80,6 +80,8 @@ class Device:
         alignment: every raw allocation starts at a multiple of this many bytes.
         read_only_memory: True when `raw_alloc(n, read_only=True)` gives memory that the device
             itself marks read-only for kernels; False when it gives ordinary memory.
+        gemm_accumulates: True when `gemm(a, b, out, alpha, beta)` runs as one product
+            (BLAS-style), False when it is emulated with scratch.
 
     Example:
         >>> import backends
@@ -93,6 +95,9 @@ class Device:
     name: str = "device"
     alignment: int = 64
     read_only_memory: bool = False
+    #: True where `gemm` accumulates into its output in the product itself (BLAS's beta), so a
+    #: graph can fold an update such as w -= lr * (a @ b) into the product and save a pass.
+    gemm_accumulates: bool = False
 
     # ----------------------------------------------------------------- memory (public policy)
     def raw_alloc(self, nbytes: int, read_only: bool = False) -> Any:
@@ -181,6 +186,13 @@ class Device:
     def matmul(self, a: Any, b: Any, out: Any) -> None:
         """out = a @ b for 2-D (or batched N-D) views; out never overlaps a or b."""
         self._matmul(a, b, out)
+
+    def gemm(self, a: Any, b: Any, out: Any, alpha: float = 1.0, beta: float = 0.0) -> None:
+        """out = alpha * (a @ b) + beta * out for 2-D views; out never overlaps a or b. With
+        beta 0 the old contents of out are not read. Where `gemm_accumulates` is True this is
+        one BLAS-style product that rounds once; otherwise a product into scratch and a fused
+        elementwise pass (the same result up to rounding)."""
+        self._gemm(a, b, out, float(alpha), float(beta))
 
     def reduce(self, name: str, x: Any, axis: tuple[int, ...] | None, keepdims: bool,
                out: Any) -> None:
@@ -318,6 +330,20 @@ class Device:
 
     def _matmul(self, a: Any, b: Any, out: Any) -> None:
         raise _missing(self, "_matmul")
+
+    def _gemm(self, a: Any, b: Any, out: Any, alpha: float, beta: float) -> None:
+        if beta == 0.0 and alpha == 1.0:
+            self._matmul(a, b, out)
+            return
+        product = self.scratch(tuple(out.shape), out.dtype)
+        self._matmul(a, b, product)
+        dtype = out.dtype
+        scaled = ("mul", (("input", 0), ("number", alpha)), dtype)
+        if beta == 0.0:
+            self.fused([scaled], [product], out)
+        else:
+            self.fused([scaled, ("mul", (("input", 1), ("number", beta)), dtype),
+                        ("add", (("link", 0), ("link", 1)), dtype)], [product, out], out)
 
     def _reduce(self, name: str, x: Any, axis: tuple[int, ...] | None, keepdims: bool,
                 out: Any) -> None:

@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from backends import _blas
 from backends.base import Device
 
 
@@ -131,6 +132,17 @@ class NumpyDevice(Device):
 
     def _matmul(self, a, b, out) -> None:
         np.matmul(a, b, out=out)
+
+    @property
+    def gemm_accumulates(self) -> bool:  # type: ignore[override]
+        return _blas.find() is not None
+
+    def _gemm(self, a, b, out, alpha, beta) -> None:
+        blas = _blas.find()
+        if blas is not None and blas.supports(a, b, out):
+            blas(a, b, out, alpha, beta)
+        else:
+            super()._gemm(a, b, out, alpha, beta)
 
     def _reduce(self, name, x, axis, keepdims, out) -> None:
         _REDUCE[name](x, axis=axis, keepdims=keepdims, out=out)

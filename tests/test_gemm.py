@@ -1,0 +1,115 @@
+"""`Device.gemm`: out = alpha * a @ b + beta * out on every backend, and the CPU device's BLAS
+path (NumPy's own OpenBLAS through CBLAS) against NumPy, for every layout it accepts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import backends
+from backends import Device, _blas
+from helpers import to_device
+
+
+@pytest.fixture(scope="module", params=backends.available())
+def device(request) -> Device:
+    return backends.get_device(request.param)
+
+
+@given(m=st.integers(1, 40), n=st.integers(1, 40), k=st.integers(1, 40),
+       alpha=st.sampled_from([1.0, -0.01, 2.5]), beta=st.sampled_from([0.0, 1.0, 0.9, -1.0]),
+       dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 10_000))
+@settings(max_examples=40)
+def test_gemm_equals_numpy_on_every_backend(device, m, n, k, alpha, beta, dtype, seed):
+    if dtype == np.float64 and not getattr(device, "fp64", True):
+        dtype = np.float32  # an OpenCL device without cl_khr_fp64
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(m, k)).astype(dtype)
+    b = rng.normal(size=(k, n)).astype(dtype)
+    c = rng.normal(size=(m, n)).astype(dtype)
+    out = to_device(device, c)
+    device.gemm(to_device(device, a), to_device(device, b), out, alpha, beta)
+    want = alpha * (a.astype(np.float64) @ b) + beta * c
+    tolerance = 2e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(device.to_host(out), want, rtol=tolerance,
+                               atol=tolerance * (k + 2) * 4)
+
+
+def test_gemm_with_beta_zero_never_reads_the_old_output(device):
+    a = np.ones((3, 2), np.float32)
+    out = to_device(device, np.full((3, 3), np.nan, np.float32))
+    device.gemm(to_device(device, a), to_device(device, a.T.copy()), out, 0.5, 0.0)
+    np.testing.assert_array_equal(device.to_host(out), np.ones((3, 3), np.float32))
+
+
+# ---------------------------------------------------------------------- the CPU's BLAS
+cpu = backends.get_device("cpu")
+blas = _blas.find()
+needs_blas = pytest.mark.skipif(blas is None, reason="NumPy's BLAS is not an OpenBLAS that "
+                                "blockrt can call (Accelerate, MKL or a stripped build): "
+                                "gemm is emulated there")
+
+
+@needs_blas
+def test_numpy_wheels_blas_is_found_and_accumulates():
+    assert cpu.gemm_accumulates
+    assert "openblas" in blas.path.lower()
+
+
+@needs_blas
+@given(m=st.integers(1, 30), n=st.integers(1, 30), k=st.integers(1, 30),
+       layout=st.tuples(st.booleans(), st.booleans()), pad=st.integers(0, 3),
+       dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 10_000))
+@settings(max_examples=60)
+def test_blas_gemm_reads_transposed_and_padded_views(m, n, k, layout, pad, dtype, seed):
+    """Operands stored transposed or with a row pitch wider than their width (a slice of a
+    bigger matrix), and an output with a wide pitch: the same as NumPy's matmul, to rounding."""
+    rng = np.random.default_rng(seed)
+
+    def stored(rows, cols, transposed):
+        if transposed:
+            return rng.normal(size=(cols, rows + pad)).astype(dtype)[:, :rows].T
+        return rng.normal(size=(rows, cols + pad)).astype(dtype)[:, :cols]
+
+    a, b = stored(m, k, layout[0]), stored(k, n, layout[1])
+    out_store = rng.normal(size=(m, n + pad)).astype(dtype)
+    out = out_store[:, :n]
+    before = out_store.copy()
+    assert blas.supports(a, b, out)
+    blas(a, b, out, -0.5, 1.0)
+    want = before[:, :n] - 0.5 * (a.astype(np.float64) @ b)
+    tolerance = 2e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(out, want, rtol=tolerance, atol=tolerance * (k + 2) * 4)
+    np.testing.assert_array_equal(out_store[:, n:], before[:, n:])  # the padding is untouched
+
+
+@needs_blas
+def test_layouts_blas_cannot_read_fall_back_to_the_emulation():
+    rng = np.random.default_rng(3)
+    a = rng.normal(size=(8, 12)).astype(np.float32)[:, ::2]  # every other column: no unit stride
+    b = rng.normal(size=(6, 5)).astype(np.float32)
+    mixed = b.astype(np.float64)
+    out_t = np.zeros((5, 8), np.float32).T  # a transposed output
+    assert not blas.supports(a, b, np.zeros((8, 5), np.float32))
+    assert not blas.supports(a[:, :6].copy(), mixed, np.zeros((8, 5), np.float64))
+    assert not blas.supports(np.ascontiguousarray(a), b, out_t)
+    out = np.ones((8, 5), np.float32)
+    cpu.gemm(a, b, out, 2.0, 1.0)  # emulated: product into scratch, then one fused pass
+    np.testing.assert_allclose(out, 1.0 + 2.0 * (a @ b), rtol=1e-5, atol=1e-5)
+    cpu.gemm(np.ascontiguousarray(a), b, out_t, 1.0, 0.0)
+    np.testing.assert_allclose(out_t, a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_blas_that_gets_the_self_test_wrong_is_not_used():
+    class IgnoresBeta:
+        def supports(self, a, b, c):
+            return True
+
+        def __call__(self, a, b, c, alpha, beta):
+            np.copyto(c, alpha * (a @ b))
+
+    assert not _blas._passes(IgnoresBeta())
+    if blas is not None:
+        assert _blas._passes(blas)
