@@ -105,6 +105,10 @@ class _Step:
     instructions: list[Instruction]
     #: blocks of intermediates internal to a fused chain (never materialised at full size)
     internal: set[int] = field(default_factory=set)
+    #: a matrix product heading the chain (`instructions[0]`, see `_attach_products`): "into"
+    #: (the product goes into the chain's output, the chain runs over it in place) or
+    #: (alpha, beta) (the whole chain is out = alpha * product + beta * out: one `Device.gemm`)
+    product: str | tuple[float, float] | None = None
 
 
 @dataclass
@@ -335,6 +339,13 @@ def _copy_inputs(capture: _Capture, args: Sequence[Any]) -> None:
         if holder is None:
             continue
         if isinstance(arg, Tensor):
+            if arg.device is holder.device and arg.block is not holder.block:
+                # NOTE: the hot path of every replay: distinct blocks never overlap, so a plain
+                # device copy between the (checked, cached) native views is safe
+                source = arg._native_read("graph input")
+                holder.device.unary("copy", source, holder._native_write("graph input"))
+                holder.block.mark_written()
+                continue
             from runtime import ops
 
             with autograd.no_grad():
@@ -389,9 +400,15 @@ def _build(recorder: Tape, placeholders: list[Tensor | None], outputs: list[Tens
     order = _schedule(program, intermediate)
     scheduled = [program[i] for i in order]
     # Phase 3: fusion into steps, then in-place reuse, both on the schedule.
-    steps = _fuse(scheduled, intermediate) if fuse else [_Step([i]) for i in scheduled]
+    if fuse:
+        steps = _attach_products(_fuse(scheduled, intermediate), intermediate, device)
+    else:
+        steps = [_Step([i]) for i in scheduled]
     internal = set().union(*(step.internal for step in steps))
-    buffer_of, in_place = _buffers(steps, intermediate - internal, fuse and plan != "none")
+    fresh = {step.instructions[-1].outputs[0].block.id for step in steps
+             if step.product == "into"}
+    buffer_of, in_place = _buffers(steps, intermediate - internal, fuse and plan != "none",
+                                   fresh)
     # Phase 4: lifetimes per buffer, in step positions, and the static plan.
     first: dict[int, int] = {}
     last: dict[int, int] = {}
@@ -413,6 +430,7 @@ def _build(recorder: Tape, placeholders: list[Tensor | None], outputs: list[Tens
     activation = [life for life in lifetimes if life.key in forward]
     stats = {"instructions": len(scheduled), "steps": len(steps),
              "fused": sum(len(s.instructions) for s in steps if len(s.instructions) > 1),
+             "products": sum(1 for s in steps if s.product is not None),
              "in_place": in_place, "recomputed": recomputed,
              "activation_bytes": planner.lower_bound(activation) if activation else 0}
     naive = sum(blocks[bid].nbytes for bid in intermediate)
@@ -560,9 +578,130 @@ def _fuse(scheduled: list[Instruction], intermediate: set[int]) -> list[_Step]:
     return steps
 
 
-def _buffers(steps: list[_Step], planned: set[int], in_place: bool) -> tuple[dict[int, int], int]:
+_PRODUCTS = ("matmul", "linear")
+
+
+def _is_product(instr: Instruction) -> bool:
+    """A 2-D matrix product: matmul(a, b), or linear(x, weight.T[, bias broadcast])."""
+    return (instr.kind == "kernel" and instr.op in _PRODUCTS and len(instr.outputs) == 1
+            and instr.outputs[0].whole
+            and all(len(o.shape) == 2 for o in (*instr.inputs[:2], instr.outputs[0])))
+
+
+def _attach_products(steps: list[_Step], intermediate: set[int], device: Any) -> list[_Step]:
+    """Move each matrix product whose result (an intermediate) only an elementwise chain reads,
+    whole, into that chain's step, so the product never gets a buffer of its own:
+    - (alpha, beta): the chain computes out = alpha * product + beta * out, in place on out
+      (plain SGD's w - lr * g, momentum's buf + g), and the device's gemm accumulates: one
+      BLAS call, no pass over a gradient at all; it rounds once where the chain rounded twice
+      or three times;
+    - "into": otherwise, when the chain's output has the product's shape and dtype and shares
+      no block with what the step reads: the product is written straight into the output and
+      the chain (with linear's bias add at its head) runs over it in place. Bit-identical.
+    The product moves later, to the chain's position, only past steps that write nothing it
+    reads."""
+    readers: dict[int, set[int]] = {}
+    writers: dict[int, set[int]] = {}
+    for position, step in enumerate(steps):
+        for instr in step.instructions:
+            for operand in instr.inputs:
+                readers.setdefault(operand.block.id, set()).add(position)
+            for operand in instr.outputs:
+                writers.setdefault(operand.block.id, set()).add(position)
+    moved: set[int] = set()
+    for position, step in enumerate(steps):
+        if step.product is not None or not all(_fusable(i) for i in step.instructions):
+            continue
+        out = step.instructions[-1].outputs[0]
+        for operand in (o for i in step.instructions for o in i.inputs):
+            bid = operand.block.id
+            source = writers.get(bid, set())
+            if bid not in intermediate or len(source) != 1 or readers[bid] != {position}:
+                continue
+            (at,) = source
+            head = steps[at].instructions[0]
+            if at >= position or at in moved or len(steps[at].instructions) != 1 \
+                    or not _is_product(head):
+                continue
+            reads = {o.block.id for o in head.inputs}
+            if any(o.block.id in reads for later in steps[at + 1:position]
+                   for i in later.instructions for o in i.outputs):
+                continue
+            kind = _folding(step, head, out, device)
+            if kind is None:
+                continue
+            steps[position] = _Step([head, *step.instructions], step.internal | {bid}, kind)
+            moved.add(at)
+            break
+    return [step for position, step in enumerate(steps) if position not in moved]
+
+
+def _folding(step: _Step, head: Instruction, out: Operand,
+             device: Any) -> str | tuple[float, float] | None:
+    """How `head`'s product joins `step`'s chain (see `_attach_products`), or None."""
+    product = head.outputs[0]
+    if any(o.block.id == product.block.id and (o.shape != out.shape or not o.whole)
+           for i in step.instructions for o in i.inputs):
+        return None
+    if product.dtype != out.dtype or product.shape != out.shape:
+        return None
+    reads = {o.block.id for o in head.inputs}
+    if out.block.id in reads:
+        return None
+    if head.op == "matmul" or len(head.inputs) == 2:
+        form = _linear_form(step.instructions, product.block.id, out)
+        if form is not None and device.gemm_accumulates \
+                and out.dtype in (np.float32, np.float64):
+            return form
+    if any(o.block.id == out.block.id for i in step.instructions for o in i.inputs):
+        return None
+    return "into"
+
+
+def _linear_form(chain: Sequence[Instruction], product: int,
+                 out: Operand) -> tuple[float, float] | None:
+    """(alpha, beta) when `chain` computes out = alpha * product + beta * out exactly in form
+    (adds, subtractions, negations and multiplications by numbers of those two), else None."""
+    value: dict[int, tuple[float, float]] = {}  # block id -> (coefficient of product, of out)
+    form: tuple[float, float] | None = None
+    for instr in chain:
+        scalars = instr.scalars or {}
+        operands = iter(instr.inputs)
+        args: list[Any] = []
+        for position in range(len(instr.inputs) + len(scalars)):
+            if position in scalars:
+                args.append(float(scalars[position]))
+                continue
+            operand = next(operands)
+            if operand.block.id == product:
+                args.append((1.0, 0.0))
+            elif operand == out:
+                args.append((0.0, 1.0))
+            elif operand.block.id in value:
+                args.append(value[operand.block.id])
+            else:
+                return None
+        terms = [a for a in args if isinstance(a, tuple)]
+        numbers = [a for a in args if not isinstance(a, tuple)]
+        if instr.op in ("add", "sub") and len(terms) == 2:
+            sign = 1.0 if instr.op == "add" else -1.0
+            form = (terms[0][0] + sign * terms[1][0], terms[0][1] + sign * terms[1][1])
+        elif instr.op == "mul" and len(terms) == 1 and len(numbers) == 1:
+            form = (terms[0][0] * numbers[0], terms[0][1] * numbers[0])
+        elif instr.op == "neg" and len(terms) == 1:
+            form = (-terms[0][0], -terms[0][1])
+        else:
+            return None
+        value[instr.outputs[0].block.id] = form
+    return form if form is not None and form[0] != 0.0 else None
+
+
+def _buffers(steps: list[_Step], planned: set[int], in_place: bool,
+             fresh: set[int] = frozenset()) -> tuple[dict[int, int], int]:
     """Map each planned block to a buffer: its own, or (in place) the buffer of an elementwise
-    input that dies at the step writing it, when both cover their blocks whole with one size."""
+    input that dies at the step writing it, when both cover their blocks whole with one size.
+    Blocks in `fresh` always get their own (a product is written into them before the chain
+    that reads the dying inputs runs)."""
     flat = [(position, instr) for position, step in enumerate(steps)
             for instr in step.instructions]
     last_use: dict[int, int] = {}
@@ -583,7 +722,7 @@ def _buffers(steps: list[_Step], planned: set[int], in_place: bool) -> tuple[dic
                 continue
             donor = None
             if in_place and instr.policy == "elementwise" and out.whole \
-                    and first_write[bid] == position:
+                    and first_write[bid] == position and bid not in fresh:
                 for operand in instr.inputs:
                     source = operand.block.id
                     if (source in buffer_of and source not in taken and operand.whole
@@ -809,7 +948,9 @@ def _outside_writes(instructions: Sequence[Instruction], capture: _Capture) -> l
 def _bind(step: _Step, capture: _Capture, memory: Memory) -> Callable[[], None]:
     """A function that runs `step` on views bound now."""
     marks = _outside_writes(step.instructions, capture)
-    if len(step.instructions) > 1:
+    if step.product is not None:
+        run = _bind_product(step, capture, memory)
+    elif len(step.instructions) > 1:
         run = _bind_fused(step, capture, memory)
     else:
         run = _bind_one(step.instructions[0], capture, memory)
@@ -838,13 +979,44 @@ def _bind_one(instr: Instruction, capture: _Capture, memory: Memory) -> Callable
     return lambda: run(views, *targets)
 
 
-def _bind_fused(step: _Step, capture: _Capture, memory: Memory) -> Callable[[], None]:
+def _bind_product(step: _Step, capture: _Capture, memory: Memory) -> Callable[[], None]:
+    """A product heading a chain (`_attach_products`): one accumulating gemm, or the product
+    written into the chain's output and the chain run over it in place."""
+    head, chain = step.instructions[0], step.instructions[1:]
+    device = capture.device
+    a, b = (_view(operand, capture, memory) for operand in head.inputs[:2])
+    out = _view(chain[-1].outputs[0], capture, memory)
+    if step.product != "into":
+        alpha, beta = step.product
+        return lambda: device.gemm(a, b, out, alpha, beta)
+    rest = _bind_fused(_Step(chain, step.internal), capture, memory, head)
+
+    def run() -> None:
+        device.matmul(a, b, out)  # NOTE: as the op itself computes it: bit-identical
+        rest()
+
+    return run
+
+
+def _bind_fused(step: _Step, capture: _Capture, memory: Memory,
+                head: Instruction | None = None) -> Callable[[], None]:
     """A chain of elementwise instructions as one `Device.fused` program: the chain's external
-    operands are its inputs, its inner results are links that never exist at full size."""
+    operands are its inputs, its inner results are links that never exist at full size. With
+    a product `head` already written into the chain's output, the program reads that output
+    (plus linear's bias, added first) where the chain read the product."""
+    out = _view(step.instructions[-1].outputs[0], capture, memory)
     inputs: list[Any] = []
     program: list[tuple[str, tuple, Any]] = []
-    link_of: dict[int, int] = {}
-    for index, instr in enumerate(step.instructions):
+    source: dict[int, tuple[str, int]] = {}  # internal block id -> its argument
+    if head is not None:
+        product = head.outputs[0]
+        inputs.append(out)
+        source[product.block.id] = ("input", 0)
+        if len(head.inputs) > 2:  # linear's bias
+            inputs.append(_view(head.inputs[2], capture, memory))
+            program.append(("add", (("input", 0), ("input", 1)), product.dtype))
+            source[product.block.id] = ("link", 0)
+    for instr in step.instructions:
         scalars = instr.scalars or {}
         operands = iter(instr.inputs)
         args = []
@@ -854,14 +1026,13 @@ def _bind_fused(step: _Step, capture: _Capture, memory: Memory) -> Callable[[], 
                 continue
             operand = next(operands)
             if operand.block.id in step.internal:
-                args.append(("link", link_of[operand.block.id]))
+                args.append(source[operand.block.id])
             else:
                 args.append(("input", len(inputs)))
                 inputs.append(_view(operand, capture, memory))
         output = instr.outputs[0]
         program.append((instr.op, tuple(args), output.dtype))
-        link_of[output.block.id] = index
-    out = _view(step.instructions[-1].outputs[0], capture, memory)
+        source[output.block.id] = ("link", len(program) - 1)
     return capture.device.prepare_fused(tuple(program), inputs, out, capture.scratch)
 
 

@@ -78,6 +78,68 @@ def test_fused_chains_give_bitwise_the_unfused_results():
         np.testing.assert_array_equal(a, b)
 
 
+# ---------------------------------------------------------------------- products in chains
+def test_products_fold_into_their_updates_and_activations():
+    """Plain SGD: each hidden product folds into its bias + ReLU chain and each dx into ReLU's
+    backward; where gemm accumulates, each weight gradient x.T @ g folds into w -= lr * (...)
+    too. Fewer steps, less memory, results equal to eager within float32 rounding."""
+    widths, data = (16, 64, 64, 64, 4), batches(3, 48, 16, 4)
+    _, step = mlp_step(widths, OPTIMIZERS["sgd"])
+    eager = [step(runtime.tensor(x), y).item() for x, y in data]
+    reports = {}
+    for fuse in (False, True):
+        model, replayed = mlp_step(widths, OPTIMIZERS["sgd"])
+        graph = runtime.graph(replayed, plan="static", fuse=fuse)
+        got = [graph(x, y).item() for x, y in data]
+        np.testing.assert_allclose(got, eager, rtol=1e-6)
+        reports[fuse] = graph.memory_report()
+    assert reports[False]["products"] == 0
+    hidden = len(widths) - 2  # products into bias + ReLU and into ReLU's backward, each
+    accumulating = runtime.get_default_device().gemm_accumulates  # and the 4 weight updates
+    assert reports[True]["products"] == 2 * hidden + (len(widths) - 1) * accumulating
+    assert reports[True]["steps"] < reports[False]["steps"]
+    if accumulating:  # no weight gradient is ever materialised
+        assert reports[True]["planned_bytes"] < reports[False]["planned_bytes"]
+    assert reports[True]["planned_bytes"] <= reports[False]["planned_bytes"]
+
+
+def test_a_product_never_moves_past_a_write_to_what_it_reads():
+    """The product must read a before the in-place write to a; it then feeds a chain."""
+    w = runtime.tensor(np.arange(12.0).reshape(3, 4) / 10)
+
+    def fn(x):
+        a = ops.tanh(x)
+        p = ops.matmul(a, w)
+        ops.mul(a, 3.0, out=a)                 # a written after p read it
+        return ops.add(ops.relu(p), ops.sum(a))
+
+    for plan in PLANS:
+        graph = runtime.graph(fn, plan=plan)
+        for value in (0.5, -1.0):
+            x = np.full((2, 3), value) + np.arange(6.0).reshape(2, 3) / 7
+            want = np.maximum(np.tanh(x) @ w.numpy(), 0) + 3 * np.tanh(x).sum()
+            np.testing.assert_allclose(graph(x).numpy(), want, rtol=1e-12)
+
+
+def test_a_product_written_into_a_chain_output_never_overwrites_a_chain_input():
+    """relu_backward(x @ w, h): h dies at that step and has its shape, so in-place reuse would
+    hand h's buffer to the output; the product written there first would destroy h."""
+    w = runtime.tensor(np.linspace(-1, 1, 16).reshape(4, 4))
+
+    def fn(x):
+        h = ops.tanh(ops.mul(x, 2.0))
+        return ops.mul(ops.matmul(x, w), h)
+
+    for plan in PLANS:
+        graph = runtime.graph(fn, plan=plan)
+        assert graph(np.ones((3, 4))) is not None
+        assert graph.memory_report()["products"] == 1
+        for value in (0.25, -2.0):
+            x = np.full((3, 4), value) + np.arange(12.0).reshape(3, 4) / 11
+            want = (x @ w.numpy()) * np.tanh(2 * x)
+            np.testing.assert_allclose(graph(x).numpy(), want, rtol=1e-12)
+
+
 # ---------------------------------------------------------------------- random programs
 UNARY = ["neg", "exp", "tanh", "sigmoid", "relu", "copy"]
 BINARY = ["add", "sub", "mul"]
@@ -90,7 +152,7 @@ def programs(draw):
     count = 2
     for _ in range(draw(st.integers(1, 12))):
         kind = draw(st.sampled_from(["unary", "binary", "scalar", "matmul", "sum", "view",
-                                     "inplace"]))
+                                     "inplace", "update"]))
         pick = st.integers(0, count - 1)
         if kind == "unary":
             steps.append(("unary", draw(st.sampled_from(UNARY)), (draw(pick),), None))
@@ -106,6 +168,10 @@ def programs(draw):
             steps.append(("sum", "sum", (draw(pick),), draw(st.sampled_from([0, 1]))))
         elif kind == "view":
             steps.append(("view", "T", (draw(pick),), None))
+        elif kind == "update":
+            steps.append(("update", draw(st.sampled_from(["add", "sub"])),
+                          (draw(pick), draw(pick), draw(pick)),
+                          draw(st.sampled_from([0.5, -2.0, 1.0]))))
         else:
             steps.append(("inplace", draw(st.sampled_from(BINARY)), (draw(pick), draw(pick)),
                           None))
@@ -135,6 +201,14 @@ def run_program(program, a, b):
             values.append(ops.sum(xs[0], axis=extra, keepdims=True))
         elif kind == "view":
             values.append(xs[0].T)
+        elif kind == "update":  # t = copy(x); t -= k * (l @ r), as an optimizer updates
+            x, y, z = xs
+            target = ops.copy(x)
+            left = next((v for v in (y, z) if v.shape[0] == target.shape[0]), x)
+            right = ops.matmul(left.T, x)  # (k, rows) @ (rows, cols): fits left @ right
+            product = ops.matmul(left, right)
+            getattr(ops, name)(target, ops.mul(product, extra), out=target)
+            values.append(target)
         else:  # an in-place write into a fresh copy of the first operand
             target = ops.copy(xs[0])
             source = xs[1] if xs[1].shape == target.shape else target
