@@ -14,18 +14,23 @@ when torch is not importable), `blockrt-eager` (blockrt's autograd and `runtime.
 `runtime.nn` is missing), and on request `numpy-naive` (the plain NumPy reference, a new array per
 result).
 
-Each measurement runs in a fresh subprocess (`--only NAME --config C`, one JSON line out), with
+Each contender runs in its own long-lived subprocess (`--serve NAME --config C`), with
 OMP_NUM_THREADS, OPENBLAS_NUM_THREADS and MKL_NUM_THREADS set to 2 before NumPy loads and
-`torch.set_num_threads(2)`. The child builds the model, warms up (at least one step), then times
-each whole step for at least `--seconds` (and at least 2 steps). The parent interleaves the
-contenders' subprocesses in rounds, rotating the order, so all contenders see the same machine
-load, and reports each contender's **best step** (the fastest single step over all rounds). The
-best is the figure because this machine is shared: other work comes in bursts of seconds and
-slows a 2-thread OpenBLAS up to 20-fold (PyTorch's threads far less), so means and medians
-measure the neighbours; every round's mean and fastest step are in the `--json` records. The
-child also reports ru_maxrss after the data, after setup and after training (process memory).
+`torch.set_num_threads(2)`. The child builds the model and warms up (at least 2 steps and half a
+second: a graph's capture happens there), then serves rounds: in each round every contender in
+turn (order rotated per round, a 0.15 s pause first so the previous one's BLAS and OpenMP
+threads have stopped spinning) times whole steps for at least `--seconds` (and at least 2).
 
-Run: python benchmarks/bench_train.py [--quick] [--configs S,M,L] [--contenders a,b] [--check]
+Two figures come out. Each contender's **fastest step** over all rounds, and for each pair the
+**median over rounds of the ratio of their fastest steps in that round**. The ratio is the one to
+read: this machine is shared, and it runs in slow and fast spells of tens of seconds (the same
+GEMM takes 2.8 ms in one and 4.5 ms in the next), so two contenders measured minutes apart, or
+even each one's best over a whole run, can differ by the spell they drew; within a round they
+ran seconds apart. Every step time is in the `--json` records. Each child also reports
+ru_maxrss after the data, after setup and after its last round (process memory).
+
+Run: python benchmarks/bench_train.py [--quick] [--configs S,M,L] [--contenders a,b] [--rounds N]
+     [--seconds T] [--check] [--json PATH]
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -67,7 +73,9 @@ DEFAULT_CONTENDERS = ("numpy-prealloc", "torch", "blockrt-eager", "blockrt-none"
 RATIOS = (("blockrt-eager", "numpy-prealloc"), ("blockrt-eager", "torch"),
           ("blockrt-static", "blockrt-eager"), ("blockrt-static", "numpy-prealloc"),
           ("blockrt-static", "torch"), ("torch", "numpy-prealloc"))
-ROUNDS = {"S": 7, "M": 5, "L": 3}
+ROUNDS = {"S": 30, "M": 20, "L": 8}
+PAUSE_SECONDS = 0.15   # before each contender's turn: the last one's threads stop spinning
+WARMUP_SECONDS = 0.5
 
 
 def maxrss_kib() -> int:
@@ -95,8 +103,10 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
-def measure(name: str, config_name: str, quick: bool, seconds: float) -> dict[str, Any]:
-    """One round of one contender in this process: what `--only` prints as a JSON line."""
+def serve(name: str, config_name: str, quick: bool) -> None:
+    """A contender kept alive for a whole configuration (`--serve`): build it, warm up, say
+    "ready" (one JSON line), then answer each "run SECONDS" with one round (the step times of
+    at least 2 steps and at least SECONDS) and "stop" with the closing record."""
     config = (QUICK_CONFIGS if quick else CONFIGS)[config_name]
     record: dict[str, Any] = {"contender": name, "config": config_name, **config._asdict()}
     params = init_params(config)
@@ -105,7 +115,8 @@ def measure(name: str, config_name: str, quick: bool, seconds: float) -> dict[st
     try:
         trainer = CONTENDERS[name](params, x, labels, LR)
     except ContenderUnavailable as e:
-        return {**record, "status": "skipped", "reason": str(e)}
+        print(json.dumps({**record, "status": "skipped", "reason": str(e)}), flush=True)
+        return
     del params  # the contender holds its own copy
     threads = {variable: os.environ.get(variable) for variable in THREAD_VARIABLES}
     if "torch" in sys.modules:
@@ -114,101 +125,163 @@ def measure(name: str, config_name: str, quick: bool, seconds: float) -> dict[st
         threads["torch"] = torch.get_num_threads()
     rss_setup = maxrss_kib()
     rss_before = reset_peak_rss()
-    # Warm up: at least one step and a tenth of the measuring time (first touch, caches).
-    start = time.perf_counter()
+    start = time.perf_counter()  # warm up: first touch, caches, a capture's first call
     first_loss = trainer.step()
     warmup_steps = 1
-    while time.perf_counter() - start < seconds / 10:
+    while warmup_steps < 2 or time.perf_counter() - start < WARMUP_SECONDS:
         trainer.step()
         warmup_steps += 1
-    times = []
-    start = time.perf_counter()
-    while len(times) < 2 or time.perf_counter() - start < seconds:
-        begin = time.perf_counter()
-        last_loss = trainer.step()
-        times.append(time.perf_counter() - begin)
-    return {**record, "status": "ok", "threads": threads, "first_loss": first_loss,
-            "last_loss": last_loss, "warmup_steps": warmup_steps, "steps": len(times),
-            "ms_per_step": 1e3 * sum(times) / len(times), "ms_min_step": 1e3 * min(times),
-            "maxrss_kib": {"data": rss_data, "setup": rss_setup, "after": maxrss_kib()},
-            "added_by_training_kib": (None if rss_before is None
-                                      else _status_kib("VmHWM") - rss_before)}
+    print(json.dumps({"status": "ready"}), flush=True)
+    last_loss = first_loss
+    for line in sys.stdin:
+        command = line.split()
+        if not command or command[0] != "run":
+            break
+        seconds = float(command[1])
+        times = []
+        start = time.perf_counter()
+        while len(times) < 2 or time.perf_counter() - start < seconds:
+            begin = time.perf_counter()
+            last_loss = trainer.step()
+            times.append(time.perf_counter() - begin)
+        print(json.dumps({"ms": [1e3 * t for t in times], "at": time.time()}), flush=True)
+    print(json.dumps({
+        **record, "status": "ok", "threads": threads, "first_loss": first_loss,
+        "last_loss": last_loss, "warmup_steps": warmup_steps,
+        "maxrss_kib": {"data": rss_data, "setup": rss_setup, "after": maxrss_kib()},
+        "added_by_training_kib": (None if rss_before is None
+                                  else _status_kib("VmHWM") - rss_before)}), flush=True)
 
 
-def run_child(name: str, config_name: str, quick: bool, seconds: float) -> dict[str, Any]:
-    """`measure` in a fresh subprocess with the thread variables set; its JSON record."""
-    command = [sys.executable, os.path.abspath(__file__), "--only", name, "--config", config_name,
-               "--seconds", str(seconds)] + (["--quick"] if quick else [])
-    env = {**os.environ, **dict.fromkeys(THREAD_VARIABLES, str(THREADS))}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    lines = result.stdout.strip().splitlines()
-    if result.returncode != 0 or not lines:
-        return {"contender": name, "config": config_name, "status": "error",
-                "reason": result.stderr.strip().splitlines()[-1:] or f"exit {result.returncode}"}
-    return json.loads(lines[-1])
+class Child:
+    """One `--serve` subprocess, with the thread variables set."""
+
+    def __init__(self, name: str, config_name: str, quick: bool) -> None:
+        command = [sys.executable, os.path.abspath(__file__), "--serve", name, "--config",
+                   config_name] + (["--quick"] if quick else [])
+        env = {**os.environ, **dict.fromkeys(THREAD_VARIABLES, str(THREADS))}
+        self.name = name
+        self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+
+    def reply(self) -> dict[str, Any]:
+        line = self.process.stdout.readline()
+        if not line:
+            error = self.process.stderr.read().strip().splitlines()
+            self.finish()
+            return {"contender": self.name, "status": "error",
+                    "reason": error[-1] if error else f"exit {self.process.returncode}"}
+        return json.loads(line)
+
+    def finish(self) -> None:
+        """Wait for the child to exit and close its pipes."""
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+            try:
+                stream.close()
+            except BrokenPipeError:
+                pass
+        self.process.wait()
+
+    def ask(self, command: str) -> dict[str, Any]:
+        try:
+            self.process.stdin.write(command + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            pass  # the reply says why
+        return self.reply()
+
+    def close(self) -> dict[str, Any]:
+        record = self.ask("stop")
+        self.finish()
+        return record
 
 
 def run_config(config_name: str, names: list[str], rounds: int, quick: bool,
-               seconds: float) -> dict[str, list[dict[str, Any]]]:
-    """Interleaved rounds of subprocesses, the order rotated each round; records by contender.
-
-    A contender that is skipped or fails in its first round is dropped from the later rounds.
-    """
-    records: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    active = list(names)
+               seconds: float) -> dict[str, Any]:
+    """Every contender as one long-lived subprocess; `rounds` rounds in which each runs for
+    `seconds` in turn (order rotated each round, a pause before each so the previous one's
+    BLAS and OpenMP threads have stopped spinning). Contenders that are skipped or fail to
+    start are dropped. Returns {"rounds": {name: [round's step times]}, "records": {name:
+    closing record}}."""
+    children = {}
+    records: dict[str, dict[str, Any]] = {}
+    for name in names:  # NOTE: one at a time, so no set-up runs beside another's warm-up
+        child = Child(name, config_name, quick)
+        ready = child.reply()
+        if ready.get("status") == "ready":
+            children[name] = child
+        else:
+            records[name] = ready
+            child.finish()
+            print(f"{config_name}: {name} {ready['status']}: {ready['reason']}", file=sys.stderr)
+    times: dict[str, list[list[float]]] = {name: [] for name in children}
+    active = list(children)
     for round_index in range(rounds):
         shift = round_index % len(active) if active else 0
         for name in active[shift:] + active[:shift]:
-            record = run_child(name, config_name, quick, seconds)
-            records[name].append(record)
-            if record["status"] != "ok":
-                print(f"{config_name}: {name} {record['status']}: {record['reason']}",
-                      file=sys.stderr)
-        active = [name for name in active if records[name][-1]["status"] == "ok"]
-    return records
+            time.sleep(PAUSE_SECONDS)
+            answer = children[name].ask(f"run {seconds}")
+            if "ms" not in answer:
+                records[name] = answer
+                children[name].finish()
+                print(f"{config_name}: {name} failed: {answer.get('reason')}", file=sys.stderr)
+                continue
+            times[name].append(answer["ms"])
+        active = [name for name in active if name not in records]
+    for name in active:
+        records[name] = children[name].close()
+    return {"rounds": {name: times[name] for name in active}, "records": records}
 
 
-def best_ms(records: list[dict[str, Any]]) -> float | None:
+def best_ms(rounds: list[list[float]] | None) -> float | None:
     """The fastest single step over all rounds, or None when no round ran."""
-    times = [record["ms_min_step"] for record in records if record["status"] == "ok"]
-    return min(times) if times else None
+    return min(min(r) for r in rounds) if rounds else None
 
 
-def first_loss_spread(records: dict[str, list[dict[str, Any]]]) -> float:
+def paired_ratio(a: list[list[float]] | None, b: list[list[float]] | None) -> float | None:
+    """The median over rounds of (a's fastest step / b's fastest step) in the same round: the
+    two ran seconds apart, so a slow spell of the machine (they last tens of seconds
+    here) hits both alike."""
+    if not a or not b:
+        return None
+    return statistics.median(min(x) / min(y) for x, y in zip(a, b))
+
+
+def first_loss_spread(records: dict[str, dict[str, Any]]) -> float:
     """The largest difference between contenders' first-step losses (same weights and batch)."""
-    losses = [rs[0]["first_loss"] for rs in records.values() if rs and rs[0]["status"] == "ok"]
+    losses = [r["first_loss"] for r in records.values() if r.get("status") == "ok"]
     return max(losses) - min(losses) if losses else 0.0
 
 
-def print_table(results: dict[str, dict[str, list[dict[str, Any]]]], names: list[str],
-                quick: bool) -> None:
-    """The Markdown table: ms per step of each contender (best step) and the ratios."""
+def print_table(results: dict[str, dict[str, Any]], names: list[str], quick: bool) -> None:
+    """The Markdown table: each contender's fastest step (ms) and, for each pair, the median
+    over rounds of the ratio of their fastest steps in that round."""
     ratios = [(a, b) for a, b in RATIOS if a in names and b in names]
     columns = [f"{name} (ms)" for name in names] + [f"{a} / {b}" for a, b in ratios]
     print("| config | batch, width, depth | GFLOP/step | " + " | ".join(columns) + " |")
     print("|---|---|---:|" + "---:|" * (len(names) + len(ratios)))
-    for config_name, records in results.items():
+    for config_name, result in results.items():
         config = (QUICK_CONFIGS if quick else CONFIGS)[config_name]
-        best = {name: best_ms(records[name]) for name in names}
+        rounds = result["rounds"]
+        best = {name: best_ms(rounds.get(name)) for name in names}
         cells = [f"{best[name]:.2f}" if best[name] is not None else "n/a" for name in names]
         for a, b in ratios:
-            ok = best[a] is not None and best[b] is not None
-            cells.append(f"{best[a] / best[b]:.2f}" if ok else "n/a")
+            ratio = paired_ratio(rounds.get(a), rounds.get(b))
+            cells.append(f"{ratio:.2f}" if ratio is not None else "n/a")
         print(f"| {config_name} | {config.batch}, {config.width}, {config.depth} | "
               f"{config.step_flop() / 1e9:.3g} | " + " | ".join(cells) + " |")
 
 
-def print_memory_table(results: dict[str, dict[str, list[dict[str, Any]]]],
-                       names: list[str]) -> None:
-    """Peak process memory added by training (first round of each contender: a fresh process,
-    peak reset after setup), in MiB."""
+def print_memory_table(results: dict[str, dict[str, Any]], names: list[str]) -> None:
+    """Peak process memory added by training (peak reset after set-up, read after the last
+    round), in MiB."""
     print("\n| config | " + " | ".join(f"{name} (MiB added)" for name in names) + " |")
     print("|---|" + "---:|" * len(names))
-    for config_name, records in results.items():
+    for config_name, result in results.items():
         cells = []
         for name in names:
-            first = records[name][0] if records[name] else {}
-            added = first.get("added_by_training_kib")
+            added = result["records"].get(name, {}).get("added_by_training_kib")
             cells.append(f"{added / 1024:.0f}" if added is not None else "n/a")
         print(f"| {config_name} | " + " | ".join(cells) + " |")
 
@@ -239,14 +312,15 @@ def main() -> None:
     parser.add_argument("--configs", default="S,M,L", help="comma-separated, of S, M, L")
     parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
                         help=f"comma-separated, of {', '.join(CONTENDERS)}")
-    parser.add_argument("--rounds", type=int, help="rounds per configuration (default: S 7, "
-                        "M 5, L 3; 1 with --quick)")
-    parser.add_argument("--seconds", type=float,
-                        help="timed seconds per round, at least 2 steps (default 1; 0.05 quick)")
+    parser.add_argument("--rounds", type=int, help="rounds per configuration (default: S 30, "
+                        "M 20, L 8; 1 with --quick)")
+    parser.add_argument("--seconds", type=float, help="timed seconds per contender per round, "
+                        "at least 2 steps (default 0.3; 0.05 with --quick)")
     parser.add_argument("--check", action="store_true",
                         help="only check every contender against the NumPy reference")
-    parser.add_argument("--json", metavar="PATH", help="also write every round's record here")
-    parser.add_argument("--only", metavar="NAME", help=argparse.SUPPRESS)  # child: one round
+    parser.add_argument("--json", metavar="PATH", help="also write every round's step times "
+                        "and each contender's closing record here")
+    parser.add_argument("--serve", metavar="NAME", help=argparse.SUPPRESS)  # child
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args()
     names = args.contenders.split(",")
@@ -254,9 +328,9 @@ def main() -> None:
     unknown = sorted(set(names) - set(CONTENDERS)) + sorted(set(configs) - set(CONFIGS))
     if unknown:
         parser.error(f"unknown contender or configuration: {', '.join(unknown)}")
-    seconds = args.seconds if args.seconds is not None else (0.05 if args.quick else 1.0)
-    if args.only:
-        print(json.dumps(measure(args.only, args.config, args.quick, seconds)))
+    seconds = args.seconds if args.seconds is not None else (0.05 if args.quick else 0.3)
+    if args.serve:
+        serve(args.serve, args.config, args.quick)
         return
     if args.check:
         sys.exit(run_check(names))
@@ -265,23 +339,24 @@ def main() -> None:
     for config_name in configs:
         rounds = args.rounds or (1 if args.quick else ROUNDS[config_name])
         results[config_name] = run_config(config_name, names, rounds, args.quick, seconds)
-        spread = first_loss_spread(results[config_name])
+        spread = first_loss_spread(results[config_name]["records"])
         if spread > 1e-3:
             print(f"{config_name}: first-step losses differ by {spread:.3g} across contenders",
                   file=sys.stderr)
-    # NOTE: other work on the machine slows OpenBLAS's threads far more than PyTorch's
-    print(f"MLP training step, {THREADS} threads, fastest step of interleaved rounds (ms); "
-          f"1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after:")
+    print(f"MLP training step, {THREADS} threads: fastest step (ms) of each contender; ratios "
+          f"are medians over rounds of the same round's fastest steps. 1-minute load average "
+          f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after:")
     print()
     print_table(results, names, args.quick)
     print_memory_table(results, names)
     if args.json:
         with open(args.json, "w") as f:
-            for records in results.values():
-                for record_list in records.values():
-                    for record in record_list:
-                        f.write(json.dumps(record) + "\n")
-
+            for config_name, result in results.items():
+                for name, rounds in result["rounds"].items():
+                    f.write(json.dumps({"config": config_name, "contender": name,
+                                        "rounds_ms": rounds}) + "\n")
+                for record in result["records"].values():
+                    f.write(json.dumps(record) + "\n")
 
 if __name__ == "__main__":
     main()

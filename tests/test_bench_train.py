@@ -61,3 +61,27 @@ def test_torch_matches_the_reference():
 def test_tinygrad_matches_the_reference():
     # skipped (ContenderUnavailable) where tinygrad's CPU device has no clang to compile with
     assert_matches_reference("tinygrad")
+
+
+# ---------------------------------------------------------------------- the harness
+import bench_train  # noqa: E402  (after the path insert above)
+
+
+def test_ratios_pair_rounds_and_best_is_the_fastest_step():
+    a = [[2.0, 1.0], [4.0, 5.0], [3.0]]
+    b = [[2.0], [2.0, 8.0], [1.0]]
+    assert bench_train.best_ms(a) == 1.0
+    assert bench_train.best_ms([]) is None
+    assert bench_train.paired_ratio(a, b) == 2.0  # the median of 0.5, 2.0 and 3.0
+    assert bench_train.paired_ratio(a, None) is None
+
+
+def test_a_quick_run_serves_rounds_from_long_lived_children():
+    result = bench_train.run_config("S", ["numpy-prealloc", "blockrt-static"], rounds=2,
+                                    quick=True, seconds=0.01)
+    for name in ("numpy-prealloc", "blockrt-static"):
+        rounds = result["rounds"][name]
+        assert len(rounds) == 2 and all(len(r) >= 2 and min(r) > 0 for r in rounds)
+        record = result["records"][name]
+        assert record["status"] == "ok" and record["added_by_training_kib"] is not None
+    assert bench_train.first_loss_spread(result["records"]) < 1e-3
