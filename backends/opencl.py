@@ -379,7 +379,17 @@ class OpenCLDevice(Device):
         self._run(kernel, (-(-n_out // GROUP) * GROUP,), (GROUP,), out.base_data, offset_o,
                   x.base_data, offset_x, *numbers)
 
+    gemm_accumulates = True  # the product kernel scales and accumulates as it stores
+
     def _matmul(self, a, b, out) -> None:
+        self._product(a, b, out, 1.0, 0.0)
+
+    def _gemm(self, a, b, out, alpha, beta) -> None:
+        self._product(a, b, out, alpha, beta)
+
+    def _product(self, a, b, out, alpha: float, beta: float) -> None:
+        """out = alpha * a @ b + beta * out (out not read when beta is 0), NumPy's matmul rules
+        for 1-D and batched operands."""
         ctype = self._type(out.dtype)
         (oa, sa), (ob, sb), (oc, sc) = _elements(a), _elements(b), _elements(out)
         a_shape, b_shape, c_shape = a.shape, b.shape, out.shape
@@ -392,6 +402,7 @@ class OpenCLDevice(Device):
         (m, k), n = a_shape[-2:], b_shape[-1]
         if m == 0 or n == 0 or 0 in c_shape:
             return
+        scalar = np.float64 if ctype == "double" else np.float32
         batch = c_shape[:-2]
         batch_strides = [sc[:-2]]
         for shape, strides in ((a_shape, sa), (b_shape, sb)):
@@ -406,7 +417,7 @@ class OpenCLDevice(Device):
                    *(s for step in bsteps for s in step)]
         size = (-(-n // TILE) * TILE, -(-m // TILE) * TILE, nbatch)
         self._run(kernel, size, (TILE, TILE, 1), out.base_data, oc, a.base_data, oa,
-                  b.base_data, ob, *numbers)
+                  b.base_data, ob, *numbers, scalar(alpha), scalar(beta))
 
     def _labels_type(self, labels: Any) -> str:
         ltype = _INT_TYPES.get(labels.dtype)
@@ -543,13 +554,16 @@ def _matmul_source(ctype: str, nbatch: int, tiled: bool) -> str:
 __kernel __attribute__((reqd_work_group_size(TS, TS, 1)))
 void k(__global T* c, long c_o, __global const T* a, long a_o, __global const T* b, long b_o,
        long M, long N, long K, long am, long ak, long bk, long bn, long cm, long cn
-       {_longs(batch + steps)})
+       {_longs(batch + steps)}, T alpha, T beta)
 {{
     long row = get_global_id(1), col = get_global_id(0);
     long z = get_global_id(2);
 {_walk("z", "b", ["c_o", "a_o", "b_o"], nbatch)}
     T total = 0;{body}
-    if (row < M && col < N) c[c_o + row * cm + col * cn] = total;
+    if (row >= M || col >= N) return;
+    __global T* at_c = c + c_o + row * cm + col * cn;
+    T scaled = alpha == (T)1 ? total : alpha * total;
+    *at_c = beta == (T)0 ? scaled : scaled + beta * *at_c;
 }}
 """
 
