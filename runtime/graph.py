@@ -15,9 +15,11 @@ with a given input signature captures `fn`:
    and the gradient dies at once.
 4. **Fusion and in-place reuse** (`fuse=True`). A chain of elementwise instructions whose
    intermediates feed only the next one becomes one instruction run in cache-sized row blocks,
-   so the intermediates never exist at full size. An elementwise instruction writes over an
-   input that dies there when the layouts match (NNVM's rule); never for matmul, constants,
-   parameters or tensors the user holds.
+   so the intermediates never exist at full size. A matrix product read only by such a chain
+   joins it: as one accumulating `Device.gemm` when the chain is out = alpha * product +
+   beta * out (an SGD update), else written straight into the chain's output. An elementwise
+   instruction writes over an input that dies there when the layouts match (NNVM's rule); never
+   for matmul, constants, parameters or tensors the user holds.
 5. **Memory plan** for the blocks made inside the capture that nothing outside holds
    (intermediates): "none" allocates each at its first write and frees all at the end of the
    step; "recycle" frees each right after its last use (SINGA's reference-count recycling);
@@ -87,7 +89,8 @@ def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None =
             list of Tensors, or None.
         plan: "none", "recycle" or "static" (see the module docstring).
         checkpoint: None, or "sqrt" to recompute forward results during backward.
-        fuse: fuse elementwise chains and reuse dying inputs in place.
+        fuse: fuse elementwise chains, fold matrix products into the chains that consume them
+            and reuse dying inputs in place.
         device, allocator: where array arguments and the plan's memory go (default device and
             its default allocator).
 
@@ -202,8 +205,8 @@ class Graph:
         block at full size, no reuse), peak_bytes (the most bytes this graph's plan held at
         once in its last run), activation_bytes (the most bytes of forward results live at
         once), scratch_bytes (the block-sized scratch arrays fused chains share, made by the
-        device outside any allocator), plan, and counts: instructions, steps, fused, in_place,
-        recomputed.
+        device outside any allocator), plan, and counts: instructions, steps, fused, products,
+        in_place, recomputed.
         """
         capture = self._require_capture()
         static = capture.static_plan
