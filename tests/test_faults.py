@@ -33,6 +33,8 @@ OPTIMIZERS = {
     "sgd": lambda params: nn.SGD(params, lr=0.05, momentum=0.9, dampening=0.1,
                                  weight_decay=1e-3),
     "adam": lambda params: nn.Adam(params, lr=1e-2),
+    # NOTE: plain SGD: under a graph each update is one accumulating gemm into the weight
+    "plain": lambda params: nn.SGD(params, lr=0.05),
 }
 STEPS = 6
 RNG = np.random.default_rng(7)
