@@ -36,6 +36,7 @@ import numpy as np
 import allocators
 import backends
 import runtime
+from backends import _blas
 from runtime import config, nn
 from runtime.graph import PLANS
 
@@ -181,6 +182,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"NumPy {np.__version__}")
     accelerated = "yes" if allocators.ACCELERATED else "no (pure Python)"
     print(f"C allocator hot path: {accelerated}")
+    blas = _blas.find()
+    print(f"CPU gemm: {'CBLAS of ' + blas.path if blas is not None else 'matmul + a fused pass'}")
     kinds = backends.available()
     print(f"backends: {', '.join(kinds)}")
     for kind in kinds:
@@ -276,8 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="versions, backends, devices, the default device",
                        description="Print the Python and NumPy versions, the available backends "
-                       "and their devices, whether the C allocator hot path is in use, and the "
-                       "default device.")
+                       "and their devices, whether the C allocator hot path is in use, the BLAS "
+                       "the CPU device's gemm calls, and the default device.")
     p.set_defaults(run=cmd_info)
 
     p = sub.add_parser("plan", help="memory report of an MLP training step",
