@@ -32,13 +32,13 @@ _NAMINGS = (("scipy_", "64_"), ("", "64_"), ("", ""))
 class Gemm:
     """`c = alpha * a @ b + beta * c` for float32 and float64 2-D arrays, through CBLAS.
 
-    `supports(a, b, c)` says whether the layouts suit CBLAS (each operand row-major or the
-    transpose of a row-major matrix, element-aligned, `c` row-major and not empty).
+    Calling it does the product and returns True, or returns False without touching anything
+    when CBLAS cannot read the layouts (`supports`): each operand must be row-major or the
+    transpose of a row-major matrix, element-aligned, `c` row-major and not empty.
     """
 
     def __init__(self, library: ctypes.CDLL, prefix: str, suffix: str, integer: type) -> None:
         self.path = library._name
-        self.integer = integer
         self._functions = {}
         for dtype, letter, real in ((np.float32, "s", ctypes.c_float),
                                     (np.float64, "d", ctypes.c_double)):
@@ -61,22 +61,28 @@ class Gemm:
             return _TRANS, max(s1 // item, rows, 1)
         return None
 
-    def supports(self, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> bool:
+    def _layouts(self, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> tuple | None:
         if not (a.dtype == b.dtype == c.dtype and c.dtype in self._functions
                 and a.ndim == b.ndim == c.ndim == 2 and c.size > 0 and a.shape[1] > 0):
-            return False
-        layout = self._layout(c)
-        return (layout is not None and layout[0] == _NO_TRANS and self._layout(a) is not None
-                and self._layout(b) is not None)
+            return None
+        out, left, right = self._layout(c), self._layout(a), self._layout(b)
+        if out is None or out[0] != _NO_TRANS or left is None or right is None:
+            return None
+        return left, right, out[1]
+
+    def supports(self, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> bool:
+        return self._layouts(a, b, c) is not None
 
     def __call__(self, a: np.ndarray, b: np.ndarray, c: np.ndarray, alpha: float,
-                 beta: float) -> None:
-        trans_a, lda = self._layout(a)
-        trans_b, ldb = self._layout(b)
-        _, ldc = self._layout(c)
+                 beta: float) -> bool:
+        layouts = self._layouts(a, b, c)
+        if layouts is None:
+            return False
+        (trans_a, lda), (trans_b, ldb), ldc = layouts
         self._functions[c.dtype](_ROW_MAJOR, trans_a, trans_b, c.shape[0], c.shape[1],
                                  a.shape[1], alpha, a.ctypes.data, lda, b.ctypes.data, ldb,
                                  beta, c.ctypes.data, ldc)
+        return True
 
 
 def _candidates() -> list[str]:
@@ -122,10 +128,7 @@ def _passes(gemm: Gemm) -> bool:
             for right in (b, np.ascontiguousarray(b.T).T):
                 c = rng.integers(-4, 5, (3, 4)).astype(dtype)
                 want = 0.5 * (a @ b) + 2.0 * c
-                if not gemm.supports(left, right, c):
-                    return False
-                gemm(left, right, c, 0.5, 2.0)
-                if not np.array_equal(c, want):
+                if not gemm(left, right, c, 0.5, 2.0) or not np.array_equal(c, want):
                     return False
     return True
 

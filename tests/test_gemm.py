@@ -78,7 +78,7 @@ def test_blas_gemm_reads_transposed_and_padded_views(m, n, k, layout, pad, dtype
     out = out_store[:, :n]
     before = out_store.copy()
     assert blas.supports(a, b, out)
-    blas(a, b, out, -0.5, 1.0)
+    assert blas(a, b, out, -0.5, 1.0)
     want = before[:, :n] - 0.5 * (a.astype(np.float64) @ b)
     tolerance = 2e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(out, want, rtol=tolerance, atol=tolerance * (k + 2) * 4)
@@ -95,6 +95,9 @@ def test_layouts_blas_cannot_read_fall_back_to_the_emulation():
     assert not blas.supports(a, b, np.zeros((8, 5), np.float32))
     assert not blas.supports(a[:, :6].copy(), mixed, np.zeros((8, 5), np.float64))
     assert not blas.supports(np.ascontiguousarray(a), b, out_t)
+    untouched = np.ones((8, 5), np.float32)
+    assert not blas(a, b, untouched, 2.0, 1.0)  # refuses, and writes nothing
+    np.testing.assert_array_equal(untouched, 1.0)
     out = np.ones((8, 5), np.float32)
     cpu.gemm(a, b, out, 2.0, 1.0)  # emulated: product into scratch, then one fused pass
     np.testing.assert_allclose(out, 1.0 + 2.0 * (a @ b), rtol=1e-5, atol=1e-5)
@@ -104,11 +107,9 @@ def test_layouts_blas_cannot_read_fall_back_to_the_emulation():
 
 def test_a_blas_that_gets_the_self_test_wrong_is_not_used():
     class IgnoresBeta:
-        def supports(self, a, b, c):
-            return True
-
         def __call__(self, a, b, c, alpha, beta):
             np.copyto(c, alpha * (a @ b))
+            return True
 
     assert not _blas._passes(IgnoresBeta())
     if blas is not None:
