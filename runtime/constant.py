@@ -29,7 +29,7 @@ from allocators import Allocator, DirectAllocator, format_bytes
 from runtime import config
 from runtime.block import Block
 from runtime.errors import device_names
-from runtime.tensor import Tensor, host_array
+from runtime.tensor import Tensor, check_device_of, host_array
 
 __all__ = ["ConstantPool", "ReadOnlyAllocator", "constant", "content_digest"]
 
@@ -97,10 +97,8 @@ class ConstantPool:
         elif not isinstance(allocator, Allocator):
             raise TypeError(f"ConstantPool takes an allocators.Allocator, "
                             f"got {type(allocator).__name__}")
-        elif device is not None and backends.get_device(device) is not allocator.device:
-            have, asked = device_names(allocator.device, backends.get_device(device))
-            raise ValueError(f"allocator {allocator!r} is on {have}, but device {asked} was "
-                             f"asked for")
+        else:
+            check_device_of(allocator, device)
         self.allocator = allocator
         self.device = allocator.device
         # NOTE: a key maps to a list because verified collisions get blocks of their own.

@@ -61,7 +61,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +135,9 @@ class _Capture:
     init: list[_Step]                        # loads that initialise kept state: run once
     commit: int = 0                          # the first step that writes state
     tail_plan: planner.Plan | None = None    # recycle: buffers first used from `commit` on
+    starts: dict = field(default_factory=dict)   # step -> buffers allocated there (none/recycle)
+    ends: dict = field(default_factory=dict)     # step -> buffers freed after it (recycle)
+    tail: list = field(default_factory=list)     # buffers first used from `commit` on
     arena: Allocation | None = None
     views: list[Callable[[], None]] | None = None   # static: the steps with bound views
     view_key: tuple = ()
@@ -230,7 +233,7 @@ class Graph:
             for life in capture.lifetimes:
                 grown[min(life.first, commit)] += life.nbytes
             return list(np.cumsum(grown).tolist()) if n else []
-        early = [life for life in capture.lifetimes if life.first < commit]
+        early = [life for lives in capture.starts.values() for life in lives]
         live = planner.live_bytes(early, n) if early else [0] * n
         if capture.tail_plan is not None:  # the tail arena, held from the commit step on
             live[commit:] = [b + capture.tail_plan.planned_bytes for b in live[commit:]]
@@ -442,12 +445,22 @@ def _build(recorder: Tape, placeholders: list[Tensor | None], outputs: list[Tens
         if recorder.made_here(block) and block._allocation is None:
             block._written = False  # NOTE: written on the tape only; a replay writes it for real
     commit = _commit_point(steps, {block.id for block in outside}, recorder)
-    tail = [life for life in lifetimes if life.first >= commit]
+    # NOTE: what "none" and "recycle" replays allocate and free at each step, worked out once
+    starts: dict[int, list[planner.Lifetime]] = {}
+    ends: dict[int, list[int]] = {}
+    tail = []
+    for life in lifetimes:
+        if life.first >= commit:
+            tail.append(life)
+            continue
+        starts.setdefault(life.first, []).append(life)
+        if plan == "recycle":
+            ends.setdefault(life.last, []).append(life.key)
     tail_plan = planner.plan(tail, alignment=alignment) if plan == "recycle" and tail else None
     return _Capture(steps, placeholders, [t.detach() for t in outputs], kind, held, buffer_of,
                     lifetimes, naive, static_plan, device, allocator, stats,
                     outside, {block.id for block in outside}, [_Step([i]) for i in init],
-                    commit, tail_plan)
+                    commit, tail_plan, starts, ends, tail)
 
 
 def _commit_point(steps: Sequence[_Step], outside: set[int], recorder: Tape) -> int:
@@ -584,6 +597,15 @@ def _fuse(scheduled: list[Instruction], intermediate: set[int]) -> list[_Step]:
 _PRODUCTS = ("matmul", "linear")
 
 
+def _arguments(instr: Instruction) -> Iterator[Operand | float]:
+    """An instruction's arguments in call order: its operands, with the numbers of
+    `scalars` at their positions among them (as `ops._launch` passes them to the kernel)."""
+    scalars = instr.scalars or {}
+    operands = iter(instr.inputs)
+    for position in range(len(instr.inputs) + len(scalars)):
+        yield scalars[position] if position in scalars else next(operands)
+
+
 def _is_product(instr: Instruction) -> bool:
     """A 2-D matrix product: matmul(a, b), or linear(x, weight.T[, bias broadcast])."""
     return (instr.kind == "kernel" and instr.op in _PRODUCTS and len(instr.outputs) == 1
@@ -627,8 +649,9 @@ def _attach_products(steps: list[_Step], intermediate: set[int], device: Any) ->
                     or not _is_product(head):
                 continue
             reads = {o.block.id for o in head.inputs}
-            if any(o.block.id in reads for later in steps[at + 1:position]
-                   for i in later.instructions for o in i.outputs):
+            if out.block.id in reads or any(o.block.id in reads for later in
+                                            steps[at + 1:position]
+                                            for i in later.instructions for o in i.outputs):
                 continue
             kind = _folding(step, head, out, device)
             if kind is None:
@@ -641,15 +664,13 @@ def _attach_products(steps: list[_Step], intermediate: set[int], device: Any) ->
 
 def _folding(step: _Step, head: Instruction, out: Operand,
              device: Any) -> str | tuple[float, float] | None:
-    """How `head`'s product joins `step`'s chain (see `_attach_products`), or None."""
+    """How `head`'s product joins `step`'s chain (see `_attach_products`), or None; `out`
+    (the chain's output) is already known not to be read by the product."""
     product = head.outputs[0]
     if any(o.block.id == product.block.id and (o.shape != out.shape or not o.whole)
            for i in step.instructions for o in i.inputs):
         return None
     if product.dtype != out.dtype or product.shape != out.shape:
-        return None
-    reads = {o.block.id for o in head.inputs}
-    if out.block.id in reads:
         return None
     if head.op == "matmul" or len(head.inputs) == 2:
         form = _linear_form(step.instructions, product.block.id, out)
@@ -668,15 +689,11 @@ def _linear_form(chain: Sequence[Instruction], product: int,
     value: dict[int, tuple[float, float]] = {}  # block id -> (coefficient of product, of out)
     form: tuple[float, float] | None = None
     for instr in chain:
-        scalars = instr.scalars or {}
-        operands = iter(instr.inputs)
         args: list[Any] = []
-        for position in range(len(instr.inputs) + len(scalars)):
-            if position in scalars:
-                args.append(float(scalars[position]))
-                continue
-            operand = next(operands)
-            if operand.block.id == product:
+        for operand in _arguments(instr):
+            if not isinstance(operand, Operand):
+                args.append(float(operand))
+            elif operand.block.id == product:
                 args.append((1.0, 0.0))
             elif operand == out:
                 args.append((0.0, 1.0))
@@ -846,22 +863,14 @@ def _replay(capture: _Capture, plan: str) -> None:
         _replay_static(capture)
         return
     _run_init(capture)
-    allocator = capture.allocator
-    starts: dict[int, list[planner.Lifetime]] = {}
-    ends: dict[int, list[int]] = {}
-    for life in capture.lifetimes:
-        if life.first < capture.commit:
-            starts.setdefault(life.first, []).append(life)
-            if plan == "recycle":
-                ends.setdefault(life.last, []).append(life.key)
-    tail = [life for life in capture.lifetimes if life.first >= capture.commit]
+    allocator, starts, ends = capture.allocator, capture.starts, capture.ends
     memory: Memory = {}
     allocations: dict[int, Allocation] = {}
     live = peak = 0
     try:
         for position, step in enumerate(capture.steps):
             if position == capture.commit:
-                live += _take_tail(capture, tail, allocations, memory)
+                live += _take_tail(capture, allocations, memory)
             for life in starts.get(position, ()):
                 allocation = allocations[life.key] = allocator.allocate(life.nbytes)
                 memory[life.key] = (allocation.raw, allocation.offset)
@@ -882,8 +891,7 @@ def _replay(capture: _Capture, plan: str) -> None:
 _TAIL = -1  # NOTE: the key of recycle's tail arena among a replay's allocations
 
 
-def _take_tail(capture: _Capture, tail: list[planner.Lifetime],
-               allocations: dict[int, Allocation], memory: Memory) -> int:
+def _take_tail(capture: _Capture, allocations: dict[int, Allocation], memory: Memory) -> int:
     """Allocate the buffers first used at or after the commit step; return the bytes taken."""
     taken = 0
     if capture.tail_plan is not None:  # recycle: one arena, its buffers placed by the planner
@@ -891,7 +899,7 @@ def _take_tail(capture: _Capture, tail: list[planner.Lifetime],
         for key, offset in capture.tail_plan.offsets.items():
             memory[key] = (arena.raw, arena.offset + offset)
         return arena.size
-    for life in tail:  # none: one allocation each, as at their first writes
+    for life in capture.tail:  # none: one allocation each, as at their first writes
         allocation = allocations[life.key] = capture.allocator.allocate(life.nbytes)
         memory[life.key] = (allocation.raw, allocation.offset)
         taken += allocation.size
@@ -973,10 +981,8 @@ def _bind_one(instr: Instruction, capture: _Capture, memory: Memory) -> Callable
         raw, base = _memory_of(instr.outputs[0], capture, memory)
         offset, host, copyin = base + instr.outputs[0].offset, instr.host, capture.device.copyin
         return lambda: copyin(raw, offset, host)
-    views = [_view(o, capture, memory) for o in instr.inputs]
-    if instr.scalars:
-        for position, value in instr.scalars.items():
-            views.insert(position, value)
+    views = [_view(a, capture, memory) if isinstance(a, Operand) else a
+             for a in _arguments(instr)]
     targets = [_view(o, capture, memory) for o in instr.outputs]
     run = instr.run
     return lambda: run(views, *targets)
@@ -1020,15 +1026,11 @@ def _bind_fused(step: _Step, capture: _Capture, memory: Memory,
             program.append(("add", (("input", 0), ("input", 1)), product.dtype))
             source[product.block.id] = ("link", 0)
     for instr in step.instructions:
-        scalars = instr.scalars or {}
-        operands = iter(instr.inputs)
         args = []
-        for position in range(len(instr.inputs) + len(scalars)):
-            if position in scalars:
-                args.append(("number", scalars[position]))
-                continue
-            operand = next(operands)
-            if operand.block.id in step.internal:
+        for operand in _arguments(instr):
+            if not isinstance(operand, Operand):
+                args.append(("number", operand))
+            elif operand.block.id in step.internal:
                 args.append(source[operand.block.id])
             else:
                 args.append(("input", len(inputs)))

@@ -556,12 +556,18 @@ def _allocator_for(device: Any, allocator: Allocator | None) -> Allocator:
     if not isinstance(allocator, Allocator):
         raise TypeError(f"allocator must be an allocators.Allocator, "
                         f"got {type(allocator).__name__}")
+    check_device_of(allocator, device)
+    return allocator
+
+
+def check_device_of(allocator: Allocator, device: Any) -> None:
+    """ValueError naming both unless `device` (a spec or a Device; None: any) is the device of
+    `allocator`."""
     dev = backends.get_device(device) if device is not None else allocator.device
     if dev is not allocator.device:
         where, wanted = device_names(allocator.device, dev)
         raise ValueError(f"allocator {allocator!r} is on {where}, but device {wanted} was "
                          f"asked for")
-    return allocator
 
 
 def host_array(data: Any, dtype: Any = None, what: str = "tensor") -> np.ndarray:
