@@ -1,15 +1,20 @@
-"""The CBLAS `?gemm` of the BLAS that NumPy itself loaded, called through ctypes.
+"""CBLAS `?gemm` for the CPU device, called through ctypes: MKL where it is installed, else the
+OpenBLAS that NumPy itself loaded.
 
 NumPy's `matmul` computes `a @ b` only. BLAS computes `alpha * a @ b + beta * c` into `c` in the
 same time, which lets the graph fold an update such as `w -= lr * (x.T @ g)` into the product:
-no gradient buffer and no extra pass over it. No new dependency: the library is the one NumPy
-already uses (so the same threads), found among the shared objects this process has loaded.
+no gradient buffer and no extra pass over it. The CPU device sends its 2-D products here too, so
+one library (one pool of threads) does all of a step's products.
 
-Only OpenBLAS builds are recognised (NumPy's wheels carry one, named `scipy_openblas64_`, with
-64-bit integers); the integer width comes from the library's own configuration string. A found
-library must then pass a self-test against NumPy, with every transposition, before it is used.
-Anywhere else (Accelerate, MKL, a stripped build) `find()` returns None and callers fall back
-to `matmul` plus elementwise kernels.
+Two vendors are recognised. MKL (`pip install blockrt[mkl]` brings Intel's `mkl` wheel; a NumPy
+built on MKL has it loaded already) through its 64-bit-integer `cblas_?gemm_64` entry points;
+it is the faster of the two on the AVX-512 Xeons these benchmarks run on (BENCHMARKS.md), and the
+one PyTorch's CPU build uses. OpenBLAS: NumPy's wheels carry one, named `scipy_openblas64_`; the
+integer width comes from the library's own configuration string. No dependency is needed for it.
+BLOCKRT_BLAS picks (`CHOICES`): "auto" (the default: MKL, else OpenBLAS), "mkl", "openblas" or
+"none". A found library must pass a self-test against NumPy, with every transposition, before it
+is used. Where none is found (Accelerate, a stripped build, "none") `find()` returns None and
+callers fall back to `matmul` plus elementwise kernels.
 """
 
 from __future__ import annotations
@@ -17,12 +22,15 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import sys
 import threading
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Gemm", "find"]
+__all__ = ["CHOICES", "ENV", "Gemm", "choice", "find", "load"]
+
+ENV = "BLOCKRT_BLAS"
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 #: (symbol prefix, symbol suffix) of OpenBLAS builds: NumPy's wheels, then plain ones.
@@ -37,8 +45,11 @@ class Gemm:
     transpose of a row-major matrix, element-aligned, `c` row-major and not empty.
     """
 
-    def __init__(self, library: ctypes.CDLL, prefix: str, suffix: str, integer: type) -> None:
+    def __init__(self, library: ctypes.CDLL, prefix: str, suffix: str, integer: type,
+                 name: str) -> None:
         self.path = library._name
+        self.name = name
+        self._largest = np.iinfo(np.int32 if integer is ctypes.c_int32 else np.int64).max
         self._functions = {}
         for dtype, letter, real in ((np.float32, "s", ctypes.c_float),
                                     (np.float64, "d", ctypes.c_double)):
@@ -68,6 +79,8 @@ class Gemm:
         out, left, right = self._layout(c), self._layout(a), self._layout(b)
         if out is None or out[0] != _NO_TRANS or left is None or right is None:
             return None
+        if max(*a.shape, *b.shape, left[1], right[1], out[1]) > self._largest:
+            return None  # NOTE: a 32-bit integer BLAS cannot be told these sizes
         return left, right, out[1]
 
     def supports(self, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> bool:
@@ -85,37 +98,84 @@ class Gemm:
         return True
 
 
-def _candidates() -> list[str]:
-    """Paths of loaded (or NumPy-bundled) shared objects whose names say OpenBLAS."""
+def _loaded(word: str) -> list[str]:
+    """Paths of shared objects this process has loaded whose file names contain `word`."""
     found: list[str] = []
     try:
         with open("/proc/self/maps") as maps:  # Linux: what this process has loaded
             for line in maps:
                 path = line.rsplit(" ", 1)[-1].strip()
-                if "openblas" in os.path.basename(path).lower() and path not in found:
+                if word in os.path.basename(path).lower() and path not in found:
                     found.append(path)
     except OSError:
         pass
+    return found
+
+
+def _openblas_paths() -> list[str]:
+    """NumPy's OpenBLAS: loaded ones first, then the one bundled with NumPy's wheel."""
+    found = _loaded("openblas")
     here = os.path.dirname(np.__file__)
     for pattern in (here + ".libs/*openblas*", os.path.join(here, ".dylibs", "*openblas*")):
         found.extend(p for p in sorted(glob.glob(pattern)) if p not in found)
     return found
 
 
-def _open(path: str) -> Gemm | None:
+def _mkl_paths() -> list[str]:
+    """MKL's single dynamic library: loaded (a NumPy built on MKL), or the `mkl` wheel's copy in
+    this environment's lib/ (what `pip install blockrt[mkl]` brings)."""
+    found = _loaded("mkl_rt")
+    for folder in (os.path.join(sys.prefix, "lib"), os.path.join(sys.prefix, "Library", "bin")):
+        for pattern in ("libmkl_rt.so*", "libmkl_rt*.dylib", "mkl_rt*.dll"):
+            found.extend(p for p in sorted(glob.glob(os.path.join(folder, pattern)))
+                         if p not in found)
+    return found
+
+
+def _library(path: str) -> ctypes.CDLL | None:
     try:
-        library = ctypes.CDLL(path)
+        return ctypes.CDLL(path)
     except OSError:
+        return None
+
+
+def _open_openblas(path: str) -> Gemm | None:
+    library = _library(path)
+    if library is None:
         return None
     for prefix, suffix in _NAMINGS:
         config = getattr(library, f"{prefix}openblas_get_config{suffix}", None)
         if config is None or not hasattr(library, f"{prefix}cblas_sgemm{suffix}"):
             continue
         config.restype = ctypes.c_char_p
-        wide = b"USE64BITINT" in (config() or b"")
-        gemm = Gemm(library, prefix, suffix, ctypes.c_int64 if wide else ctypes.c_int32)
+        text = (config() or b"").decode(errors="replace")
+        wide = "USE64BITINT" in text
+        name = " ".join(text.split()[:2]) or "OpenBLAS"
+        gemm = Gemm(library, prefix, suffix, ctypes.c_int64 if wide else ctypes.c_int32, name)
         return gemm if _passes(gemm) else None
     return None
+
+
+def _open_mkl(path: str) -> Gemm | None:
+    library = _library(path)
+    version = None if library is None else getattr(library, "MKL_Get_Version_String", None)
+    if version is None or not hasattr(library, "cblas_sgemm_64"):
+        return None
+    text = ctypes.create_string_buffer(256)
+    version.restype = None
+    version.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    version(text, len(text))
+    words = text.value.decode(errors="replace").split()
+    # NOTE: "Intel(R) oneAPI Math Kernel Library Version 2025.2-Product Build ..." -> MKL 2025.2
+    number = next((w.split("-")[0] for w in words if w[:1].isdigit()), "")
+    # NOTE: the _64 entry points take 64-bit integers whatever MKL_INTERFACE_LAYER says
+    gemm = Gemm(library, "", "_64", ctypes.c_int64, f"MKL {number}".strip())
+    return gemm if _passes(gemm) else None
+
+
+#: BLOCKRT_BLAS values: which CBLAS the CPU device calls for its 2-D products.
+CHOICES = ("auto", "mkl", "openblas", "none")
+_VENDORS = {"mkl": (_mkl_paths, _open_mkl), "openblas": (_openblas_paths, _open_openblas)}
 
 
 def _passes(gemm: Gemm) -> bool:
@@ -134,20 +194,43 @@ def _passes(gemm: Gemm) -> bool:
 
 
 _found: list[Any] = []
+_loads: dict[str, Gemm | None] = {}
 _lock = threading.Lock()
 
 
+def choice() -> str:
+    """The BLOCKRT_BLAS setting ("auto" when unset); ValueError names a value it does not know."""
+    value = os.environ.get(ENV, "").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r} is not one of {', '.join(CHOICES)}")
+    return value
+
+
+def load(vendor: str) -> Gemm | None:
+    """The first library of `vendor` ("mkl" or "openblas") found here that passes the
+    self-test, or None. Looked up once per process."""
+    if vendor not in _loads:
+        paths, opener = _VENDORS[vendor]
+        if vendor == "openblas":
+            np.ones((2, 2)) @ np.ones((2, 2))  # NOTE: makes sure NumPy's BLAS is loaded
+        _loads[vendor] = next((g for g in map(opener, paths()) if g is not None), None)
+    return _loads[vendor]
+
+
 def find() -> Gemm | None:
-    """NumPy's BLAS as a `Gemm`, or None where it cannot be found or fails the self-test.
-    Looked up once per process."""
+    """The CBLAS the CPU device uses, as a `Gemm`, or None (products go to `np.matmul`, and
+    accumulation to an elementwise pass). Chosen once per process by BLOCKRT_BLAS: "auto" (the
+    default) takes MKL where the `mkl` wheel is installed or NumPy is built on it, else NumPy's
+    own OpenBLAS; "mkl" and "openblas" take only that one; "none" takes neither."""
     if _found:
         return _found[0]
     with _lock:
         if not _found:
-            np.ones((2, 2)) @ np.ones((2, 2))  # NOTE: makes sure NumPy's BLAS is loaded
+            wanted = choice()
+            order = {"auto": ("mkl", "openblas"), "none": ()}.get(wanted, (wanted,))
             gemm = None
-            for path in _candidates():
-                gemm = _open(path)
+            for vendor in order:
+                gemm = load(vendor)
                 if gemm is not None:
                     break
             _found.append(gemm)

@@ -142,7 +142,10 @@ class NumpyDevice(Device):
         _BINARY[name](a, b, out=out)
 
     def _matmul(self, a, b, out) -> None:
-        np.matmul(a, b, out=out)
+        blas = _blas.find()
+        # NOTE: 2-D products go to the same CBLAS as gemm: one library, one pool of threads
+        if out.ndim != 2 or blas is None or not blas(a, b, out, 1.0, 0.0):
+            np.matmul(a, b, out=out)
 
     @property
     def gemm_accumulates(self) -> bool:  # type: ignore[override]

@@ -55,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mlp_reference import (
     CHECK_CONFIG,
     CONFIGS,
+    CONTENDER_ENV,
     CONTENDERS,
     LOSS_ATOL,
     LR,
@@ -69,12 +70,13 @@ from mlp_reference import (
 THREADS = 2  # as set above
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 DEFAULT_CONTENDERS = ("numpy-prealloc", "torch", "blockrt-eager", "blockrt-none",
-                      "blockrt-recycle", "blockrt-static")
+                      "blockrt-recycle", "blockrt-static", "blockrt-static-openblas")
 RATIOS = (("blockrt-eager", "numpy-prealloc"), ("blockrt-eager", "torch"),
           ("blockrt-static", "blockrt-eager"), ("blockrt-static", "numpy-prealloc"),
-          ("blockrt-static", "torch"), ("torch", "numpy-prealloc"))
+          ("blockrt-static", "torch"), ("torch", "numpy-prealloc"),
+          ("blockrt-static", "blockrt-static-openblas"), ("blockrt-static-openblas", "torch"))
 ROUNDS = {"S": 30, "M": 20, "L": 8}
-PAUSE_SECONDS = 0.15   # before each contender's turn: the last one's threads stop spinning
+PAUSE_SECONDS = 0.25   # before each contender's turn: the last one's threads stop spinning
 WARMUP_SECONDS = 0.5
 
 
@@ -145,9 +147,12 @@ def serve(name: str, config_name: str, quick: bool) -> None:
             last_loss = trainer.step()
             times.append(time.perf_counter() - begin)
         print(json.dumps({"ms": [1e3 * t for t in times], "at": time.time()}), flush=True)
+    blas = sys.modules.get("backends._blas")
+    gemm = blas.find() if blas is not None else None
     print(json.dumps({
-        **record, "status": "ok", "threads": threads, "first_loss": first_loss,
-        "last_loss": last_loss, "warmup_steps": warmup_steps,
+        **record, "status": "ok", "threads": threads,
+        "blas": None if blas is None else (gemm.name if gemm is not None else "none"),
+        "first_loss": first_loss, "last_loss": last_loss, "warmup_steps": warmup_steps,
         "maxrss_kib": {"data": rss_data, "setup": rss_setup, "after": maxrss_kib()},
         "added_by_training_kib": (None if rss_before is None
                                   else _status_kib("VmHWM") - rss_before)}), flush=True)
@@ -159,7 +164,8 @@ class Child:
     def __init__(self, name: str, config_name: str, quick: bool) -> None:
         command = [sys.executable, os.path.abspath(__file__), "--serve", name, "--config",
                    config_name] + (["--quick"] if quick else [])
-        env = {**os.environ, **dict.fromkeys(THREAD_VARIABLES, str(THREADS))}
+        env = {**os.environ, **dict.fromkeys(THREAD_VARIABLES, str(THREADS)),
+               **CONTENDER_ENV.get(name, {})}
         self.name = name
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -195,6 +201,16 @@ class Child:
         record = self.ask("stop")
         self.finish()
         return record
+
+
+def print_blas(results: dict[str, Any]) -> None:
+    """Which CBLAS each blockrt contender's products ran on (`backends/_blas.py`)."""
+    used = {name: record["blas"] for result in results.values()
+            for name, record in result["records"].items() if record.get("blas")}
+    if used:
+        print()
+        print("CBLAS of the blockrt contenders: "
+              + "; ".join(f"{name}: {blas}" for name, blas in used.items()))
 
 
 def run_config(config_name: str, names: list[str], rounds: int, quick: bool,
@@ -349,6 +365,7 @@ def main() -> None:
     print()
     print_table(results, names, args.quick)
     print_memory_table(results, names)
+    print_blas(results)
     if args.json:
         with open(args.json, "w") as f:
             for config_name, result in results.items():

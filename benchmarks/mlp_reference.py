@@ -22,7 +22,11 @@ copies for correctness checks. Contenders:
 - `torch`: PyTorch CPU eager, `nn.Linear` layers, `F.cross_entropy`, SGD as `optim.SGD` runs it;
 - `blockrt-eager`: blockrt's autograd and `runtime.nn`, eager.
 - `blockrt-none`, `blockrt-recycle`, `blockrt-static`, `blockrt-static-sqrt`: the same step
-  captured by `runtime.graph` under each memory plan (the last with checkpoint="sqrt").
+  captured by `runtime.graph` under each memory plan (the last with checkpoint="sqrt"), on the
+  CBLAS that blockrt picks (`backends/_blas.py`: MKL where the `mkl` wheel is installed, else
+  NumPy's OpenBLAS);
+- `blockrt-static-openblas`: `blockrt-static` on NumPy's OpenBLAS whatever is installed (its
+  process runs with BLOCKRT_BLAS=openblas, `CONTENDER_ENV`), to show what the BLAS is worth.
 - `tinygrad`: tinygrad on its CPU device, the step under `TinyJit` (needs tinygrad and a clang).
 
 Optional dependencies (torch, tinygrad, blockrt's nn) are imported inside their factory only; a
@@ -447,8 +451,13 @@ CONTENDERS: dict[str, Callable[..., Trainer]] = {
     "blockrt-recycle": blockrt_graph("recycle"),
     "blockrt-static": blockrt_graph("static"),
     "blockrt-static-sqrt": blockrt_graph("static", "sqrt"),
+    "blockrt-static-openblas": blockrt_graph("static"),
     "tinygrad": make_tinygrad,
 }
+
+
+#: Environment variables a contender's process needs set before blockrt loads.
+CONTENDER_ENV: dict[str, dict[str, str]] = {"blockrt-static-openblas": {"BLOCKRT_BLAS": "openblas"}}
 
 
 def check_against_reference(make: Callable[..., Trainer], config: MLPConfig = CHECK_CONFIG,

@@ -183,7 +183,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     accelerated = "yes" if allocators.ACCELERATED else "no (pure Python)"
     print(f"C allocator hot path: {accelerated}")
     blas = _blas.find()
-    print(f"CPU gemm: {'CBLAS of ' + blas.path if blas is not None else 'matmul + a fused pass'}")
+    print("CPU gemm: " + (f"CBLAS of {blas.name} ({blas.path})" if blas is not None
+                          else "matmul + a fused pass"))
     kinds = backends.available()
     print(f"backends: {', '.join(kinds)}")
     for kind in kinds:

@@ -60,7 +60,8 @@ def test_info_shows_versions_backends_devices_and_the_default_device(capsys):
     assert allocators.format_bytes(cpu.total_memory) in out
     assert ("C allocator hot path: yes" in out) == allocators.ACCELERATED
     blas = _blas.find()
-    assert (f"CPU gemm: CBLAS of {blas.path}" if blas else "CPU gemm: matmul + a fused pass") in out
+    assert (f"CPU gemm: CBLAS of {blas.name} ({blas.path})" if blas
+            else "CPU gemm: matmul + a fused pass") in out
     assert f"default device: {cli.runtime.get_default_device().name}" in out
 
 

@@ -1,5 +1,6 @@
-"""`Device.gemm`: out = alpha * a @ b + beta * out on every backend, and the CPU device's BLAS
-path (NumPy's own OpenBLAS through CBLAS) against NumPy, for every layout it accepts."""
+"""`Device.gemm`: out = alpha * a @ b + beta * out on every backend, and the CPU device's CBLAS
+path (MKL where installed, NumPy's own OpenBLAS) against NumPy, for every layout it accepts, and
+how BLOCKRT_BLAS picks between them."""
 
 from __future__ import annotations
 
@@ -47,23 +48,81 @@ def test_gemm_with_beta_zero_never_reads_the_old_output(device):
 # ---------------------------------------------------------------------- the CPU's BLAS
 cpu = backends.get_device("cpu")
 blas = _blas.find()
-needs_blas = pytest.mark.skipif(blas is None, reason="NumPy's BLAS is not an OpenBLAS that "
-                                "blockrt can call (Accelerate, MKL or a stripped build): "
-                                "gemm is emulated there")
+needs_blas = pytest.mark.skipif(blas is None, reason="no CBLAS blockrt can call here (NumPy on "
+                                "Accelerate or a stripped build, no mkl wheel, or "
+                                "BLOCKRT_BLAS=none): gemm is emulated")
+_MISSING = {"openblas": "NumPy's BLAS is not an OpenBLAS blockrt can call",
+            "mkl": "the mkl wheel is not installed (pip install blockrt[mkl])"}
+
+
+@pytest.fixture(scope="module", params=["openblas", "mkl"])
+def vendor(request) -> _blas.Gemm:
+    """Each CBLAS this machine has, so both are tested wherever both are installed."""
+    gemm = _blas.load(request.param)
+    if gemm is None:
+        pytest.skip(_MISSING[request.param])
+    return gemm
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch):
+    """find() forgets its choice for the test and the environment variable is the test's."""
+    monkeypatch.setattr(_blas, "_found", [])
+    monkeypatch.delenv(_blas.ENV, raising=False)
+    return monkeypatch
 
 
 @needs_blas
-def test_numpy_wheels_blas_is_found_and_accumulates():
+def test_a_cblas_is_found_and_the_cpu_device_accumulates():
     assert cpu.gemm_accumulates
-    assert "openblas" in blas.path.lower()
+    assert blas.name.split()[0] in ("MKL", "OpenBLAS")
+    assert ("mkl" if blas.name.startswith("MKL") else "openblas") in blas.path.lower()
 
 
-@needs_blas
+def test_blockrt_blas_picks_the_library(fresh_choice):
+    mkl = _blas.load("mkl")
+    openblas = _blas.load("openblas")
+    fresh_choice.setenv(_blas.ENV, "none")
+    assert _blas.find() is None and not cpu.gemm_accumulates
+    for value, want in (("openblas", openblas), ("mkl", mkl), ("auto", mkl or openblas),
+                        ("", mkl or openblas)):
+        fresh_choice.setattr(_blas, "_found", [])
+        fresh_choice.setenv(_blas.ENV, value)
+        found = _blas.find()
+        assert (found and found.path) == (want and want.path), value
+    fresh_choice.setattr(_blas, "_found", [])
+    fresh_choice.setenv(_blas.ENV, "openblas")
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    out = np.empty((3, 3), np.float32)
+    cpu.matmul(a, a.T, out)  # the device's products follow the choice too
+    np.testing.assert_array_equal(out, a @ a.T)
+
+
+def test_an_unknown_blockrt_blas_is_refused_by_name(fresh_choice):
+    fresh_choice.setenv(_blas.ENV, "atlas")
+    with pytest.raises(ValueError, match=r"BLOCKRT_BLAS='atlas' is not one of auto, mkl, "
+                                         r"openblas, none"):
+        _blas.find()
+    assert _blas._found == []  # nothing was chosen: fixing the variable is enough
+
+
+def test_sizes_a_32_bit_blas_cannot_take_are_left_to_numpy(vendor, monkeypatch):
+    a = np.ones((6, 5), np.float32)
+    out = np.zeros((6, 6), np.float32)
+    monkeypatch.setattr(vendor, "_largest", 5)  # as if 5 were the largest int it can take
+    assert not vendor.supports(a, a.T, out)
+    assert not vendor(a, a.T, out, 1.0, 0.0)
+    np.testing.assert_array_equal(out, 0.0)
+    monkeypatch.setattr(vendor, "_largest", 6)
+    assert vendor(a, a.T, out, 1.0, 0.0)
+    np.testing.assert_array_equal(out, 5.0)
+
+
 @given(m=st.integers(1, 30), n=st.integers(1, 30), k=st.integers(1, 30),
        layout=st.tuples(st.booleans(), st.booleans()), pad=st.integers(0, 3),
        dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 10_000))
 @settings(max_examples=60)
-def test_blas_gemm_reads_transposed_and_padded_views(m, n, k, layout, pad, dtype, seed):
+def test_blas_gemm_reads_transposed_and_padded_views(vendor, m, n, k, layout, pad, dtype, seed):
     """Operands stored transposed or with a row pitch wider than their width (a slice of a
     bigger matrix), and an output with a wide pitch: the same as NumPy's matmul, to rounding."""
     rng = np.random.default_rng(seed)
@@ -77,26 +136,25 @@ def test_blas_gemm_reads_transposed_and_padded_views(m, n, k, layout, pad, dtype
     out_store = rng.normal(size=(m, n + pad)).astype(dtype)
     out = out_store[:, :n]
     before = out_store.copy()
-    assert blas.supports(a, b, out)
-    assert blas(a, b, out, -0.5, 1.0)
+    assert vendor.supports(a, b, out)
+    assert vendor(a, b, out, -0.5, 1.0)
     want = before[:, :n] - 0.5 * (a.astype(np.float64) @ b)
     tolerance = 2e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(out, want, rtol=tolerance, atol=tolerance * (k + 2) * 4)
     np.testing.assert_array_equal(out_store[:, n:], before[:, n:])  # the padding is untouched
 
 
-@needs_blas
-def test_layouts_blas_cannot_read_fall_back_to_the_emulation():
+def test_layouts_blas_cannot_read_fall_back_to_the_emulation(vendor):
     rng = np.random.default_rng(3)
     a = rng.normal(size=(8, 12)).astype(np.float32)[:, ::2]  # every other column: no unit stride
     b = rng.normal(size=(6, 5)).astype(np.float32)
     mixed = b.astype(np.float64)
     out_t = np.zeros((5, 8), np.float32).T  # a transposed output
-    assert not blas.supports(a, b, np.zeros((8, 5), np.float32))
-    assert not blas.supports(a[:, :6].copy(), mixed, np.zeros((8, 5), np.float64))
-    assert not blas.supports(np.ascontiguousarray(a), b, out_t)
+    assert not vendor.supports(a, b, np.zeros((8, 5), np.float32))
+    assert not vendor.supports(a[:, :6].copy(), mixed, np.zeros((8, 5), np.float64))
+    assert not vendor.supports(np.ascontiguousarray(a), b, out_t)
     untouched = np.ones((8, 5), np.float32)
-    assert not blas(a, b, untouched, 2.0, 1.0)  # refuses, and writes nothing
+    assert not vendor(a, b, untouched, 2.0, 1.0)  # refuses, and writes nothing
     np.testing.assert_array_equal(untouched, 1.0)
     out = np.ones((8, 5), np.float32)
     cpu.gemm(a, b, out, 2.0, 1.0)  # emulated: product into scratch, then one fused pass
@@ -112,5 +170,6 @@ def test_a_blas_that_gets_the_self_test_wrong_is_not_used():
             return True
 
     assert not _blas._passes(IgnoresBeta())
-    if blas is not None:
-        assert _blas._passes(blas)
+    for vendor in ("openblas", "mkl"):
+        found = _blas.load(vendor)
+        assert found is None or _blas._passes(found)
