@@ -264,6 +264,12 @@ def paired_ratio(a: list[list[float]] | None, b: list[list[float]] | None) -> fl
     return statistics.median(min(x) / min(y) for x, y in zip(a, b))
 
 
+def rounds_won(a: list[list[float]] | None, b: list[list[float]] | None) -> tuple[int, int]:
+    """(rounds in which a's fastest step beat b's, rounds both ran)."""
+    pairs = list(zip(a or [], b or []))
+    return sum(min(x) < min(y) for x, y in pairs), len(pairs)
+
+
 def first_loss_spread(records: dict[str, dict[str, Any]]) -> float:
     """The largest difference between contenders' first-step losses (same weights and batch)."""
     losses = [r["first_loss"] for r in records.values() if r.get("status") == "ok"]
@@ -272,7 +278,8 @@ def first_loss_spread(records: dict[str, dict[str, Any]]) -> float:
 
 def print_table(results: dict[str, dict[str, Any]], names: list[str], quick: bool) -> None:
     """The Markdown table: each contender's fastest step (ms) and, for each pair, the median
-    over rounds of the ratio of their fastest steps in that round."""
+    over rounds of the ratio of their fastest steps in that round, with the rounds the first
+    won (its fastest step the faster) out of all."""
     ratios = [(a, b) for a, b in RATIOS if a in names and b in names]
     columns = [f"{name} (ms)" for name in names] + [f"{a} / {b}" for a, b in ratios]
     print("| config | batch, width, depth | GFLOP/step | " + " | ".join(columns) + " |")
@@ -284,7 +291,8 @@ def print_table(results: dict[str, dict[str, Any]], names: list[str], quick: boo
         cells = [f"{best[name]:.2f}" if best[name] is not None else "n/a" for name in names]
         for a, b in ratios:
             ratio = paired_ratio(rounds.get(a), rounds.get(b))
-            cells.append(f"{ratio:.2f}" if ratio is not None else "n/a")
+            won, total = rounds_won(rounds.get(a), rounds.get(b))
+            cells.append(f"{ratio:.2f} ({won}/{total})" if ratio is not None else "n/a")
         print(f"| {config_name} | {config.batch}, {config.width}, {config.depth} | "
               f"{config.step_flop() / 1e9:.3g} | " + " | ".join(cells) + " |")
 
@@ -360,8 +368,8 @@ def main() -> None:
             print(f"{config_name}: first-step losses differ by {spread:.3g} across contenders",
                   file=sys.stderr)
     print(f"MLP training step, {THREADS} threads: fastest step (ms) of each contender; ratios "
-          f"are medians over rounds of the same round's fastest steps. 1-minute load average "
-          f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after:")
+          f"are medians over rounds of the same round's fastest steps (rounds the first won / "
+          f"all). 1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after:")
     print()
     print_table(results, names, args.quick)
     print_memory_table(results, names)

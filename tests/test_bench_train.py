@@ -66,6 +66,8 @@ def test_tinygrad_matches_the_reference():
 # ---------------------------------------------------------------------- the harness
 import bench_train  # noqa: E402  (after the path insert above)
 
+from backends import _blas  # noqa: E402
+
 
 def test_ratios_pair_rounds_and_best_is_the_fastest_step():
     a = [[2.0, 1.0], [4.0, 5.0], [3.0]]
@@ -74,6 +76,9 @@ def test_ratios_pair_rounds_and_best_is_the_fastest_step():
     assert bench_train.best_ms([]) is None
     assert bench_train.paired_ratio(a, b) == 2.0  # the median of 0.5, 2.0 and 3.0
     assert bench_train.paired_ratio(a, None) is None
+    assert bench_train.rounds_won(a, b) == (1, 3)  # only the 0.5 round
+    assert bench_train.rounds_won(b, a) == (2, 3)
+    assert bench_train.rounds_won(a, None) == (0, 0)
 
 
 def test_a_quick_run_serves_rounds_from_long_lived_children():
@@ -85,3 +90,11 @@ def test_a_quick_run_serves_rounds_from_long_lived_children():
         record = result["records"][name]
         assert record["status"] == "ok" and record["added_by_training_kib"] is not None
     assert bench_train.first_loss_spread(result["records"]) < 1e-3
+
+
+def test_the_openblas_contender_runs_on_openblas():
+    result = bench_train.run_config("S", ["blockrt-static", "blockrt-static-openblas"], rounds=1,
+                                    quick=True, seconds=0.01)
+    records = result["records"]
+    assert records["blockrt-static-openblas"]["blas"].startswith("OpenBLAS")
+    assert records["blockrt-static"]["blas"] == _blas.find().name
