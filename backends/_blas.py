@@ -176,6 +176,12 @@ def _open_mkl(path: str) -> Gemm | None:
 #: BLOCKRT_BLAS values: which CBLAS the CPU device calls for its 2-D products.
 CHOICES = ("auto", "mkl", "openblas", "none")
 _VENDORS = {"mkl": (_mkl_paths, _open_mkl), "openblas": (_openblas_paths, _open_openblas)}
+_MISSING = {
+    "mkl": "no MKL that passes the self-test was found (neither loaded in this process nor "
+           "in this environment's lib/: pip install blockrt[mkl], or unset it)",
+    "openblas": "NumPy's BLAS is not an OpenBLAS that passes the self-test (unset it, or set "
+                "none)",
+}
 
 
 def _passes(gemm: Gemm) -> bool:
@@ -221,17 +227,16 @@ def find() -> Gemm | None:
     """The CBLAS the CPU device uses, as a `Gemm`, or None (products go to `np.matmul`, and
     accumulation to an elementwise pass). Chosen once per process by BLOCKRT_BLAS: "auto" (the
     default) takes MKL where the `mkl` wheel is installed or NumPy is built on it, else NumPy's
-    own OpenBLAS; "mkl" and "openblas" take only that one; "none" takes neither."""
+    own OpenBLAS; "mkl" and "openblas" take only that one, and raise RuntimeError saying what is
+    missing where it is not here; "none" takes neither. Nothing is remembered after an error."""
     if _found:
         return _found[0]
     with _lock:
         if not _found:
             wanted = choice()
             order = {"auto": ("mkl", "openblas"), "none": ()}.get(wanted, (wanted,))
-            gemm = None
-            for vendor in order:
-                gemm = load(vendor)
-                if gemm is not None:
-                    break
+            gemm = next((g for g in map(load, order) if g is not None), None)
+            if gemm is None and wanted in _VENDORS:
+                raise RuntimeError(f"{ENV}={wanted}, but {_MISSING[wanted]}")
             _found.append(gemm)
         return _found[0]

@@ -182,9 +182,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"NumPy {np.__version__}")
     accelerated = "yes" if allocators.ACCELERATED else "no (pure Python)"
     print(f"C allocator hot path: {accelerated}")
-    blas = _blas.find()
-    print("CPU gemm: " + (f"CBLAS of {blas.name} ({blas.path})" if blas is not None
-                          else "matmul + a fused pass"))
+    try:
+        blas = _blas.find()
+        gemm = (f"CBLAS of {blas.name} ({blas.path})" if blas is not None
+                else "matmul + a fused pass")
+    except (ValueError, RuntimeError) as e:  # a BLOCKRT_BLAS it cannot honour
+        gemm = f"error: {e}"
+    print(f"CPU gemm: {gemm}")
     kinds = backends.available()
     print(f"backends: {', '.join(kinds)}")
     for kind in kinds:

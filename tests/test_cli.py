@@ -178,3 +178,11 @@ def test_the_installed_console_script_runs():
     bad = subprocess.run([found, "plan", "--config", "Q"], capture_output=True, text=True,
                          timeout=60, check=False)
     assert bad.returncode == 2 and "'Q'" in bad.stderr
+
+
+def test_info_names_a_blockrt_blas_it_cannot_honour(capsys, monkeypatch):
+    monkeypatch.setattr(_blas, "_found", [])
+    monkeypatch.setenv(_blas.ENV, "atlas")
+    status, out, _ = run(capsys, "info")
+    assert status == 0
+    assert "CPU gemm: error: BLOCKRT_BLAS='atlas' is not one of auto, mkl, openblas, none" in out

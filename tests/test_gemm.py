@@ -52,7 +52,7 @@ needs_blas = pytest.mark.skipif(blas is None, reason="no CBLAS blockrt can call 
                                 "Accelerate or a stripped build, no mkl wheel, or "
                                 "BLOCKRT_BLAS=none): gemm is emulated")
 _MISSING = {"openblas": "NumPy's BLAS is not an OpenBLAS blockrt can call",
-            "mkl": "the mkl wheel is not installed (pip install blockrt[mkl])"}
+            "mkl": "no MKL here (pip install blockrt[mkl])"}
 
 
 @pytest.fixture(scope="module", params=["openblas", "mkl"])
@@ -104,6 +104,18 @@ def test_an_unknown_blockrt_blas_is_refused_by_name(fresh_choice):
                                          r"openblas, none"):
         _blas.find()
     assert _blas._found == []  # nothing was chosen: fixing the variable is enough
+
+
+@pytest.mark.parametrize("vendor_name", ["mkl", "openblas"])
+def test_asking_for_a_blas_that_is_not_here_is_an_error(fresh_choice, vendor_name):
+    fresh_choice.setitem(_blas._loads, vendor_name, None)  # as where it is not installed
+    fresh_choice.setenv(_blas.ENV, vendor_name)
+    with pytest.raises(RuntimeError, match=f"BLOCKRT_BLAS={vendor_name}, but .*self-test"):
+        _blas.find()
+    assert _blas._found == []
+    fresh_choice.setenv(_blas.ENV, "auto")  # auto falls back to the other, or to matmul
+    other = _blas.load("openblas" if vendor_name == "mkl" else "mkl")
+    assert _blas.find() is other
 
 
 def test_sizes_a_32_bit_blas_cannot_take_are_left_to_numpy(vendor, monkeypatch):
