@@ -98,3 +98,9 @@ def test_the_openblas_contender_runs_on_openblas():
     records = result["records"]
     assert records["blockrt-static-openblas"]["blas"].startswith("OpenBLAS")
     assert records["blockrt-static"]["blas"] == _blas.find().name
+
+
+def test_the_check_runs_the_openblas_contender_on_openblas(capsys):
+    assert bench_train.run_check(["blockrt-static-openblas"]) == 0
+    out = capsys.readouterr().out
+    assert "blockrt-static-openblas: ok" in out and "products on OpenBLAS" in out
