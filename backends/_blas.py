@@ -3,8 +3,9 @@ OpenBLAS that NumPy itself loaded.
 
 NumPy's `matmul` computes `a @ b` only. BLAS computes `alpha * a @ b + beta * c` into `c` in the
 same time, which lets the graph fold an update such as `w -= lr * (x.T @ g)` into the product:
-no gradient buffer and no extra pass over it. The CPU device sends its 2-D products here too, so
-one library (one pool of threads) does all of a step's products.
+no gradient buffer and no extra pass over it. On MKL the CPU device sends its 2-D products here
+too, so one library (one pool of threads) does all of a step's products; on NumPy's OpenBLAS
+they stay with `np.matmul`, the same library, which calls it a little faster for small shapes.
 
 Two vendors are recognised. MKL (`pip install blockrt[mkl]` brings Intel's `mkl` wheel; a NumPy
 built on MKL has it loaded already) through its 64-bit-integer `cblas_?gemm_64` entry points;
@@ -46,9 +47,10 @@ class Gemm:
     """
 
     def __init__(self, library: ctypes.CDLL, prefix: str, suffix: str, integer: type,
-                 name: str) -> None:
+                 name: str, vendor: str) -> None:
         self.path = library._name
         self.name = name
+        self.vendor = vendor  # "mkl" or "openblas"
         self._largest = np.iinfo(np.int32 if integer is ctypes.c_int32 else np.int64).max
         self._functions = {}
         for dtype, letter, real in ((np.float32, "s", ctypes.c_float),
@@ -151,7 +153,8 @@ def _open_openblas(path: str) -> Gemm | None:
         text = (config() or b"").decode(errors="replace")
         wide = "USE64BITINT" in text
         name = " ".join(text.split()[:2]) or "OpenBLAS"
-        gemm = Gemm(library, prefix, suffix, ctypes.c_int64 if wide else ctypes.c_int32, name)
+        gemm = Gemm(library, prefix, suffix, ctypes.c_int64 if wide else ctypes.c_int32, name,
+                    "openblas")
         return gemm if _passes(gemm) else None
     return None
 
@@ -169,7 +172,7 @@ def _open_mkl(path: str) -> Gemm | None:
     # NOTE: "Intel(R) oneAPI Math Kernel Library Version 2025.2-Product Build ..." -> MKL 2025.2
     number = next((w.split("-")[0] for w in words if w[:1].isdigit()), "")
     # NOTE: the _64 entry points take 64-bit integers whatever MKL_INTERFACE_LAYER says
-    gemm = Gemm(library, "", "_64", ctypes.c_int64, f"MKL {number}".strip())
+    gemm = Gemm(library, "", "_64", ctypes.c_int64, f"MKL {number}".strip(), "mkl")
     return gemm if _passes(gemm) else None
 
 

@@ -98,6 +98,29 @@ def test_blockrt_blas_picks_the_library(fresh_choice):
     np.testing.assert_array_equal(out, a @ a.T)
 
 
+@pytest.mark.parametrize("vendor_name", ["mkl", "openblas"])
+def test_the_devices_products_go_to_mkl_and_stay_with_numpy_on_openblas(fresh_choice,
+                                                                          vendor_name):
+    real = _blas.load(vendor_name)
+    if real is None:
+        pytest.skip(_MISSING[vendor_name])
+    calls = []
+
+    class Counting:  # the real library, counting the calls that reach it
+        vendor = real.vendor
+
+        def __call__(self, a, b, c, alpha, beta):
+            calls.append(c.shape)
+            return real(a, b, c, alpha, beta)
+
+    fresh_choice.setattr(_blas, "_found", [Counting()])
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    out = np.empty((3, 3), np.float32)
+    cpu.matmul(a, a.T, out)
+    np.testing.assert_array_equal(out, a @ a.T)
+    assert calls == ([(3, 3)] if vendor_name == "mkl" else [])  # NumPy's matmul is OpenBLAS
+
+
 def test_an_unknown_blockrt_blas_is_refused_by_name(fresh_choice):
     fresh_choice.setenv(_blas.ENV, "atlas")
     with pytest.raises(ValueError, match=r"BLOCKRT_BLAS='atlas' is not one of auto, mkl, "
