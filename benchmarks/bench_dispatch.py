@@ -3,7 +3,8 @@
 Each pair is timed in many short interleaved rounds (blockrt, NumPy, blockrt, ...) and the best
 round of each is kept, so both see the same machine load. BLAS runs on one thread, so that matmul's
 thread scheduling does not drown the dispatch figures, and blockrt's products run on NumPy's own
-OpenBLAS (BLOCKRT_BLAS=openblas), so that matmul compares dispatch, not two libraries. Prints a Markdown table for BENCHMARKS.md.
+OpenBLAS (BLOCKRT_BLAS=openblas), so that matmul compares dispatch, not two libraries. Prints a
+Markdown table for BENCHMARKS.md.
 
 Run: python benchmarks/bench_dispatch.py [--quick]
 """
