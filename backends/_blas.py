@@ -51,7 +51,8 @@ class Gemm:
         self.path = library._name
         self.name = name
         self.vendor = vendor  # "mkl" or "openblas"
-        self._largest = np.iinfo(np.int32 if integer is ctypes.c_int32 else np.int64).max
+        #: the largest size a 32-bit-integer BLAS can be told; None for a 64-bit one
+        self._largest = np.iinfo(np.int32).max if integer is ctypes.c_int32 else None
         self._functions = {}
         for dtype, letter, real in ((np.float32, "s", ctypes.c_float),
                                     (np.float64, "d", ctypes.c_double)):
@@ -81,7 +82,8 @@ class Gemm:
         out, left, right = self._layout(c), self._layout(a), self._layout(b)
         if out is None or out[0] != _NO_TRANS or left is None or right is None:
             return None
-        if max(*a.shape, *b.shape, left[1], right[1], out[1]) > self._largest:
+        if self._largest is not None and max(*a.shape, *b.shape, left[1], right[1],
+                                             out[1]) > self._largest:
             return None  # NOTE: a 32-bit integer BLAS cannot be told these sizes
         return left, right, out[1]
 
@@ -176,7 +178,7 @@ def _open_mkl(path: str) -> Gemm | None:
     return gemm if _passes(gemm) else None
 
 
-#: BLOCKRT_BLAS values: which CBLAS the CPU device calls for its 2-D products.
+#: BLOCKRT_BLAS values: which CBLAS the CPU device calls for gemm (and on MKL for its products).
 CHOICES = ("auto", "mkl", "openblas", "none")
 _VENDORS = {"mkl": (_mkl_paths, _open_mkl), "openblas": (_openblas_paths, _open_openblas)}
 _MISSING = {
