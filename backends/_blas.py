@@ -47,10 +47,13 @@ class Gemm:
     """
 
     def __init__(self, library: ctypes.CDLL, prefix: str, suffix: str, integer: type,
-                 name: str, vendor: str) -> None:
+                 name: str, products: bool) -> None:
         self.path = library._name
         self.name = name
-        self.vendor = vendor  # "mkl" or "openblas"
+        #: whether the CPU device's plain products come here too (MKL: so that one pool of
+        #: threads does them all) or stay with np.matmul (NumPy's own OpenBLAS, the same
+        #: library, which it calls a little faster for small shapes)
+        self.products = products
         #: the largest size a 32-bit-integer BLAS can be told; None for a 64-bit one
         self._largest = np.iinfo(np.int32).max if integer is ctypes.c_int32 else None
         self._functions = {}
@@ -127,12 +130,11 @@ def _openblas_paths() -> list[str]:
 
 def _mkl_paths() -> list[str]:
     """MKL's single dynamic library: loaded (a NumPy built on MKL), or the `mkl` wheel's copy in
-    this environment's lib/ (what `pip install blockrt[mkl]` brings)."""
+    this environment's lib/ (what `pip install blockrt[mkl]` brings on Linux; the wheels have no
+    macOS build, and Windows is untested)."""
     found = _loaded("mkl_rt")
-    for folder in (os.path.join(sys.prefix, "lib"), os.path.join(sys.prefix, "Library", "bin")):
-        for pattern in ("libmkl_rt.so*", "libmkl_rt*.dylib", "mkl_rt*.dll"):
-            found.extend(p for p in sorted(glob.glob(os.path.join(folder, pattern)))
-                         if p not in found)
+    pattern = os.path.join(sys.prefix, "lib", "libmkl_rt.so*")
+    found.extend(p for p in sorted(glob.glob(pattern)) if p not in found)
     return found
 
 
@@ -156,7 +158,7 @@ def _open_openblas(path: str) -> Gemm | None:
         wide = "USE64BITINT" in text
         name = " ".join(text.split()[:2]) or "OpenBLAS"
         gemm = Gemm(library, prefix, suffix, ctypes.c_int64 if wide else ctypes.c_int32, name,
-                    "openblas")
+                    products=False)
         return gemm if _passes(gemm) else None
     return None
 
@@ -174,7 +176,7 @@ def _open_mkl(path: str) -> Gemm | None:
     # NOTE: "Intel(R) oneAPI Math Kernel Library Version 2025.2-Product Build ..." -> MKL 2025.2
     number = next((w.split("-")[0] for w in words if w[:1].isdigit()), "")
     # NOTE: the _64 entry points take 64-bit integers whatever MKL_INTERFACE_LAYER says
-    gemm = Gemm(library, "", "_64", ctypes.c_int64, f"MKL {number}".strip(), "mkl")
+    gemm = Gemm(library, "", "_64", ctypes.c_int64, f"MKL {number}".strip(), products=True)
     return gemm if _passes(gemm) else None
 
 

@@ -143,10 +143,8 @@ class NumpyDevice(Device):
 
     def _matmul(self, a, b, out) -> None:
         blas = _blas.find()
-        # NOTE: on MKL, 2-D products go where gemm goes: one library, one pool of threads (NumPy's
-        # OpenBLAS beside it would spin its own). NumPy's matmul already runs on its OpenBLAS.
-        if (out.ndim != 2 or blas is None or blas.vendor != "mkl"
-                or not blas(a, b, out, 1.0, 0.0)):
+        # NOTE: on MKL, 2-D products go where gemm goes: one pool of threads (see Gemm.products)
+        if out.ndim != 2 or blas is None or not blas.products or not blas(a, b, out, 1.0, 0.0):
             np.matmul(a, b, out=out)
 
     @property

@@ -18,8 +18,8 @@ Each contender runs in its own long-lived subprocess (`--serve NAME --config C`)
 OMP_NUM_THREADS, OPENBLAS_NUM_THREADS and MKL_NUM_THREADS set to 2 before NumPy loads and
 `torch.set_num_threads(2)`. The child builds the model and warms up (at least 2 steps and half a
 second: a graph's capture happens there), then serves rounds: in each round every contender in
-turn (order rotated per round, a 0.15 s pause first so the previous one's BLAS and OpenMP
-threads have stopped spinning) times whole steps for at least `--seconds` (and at least 2).
+turn (order rotated per round, a `PAUSE_SECONDS` pause first so the previous one's BLAS and
+OpenMP threads have stopped spinning) times whole steps for at least `--seconds` (and at least 2).
 
 Two figures come out. Each contender's **fastest step** over all rounds, and for each pair the
 **median over rounds of the ratio of their fastest steps in that round**. The ratio is the one to
@@ -105,6 +105,16 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
+def blas_of(name: str) -> str | None:
+    """The CBLAS a blockrt contender's products ran on in this process ("none": np.matmul);
+    None for the other contenders."""
+    blas = sys.modules.get("backends._blas")
+    if blas is None or not name.startswith("blockrt"):
+        return None
+    gemm = blas.find()
+    return gemm.name if gemm is not None else "none"
+
+
 def serve(name: str, config_name: str, quick: bool) -> None:
     """A contender kept alive for a whole configuration (`--serve`): build it, warm up, say
     "ready" (one JSON line), then answer each "run SECONDS" with one round (the step times of
@@ -147,11 +157,8 @@ def serve(name: str, config_name: str, quick: bool) -> None:
             last_loss = trainer.step()
             times.append(time.perf_counter() - begin)
         print(json.dumps({"ms": [1e3 * t for t in times], "at": time.time()}), flush=True)
-    blas = sys.modules.get("backends._blas")
-    gemm = blas.find() if blas is not None else None
     print(json.dumps({
-        **record, "status": "ok", "threads": threads,
-        "blas": None if blas is None else (gemm.name if gemm is not None else "none"),
+        **record, "status": "ok", "threads": threads, "blas": blas_of(name),
         "first_loss": first_loss, "last_loss": last_loss, "warmup_steps": warmup_steps,
         "maxrss_kib": {"data": rss_data, "setup": rss_setup, "after": maxrss_kib()},
         "added_by_training_kib": (None if rss_before is None
@@ -255,19 +262,23 @@ def best_ms(rounds: list[list[float]] | None) -> float | None:
     return min(min(r) for r in rounds) if rounds else None
 
 
+def round_ratios(a: list[list[float]] | None, b: list[list[float]] | None) -> list[float]:
+    """a's fastest step / b's fastest step, round by round (rounds both ran)."""
+    return [min(x) / min(y) for x, y in zip(a or [], b or [])]
+
+
 def paired_ratio(a: list[list[float]] | None, b: list[list[float]] | None) -> float | None:
     """The median over rounds of (a's fastest step / b's fastest step) in the same round: the
     two ran seconds apart, so a slow spell of the machine (they last tens of seconds
     here) hits both alike."""
-    if not a or not b:
-        return None
-    return statistics.median(min(x) / min(y) for x, y in zip(a, b))
+    ratios = round_ratios(a, b)
+    return statistics.median(ratios) if ratios else None
 
 
 def rounds_won(a: list[list[float]] | None, b: list[list[float]] | None) -> tuple[int, int]:
     """(rounds in which a's fastest step beat b's, rounds both ran)."""
-    pairs = list(zip(a or [], b or []))
-    return sum(min(x) < min(y) for x, y in pairs), len(pairs)
+    ratios = round_ratios(a, b)
+    return sum(r < 1 for r in ratios), len(ratios)
 
 
 def first_loss_spread(records: dict[str, dict[str, Any]]) -> float:
@@ -324,7 +335,11 @@ def run_check(names: list[str]) -> int:
                                     "--contenders", name], env={**os.environ, **env},
                                    capture_output=True, text=True)
             print("".join(child.stdout.splitlines(keepends=True)[1:]), end="")
-            failures += child.returncode != 0
+            if child.returncode != 0:
+                failures += 1
+                error = child.stderr.strip().splitlines()
+                print(f"  {name}: FAILED in its own process"
+                      + (f" ({error[-1]})" if error else f" (exit {child.returncode})"))
             continue
         try:
             diff = check_against_reference(CONTENDERS[name])
@@ -333,11 +348,10 @@ def run_check(names: list[str]) -> int:
             continue
         ok = diff["loss"] <= LOSS_ATOL and diff["params"] <= PARAM_ATOL
         failures += not ok
-        blas = sys.modules.get("backends._blas")
-        gemm = blas.find() if blas is not None and name.startswith("blockrt") else None
+        blas = blas_of(name)
         print(f"  {name}: {'ok' if ok else 'MISMATCH'} (loss diff {diff['loss']:.2g}, params "
               f"diff {diff['params']:.2g}, params moved {diff['moved']:.2g})"
-              + (f", products on {gemm.name}" if gemm is not None else ""))
+              + (f", products on {blas}" if blas is not None else ""))
     return 1 if failures else 0
 
 

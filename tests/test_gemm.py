@@ -51,8 +51,6 @@ blas = _blas.find()
 needs_blas = pytest.mark.skipif(blas is None, reason="no CBLAS blockrt can call here (NumPy on "
                                 "Accelerate or a stripped build, no mkl wheel, or "
                                 "BLOCKRT_BLAS=none): gemm is emulated")
-_MISSING = {"openblas": "NumPy's BLAS is not an OpenBLAS blockrt can call",
-            "mkl": "no MKL here (pip install blockrt[mkl])"}
 
 
 @pytest.fixture(scope="module", params=["openblas", "mkl"])
@@ -60,7 +58,7 @@ def vendor(request) -> _blas.Gemm:
     """Each CBLAS this machine has, so both are tested wherever both are installed."""
     gemm = _blas.load(request.param)
     if gemm is None:
-        pytest.skip(_MISSING[request.param])
+        pytest.skip(_blas._MISSING[request.param])
     return gemm
 
 
@@ -103,11 +101,11 @@ def test_the_devices_products_go_to_mkl_and_stay_with_numpy_on_openblas(fresh_ch
                                                                           vendor_name):
     real = _blas.load(vendor_name)
     if real is None:
-        pytest.skip(_MISSING[vendor_name])
+        pytest.skip(_blas._MISSING[vendor_name])
     calls = []
 
     class Counting:  # the real library, counting the calls that reach it
-        vendor = real.vendor
+        products = real.products
 
         def __call__(self, a, b, c, alpha, beta):
             calls.append(c.shape)
