@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Callable
 from typing import Any
 
-from allocators import Allocation, Allocator, format_bytes
+from allocators import Allocation, Allocator, InvalidFreeError, format_bytes
 from runtime.errors import ReadOnlyError, UninitializedMemoryError, UseAfterFreeError
 
 _ids = itertools.count(1)
+#: Publishes a block's first allocation (see `Block.memory_for_write`); held for a few
+#: bytecodes, never across an allocator call.
+_first_write = threading.Lock()
 
 
 class Block:
@@ -98,14 +102,23 @@ class Block:
         if lock is None:
             if generation == self.generation:
                 self._refs -= 1
-                if self._refs == 0:
-                    self._return_memory()
+                if self._refs <= 0:
+                    self._last_reference_gone()
             return
         with lock:
             if generation == self.generation:
                 self._refs -= 1
-                if self._refs == 0:
-                    self._return_memory()
+                if self._refs <= 0:
+                    self._last_reference_gone()
+
+    def _last_reference_gone(self) -> None:
+        if self._refs < 0:
+            self._refs = 0
+            raise InvalidFreeError(
+                f"block #{self.id} ({format_bytes(self.nbytes)}): release() without a matching "
+                f"acquire() (generation {self.generation}, no reference left to drop); every "
+                f"release must pair with the acquire() that returned that generation")
+        self._return_memory()
 
     def free(self) -> None:
         """Return the memory now, whatever references remain: every existing handle goes stale
@@ -149,7 +162,22 @@ class Block:
                                 f"copy one with runtime.ops.copy() to get a writable tensor")
         allocation = self._allocation
         if allocation is None:
-            allocation = self._allocation = self.allocator.allocate(self.nbytes)
+            allocation = self._first_allocation()
+        return allocation
+
+    def _first_allocation(self) -> Allocation:
+        """Allocate and publish the block's memory. Two threads may race here on one lazy
+        block: each allocates outside any lock, one publishes its allocation, and the other
+        gives its own back and writes into the published one, so no write is lost and no
+        memory leaks."""
+        fresh = self.allocator.allocate(self.nbytes)
+        with _first_write:
+            allocation = self._allocation
+            if allocation is None:
+                allocation = self._allocation = fresh
+                fresh = None
+        if fresh is not None:
+            self.allocator.free(fresh)
         return allocation
 
     def mark_written(self) -> None:

@@ -61,6 +61,9 @@ Example:
 from __future__ import annotations
 
 import math
+import threading
+import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,16 +75,19 @@ from runtime import autograd, config, planner, tape
 from runtime.block import Block
 from runtime.errors import GraphCaptureError
 from runtime.tape import Instruction, Operand, Tape
-from runtime.tensor import Tensor, tensor
+from runtime.tensor import Tensor, host_array, tensor
 
 __all__ = ["CHECKPOINTS", "PLANS", "Graph", "graph"]
 
 PLANS = ("none", "recycle", "static")
 CHECKPOINTS = (None, "sqrt")
+#: How many captures (input signatures x calling threads) a graph keeps by default.
+MAX_CAPTURES = 32
 
 
 def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None = None,
-          fuse: bool = True, device: Any = None, allocator: Allocator | None = None) -> Graph:
+          fuse: bool = True, device: Any = None, allocator: Allocator | None = None,
+          max_captures: int = MAX_CAPTURES) -> Graph:
     """Wrap `fn` (a training or inference step) as a captured, planned, replayable graph.
 
     Args:
@@ -93,11 +99,13 @@ def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None =
             and reuse dying inputs in place.
         device, allocator: where array arguments and the plan's memory go (default device and
             its default allocator).
+        max_captures: how many captures to keep; past it the least recently used one is
+            dropped (its memory freed) with a RuntimeWarning, once per graph.
 
     Raises:
-        ValueError: an unknown plan or checkpoint.
+        ValueError: an unknown plan or checkpoint, or max_captures below 1.
     """
-    return Graph(fn, plan, checkpoint, fuse, device, allocator)
+    return Graph(fn, plan, checkpoint, fuse, device, allocator, max_captures)
 
 
 # ---------------------------------------------------------------------- the captured program
@@ -123,6 +131,7 @@ class _Capture:
     outputs: list[Tensor]
     output_kind: str
     held: list[Tensor]                       # handles keeping graph-written blocks alive
+    state: set[int]                          # blocks of state the steps write (see _state_of)
     buffer_of: dict[int, int]                # intermediate block id -> buffer (class) id
     lifetimes: list[planner.Lifetime]        # per buffer, in schedule positions
     naive_bytes: int
@@ -149,46 +158,77 @@ class Graph:
     """A step function captured once per input signature and replayed under a memory plan.
 
     See `runtime.graph` and the module docstring.
+
+    Threads: a graph may be called from several threads. Calls run one at a time (a lock per
+    graph), so the results and the state they update are those of the calls made one after
+    another in some order; each calling thread has captures of its own, so the tensors a call
+    returns are overwritten only by the same thread's next call of the graph.
     """
 
     def __init__(self, fn: Callable[..., Any], plan: str = "static",
                  checkpoint: str | None = None, fuse: bool = True, device: Any = None,
-                 allocator: Allocator | None = None) -> None:
+                 allocator: Allocator | None = None, max_captures: int = MAX_CAPTURES) -> None:
         if plan not in PLANS:
             raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
         if checkpoint not in CHECKPOINTS:
             raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
         if not callable(fn):
             raise TypeError(f"graph() needs a callable, got {type(fn).__name__}")
+        if isinstance(max_captures, bool) or not isinstance(max_captures, int) \
+                or max_captures < 1:
+            raise ValueError(f"max_captures must be an int >= 1, got {max_captures!r}")
         self.fn = fn
         self.plan = plan
         self.checkpoint = checkpoint
         self.fuse = bool(fuse)
+        self.max_captures = max_captures
         self._device = device
         self._allocator = allocator
-        self._captures: dict[tuple, _Capture] = {}
+        #: (calling thread, input signature) -> capture, least recently used first
+        self._captures: OrderedDict[tuple, _Capture] = OrderedDict()
         self._last: _Capture | None = None
+        self._lock = threading.Lock()
+        self._warned = False
 
     # ------------------------------------------------------------------ calling
     def __call__(self, *args: Any) -> Any:
         if tape.active() is not None:
             raise GraphCaptureError("a graph was called while another graph is capturing; "
                                     "captures do not nest: call the inner function directly")
-        key = _signature(args)
-        capture = self._captures.get(key)
-        if capture is None:
-            capture = self._captures[key] = self._capture(args)
-        self._last = capture
-        _copy_inputs(capture, args)
-        _replay(capture, self.plan)
-        return _results(capture)
+        key = (threading.get_ident(), _signature(args))
+        with self._lock:
+            capture = self._captures.get(key)
+            if capture is None:
+                capture = self._capture(args)
+                self._keep(key, capture)
+            else:
+                self._captures.move_to_end(key)
+            self._last = capture
+            _copy_inputs(capture, args)
+            _replay(capture, self.plan)
+            return _results(capture)
+
+    def _keep(self, key: tuple, capture: _Capture) -> None:
+        """File a new capture, dropping the least recently used past `max_captures`."""
+        self._captures[key] = capture
+        while len(self._captures) > self.max_captures:
+            _, dropped = self._captures.popitem(last=False)
+            _release(dropped)
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"{self!r} holds {self.max_captures} captures (one per input signature and "
+                    f"calling thread) and dropped the oldest; an argument that changes at "
+                    f"every call (a new object, a shape) captures again each time: pass it as "
+                    f"an array, or raise max_captures", RuntimeWarning, stacklevel=3)
 
     def recapture(self) -> None:
         """Forget every capture (and free their memory); the next call captures again."""
-        for capture in self._captures.values():
-            _release(capture)
-        self._captures.clear()
-        self._last = None
+        with self._lock:
+            for capture in self._captures.values():
+                _release(capture)
+            self._captures.clear()
+            self._last = None
 
     release = recapture
 
@@ -259,21 +299,40 @@ class Graph:
                 call_args.append(arg)
         first = Block(0, allocator).id + 1
         recorder = Tape(first)
-        with tape.recording(recorder):
-            result = self.fn(*call_args)
-        outputs, kind = _flatten(result)
+        try:
+            with tape.recording(recorder):
+                result = self.fn(*call_args)
+            outputs, kind = _flatten(result)
+        except BaseException:
+            _abandon(recorder)
+            raise
         del result, call_args
         capture = _build(recorder, placeholders, outputs, kind, device, allocator, self.plan,
                          self.checkpoint, self.fuse)
+        self._refuse(capture, _argument_writes(capture))
         self._check_fits(capture)
         return capture
+
+    def _refuse(self, capture: _Capture, problem: str | None) -> None:
+        """Raise GraphCaptureError with `problem` (if any), after initialising the state the
+        capture made (so the tensors it belongs to stay usable) and freeing its memory."""
+        if problem is None:
+            return
+        try:
+            _run_init(capture)
+        finally:
+            _release(capture)
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        raise GraphCaptureError(f"{name}: {problem}")
 
     def _check_fits(self, capture: _Capture) -> None:
         """Refuse, before anything runs, a plan whose memory cannot fit in what the allocator
         has left (e.g. under a LimitAdaptor). State the capture made (optimizer moments) is
         still initialised when it fits, so the tensors it belongs to stay usable."""
+        limiter = _limiter(capture.allocator)
         lazy = sum(block.nbytes for block in capture.outside
-                   if block._allocation is None and not block.readonly)
+                   if block._allocation is None and not block.readonly
+                   and any(a is limiter for a in _chain(block.allocator)))
         planned = max(self._timeline_of(capture), default=0)
         available = capture.allocator.available_bytes()
         if available is None or planned + lazy <= available:
@@ -305,12 +364,31 @@ class Graph:
 
 
 # ---------------------------------------------------------------------- arguments and results
+def _chain(allocator: Allocator) -> list[Allocator]:
+    """`allocator` and the allocators under it (adaptors' upstreams), top first."""
+    chain = [allocator]
+    while getattr(chain[-1], "upstream", None) is not None:
+        chain.append(chain[-1].upstream)
+    return chain
+
+
+def _limiter(allocator: Allocator) -> Allocator:
+    """The allocator in `allocator`'s chain whose own limit its available_bytes() reports: the
+    lowest one with a limit of its own (a LimitAdaptor, a caching allocator's limit_bytes),
+    else the bottom one (the device's memory). A block's bytes count against that limit only
+    when its own allocator's chain passes through it."""
+    chain = _chain(allocator)
+    own = [a for a in chain if a._limit()[1] != "device memory"]
+    return own[-1] if own else chain[-1]
+
+
 def _is_array(arg: Any) -> bool:
     return isinstance(arg, (np.ndarray, Tensor))
 
 
 def _host(arg: Any) -> np.ndarray:
-    return arg.numpy() if isinstance(arg, Tensor) else np.ascontiguousarray(arg)
+    """What the graph holds for an array argument: exactly what runtime.tensor makes of it."""
+    return arg.numpy() if isinstance(arg, Tensor) else host_array(arg, None, "graph input")
 
 
 def _signature(args: Sequence[Any]) -> tuple:
@@ -325,8 +403,19 @@ def _signature(args: Sequence[Any]) -> tuple:
                 raise GraphCaptureError(
                     f"graph arguments must be arrays, tensors or hashable values (they are "
                     f"baked into the capture); got a {type(arg).__name__}") from None
-            key.append(("value", type(arg).__name__, arg))
+            key.append(("value", type(arg).__name__, _value_key(arg)))
     return tuple(key)
+
+
+def _value_key(value: Any) -> Any:
+    """A key under which equal arguments, and only those, find one capture: floats by their
+    bits (a NaN finds the capture of the same NaN; 0.0 and -0.0, equal to ==, do not share
+    one, as their products differ in sign), tuples element by element."""
+    if isinstance(value, (float, np.floating, complex, np.complexfloating)):
+        return np.asarray(value).tobytes()
+    if isinstance(value, tuple):
+        return tuple((type(v).__name__, _value_key(v)) for v in value)
+    return value
 
 
 def _flatten(result: Any) -> tuple[list[Tensor], str]:
@@ -345,6 +434,13 @@ def _copy_inputs(capture: _Capture, args: Sequence[Any]) -> None:
         if holder is None:
             continue
         if isinstance(arg, Tensor):
+            if arg.block.id in capture.state:
+                raise GraphCaptureError(
+                    f"graph argument {capture.placeholders.index(holder)} shares block "
+                    f"#{arg.block.id} with state the step writes (a parameter or optimizer "
+                    f"state); a graph copies array arguments in before the step runs, so it "
+                    f"would read old values where the function called directly reads new ones: "
+                    f"pass a copy (ops.copy(t)) or read the state inside the function")
             if arg.device is holder.device and arg.block is not holder.block:
                 # NOTE: the hot path of every replay: distinct blocks never overlap, so a plain
                 # device copy between the (checked, cached) native views is safe
@@ -357,8 +453,10 @@ def _copy_inputs(capture: _Capture, args: Sequence[Any]) -> None:
             with autograd.no_grad():
                 ops.copy(arg, out=holder)
         else:
+            if arg.dtype is not holder.dtype or not arg.flags.c_contiguous:
+                arg = host_array(arg, None, "graph input")  # NOTE: as runtime.tensor converts
             allocation = holder.block.memory_for_write("graph input")
-            holder.device.copyin(allocation.raw, allocation.offset, np.ascontiguousarray(arg))
+            holder.device.copyin(allocation.raw, allocation.offset, arg)
             holder.block.mark_written()
 
 
@@ -444,7 +542,7 @@ def _build(recorder: Tape, placeholders: list[Tensor | None], outputs: list[Tens
     for block in outside:
         if recorder.made_here(block) and block._allocation is None:
             block._written = False  # NOTE: written on the tape only; a replay writes it for real
-    commit = _commit_point(steps, {block.id for block in outside}, recorder)
+    commit, state = _commit_point(steps, {block.id for block in outside}, recorder)
     # NOTE: what "none" and "recycle" replays allocate and free at each step, worked out once
     starts: dict[int, list[planner.Lifetime]] = {}
     ends: dict[int, list[int]] = {}
@@ -457,27 +555,71 @@ def _build(recorder: Tape, placeholders: list[Tensor | None], outputs: list[Tens
         if plan == "recycle":
             ends.setdefault(life.last, []).append(life.key)
     tail_plan = planner.plan(tail, alignment=alignment) if plan == "recycle" and tail else None
-    return _Capture(steps, placeholders, [t.detach() for t in outputs], kind, held, buffer_of,
-                    lifetimes, naive, static_plan, device, allocator, stats,
+    return _Capture(steps, placeholders, [t.detach() for t in outputs], kind, held, state,
+                    buffer_of, lifetimes, naive, static_plan, device, allocator, stats,
                     outside, {block.id for block in outside}, [_Step([i]) for i in init],
                     commit, tail_plan, starts, ends, tail)
 
 
-def _commit_point(steps: Sequence[_Step], outside: set[int], recorder: Tape) -> int:
-    """The position of the first step that writes state: a block that existed before the
-    capture (parameters, earlier optimizer state) or one made here that a step reads before or
-    where it first writes it (state carried from step to step). Outputs that are only written
-    are not state. A replay makes every allocator call before this position, so a failed
-    allocation leaves the state as it was."""
+def _commit_point(steps: Sequence[_Step], outside: set[int],
+                  recorder: Tape) -> tuple[int, set[int]]:
+    """The position of the first step that writes state, and the blocks of state written.
+
+    State is a block that existed before the capture (parameters, earlier optimizer state) or
+    one made here that a step reads before or where it first writes it (state carried from step
+    to step). Outputs that are only written are not state. A replay makes every allocator call
+    before the commit position, so a failed allocation leaves the state as it was."""
     read: set[int] = set()
+    written: set[int] = set()
+    state: set[int] = set()
+    commit = len(steps)
     for position, step in enumerate(steps):
         for instr in step.instructions:
             read.update(o.block.id for o in instr.inputs)
             for operand in instr.outputs:
                 block = operand.block
-                if block.id in outside and (block.id in read or not recorder.made_here(block)):
-                    return position
-    return len(steps)
+                if block.id in outside and block.id not in written and (
+                        block.id in read or not recorder.made_here(block)):
+                    state.add(block.id)
+                    commit = min(commit, position)
+                written.add(block.id)
+    return commit, state
+
+
+def _argument_writes(capture: _Capture) -> str | None:
+    """Why the capture cannot be used when `fn` writes into one of its array arguments (the
+    graph copies arguments into buffers of its own, so the caller would never see the write),
+    or None."""
+    holders = {holder.block.id: position for position, holder in
+               enumerate(capture.placeholders) if holder is not None}
+    for step in capture.steps:
+        for instr in step.instructions:
+            for operand in instr.outputs:
+                position = holders.get(operand.block.id)
+                if position is not None:
+                    return (f"it writes into its argument {position} in place ({instr.op}), "
+                            f"but a graph copies array arguments into buffers of its own, so "
+                            f"the write would never reach the caller's tensor; compute a new "
+                            f"tensor instead (e.g. ops.relu(x) rather than ops.relu(x, out=x))")
+    return None
+
+
+def _abandon(recorder: Tape) -> None:
+    """Undo what a capture that failed did to blocks: state it made from host data (optimizer
+    moments) gets that data now, so the objects that hold it stay usable, and every other block
+    made in it, marked written on the tape only, holds nothing again."""
+    for instr in recorder.instructions:
+        operand = instr.outputs[0] if instr.outputs else None
+        block = operand.block if operand is not None else None
+        if (instr.kind == "load" and recorder.made_here(block) and block.refcount > 0
+                and block._allocation is None):
+            allocation = block.memory_for_write("graph capture")
+            block.device.copyin(allocation.raw, allocation.offset + operand.offset, instr.host)
+    for instr in recorder.instructions:
+        for operand in instr.outputs:
+            block = operand.block
+            if recorder.made_here(block) and block._allocation is None:
+                block._written = False
 
 
 def _dependencies(program: Sequence[Instruction]) -> list[set[int]]:
@@ -915,7 +1057,8 @@ def _run_init(capture: _Capture) -> None:
 
 def _replay_static(capture: _Capture) -> None:
     """Run the prebuilt steps; they are rebuilt only when an outside block's memory moved."""
-    if capture.arena is None and capture.static_plan.planned_bytes:
+    if capture.arena is None and capture.static_plan.offsets:
+        # NOTE: also for a plan of 0 bytes (zero-size intermediates): their views need memory
         capture.arena = capture.allocator.allocate(capture.static_plan.planned_bytes)
         capture.views = None
     _run_init(capture)

@@ -88,14 +88,20 @@ class Tape:
         #: handles on the blocks that existed before the capture and that it touched, so they
         #: stay alive (and keep their memory) while the graph replays
         self.external: dict[int, Tensor] = {}
+        #: blocks made during the capture but not by it (another thread's, holding data)
+        self.foreign: set[int] = set()
         self.phase = "forward"
 
     def made_here(self, block: Block) -> bool:
-        return block.id >= self.first_block_id
+        return block.id >= self.first_block_id and block.id not in self.foreign
 
     def operand(self, t: Tensor, shape: tuple[int, ...] | None = None) -> Operand:
         offset, shape, strides, _ = t.layout(shape)
         block = t.block
+        # NOTE: a block the capture makes holds no memory until the graph plans it; one with
+        # memory was made meanwhile by another thread and is outside data, like a parameter
+        if block.id >= self.first_block_id and block.allocated and block.id not in self.external:
+            self.foreign.add(block.id)
         # NOTE: constants made inside the capture hold real data already: kept like outside ones
         if (block.readonly or not self.made_here(block)) and block.id not in self.external:
             self.external[block.id] = t.detach()

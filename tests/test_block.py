@@ -476,6 +476,20 @@ class BlockMachine(RuleBasedStateMachine):
         t = runtime.Tensor(b.block, (cols, rows), "float64", strides=(1, cols))
         self._add(t, b.data.T, b)
 
+    @precondition(lambda self: self.blocks)
+    @rule(data=st.data())
+    def unbalanced_release(self, data):
+        """A release with no reference left to drop raises and changes nothing; with references
+        left it is a normal release and is not tried (it would strand a handle)."""
+        b = self.blocks[data.draw(st.integers(0, len(self.blocks) - 1), label="block")]
+        if b.refs:
+            return
+        before = (b.block.generation, b.block.allocated, dict(self.alloc.stats()))
+        with pytest.raises(allocators.InvalidFreeError, match=r"without a matching acquire"):
+            b.block.release(b.block.generation)
+        assert b.block.refcount == 0
+        assert (b.block.generation, b.block.allocated, dict(self.alloc.stats())) == before
+
     # ---------------------------------------------------------------- invariants
     @invariant()
     def accounting_matches_the_model(self):
