@@ -173,8 +173,16 @@ def has_internal_overlap(layout: Layout) -> bool:
     return False
 
 
-def describe(label: str, block_id: int, layout: Layout) -> str:
-    """A readable name for an operand in error messages."""
+def describe(label: str, block_id: int, layout: Layout,
+             placed: tuple[int, int] | None = None) -> str:
+    """A readable name for an operand in error messages.
+
+    `placed` is (other block's id, shift) for an operand in another block whose memory lies
+    `shift` bytes from the start of that block's (memory imported with `from_dlpack`).
+    """
     offset, shape, strides, itemsize = layout
-    return (f"{label} (block #{block_id}, byte offset {offset}, shape {tuple(shape)}, "
+    where = f"block #{block_id}"
+    if placed is not None:
+        where += f", whose memory starts {placed[1]:+d} bytes from block #{placed[0]}'s"
+    return (f"{label} ({where}, byte offset {offset}, shape {tuple(shape)}, "
             f"byte strides {tuple(strides)})")

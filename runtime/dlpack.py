@@ -15,9 +15,11 @@ allocator's `free` raises InvalidFreeError. The block's allocator serves only th
 on it (ops allocate outputs from their input's allocator).
 
 Writes through the other library are not seen by blockrt: they do not move `Tensor.version`
-(autograd's in-place check), as in PyTorch. Blocks over foreign memory are assumed not to overlap
-other blocks, so the aliasing checks of `out=` do not look across them; importing a blockrt tensor
-itself gives a handle on the same block, which they do see.
+(autograd's in-place check), as in PyTorch. Foreign memory may overlap other blocks: two imports
+of one array, or the import of a NumPy array over a blockrt tensor's own memory (a round trip
+through `np.from_dlpack`). The `out=` aliasing check of `runtime.ops` therefore compares a
+ForeignBlock with every other block on device addresses (docs/aliasing.md, Note [blocks that may
+share memory]); importing a blockrt Tensor itself gives a handle on the same block.
 
 Example:
     >>> import numpy as np, runtime
@@ -60,6 +62,8 @@ class ForeignBlock(Block):
     producer alive. When its last handle goes (or `free()` is called) the block drops that
     reference instead of returning the memory to an allocator; `allocator` serves only the
     results of ops on it. Later writes through new handles allocate as any Block does.
+    Its memory may overlap any other block's, so `runtime.ops` tests it against them on device
+    addresses (only plain `Block`s are known to be disjoint from each other).
 
     Attributes:
         foreign: the Allocation over the producer's memory (owner None: no allocator's), or

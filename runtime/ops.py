@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from runtime import aliasing, autograd, config, tape
+from runtime.block import Block
 from runtime.errors import AliasingError, AutogradError, device_names
 from runtime.tensor import Tensor, empty, host_array, tensor
 
@@ -116,22 +117,48 @@ def _prepare_out(op: str, out: Tensor | None, shape: tuple, dtype: np.dtype,
     return out
 
 
+def _shift(block: Any, out_block: Any) -> int | None:
+    """Where byte 0 of `block` lies among the bytes of `out_block` (the difference of their
+    device addresses), or None when either holds no memory (then they share none)."""
+    memory, out_memory = block._allocation, out_block._allocation
+    if memory is None or out_memory is None:
+        return None
+    return memory.ptr - out_memory.ptr
+
+
 def _clashes(policy: str, out: Tensor, inputs: Sequence[tuple[str, Tensor, tuple]]) -> list[str]:
-    """Descriptions of the inputs whose memory `out` may not share under `policy`."""
+    """Descriptions of the inputs whose memory `out` may not share under `policy`.
+
+    See Note [blocks that may share memory] in docs/aliasing.md: distinct blocks are compared
+    only when one of them is a ForeignBlock (memory from `from_dlpack`), and then on device
+    addresses; two allocator-made blocks never share a byte, which costs one test each.
+    """
     found = []
+    out_block = out.block
+    out_plain = out_block.__class__ is Block
     out_span = None
     for label, t, shape in inputs:
-        if t.block is not out.block:
+        block = t.block
+        if block is out_block:
+            shift = 0
+        elif out_plain and block.__class__ is Block:
             continue
+        else:
+            shift = _shift(block, out_block)
+            if shift is None:
+                continue
         out_span = out_span or out.byte_span()
         span = t.byte_span()  # NOTE: broadcasting adds only zero strides: the span is the same
-        if out_span is None or span is None or span[1] <= out_span[0] or out_span[1] <= span[0]:
+        if (out_span is None or span is None or span[1] + shift <= out_span[0]
+                or out_span[1] <= span[0] + shift):
             continue
         layout, out_layout = t.layout(shape), out.layout()
-        if policy == ELEMENTWISE and aliasing.same_elements(layout, out_layout):
+        shifted = (layout[0] + shift, *layout[1:]) if shift else layout  # in out_block's bytes
+        if policy == ELEMENTWISE and aliasing.same_elements(shifted, out_layout):
             continue
-        if aliasing.overlaps(layout, out_layout):
-            found.append(aliasing.describe(f"input {label}", t.block.id, layout))
+        if aliasing.overlaps(shifted, out_layout):
+            placed = None if block is out_block else (out_block.id, shift)
+            found.append(aliasing.describe(f"input {label}", block.id, layout, placed))
     return found
 
 
