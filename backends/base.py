@@ -11,6 +11,14 @@ memory instead and says so with `read_only_memory = False`.
 
 Public methods hold the policy (argument checks, error wording); a backend implements the
 underscore hooks. A hook that a backend lacks raises `NotImplementedError` naming it.
+
+Note [checked before written]: a kernel that refuses its operands (cross_entropy's labels
+outside [0, classes)) raises before it writes any output, so an op that raises leaves `out=`
+bit for bit as it was, and its version where it was (tests/test_atomic_out.py). A backend
+checks on the host before its first write (NumPy), or on the device ahead of the kernel that
+writes (OpenCL: a check kernel whose flag the loss kernel reads; CUDA: a reduction read back
+before the first write). Computing into a scratch output and copying it on success would do
+too, at the price of a second pass over the output.
 """
 
 from __future__ import annotations
@@ -204,15 +212,21 @@ class Device:
     def cross_entropy(self, logits: Any, labels: Any, losses: Any, probs: Any) -> None:
         """Softmax cross-entropy per row, computed stably (the row maximum is subtracted first).
 
-        `logits` is (rows, classes), `labels` (rows,) integer class indices, already checked to
-        lie in [0, classes). Writes losses[i] = logsumexp(logits[i]) - logits[i, labels[i]] and
-        probs = softmax(logits) (kept for the backward pass). Outputs never overlap inputs.
+        `logits` is (rows, classes), `labels` (rows,) integer class indices. Writes
+        losses[i] = logsumexp(logits[i]) - logits[i, labels[i]] and probs = softmax(logits)
+        (kept for the backward pass). Outputs never overlap inputs.
+
+        Raises ValueError("cross_entropy: label L is outside [0, C) for C classes", L the first
+        bad label in row order) before writing either output (Note [checked before written]):
+        labels in a Tensor reach the kernel unchecked.
         """
         self._cross_entropy(logits, labels, losses, probs)
 
     def cross_entropy_backward(self, probs: Any, labels: Any, grad: Any, out: Any) -> None:
         """out = (probs - one_hot(labels)) * grad[:, None]: the gradient of the per-row losses
-        of `cross_entropy` with respect to the logits, given the gradient `grad` (rows,)."""
+        of `cross_entropy` with respect to the logits, given the gradient `grad` (rows,).
+        `labels` are those `cross_entropy` checked (autograd saves them with their version), so
+        a backend need not check them again; outside [0, classes) the result is undefined."""
         self._cross_entropy_backward(probs, labels, grad, out)
 
     def fused(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],

@@ -189,7 +189,7 @@ class CudaDevice(Device):
         cp = _cupy()
         classes = logits.shape[1]
         bad = labels[(labels < 0) | (labels >= classes)]
-        if bad.size:  # NOTE: a host sync, as the NumPy device checks labels too
+        if bad.size:  # NOTE: a host sync, before the first write: Note [checked before written]
             raise ValueError(f"cross_entropy: label {int(bad[0])} is outside [0, {classes}) for "
                              f"{classes} classes")
         # NOTE: the small temporaries below come from CuPy's current allocator (its pool, or

@@ -169,7 +169,9 @@ class NumpyDevice(Device):
 
     def _cross_entropy(self, logits, labels, losses, probs) -> None:
         classes = logits.shape[1]
-        if labels.size:  # NOTE: as unsigned, a negative label is huge: one reduction checks both
+        # NOTE: Note [checked before written]: the labels are checked before the first write.
+        # As unsigned, a negative label is huge: one reduction checks both ends.
+        if labels.size:
             unsigned = labels.view(f"u{labels.itemsize}") if labels.dtype.kind == "i" else labels
             if np.maximum.reduce(unsigned) >= classes:
                 bad = labels[(labels < 0) | (labels >= classes)][0]

@@ -51,6 +51,10 @@ _BITS_TYPES = {1: "uchar", 2: "ushort", 4: "uint", 8: "ulong"}  # "copy" moves b
 _INT_TYPES = {np.dtype(f"{k}{n}"): f"{'u' if k == 'uint' else ''}{c}" for k in ("int", "uint")
               for n, c in ((8, "char"), (16, "short"), (32, "int"), (64, "long"))}
 _FP64 = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"
+#: What cross_entropy's flag holds before its check kernel runs: no bad label found (yet).
+#: Read-only: non-blocking copies read it after the call that enqueued them has returned.
+_NO_BAD_ROW = np.array([np.iinfo(np.int32).max], np.int32)
+_NO_BAD_ROW.flags.writeable = False
 
 _UNARY = {"neg": "-x0", "exp": "exp(x0)", "log": "log(x0)", "tanh": "tanh_(x0)",
           # NOTE: 0.5 tanh(0.5 x) + 0.5 never overflows, unlike 1 / (1 + exp(-x)), as NumPy's.
@@ -430,20 +434,34 @@ class OpenCLDevice(Device):
         rows, classes = logits.shape
         if rows == 0:
             return
+        # NOTE: Note [checked before written] (backends/base.py): a check kernel flags the first
+        # bad label and the loss kernel, queued after it, writes nothing once one is flagged:
+        # one host wait, for the flag, as before the check had a kernel of its own.
+        check = self._kernel(("cross_entropy_labels", ltype), lambda: _labels_source(ltype))
         kernel = self._kernel(("cross_entropy", ctype, ltype),
                               lambda: _xent_source(ctype, ltype))
-        args = _xent_args(rows, classes, (losses, probs, logits, labels))
+        offset, (stride,) = _elements(labels)
+        size = (-(-rows // GROUP) * GROUP,)
+        first_bad = np.empty(1, np.int32)
         with self._lock:
             if self._flag is None:
                 self._flag = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, 4)
-            first_bad = np.array([np.iinfo(np.int32).max], np.int32)
-            cl.enqueue_copy(self.queue, self._flag, first_bad, is_blocking=True)
-            self._run(kernel, (-(-rows // GROUP) * GROUP,), (GROUP,), self._flag, *args)
+            cl.enqueue_copy(self.queue, self._flag, _NO_BAD_ROW, is_blocking=False)
+            self._run(check, size, (GROUP,), self._flag, rows, classes, labels.base_data,
+                      offset, stride)
+            self._run(kernel, size, (GROUP,), self._flag,
+                      *_xent_args(rows, classes, (losses, probs, logits, labels)))
             cl.enqueue_copy(self.queue, first_bad, self._flag, is_blocking=True)
-        if first_bad[0] < rows:
-            bad = self._to_host(labels[int(first_bad[0]):int(first_bad[0]) + 1])[0]
-            raise ValueError(f"cross_entropy: label {bad} is outside [0, {classes}) for "
-                             f"{classes} classes")
+        if first_bad[0] != _NO_BAD_ROW[0]:
+            self._raise_bad_label(labels, int(first_bad[0]), classes)
+
+    def _raise_bad_label(self, labels: Any, start: int, classes: int) -> None:
+        """ValueError naming the first label outside [0, classes) at or after row `start`
+        (the check kernel's row; rows past INT_MAX - 1 report INT_MAX - 1), as the CPU's."""
+        host = self._to_host(labels[start:])
+        bad = host[(host < 0) | (host >= classes)][0]
+        raise ValueError(f"cross_entropy: label {bad} is outside [0, {classes}) for "
+                         f"{classes} classes")
 
     def _cross_entropy_backward(self, probs, labels, grad, out) -> None:
         ctype, ltype = self._type(probs.dtype), self._labels_type(labels)
@@ -568,23 +586,34 @@ void k(__global T* c, long c_o, __global const T* a, long a_o, __global const T*
 """
 
 
+def _labels_source(ltype: str) -> str:
+    """The label check run before the loss kernel: the first row whose label lies outside
+    [0, classes) goes into `first_bad` (rows past INT_MAX - 1 count as INT_MAX - 1)."""
+    return f"""typedef {ltype} L;
+__kernel void k(__global int* first_bad, long rows, long classes,
+                __global const L* labels, long l_o, long l_s)
+{{
+    long i = get_global_id(0);
+    if (i >= rows) return;
+    long label = (long)labels[l_o + i * l_s];
+    if (label < 0 || label >= classes) atomic_min(first_bad, (int)min(i, (long)INT_MAX - 1));
+}}
+"""
+
+
 def _xent_source(ctype: str, ltype: str) -> str:
     return f"""{_header(ctype)}typedef {ltype} L;
-__kernel void k(__global int* first_bad, long rows, long classes,
+__kernel void k(__global const int* first_bad, long rows, long classes,
                 __global T* loss, long loss_o, long loss_s,
                 __global T* p, long p_o, long p_r, long p_c,
                 __global const T* x, long x_o, long x_r, long x_c,
                 __global const L* labels, long l_o, long l_s)
 {{
     long i = get_global_id(0);
-    if (i >= rows) return;
+    if (i >= rows || *first_bad != INT_MAX) return;  // a bad label anywhere: write nothing
     long label = (long)labels[l_o + i * l_s];
     __global const T* row = x + x_o + i * x_r;
     __global T* prob = p + p_o + i * p_r;
-    if (label < 0 || label >= classes) {{
-        atomic_min(first_bad, (int)min(i, (long)INT_MAX));
-        return;
-    }}
     T top = row[0];
     for (long j = 1; j < classes; j++) top = fmax(top, row[j * x_c]);
     T total = 0;
