@@ -68,13 +68,17 @@ class ForeignBlock(Block):
     Attributes:
         foreign: the Allocation over the producer's memory (owner None: no allocator's), or
             None once it was let go.
+        address: the device address of the foreign memory's first byte (taken once: reading
+            it off the raw memory costs microseconds, and the overlap test of every op on
+            this block needs it).
     """
 
-    __slots__ = ("foreign",)
+    __slots__ = ("foreign", "address")
 
     def __init__(self, foreign: Allocation, allocator: Allocator, readonly: bool) -> None:
         super().__init__(foreign.nbytes, allocator)
         self.foreign: Allocation | None = foreign
+        self.address: int = foreign.ptr
         self._allocation = foreign
         self._written = True
         self.readonly = readonly

@@ -117,26 +117,28 @@ def _prepare_out(op: str, out: Tensor | None, shape: tuple, dtype: np.dtype,
     return out
 
 
-def _shift(block: Any, out_block: Any) -> int | None:
-    """Where byte 0 of `block` lies among the bytes of `out_block` (the difference of their
-    device addresses), or None when either holds no memory (then they share none)."""
-    memory, out_memory = block._allocation, out_block._allocation
-    if memory is None or out_memory is None:
+def _address(block: Any) -> int | None:
+    """The device address of `block`'s memory, or None when it holds none."""
+    memory = block._allocation
+    if memory is None:
         return None
-    return memory.ptr - out_memory.ptr
+    if memory is getattr(block, "foreign", None):
+        return block.address  # NOTE: taken at import; Allocation.ptr costs microseconds
+    return memory.ptr
 
 
 def _clashes(policy: str, out: Tensor, inputs: Sequence[tuple[str, Tensor, tuple]]) -> list[str]:
     """Descriptions of the inputs whose memory `out` may not share under `policy`.
 
-    See Note [blocks that may share memory] in docs/aliasing.md: distinct blocks are compared
-    only when one of them is a ForeignBlock (memory from `from_dlpack`), and then on device
-    addresses; two allocator-made blocks never share a byte, which costs one test each.
+    See Note [blocks that may share memory] in docs/aliasing.md: two plain Blocks (allocator
+    memory) never share a byte, which costs a class test per operand and no address; a pair
+    where either is not a plain Block (a ForeignBlock, from `from_dlpack`) is compared on device
+    addresses, by shifting the input's layout into out's block.
     """
     found = []
     out_block = out.block
     out_plain = out_block.__class__ is Block
-    out_span = None
+    out_span = out_address = None
     for label, t, shape in inputs:
         block = t.block
         if block is out_block:
@@ -144,9 +146,11 @@ def _clashes(policy: str, out: Tensor, inputs: Sequence[tuple[str, Tensor, tuple
         elif out_plain and block.__class__ is Block:
             continue
         else:
-            shift = _shift(block, out_block)
-            if shift is None:
-                continue
+            out_address = out_address or _address(out_block)
+            address = _address(block)
+            if address is None or out_address is None:
+                continue  # NOTE: a block without memory shares none
+            shift = address - out_address  # where block's byte 0 lies in out_block's bytes
         out_span = out_span or out.byte_span()
         span = t.byte_span()  # NOTE: broadcasting adds only zero strides: the span is the same
         if (out_span is None or span is None or span[1] + shift <= out_span[0]

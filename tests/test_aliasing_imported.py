@@ -27,6 +27,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+import allocators
 import backends
 import runtime
 from runtime import aliasing, ops
@@ -162,24 +163,48 @@ def test_an_imported_out_over_a_constant_is_caught():
     np.testing.assert_array_equal(c.numpy(), square())
 
 
+@pytest.mark.skipif("cuda" not in backends.available(),
+                    reason="no CUDA device (cupy not installed or no GPU)")
+def test_cuda_imports_compare_on_device_pointers():
+    import cupy as cp
+
+    alloc = allocators.create("caching", "cuda")
+    base = cp.asarray(square())
+    a, out = (runtime.from_dlpack(base, allocator=alloc) for _ in range(2))
+    with aliasing_mode("raise"), pytest.raises(runtime.AliasingError, match="^matmul: "):
+        ops.matmul(a, a, out=out)
+    ops.matmul(a, a, out=out)
+    np.testing.assert_array_equal(out.numpy(), square() @ square())
+    t = runtime.tensor(square(), allocator=alloc)
+    back = runtime.from_dlpack(cp.from_dlpack(t), allocator=alloc)  # t's own device memory
+    with aliasing_mode("raise"), pytest.raises(runtime.AliasingError, match="^matmul: "):
+        ops.matmul(back, back, out=t)
+    flat = cp.asarray(np.arange(16.0))
+    evens, odds = (runtime.from_dlpack(flat[start::2], allocator=alloc) for start in (0, 1))
+    with aliasing_mode("raise"):  # interleaved: disjoint
+        ops.add(evens, 0.5, out=odds)
+    np.testing.assert_array_equal(odds.numpy(), np.arange(0.5, 16.0, 2.0))
+
+
 # ---------------------------------------------------------------------- the hot path
 def test_distinct_plain_blocks_compute_no_address(monkeypatch):
     calls = []
-    real = ops._shift
+    real = ops._address
 
-    def counted(block: Any, out_block: Any) -> int | None:
-        calls.append((block, out_block))
-        return real(block, out_block)
+    def counted(block: Any) -> int | None:
+        calls.append(block)
+        return real(block)
 
-    monkeypatch.setattr(ops, "_shift", counted)
+    monkeypatch.setattr(ops, "_address", counted)
     a, b = runtime.tensor(square()), runtime.tensor(square())
     out = runtime.empty(a.shape, a.dtype)
     ops.add(a, b, out=out)
     ops.matmul(a, b, out=out)
     ops.add(a, a, out=a)
     assert calls == []
-    ops.add(runtime.from_dlpack(np.from_dlpack(a)), b, out=out)  # the address path, once
-    assert len(calls) == 1 and calls[0][1] is out.block
+    back = runtime.from_dlpack(np.from_dlpack(a))
+    ops.add(back, b, out=out)  # the address path for `back` only, out's address taken once
+    assert calls == [out.block, back.block]
 
 
 # ---------------------------------------------------------------------- the property
