@@ -14,10 +14,15 @@ overlapping an input in `set_aliasing("raise")` mode; the allocation of a tempor
 fault injected at the Nth allocation); labels outside [0, classes), of the wrong dtype or shape;
 numbers no dtype can hold; bad axes. `test_every_op_with_every_bad_input` runs each pair once
 with fixed data, so none is left to chance; the hypothesis test draws the op, sizes, dtype,
-layout of out and the bits. A graph replay with a bad label is checked too.
+layout of out and the bits. Item assignment (`out[:] = x`) counts as an op. Below the ops, the
+Device kernels that graph replays call are checked the same way, and so are training steps
+(eager and under each graph plan) given a bad label.
 
 Before the fix, OpenCL's cross_entropy wrote the losses of the rows before and after a bad label,
 then raised; now a check kernel runs first and the loss kernel writes nothing when it found one.
+Two gaps outside the backends' kernels are kept as strict xfails, so that fixing them shows:
+a graph replay scales momentum buffers before its forward pass reaches the label check, and
+NumPy raises its floating-point errors (np.errstate "raise") after writing `out`.
 """
 
 from __future__ import annotations
@@ -54,8 +59,11 @@ from runtime.tensor import Tensor
 DEVICES = backends.available()
 UNARY = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "sqrt", "copy")
 BINARY = ("add", "sub", "mul", "div", "tanh_backward", "sigmoid_backward", "relu_backward")
-OTHERS = ("matmul", "linear", "cross_entropy", "sum", "mean")
+#: "setitem" is `out[:] = x`: item assignment, which writes through ops.copy
+OTHERS = ("matmul", "linear", "cross_entropy", "sum", "mean", "setitem")
 OPS = UNARY + BINARY + OTHERS
+#: How an error names the op, where not by the op's own name.
+NAMED = {"setitem": r"\bcopy\b|item assignment"}
 LAYOUTS = ("fresh", "strided", "transposed")
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -111,6 +119,9 @@ def spec_of(op: str, m: int, n: int, k: int) -> Spec:
     if op == "cross_entropy":
         return Spec({"logits": ((m, n), "float"), "labels": ((m,), "label")}, (m,),
                     lambda a, o: ops.cross_entropy(a["logits"], a["labels"], out=o))
+    if op == "setitem":
+        return Spec({"x": ((m, n), "float")}, (m, n),
+                    lambda a, o: o.__setitem__(slice(None), a["x"]))
     axis = 1
     return Spec({"x": ((m, n), "float")}, (m,),
                 lambda a, o: getattr(ops, op)(a["x"], axis=a.get("axis", axis), out=o))
@@ -176,8 +187,9 @@ class Maker:
 
 
 def build(op: str, bad: str, kind: str, dtype: Any, layout: str, sizes: tuple[int, int, int],
-          rng: np.random.Generator, nth: int = 0) -> Case:
-    """The call of `op` with the bad input `bad` (one of BAD) on the device `kind`."""
+          rng: np.random.Generator, nth: int = 0) -> Case | None:
+    """The call of `op` with the bad input `bad` (one of BAD) on the device `kind`, or None when
+    that bad input does not apply to the op."""
     maker = Maker(kind, np.dtype(dtype), rng)
     m, n, k = sizes
     spec = spec_of(op, m, n, k)
@@ -426,7 +438,7 @@ def failure(op: str, case: Case) -> str | None:
         runtime.set_aliasing(old)
         if case.flaky is not None:
             case.flaky.countdown = None
-    if case.names_op and not re.search(rf"\b{op}\b", message):
+    if case.names_op and not re.search(NAMED.get(op, rf"\b{op}\b"), message):
         return f"{case.error.__name__} does not name {op}: {message}"
     for i, (t, (data, version)) in enumerate(zip(watched, before)):
         what = "out" if i == 0 else f"input {i}"
@@ -476,6 +488,71 @@ def test_an_op_that_raises_leaves_out_bit_identical(kind, bad, data, dtype, layo
     case = build(op, bad, kind, dtype, layout, (m, n, k), np.random.default_rng(seed), nth)
     problem = failure(op, case)
     assert problem is None, f"{op} / {bad} on {kind}: {problem}"
+
+
+@pytest.mark.parametrize(("label_dtype", "bad"), [
+    (dtype, bad) for dtype in ("int64", "int32", "uint8") for bad in (-1, 4, 9, 300, 2**40)
+    if np.iinfo(dtype).min <= bad <= np.iinfo(dtype).max])
+def test_a_bad_label_gets_the_same_message_on_every_backend(label_dtype, bad):
+    """Labels in a Tensor reach each backend's own check; the error is the same everywhere: a
+    ValueError naming the op, the first bad label in row order (row 2, before the 9 of row 4)
+    and the number of classes."""
+    labels = np.array([0, 3, bad, 1, 9], np.int64)
+    messages = set()
+    for kind in DEVICES:
+        logits = runtime.tensor(np.ones((5, 4), np.float32), device=kind)
+        with pytest.raises(ValueError) as info:
+            ops.cross_entropy(logits, runtime.tensor(labels.astype(label_dtype), device=kind))
+        messages.add(str(info.value))
+    assert messages == {f"cross_entropy: label {bad} is outside [0, 4) for 4 classes"}
+
+
+# ---------------------------------------------------------------------- at the Device
+def _placed(device: backends.Device, host: np.ndarray) -> tuple[Any, Any]:
+    """(raw memory, a C-order native view over it) holding a copy of `host`."""
+    raw = device.raw_alloc(host.nbytes)
+    device.copyin(raw, 0, host)
+    return raw, device.array_view(raw, 0, host.shape, host.dtype, host.strides)
+
+
+def _bad_labels_strided(device, x, out, probs, labels):
+    device.cross_entropy(x, labels[::2], out[:, 0], probs)
+
+
+KERNEL_CALLS = {
+    "unknown-unary": (ValueError, lambda d, x, out, p, lab: d.unary("cube", x, out)),
+    "unknown-binary": (ValueError, lambda d, x, out, p, lab: d.binary("pow", x, x, out)),
+    "unknown-reduction": (ValueError,
+                          lambda d, x, out, p, lab: d.reduce("max", x, None, True, out[:1, :1])),
+    "fused-unknown-kernel": (ValueError, lambda d, x, out, p, lab: d.fused(
+        [("exp", (("input", 0),), x.dtype), ("cube", (("link", 0),), x.dtype)], [x], out)),
+    "fused-later-link": (ValueError, lambda d, x, out, p, lab: d.prepare_fused(
+        [("neg", (("link", 1),), x.dtype), ("exp", (("input", 0),), x.dtype)], [x], out)()),
+    "gemm-alpha": (ValueError, lambda d, x, out, p, lab: d.gemm(x, x[:4].T, out[:, :4], "x")),
+    "integer-out": (TypeError, lambda d, x, out, p, lab: d.unary("exp", lab[:6], lab[6:])),
+    "cross-entropy-bad-label": (ValueError, _bad_labels_strided),
+}
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("name", KERNEL_CALLS)
+def test_a_kernel_that_refuses_its_operands_writes_nothing(kind, name):
+    """The Device API under the ops (what graph replays call): a kernel that raises leaves
+    every output buffer as it was (Note [checked before written] in backends/base.py)."""
+    error, call = KERNEL_CALLS[name]
+    device = backends.get_device(kind)
+    maker = Maker(kind, np.dtype(np.float32), np.random.default_rng(3))
+    _, x = _placed(device, maker.values((6, 5), "float", 0))
+    labels_host = maker.rng.integers(0, 5, 12)
+    labels_host[6] = 5  # NOTE: the strided view labels[::2] holds it at row 3
+    raws = [_placed(device, maker.bits(shape, maker.dtype)) for shape in ((6, 5), (6, 5))]
+    raws.append(_placed(device, labels_host))
+    (_, out), (_, probs), (_, labels) = raws
+    before = [device.copyout(raw, 0, device.nbytes_of(raw)).tobytes() for raw, _ in raws]
+    with pytest.raises(error):
+        call(device, x, out, probs, labels)
+    device.synchronize()
+    assert [device.copyout(raw, 0, device.nbytes_of(raw)).tobytes() for raw, _ in raws] == before
 
 
 # ---------------------------------------------------------------------- through a graph
@@ -531,8 +608,9 @@ def test_a_step_with_a_bad_label_writes_no_output_and_no_parameter(kind, plan):
 
 @pytest.mark.parametrize("kind", DEVICES)
 @pytest.mark.parametrize("plan", ["eager", pytest.param("none", marks=pytest.mark.xfail(
-    strict=True, reason="a replay scales the momentum buffers (momentum * buf, which needs no "
-    "gradient) before the forward pass reaches the label check: runtime/graph.py")),
+    strict=True, reason="runtime/graph.py schedules the momentum update buf *= momentum (it "
+    "needs no gradient) before the forward pass reaches the label check, so a replay that "
+    "raises has already written optimizer state")),
     pytest.param("recycle", marks=pytest.mark.xfail(strict=True, reason="as 'none'")),
     pytest.param("static", marks=pytest.mark.xfail(strict=True, reason="as 'none'"))])
 def test_a_step_with_a_bad_label_leaves_the_optimizer_state_as_it_was(kind, plan):
