@@ -435,8 +435,8 @@ class OpenCLDevice(Device):
         if rows == 0:
             return
         # NOTE: Note [checked before written] (backends/base.py): a check kernel flags the first
-        # bad label and the loss kernel, queued after it, writes nothing once one is flagged:
-        # one host wait, for the flag, as before the check had a kernel of its own.
+        # bad label and the loss kernel, queued after it, writes nothing once one is flagged.
+        # Still one host wait (the flag read back); the reset is not waited for.
         check = self._kernel(("cross_entropy_labels", ltype), lambda: _labels_source(ltype))
         kernel = self._kernel(("cross_entropy", ctype, ltype),
                               lambda: _xent_source(ctype, ltype))
