@@ -769,13 +769,15 @@ state_caching_allocate(AllocatorState *self, PyObject *arg)
     allocation->raw = Py_NewRef(OR_NONE(used->raw));
     allocation->offset = used->offset;
     allocation->nbytes = nbytes;
-    allocation->size = size;
+    /* NOTE: the block's size, not the request's: a block whose leftover is below min_split
+       is handed out whole, larger than `size` (as in _allocate) */
+    allocation->size = used->size;
     allocation->owner = Py_NewRef((PyObject *)self);
     allocation->serial = serial_key;  /* NOTE: the key object itself: free finds it by identity */
     allocation->live = 1;
     /* the accounting of Allocator.allocate, for a hit: no device allocation, so no miss */
     self->num_allocs += 1;
-    self->allocated_bytes += size;
+    self->allocated_bytes += allocation->size;
     self->requested_bytes += nbytes;
     if (self->allocated_bytes > self->peak_allocated_bytes) {
         self->peak_allocated_bytes = self->allocated_bytes;

@@ -12,21 +12,27 @@ from __future__ import annotations
 import gc
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
 import time
+from bisect import bisect_left
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import currently_in_test_context, event, example, given, settings
 from hypothesis import strategies as st
 
 import allocators
 from allocators import InvalidFreeError, OutOfMemoryError
 from allocators._core import PURE_PYTHON_ENV, speedups
 from allocators.caching import _PRUNE_AFTER, CachingAllocator
+from allocators.pytest_plugin import soak_factor
+from allocators.sizeclass import GranuleSizeClass
 from helpers import run_threads
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,33 +44,122 @@ needs_speedups = pytest.mark.skipif(
     reason=f"allocators._speedups is not in use (not built at install, for want of a C "
            f"compiler, or {PURE_PYTHON_ENV} is set)")
 
+#: A size class policy with a small pool of blocks up to 8 KiB: a large block keeps a leftover
+#: of up to 8 KiB (not split off), so blocks handed out whole come cheaply and often.
+SMALL_POOL_8K = GranuleSizeClass(small_size=8 * KiB)
 #: Options that take the hot path through its cases: exact segments (whole-segment hits),
-#: shared segments (splits and coalescing), size classes, and a cache bound (Python frees).
+#: shared segments (splits and coalescing), size classes, a cache bound (Python frees), a
+#: limit, and a small pool of 8 KiB (large blocks handed out whole, in small segments).
 OPTIONS = [
     {},
     {"segments": "pytorch"},
     {"segments": "pytorch", "size_classes": "mantissa"},
     {"size_classes": "pow2", "max_cached_bytes": 3 * MiB, "segments": "pytorch"},
     {"limit_bytes": 3 * MiB, "segments": "pytorch"},
+    {"size_classes": SMALL_POOL_8K},
+    {"size_classes": SMALL_POOL_8K, "segments": "pytorch"},
 ]
-OPTION_IDS = ["exact", "pytorch", "pytorch-mantissa", "pow2-bounded", "limited"]
+OPTION_IDS = ["exact", "pytorch", "pytorch-mantissa", "pow2-bounded", "limited", "8k-exact",
+              "8k-pytorch"]
 
-#: Sizes that repeat (so most requests are cache hits), with a few odd ones and a large one.
-sizes = st.one_of(st.sampled_from([0, 4, 512, 1000, 4 * KiB, 100 * KiB, 1 * MiB, 3 * MiB]),
+#: Sizes that repeat (so most requests are cache hits), with a few odd ones, and large ones
+#: less than a small pool apart (of 8 KiB, of 1 MiB), so a large block can serve another whole.
+NEAR_SIZES = [9 * KiB, 12 * KiB, 3 * MiB // 2, 5 * MiB // 2, 3 * MiB]
+sizes = st.one_of(st.sampled_from([0, 4, 512, 1000, 4 * KiB, 100 * KiB, 1 * MiB, *NEAR_SIZES]),
                   st.integers(0, 300 * KiB))
-_alloc = st.tuples(st.just("alloc"), sizes)
-_free = st.tuples(st.just("free"), st.integers(0, 1 << 16))
-#: A program: ("alloc", nbytes), ("free", index into the live list) or ("empty", 0), in the
-#: ratio 3 : 3 : 1.
-operations = st.lists(st.one_of(_alloc, _alloc, _alloc, _free, _free, _free,
-                                st.tuples(st.just("empty"), st.just(0))),
-                      min_size=1, max_size=60)
+
+
+@st.composite
+def palettes(draw) -> list[int]:
+    """Up to three sizes, each perhaps with a neighbour a little larger: less than a small pool
+    apart, so a large block of the one can be handed out whole for the other."""
+    palette = []
+    for size in draw(st.lists(sizes, min_size=1, max_size=3)):
+        palette.append(size)
+        if draw(st.booleans()):
+            palette.append(size + draw(st.sampled_from([512, 3 * KiB, 256 * KiB, 768 * KiB])))
+    return palette
+
+
+@st.composite
+def programs(draw, min_size: int = 1, max_size: int = 60) -> list[tuple[str, int]]:
+    """A program of steps: ("alloc", nbytes), ("reuse", index) (`reuse_size`), ("fit", index)
+    (`fit_size`), ("free", index into the live list) or ("empty", 0), in the ratio
+    3 : 1 : 1 : 3 : 1, run one to three times over, as a training loop repeats its steps.
+
+    The C path serves only sizes the Python path has seen: a request size it has rounded, a
+    free block size it has listed. So sizes repeat: three requests in four take one from a
+    palette (`palettes`), and the repeats find the sizes the first run listed."""
+    palette = st.sampled_from(draw(palettes()))
+    alloc = st.tuples(st.just("alloc"), st.one_of(palette, palette, palette, sizes))
+    index = st.integers(0, 1 << 16)
+    # NOTE: the oldest first often: blocks are cut from the top of a free block, so freeing in
+    # order of allocation merges a block with the one after it
+    free = st.tuples(st.just("free"), st.one_of(st.just(0), index))
+    step = st.one_of(alloc, alloc, alloc, st.tuples(st.just("reuse"), index),
+                     st.tuples(st.just("fit"), index), free, free, free,
+                     st.tuples(st.just("empty"), st.just(0)))
+    body = draw(st.lists(step, min_size=min_size, max_size=max_size))
+    return body * draw(st.integers(1, 3))
+
+
+operations = programs()
+
+
+def kind_of_allocate(alloc: CachingAllocator, nbytes: int, merged: dict | None = None) -> set[str]:
+    """What serving `nbytes` will do, read off the pools beforehand (changes nothing):
+    "miss" (a new segment), else a hit on an "exact"-size block, or on a larger one, "split" or
+    handed out "whole" (its leftover too small to split); "segment" when the block is a whole
+    free segment, "coalesced" when it is as a free merged it (`merged`: block -> size then)."""
+    size = alloc.size_classes.round(nbytes)
+    pool = alloc._small if size <= alloc._small_size else alloc._large
+    block = pool.buckets.get(size)
+    kinds = {"exact"}
+    if block is None:
+        sizes = pool.sizes
+        fits = (pool.buckets[key] for key in sizes[bisect_left(sizes, size):])
+        block = next((first for first in fits if first is not None), None)
+        if block is None:
+            return {"miss"}
+        kinds = {"split" if block.size - size >= pool.min_split else "whole"}
+    if block.prev is None and block.next is None:
+        kinds.add("segment")
+    if merged is not None and merged.get(block) == block.size:
+        kinds.add("coalesced")
+    return kinds
+
+
+def reuse_size(alloc: CachingAllocator, index: int) -> int | None:
+    """A request size `alloc` has rounded before (so the C path may serve it) that a larger free
+    block would serve, split or whole, the index-th of them (modulo); None if there is none."""
+    fits = [nbytes for nbytes in sorted(alloc._rounded)
+            if kind_of_allocate(alloc, nbytes) & {"split", "whole"}]
+    return fits[index % len(fits)] if fits else None
+
+
+def fit_size(alloc: CachingAllocator, index: int) -> int | None:
+    """A request a little smaller than a free block, the index-th of them (modulo), 1 to 4
+    granules less, so the block is handed out whole or split; None if no block is free."""
+    blocks = alloc._small.free_blocks() + alloc._large.free_blocks()
+    if not blocks:
+        return None
+    block = blocks[index % len(blocks)]
+    nbytes = block.size - alloc.size_classes.granule * (1 + index % 4) + 1
+    return nbytes if nbytes > 0 else None
+
+
+#: The steps of a program that choose their request size from the allocator's state.
+CHOOSERS = {"reuse": reuse_size, "fit": fit_size}
 
 
 def run_program(alloc: CachingAllocator, program, check: bool = True) -> list:
     """Run `program` against `alloc`; return what it saw (offsets, sizes, serials, stats)."""
     live, seen = [], []
     for action, value in program:
+        if action in CHOOSERS:
+            action, value = "alloc", CHOOSERS[action](alloc, value)
+            if value is None:
+                continue
         if action == "alloc":
             try:
                 allocation = alloc.allocate(value)
@@ -103,16 +198,231 @@ def test_random_programs_keep_the_invariants_after_every_step(options, program):
     assert stats["num_frees"] == sum(1 for event in seen if event[0] == "free")
 
 
-@needs_speedups
-@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
-@given(program=operations)
-@settings(max_examples=60, deadline=None)
-def test_the_hot_path_does_what_the_python_path_does(options, program):
-    hot = allocators.create("caching", "cpu", **options)
-    cold = allocators.create("caching", "cpu", **options)
+# ---------------------------------------------------------------- the two paths, field by field
+class Witness(CachingAllocator):
+    """A caching allocator that counts the requests its C hot path hands to the Python path.
+
+    It keeps CachingAllocator's hooks, so its hot path stays on (`_hot`); the C code looks the
+    slow methods up on the instance, so it finds these.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.slow_calls = 0
+
+    def _allocate_slow(self, nbytes):
+        self.slow_calls += 1
+        return CachingAllocator._allocate_slow(self, nbytes)
+
+    def _free_slow(self, allocation):
+        self.slow_calls += 1
+        return CachingAllocator._free_slow(self, allocation)
+
+
+def state_of(alloc: CachingAllocator, freed: list) -> dict[str, Any]:
+    """Every field the C and the Python paths write, in terms two allocators can compare.
+
+    A block is named by (segment number, offset), segments numbered in the order they were made
+    (the order of `_segments`); memory is named by its segment. `freed` are allocations given
+    back so far: their records must agree too (not live, no memory, no handle).
+    """
+    number = {id(head.raw): index for index, head in enumerate(alloc._segments)}
+
+    def name(block):
+        if block is None:
+            return None
+        return (number.get(id(block.raw), "not a segment of this allocator"), block.offset)
+
+    def block_fields(block) -> dict[str, Any]:
+        return {"at": name(block), "size": block.size, "free": block.free,
+                "pool": block.pool.name, "prev": name(block.prev), "next": name(block.next),
+                "prev_free": name(block.prev_free), "next_free": name(block.next_free)}
+
+    def record(allocation) -> dict[str, Any]:
+        raw, handle = allocation.raw, allocation.handle
+        return {"serial": allocation.serial, "live": allocation.live,
+                "nbytes": allocation.nbytes, "size": allocation.size,
+                "offset": allocation.offset,
+                "memory": None if raw is None else number.get(id(raw), "elsewhere"),
+                "memory is its block's": handle is not None and raw is handle.raw,
+                "device": allocation.device is alloc.device, "owner": allocation.owner is alloc,
+                "upstream": allocation.upstream,
+                "handle": None if handle is None else block_fields(handle)}
+
+    segments = []
+    for head, nbytes in alloc._segments.items():
+        blocks, block = [], head
+        while block is not None:
+            blocks.append(block_fields(block) | {"raw is the segment's": block.raw is head.raw})
+            block = block.next
+        segments.append({"nbytes": nbytes, "blocks": blocks})
+    pools = {pool.name: {"min_split": pool.min_split, "sizes": list(pool.sizes),
+                         "buckets": {size: name(first) for size, first in pool.buckets.items()}}
+             for pool in (alloc._small, alloc._large)}
+    return {"live": [(serial, record(allocation)) for serial, allocation in alloc._live.items()],
+            "freed": [record(allocation) for allocation in freed],
+            "segments": segments, "pools": pools, "idle": [name(head) for head in alloc._idle],
+            "rounded": dict(alloc._rounded), "last_serial": alloc._last_serial,
+            "counters": alloc._counters, "stats": alloc.stats()}
+
+
+def kind_of_free(allocation) -> set[str]:
+    """What freeing `allocation` will do: merge with the free block after it ("merge-next"),
+    before it ("merge-prev"), or neither ("free"); "free-segment" when its segment becomes one
+    free block."""
+    block = allocation.handle
+    after = block.next is not None and block.next.free
+    before = block.prev is not None and block.prev.free
+    kinds = {"merge-next"} if after else set()
+    if before:
+        kinds.add("merge-prev")
+    if (block.prev is None or before and block.prev.prev is None) and (
+            block.next is None or after and block.next.next is None):
+        kinds.add("free-segment")
+    return kinds or {"free"}
+
+
+def run_both(options: dict, program, reached: Counter | None = None) -> None:
+    """Run `program` on a hot and a Python-path allocator in lockstep; after every step both
+    keep their invariants and agree on every field (`state_of`). `reached` counts the kinds of
+    step (`kind_of_allocate`, `kind_of_free`) the C path served itself."""
+    hot, cold = Witness("cpu", **options), Witness("cpu", **options)
     cold._hot = False  # NOTE: the Python path throughout, on the same state types
     assert hot._hot
-    assert run_program(hot, program) == run_program(cold, program)
+    live: list[tuple[Any, Any]] = []
+    freed: tuple[list, list] = ([], [])
+    merged: dict = {}  # block -> its size when a free merged it (the hot allocator's)
+    for step, (action, value) in enumerate(program):
+        slow_calls = hot.slow_calls
+        if action in CHOOSERS:
+            action, value = "alloc", CHOOSERS[action](hot, value)
+            if value is None:
+                continue
+        if action == "alloc":
+            kinds = kind_of_allocate(hot, value, merged)
+            try:
+                allocation = hot.allocate(value)
+            except OutOfMemoryError:
+                kinds = {"out of memory"}
+                with pytest.raises(OutOfMemoryError):
+                    cold.allocate(value)
+            else:
+                live.append((allocation, cold.allocate(value)))
+        elif action == "free" and live:
+            pair = live.pop(value % len(live))
+            kinds = kind_of_free(pair[0])
+            block = pair[0].handle
+            result = block.prev if "merge-prev" in kinds else block  # the free block it ends in
+            for alloc, allocation, gone in zip((hot, cold), pair, freed):
+                alloc.free(allocation)
+                gone.append(allocation)
+            if kinds & {"merge-next", "merge-prev"}:
+                merged[result] = result.size
+        elif action == "empty":
+            kinds = {"empty"}
+            hot.empty_cache()
+            cold.empty_cache()
+        else:
+            continue
+        in_c = action != "empty" and hot.slow_calls == slow_calls
+        assert not (in_c and "miss" in kinds), f"step {step}: C made a segment"
+        for kind in sorted(kinds):
+            if currently_in_test_context():  # NOTE: --hypothesis-show-statistics lists them
+                event(f"{kind} in {'C' if in_c else 'Python'}")
+            if in_c and reached is not None:
+                reached[kind] += 1
+        hot.check_invariants()
+        cold.check_invariants()
+        assert state_of(hot, freed[0]) == state_of(cold, freed[1]), (
+            f"step {step}: {action} {value} ({', '.join(sorted(kinds))}) differs")
+
+
+@needs_speedups
+@pytest.mark.parametrize("options, small, large",
+                         [({}, 5 * MiB // 2, 3 * MiB),
+                          ({"size_classes": SMALL_POOL_8K}, 9 * KiB, 12 * KiB)],
+                         ids=["1mib-small-pool", "8k-small-pool"])
+def test_a_block_handed_out_whole_is_counted_whole(options, small, large):
+    """A cached block whose leftover is too small to split off is handed out whole: the C path
+    records and counts the block's size, not the request's rounded size (it once did, so
+    allocated_bytes fell short and check_invariants() failed)."""
+    alloc = Witness("cpu", **options)
+    kept = alloc.allocate(small)
+    alloc.free(alloc.allocate(large))
+    slow_calls = alloc.slow_calls
+    whole = alloc.allocate(small)  # the free `large` block: less than a small pool is left
+    assert alloc.slow_calls == slow_calls, "the C path did not serve the hit"
+    assert whole.size == whole.handle.size == large
+    assert alloc.stats()["allocated_bytes"] == kept.size + large
+    alloc.check_invariants()
+    alloc.free(whole)
+    assert alloc.slow_calls == slow_calls, "the C path did not take the block back"
+    assert alloc.stats()["allocated_bytes"] == kept.size
+    alloc.check_invariants()
+    # and field by field, step by step, against the Python path
+    run_both(options, [("alloc", small), ("alloc", large), ("free", 1), ("alloc", small),
+                       ("free", 1), ("alloc", small)])
+
+
+def loop_program(seed: int = 0, steps: int = 40) -> list[tuple[str, int]]:
+    """A seeded random program over sizes near the pool bounds, run three times over like a
+    training loop: the first run lists the sizes, the repeats hit them (see `programs`). With
+    seed 0 it has the C path serve every kind of step REACHED asks of every option set (the
+    test below checks), whatever the random programs reach."""
+    rng = random.Random(seed)
+    palette = [4 * KiB, 100 * KiB, *NEAR_SIZES]
+    body = []
+    for _ in range(steps):
+        draw = rng.random()
+        if draw < 0.4:
+            body.append(("alloc", rng.choice(palette)))
+        elif draw < 0.6:
+            body.append(("reuse" if draw < 0.5 else "fit", rng.randrange(1 << 16)))
+        else:
+            body.append(("free", rng.choice([0, 0, 1, rng.randrange(1 << 16)])))
+    return body * 3
+
+
+#: The kinds of step each option set must see the C path serve over a run of the test below.
+#: Small blocks are multiples of the granule, the small pool's min_split, so only large blocks
+#: can be handed out whole; pow2's large blocks are multiples of 2 MiB, more than a small pool
+#: apart, so never; under max_cached_bytes every free goes the Python way.
+ALL_HITS = {"exact", "split", "whole", "segment", "coalesced"}
+ALL_FREES = {"free", "merge-next", "merge-prev", "free-segment"}
+REACHED = {
+    "exact": ALL_HITS | ALL_FREES,
+    "pytorch": ALL_HITS | ALL_FREES,
+    "pytorch-mantissa": ALL_HITS | ALL_FREES,
+    "pow2-bounded": ALL_HITS - {"whole"},
+    "limited": ALL_HITS | ALL_FREES,
+    "8k-exact": ALL_HITS | ALL_FREES,
+    "8k-pytorch": ALL_HITS | ALL_FREES,
+}
+
+
+@needs_speedups
+@pytest.mark.parametrize("options, expected",
+                         [(options, REACHED[name]) for options, name in zip(OPTIONS, OPTION_IDS)],
+                         ids=OPTION_IDS)
+def test_the_hot_path_does_what_the_python_path_does(options, expected):
+    """Random programs on a hot and a Python-path allocator: after every step, every field of
+    every allocation record (live and freed) and of every block, the free lists, the LRU, the
+    memo, every counter and every key of stats() agree, and both keep their invariants. The
+    run must see the C path serve every kind of hit and free the options allow (REACHED)."""
+    reached: Counter = Counter()
+
+    # NOTE: an inner @given, so the counts of a whole run can be checked; soak mode scales it
+    # here, as the plugin scales top-level tests.
+    @given(program=programs(min_size=10))
+    @example(program=loop_program())
+    @settings(max_examples=40 * soak_factor(), deadline=None)
+    def same_on_both_paths(program) -> None:
+        run_both(options, program, reached)
+
+    same_on_both_paths()
+    assert expected <= set(reached), f"the C path never served {expected - set(reached)}"
+
+
 
 
 @needs_speedups
