@@ -71,6 +71,7 @@ from typing import Any
 import numpy as np
 
 from allocators import Allocation, Allocator, OutOfMemoryError, format_bytes
+from backends.base import ieee
 from runtime import autograd, config, planner, tape
 from runtime.block import Block
 from runtime.errors import GraphCaptureError
@@ -205,7 +206,7 @@ class Graph:
                 self._captures.move_to_end(key)
             self._last = capture
             _copy_inputs(capture, args)
-            _replay(capture, self.plan)
+            ieee(_replay, capture, self.plan)  # NOTE: Note [IEEE results, no ...] in backends
             return _results(capture)
 
     def _keep(self, key: tuple, capture: _Capture) -> None:
@@ -622,14 +623,28 @@ def _abandon(recorder: Tape) -> None:
                 block._written = False
 
 
-def _dependencies(program: Sequence[Instruction]) -> list[set[int]]:
+#: Ops whose kernels check their data and may raise (cross_entropy's labels).
+_RAISES_ON_DATA = frozenset({"cross_entropy"})
+
+
+def _dependencies(program: Sequence[Instruction],
+                  intermediate: set[int] = frozenset()) -> list[set[int]]:
     """Predecessors of each instruction: read-after-write, write-after-read, write-after-write
-    on blocks (whole blocks: conservative for disjoint views of one block)."""
+    on blocks (whole blocks: conservative for disjoint views of one block); and a write to a
+    block that outlives the step (state, outputs) waits for every earlier instruction that may
+    raise on its data, so a replay that raises there has written nothing that lasts, as the
+    function called directly would not have (an SGD momentum update needs no gradient and
+    would otherwise run first)."""
     last_write: dict[int, int] = {}
     readers: dict[int, list[int]] = {}
     preds: list[set[int]] = []
+    raisers: list[int] = []
     for j, instr in enumerate(program):
         before: set[int] = set()
+        if raisers and any(o.block.id not in intermediate for o in instr.outputs):
+            before.update(raisers)
+        if instr.op in _RAISES_ON_DATA:
+            raisers.append(j)
         for operand in instr.inputs:
             writer = last_write.get(operand.block.id)
             if writer is not None:
@@ -653,7 +668,7 @@ def _dependencies(program: Sequence[Instruction]) -> list[set[int]]:
 def _schedule(program: Sequence[Instruction], intermediate: set[int]) -> list[int]:
     """A topological order of `program` that prefers, among ready instructions, one that adds
     no live bytes (it frees at least what it allocates), else the earliest in program order."""
-    preds = _dependencies(program)
+    preds = _dependencies(program, intermediate)
     waiting = [len(p) for p in preds]
     succs: list[list[int]] = [[] for _ in program]
     for j, before in enumerate(preds):

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from backends.base import ieee
 from runtime import aliasing, autograd, config, tape
 from runtime.block import Block
 from runtime.errors import AliasingError, AutogradError, device_names
@@ -205,7 +206,7 @@ def _launch(op: str, out: Tensor, inputs: Sequence[tuple[str, Tensor, tuple]],
         for position, value in scalars.items():
             views.insert(position, value)
     target = out._native_write(op)
-    run(views, target, *[t._native_write(op) for t in also])
+    ieee(run, views, target, *[t._native_write(op) for t in also])  # NOTE: no FP signals
     out.block.mark_written()
     for t in also:
         t.block.mark_written()
