@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 EXTRAS ?= test
 
-.PHONY: demo test bench lint clean venv
+.PHONY: demo test bench lint clean venv asan
 
 $(VENV)/.installed-$(EXTRAS): setup.cfg setup.py pyproject.toml allocators/_speedups.c \
 		examples/plugin_allocator/setup.cfg
@@ -24,6 +24,44 @@ demo:
 
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# `make asan`: the C hot path (allocators/_speedups.c) built with AddressSanitizer and
+# UndefinedBehaviorSanitizer, and the allocator tests run against it (needs gcc, ASAN_CC).
+# - The build goes into a copy of the allocators package in $(ASAN_DIR), first on PYTHONPATH, so
+#   .venv keeps its normal build; a check that it is the extension Python loads comes first.
+# - libasan must be the first library of the process, so it is preloaded into Python.
+# - CPython leaks by design: no leak reports. Tests ask for a PiB to see OutOfMemoryError: malloc
+#   returns NULL (NumPy raises MemoryError) instead of ASan aborting. Any UB report stops the run.
+# - pytest captures sys.stdout / sys.stderr only (--capture=sys), so a sanitizer's report, which
+#   C writes to file descriptor 2 before it aborts the process, reaches the terminal.
+# - The slow tests rerun test files in pure-Python mode (no extension), so they are left out.
+ASAN_CC    ?= gcc
+ASAN_DIR   := build/asan
+ASAN_TESTS ?= tests/test_speedups.py tests/test_caching.py tests/test_allocators.py \
+              tests/test_threads.py tests/test_adaptors.py tests/test_races.py
+ASAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
+# NOTE: PYTHONSAFEPATH: the working directory, first on sys.path, would give the normal build
+ASAN_ENV    = PYTHONSAFEPATH=1 PYTHONPATH=$(abspath $(ASAN_DIR)) \
+              LD_PRELOAD=$$($(ASAN_CC) -print-file-name=libasan.so) \
+              ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 \
+              UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+
+asan: venv
+	rm -rf $(ASAN_DIR)
+	mkdir -p $(ASAN_DIR)/allocators
+	cp allocators/*.py $(ASAN_DIR)/allocators/
+	$(ASAN_CC) -shared -fPIC $(ASAN_FLAGS) \
+		-I$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])') \
+		allocators/_speedups.c -o $(ASAN_DIR)/allocators/_speedups$$($(PY) -c \
+		'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+	$(ASAN_ENV) $(PY) -c "import allocators, allocators._core as core; \
+		path = core.speedups.__file__ if allocators.ACCELERATED else 'no extension'; \
+		assert path.startswith('$(abspath $(ASAN_DIR))/'), f'not the sanitized build: {path}'; \
+		print('sanitized extension in use:', path)"
+	nm -D $(ASAN_DIR)/allocators/_speedups*.so | grep -q __asan_init
+	nm -D $(ASAN_DIR)/allocators/_speedups*.so | grep -q __ubsan_handle_
+	$(ASAN_ENV) $(PY) -m pytest -p no:cacheprovider --capture=sys -m "not slow" $(ASAN_TESTS) \
+		$(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m pip install --quiet ruff
