@@ -1,8 +1,8 @@
 """The records and state that allocators.base and allocators.caching share with the C hot path.
 
-The caching allocator's most common case (an exact-size cache hit, and the free of a block whose
-neighbours are in use) runs in C, in the optional extension `allocators._speedups`; everything
-else runs in Python. For C and Python to work on one state, the records and the allocator state
+The caching allocator's most common cases (a cache hit, and a free that coalesces into a size
+already listed) run in C, in the optional extension `allocators._speedups`; everything else runs
+in Python. For C and Python to work on one state, the records and the allocator state
 are types of that extension when it is built: the fields of an `Allocation`, of a caching
 `_Block` and `_Pool`, and an allocator's counters, serial counter, live set and lock. This module
 defines the same names in Python, then takes the C ones when it can (as CPython's `heapq` does

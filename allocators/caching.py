@@ -233,10 +233,11 @@ class CachingAllocator(Allocator):
         return self._limit_bytes
 
     # ------------------------------------------------------------------ the hot path
-    # NOTE: with the C accelerator, allocate / free serve an exact-size cache hit and the free
-    # of a block whose neighbours are in use in C (allocators/_speedups.c), with the same
-    # accounting, and call Allocator.allocate / free (as _allocate_slow / _free_slow) for
-    # everything else. Without it, they are Allocator's.
+    # NOTE: with the C accelerator, allocate / free serve cache hits (exact, best fit, split or
+    # whole) and frees that coalesce into sizes already listed in C (allocators/_speedups.c),
+    # with the same records and accounting (tests/test_speedups.py compares every field), and
+    # call Allocator.allocate / free (as _allocate_slow / _free_slow) for everything else.
+    # Without it, they are Allocator's.
     _allocate_slow = Allocator.allocate
     _free_slow = Allocator.free
     if speedups is not None:
@@ -259,6 +260,8 @@ class CachingAllocator(Allocator):
         if block.size - size >= pool.min_split:
             block = self._split(block, size)
         block.free = False
+        # NOTE: the block's size, not `size`: a leftover below min_split stays in the block, so
+        # a block may be handed out whole, larger than the request's size class (and so in C)
         allocation = Allocation(self.device, block.raw, block.offset, nbytes, block.size)
         allocation.handle = block
         return allocation
@@ -417,7 +420,7 @@ class CachingAllocator(Allocator):
 
         Example:
             >>> import allocators
-            >>> alloc = allocators.create("caching", "cpu")
+            >>> alloc = allocators.create("caching", "cpu", segments="pytorch")
             >>> a = alloc.allocate(1000)
             >>> [(s["pool"], s["nbytes"], len(s["blocks"])) for s in alloc.snapshot()]
             [('small', 2097152, 2)]
