@@ -2,9 +2,11 @@
 
 The C code serves cache hits (best fit, split, coalesce) and hands everything else to the Python
 implementation, on one shared state. These tests mix both paths at random and check the
-invariants after every step, compare them step by step (`_hot` off is the Python path on the
-same state types; BLOCKRT_PURE_PYTHON=1 in a subprocess is the pure-Python build), test the
-lock, and run the allocator test files once more in pure-Python mode so CI covers both builds.
+invariants after every step, compare them field by field after every step (`_hot` off is the
+Python path on the same state types; BLOCKRT_PURE_PYTHON=1 in a subprocess is the pure-Python
+build) and check that the C path served every kind of hit and free meanwhile, test the lock,
+and run the allocator test files once more in pure-Python mode so CI covers both builds.
+`make asan` runs these tests against a build with AddressSanitizer and UBSan.
 """
 
 from __future__ import annotations
