@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 import runtime
 from runtime import nn
+from runtime.cli import MAX_SEED, int_in, png_path, run_piped
 from runtime.graph import PLANS
 
 TARGET_ACCURACY = 0.97
@@ -68,15 +69,20 @@ def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plan", default="static", choices=("none", "recycle", "static"))
-    parser.add_argument("--plot", default="memory_timeline.png", help="where to write the plot")
+    parser.add_argument("--epochs", type=int_in(1), default=30)
+    parser.add_argument("--batch", type=int_in(1), default=64,
+                        help="at most the number of training images")
+    parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0)
+    parser.add_argument("--plan", default="static", choices=PLANS)
+    parser.add_argument("--plot", type=png_path, default="memory_timeline.png",
+                        help="where to write the plot")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args()
 
     x_train, x_test, y_train, y_test = load(args.seed)
+    if args.batch > len(x_train):  # NOTE: whole batches only; none would leave nothing to train
+        parser.error(f"argument --batch: {args.batch} is out of range; allowed: "
+                     f"1..{len(x_train)} (the training images)")
     nn.manual_seed(args.seed)
     model = make_model()
     opt = nn.Adam(model.parameters(), lr=1e-3)
@@ -115,4 +121,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_piped(main))

@@ -14,8 +14,10 @@ Example:
     $ blockrt bench graph -- --quick
     $ python -m runtime.cli info
 
-Exit status: 0 on success, 2 for bad command-line input (argparse's convention), 1 for other
-errors; `demo` and `bench` return their scripts' status.
+Exit status: 0 on success, 2 for bad command-line input (argparse's convention: usage, then one
+line naming the option, the value and what is allowed), 1 for other errors (one line) and when
+the reader of stdout has gone (`blockrt allocators | head -1` ends quietly); `demo` and `bench`
+return their scripts' status, 128 + N when signal N ended one.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import NamedTuple
@@ -40,7 +42,8 @@ from backends import _blas
 from runtime import config, nn
 from runtime.graph import PLANS
 
-__all__ = ["CONFIGS", "MLPConfig", "build_parser", "main", "training_step"]
+__all__ = ["CONFIGS", "MLPConfig", "build_parser", "int_in", "main", "png_path", "run_piped",
+           "step_bytes", "training_step"]
 
 CLASSES = 10
 
@@ -56,6 +59,14 @@ class MLPConfig(NamedTuple):
 #: The configurations of benchmarks/bench_graph.py (kept in step with it by hand).
 CONFIGS: dict[str, MLPConfig] = {"S": MLPConfig(64, 256, 8), "M": MLPConfig(256, 1024, 4),
                                  "L": MLPConfig(1024, 4096, 4), "D": MLPConfig(64, 256, 64)}
+
+#: A BLAS takes each dimension of a product as a 32-bit integer (an LP64 build).
+MAX_DIM = 2**31 - 1
+#: Capture and planning take about 2 ms a hidden layer: 2 s at this depth; at 100000 they ran
+#: for minutes and grew past 24 GiB, whatever the width.
+MAX_DEPTH = 1024
+#: Seeds are what scikit-learn's `random_state` takes (examples/train_mlp.py shares the bound).
+MAX_SEED = 2**32 - 1
 
 #: What examples/train_mlp.py imports beyond blockrt (the `demo` extra).
 DEMO_MODULES = ("sklearn", "tqdm", "matplotlib")
@@ -105,32 +116,100 @@ def _checkout_dir(name: str, what: str) -> Path:
 
 
 def _run_script(script: Path, args: Sequence[str]) -> int:
-    """Run `script` with this Python in the checkout root; its exit status."""
+    """Run `script` with this Python in the checkout root; its exit status (128 + N, as a shell
+    says it, when signal N ended it)."""
     command = [sys.executable, str(script), *args]
     print("$ " + " ".join(command), flush=True)
-    return subprocess.call(command, cwd=ROOT)
+    status = subprocess.call(command, cwd=ROOT)
+    return 128 - status if status < 0 else status
 
 
-def _positive(text: str) -> int:
-    """argparse type: a positive integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid positive integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"invalid positive integer: {text!r}")
-    return value
+def int_in(low: int, high: int | None = None, why: str = "") -> Callable[[str], int]:
+    """An argparse `type=`: an integer in low..high (no upper bound when `high` is None).
+
+    Anything else raises argparse.ArgumentTypeError naming the value, the range and `why`, so
+    argparse prints one line (`prog: error: argument --depth: ...`) and exits 2.
+
+    Example:
+        >>> parser.add_argument("--depth", type=int_in(1, 1024, "capture takes ~2 ms a layer"))
+        ... # doctest: +SKIP
+    """
+    allowed = f"{low}..{high}" if high is not None else f"{low} or more"
+    reason = f" ({why})" if why else ""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # NOTE: also an integer of more than 4300 digits (sys.int_info)
+            shown = repr(text) if len(text) <= 40 else repr(text[:40]) + "..."
+            raise argparse.ArgumentTypeError(
+                f"{shown} is not an integer; allowed: {allowed}{reason}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: {allowed}{reason}")
+        return value
+
+    return parse
 
 
-def _png_path(text: str) -> str:
-    """argparse type: a file path whose directory exists."""
+def png_path(text: str) -> str:
+    """An argparse `type=`: a path ending in .png whose directory exists and is not itself a
+    directory (so a long run does not fail at the end, when it writes the plot)."""
     folder = os.path.dirname(os.path.abspath(text))
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"cannot write a plot to {text!r}: it is a directory")
+    if not text.lower().endswith(".png"):
+        raise argparse.ArgumentTypeError(f"cannot write a plot to {text!r}: the plot is a PNG; "
+                                         "name a file ending in .png")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"cannot write a plot to {text!r}: "
                                          f"no directory {folder!r}")
     return text
+
+
+def run_piped(main: Callable[[], int]) -> int:
+    """`main()`'s exit status, with stdout flushed; 1, quietly, if the reader of stdout has gone.
+
+    `blockrt allocators | head -1` closes the pipe after one line, and the next write raises
+    BrokenPipeError. As the note on SIGPIPE in Python's `signal` documentation says, stdout
+    is then pointed at devnull, so that the interpreter's own flush at exit cannot fail again,
+    and the status is 1.
+    """
+    try:
+        try:
+            return main()
+        finally:  # NOTE: also when main() exits through argparse (SystemExit, e.g. --help)
+            sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def step_bytes(cfg: MLPConfig) -> int:
+    """About the most bytes one `training_step(cfg)` holds at once, under any plan.
+
+    float32 parameters, four batch x width arrays a layer (forward results kept for backward,
+    their gradients, results recomputed under checkpointing), four batch x 10 arrays of the
+    loss, and the int64 labels; weight gradients add little (the update accumulates into the
+    weights). From width 4 up it is at least the peak of each plan and at most twice the
+    largest (tests/test_cli.py measures it); narrower steps are dominated by per-array costs.
+    """
+    params = cfg.depth * (cfg.width * cfg.width + cfg.width) + cfg.width * CLASSES + CLASSES
+    arrays = 4 * cfg.batch * cfg.width * (cfg.depth + 1) + 4 * cfg.batch * CLASSES
+    return 4 * (params + arrays) + 8 * cfg.batch
+
+
+def _default_device() -> backends.Device:
+    """The device a captured step runs on, its allocator and BLAS settings checked now, or
+    CommandError naming the environment variable that is wrong."""
+    try:
+        device = runtime.get_default_device()
+        config.SETTINGS.default_allocator_name()
+        if device.name.split(":")[0] == "cpu":
+            _blas.find()
+    except (ValueError, RuntimeError) as exc:  # NOTE: BackendUnavailableError is a RuntimeError
+        raise CommandError(str(exc)) from exc
+    return device
 
 
 # --- subcommands -------------------------------------------------------------------------------
@@ -214,19 +293,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Capture the MLP training step, run it once, print its memory report; maybe plot."""
     base = CONFIGS[args.config]
     cfg = MLPConfig(args.batch or base.batch, args.width or base.width, args.depth or base.depth)
-    x, y = _batch(cfg, args.seed)
-    checkpoint = args.checkpoint
     label = args.config if cfg == base else f"{args.config} with overrides"
+    device = _default_device()
+    need, have = step_bytes(cfg), device.total_memory
+    if have is not None and need > have:
+        args.parser.error(f"config {label} (batch {cfg.batch}, width {cfg.width}, depth "
+                          f"{cfg.depth}) needs about {allocators.format_bytes(need)} for one "
+                          f"step (its parameters and activations, float32), more "
+                          f"than the {allocators.format_bytes(have)} of device {device.name}; "
+                          "lower --batch, --width or --depth")
+    checkpoint = args.checkpoint
     print(f"config {label}: batch {cfg.batch}, width {cfg.width}, depth {cfg.depth}; "
           f"plan {args.plan}, checkpoint {checkpoint or 'none'}")
     plans = PLANS if args.plot else (args.plan,)
     timelines = {}
-    for plan in plans:
-        step = training_step(cfg, plan, checkpoint, args.seed)
-        step(x, y)
-        timelines[plan] = step.timeline()
-        if plan == args.plan:
-            print(runtime.format_report(step.memory_report()))
+    try:
+        x, y = _batch(cfg, args.seed)
+        for plan in plans:
+            step = training_step(cfg, plan, checkpoint, args.seed)
+            step(x, y)
+            timelines[plan] = step.timeline()
+            if plan == args.plan:
+                print(runtime.format_report(step.memory_report()))
+    except MemoryError as exc:  # NOTE: step_bytes() fits, but other processes hold memory too
+        raise CommandError(f"out of memory running config {label}: {exc}") from exc
     if args.plot:
         try:
             path = runtime.plot_memory_timeline(
@@ -234,6 +324,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise CommandError(f"--plot needs matplotlib: pip install 'blockrt[plot]' ({exc})") \
                 from exc
+        except OSError as exc:
+            raise CommandError(f"cannot write the plot: {exc}") from exc
         print(f"memory timeline of {', '.join(plans)} written to {path}")
     return 0
 
@@ -298,13 +390,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", choices=PLANS, default="static", help="default: static")
     p.add_argument("--checkpoint", choices=["sqrt"], default=None,
                    help="recompute forward results (Chen et al. 2016); default: none")
-    p.add_argument("--plot", metavar="PATH", type=_png_path,
+    p.add_argument("--plot", metavar="PATH", type=png_path,
                    help="also write a PNG of the memory timeline of all three plans "
                    "(needs matplotlib: the `plot` extra)")
-    p.add_argument("--batch", type=_positive, help="override the configuration's batch")
-    p.add_argument("--width", type=_positive, help="override the configuration's width")
-    p.add_argument("--depth", type=_positive, help="override the configuration's depth")
-    p.add_argument("--seed", type=int, default=0, help="weights and data (default: 0)")
+    dim = int_in(1, MAX_DIM, "a BLAS dimension is a 32-bit integer")
+    p.add_argument("--batch", type=dim, help="override the configuration's batch; one step "
+                   "must fit in the device's memory")
+    p.add_argument("--width", type=dim, help="override the configuration's width; one step "
+                   "must fit in the device's memory")
+    p.add_argument("--depth", type=int_in(1, MAX_DEPTH, "capture and planning take about 2 ms "
+                                          "a layer"),
+                   help=f"override the configuration's depth (at most {MAX_DEPTH})")
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
+                   help="weights and data (default: 0)")
     p.set_defaults(run=cmd_plan)
 
     p = sub.add_parser("demo", help="train the MLP of examples/train_mlp.py (checkout only)",
@@ -330,8 +428,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `blockrt` command with `argv` (default: sys.argv[1:]); returns the exit status.
 
-    Bad command-line input exits through argparse (SystemExit 2, the message names the value).
+    Bad command-line input exits through argparse (SystemExit 2, one line naming the option,
+    the value and what is allowed). Output piped into a reader that stops early (`| head -1`)
+    ends quietly with status 1 (`run_piped`).
     """
+    return run_piped(lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:

@@ -1,11 +1,19 @@
 """The `blockrt` command: each subcommand in-process through `main([...])`, argparse errors,
-and the installed console script once as a subprocess. Demo and benchmarks never run for real."""
+and the installed console script once as a subprocess. Demo and benchmarks never run for real.
+
+Bad arguments: each is one line naming the option, the value and what is allowed, exit status 2,
+in-process (an exception escaping `main` fails the test) and for the issue's own cases as a
+subprocess with no traceback. Output into a pipe whose reader has gone ends quietly.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +26,26 @@ from runtime import cli
 
 SUBCOMMANDS = ("allocators", "info", "plan", "demo", "bench")
 TINY = ["--batch", "4", "--width", "8", "--depth", "2"]
+
+
+def blockrt(*argv: str, env: dict[str, str] | None = None,
+            stdout: int = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
+    """`python -m runtime.cli ARGV` in the checkout root, as a user runs it."""
+    environ = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "runtime.cli", *argv], stdout=stdout,
+                          stderr=subprocess.PIPE, text=True, timeout=120, cwd=cli.ROOT,
+                          env=environ, check=False)
+
+
+def assert_one_line_error(err: str, prog: str, *named: str) -> None:
+    """argparse's usage, then one line `prog: error: ...` holding every string of `named`."""
+    assert "Traceback" not in err, err
+    *usage, last = err.splitlines()
+    assert last.startswith(f"{prog}: error: "), err
+    assert usage and usage[0].startswith("usage: "), err
+    assert all(line.startswith(" ") for line in usage[1:]), err  # NOTE: usage wraps indented
+    for text in named:
+        assert text in last, (text, last)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -112,22 +140,97 @@ def test_top_level_help_lists_the_subcommands(capsys):
         assert command in out
 
 
-@pytest.mark.parametrize(("argv", "named"), [
-    ([], "COMMAND"),
-    (["frobnicate"], "'frobnicate'"),
-    (["plan", "--config", "XL"], "'XL'"),
-    (["plan", "--plan", "greedy"], "'greedy'"),
-    (["plan", "--checkpoint", "all"], "'all'"),
-    (["plan", "--depth", "0"], "'0'"),
-    (["plan", "--plot", "/no/such/dir/t.png"], "/no/such/dir"),
-    (["info", "--verbose"], "--verbose"),
-    (["allocators", "--", "x"], "x"),
-    (["bench", "nosuch"], "'nosuch'"),
-])
-def test_bad_input_exits_2_naming_the_value(capsys, argv, named):
-    status, _, err = run(capsys, *argv)
+def ids(cases: list[tuple[list[str], list[str]]]) -> list[str]:
+    """Test ids of (argv, named) cases: the command line."""
+    return [" ".join(argv)[:40] for argv, _ in cases]
+
+
+DIM = "1..2147483647"
+SEEDS = "0..4294967295"
+DEPTHS = f"1..{cli.MAX_DEPTH}"
+
+
+BAD_INPUT = [
+    ([], ["COMMAND"]),
+    (["frobnicate"], ["'frobnicate'"]),
+    (["plan", "--config", "XL"], ["--config", "'XL'", "'S'"]),
+    (["plan", "--plan", "greedy"], ["--plan", "'greedy'", "'static'"]),
+    (["plan", "--checkpoint", "all"], ["--checkpoint", "'all'", "'sqrt'"]),
+    (["plan", "--depth", "0"], ["--depth", " 0 ", DEPTHS]),
+    (["plan", "--depth", "100000"], ["--depth", "100000", DEPTHS, "2 ms a layer"]),
+    (["plan", "--depth", "2.5"], ["--depth", "'2.5'", "not an integer", DEPTHS]),
+    (["plan", "--batch", "0"], ["--batch", " 0 ", DIM]),
+    (["plan", "--batch", "-3"], ["--batch", "-3", DIM]),
+    (["plan", "--batch", str(2**31)], ["--batch", str(2**31), DIM, "32-bit"]),
+    (["plan", "--width", "1e3"], ["--width", "'1e3'", "not an integer", DIM]),
+    (["plan", "--width", ""], ["--width", "''", "not an integer"]),
+    (["plan", "--width", "9" * 5000], ["--width", "'99999", "...", "not an integer"]),
+    (["plan", "--seed", "-1"], ["--seed", "-1", SEEDS]),
+    (["plan", "--seed", str(2**32)], ["--seed", str(2**32), SEEDS]),
+    (["plan", "--seed", "abc"], ["--seed", "'abc'", SEEDS]),
+    (["plan", "--plot", "/no/such/dir/t.png"], ["--plot", "/no/such/dir"]),
+    (["plan", "--plot", "timeline.svg"], ["--plot", "'timeline.svg'", ".png"]),
+    (["plan", "--plot", "/"], ["--plot", "'/'", "directory"]),
+    (["plan", "--plot"], ["--plot", "expected one argument"]),
+    (["plan", "--width", "100000000"], ["width 100000000", "needs about", "PiB", "--width"]),
+    (["plan", "--config", "L", "--batch", str(2**31 - 1)], ["batch 2147483647", "device"]),
+    (["info", "--verbose"], ["--verbose"]),
+    (["allocators", "--", "x"], ["x"]),
+    (["allocators", "extra"], ["extra"]),
+    (["bench", "nosuch"], ["'nosuch'", "graph"]),
+]
+
+
+@pytest.mark.parametrize(("argv", "named"), BAD_INPUT, ids=ids(BAD_INPUT))
+def test_bad_input_exits_2_with_one_line_naming_option_value_and_range(capsys, argv, named):
+    status, out, err = run(capsys, *argv)
     assert status == 2
-    assert named in err.splitlines()[-1]
+    prog = " ".join(["blockrt", *argv[:1]]) if argv and argv[0] in SUBCOMMANDS else "blockrt"
+    assert_one_line_error(err, prog, *named)
+    assert "config" not in out  # NOTE: nothing ran: the plan's first line says its config
+
+
+ISSUE_CASES = [
+    (["plan", "--seed", "-1"], ["--seed", "-1", SEEDS]),
+    (["plan", "--width", "100000000"], ["width 100000000", "needs about"]),
+    (["plan", "--depth", "100000"], ["--depth", "100000", DEPTHS]),
+]
+
+
+@pytest.mark.parametrize(("argv", "named"), ISSUE_CASES, ids=ids(ISSUE_CASES))
+def test_the_issues_bad_plan_arguments_print_no_traceback(argv, named):
+    result = blockrt(*argv)
+    assert result.returncode == 2
+    assert_one_line_error(result.stderr, "blockrt plan", *named)
+
+
+def test_plan_refuses_a_step_bigger_than_the_device_and_runs_one_that_fits(capsys, monkeypatch):
+    cfg = cli.MLPConfig(4, 8, 2)
+    device = types.SimpleNamespace(name="cpu", total_memory=cli.step_bytes(cfg) - 1)
+    monkeypatch.setattr(cli, "_default_device", lambda: device)
+    status, out, err = run(capsys, "plan", *TINY)
+    assert status == 2 and out == ""
+    assert_one_line_error(err, "blockrt plan", "batch 4, width 8, depth 2",
+                          cli.allocators.format_bytes(cli.step_bytes(cfg)), "device cpu")
+    device.total_memory += 1
+    assert run(capsys, "plan", *TINY)[0] == 0
+
+
+@pytest.mark.parametrize("cfg", [(4, 8, 2), (16, 32, 3), (64, 16, 1), (1, 512, 1), (4, 4, 12)])
+def test_step_bytes_is_at_least_what_each_plan_holds_and_at_most_twice(cfg):
+    cfg = cli.MLPConfig(*cfg)
+    old = cli.runtime.get_default_allocator()
+    peaks = []
+    try:
+        for plan in cli.PLANS:
+            for checkpoint in (None, "sqrt"):
+                measure = cli.runtime.set_default_allocator("direct")
+                step = cli.training_step(cfg, plan, checkpoint)
+                step(*cli._batch(cfg, 0))
+                peaks.append(measure.stats()["peak_allocated_bytes"])
+    finally:
+        cli.runtime.set_default_allocator(old)
+    assert max(peaks) <= cli.step_bytes(cfg) <= 2 * max(peaks), (peaks, cli.step_bytes(cfg))
 
 
 def test_bench_list_shows_the_benchmark_scripts(capsys):
@@ -186,3 +289,129 @@ def test_info_names_a_blockrt_blas_it_cannot_honour(capsys, monkeypatch):
     status, out, _ = run(capsys, "info")
     assert status == 0
     assert "CPU gemm: error: BLOCKRT_BLAS='atlas' is not one of auto, mkl, openblas, none" in out
+
+
+def test_plan_says_when_it_runs_out_of_memory_or_cannot_write_the_plot(capsys, monkeypatch,
+                                                                         tmp_path):
+    def oom(*args, **kwargs):
+        raise MemoryError("Unable to allocate 24 GiB")
+
+    monkeypatch.setattr(cli, "training_step", oom)
+    status, _, err = run(capsys, "plan", *TINY)
+    assert status == 1
+    assert err == "blockrt plan: error: out of memory running config S with overrides: " \
+        "Unable to allocate 24 GiB\n"
+    monkeypatch.undo()
+
+    def unwritable(timelines, path, title):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(cli.runtime, "plot_memory_timeline", unwritable)
+    status, _, err = run(capsys, "plan", "--plot", str(tmp_path / "t.png"), *TINY)
+    assert status == 1
+    assert err.startswith("blockrt plan: error: cannot write the plot: [Errno 13] Permission ")
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(("variable", "value"), [("BLOCKRT_DEVICE", "nosuch"),
+                                                 ("BLOCKRT_ALLOCATOR", "nosuch"),
+                                                 ("BLOCKRT_BLAS", "atlas")])
+def test_plan_names_a_bad_environment_variable_in_one_line(variable, value):
+    result = blockrt("plan", *TINY, env={variable: value})
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.startswith("blockrt plan: error: ") and variable in result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+
+
+# --- the demo's own arguments (examples/train_mlp.py) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def train_mlp() -> types.ModuleType:
+    """examples/train_mlp.py as a module, for its argument checks (it needs the demo extra)."""
+    for module in cli.DEMO_MODULES:
+        pytest.importorskip(module, reason=f"the demo needs {module} (the demo extra)")
+    spec = importlib.util.spec_from_file_location("train_mlp", cli.ROOT / "examples" /
+                                                  "train_mlp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+DEMO_CASES = [
+    (["--epochs", "0"], ["--epochs", " 0 ", "1 or more"]),
+    (["--epochs", "-1"], ["--epochs", "-1", "1 or more"]),
+    (["--epochs", "many"], ["--epochs", "'many'", "not an integer"]),
+    (["--batch", "0"], ["--batch", " 0 ", "1 or more"]),
+    (["--batch", "100000"], ["--batch", "100000", "1..1347", "training images"]),
+    (["--seed", "-1"], ["--seed", "-1", SEEDS]),
+    (["--seed", str(2**32)], ["--seed", str(2**32), SEEDS]),
+    (["--plan", "greedy"], ["--plan", "'greedy'", "'static'"]),
+    (["--plot", "/no/such/dir/t.png"], ["--plot", "/no/such/dir"]),
+    (["--plot", "timeline.txt"], ["--plot", "'timeline.txt'", ".png"]),
+]
+
+
+@pytest.mark.parametrize(("argv", "named"), DEMO_CASES, ids=ids(DEMO_CASES))
+def test_the_demo_refuses_bad_arguments_in_one_line(capsys, monkeypatch, train_mlp, argv, named):
+    monkeypatch.setattr(sys, "argv", ["train_mlp.py", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        train_mlp.main()
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # NOTE: nothing trained: the model is printed first
+    assert_one_line_error(err, "train_mlp.py", *named)
+
+
+def test_blockrt_demo_passes_the_demos_exit_status_2_through_without_a_traceback(train_mlp):
+    result = blockrt("demo", "--batch", "100000")
+    assert result.returncode == 2
+    assert_one_line_error(result.stderr, "train_mlp.py", "--batch", "100000", "training images")
+
+
+def test_a_script_ended_by_a_signal_exits_128_plus_the_signal(capsys, monkeypatch):
+    monkeypatch.setattr(cli.subprocess, "call", lambda command, cwd: -9)
+    monkeypatch.setattr(cli, "DEMO_MODULES", ())
+    assert run(capsys, "demo")[0] == 128 + 9
+
+
+# --- output into a pipe whose reader has gone ----------------------------------------------------
+
+
+def into_a_closed_pipe(command: list[str], buffered: bool) -> subprocess.CompletedProcess[str]:
+    """Run `command` with stdout into a pipe whose read end is closed: `| head -1` at its most
+    eager. NOTE: a reader that closes after a line only breaks the pipe when the command writes
+    after that, which depends on timing; a reader gone before the first write breaks it always.
+    Buffered, the write fails at the last flush; unbuffered (PYTHONUNBUFFERED), at the first."""
+    environ = {**os.environ, "PYTHONUNBUFFERED": "" if buffered else "1"}
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(command, stdout=write, stderr=subprocess.PIPE, text=True,
+                              timeout=120, cwd=cli.ROOT, env=environ, check=False)
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize("argv", [["allocators"], ["info"], ["--help"], ["bench", "--list"],
+                                  ["plan", *TINY], ["demo"]], ids=" ".join)
+def test_output_into_a_closed_pipe_ends_quietly(argv, buffered):
+    if argv == ["demo"]:
+        for module in cli.DEMO_MODULES:
+            pytest.importorskip(module, reason=f"the demo needs {module} (the demo extra)")
+    result = into_a_closed_pipe([sys.executable, "-m", "runtime.cli", *argv], buffered)
+    assert result.stderr == ""
+    # NOTE: 1 as Python's `signal` docs do on EPIPE; argparse ignores a failed write of --help
+    assert result.returncode == (0 if argv == ["--help"] and not buffered else 1)
+
+
+def test_the_demo_script_into_a_closed_pipe_ends_quietly(train_mlp, tmp_path):
+    # NOTE: unbuffered, its first print fails; buffered, it would train first (run_piped is
+    # the same function as blockrt's, whose buffered case is above)
+    script = cli.ROOT / "examples" / "train_mlp.py"
+    result = into_a_closed_pipe([sys.executable, str(script), "--epochs", "1", "--no-progress",
+                                 "--plot", str(tmp_path / "t.png")], buffered=False)
+    assert result.stderr == ""
+    assert result.returncode == 1
