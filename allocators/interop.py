@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from allocators.base import Allocation, Allocator
+from backends.base import check_nbytes
 
 
 class _Lease:
@@ -65,7 +66,9 @@ def pyopencl_allocator(allocator: Allocator) -> Callable[[int], Any]:
 
     Raises:
         TypeError: `allocator` is not a blockrt Allocator.
-        ValueError (on a call): the allocation is not aligned for an OpenCL sub-buffer.
+        ValueError: `allocator` is not on an OpenCL device (its device is named).
+        TypeError, ValueError (on a call): the size is not an int, or negative; the allocation
+            is not aligned for an OpenCL sub-buffer.
 
     Example:
         >>> import allocators, backends, pyopencl.array                # doctest: +SKIP
@@ -76,8 +79,13 @@ def pyopencl_allocator(allocator: Allocator) -> Callable[[int], Any]:
     if not isinstance(allocator, Allocator):
         raise TypeError(f"pyopencl_allocator needs a blockrt Allocator, got "
                         f"{type(allocator).__name__}")
+    device = allocator.device
+    if device.name.partition(":")[0] != "opencl":
+        raise ValueError(f"pyopencl_allocator needs an allocator on an OpenCL device; "
+                         f"{allocator!r} is on {device.name} ({type(device).__name__})")
 
     def hook(nbytes: int) -> Any:
+        nbytes = check_nbytes(nbytes, "pyopencl_allocator hook: size")
         allocation = allocator.allocate(max(nbytes, 1))  # NOTE: OpenCL has no empty buffers
         try:
             buffer = _sub_buffer(allocation)

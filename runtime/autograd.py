@@ -234,12 +234,18 @@ def backward(root: Tensor, gradient: Tensor | None = None, retain_graph: bool = 
     Raises:
         AutogradError: root needs no gradient; a non-scalar root without `gradient`; a saved
             tensor modified in place; a second backward through a freed graph.
+        TypeError: `gradient` is not a Tensor, or `retain_graph` not a bool.
     """
     import numpy as np
 
     from runtime import ops
+    from runtime.tensor import Tensor, _brief, as_flag
     from runtime.tensor import tensor as make_tensor
 
+    retain_graph = as_flag(retain_graph, "backward(): retain_graph")
+    if gradient is not None and not isinstance(gradient, Tensor):
+        raise TypeError(f"backward(): gradient must be a Tensor or None, got "
+                        f"{type(gradient).__name__} {_brief(gradient)}")
     if not root._requires_grad:
         raise AutogradError(f"backward() on a tensor that does not require grad "
                             f"({_describe(root)}); set requires_grad=True on a leaf it uses")

@@ -36,7 +36,16 @@ import numpy as np
 from allocators import Allocator
 from runtime import ops, tape
 from runtime.autograd import no_grad
-from runtime.tensor import Tensor, empty, host_array, tensor
+from runtime.tensor import (
+    Tensor,
+    _brief,
+    as_dtype,
+    as_flag,
+    checked_nbytes,
+    empty,
+    host_array,
+    tensor,
+)
 
 __all__ = ["SGD", "Adam", "Dense", "Module", "Optimizer", "ReLU", "Sequential", "Sigmoid", "Tanh",
            "manual_seed", "mse", "softmax_cross_entropy", "train_step"]
@@ -63,6 +72,8 @@ class Module:
         if "_parameters" not in self.__dict__:
             raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() "
                                f"before assigning {name!r}")
+        if isinstance(value, Module):
+            self._refuse_cycle(name, value)
         self._parameters.pop(name, None)
         self._modules.pop(name, None)
         if isinstance(value, Tensor) and value.requires_grad:
@@ -70,6 +81,23 @@ class Module:
         elif isinstance(value, Module):
             self._modules[name] = value
         object.__setattr__(self, name, value)
+
+    def _refuse_cycle(self, name: str, value: Module) -> None:
+        """ValueError if `value` is this module or contains it: a module tree has no cycles
+        (parameters(), repr and every walk of the tree would never end). A module may appear
+        twice (shared weights); only containing itself is refused."""
+        path: dict[int, str] = {id(value): name}  # NOTE: module id -> where it sits in value
+        stack = [value]
+        while stack:
+            module = stack.pop()
+            if module is self:
+                raise ValueError(f"{type(self).__name__}: assigning {type(value).__name__} as "
+                                 f".{name} would make a module that contains itself (through "
+                                 f"{path[id(module)]}); a module tree cannot have cycles")
+            for child_name, child in module.__dict__.get("_modules", {}).items():
+                if id(child) not in path:
+                    path[id(child)] = f"{path[id(module)]}.{child_name}"
+                    stack.append(child)
 
     def forward(self, *args: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} does not implement forward()")
@@ -116,6 +144,17 @@ class Module:
         return "\n".join(lines) + "\n)"
 
 
+def _generator(rng: Any) -> np.random.Generator:
+    """`rng` (a Generator, or a seed NumPy takes) as a Generator; TypeError/ValueError naming
+    the bad seed."""
+    try:
+        return np.random.default_rng(rng)
+    except (TypeError, ValueError, OverflowError) as exc:
+        error = TypeError if isinstance(exc, TypeError) else ValueError
+        raise error(f"rng must be a numpy Generator or a seed (a non-negative int), got "
+                        f"{_brief(rng)}: {exc}") from exc
+
+
 def _uniform(rng: np.random.Generator, shape: tuple[int, ...], bound: float, dtype: Any,
              device: Any, allocator: Allocator | None) -> Tensor:
     data = rng.uniform(-bound, bound, size=shape).astype(dtype)
@@ -140,15 +179,20 @@ class Dense(Module):
                  rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
         for what, n in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0:
-                raise ValueError(f"Dense: {what} must be a positive int, got {n!r}")
+            if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral) or n <= 0:
+                raise ValueError(f"Dense: {what} must be a positive int, got {_brief(n)}")
         self.in_features = int(in_features)
         self.out_features = int(out_features)
-        generator = _rng if rng is None else np.random.default_rng(rng)
+        bias = as_flag(bias, "Dense: bias")
+        dtype = as_dtype(dtype, "Dense")
+        if dtype.kind != "f":
+            raise TypeError(f"Dense: parameters are float32 or float64, got dtype {dtype}")
+        checked_nbytes((self.out_features, self.in_features), dtype, "Dense: weight")
+        generator = _rng if rng is None else _generator(rng)
         bound = 1 / math.sqrt(in_features)
-        self.weight = _uniform(generator, (out_features, in_features), bound, dtype, device,
-                               allocator)
-        self.bias = (_uniform(generator, (out_features,), bound, dtype, device, allocator)
+        self.weight = _uniform(generator, (self.out_features, self.in_features), bound, dtype,
+                               device, allocator)
+        self.bias = (_uniform(generator, (self.out_features,), bound, dtype, device, allocator)
                      if bias else None)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -253,13 +297,18 @@ def train_step(model: Module, optimizer: Optimizer,
 # ---------------------------------------------------------------------- optimizers
 def _check_number(what: str, value: Any, low: float, high: float = math.inf,
                   low_open: bool = False) -> float:
+    """`value` as a float in [low, high) (or (low, high)), or TypeError/ValueError naming
+    `what` (e.g. "SGD: lr") and the value."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{what} must be a number, got {value!r}")
-    value = float(value)
-    if not (low < value if low_open else low <= value) or not value < high:
+        raise TypeError(f"{what} must be a number, got {_brief(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # NOTE: a Python int beyond float64 lies in no bounds we take
+        number = math.inf
+    if not (low < number if low_open else low <= number) or not number < high:
         bounds = f"{'(' if low_open else '['}{low}, {high})"
-        raise ValueError(f"{what} must lie in {bounds}, got {value}")
-    return value
+        raise ValueError(f"{what} must lie in {bounds}, got {_brief(value)}")
+    return number
 
 
 def _allocated(t: Tensor) -> Tensor:
@@ -276,9 +325,13 @@ class Optimizer:
 
     def __init__(self, params: Iterable[Tensor], lr: float) -> None:
         self.params: list[Tensor] = []
+        name = type(self).__name__
+        if isinstance(params, (Tensor, str, bytes)) or not isinstance(params, Iterable):
+            raise TypeError(f"{name} takes an iterable of Tensors (model.parameters()), got "
+                            f"{type(params).__name__} {_brief(params)}")
         for p in params:
             if not isinstance(p, Tensor):
-                raise TypeError(f"{type(self).__name__} takes Tensors, got {type(p).__name__}")
+                raise TypeError(f"{name} takes Tensors, got {type(p).__name__} {_brief(p)}")
             if not p.requires_grad or not p.is_leaf:
                 raise ValueError(f"{type(self).__name__}: parameter {p.name or p.shape} must be "
                                  f"a leaf tensor with requires_grad=True")
@@ -286,7 +339,7 @@ class Optimizer:
                 self.params.append(p)
         if not self.params:
             raise ValueError(f"{type(self).__name__} got an empty parameter list")
-        self.lr = _check_number("lr", lr, 0.0)
+        self.lr = _check_number(f"{name}: lr", lr, 0.0)
         self.state: dict[int, dict[str, Any]] = {id(p): {} for p in self.params}
         self._scratch_pool: dict[tuple, Tensor] = {}
 
@@ -366,12 +419,12 @@ class SGD(Optimizer):
                  weight_decay: float = 0.0, dampening: float = 0.0,
                  nesterov: bool = False) -> None:
         super().__init__(params, lr)
-        self.momentum = _check_number("momentum", momentum, 0.0)
-        self.weight_decay = _check_number("weight_decay", weight_decay, 0.0)
-        self.dampening = _check_number("dampening", dampening, 0.0, 1.0 + 1e-12)
+        self.momentum = _check_number("SGD: momentum", momentum, 0.0)
+        self.weight_decay = _check_number("SGD: weight_decay", weight_decay, 0.0)
+        self.dampening = _check_number("SGD: dampening", dampening, 0.0, 1.0 + 1e-12)
         if nesterov and (self.momentum == 0 or self.dampening != 0):
-            raise ValueError("Nesterov momentum needs momentum > 0 and dampening 0")
-        self.nesterov = bool(nesterov)
+            raise ValueError("SGD: Nesterov momentum needs momentum > 0 and dampening 0")
+        self.nesterov = as_flag(nesterov, "SGD: nesterov")
         self._dampened: Tensor | None = None  # 0-d: 1 at the first step, then 1 - dampening
 
     def _coefficient(self, like: Tensor) -> Tensor:
@@ -432,11 +485,11 @@ class Adam(Optimizer):
                  weight_decay: float = 0.0) -> None:
         super().__init__(params, lr)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise TypeError(f"betas must be a pair of numbers, got {betas!r}")
-        self.betas = (_check_number("betas[0]", betas[0], 0.0, 1.0),
-                      _check_number("betas[1]", betas[1], 0.0, 1.0))
-        self.eps = _check_number("eps", eps, 0.0, low_open=True)
-        self.weight_decay = _check_number("weight_decay", weight_decay, 0.0)
+            raise TypeError(f"Adam: betas must be a pair of numbers, got {_brief(betas)}")
+        self.betas = (_check_number("Adam: betas[0]", betas[0], 0.0, 1.0),
+                      _check_number("Adam: betas[1]", betas[1], 0.0, 1.0))
+        self.eps = _check_number("Adam: eps", eps, 0.0, low_open=True)
+        self.weight_decay = _check_number("Adam: weight_decay", weight_decay, 0.0)
         # NOTE: beta1**t, beta2**t, lr / (1 - beta1**t) and 1 / (1 - beta2**t), as 0-d tensors
         self._powers: tuple[Tensor, Tensor] | None = None
         self._step_size: Tensor | None = None

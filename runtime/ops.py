@@ -25,7 +25,7 @@ from backends.base import ieee
 from runtime import aliasing, autograd, config, tape
 from runtime.block import Block
 from runtime.errors import AliasingError, AutogradError, device_names
-from runtime.tensor import Tensor, empty, host_array, tensor
+from runtime.tensor import Tensor, _brief, as_axes, as_flag, empty, host_array, tensor
 
 __all__ = ["ALIASING_POLICY", "add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sigmoid",
            "relu", "sqrt", "matmul", "linear", "cross_entropy", "sum", "mean", "copy"]
@@ -44,6 +44,8 @@ ALIASING_POLICY: dict[str, str] = {
 }
 
 FLOAT_DTYPES = (np.dtype("float32"), np.dtype("float64"))
+#: The largest finite value of each float dtype, as a Python float.
+_LARGEST = {dtype: float(np.finfo(dtype).max) for dtype in FLOAT_DTYPES}
 
 Operand = Any  # a Tensor, or a Python/NumPy real number for binary ops
 
@@ -54,7 +56,7 @@ def _common(op: str, tensors: Sequence[Tensor], floats_only: bool = True) -> tup
     first = tensors[0]
     for t in tensors:
         if not isinstance(t, Tensor):
-            raise TypeError(f"{op}: expected a Tensor, got {type(t).__name__}")
+            raise TypeError(f"{op}: expected a Tensor, got {type(t).__name__} {_brief(t)}")
     for t in tensors[1:]:
         if t.device is not first.device:
             a, b = device_names(first.device, t.device)
@@ -98,7 +100,7 @@ def _prepare_out(op: str, out: Tensor | None, shape: tuple, dtype: np.dtype,
     if out is None:
         return Tensor._fresh(shape, dtype, _result_allocator(like))
     if not isinstance(out, Tensor):
-        raise TypeError(f"{op}: out must be a Tensor, got {type(out).__name__}")
+        raise TypeError(f"{op}: out must be a Tensor, got {type(out).__name__} {_brief(out)}")
     if autograd.needs_grad(out, *operands):
         what = ("out requires grad" if out.requires_grad else
                 "an input requires grad, and autograd does not record writes into out=")
@@ -217,6 +219,28 @@ def _is_scalar(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
+def _scalar(op: str, x: Any, dtype: np.dtype) -> Any:
+    """The number operand `x` of `op` as a `dtype` scalar (rounded to nearest, as NumPy does).
+
+    Infinities and NaN pass, as in NumPy; a finite number that `dtype` cannot hold (a Python
+    int beyond float64, 1e300 for float32) is a ValueError naming the op and the number, where
+    NumPy would raise OverflowError or compute with an infinity it made up.
+    """
+    try:
+        f = float(x)
+    except OverflowError:  # NOTE: a Python int beyond float64
+        f = math.nan
+    else:
+        if -_LARGEST[dtype] <= f <= _LARGEST[dtype] or not math.isfinite(f):
+            return dtype.type(x)  # the common case
+        value = ieee(dtype.type, x)  # NOTE: may round down to the largest value, not overflow
+        if math.isfinite(value):
+            return value
+    raise ValueError(f"{op}: the number {_brief(x)} is beyond the largest {dtype}, "
+                     f"{np.finfo(dtype).max}; use a smaller number"
+                     f"{' or a float64 tensor' if dtype.itemsize < 8 else ''}")
+
+
 def _elementwise(op: str, out: Tensor | None, *operands: Operand) -> Tensor:
     """Run the elementwise kernel named `op` (the device's kernel has the op's name)."""
     # NOTE: one pass sorts the operands: (label, tensor) pairs, and numbers by argument position.
@@ -230,10 +254,11 @@ def _elementwise(op: str, out: Tensor | None, *operands: Operand) -> Tensor:
             numbers_at[i] = x
         else:
             raise TypeError(f"{op}: operands must be Tensors or real numbers, got "
-                            f"{type(x).__name__}")
+                            f"{type(x).__name__} {_brief(x)}")
     if not named:
         raise TypeError(f"{op}: needs at least one Tensor operand, got "
-                        f"{', '.join(type(x).__name__ for x in operands)}")
+                        f"{', '.join(type(x).__name__ for x in operands)} "
+                        f"({', '.join(_brief(x) for x in operands)})")
     tensors = [t for _, t in named]
     device, dtype = _common(op, tensors, floats_only=op != "copy")
     shapes = [t.shape for t in tensors]
@@ -247,7 +272,7 @@ def _elementwise(op: str, out: Tensor | None, *operands: Operand) -> Tensor:
                          ) from None
     out = _prepare_out(op, out, shape, dtype, tensors[0], tensors)
     inputs = [(label, t, shape) for label, t in named]
-    scalars = {i: dtype.type(x) for i, x in numbers_at.items()}
+    scalars = {i: _scalar(op, x, dtype) for i, x in numbers_at.items()}
     if len(operands) == 1:
         _launch(op, out, inputs, lambda v, o: device.unary(op, v[0], o))
     else:
@@ -570,25 +595,10 @@ def _check_labels(labels: np.ndarray, classes: int) -> None:
 
 
 # ---------------------------------------------------------------------- reductions
-def _axes(op: str, axis: Any, ndim: int) -> tuple[int, ...] | None:
-    if axis is None:
-        return None
-    items = axis if isinstance(axis, (tuple, list)) else (axis,)
-    axes = []
-    for a in items:
-        if isinstance(a, bool) or not isinstance(a, numbers.Integral):
-            raise TypeError(f"{op}: axis must be an int or a tuple of ints, got {axis!r}")
-        if not -ndim <= a < ndim:
-            raise ValueError(f"{op}: axis {a} is out of range for a {ndim}-dimensional tensor")
-        axes.append(int(a) % ndim)
-    if len(set(axes)) != len(axes):
-        raise ValueError(f"{op}: axis {axis!r} repeats an axis")
-    return tuple(sorted(axes))
-
-
 def _reduce(op: str, x: Tensor, axis: Any, keepdims: bool, out: Tensor | None) -> Tensor:
     device, dtype = _common(op, [x])
-    axes = _axes(op, axis, x.ndim)
+    axes = as_axes(op, axis, x.ndim)
+    keepdims = as_flag(keepdims, f"{op}: keepdims")
     reduced = range(x.ndim) if axes is None else axes
     shape = tuple(1 if i in reduced else n for i, n in enumerate(x.shape) if keepdims or
                   i not in reduced)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any
 
 import numpy as np
 
 import backends
 from allocators import Allocator, format_bytes
+from backends.base import ieee
 from runtime import aliasing, autograd, config, dlpack, tape
 from runtime.autograd import Node
 from runtime.block import Block
@@ -30,44 +31,135 @@ _RELEASED = -1
 _UNSET = object()
 
 
-def as_dtype(dtype: Any) -> np.dtype:
-    """Normalise a dtype spec, refusing ones a tensor cannot hold."""
+#: The same dtypes, for a quick membership test.
+_SUPPORTED = frozenset(DTYPES)
+_INT64 = np.dtype("int64")
+_FLOAT64 = np.dtype("float64")
+
+
+def _prefix(op: str | None) -> str:
+    return f"{op}: " if op else ""
+
+
+def as_dtype(dtype: Any, op: str | None = None) -> np.dtype:
+    """Normalise a dtype spec, refusing ones a tensor cannot hold with a TypeError that names
+    `op` (when given) and the spec."""
+    if isinstance(dtype, np.dtype) and dtype in _SUPPORTED:
+        return dtype  # the common case
     try:
         dt = np.dtype(dtype)
-    except TypeError as exc:
-        raise TypeError(f"not a dtype: {dtype!r}") from exc
-    if dt not in DTYPES:
-        raise TypeError(f"dtype {dt} is not supported; use one of {', '.join(map(str, DTYPES))}")
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+        raise TypeError(f"{_prefix(op)}not a dtype: {_brief(dtype)}") from exc
+    if dt not in _SUPPORTED:
+        hint = ""
+        if dt.byteorder not in "=|" and dt.newbyteorder("=") in _SUPPORTED:
+            hint = f" (non-native byte order; tensors are native: use {dt.newbyteorder('=')})"
+        raise TypeError(f"{_prefix(op)}dtype {dt} is not supported{hint}; use one of "
+                        f"{', '.join(map(str, DTYPES))}")
     return dt
 
 
-def as_shape(shape: Any) -> tuple[int, ...]:
-    """Normalise an int or a sequence of ints into a shape, refusing negatives and non-ints."""
-    if type(shape) is tuple and all(type(n) is int and n >= 0 for n in shape):
-        return shape  # the common case, checked cheaply
-    if isinstance(shape, (numbers.Integral,)) and not isinstance(shape, bool):
-        shape = (shape,)
-    if isinstance(shape, (str, bytes, Mapping, Set)):  # iterable, but not a list of sizes
-        raise TypeError(f"a shape is an int or a sequence of ints, got {shape!r}")
-    try:
-        dims = tuple(shape)
-    except TypeError as exc:
-        raise TypeError(f"a shape is an int or a sequence of ints, got {shape!r}") from exc
+def as_int(value: Any, what: str) -> int:
+    """`value` as an int: a Python or NumPy integer, never a bool, a float or a string.
+
+    Raises TypeError naming `what` (e.g. "view(): offset") and the value.
+    """
+    if value.__class__ is int:
+        return value
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int, got {_brief(value)} "
+                        f"({type(value).__name__})")
+    return int(value)
+
+
+def as_flag(value: Any, what: str) -> bool:
+    """`value` as a bool: True, False or a NumPy bool; a TypeError naming `what` for anything
+    else (a string such as "no" is truthy, so it is refused rather than guessed)."""
+    if value is True or value is False:
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise TypeError(f"{what} must be True or False, got {_brief(value)} "
+                    f"({type(value).__name__})")
+
+
+def as_axes(op: str, axis: Any, ndim: int) -> tuple[int, ...] | None:
+    """`axis` (None, an int or a tuple/list of ints) as sorted axes in [0, ndim) without
+    repeats, or None for all; TypeError/ValueError naming `op` and the axis otherwise."""
+    if axis is None:
+        return None
+    items = axis if isinstance(axis, (tuple, list)) else (axis,)
+    axes = []
+    for a in items:
+        if isinstance(a, (bool, np.bool_)) or not isinstance(a, numbers.Integral):
+            raise TypeError(f"{op}: axis must be an int or a tuple of ints, got {_brief(axis)}")
+        if not -ndim <= a < ndim:
+            raise ValueError(f"{op}: axis {a!r} is out of range for a {ndim}-dimensional tensor")
+        axes.append(int(a) % ndim)
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"{op}: axis {axis!r} repeats an axis")
+    return tuple(sorted(axes))
+
+
+def _dims(shape: Any, op: str | None) -> tuple[int, ...]:
+    """`shape` (an int or a sequence of ints) as a tuple of ints of any sign."""
+    if isinstance(shape, numbers.Integral) and not isinstance(shape, (bool, np.bool_)):
+        return (int(shape),)
+    if isinstance(shape, (str, bytes, Mapping, Set)) or not isinstance(shape, Iterable):
+        raise TypeError(f"{_prefix(op)}a shape is an int or a sequence of ints, "
+                        f"got {_brief(shape)}")
+    dims = tuple(shape)
     for n in dims:
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-            raise TypeError(f"shape {shape!r} has a non-integer dimension {n!r}")
-        if n < 0:
-            raise ValueError(f"shape {dims} has a negative dimension {n}")
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"{_prefix(op)}shape {_brief(shape)} has a non-integer dimension "
+                            f"{_brief(n)}")
     return tuple(int(n) for n in dims)
 
 
-def checked_nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+def as_shape(shape: Any, op: str | None = None) -> tuple[int, ...]:
+    """Normalise an int or a sequence of ints into a shape, refusing non-ints (TypeError) and
+    negative dimensions or ones no array can count, above MAX_NBYTES (ValueError); messages
+    name `op` when given."""
+    if type(shape) is tuple and all(type(n) is int and 0 <= n <= MAX_NBYTES for n in shape):
+        return shape  # the common case, checked cheaply
+    dims = _dims(shape, op)
+    for n in dims:
+        if n < 0:
+            raise ValueError(f"{_prefix(op)}shape {_brief(dims)} has a negative dimension {n}")
+        if n > MAX_NBYTES:
+            raise ValueError(f"{_prefix(op)}shape {_brief(dims)} has dimension {n}, more than "
+                             f"the {MAX_NBYTES} elements an axis can count")
+    return dims
+
+
+def _as_strides(strides: Any, shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, ...]:
+    """The element strides of `Tensor(...)`: one int per dimension, each small enough that its
+    byte stride is a 64-bit number."""
+    if type(strides) is tuple and len(strides) == len(shape) and all(
+            type(s) is int and -MAX_NBYTES <= s * dtype.itemsize <= MAX_NBYTES for s in strides):
+        return strides
+    if isinstance(strides, (str, bytes, Mapping, Set)) or not isinstance(strides, Iterable):
+        raise TypeError(f"Tensor: strides must be a sequence of ints, got {_brief(strides)}")
+    steps = tuple(as_int(s, f"Tensor: strides {_brief(strides)}: a stride") for s in strides)
+    if len(steps) != len(shape):
+        raise ValueError(f"Tensor: strides {_brief(strides)} have {len(steps)} entries for the "
+                         f"{len(shape)} dimensions of shape {shape}")
+    for s in steps:
+        if abs(s) * dtype.itemsize > MAX_NBYTES:
+            raise ValueError(f"Tensor: stride {s} of {dtype} is more than the {MAX_NBYTES} "
+                             f"bytes a stride can step")
+    return steps
+
+
+def checked_nbytes(shape: tuple[int, ...], dtype: np.dtype, op: str | None = None) -> int:
     """The bytes a C-contiguous tensor of `shape` and `dtype` holds, refusing sizes no device
-    can address (more than MAX_NBYTES) with a ValueError naming the shape, dtype and bytes."""
+    can address (more than MAX_NBYTES) with a ValueError naming `op`, the shape, dtype and
+    bytes."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes > MAX_NBYTES:
-        raise ValueError(f"shape {shape} of {dtype} needs {nbytes} bytes ({format_bytes(nbytes)}), "
-                         f"more than the {MAX_NBYTES} bytes a tensor can span")
+        raise ValueError(f"{_prefix(op)}shape {shape} of {dtype} needs {nbytes} bytes "
+                         f"({format_bytes(nbytes)}), more than the {MAX_NBYTES} bytes a tensor "
+                         f"can span")
     return nbytes
 
 
@@ -117,6 +209,10 @@ class Tensor:
     Make tensors with `runtime.tensor`, `runtime.empty`, `runtime.zeros` or `runtime.view`;
     index and reshape them to get views that share the block.
 
+    `Tensor(block, shape, dtype, strides=None, offset=0)` itself checks every argument (a
+    Block; a shape of ints; a dtype of DTYPES; one int stride per dimension; an int offset;
+    the view inside the block) and raises TypeError/ValueError naming the bad one.
+
     Example:
         >>> import numpy as np, runtime
         >>> x = runtime.tensor(np.arange(6.0).reshape(2, 3))
@@ -133,14 +229,34 @@ class Tensor:
 
     def __init__(self, block: Block, shape: Sequence[int], dtype: Any,
                  strides: Sequence[int] | None = None, offset: int = 0) -> None:
+        if not isinstance(block, Block):
+            raise TypeError(f"Tensor: block must be a runtime Block, got {_brief(block)} "
+                            f"({type(block).__name__})")
+        shape = as_shape(shape, "Tensor")
+        dtype = as_dtype(dtype, "Tensor")  # NOTE: an object dtype over raw bytes would crash
+        strides = (contiguous_strides(shape) if strides is None
+                   else _as_strides(strides, shape, dtype))
+        self._setup(block, shape, dtype, strides, as_int(offset, "Tensor: offset"))
+
+    @classmethod
+    def _trusted(cls, block: Block, shape: tuple[int, ...], dtype: np.dtype,
+                 strides: tuple[int, ...], offset: int) -> Tensor:
+        """A handle from parts that are already valid (a view's: the source's dtype, shape and
+        strides made of ints); only the bounds are checked. Views skip `__init__`'s checks."""
+        self = cls.__new__(cls)
+        self._setup(block, shape, dtype, strides, offset)
+        return self
+
+    def _setup(self, block: Block, shape: tuple[int, ...], dtype: np.dtype,
+               strides: tuple[int, ...], offset: int) -> None:
         self._requires_grad = False
         self._node: Node | None = None    # NOTE: the autograd record of the op that made it
         self.grad: Tensor | None = None
         self.name: str | None = None      # for messages (nn names its parameters)
         self.block = block
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
-        self.strides = tuple(strides) if strides is not None else contiguous_strides(self.shape)
+        self.shape = shape
+        self.dtype = dtype
+        self.strides = strides
         self.offset = offset
         self._layout: tuple | None = None   # NOTE: (byte offset, shape, byte strides, itemsize)
         self._span: Any = _UNSET            # NOTE: cached aliasing.byte_span(self.layout())
@@ -217,12 +333,13 @@ class Tensor:
 
     @requires_grad.setter
     def requires_grad(self, flag: bool) -> None:
+        flag = as_flag(flag, "requires_grad")
         if self._node is not None and not flag:
             raise AutogradError(f"requires_grad can only be turned off on a leaf; this tensor "
                                 f"is the result of {self._node.op}: use detach()")
         if flag and self.dtype.kind != "f":
             raise AutogradError(f"only float tensors can require gradients, not {self.dtype}")
-        self._requires_grad = bool(flag)
+        self._requires_grad = flag
 
     def requires_grad_(self, flag: bool = True) -> Tensor:
         """Set requires_grad in place and return self."""
@@ -247,7 +364,7 @@ class Tensor:
     def detach(self) -> Tensor:
         """A new handle on the same memory, outside the graph (requires no gradient)."""
         self._check("detach()")
-        return Tensor(self.block, self.shape, self.dtype, self.strides, self.offset)
+        return Tensor._trusted(self.block, self.shape, self.dtype, self.strides, self.offset)
 
     def _record_view(self, view: Tensor, op: str, backward_fn: Any) -> Tensor:
         if self._requires_grad and autograd.is_grad_enabled():
@@ -341,7 +458,7 @@ class Tensor:
     # ------------------------------------------------------------------ views
     def _view(self, shape, strides, offset) -> Tensor:
         self._check("view source")
-        return Tensor(self.block, shape, self.dtype, strides, offset)
+        return Tensor._trusted(self.block, shape, self.dtype, strides, offset)
 
     def __getitem__(self, key: Any) -> Tensor:
         """Basic indexing: ints, slices (any step, negative too), Ellipsis and None. A view."""
@@ -370,12 +487,17 @@ class Tensor:
                     strides.append(self.strides[dim])
                     dim += 1
             elif isinstance(k, slice):
-                start, stop, step = k.indices(self.shape[dim])
+                try:
+                    start, stop, step = k.indices(self.shape[dim])
+                except (TypeError, ValueError) as exc:  # float bounds, step 0
+                    raise type(exc)(f"index: bad slice {_brief(k)} for axis {dim}: {exc}"
+                                    ) from None
                 shape.append(len(range(start, stop, step)))
                 strides.append(self.strides[dim] * step)
                 offset += start * self.strides[dim]
                 dim += 1
             elif isinstance(k, numbers.Integral) and not isinstance(k, bool):
+                k = int(k)  # NOTE: a NumPy integer would make the offset one
                 n = self.shape[dim]
                 if not -n <= k < n:
                     raise IndexError(f"index {k} is out of bounds for axis {dim} with size {n}")
@@ -401,9 +523,8 @@ class Tensor:
         target = self[key]
         try:
             if not isinstance(value, Tensor):
-                host = host_array(value, None, f"value to assign to a tensor of {self.dtype}")
-                value = tensor(host.astype(self.dtype, copy=False), device=self.device,
-                               allocator=self.block.allocator)
+                host = host_array(value, self.dtype, "value to assign to a tensor")
+                value = tensor(host, device=self.device, allocator=self.block.allocator)
             ops.copy(value, out=target)
         finally:
             target.release()
@@ -419,11 +540,16 @@ class Tensor:
         if not axes:
             return self.T
         if len(axes) == 1 and not isinstance(axes[0], numbers.Integral):
+            if not isinstance(axes[0], (tuple, list)):
+                raise TypeError(f"transpose: axes are ints, or one tuple or list of ints; got "
+                                f"{_brief(axes[0])}")
             axes = tuple(axes[0])
-        if sorted(a % self.ndim if -self.ndim <= a < self.ndim else a for a in axes) != \
-                list(range(self.ndim)):
-            raise ValueError(f"axes {axes} are not a permutation of the {self.ndim} axes")
-        axes = tuple(a % self.ndim for a in axes)
+        ndim = self.ndim
+        given = tuple(as_int(a, f"transpose: axes {_brief(axes)}: an axis") for a in axes)
+        if sorted(a % ndim if -ndim <= a < ndim else a for a in given) != list(range(ndim)):
+            raise ValueError(f"transpose: axes {_brief(axes)} are not a permutation of the "
+                             f"{ndim} axes")
+        axes = tuple(a % ndim for a in given)
         view = self._view(tuple(self.shape[a] for a in axes),
                           tuple(self.strides[a] for a in axes), self.offset)
         inverse = tuple(sorted(range(len(axes)), key=axes.__getitem__))
@@ -435,7 +561,7 @@ class Tensor:
         A view when the strides allow it, as in NumPy; otherwise a contiguous copy.
         """
         if len(shape) == 1 and not isinstance(shape[0], numbers.Integral):
-            shape = tuple(shape[0])
+            shape = shape[0]
         new_shape = _infer_shape(shape, self.size, self.shape)
         strides = _reshape_strides(self.shape, self.strides, new_shape)
         if strides is not None:
@@ -532,20 +658,25 @@ class Tensor:
         return _ops.neg(self)
 
 
-def _infer_shape(shape: Sequence[Any], size: int, old_shape: tuple) -> tuple[int, ...]:
-    dims = list(shape)
-    unknown = [i for i, n in enumerate(dims) if isinstance(n, numbers.Integral) and n == -1]
+def _infer_shape(shape: Any, size: int, old_shape: tuple) -> tuple[int, ...]:
+    """reshape's target: `shape` with its one -1 inferred from `size`."""
+    dims = list(_dims(shape, "reshape"))
+    for n in dims:
+        if n < -1:
+            raise ValueError(f"reshape: shape {tuple(dims)} has a negative dimension {n}")
+    unknown = [i for i, n in enumerate(dims) if n == -1]
     if len(unknown) > 1:
-        raise ValueError(f"can only infer one dimension of {tuple(shape)}")
+        raise ValueError(f"reshape: can only infer one dimension of {tuple(dims)}")
     if unknown:
         known = math.prod(n for i, n in enumerate(dims) if i != unknown[0])
         if known == 0 or size % known:
-            raise ValueError(f"cannot reshape {size} elements {old_shape} into {tuple(shape)}")
+            raise ValueError(f"reshape: cannot reshape {size} elements {old_shape} into "
+                             f"{tuple(dims)}")
         dims[unknown[0]] = size // known
-    new_shape = as_shape(dims)
+    new_shape = as_shape(tuple(dims), "reshape")
     if math.prod(new_shape) != size:
-        raise ValueError(f"cannot reshape {size} elements {old_shape} into {new_shape} "
-                         f"({math.prod(new_shape)} elements)")
+        raise ValueError(f"reshape: cannot reshape {size} elements {old_shape} into "
+                         f"{new_shape} ({math.prod(new_shape)} elements)")
     return new_shape
 
 
@@ -570,25 +701,199 @@ def check_device_of(allocator: Allocator, device: Any) -> None:
                          f"asked for")
 
 
-def host_array(data: Any, dtype: Any = None, what: str = "tensor") -> np.ndarray:
-    """`data` (array-like or Tensor) as a C-contiguous host array of a dtype tensors hold.
+#: What data of a dtype tensors do not hold becomes when no dtype is asked for, by kind.
+_DEFAULT_OF_KIND = {"b": np.dtype(bool), "i": _INT64, "u": _INT64, "f": _FLOAT64}
+#: Every integer of at most this magnitude is exact in float64.
+_EXACT_IN_FLOAT64 = 2**53
 
-    Without `dtype`, float data becomes float64 and integer data int64 unless already of a
-    supported dtype (as NumPy's defaults). Raises TypeError for data no tensor can hold.
+
+def host_array(data: Any, dtype: Any = None, what: str = "tensor") -> np.ndarray:
+    """`data` (array-like or Tensor) as a C-contiguous host array of a dtype tensors hold:
+    what `runtime.tensor(data, dtype)` holds, exactly. Never changes a value silently.
+
+    Without `dtype`, data of a dtype in DTYPES keeps it; other data converts only where every
+    value survives exactly: bool stays bool, other integers become int64 (int8, int16, uint16,
+    uint32 always fit; a uint64 above 2**63 - 1 is refused), floats become float64 (a
+    non-native byte order is swapped; a longdouble must hold float64 values); float16 is
+    refused until tensors hold it (pass dtype="float32", exact).
+
+    With `dtype`, a float dtype rounds to nearest (its meaning) but never turns a finite value
+    into an infinity; an integer or bool dtype takes only whole values in its range (no
+    wrapping, no truncation, no NaN), as `torch.tensor` refuses overflow.
+
+    Raises:
+        TypeError: data no tensor can hold (complex, strings, objects), or a bad dtype.
+        ValueError: ragged data, or a value the conversion would change; the message names
+            `what`, the dtype, the value and the way out.
     """
+    if (data.__class__ is np.ndarray and (dtype is None or dtype is data.dtype)
+            and data.dtype in _SUPPORTED and data.flags.c_contiguous):
+        return data  # the common case (a graph's replay path): nothing to convert
     if isinstance(data, Tensor):
         data = data.numpy()
-    dt = None if dtype is None else as_dtype(dtype)
-    try:
-        host = np.asarray(data, dtype=dt)
-    except (TypeError, ValueError) as exc:  # ragged lists, strings that are not numbers
-        raise type(exc)(f"cannot make a {what}{'' if dt is None else f' of {dt}'} from "
-                        f"{type(data).__name__} {_brief(data)}: {exc}") from exc
-    if host.dtype == np.float16 or host.dtype.kind not in "fiub":
-        raise TypeError(f"cannot make a {what} from data of dtype {host.dtype}")
-    if host.dtype not in DTYPES:
-        host = host.astype(np.float64 if host.dtype.kind == "f" else np.int64)
+    target = None if dtype is None else as_dtype(dtype, what)
+    host = _infer(data, target, what)
+    exact = target is None
+    if exact:
+        target = _implicit_dtype(host.dtype, what)
+    if host.dtype != target:
+        host = _convert(host, target, what, exact)
     return np.require(host, requirements="C")  # NOTE: ascontiguousarray would make 0-d 1-d
+
+
+def _infer(data: Any, target: np.dtype | None, what: str) -> np.ndarray:
+    """`data` as an array of the dtype NumPy infers, refused unless it holds real numbers, and
+    checked where NumPy's inference itself rounded a Python integer."""
+    of = "" if target is None else f" of {target}"
+    try:
+        host = np.asarray(data)
+    except (TypeError, ValueError, OverflowError) as exc:  # ragged lists, odd array-likes
+        error = TypeError if isinstance(exc, TypeError) else ValueError
+        raise error(f"cannot make a {what}{of} from {type(data).__name__} {_brief(data)}: "
+                    f"{exc}") from exc
+    kind = host.dtype.kind
+    if kind == "O" and not isinstance(data, np.ndarray):  # NOTE: Python ints beyond 64 bits
+        return _from_objects(host, target, what)
+    if kind not in "biuf":
+        raise TypeError(f"cannot make a {what}{of} from data of dtype {host.dtype}: tensors hold "
+                        f"real numbers ({', '.join(map(str, DTYPES))})")
+    if kind == "f" and not isinstance(data, (np.ndarray, np.generic)) and (
+            target is None or target.kind != "f"):
+        # NOTE: NumPy makes float64 of [-1, 2**64 - 1] or [0.5, 2**60 + 1], rounding the int
+        _check_inferred_ints(data, host, target, what)
+    return host
+
+
+def _from_objects(host: np.ndarray, target: np.dtype | None, what: str) -> np.ndarray:
+    """The object array NumPy made of Python data (integers too large for any NumPy integer)
+    converted exactly to `target`, or refused naming the first number that does not fit."""
+    of = "" if target is None else f" of {target}"
+    values = host.ravel().tolist()
+    for v in values:
+        if not isinstance(v, (int, float, np.integer, np.floating)):  # NOTE: bool is an int
+            raise TypeError(f"cannot make a {what}{of} from data of dtype object: "
+                            f"{_brief(v)} ({type(v).__name__}) is not an int or a float")
+    if target is not None and target.kind == "f":
+        floats = []
+        for v in values:
+            try:
+                floats.append(float(v))
+            except OverflowError:
+                raise ValueError(f"cannot make a {what}{of}: the integer {_brief(v)} is beyond "
+                                 f"the largest {target}, {np.finfo(target).max}; scale it "
+                                 f"down first") from None
+        return np.array(floats, _FLOAT64).reshape(host.shape)
+    try:
+        inferred = np.array(values)
+    except OverflowError:
+        inferred = host
+    if inferred.dtype.kind in "biuf":
+        if inferred.dtype.kind == "f":
+            _check_inferred_ints(values, inferred, target, what)
+        return inferred.reshape(host.shape)
+    dtype = target or _INT64
+    info = np.iinfo(dtype) if dtype.kind in "iu" else np.iinfo(np.uint8)
+    low, high = (0, 1) if dtype.kind == "b" else (int(info.min), int(info.max))
+    bad = next((v for v in values if not low <= v <= high), None)
+    if bad is None:
+        raise TypeError(f"cannot make a {what}{of} from data of dtype object: NumPy finds no "
+                        f"one dtype for {_brief(values)}")
+    raise ValueError(f"cannot make a {what} of {dtype}: the integer {_brief(bad)} is outside "
+                     f"the range of {dtype}, [{low}, {high}]; pass dtype='float64' to round "
+                     f"it to a float")
+
+
+def _check_inferred_ints(data: Any, host: np.ndarray, target: np.dtype | None,
+                         what: str) -> None:
+    """ValueError when a Python or NumPy integer in `data` is not exactly its float in `host`
+    (NumPy inferred a float dtype and rounded it)."""
+    try:
+        objects = np.asarray(data, dtype=object)
+    except (TypeError, ValueError):
+        return
+    if objects.shape != host.shape:
+        return
+    floats = host.ravel()
+    for i, v in enumerate(objects.ravel().tolist()):
+        if v.__class__ is float or not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+            continue
+        if not -_EXACT_IN_FLOAT64 <= v <= _EXACT_IN_FLOAT64 and int(floats[i]) != v:
+            of = "" if target is None else f" of {target}"
+            raise ValueError(
+                f"cannot make a {what}{of}: the integer {_brief(v)} sits among floats (or "
+                f"integers of both signs beyond int64), so NumPy made {host.dtype} of it and "
+                f"rounded it to {floats[i].item()!r}; pass dtype='float64' to accept the "
+                f"rounding, or give the integers alone an integer dtype")
+
+
+def _implicit_dtype(src: np.dtype, what: str) -> np.dtype:
+    """The dtype a tensor holds for data of dtype `src` when no dtype is asked for."""
+    if src in _SUPPORTED:
+        return src
+    native = src.newbyteorder("=")
+    if native in _SUPPORTED:
+        return native
+    if src.kind == "f" and src.itemsize == 2:
+        raise TypeError(f"cannot make a {what} from data of dtype float16: tensors do not hold "
+                        f"float16; pass dtype='float32' (or 'float64') to widen it exactly")
+    return _DEFAULT_OF_KIND[src.kind]
+
+
+def _convert(host: np.ndarray, target: np.dtype, what: str, exact: bool) -> np.ndarray:
+    """`host` as `target` under host_array's rules, or a ValueError naming the first value
+    the conversion would change (`exact`: no rounding either, for conversions nobody asked
+    for)."""
+    src = host.dtype
+    if np.can_cast(src, target, "safe"):
+        return host.astype(target)  # every value of src is exact in target
+    if src.kind in "iu" and target.kind in "iu":
+        if host.size:
+            low, high = int(host.min()), int(host.max())
+            info = np.iinfo(target)
+            if low < info.min or high > info.max:
+                _refuse(what, src, target, low if low < info.min else high, exact)
+        return host.astype(target)
+    out = ieee(host.astype, target)  # NOTE: checked below; NumPy's cast warnings say less
+    if target.kind != "f":
+        lost = out != host  # NOTE: NaN, infinities, fractions and out-of-range values differ
+    elif not exact:
+        if src.kind != "f":
+            return out  # an integer never overflows a float dtype
+        lost = np.isfinite(host) & ~np.isfinite(out)
+    else:
+        lost = (out != host) & ~(np.isnan(out) & np.isnan(host))
+    if lost.any():
+        _refuse(what, src, target, host.ravel()[int(np.argmax(lost.ravel()))], exact)
+    return out
+
+
+def _refuse(what: str, src: np.dtype, target: np.dtype, value: Any, exact: bool) -> None:
+    """Raise the ValueError of a conversion that would change `value`: what, why, the way out."""
+    if isinstance(value, np.generic):
+        text = str(value) if value.dtype.itemsize > 8 else repr(value.item())  # longdouble
+    else:
+        text = repr(value)
+    if target.kind in "iub":
+        low, high = (0, 1) if target.kind == "b" else (np.iinfo(target).min,
+                                                       np.iinfo(target).max)
+        if value != value or value in (math.inf, -math.inf):
+            reason, fix = f"{text} has no {target} value", "replace it first (np.nan_to_num)"
+        elif not low <= value <= high:
+            reason = f"{text} is outside the range of {target}, [{low}, {high}]"
+            fix = ("pass dtype='float64' to round it to a float" if exact else
+                   "pick a dtype that holds it, or clip it first (np.clip)")
+        elif target.kind == "b":
+            reason, fix = f"{text} is neither 0 nor 1", "compare it first (data != 0)"
+        else:
+            reason = f"{text} is not a whole number"
+            fix = "round it first (np.round, np.trunc) if that is what you mean"
+    elif exact:
+        reason, fix = f"{text} has no exact {target} value", f"pass dtype='{target}' to round it"
+    else:
+        reason = f"{text} is beyond the largest {target}, {np.finfo(target).max}"
+        fix = "use float64" if target.itemsize < 8 else "scale it down first"
+    raise ValueError(f"cannot make a {what} of {target} from {src} data: {reason} (tensors "
+                     f"never change a value silently); {fix}")
 
 
 def _brief(value: Any, limit: int = 60) -> str:
@@ -606,9 +911,16 @@ def empty(shape: Any, dtype: Any = "float32", device: Any = None,
             DTYPES.
         ValueError: a dimension is negative, or the tensor would span more than MAX_NBYTES.
     """
-    shape = as_shape(shape)
-    dt = as_dtype(dtype)
-    nbytes = checked_nbytes(shape, dt)
+    return _empty("empty", shape, dtype, device, allocator, requires_grad)
+
+
+def _empty(op: str, shape: Any, dtype: Any, device: Any, allocator: Allocator | None,
+           requires_grad: Any) -> Tensor:
+    """empty(), with messages that name `op` (the factory the caller called)."""
+    shape = as_shape(shape, op)
+    dt = as_dtype(dtype, op)
+    requires_grad = as_flag(requires_grad, f"{op}: requires_grad")
+    nbytes = checked_nbytes(shape, dt, op)
     alloc = _allocator_for(device, allocator)
     out = Tensor(Block(nbytes, alloc), shape, dt)
     if requires_grad:
@@ -628,12 +940,17 @@ def tensor(data: Any, dtype: Any = None, device: Any = None,
         (2, 2)
     """
     host = host_array(data, dtype, "tensor")
-    out = empty(host.shape, host.dtype, device, allocator, requires_grad)
+    out = _empty("tensor", host.shape, host.dtype, device, allocator, requires_grad)
+    return _write(out, host, "runtime.tensor")
+
+
+def _write(out: Tensor, host: np.ndarray, what: str) -> Tensor:
+    """Copy `host` (of out's shape and dtype) into the new tensor `out`; return `out`."""
     recorder = tape.active()
     if recorder is not None:  # inside a graph capture: a recorded load, run at replay
         recorder.load(out, host)
         return out
-    allocation = out.block.memory_for_write("runtime.tensor")
+    allocation = out.block.memory_for_write(what)
     out.device.copyin(allocation.raw, allocation.offset, host)
     out.block.mark_written()
     return out
@@ -642,19 +959,21 @@ def tensor(data: Any, dtype: Any = None, device: Any = None,
 def zeros(shape: Any, dtype: Any = "float32", device: Any = None,
           allocator: Allocator | None = None, requires_grad: bool = False) -> Tensor:
     """A tensor of `shape` filled with zeros."""
-    shape, dt = as_shape(shape), as_dtype(dtype)
-    checked_nbytes(shape, dt)  # NOTE: before NumPy, whose error names neither
-    return tensor(np.zeros(shape, dt), device=device, allocator=allocator,
-                  requires_grad=requires_grad)
+    return _filled("zeros", 0, shape, dtype, device, allocator, requires_grad)
 
 
 def ones(shape: Any, dtype: Any = "float32", device: Any = None,
          allocator: Allocator | None = None, requires_grad: bool = False) -> Tensor:
     """A tensor of `shape` filled with ones."""
-    shape, dt = as_shape(shape), as_dtype(dtype)
-    checked_nbytes(shape, dt)
-    return tensor(np.ones(shape, dt), device=device, allocator=allocator,
-                  requires_grad=requires_grad)
+    return _filled("ones", 1, shape, dtype, device, allocator, requires_grad)
+
+
+def _filled(op: str, value: int, shape: Any, dtype: Any, device: Any,
+            allocator: Allocator | None, requires_grad: Any) -> Tensor:
+    """zeros() and ones(): every argument checked (naming `op`) before NumPy fills a host
+    array, whose errors would name neither."""
+    out = _empty(op, shape, dtype, device, allocator, requires_grad)
+    return _write(out, np.full(out.shape, value, out.dtype), f"runtime.{op}")
 
 
 def view(source: Tensor, shape: Any, offset: int = 0) -> Tensor:
@@ -670,17 +989,17 @@ def view(source: Tensor, shape: Any, offset: int = 0) -> Tensor:
         ((4, 2), (1, 2))
     """
     if not isinstance(source, Tensor):
-        raise TypeError(f"view() needs a Tensor source, got {type(source).__name__}")
-    shape = as_shape(shape)
-    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
-        raise TypeError(f"offset counts elements and must be an int, got {offset!r}")
+        raise TypeError(f"view() needs a Tensor source, got {type(source).__name__} "
+                        f"{_brief(source)}")
+    shape = as_shape(shape, "view()")
+    offset = as_int(offset, "view(): offset counts elements and")
     if not source.is_contiguous():
         raise ValueError(f"view() needs a contiguous source; this one has shape {source.shape} "
                          f"and strides {source.strides}")
     need = math.prod(shape)
     if offset < 0 or offset + need > source.size:
-        raise ValueError(f"a view of {need} elements {shape} at offset {offset} does not fit in "
-                         f"a source of {source.size} elements")
+        raise ValueError(f"view(): a view of {need} elements {shape} at offset {offset} does "
+                         f"not fit in a source of {source.size} elements")
     result = source._view(shape, contiguous_strides(shape), source.offset + offset)
     return source._record_view(result, "view", _scatter_backward(source, result))
 
