@@ -94,7 +94,9 @@ def as_axes(op: str, axis: Any, ndim: int) -> tuple[int, ...] | None:
         if isinstance(a, (bool, np.bool_)) or not isinstance(a, numbers.Integral):
             raise TypeError(f"{op}: axis must be an int or a tuple of ints, got {_brief(axis)}")
         if not -ndim <= a < ndim:
-            raise ValueError(f"{op}: axis {a!r} is out of range for a {ndim}-dimensional tensor")
+            whole = f" (of {_brief(axis)})" if items is axis else ""
+            raise ValueError(f"{op}: axis {a!r}{whole} is out of range for a {ndim}-dimensional "
+                             f"tensor")
         axes.append(int(a) % ndim)
     if len(set(axes)) != len(axes):
         raise ValueError(f"{op}: axis {axis!r} repeats an axis")
@@ -291,7 +293,7 @@ class Tensor:
             return
         itemsize = self.dtype.itemsize
         raise ValueError(
-            f"a view of shape {self.shape}, strides {self.strides} at offset {self.offset} "
+            f"Tensor: a view of shape {self.shape}, strides {self.strides} at offset {self.offset} "
             f"reaches elements [{span[0] // itemsize}, {span[1] // itemsize - 1}] but block "
             f"#{self.block.id} holds {self.block.nbytes // itemsize} elements of {self.dtype}")
 
@@ -755,8 +757,9 @@ def _infer(data: Any, target: np.dtype | None, what: str) -> np.ndarray:
     if kind == "O" and not isinstance(data, np.ndarray):  # NOTE: Python ints beyond 64 bits
         return _from_objects(host, target, what)
     if kind not in "biuf":
-        raise TypeError(f"cannot make a {what}{of} from data of dtype {host.dtype}: tensors hold "
-                        f"real numbers ({', '.join(map(str, DTYPES))})")
+        raise TypeError(f"cannot make a {what}{of} from data of dtype {host.dtype} "
+                        f"({type(data).__name__} {_brief(data)}): tensors hold real numbers "
+                        f"({', '.join(map(str, DTYPES))})")
     if kind == "f" and not isinstance(data, (np.ndarray, np.generic)) and (
             target is None or target.kind != "f"):
         # NOTE: NumPy makes float64 of [-1, 2**64 - 1] or [0.5, 2**60 + 1], rounding the int
@@ -773,27 +776,23 @@ def _from_objects(host: np.ndarray, target: np.dtype | None, what: str) -> np.nd
         if not isinstance(v, (int, float, np.integer, np.floating)):  # NOTE: bool is an int
             raise TypeError(f"cannot make a {what}{of} from data of dtype object: "
                             f"{_brief(v)} ({type(v).__name__}) is not an int or a float")
-    if target is not None and target.kind == "f":
+    to_float = target is not None and target.kind == "f"
+    if to_float or any(isinstance(v, (float, np.floating)) for v in values):
         floats = []
         for v in values:
             try:
                 floats.append(float(v))
             except OverflowError:
                 raise ValueError(f"cannot make a {what}{of}: the integer {_brief(v)} is beyond "
-                                 f"the largest {target}, {np.finfo(target).max}; scale it "
+                                 f"the largest float64, {np.finfo(_FLOAT64).max}; scale it "
                                  f"down first") from None
-        return np.array(floats, _FLOAT64).reshape(host.shape)
-    try:
-        inferred = np.array(values)
-    except OverflowError:
-        inferred = host
-    if inferred.dtype.kind in "biuf":
-        if inferred.dtype.kind == "f":
-            _check_inferred_ints(values, inferred, target, what)
-        return inferred.reshape(host.shape)
+        result = np.array(floats, _FLOAT64).reshape(host.shape)
+        if not to_float:  # NOTE: as NumPy would have made float64 of it, had the ints fit
+            _check_inferred_ints(values, result, target, what)
+        return result
     dtype = target or _INT64
-    info = np.iinfo(dtype) if dtype.kind in "iu" else np.iinfo(np.uint8)
-    low, high = (0, 1) if dtype.kind == "b" else (int(info.min), int(info.max))
+    low, high = (0, 1) if dtype.kind == "b" else (int(np.iinfo(dtype).min),
+                                                  int(np.iinfo(dtype).max))
     bad = next((v for v in values if not low <= v <= high), None)
     if bad is None:
         raise TypeError(f"cannot make a {what}{of} from data of dtype object: NumPy finds no "
@@ -834,7 +833,7 @@ def _implicit_dtype(src: np.dtype, what: str) -> np.dtype:
     if native in _SUPPORTED:
         return native
     if src.kind == "f" and src.itemsize == 2:
-        raise TypeError(f"cannot make a {what} from data of dtype float16: tensors do not hold "
+        raise TypeError(f"cannot make a {what} from data of dtype {src}: tensors do not hold "
                         f"float16; pass dtype='float32' (or 'float64') to widen it exactly")
     return _DEFAULT_OF_KIND[src.kind]
 
@@ -869,21 +868,19 @@ def _convert(host: np.ndarray, target: np.dtype, what: str, exact: bool) -> np.n
 
 def _refuse(what: str, src: np.dtype, target: np.dtype, value: Any, exact: bool) -> None:
     """Raise the ValueError of a conversion that would change `value`: what, why, the way out."""
-    if isinstance(value, np.generic):
-        text = str(value) if value.dtype.itemsize > 8 else repr(value.item())  # longdouble
-    else:
-        text = repr(value)
+    if isinstance(value, np.generic) and value.dtype.itemsize <= 8:
+        value = value.item()  # NOTE: compared below with Python ints, without NumPy's casts
+    text = str(value) if isinstance(value, np.generic) else repr(value)  # a longdouble: str
     if target.kind in "iub":
-        low, high = (0, 1) if target.kind == "b" else (np.iinfo(target).min,
-                                                       np.iinfo(target).max)
         if value != value or value in (math.inf, -math.inf):
             reason, fix = f"{text} has no {target} value", "replace it first (np.nan_to_num)"
-        elif not low <= value <= high:
+        elif target.kind == "b":
+            reason, fix = f"{text} is neither 0 nor 1", "compare it first (data != 0)"
+        elif not np.iinfo(target).min <= value <= np.iinfo(target).max:
+            low, high = np.iinfo(target).min, np.iinfo(target).max
             reason = f"{text} is outside the range of {target}, [{low}, {high}]"
             fix = ("pass dtype='float64' to round it to a float" if exact else
                    "pick a dtype that holds it, or clip it first (np.clip)")
-        elif target.kind == "b":
-            reason, fix = f"{text} is neither 0 nor 1", "compare it first (data != 0)"
         else:
             reason = f"{text} is not a whole number"
             fix = "round it first (np.round, np.trunc) if that is what you mean"
@@ -898,7 +895,10 @@ def _refuse(what: str, src: np.dtype, target: np.dtype, value: Any, exact: bool)
 
 def _brief(value: Any, limit: int = 60) -> str:
     """repr(value), cut to `limit` characters for a message."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception:  # NOTE: a message must not fail (NumPy cannot print some datetimes)
+        text = f"<a {type(value).__name__} that has no repr>"
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 

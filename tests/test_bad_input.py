@@ -9,6 +9,7 @@ with the same accounting, and the allocator and constant pool pass their invaria
 from __future__ import annotations
 
 import gc
+import math
 import os
 import re
 import subprocess
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -28,8 +29,9 @@ import allocators
 import backends
 import runtime
 from allocators import InvalidFreeError, OutOfMemoryError
+from allocators.interop import pyopencl_allocator
 from backends.numpy import NumpyDevice
-from runtime import AliasingError, AutogradError, ReadOnlyError, UseAfterFreeError, config, ops
+from runtime import AliasingError, AutogradError, ReadOnlyError, UseAfterFreeError, config, nn, ops
 from runtime.errors import UninitializedMemoryError
 from runtime.tensor import MAX_NBYTES, Tensor
 
@@ -324,6 +326,138 @@ SIZE_CASES = [
                  id="write-huge-lazy"),
 ]
 
+# Arguments that once reached Python or NumPy unchecked (a bare error from deep inside, a
+# crash, or a silently changed value); each now names the call and the bad value.
+ARGUMENT_CASES = [
+    pytest.param(lambda w: Tensor(w.x.block, (12,), object), TypeError,
+                 parts("Tensor: dtype object is not supported"), id="Tensor-object-dtype"),
+    pytest.param(lambda w: Tensor(w.x.block, (12,), np.float16), TypeError,
+                 parts("Tensor: dtype float16 is not supported"), id="Tensor-float16"),
+    pytest.param(lambda w: Tensor(w.x.block, (6,), "complex128"), TypeError,
+                 parts("Tensor: dtype complex128 is not supported"), id="Tensor-complex"),
+    pytest.param(lambda w: Tensor(w.x.block, (12.0,), "float64"), TypeError,
+                 parts("Tensor: shape (12.0,) has a non-integer dimension 12.0"),
+                 id="Tensor-float-shape"),
+    pytest.param(lambda w: Tensor(w.x.block, (2, 3), "float64", (1,)), ValueError,
+                 parts("Tensor: strides (1,) have 1 entries for the 2 dimensions of shape (2, 3)"),
+                 id="Tensor-strides-length"),
+    pytest.param(lambda w: Tensor(w.x.block, (2,), "float64", (1.5,)), TypeError,
+                 parts("Tensor: strides (1.5,): a stride must be an int, got 1.5"),
+                 id="Tensor-float-stride"),
+    pytest.param(lambda w: Tensor(w.x.block, (2,), "float64", None, 1.0), TypeError,
+                 parts("Tensor: offset must be an int, got 1.0"), id="Tensor-float-offset"),
+    pytest.param(lambda w: Tensor(w.x.block, (2,), "float64", None, 11), ValueError,
+                 parts("Tensor: a view of shape (2,), strides (1,) at offset 11 reaches elements "
+                       "[11, 12]"), id="Tensor-past-the-block"),
+    pytest.param(lambda w: Tensor("block", (2,), "float64"), TypeError,
+                 parts("Tensor: block must be a runtime Block, got 'block' (str)"),
+                 id="Tensor-not-a-block"),
+    pytest.param(lambda w: w.x.reshape(12.0), TypeError,
+                 parts("reshape: a shape is an int or a sequence of ints, got 12.0"),
+                 id="reshape-bare-float"),
+    pytest.param(lambda w: w.x.reshape(-2, -6), ValueError,
+                 parts("reshape: shape (-2, -6) has a negative dimension -2"),
+                 id="reshape-negative"),
+    pytest.param(lambda w: w.x.transpose(1.0, 0.0), TypeError,
+                 parts("transpose: axes (1.0, 0.0): an axis must be an int, got 1.0"),
+                 id="transpose-floats"),
+    pytest.param(lambda w: w.x.transpose(True, False), TypeError,
+                 parts("transpose: axes (True, False): an axis must be an int, got True"),
+                 id="transpose-bools"),
+    pytest.param(lambda w: w.x.transpose(1.5), TypeError,
+                 parts("transpose: axes are ints, or one tuple or list of ints; got 1.5"),
+                 id="transpose-one-float"),
+    pytest.param(lambda w: w.x[1.5:], TypeError,
+                 parts("index: bad slice slice(1.5, None, None) for axis 0"), id="slice-float"),
+    pytest.param(lambda w: ops.sum(w.x, keepdims="no"), TypeError,
+                 parts("sum: keepdims must be True or False, got 'no' (str)"),
+                 id="keepdims-str"),
+    pytest.param(lambda w: ops.mean(w.x, axis=0, keepdims=1), TypeError,
+                 parts("mean: keepdims must be True or False, got 1 (int)"), id="keepdims-int"),
+    pytest.param(lambda w: ops.sum(w.x, axis=(0, 5)), ValueError,
+                 parts("sum: axis 5 (of (0, 5)) is out of range for a 2-dimensional tensor"),
+                 id="axis-in-tuple"),
+    pytest.param(lambda w: ops.add(w.x, 10**400), ValueError,
+                 parts("add: the number 1000000", "is beyond the largest float64"),
+                 id="add-int-beyond-float64"),
+    pytest.param(lambda w: ops.mul(w.f32, 1e300), ValueError,
+                 parts("mul: the number 1e+300 is beyond the largest float32", "float64 tensor"),
+                 id="mul-float32-overflow"),
+    pytest.param(lambda w: ops.sub(-(10**400), w.x, out=w.x), ValueError,
+                 parts("sub: the number -1000000", "is beyond the largest float64"),
+                 id="sub-huge-into-out"),
+    pytest.param(lambda w: ops.add(w.x, None), TypeError,
+                 parts("add: operands must be Tensors or real numbers, got NoneType None"),
+                 id="add-None"),
+    pytest.param(lambda w: runtime.tensor([1e20], dtype="int32", allocator=w.allocator),
+                 ValueError, parts("cannot make a tensor of int32 from float64 data: 1e+20 is "
+                                   "outside the range of int32, [-2147483648, 2147483647]"),
+                 id="tensor-1e20-int32"),
+    pytest.param(lambda w: runtime.tensor(np.array([2**64 - 1], np.uint64),
+                                          allocator=w.allocator),
+                 ValueError, parts("tensor of int64 from uint64 data: 18446744073709551615 is "
+                                   "outside the range of int64", "dtype='float64'"),
+                 id="tensor-uint64-above-int64"),
+    pytest.param(lambda w: runtime.tensor([2**63], allocator=w.allocator), ValueError,
+                 parts("tensor of int64 from uint64 data: 9223372036854775808 is outside"),
+                 id="tensor-python-int-2**63"),
+    pytest.param(lambda w: runtime.tensor([2**70], allocator=w.allocator), ValueError,
+                 parts("the integer 1180591620717411303424 is outside the range of int64"),
+                 id="tensor-python-int-2**70"),
+    pytest.param(lambda w: runtime.tensor([-1, 2**64 - 1], allocator=w.allocator), ValueError,
+                 parts("the integer 18446744073709551615", "rounded it to 1.8446744073709552e+19"),
+                 id="tensor-ints-of-both-signs"),
+    pytest.param(lambda w: runtime.tensor([0.5, 2**60 + 1], dtype="int64",
+                                          allocator=w.allocator),
+                 ValueError, parts("the integer 1152921504606846977", "rounded it"),
+                 id="tensor-int-among-floats"),
+    pytest.param(lambda w: runtime.tensor([1.5], dtype="int64", allocator=w.allocator),
+                 ValueError, parts("tensor of int64 from float64 data: 1.5 is not a whole number",
+                                   "np.round"), id="tensor-fraction-to-int"),
+    pytest.param(lambda w: runtime.tensor([np.nan], dtype="int64", allocator=w.allocator),
+                 ValueError, parts("nan has no int64 value"), id="tensor-nan-to-int"),
+    pytest.param(lambda w: runtime.tensor([300, -1], dtype="uint8", allocator=w.allocator),
+                 ValueError, parts("uint8 from int64 data: -1 is outside the range of uint8, "
+                                   "[0, 255]"), id="tensor-300-uint8"),
+    pytest.param(lambda w: runtime.tensor([0, 2], dtype="bool", allocator=w.allocator),
+                 ValueError, parts("bool from int64 data: 2 is neither 0 nor 1"),
+                 id="tensor-2-to-bool"),
+    pytest.param(lambda w: runtime.tensor([1e300], dtype="float32", allocator=w.allocator),
+                 ValueError, parts("float32 from float64 data: 1e+300 is beyond the largest "
+                                   "float32"), id="tensor-float32-overflow"),
+    pytest.param(lambda w: runtime.tensor(np.float16([1.5]), allocator=w.allocator), TypeError,
+                 parts("from data of dtype float16", "dtype='float32'"), id="tensor-float16"),
+    pytest.param(lambda w: runtime.tensor(np.array([1, 2], object), allocator=w.allocator),
+                 TypeError, parts("cannot make a tensor from data of dtype object"),
+                 id="tensor-object-array"),
+    pytest.param(lambda w: runtime.tensor(np.longdouble(1) / 3, allocator=w.allocator),
+                 ValueError, parts("tensor of float64 from float128 data", "has no exact "
+                                   "float64 value"), id="tensor-longdouble",
+                 marks=pytest.mark.skipif(np.finfo(np.longdouble).nmant <= 52,
+                                          reason="longdouble is float64 here")),
+    pytest.param(lambda w: runtime.tensor([1.0], requires_grad="yes", allocator=w.allocator),
+                 TypeError, parts("tensor: requires_grad must be True or False, got 'yes'"),
+                 id="tensor-requires-grad-str"),
+    pytest.param(lambda w: runtime.empty(3, requires_grad=None, allocator=w.allocator),
+                 TypeError, parts("empty: requires_grad must be True or False, got None"),
+                 id="empty-requires-grad-None"),
+    pytest.param(lambda w: setattr(w.f32, "requires_grad", "no"), TypeError,
+                 parts("requires_grad must be True or False, got 'no'"),
+                 id="requires-grad-setter"),
+    pytest.param(lambda w: w.i64.__setitem__(0, 1.5), ValueError,
+                 parts("cannot make a value to assign to a tensor of int64 from float64 data: "
+                       "1.5 is not a whole number"), id="assign-fraction-to-int"),
+    pytest.param(lambda w: w.f32.__setitem__(0, 1e300), ValueError,
+                 parts("value to assign to a tensor of float32", "1e+300 is beyond the largest "
+                       "float32"), id="assign-float32-overflow"),
+    pytest.param(lambda w: w.i64.__setitem__(0, 2**64 - 1), ValueError,
+                 parts("value to assign to a tensor of int64", "18446744073709551615 is outside "
+                       "the range of int64"), id="assign-uint64-to-int64"),
+    pytest.param(lambda w: w.x.backward(retain_graph="yes"), TypeError,
+                 parts("backward(): retain_graph must be True or False, got 'yes'"),
+                 id="backward-retain-graph"),
+]
+
 FREED_CASES = [
     pytest.param(lambda w, t: t.numpy(), id="numpy"),
     pytest.param(lambda w, t: ops.add(t, 1.0), id="add"),
@@ -338,7 +472,8 @@ FREED_CASES = [
 
 
 @pytest.mark.parametrize(("call", "error", "match"),
-                         DTYPE_CASES + SHAPE_CASES + AXIS_AND_INDEX_CASES + SIZE_CASES)
+                         DTYPE_CASES + SHAPE_CASES + AXIS_AND_INDEX_CASES + SIZE_CASES
+                         + ARGUMENT_CASES)
 def test_bad_arguments_raise_a_clear_error_and_lose_nothing(world, call, error, match):
     raises_and_keeps(world, call, error, match)
 
@@ -1035,3 +1170,231 @@ def test_a_negative_dimension_is_named(shape):
                                                    f"dimension {first}")):
             make(shape, allocator=alloc)
     assert alloc.stats()["num_allocs"] == 0
+
+
+# ---------------------------------------------------------------------- modules and interop
+class _Holder(nn.Module):
+    def forward(self, x):
+        return x
+
+
+@pytest.mark.parametrize(("link", "match"), [
+    pytest.param(lambda outer, inner, leaf: setattr(outer, "me", outer),
+                 "_Holder: assigning _Holder as .me would make a module that contains itself "
+                 "(through me)", id="itself"),
+    pytest.param(lambda outer, inner, leaf: setattr(inner, "up", outer), "(through up.inner)",
+                 id="its-parent"),
+    pytest.param(lambda outer, inner, leaf: setattr(leaf, "root", outer),
+                 "Dense: assigning _Holder as .root", id="its-grandparent"),
+    pytest.param(lambda outer, inner, leaf: setattr(inner, "seq", nn.Sequential(nn.ReLU(), outer)),
+                 "(through seq.1.inner)", id="through-a-sequential"),
+])
+def test_a_module_that_would_contain_itself_is_refused_where_the_cycle_is_made(link, match):
+    outer, inner, leaf = _Holder(), _Holder(), nn.Dense(2, 2)
+    outer.inner = inner
+    inner.leaf = leaf
+    before = [id(p) for p in outer.parameters()]
+    with pytest.raises(ValueError, match=parts(match, "a module tree cannot have cycles")):
+        link(outer, inner, leaf)
+    # nothing was assigned, and every walk of the tree still ends
+    assert [id(p) for p in outer.parameters()] == before
+    assert "Dense(in_features=2" in repr(outer)
+
+
+def test_a_module_may_hold_one_submodule_twice():
+    shared = nn.Dense(2, 2)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    assert len(model.parameters()) == 2  # each parameter once
+    assert repr(model).count("Dense") == 2
+
+
+def test_pyopencl_hook_refuses_an_allocator_on_another_device():
+    cpu = allocators.create("direct", "cpu")
+    with pytest.raises(ValueError, match=parts("pyopencl_allocator needs an allocator on an "
+                                               "OpenCL device", "is on cpu (NumpyDevice)")):
+        pyopencl_allocator(cpu)
+    assert cpu.stats()["num_allocs"] == 0
+
+
+@pytest.mark.parametrize(("nbytes", "error", "match"), [
+    (-5, ValueError, "pyopencl_allocator hook: size must be >= 0 bytes, got -5"),
+    (-(2**70), ValueError, f"got {-(2**70)}"),
+    (1.5, TypeError, "pyopencl_allocator hook: size must be an integer number of bytes, got 1.5"),
+    (True, TypeError, "got True of type bool"),
+    ("64", TypeError, "got '64' of type str"),
+])
+def test_pyopencl_hook_refuses_a_bad_size(nbytes, error, match):
+    alloc = allocators.create("direct", _opencl())
+    hook = pyopencl_allocator(alloc)
+    with pytest.raises(error, match=parts(match)):
+        hook(nbytes)
+    assert alloc.stats()["num_allocs"] == 0
+
+
+# ---------------------------------------------------------------------- bad arguments, generated
+def _numbers_beyond(limit: int) -> st.SearchStrategy:
+    """Python ints of either sign whose magnitude is at least `limit`."""
+    return st.integers(limit, limit * 2**64) | st.integers(-limit * 2**64, -limit)
+
+
+_JUNK = st.one_of(st.none(), st.text(max_size=3), st.binary(min_size=1, max_size=2),
+                  st.complex_numbers(allow_nan=False, max_magnitude=1e3).filter(lambda z: z.imag),
+                  st.sampled_from([{}, object(), {1}, np.complex64(1j)]))
+_NOT_AN_INT = st.one_of(_JUNK, st.floats(), st.booleans(),
+                        st.sampled_from([np.float64(2.0), np.bool_(True), np.float32(1.0)]))
+#: The bad values each kind of argument is tried with; every one must be refused.
+BAD = {
+    # a shape (the tensor x of the calls has 12 elements; -1 is reshape's inferred dimension)
+    "shape": st.one_of(_NOT_AN_INT, st.integers(max_value=-2), _numbers_beyond(2**63).filter(
+        lambda n: n > 0), st.lists(st.integers(0, 3) | _NOT_AN_INT | st.integers(max_value=-2),
+                                   min_size=1, max_size=3).filter(
+        lambda dims: any(type(n) is not int or n < -1 for n in dims))),
+    "dtype": st.sampled_from(["float16", "complex64", "object", "U3", "S2", "int8", "int16",
+                              "uint16", "uint32", "uint64", ">f8", ">i4", "datetime64[s]",
+                              "timedelta64[s]", "V8", "nonsense", np.float16, np.complex128,
+                              object, str, 1.5, 3, [("a", "f8")], "i4,i4", "float128"]),
+    # an axis of a 2-D tensor
+    "axis": st.one_of(_NOT_AN_INT.filter(lambda a: a is not None), st.integers(min_value=2),
+                      st.integers(max_value=-3), _numbers_beyond(2**64),
+                      st.lists(st.integers(-2, 1) | _NOT_AN_INT.filter(lambda a: a is not None),
+                               min_size=1, max_size=3).filter(
+                          lambda axes: len({a % 2 if type(a) is int else a for a in axes
+                                            if type(a) is not dict and type(a) is not set})
+                          != len(axes) or any(type(a) is not int for a in axes)).map(tuple)),
+    "flag": st.one_of(_JUNK, st.integers(), st.floats(), st.lists(st.booleans(), max_size=2)),
+    "scalar": st.one_of(_JUNK, st.booleans(), st.just(np.bool_(False)), _numbers_beyond(2**1024),
+                        st.lists(st.floats(), max_size=2)),
+    "scalar32": st.one_of(st.floats(3.5e38, 1e308), st.floats(-1e308, -3.5e38),
+                          st.floats(3.5e38, 1e308).map(np.float64),
+                          _numbers_beyond(2**128)),
+    # an offset into the 12 elements of x, for a view of 2
+    "offset": st.one_of(_NOT_AN_INT, st.integers(max_value=-1), st.integers(min_value=11),
+                        _numbers_beyond(2**64)),
+    "axes": st.one_of(
+        st.lists(st.integers(-3, 2) | _NOT_AN_INT, min_size=0, max_size=3).map(tuple),
+        _NOT_AN_INT.map(lambda a: (a,)),
+        st.lists(st.integers(-2, 1) | _NOT_AN_INT, min_size=2, max_size=2).map(lambda a: (a,)),
+    ).filter(lambda axes: axes != () and not _a_permutation_of_two(axes)),
+    "index": st.one_of(_NOT_AN_INT.filter(lambda k: k is not None), st.integers(min_value=3),
+                       st.integers(max_value=-4), _numbers_beyond(2**64),
+                       st.lists(st.integers(0, 2), min_size=1, max_size=2),
+                       st.builds(slice, st.floats() | st.text(max_size=1), st.none()),
+                       st.just(slice(None, None, 0)), st.just(np.array([0]))),
+    "data": st.one_of(_JUNK, st.lists(st.text(max_size=2), min_size=1, max_size=2),
+                      st.lists(st.complex_numbers(max_magnitude=10).filter(lambda z: z.imag),
+                               min_size=1, max_size=2),
+                      st.lists(_numbers_beyond(2**64), min_size=1, max_size=2),
+                      st.sampled_from([[[1.0], [1.0, 2.0]], [-1, 2**64 - 1], [0.5, 2**60 + 1],
+                                       np.array([1 + 1j]), np.array(["a"]),
+                                       np.array([2**63], np.uint64), np.zeros(2, object),
+                                       np.array([1], "datetime64[s]"), [None, 1.0]])),
+    "features": st.one_of(_NOT_AN_INT, st.integers(max_value=0), st.integers(2**62, 2**100)),
+    "rate": st.one_of(_JUNK, st.booleans(), st.floats(max_value=-1e-300),
+                      st.sampled_from([math.nan, math.inf, -math.inf]), _numbers_beyond(2**1024)),
+    "eps": st.one_of(_JUNK, st.booleans(), st.floats(max_value=0.0),
+                     st.sampled_from([math.nan, math.inf])),
+}
+BAD["int data"] = BAD["data"] | st.sampled_from([[1.5], [math.nan], [1e30], np.float64(-0.5)])
+BAD["implicit data"] = BAD["data"] | st.just(np.float16([1]))
+
+
+def _a_permutation_of_two(axes: tuple) -> bool:
+    if len(axes) == 1 and isinstance(axes[0], (list, tuple)):
+        axes = tuple(axes[0])  # transpose([1, 0]) is transpose(1, 0)
+    return (len(axes) == 2 and all(type(a) is int and -2 <= a < 2 for a in axes)
+            and {a % 2 for a in axes} == {0, 1})
+
+
+class _Targets:
+    """What the calls work on: x (3, 4) float64 with distinct values, f32, i64 and a leaf."""
+
+    def __init__(self) -> None:
+        self.alloc = allocators.create("direct")
+        self.x = runtime.tensor(np.arange(12.0).reshape(3, 4), allocator=self.alloc)
+        self.f32 = runtime.tensor(np.ones(3, np.float32), allocator=self.alloc)
+        self.leaf = runtime.tensor(np.ones(2), allocator=self.alloc, requires_grad=True)
+        self.i64 = runtime.tensor(np.arange(4), allocator=self.alloc)
+
+
+#: (the name the message must carry, the kind of bad argument, the call)
+CALLS = [
+    ("empty", "shape", lambda t, v: runtime.empty(v, allocator=t.alloc)),
+    ("zeros", "shape", lambda t, v: runtime.zeros(v, allocator=t.alloc)),
+    ("ones", "shape", lambda t, v: runtime.ones(v, allocator=t.alloc)),
+    ("view()", "shape", lambda t, v: runtime.view(t.x, v)),
+    ("reshape", "shape", lambda t, v: t.x.reshape(v)),
+    ("Tensor", "shape", lambda t, v: Tensor(t.x.block, v, "float64")),
+    ("empty", "dtype", lambda t, v: runtime.empty(2, v, allocator=t.alloc)),
+    ("zeros", "dtype", lambda t, v: runtime.zeros(2, v, allocator=t.alloc)),
+    ("tensor", "dtype", lambda t, v: runtime.tensor([1.0], v, allocator=t.alloc)),
+    ("Tensor", "dtype", lambda t, v: Tensor(t.x.block, (2,), v)),
+    ("sum", "axis", lambda t, v: ops.sum(t.x, axis=v)),
+    ("mean", "axis", lambda t, v: ops.mean(t.x, axis=v)),
+    ("sum", "flag", lambda t, v: ops.sum(t.x, 0, keepdims=v)),
+    ("mean", "flag", lambda t, v: ops.mean(t.x, keepdims=v)),
+    ("empty", "flag", lambda t, v: runtime.empty(2, allocator=t.alloc, requires_grad=v)),
+    ("tensor", "flag", lambda t, v: runtime.tensor([1.0], allocator=t.alloc, requires_grad=v)),
+    ("requires_grad", "flag", lambda t, v: setattr(t.x, "requires_grad", v)),
+    ("SGD: nesterov", "flag", lambda t, v: nn.SGD([t.leaf], 0.1, momentum=0.9, nesterov=v)),
+    ("Dense: bias", "flag", lambda t, v: nn.Dense(2, 2, bias=v)),
+    ("add", "scalar", lambda t, v: ops.add(t.x, v)),
+    ("sub", "scalar", lambda t, v: ops.sub(v, t.x)),
+    ("mul", "scalar", lambda t, v: ops.mul(t.x, v, out=t.x)),
+    ("div", "scalar", lambda t, v: ops.div(v, t.x)),
+    ("mul", "scalar32", lambda t, v: ops.mul(t.f32, v)),
+    ("sub", "scalar32", lambda t, v: ops.sub(v, t.f32, out=t.f32)),
+    ("view()", "offset", lambda t, v: runtime.view(t.x, (2,), v)),
+    ("Tensor", "offset", lambda t, v: Tensor(t.x.block, (2,), "float64", None, v)),
+    ("transpose", "axes", lambda t, v: t.x.transpose(*v)),
+    ("index", "index", lambda t, v: t.x[v]),
+    ("index", "index", lambda t, v: t.x.__setitem__(v, 0.0)),
+    ("tensor", "implicit data", lambda t, v: runtime.tensor(v, allocator=t.alloc)),
+    ("tensor", "int data", lambda t, v: runtime.tensor(v, "int64", allocator=t.alloc)),
+    ("to assign", "int data", lambda t, v: t.i64.__setitem__(slice(0, 2), v)),
+    ("Dense", "features", lambda t, v: nn.Dense(v, 2)),
+    ("Dense", "features", lambda t, v: nn.Dense(3, v)),
+    ("SGD: lr", "rate", lambda t, v: nn.SGD([t.leaf], lr=v)),
+    ("SGD: momentum", "rate", lambda t, v: nn.SGD([t.leaf], 0.1, momentum=v)),
+    ("Adam: lr", "rate", lambda t, v: nn.Adam([t.leaf], lr=v)),
+    ("Adam: eps", "eps", lambda t, v: nn.Adam([t.leaf], eps=v)),
+]
+
+
+def _shown(value: Any) -> list[str]:
+    """Ways a message may show `value` (cut, as messages cut long values): its repr, as a tuple,
+    as a dtype, or the repr of one of its items."""
+    forms = [repr(value)]
+    if isinstance(value, (list, tuple)):
+        forms.append(repr(tuple(value)))
+        for item in value:
+            forms += [repr(item), repr(tuple(item)) if isinstance(item, list) else repr(item)]
+    if isinstance(value, int) and not isinstance(value, bool):
+        forms.append(repr((value,)))
+    if isinstance(value, (np.ndarray, np.generic)):  # its dtype, or a value in it
+        forms += [str(value.dtype), *map(repr, np.ravel(value)[:3].tolist())]
+    try:
+        forms.append(str(np.dtype(value)))
+    except Exception:
+        pass
+    return [form[:40] for form in forms]
+
+
+@pytest.mark.parametrize(("name", "kind", "call"), CALLS,
+                         ids=[f"{name}-{kind}" for name, kind, _ in CALLS])
+@settings(max_examples=30)
+@given(data=st.data())
+def test_every_bad_argument_is_refused_with_the_call_and_the_value(name, kind, call, data):
+    targets = _Targets()
+    value = data.draw(BAD[kind], label=kind)
+    allowed = (TypeError, ValueError, IndexError) if name == "index" else (TypeError, ValueError)
+    with pytest.raises(Exception) as info:
+        call(targets, value)
+    error = info.value
+    assert isinstance(error, allowed), f"{type(error).__name__}: {error}"
+    message = str(error)
+    assert name in message, message
+    assert any(form in message for form in _shown(value)), message
+    assert not isinstance(error, (OverflowError, KeyError, AttributeError, RecursionError))
+    # nothing was written
+    np.testing.assert_array_equal(targets.x.numpy(), np.arange(12.0).reshape(3, 4))
+    assert targets.x.version == targets.f32.version == targets.i64.version == 1
