@@ -688,7 +688,7 @@ def _allocator_for(device: Any, allocator: Allocator | None) -> Allocator:
         return config.get_default_allocator(device)
     if not isinstance(allocator, Allocator):
         raise TypeError(f"allocator must be an allocators.Allocator, "
-                        f"got {type(allocator).__name__}")
+                        f"got {type(allocator).__name__} {_brief(allocator)}")
     check_device_of(allocator, device)
     return allocator
 
@@ -806,6 +806,8 @@ def _check_inferred_ints(data: Any, host: np.ndarray, target: np.dtype | None,
                          what: str) -> None:
     """ValueError when a Python or NumPy integer in `data` is not exactly its float in `host`
     (NumPy inferred a float dtype and rounded it)."""
+    if not (abs(host) >= _EXACT_IN_FLOAT64).any():
+        return  # NOTE: a rounded integer lies beyond 2**53; most float data has none (fast)
     try:
         objects = np.asarray(data, dtype=object)
     except (TypeError, ValueError):
