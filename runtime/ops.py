@@ -6,8 +6,9 @@ Every op declares how its output may share memory with its inputs:
   the same element is written); any other overlap is unsafe.
 - NEVER: no overlap at all (matmul, reductions), not even the identical view.
 
-Before a kernel runs, `out` is tested against every input on the same block with the exact test
-of `runtime.aliasing`. An unsafe overlap is computed into a temporary and copied into `out`
+Before a kernel runs, `out` is tested against every input on the same block, and against every
+input when either block is over imported memory (compared on device addresses), with the exact
+test of `runtime.aliasing`. An unsafe overlap is computed into a temporary and copied into `out`
 ("copy" mode, the default) or raises AliasingError ("raise" mode). Kernels therefore never see
 partially overlapping operands, on any backend.
 """
