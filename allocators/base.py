@@ -105,6 +105,11 @@ class Allocator(AllocatorState):
     def __init__(self, device: Device | str | None = None) -> None:
         super().__init__()
         self.device: Device = backends.get_device(device if device is not None else "cpu")
+        # NOTE: serial -> {queue key: queue} of the live allocations used on queues other than
+        # the device's home queue (record_queue); while it is not empty, the C hot path is off
+        # (_hot False) so that every free comes through `free` below and is joined.
+        self._queue_uses: dict[int, dict[int, Any]] = {}
+        self._hot_when_joined = False
 
     @property
     def _counters(self) -> dict[str, int]:
@@ -155,6 +160,8 @@ class Allocator(AllocatorState):
             live = self._live
             if live.get(allocation.serial) is not allocation:
                 raise InvalidFreeError(self._describe_invalid_free(allocation))
+            if self._queue_uses:
+                self._join_queues(allocation)
             del live[allocation.serial]
             allocation.live = False
             self._free(allocation)
@@ -164,6 +171,59 @@ class Allocator(AllocatorState):
             cached = self._reserved_bytes - allocated
             if cached > self._peak_cached_bytes:
                 self._peak_cached_bytes = cached
+
+    def record_queue(self, allocation: Allocation, queue: Any) -> None:
+        """Note that `allocation` is used on `queue` as well as on its device's home queue
+        (PyTorch's `Tensor.record_stream`).
+
+        When it is freed, the device's home queue waits (on the device, without blocking the
+        host) for every command queued on `queue` up to the free, before its memory serves
+        anything else: a kernel still queued there can never write memory handed out again.
+        Call it before the free, for every queue other than `device.home_queue` that the memory
+        is used on; the home queue itself needs nothing (an in-order queue reuses at once).
+        While any live allocation has a recorded queue, frees and allocations take the Python
+        path (the caching allocator's C hot path steps aside). Note [queue-ordered reuse] in
+        backends/base.py.
+
+        Raises:
+            TypeError: `queue` is not a queue of the allocator's device (a synchronous device,
+                such as the CPU, has none).
+            ValueError: `queue` belongs to another device or context.
+            InvalidFreeError: `allocation` is not live in this allocator.
+        """
+        key = self.device.queue_key(queue)
+        home = self.device.home_queue
+        if home is not None and key == self.device.queue_key(home):
+            if self._live.get(allocation.serial) is not allocation:
+                raise InvalidFreeError(self._describe_unrecordable(allocation))
+            return
+        with self._lock:
+            if self._live.get(allocation.serial) is not allocation:
+                raise InvalidFreeError(self._describe_unrecordable(allocation))
+            if not self._queue_uses:
+                self._hot_when_joined = self._hot
+                self._hot = False
+            self._queue_uses.setdefault(allocation.serial, {})[key] = queue
+
+    def recorded_queues(self, allocation: Allocation) -> list[Any]:
+        """The queues other than the home queue recorded for the live `allocation`."""
+        with self._lock:
+            return list(self._queue_uses.get(allocation.serial, {}).values())
+
+    def _join_queues(self, allocation: Allocation) -> None:
+        """The home queue waits for the queues recorded for `allocation` (lock held)."""
+        uses = self._queue_uses.get(allocation.serial)
+        if uses:
+            home = self.device.home_queue
+            for queue in uses.values():
+                self.device.join(home, queue)
+            del self._queue_uses[allocation.serial]  # NOTE: only once every join is queued
+        if not self._queue_uses:
+            self._hot = self._hot_when_joined
+
+    def _describe_unrecordable(self, allocation: Allocation) -> str:
+        return (f"record_queue needs a live allocation of this allocator: "
+                f"{self._describe_invalid_free(allocation)}")
 
     def stats(self) -> dict[str, int | float]:
         """A snapshot of the counters; every allocator has the same keys.

@@ -20,9 +20,10 @@ from backends.base import check_nbytes
 class _Lease:
     """Owns one blockrt allocation lent to pyopencl; the buffer handed out holds it."""
 
-    __slots__ = ("allocation", "__weakref__")
+    __slots__ = ("allocator", "allocation", "__weakref__")
 
-    def __init__(self, allocation: Allocation) -> None:
+    def __init__(self, allocator: Allocator, allocation: Allocation) -> None:
+        self.allocator = allocator
         self.allocation = allocation
 
 
@@ -49,31 +50,35 @@ def _sub_buffer(allocation: Allocation) -> Any:
     return buffer.get_sub_region(offset, allocation.nbytes)
 
 
-def pyopencl_allocator(allocator: Allocator) -> Callable[[int], Any]:
+def pyopencl_allocator(allocator: Allocator, queue: Any = None) -> Callable[[int], Any]:
     """An `allocator=` for pyopencl that takes its memory from blockrt's `allocator`.
 
     Each call `hook(nbytes)` allocates from `allocator` and returns a new `cl.Buffer` (a
     sub-buffer of the allocation's segment, at its offset) that pyopencl uses as an array's
     data. When pyopencl drops the buffer the allocation goes back with `allocator.free`.
 
+    The hook is bound to one queue, as pyopencl's own `ImmediateAllocator` is: the queue its
+    arrays are used on, `queue`, by default the device's home queue (`device.queue`). Memory
+    is queue-ordered (Note [queue-ordered reuse] in backends/base.py): on a queue other than the
+    home queue, `queue` first waits for what the home queue has queued (earlier users of the
+    memory), and the memory's free waits for what `queue` has queued by then, on the device and
+    without blocking the host; on the home queue, reuse is immediate. An array also used on a
+    third queue needs `record_queue(array, that_queue)` before it goes.
+
     The allocator's device must make pyopencl arrays as native views (blockrt's OpenCL backend),
     and allocations must start at multiples of the device's CL_DEVICE_MEM_BASE_ADDR_ALIGN.
 
-    Memory goes back at once, as with pyopencl's own pool, and is safe to reuse because of queue
-    order: give pyopencl the device's own in-order queue (`device.queue`), so that whatever reuses
-    the memory is queued after the work on it. With another queue, `finish()` it before the
-    array goes.
-
     Raises:
-        TypeError: `allocator` is not a blockrt Allocator.
-        ValueError: `allocator` is not on an OpenCL device (its device is named).
+        TypeError: `allocator` is not a blockrt Allocator; `queue` is not a CommandQueue.
+        ValueError: `allocator` is not on an OpenCL device (its device is named); `queue` is in
+            another context.
         TypeError, ValueError (on a call): the size is not an int, or negative; the allocation
             is not aligned for an OpenCL sub-buffer.
 
     Example:
         >>> import allocators, backends, pyopencl.array                # doctest: +SKIP
         >>> alloc = allocators.create("caching", "opencl")             # doctest: +SKIP
-        >>> hook = pyopencl_allocator(alloc)                           # doctest: +SKIP
+        >>> hook = pyopencl_allocator(alloc, queue)                    # doctest: +SKIP
         >>> x = pyopencl.array.zeros(queue, (1024,), "float32", allocator=hook)  # doctest: +SKIP
     """
     if not isinstance(allocator, Allocator):
@@ -83,16 +88,22 @@ def pyopencl_allocator(allocator: Allocator) -> Callable[[int], Any]:
     if device.name.partition(":")[0] != "opencl":
         raise ValueError(f"pyopencl_allocator needs an allocator on an OpenCL device; "
                          f"{allocator!r} is on {device.name} ({type(device).__name__})")
+    home = device.home_queue
+    if queue is not None and device.queue_key(queue) == device.queue_key(home):
+        queue = None  # NOTE: the home queue needs no join
 
     def hook(nbytes: int) -> Any:
         nbytes = check_nbytes(nbytes, "pyopencl_allocator hook: size")
         allocation = allocator.allocate(max(nbytes, 1))  # NOTE: OpenCL has no empty buffers
         try:
             buffer = _sub_buffer(allocation)
+            if queue is not None:
+                device.join(queue, home)  # NOTE: the memory's earlier users come first
+                allocator.record_queue(allocation, queue)
         except BaseException:
             allocator.free(allocation)
             raise
-        lease = _Lease(allocation)
+        lease = _Lease(allocator, allocation)
         weakref.finalize(lease, allocator.free, allocation)
         # NOTE: cl.Buffer takes no weak references but has a __dict__: the lease lives (and the
         # allocation stays out) exactly as long as the buffer does.
@@ -100,3 +111,21 @@ def pyopencl_allocator(allocator: Allocator) -> Callable[[int], Any]:
         return buffer
 
     return hook
+
+
+def record_queue(array: Any, queue: Any) -> None:
+    """Note that memory from a `pyopencl_allocator` hook is used on `queue` too, so that its
+    free waits for `queue` (`Allocator.record_queue`, PyTorch's `record_stream`).
+
+    `array` is a pyopencl Array whose data came from the hook, or the hook's `cl.Buffer`.
+
+    Raises:
+        TypeError: `array` holds no memory from a blockrt hook; `queue` is not a CommandQueue.
+        ValueError: `queue` is in another context.
+    """
+    buffer = getattr(array, "base_data", array)
+    lease = getattr(buffer, "_blockrt_lease", None)
+    if not isinstance(lease, _Lease):
+        raise TypeError(f"record_queue needs a pyopencl Array or Buffer made by "
+                        f"pyopencl_allocator; {type(array).__name__} holds no blockrt memory")
+    lease.allocator.record_queue(lease.allocation, queue)

@@ -334,6 +334,38 @@ class Device:
     def synchronize(self) -> None:
         """Wait until every queued kernel and copy has finished (no-op for synchronous devices)."""
 
+    # ----------------------------------------------------------------- queues
+    # Note [queue-ordered reuse]: a device runs its copies and kernels on one in-order queue
+    # (stream), its home queue, so memory freed there may be handed out again at once: whatever
+    # reuses it is queued behind whatever used it. Memory used on another queue too (recorded
+    # with `Allocator.record_queue`) is joined back when it is freed: the home queue waits, on
+    # the device and without blocking the host, for everything queued on the other queue so far
+    # (an event, as PyTorch's record_stream and CUDA's stream-ordered allocator). Memory handed
+    # to another queue (the interop hooks bound to a queue) is joined the other way first: that
+    # queue waits for the home queue. So every command on memory before its free comes before
+    # every command on it after its next allocation, whichever queues they are on.
+    @property
+    def home_queue(self) -> Any:
+        """The queue (stream) all of this device's copies and kernels run on, in order; None for
+        a synchronous device."""
+        return None
+
+    def queue_key(self, queue: Any) -> int:
+        """A number naming `queue` (two objects for one queue give one key).
+
+        Raises:
+            TypeError: `queue` is not a queue of this device's kind (a synchronous device has
+                none).
+            ValueError: `queue` belongs to another device or context.
+        """
+        raise TypeError(f"{self.name} runs every command synchronously and has no queues; got "
+                        f"{type(queue).__name__}")
+
+    def join(self, waiter: Any, signaller: Any) -> None:
+        """Make what is queued on `waiter` from now on wait for everything queued on `signaller`
+        so far, without blocking the host (a marker and a barrier, or an event)."""
+        raise TypeError(f"{self.name} runs every command synchronously and has no queues")
+
     # ----------------------------------------------------------------- hooks (mechanism)
     def _raw_alloc(self, nbytes: int) -> Any:
         raise _missing(self, "_raw_alloc")

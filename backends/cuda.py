@@ -19,7 +19,9 @@ its last kernel may still be queued, but whatever reuses the memory is queued be
 same stream, so it cannot start before that kernel ends. Host reads (`copyout`, `to_host`) wait
 for the stream. With several streams this no longer holds: a block freed by work on stream A and
 reused on stream B needs an event recorded on A and waited on by B (PyTorch's `record_stream`),
-or a pool per stream (CuPy's). `use_with_cupy` does this join for memory it lends to CuPy.
+or a pool per stream (CuPy's). `Allocator.record_queue` records such a use, and the free joins
+the streams (Note [queue-ordered reuse] in backends/base.py); `use_with_cupy` records CuPy's
+current stream for the memory it lends.
 """
 
 from __future__ import annotations
@@ -112,6 +114,25 @@ class CudaDevice(Device):
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+
+    # NOTE: queue-ordered reuse: Note [queue-ordered reuse] in backends/base.py
+    @property
+    def home_queue(self) -> Any:
+        return self.stream
+
+    def queue_key(self, queue: Any) -> int:
+        cp = _cupy()
+        if not isinstance(queue, (cp.cuda.Stream, cp.cuda.ExternalStream)):
+            raise TypeError(f"{self.name}: expected a cupy.cuda.Stream, got "
+                            f"{type(queue).__name__}")
+        device_id = getattr(queue, "device_id", self.index)  # NOTE: -1: the current device
+        if device_id not in (-1, self.index):
+            raise ValueError(f"{self.name}: the stream {queue!r} belongs to cuda:{device_id}")
+        return queue.ptr
+
+    def join(self, waiter: Any, signaller: Any) -> None:
+        with self.cuda_device:
+            waiter.wait_event(signaller.record())
 
     # ----------------------------------------------------------------- memory
     def _raw_alloc(self, nbytes: int) -> Any:
@@ -226,7 +247,7 @@ def _give_back(allocator: Any, allocation: Any, device: CudaDevice, stream: Any)
     # NOTE: CuPy may have used the memory on `stream`; the device's own stream, where blockrt
     # reuses it, waits for that work before anything queued after this point runs.
     if stream is not None and stream.ptr != device.stream.ptr:
-        device.stream.wait_event(stream.record())
+        device.join(device.stream, stream)
     allocator.free(allocation)
 
 
@@ -239,8 +260,9 @@ def use_with_cupy(allocator: Any) -> Callable[[int], Any]:
     allocator works (`allocate(nbytes) -> allocation` with `.ptr`, and `free(allocation)`).
 
     Memory allocated while CuPy's current stream is not the device's stream is ordered after
-    the device's stream first, and the device's stream waits for CuPy's stream when the memory
-    comes back, so reuse across the two streams is safe.
+    the device's stream first, and recorded as used on CuPy's stream (`Allocator.record_queue`),
+    so the device's stream waits for it when the memory comes back: reuse across streams is
+    safe (Note [queue-ordered reuse] in backends/base.py).
 
     Returns the malloc function that was installed (it also works with
     `cupy.cuda.using_allocator`). CuPy's own pool comes back with
@@ -266,11 +288,21 @@ def use_with_cupy(allocator: Any) -> Callable[[int], Any]:
             raise ValueError(f"CuPy asked for memory on cuda:{cp.cuda.Device().id}, but the "
                              f"blockrt allocator lends memory of {device.name}")
         stream = cp.cuda.get_current_stream()
-        if stream.ptr != device.stream.ptr:
-            stream.wait_event(device.stream.record())  # earlier blockrt uses come first
+        foreign = stream.ptr != device.stream.ptr
+        if foreign:
+            device.join(stream, device.stream)  # NOTE: earlier users of the memory come first
         allocation = allocator.allocate(nbytes)
         lease = _Lease(allocation)
-        weakref.finalize(lease, _give_back, allocator, allocation, device, stream)
+        record = getattr(allocator, "record_queue", None)
+        if foreign and record is not None:  # NOTE: a blockrt Allocator joins when it frees
+            try:
+                record(allocation, stream)
+            except BaseException:
+                allocator.free(allocation)
+                raise
+            weakref.finalize(lease, allocator.free, allocation)
+        else:
+            weakref.finalize(lease, _give_back, allocator, allocation, device, stream)
         memory = cp.cuda.UnownedMemory(allocation.ptr, nbytes, lease, device_id=device.index)
         return cp.cuda.MemoryPointer(memory, 0)
 

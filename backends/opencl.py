@@ -18,8 +18,10 @@ must not be overwritten before that kernel runs. Here it cannot be: every kernel
 a device goes to its one in-order queue, so a command enqueued after a free (a write into the
 recycled memory) starts only after every command enqueued before the free has finished; and host
 copies are blocking, so the host never sees or supplies bytes early. The allocator may therefore
-hand freed memory out again at once, with no event to wait for. A second queue, or non-blocking
-host copies, would break this reasoning.
+hand freed memory out again at once, with no event to wait for. Memory used on a second queue
+as well (a framework's, through `Allocator.record_queue` or a hook bound to that queue) is joined
+back with a marker and a barrier when it is freed (Note [queue-ordered reuse] in
+backends/base.py). Non-blocking host copies would break this reasoning.
 """
 
 from __future__ import annotations
@@ -189,6 +191,24 @@ class OpenCLDevice(Device):
 
     def synchronize(self) -> None:
         self.queue.finish()
+
+    # NOTE: queue-ordered reuse: Note [queue-ordered reuse] in backends/base.py
+    @property
+    def home_queue(self) -> Any:
+        return self.queue
+
+    def queue_key(self, queue: Any) -> int:
+        if not isinstance(queue, cl.CommandQueue):
+            raise TypeError(f"{self.name}: expected a pyopencl.CommandQueue, got "
+                            f"{type(queue).__name__}")
+        if queue.context != self.context:
+            raise ValueError(f"{self.name}: the queue {queue!r} belongs to another OpenCL context "
+                             f"({queue.context!r}, not {self.context!r}); its buffers and "
+                             f"events cannot be used here")
+        return queue.int_ptr
+
+    def join(self, waiter: Any, signaller: Any) -> None:
+        cl.enqueue_barrier(waiter, wait_for=[cl.enqueue_marker(signaller)])
 
     def kernel_cache_stats(self) -> dict[str, int]:
         """{"kernels": programs built, "hits": launches that found theirs, "misses": builds}."""

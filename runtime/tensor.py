@@ -588,6 +588,31 @@ class Tensor:
         array = self.numpy()
         return array if dtype is None else array.astype(dtype, copy=False)
 
+    # ------------------------------------------------------------------ queues
+    def record_queue(self, queue: Any) -> None:
+        """Note that this tensor's memory is used on `queue` as well as on its device's own
+        queue (PyTorch's `Tensor.record_stream`), e.g. by a framework's kernel on its native
+        view: when the memory goes back to its allocator, the device's queue waits for what
+        `queue` has queued by then, so the memory's next user cannot meet a late write.
+
+        Raises:
+            UseAfterFreeError: the tensor's memory was freed.
+            ValueError: the block has no memory yet (write it first) or is imported memory,
+                which blockrt never reuses.
+            TypeError, ValueError: see `Allocator.record_queue` (the CPU has no queues; a queue
+                of another context).
+        """
+        self._check("record_queue")
+        allocation = self.block._allocation
+        if allocation is None:
+            raise ValueError(f"record_queue: block #{self.block.id} has no memory yet (blocks "
+                             f"allocate on first write); write the tensor first")
+        if allocation.owner is None:
+            raise ValueError(f"record_queue: block #{self.block.id} is memory imported from "
+                             f"another library, which blockrt never reuses; its owner orders "
+                             f"its reuse")
+        allocation.owner.record_queue(allocation, queue)
+
     # ------------------------------------------------------------------ DLPack
     def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
                    dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
