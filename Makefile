@@ -83,3 +83,4 @@ bench:
 	$(PY) benchmarks/bench_graph.py
 	$(PY) benchmarks/bench_planner.py
 	$(PY) benchmarks/bench_opencl.py
+	$(PY) benchmarks/bench_queues.py
