@@ -131,13 +131,16 @@ def run_tree(tree: pathlib.Path, number: int, cross: bool) -> dict:
 
 def baseline_tree(ref: str, into: pathlib.Path) -> pathlib.Path:
     diff = subprocess.run(["git", "diff", "--quiet", ref, "--", "allocators/_speedups.c"],
-                          cwd=ROOT)
-    if diff.returncode:
+                          cwd=ROOT, capture_output=True)
+    if diff.returncode == 1:
         raise SystemExit(f"allocators/_speedups.c differs between {ref} and this checkout: the "
                          f"baseline would need its own build")
     tree = into / "baseline"
-    subprocess.run(["git", "worktree", "add", "--detach", str(tree), ref], cwd=ROOT, check=True,
-                   capture_output=True)
+    made = subprocess.run(["git", "worktree", "add", "--detach", str(tree), ref], cwd=ROOT,
+                          capture_output=True, text=True)
+    if made.returncode:
+        raise SystemExit(f"cannot check out the baseline {ref} (a shallow clone?): "
+                         f"{made.stderr.strip()}")
     for built in (ROOT / "allocators").glob("_speedups*.so"):
         (tree / "allocators" / built.name).write_bytes(built.read_bytes())
     return tree
