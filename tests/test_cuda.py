@@ -241,3 +241,63 @@ def test_training_steps_on_cuda_match_the_cpu(gpu):
             history.append(loss.item())
         losses[str(device)] = history
     np.testing.assert_allclose(losses[str(gpu)], losses["cpu"], rtol=1e-4)
+
+
+# ---------------------------------------------------------------------- queue-ordered reuse
+#: Waits until the host sets *flag (managed memory), then writes v into x[0:n] (one block).
+LATE = r"""
+extern "C" __global__ void late(volatile int *flag, int *x, int n, int v) {
+    if (threadIdx.x == 0) { while (*flag == 0) { } }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) x[i] = v;
+}
+"""
+
+
+@needs_cuda
+def test_a_late_kernel_on_another_stream_never_writes_memory_handed_out_again(gpu):
+    """The OpenCL test of tests/test_queue_order.py on CUDA: a kernel held back (spinning on a
+    flag the host sets) on a second stream writes memory that is freed and handed out again;
+    the new owner's write on the device's stream must come after it."""
+    import ctypes
+
+    import cupy as cp
+
+    if not cp.cuda.runtime.getDeviceProperties(gpu.index)["concurrentManagedAccess"]:
+        pytest.skip("the held kernel needs concurrent managed memory access")
+    alloc = allocators.create("caching", gpu)
+    with gpu.cuda_device:
+        flag = cp.cuda.malloc_managed(4)
+        host_flag = (ctypes.c_int * 1).from_address(flag.ptr)
+        host_flag[0] = 0
+        cp.cuda.runtime.deviceSynchronize()
+        other = cp.cuda.Stream(non_blocking=True)
+        first = alloc.allocate(1024)
+        alloc.record_queue(first, other)
+        kernel = cp.RawKernel(LATE, "late")
+        kernel((1,), (128,), (flag.ptr, first.ptr, np.int32(256), np.int32(7)), stream=other)
+        where = first.ptr
+        alloc.free(first)
+        second = alloc.allocate(1024)
+        assert second.ptr == where
+        mine = cp.ndarray((256,), cp.int32,
+                          cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(second.ptr, 1024, None), 0))
+        with gpu.stream:
+            mine.fill(1)
+        assert not gpu.stream.done  # NOTE: it waits for the held kernel on the other stream
+        host_flag[0] = 1
+        other.synchronize()
+        gpu.stream.synchronize()
+        assert (mine.get() == 1).all()
+        alloc.free(second)
+
+
+@needs_cuda
+def test_record_queue_on_cuda_refuses_what_is_not_a_stream(gpu):
+    alloc = allocators.create("caching", gpu)
+    a = alloc.allocate(64)
+    with pytest.raises(TypeError, match="expected a cupy.cuda.Stream"):
+        alloc.record_queue(a, "stream")
+    alloc.record_queue(a, gpu.stream)  # NOTE: the home stream: nothing to join
+    assert alloc.recorded_queues(a) == []
+    alloc.free(a)
