@@ -105,11 +105,14 @@ class Allocator(AllocatorState):
     def __init__(self, device: Device | str | None = None) -> None:
         super().__init__()
         self.device: Device = backends.get_device(device if device is not None else "cpu")
-        # NOTE: serial -> {queue key: queue} of the live allocations used on queues other than
-        # the device's home queue (record_queue); while it is not empty, the C hot path is off
-        # (_hot False) so that every free comes through `free` below and is joined.
+        # NOTE: queue-ordered reuse (record_queue): serial -> {queue key: queue} of the live
+        # allocations used on queues other than the device's home queue, and serial ->
+        # (allocation, events) of those freed while their queues may still use them (pending:
+        # still live in the books, their memory not yet back). While either is not empty the
+        # C hot path is off (_hot False), so every free and allocation comes through Python.
         self._queue_uses: dict[int, dict[int, Any]] = {}
-        self._hot_when_joined = False
+        self._pending: dict[int, tuple[Allocation, list[Any]]] = {}
+        self._hot_when_idle = False
 
     @property
     def _counters(self) -> dict[str, int]:
@@ -128,12 +131,13 @@ class Allocator(AllocatorState):
         if type(nbytes) is not int or nbytes < 0:
             nbytes = check_nbytes(nbytes, "allocation size")
         with self._lock:
+            if self._pending:
+                self._collect_pending(wait=False)
             device_allocs = self._num_device_allocs
             try:
                 allocation = self._allocate(nbytes)
             except MemoryError as exc:
-                self._num_ooms += 1
-                raise self._out_of_memory(nbytes, exc) from exc
+                allocation = self._allocate_after_pending(nbytes, exc)
             allocation.owner = self
             serial = allocation.serial = self._last_serial = self._last_serial + 1
             allocation.live = True
@@ -157,33 +161,39 @@ class Allocator(AllocatorState):
         if type(allocation) is not Allocation and not isinstance(allocation, Allocation):
             raise TypeError(f"free() takes an Allocation, got {type(allocation).__name__}")
         with self._lock:
-            live = self._live
-            if live.get(allocation.serial) is not allocation:
+            if self._live.get(allocation.serial) is not allocation:
                 raise InvalidFreeError(self._describe_invalid_free(allocation))
-            if self._queue_uses:
-                self._join_queues(allocation)
-            del live[allocation.serial]
-            allocation.live = False
-            self._free(allocation)
-            self._num_frees += 1
-            allocated = self._allocated_bytes = self._allocated_bytes - allocation.size
-            self._requested_bytes -= allocation.nbytes
-            cached = self._reserved_bytes - allocated
-            if cached > self._peak_cached_bytes:
-                self._peak_cached_bytes = cached
+            if (self._queue_uses or self._pending) and self._defer(allocation):
+                return
+            self._give_back(allocation)
 
+    def _give_back(self, allocation: Allocation) -> None:
+        """Take the live `allocation` off the books and hand its memory to `_free` (lock held)."""
+        del self._live[allocation.serial]
+        allocation.live = False
+        self._free(allocation)
+        self._num_frees += 1
+        allocated = self._allocated_bytes = self._allocated_bytes - allocation.size
+        self._requested_bytes -= allocation.nbytes
+        cached = self._reserved_bytes - allocated
+        if cached > self._peak_cached_bytes:
+            self._peak_cached_bytes = cached
+
+    # ------------------------------------------------------------------ queue-ordered reuse
     def record_queue(self, allocation: Allocation, queue: Any) -> None:
         """Note that `allocation` is used on `queue` as well as on its device's home queue
         (PyTorch's `Tensor.record_stream`).
 
-        When it is freed, the device's home queue waits (on the device, without blocking the
-        host) for every command queued on `queue` up to the free, before its memory serves
-        anything else: a kernel still queued there can never write memory handed out again.
-        Call it before the free, for every queue other than `device.home_queue` that the memory
-        is used on; the home queue itself needs nothing (an in-order queue reuses at once).
-        While any live allocation has a recorded queue, frees and allocations take the Python
-        path (the caching allocator's C hot path steps aside). Note [queue-ordered reuse] in
-        backends/base.py.
+        When it is freed, an event is queued on each recorded queue, and its memory is not handed
+        out again, to any queue, until those events say that everything queued there before the
+        free has run: a kernel still queued on `queue` can never write memory that someone else
+        owns. Until then the allocation is pending: still counted as allocated, collected by a
+        later `allocate` (which waits for the events only when memory runs out) or by
+        `empty_cache` (which waits). Call it before the free, for every queue other than
+        `device.home_queue` that the memory is used on; the home queue itself needs nothing (an
+        in-order queue reuses at once). While any allocation has a recorded queue or is pending,
+        frees and allocations take the Python path (the caching allocator's C hot path steps
+        aside). Note [queue-ordered reuse] in backends/base.py.
 
         Raises:
             TypeError: `queue` is not a queue of the allocator's device (a synchronous device,
@@ -191,18 +201,17 @@ class Allocator(AllocatorState):
             ValueError: `queue` belongs to another device or context.
             InvalidFreeError: `allocation` is not live in this allocator.
         """
-        key = self.device.queue_key(queue)
-        home = self.device.home_queue
-        if home is not None and key == self.device.queue_key(home):
-            if self._live.get(allocation.serial) is not allocation:
-                raise InvalidFreeError(self._describe_unrecordable(allocation))
-            return
+        device = self.device
+        key = device.queue_key(queue)
+        home = device.home_queue
         with self._lock:
-            if self._live.get(allocation.serial) is not allocation:
-                raise InvalidFreeError(self._describe_unrecordable(allocation))
-            if not self._queue_uses:
-                self._hot_when_joined = self._hot
-                self._hot = False
+            if (self._live.get(allocation.serial) is not allocation
+                    or allocation.serial in self._pending):
+                raise InvalidFreeError(f"record_queue needs a live allocation of this allocator: "
+                                       f"{self._describe_invalid_free(allocation)}")
+            if home is not None and key == device.queue_key(home):
+                return
+            self._hot_off()
             self._queue_uses.setdefault(allocation.serial, {})[key] = queue
 
     def recorded_queues(self, allocation: Allocation) -> list[Any]:
@@ -210,20 +219,61 @@ class Allocator(AllocatorState):
         with self._lock:
             return list(self._queue_uses.get(allocation.serial, {}).values())
 
-    def _join_queues(self, allocation: Allocation) -> None:
-        """The home queue waits for the queues recorded for `allocation` (lock held)."""
-        uses = self._queue_uses.get(allocation.serial)
-        if uses:
-            home = self.device.home_queue
-            for queue in uses.values():
-                self.device.join(home, queue)
-            del self._queue_uses[allocation.serial]  # NOTE: only once every join is queued
-        if not self._queue_uses:
-            self._hot = self._hot_when_joined
+    def pending_frees(self) -> int:
+        """How many freed allocations wait for events on their recorded queues."""
+        with self._lock:
+            return len(self._pending)
 
-    def _describe_unrecordable(self, allocation: Allocation) -> str:
-        return (f"record_queue needs a live allocation of this allocator: "
-                f"{self._describe_invalid_free(allocation)}")
+    def _hot_off(self) -> None:
+        if not self._queue_uses and not self._pending:
+            self._hot_when_idle = self._hot
+            self._hot = False
+
+    def _hot_again(self) -> None:
+        if not self._queue_uses and not self._pending:
+            self._hot = self._hot_when_idle
+
+    def _defer(self, allocation: Allocation) -> bool:
+        """Free `allocation` later if queues were recorded for it: queue an event on each and
+        make it pending; False when it has none (lock held)."""
+        serial = allocation.serial
+        if serial in self._pending:
+            raise InvalidFreeError(f"double free: allocation #{serial} of "
+                                   f"{format_bytes(allocation.nbytes)} was already freed (it "
+                                   f"waits for the queues recorded with record_queue)")
+        uses = self._queue_uses.get(serial)
+        if not uses:
+            return False
+        events = [self.device.record_event(queue) for queue in uses.values()]
+        del self._queue_uses[serial]  # NOTE: only once every event is queued
+        self._pending[serial] = (allocation, events)
+        allocation.live = False  # NOTE: freed for its user; the books keep it until collected
+        return True
+
+    def _collect_pending(self, wait: bool) -> None:
+        """Give back the pending allocations whose events have completed, or all of them after
+        waiting for their events when `wait` (lock held)."""
+        device = self.device
+        for serial, (allocation, events) in list(self._pending.items()):
+            if wait:
+                for event in events:
+                    device.wait_event(event)
+            elif not all(device.event_done(event) for event in events):
+                continue
+            del self._pending[serial]
+            self._give_back(allocation)
+        self._hot_again()
+
+    def _allocate_after_pending(self, nbytes: int, exc: MemoryError) -> Allocation:
+        """Out of memory: wait for the pending frees and try once more, else raise (lock held)."""
+        if self._pending:
+            self._collect_pending(wait=True)
+            try:
+                return self._allocate(nbytes)
+            except MemoryError as again:
+                exc = again
+        self._num_ooms += 1
+        raise self._out_of_memory(nbytes, exc) from exc
 
     def stats(self) -> dict[str, int | float]:
         """A snapshot of the counters; every allocator has the same keys.
@@ -247,14 +297,18 @@ class Allocator(AllocatorState):
         return snapshot
 
     def empty_cache(self) -> None:
-        """Return every cached (free but reserved) byte to the device."""
+        """Return every cached (free but reserved) byte to the device; first wait for the frees
+        pending on other queues (`record_queue`) and take their memory back."""
         with self._lock:
+            if self._pending:
+                self._collect_pending(wait=True)
             self._empty_cache()
 
     def live_allocations(self) -> list[Allocation]:
-        """The allocations handed out and not yet freed, oldest first."""
+        """The allocations handed out and not yet freed, oldest first (not those pending on
+        other queues, see `record_queue`)."""
         with self._lock:
-            return list(self._live.values())
+            return [a for a in self._live.values() if a.live]
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the accounting or the layout of live allocations is wrong."""

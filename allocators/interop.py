@@ -59,11 +59,12 @@ def pyopencl_allocator(allocator: Allocator, queue: Any = None) -> Callable[[int
 
     The hook is bound to one queue, as pyopencl's own `ImmediateAllocator` is: the queue its
     arrays are used on, `queue`, by default the device's home queue (`device.queue`). Memory
-    is queue-ordered (Note [queue-ordered reuse] in backends/base.py): on a queue other than the
-    home queue, `queue` first waits for what the home queue has queued (earlier users of the
-    memory), and the memory's free waits for what `queue` has queued by then, on the device and
-    without blocking the host; on the home queue, reuse is immediate. An array also used on a
-    third queue needs `record_queue(array, that_queue)` before it goes.
+    is queue-ordered (Note [queue-ordered reuse] in backends/base.py): for a queue other than
+    the home queue, `queue` first waits on the device for what the home queue has queued (the
+    memory's earlier users), and the memory is recorded as used on `queue`, so that once freed
+    it is handed out again only after an event on `queue` says its commands have run; on the
+    home queue, reuse is immediate. An array also used on a third queue needs
+    `record_queue(array, that_queue)` before it goes.
 
     The allocator's device must make pyopencl arrays as native views (blockrt's OpenCL backend),
     and allocations must start at multiples of the device's CL_DEVICE_MEM_BASE_ADDR_ALIGN.
@@ -114,8 +115,9 @@ def pyopencl_allocator(allocator: Allocator, queue: Any = None) -> Callable[[int
 
 
 def record_queue(array: Any, queue: Any) -> None:
-    """Note that memory from a `pyopencl_allocator` hook is used on `queue` too, so that its
-    free waits for `queue` (`Allocator.record_queue`, PyTorch's `record_stream`).
+    """Note that memory from a `pyopencl_allocator` hook is used on `queue` too, so that once
+    freed it waits for `queue`'s commands before anyone gets it again (`Allocator.record_queue`,
+    PyTorch's `record_stream`).
 
     `array` is a pyopencl Array whose data came from the hook, or the hook's `cl.Buffer`.
 

@@ -337,13 +337,16 @@ class Device:
     # ----------------------------------------------------------------- queues
     # Note [queue-ordered reuse]: a device runs its copies and kernels on one in-order queue
     # (stream), its home queue, so memory freed there may be handed out again at once: whatever
-    # reuses it is queued behind whatever used it. Memory used on another queue too (recorded
-    # with `Allocator.record_queue`) is joined back when it is freed: the home queue waits, on
-    # the device and without blocking the host, for everything queued on the other queue so far
-    # (an event, as PyTorch's record_stream and CUDA's stream-ordered allocator). Memory handed
-    # to another queue (the interop hooks bound to a queue) is joined the other way first: that
-    # queue waits for the home queue. So every command on memory before its free comes before
-    # every command on it after its next allocation, whichever queues they are on.
+    # reuses it is queued behind whatever used it. Memory that is also used on another queue
+    # (recorded with `Allocator.record_queue`, PyTorch's record_stream) is not: its free queues
+    # an event on each recorded queue, and the memory stays out of the allocator (pending) until
+    # every event has completed, so no command queued there before the free can touch it after
+    # it is handed out again, to any queue. The other direction: memory handed to another queue
+    # (an interop hook bound to that queue) may have been freed on the home queue a moment ago,
+    # with its last kernels still queued there; the other queue first waits for the home queue,
+    # on the device (a marker and a barrier, cudaStreamWaitEvent), as CUDA's stream-ordered
+    # allocator inserts dependencies between streams. Together: every command on memory before
+    # its free comes before every command on it after its next allocation, whatever the queues.
     @property
     def home_queue(self) -> Any:
         """The queue (stream) all of this device's copies and kernels run on, in order; None for
@@ -360,6 +363,18 @@ class Device:
         """
         raise TypeError(f"{self.name} runs every command synchronously and has no queues; got "
                         f"{type(queue).__name__}")
+
+    def record_event(self, queue: Any) -> Any:
+        """An event that completes when everything queued on `queue` so far has run."""
+        raise TypeError(f"{self.name} runs every command synchronously and has no queues")
+
+    def event_done(self, event: Any) -> bool:
+        """Whether `event` has completed (without waiting)."""
+        raise TypeError(f"{self.name} runs every command synchronously and has no events")
+
+    def wait_event(self, event: Any) -> None:
+        """Block the host until `event` has completed."""
+        raise TypeError(f"{self.name} runs every command synchronously and has no events")
 
     def join(self, waiter: Any, signaller: Any) -> None:
         """Make what is queued on `waiter` from now on wait for everything queued on `signaller`

@@ -130,6 +130,16 @@ class CudaDevice(Device):
             raise ValueError(f"{self.name}: the stream {queue!r} belongs to cuda:{device_id}")
         return queue.ptr
 
+    def record_event(self, queue: Any) -> Any:
+        with self.cuda_device:
+            return queue.record(_cupy().cuda.Event(disable_timing=True))
+
+    def event_done(self, event: Any) -> bool:
+        return event.done
+
+    def wait_event(self, event: Any) -> None:
+        event.synchronize()
+
     def join(self, waiter: Any, signaller: Any) -> None:
         with self.cuda_device:
             waiter.wait_event(signaller.record())

@@ -207,6 +207,16 @@ class OpenCLDevice(Device):
                              f"events cannot be used here")
         return queue.int_ptr
 
+    def record_event(self, queue: Any) -> Any:
+        return cl.enqueue_marker(queue)
+
+    def event_done(self, event: Any) -> bool:
+        # NOTE: a negative status is an error: the commands ended, and touch nothing any more
+        return event.command_execution_status <= cl.command_execution_status.COMPLETE
+
+    def wait_event(self, event: Any) -> None:
+        event.wait()
+
     def join(self, waiter: Any, signaller: Any) -> None:
         cl.enqueue_barrier(waiter, wait_for=[cl.enqueue_marker(signaller)])
 

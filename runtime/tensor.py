@@ -592,8 +592,9 @@ class Tensor:
     def record_queue(self, queue: Any) -> None:
         """Note that this tensor's memory is used on `queue` as well as on its device's own
         queue (PyTorch's `Tensor.record_stream`), e.g. by a framework's kernel on its native
-        view: when the memory goes back to its allocator, the device's queue waits for what
-        `queue` has queued by then, so the memory's next user cannot meet a late write.
+        view: when the memory goes back to its allocator, it is handed out again only after an
+        event on `queue` says that what was queued there by then has run, so the memory's next
+        user cannot meet a late write (`Allocator.record_queue`).
 
         Raises:
             UseAfterFreeError: the tensor's memory was freed.
