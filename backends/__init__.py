@@ -14,11 +14,15 @@ Example:
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
+import weakref
+from typing import Any
 
 from backends.base import BackendUnavailableError, Device
 
-__all__ = ["BackendUnavailableError", "Device", "available", "get_device", "parse_spec"]
+__all__ = ["BackendUnavailableError", "Device", "available", "from_queue", "get_device",
+           "parse_spec"]
 
 #: kind -> "module:Class". The only place backends are named; no discovery by file name.
 BACKENDS: dict[str, str] = {
@@ -26,8 +30,18 @@ BACKENDS: dict[str, str] = {
     "opencl": "backends.opencl:OpenCLDevice",
     "cuda": "backends.cuda:CudaDevice",
 }
+#: kind -> (module, class names) of the framework queues `from_queue` takes. A queue of a
+#: package means the package is imported already, so telling them apart imports nothing.
+QUEUE_TYPES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "opencl": ("pyopencl", ("CommandQueue",)),
+    "cuda": ("cupy.cuda", ("Stream", "ExternalStream")),
+}
 
 _devices: dict[str, Device] = {}
+#: (kind, index, queue handle) -> the device over that queue, while anything uses the device.
+# NOTE: weak on the device, not the queue (pyopencl queues take no weak references, and the
+# device holds its queue): the cache never keeps a framework's queue alive.
+_over_queues: weakref.WeakValueDictionary[tuple, Device] = weakref.WeakValueDictionary()
 _lock = threading.Lock()
 
 
@@ -82,6 +96,54 @@ def get_device(spec: str | Device = "cpu") -> Device:
                 raise ValueError(f"device {spec!r} does not exist: backend {kind!r} has "
                                  f"{count} device(s), indices 0..{count - 1}")
             device = _devices[key] = cls(index)
+    return device
+
+
+def _queue_kind(queue: Any) -> str:
+    """The backend kind whose framework queues include `queue`, or a TypeError naming its type."""
+    for kind, (module_name, class_names) in QUEUE_TYPES.items():
+        module = sys.modules.get(module_name)
+        if module is not None and isinstance(queue, tuple(getattr(module, name)
+                                                          for name in class_names)):
+            return kind
+    raise TypeError(f"from_queue takes a pyopencl.CommandQueue or a cupy.cuda.Stream, got "
+                    f"{queue!r:.80} of type {type(queue).__module__}.{type(queue).__qualname__}")
+
+
+def from_queue(queue: Any) -> Device:
+    """A device over a framework's own queue: a `pyopencl.CommandQueue` (the device uses its
+    context and runs every copy and kernel on it) or a `cupy.cuda.Stream` (the stream's GPU,
+    running on that stream).
+
+    blockrt's allocators, tensors, graphs and training then work on the framework's queue, and
+    the framework's arrays (on that queue, in that context) and blockrt's memory can be
+    exchanged (`allocators.interop.pyopencl_allocator`, native views). The same queue always
+    gives the same Device object while that device is in use (a weak cache: a queue nobody
+    uses any more is not kept alive by blockrt). Its name is the device's plus the queue, e.g.
+    "opencl:0@queue:0x55d0c2a3b4c0"; `get_device(device)` returns it. It is a device of its
+    own: its tensors do not mix with those of `get_device("opencl:0")` (another context).
+
+    Raises:
+        TypeError: `queue` is not a pyopencl.CommandQueue or a CuPy stream.
+        ValueError: an out-of-order OpenCL queue (blockrt relies on in-order execution; pass an
+            in-order queue of the same context), or a queue whose device blockrt cannot see.
+        BackendUnavailableError: the backend cannot run here.
+
+    Example:
+        >>> import pyopencl as cl, backends                       # doctest: +SKIP
+        >>> queue = cl.CommandQueue(cl.create_some_context())     # doctest: +SKIP
+        >>> dev = backends.from_queue(queue)                      # doctest: +SKIP
+        >>> dev.queue is queue, backends.from_queue(queue) is dev # doctest: +SKIP
+        (True, True)
+    """
+    kind = _queue_kind(queue)
+    cls = _load(kind)
+    index, handle = cls.locate_queue(queue)
+    key = (kind, index, handle)
+    with _lock:
+        device = _over_queues.get(key)
+        if device is None:
+            device = _over_queues[key] = cls(index, queue)
     return device
 
 

@@ -14,7 +14,8 @@ False and `raw_alloc(n, read_only=True)` gives ordinary cudaMalloc memory: const
 protected only by the runtime, which raises `ReadOnlyError` before any kernel would write them.
 
 Why a freed block is safe to reuse: every copy and kernel of a device runs on its one stream,
-`CudaDevice.stream`, and a stream runs its work in order. When a block goes back to an allocator
+`CudaDevice.stream` (a new one, or a framework's own through `backends.from_queue(stream)`),
+and a stream runs its work in order. When a block goes back to an allocator
 its last kernel may still be queued, but whatever reuses the memory is queued behind it on the
 same stream, so it cannot start before that kernel ends. Host reads (`copyout`, `to_host`) wait
 for the stream. With several streams this no longer holds: a block freed by work on stream A and
@@ -82,6 +83,12 @@ def _on_stream(hook: Callable[..., Any]) -> Callable[..., Any]:
 class CudaDevice(Device):
     """One CUDA GPU through CuPy, with one stream for all of its copies and kernels.
 
+    Args:
+        index: the CUDA device ordinal.
+        stream: a framework's own `cupy.cuda.Stream` on device `index`, already checked by
+            `locate_queue`; the device then runs on it (`backends.from_queue(stream)` is the way
+            in). Default: a new non-blocking stream.
+
     Attributes:
         index: the CUDA device ordinal.
         cuda_device: the `cupy.cuda.Device`.
@@ -90,13 +97,17 @@ class CudaDevice(Device):
 
     alignment = 256  # cudaMalloc returns 256-byte aligned memory
 
-    def __init__(self, index: int = 0) -> None:
+    def __init__(self, index: int = 0, stream: Any = None) -> None:
         cp = _cupy()
         self.index = index
-        self.name = f"cuda:{index}"
         self.cuda_device = cp.cuda.Device(index)
-        with self.cuda_device:
-            self.stream = cp.cuda.Stream(non_blocking=True)
+        if stream is None:
+            self.name = f"cuda:{index}"
+            with self.cuda_device:
+                stream = cp.cuda.Stream(non_blocking=True)
+        else:
+            self.name = f"cuda:{index}@stream:{stream.ptr:#x}"
+        self.stream = stream
 
     @classmethod
     def device_count(cls) -> int:
@@ -106,6 +117,29 @@ class CudaDevice(Device):
             return int(cp.cuda.runtime.getDeviceCount())
         except Exception:  # no cupy, no driver, no device: all mean "none here"
             return 0
+
+    @classmethod
+    def locate_queue(cls, queue: Any) -> tuple[int, int]:
+        """(device ordinal, the stream's handle) of a framework's `cupy.cuda.Stream` (or
+        `ExternalStream`), for `backends.from_queue`. A CUDA stream always runs in order.
+
+        Raises:
+            BackendUnavailableError: CuPy is missing.
+            TypeError: `queue` is not a CuPy stream.
+            ValueError: the stream's device is not one CuPy can see.
+        """
+        cp = _cupy()
+        if not isinstance(queue, (cp.cuda.Stream, cp.cuda.ExternalStream)):
+            raise TypeError(f"expected a cupy.cuda.Stream, got {type(queue).__module__}."
+                            f"{type(queue).__qualname__}")
+        index = getattr(queue, "device_id", -1)
+        if index < 0:  # NOTE: CuPy's -1 (Stream.null, say): the current device's stream
+            index = cp.cuda.Device().id
+        count = cls.device_count()
+        if not 0 <= index < count:
+            raise ValueError(f"the stream's device cuda:{index} is not one of the {count} CUDA "
+                             f"device(s) CuPy can see")
+        return index, int(queue.ptr)
 
     @property
     def total_memory(self) -> int | None:

@@ -1,12 +1,16 @@
 """The OpenCL device (pyopencl): buffers, blocking copies and kernels of our own.
 
 Every OpenCL device of every platform is one `OpenCLDevice`, "opencl:N" in enumeration order, with
-one context and one in-order command queue. Raw memory is a `cl.Buffer` (wrapped with its size and
-a stable address); native views are `pyopencl.array.Array`s at a byte offset into it. Ordinary
-memory is a `READ_WRITE` buffer; read-only memory (constants) a `READ_ONLY` one, which kernels
-get only as inputs (`__global const`) and the host fills and reads with `enqueue_copy`. OpenCL
-leaves a kernel's write to a `READ_ONLY` buffer undefined and PoCL does not stop it, so the
-runtime refuses such writes (`ReadOnlyError`) before any kernel is enqueued.
+one context and one in-order command queue. `backends.from_queue(queue)` makes another over a
+framework's own in-order queue and its context ("opencl:N@queue:0x..."), so that the framework's
+buffers and blockrt's are of one context and its commands and blockrt's run in one order.
+
+Raw memory is a `cl.Buffer` (wrapped with its size and a stable address); native views are
+`pyopencl.array.Array`s at a byte offset into it. Ordinary memory is a `READ_WRITE` buffer;
+read-only memory (constants) a `READ_ONLY` one, which kernels get only as inputs
+(`__global const`) and the host fills and reads with `enqueue_copy`. OpenCL leaves a kernel's
+write to a `READ_ONLY` buffer undefined and PoCL does not stop it, so the runtime refuses such
+writes (`ReadOnlyError`) before any kernel is enqueued.
 
 Kernels are OpenCL C generated per (op, dtype, ndim): one work item per output element finds its
 multi-index from the shape and each operand's strides and offset, in elements, so any strided,
@@ -150,6 +154,13 @@ class OpenCLDevice(Device):
 
     Args:
         index: position in the list of the devices of all platforms (`device_count()`).
+        queue: a framework's own in-order `cl.CommandQueue` on device `index`, already checked
+            by `locate_queue`; the device then uses it and its context instead of making its
+            own (`backends.from_queue(queue)` is the way in). Default: a new context and queue.
+
+    Attributes:
+        cl_device, context, queue: the `cl.Device`, and the `cl.Context` and in-order
+            `cl.CommandQueue` every buffer, copy and kernel of this device uses.
 
     Example:
         >>> import backends
@@ -160,14 +171,19 @@ class OpenCLDevice(Device):
 
     read_only_memory = True  # READ_ONLY buffers
 
-    def __init__(self, index: int = 0) -> None:
-        found = _all_devices()
-        if not 0 <= index < len(found):
-            raise BackendUnavailableError(f"opencl:{index} does not exist ({len(found)} devices)")
-        self.name = f"opencl:{index}"
-        self.cl_device = found[index]
-        self.context = cl.Context([self.cl_device])
-        self.queue = cl.CommandQueue(self.context)  # NOTE: in order: see the module docstring
+    def __init__(self, index: int = 0, queue: Any = None) -> None:
+        if queue is None:
+            found = _all_devices()
+            if not 0 <= index < len(found):
+                raise BackendUnavailableError(f"opencl:{index} does not exist "
+                                              f"({len(found)} devices)")
+            self.name = f"opencl:{index}"
+            queue = cl.CommandQueue(cl.Context([found[index]]))  # NOTE: in order: module doc
+        else:
+            self.name = f"opencl:{index}@queue:{queue.int_ptr:#x}"
+        self.queue = queue
+        self.context = queue.context
+        self.cl_device = queue.device  # NOTE: in a context of several devices, the queue's one
         # NOTE: MEM_BASE_ADDR_ALIGN is in bits. A value above 512 bytes makes the caching
         # allocator refuse this device unless it is given size classes of a larger granule.
         self.alignment = max(self.cl_device.mem_base_addr_align // 8, 1)
@@ -184,6 +200,34 @@ class OpenCLDevice(Device):
     @classmethod
     def device_count(cls) -> int:
         return len(_all_devices())
+
+    @classmethod
+    def locate_queue(cls, queue: Any) -> tuple[int, int]:
+        """(device index, a number naming the queue) of a framework's `cl.CommandQueue`, once
+        it is checked to be one this backend can run on (`backends.from_queue` calls this).
+
+        Raises:
+            TypeError: `queue` is not a `pyopencl.CommandQueue`.
+            ValueError: the queue executes out of order (the kernels and the memory reuse of a
+                device rely on its one queue running commands in order), or its device is not
+                one of the OpenCL devices of `device_count()` (a sub-device, say).
+        """
+        if not isinstance(queue, cl.CommandQueue):
+            raise TypeError(f"expected a pyopencl.CommandQueue, got {type(queue).__module__}."
+                            f"{type(queue).__qualname__}")
+        if queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE:
+            raise ValueError(
+                f"the queue {queue!r} executes out of order (OUT_OF_ORDER_EXEC_MODE_ENABLE), "
+                f"but blockrt's OpenCL kernels and memory reuse rely on one in-order queue: a "
+                f"command must start only after those queued before it have finished. Pass an "
+                f"in-order queue of the same context instead: "
+                f"pyopencl.CommandQueue(queue.context, queue.device)")
+        found = _all_devices()
+        if queue.device not in found:
+            raise ValueError(f"the queue's device {queue.device!r} is not one of the "
+                             f"{len(found)} OpenCL device(s) blockrt can see "
+                             f"(opencl:0..{len(found) - 1}; sub-devices are not among them)")
+        return found.index(queue.device), queue.int_ptr
 
     @property
     def total_memory(self) -> int | None:
