@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+import backends
+
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -45,3 +47,20 @@ def test_train_mlp_reaches_the_target_accuracy_and_reports_memory(tmp_path):
     assert "blockrt memory summary" in lines
     assert any(line.startswith("cpu CachingAllocator") for line in lines)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_embed_own_queue_trains_on_the_framework_queue_or_says_why_not():
+    result = subprocess.run([sys.executable, str(EXAMPLES / "embed_own_queue.py")],
+                            capture_output=True, text=True, timeout=300, check=False)
+    if "opencl" not in backends.available():
+        assert result.returncode == 1 and "needs blockrt's OpenCL backend" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("blockrt device opencl:0@queue:0x")
+    assert lines[0].endswith("the framework's queue True, its context True")
+    first, last = (float(v) for v in lines[1].split()[2:5:2])
+    assert last < first / 10, lines[1]
+    assert float(lines[2].split()[2].rstrip(",")) >= 0.95, lines[2]
+    assert lines[2].endswith("on its own queue")
+    assert lines[3].endswith(", 0 still live")
