@@ -95,6 +95,7 @@ class ForeignBlock(Block):
 def dlpack_device(device: Device) -> tuple[int, int]:
     """(DLPack device type, device index) of `device`; BufferError for a device DLPack lacks."""
     kind, _, index = device.name.partition(":")
+    index = index.partition("@")[0]  # NOTE: "opencl:0@queue:0x...": a device over a given queue
     if isinstance(device, NumpyDevice):
         return KDL_CPU, 0
     if kind == "cuda":

@@ -290,6 +290,12 @@ def test_framework_arrays_and_blockrt_tensors_exchange_memory(cl, framework, dev
     alloc.check_invariants()
 
 
+def test_dlpack_names_the_device_under_the_queue(dev):
+    t = runtime.tensor(np.ones(3, np.float32), device=dev)
+    want = runtime.tensor(np.ones(3, np.float32), device="opencl").__dlpack_device__()
+    assert t.__dlpack_device__() == want
+
+
 # ---------------------------------------------------------------------- CUDA
 @needs_cuda
 def test_a_cupy_stream_gives_a_device_running_on_it():
@@ -303,6 +309,7 @@ def test_a_cupy_stream_gives_a_device_running_on_it():
     host = np.arange(12, dtype=np.float32).reshape(3, 4)
     t = runtime.tensor(host, device=dev)
     np.testing.assert_allclose(runtime.ops.tanh(t).numpy(), np.tanh(host), rtol=1e-6)
+    np.testing.assert_array_equal(cp.from_dlpack(t).get(), host)  # DLPack names the GPU
     default = runtime.tensor(host, device=backends.get_device(dev.name.split("@")[0]))
     with pytest.raises(ValueError, match=re.escape(dev.name)):
         runtime.ops.add(t, default)
