@@ -77,7 +77,8 @@ class AllocatorState:
 
     Every counter of COUNTERS is an attribute named "_" + its key. `_last_serial` is the serial
     of the last allocation handed out; `_live` maps serial -> live Allocation. `_hot` turns on
-    the C hot path of the caching allocator (always False here).
+    the C hot path of the caching allocator (always False here); `_ordered` says that some
+    allocation is recorded on another queue or pending (`Allocator.record_queue`).
     """
 
     def __init__(self) -> None:
@@ -85,6 +86,7 @@ class AllocatorState:
         self._live: dict[int, Any] = {}
         self._last_serial = 0
         self._hot = False
+        self._ordered = False  # NOTE: queue-ordered reuse is in use (allocators.base)
         # NOTE: counters are plain attributes: on the hot path an attribute update costs half
         # a dict update. `cache_hits` is derived (allocs - misses).
         for key in COUNTERS:

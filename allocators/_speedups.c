@@ -568,6 +568,9 @@ typedef struct {
     PyObject *device;
     /* read by the caching hot path only; `hot` is false in every other allocator */
     char hot;
+    /* whether allocations are recorded on other queues or pending (allocators.base: queue-
+       ordered reuse); read by Python only, where a member is faster than a __dict__ entry */
+    char ordered;
     PyObject *rounded;          /* dict: request bytes -> block bytes */
     PyObject *small;            /* PoolRecord of blocks <= small_size */
     PyObject *large;            /* PoolRecord of larger blocks */
@@ -971,6 +974,7 @@ static PyMemberDef state_members[] = {
     STATE_MEMBER("_lock", lock, T_OBJECT),
     STATE_MEMBER("device", device, T_OBJECT),
     STATE_MEMBER("_hot", hot, T_BOOL),
+    STATE_MEMBER("_ordered", ordered, T_BOOL),
     STATE_MEMBER("_rounded", rounded, T_OBJECT),
     STATE_MEMBER("_small", small, T_OBJECT),
     STATE_MEMBER("_large", large, T_OBJECT),

@@ -131,7 +131,7 @@ class Allocator(AllocatorState):
         if type(nbytes) is not int or nbytes < 0:
             nbytes = check_nbytes(nbytes, "allocation size")
         with self._lock:
-            if self._pending:
+            if self._ordered and self._pending:
                 self._collect_pending(wait=False)
             device_allocs = self._num_device_allocs
             try:
@@ -161,15 +161,17 @@ class Allocator(AllocatorState):
         if type(allocation) is not Allocation and not isinstance(allocation, Allocation):
             raise TypeError(f"free() takes an Allocation, got {type(allocation).__name__}")
         with self._lock:
-            if self._live.get(allocation.serial) is not allocation:
+            live = self._live
+            if live.get(allocation.serial) is not allocation:
                 raise InvalidFreeError(self._describe_invalid_free(allocation))
-            if (self._queue_uses or self._pending) and self._defer(allocation):
+            if self._ordered and self._defer(allocation):
                 return
+            del live[allocation.serial]
             self._give_back(allocation)
 
     def _give_back(self, allocation: Allocation) -> None:
-        """Take the live `allocation` off the books and hand its memory to `_free` (lock held)."""
-        del self._live[allocation.serial]
+        """Hand the memory of `allocation`, off the live set, to `_free` and take it off the
+        books (lock held)."""
         allocation.live = False
         self._free(allocation)
         self._num_frees += 1
@@ -225,13 +227,15 @@ class Allocator(AllocatorState):
             return len(self._pending)
 
     def _hot_off(self) -> None:
-        if not self._queue_uses and not self._pending:
+        if not self._ordered:
             self._hot_when_idle = self._hot
             self._hot = False
+            self._ordered = True
 
     def _hot_again(self) -> None:
-        if not self._queue_uses and not self._pending:
+        if self._ordered and not self._queue_uses and not self._pending:
             self._hot = self._hot_when_idle
+            self._ordered = False
 
     def _defer(self, allocation: Allocation) -> bool:
         """Free `allocation` later if queues were recorded for it: queue an event on each and
@@ -261,6 +265,7 @@ class Allocator(AllocatorState):
             elif not all(device.event_done(event) for event in events):
                 continue
             del self._pending[serial]
+            del self._live[serial]
             self._give_back(allocation)
         self._hot_again()
 

@@ -3,8 +3,8 @@
 The same cases run in two source trees side by side: this checkout, and a baseline commit
 checked out into a temporary git worktree (default: the commit before queue-ordered reuse).
 Each round starts one worker process per tree, in turn, so both see the same machine load;
-the best round of each case is kept. The baseline gets this checkout's built C extension
-(the script refuses if allocators/_speedups.c differs between the two trees).
+the best round of each case is kept. The baseline's C extension is built in its worktree
+(`setup.py build_ext --inplace`, with the compiler this checkout was built with).
 
 Same-queue cases (must cost at most 5% more than the baseline):
 - `caching` allocate + free of 4 KiB on the OpenCL device (the C hot path), and on the CPU;
@@ -130,19 +130,17 @@ def run_tree(tree: pathlib.Path, number: int, cross: bool) -> dict:
 
 
 def baseline_tree(ref: str, into: pathlib.Path) -> pathlib.Path:
-    diff = subprocess.run(["git", "diff", "--quiet", ref, "--", "allocators/_speedups.c"],
-                          cwd=ROOT, capture_output=True)
-    if diff.returncode == 1:
-        raise SystemExit(f"allocators/_speedups.c differs between {ref} and this checkout: the "
-                         f"baseline would need its own build")
+    """A worktree of `ref` with its C extension built in place (with this Python)."""
     tree = into / "baseline"
     made = subprocess.run(["git", "worktree", "add", "--detach", str(tree), ref], cwd=ROOT,
                           capture_output=True, text=True)
     if made.returncode:
         raise SystemExit(f"cannot check out the baseline {ref} (a shallow clone?): "
                          f"{made.stderr.strip()}")
-    for built in (ROOT / "allocators").glob("_speedups*.so"):
-        (tree / "allocators" / built.name).write_bytes(built.read_bytes())
+    built = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree,
+                           capture_output=True, text=True)
+    if built.returncode or not list((tree / "allocators").glob("_speedups*.so")):
+        raise SystemExit(f"cannot build the baseline's C extension:\n{built.stderr[-2000:]}")
     return tree
 
 

@@ -437,10 +437,11 @@ def test_random_multi_queue_programs_never_see_another_arrays_writes(dev, progra
 
 
 def test_the_property_finds_the_planted_bug(dev, program, other):
-    """The property's search finds the bug of an allocator that ignores recorded queues (generation
-    only: shrinking would take most of the time), in a program with a held write and a free."""
+    """The property's search finds the bug of an allocator that ignores recorded queues
+    (generation only: shrinking would take most of the time). Without ordering, writes that are
+    not held race with reuse too, so what it finds need not hold a write back; it always frees."""
     queues = [dev.queue, other, cl.CommandQueue(dev.context)]
-    # NOTE: without the join, writes that are not held race, so a program may corrupt on one
+    # NOTE: without ordering, writes that are not held race, so a program may corrupt on one
     # run and not on the next: hypothesis replays what it found, so each program runs once.
     runs: dict[tuple, bool] = {}
 
@@ -453,6 +454,5 @@ def test_the_property_finds_the_planted_bug(dev, program, other):
     found = find(PROGRAMS, corrupts,
                  settings=settings(max_examples=500, deadline=None, database=None,
                                    phases=[Phase.generate]))
-    assert any(step[0] == "write" and step[3] for step in found), found
-    assert any(step[0] == "free" for step in found), found
+    assert any(step[0] == "free" for step in found), found  # NOTE: no free, no reuse
     assert run_program(dev, program, queues, allocators.create("caching", dev), found) == []
