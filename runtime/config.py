@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -87,8 +88,12 @@ class Settings:
 SETTINGS = Settings.from_environ(os.environ)
 
 _state: dict[str, Any] = {"aliasing": "copy", "device": None}
-_default_allocators: dict[Device, Allocator] = {}  # NOTE: keyed by the Device object itself
-_default_constant_pools: dict[Device, ConstantPool] = {}
+# NOTE: a device's default allocator and constant pool live on the device itself (attributes
+# below), not in a table keyed by it: a table would keep every device alive, and a device over a
+# framework's queue (backends.from_queue) must go with the framework's last use of it. The weak
+# set only lists the devices that have defaults, for default_allocators() and the summary.
+_ALLOCATOR, _POOL = "_blockrt_default_allocator", "_blockrt_default_constant_pool"
+_with_defaults: weakref.WeakSet[Device] = weakref.WeakSet()
 _lock = threading.Lock()
 
 
@@ -157,19 +162,29 @@ def set_default_allocator(allocator: str | Allocator, device: str | Device | Non
         where, wanted = device_names(allocator.device, dev)
         raise ValueError(f"allocator {allocator!r} lives on {where}, not on {wanted}")
     with _lock:
-        _default_allocators[dev] = allocator
+        setattr(dev, _ALLOCATOR, allocator)
+        _with_defaults.add(dev)
     return allocator
 
 
-def _per_device(table: dict, dev: Device, make: Callable[[], Any]) -> Any:
-    """table[dev], made by `make()` the first time; one maker wins when threads race."""
-    value = table.get(dev)
+def _per_device(attribute: str, dev: Device, make: Callable[[], Any]) -> Any:
+    """The device's `attribute`, made by `make()` the first time; one maker wins when threads
+    race."""
+    value = dev.__dict__.get(attribute)
     if value is None:
         with _lock:
-            value = table.get(dev)
+            value = dev.__dict__.get(attribute)
             if value is None:
-                value = table[dev] = make()
+                value = make()
+                setattr(dev, attribute, value)
+                _with_defaults.add(dev)
     return value
+
+
+def _defaults(attribute: str) -> dict[Device, Any]:
+    with _lock:
+        devices = list(_with_defaults)
+    return {dev: dev.__dict__[attribute] for dev in devices if attribute in dev.__dict__}
 
 
 def get_default_allocator(device: str | Device | None = None) -> Allocator:
@@ -180,14 +195,16 @@ def get_default_allocator(device: str | Device | None = None) -> Allocator:
         ValueError: BLOCKRT_ALLOCATOR names no registered allocator.
     """
     dev = _device(device)
-    return _per_device(_default_allocators, dev,
-                       lambda: allocators.create(SETTINGS.default_allocator_name(), dev))
+    allocator = dev.__dict__.get(_ALLOCATOR)
+    if allocator is None:
+        allocator = _per_device(_ALLOCATOR, dev,
+                                lambda: allocators.create(SETTINGS.default_allocator_name(), dev))
+    return allocator
 
 
 def default_allocators() -> dict[Device, Allocator]:
-    """Device -> default allocator, for every device that has one so far."""
-    with _lock:
-        return dict(_default_allocators)
+    """Device -> default allocator, for every living device that has one so far."""
+    return _defaults(_ALLOCATOR)
 
 
 def get_default_constant_pool(device: str | Device | None = None) -> ConstantPool:
@@ -196,13 +213,12 @@ def get_default_constant_pool(device: str | Device | None = None) -> ConstantPoo
     from runtime.constant import ConstantPool  # NOTE: constant imports tensor, which imports us
 
     dev = _device(device)
-    pool = _default_constant_pools.get(dev)
+    pool = dev.__dict__.get(_POOL)
     if pool is None:
-        pool = _per_device(_default_constant_pools, dev, lambda: ConstantPool(device=dev))
+        pool = _per_device(_POOL, dev, lambda: ConstantPool(device=dev))
     return pool
 
 
 def default_constant_pools() -> dict[Device, ConstantPool]:
-    """Device -> default constant pool, for every device that has one so far."""
-    with _lock:
-        return dict(_default_constant_pools)
+    """Device -> default constant pool, for every living device that has one so far."""
+    return _defaults(_POOL)

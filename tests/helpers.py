@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -56,3 +57,24 @@ def run_threads(target: Callable[[int], None], workers: int) -> None:
         thread.join()
     if errors:
         raise errors[0]
+
+
+@contextlib.contextmanager
+def fresh_defaults(allocators: bool = True, pools: bool = True) -> Iterator[None]:
+    """No device has a default allocator (and/or constant pool) inside the block; the ones there
+    were come back after it, and those made inside are dropped (see runtime.config)."""
+    from runtime import config
+
+    names = [name for name, wanted in ((config._ALLOCATOR, allocators), (config._POOL, pools))
+             if wanted]
+    saved = {dev: {name: dev.__dict__.pop(name) for name in names if name in dev.__dict__}
+             for dev in list(config._with_defaults)}
+    try:
+        yield
+    finally:
+        for dev in list(config._with_defaults):
+            for name in names:
+                dev.__dict__.pop(name, None)
+        for dev, attributes in saved.items():
+            dev.__dict__.update(attributes)
+            config._with_defaults.add(dev)

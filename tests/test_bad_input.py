@@ -27,6 +27,7 @@ from hypothesis.extra import numpy as hnp
 
 import allocators
 import backends
+import helpers
 import runtime
 from allocators import InvalidFreeError, OutOfMemoryError
 from allocators.interop import pyopencl_allocator
@@ -775,7 +776,7 @@ def test_two_numpy_devices_do_not_mix(world, call, match):
 
 
 def test_set_default_allocator_on_another_device_changes_nothing(monkeypatch):
-    monkeypatch.setattr(config, "_default_allocators", {})
+    monkeypatch.delattr(backends.get_device("cpu"), config._ALLOCATOR, raising=False)
     default = runtime.get_default_allocator("cpu")
     foreign = _second_cpu()
     with pytest.raises(ValueError, match=r"allocator <DirectAllocator on cpu> lives on "
@@ -911,8 +912,8 @@ def test_bad_graph_arguments(make, error, match):
 def fresh_config(monkeypatch):
     """No default device or allocator chosen yet, as in a process that just started."""
     monkeypatch.setitem(config._state, "device", None)
-    monkeypatch.setattr(config, "_default_allocators", {})
-    monkeypatch.setattr(config, "_default_constant_pools", {})
+    with helpers.fresh_defaults():
+        yield
 
 
 @pytest.mark.parametrize(("environ", "error", "match"), [

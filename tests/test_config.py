@@ -18,6 +18,7 @@ import pytest
 
 import allocators
 import backends
+import helpers
 import runtime
 from runtime import config
 
@@ -25,10 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def fresh_defaults(monkeypatch):
-    """Empty default-allocator and default-pool tables for one test."""
-    monkeypatch.setattr(config, "_default_allocators", {})
-    monkeypatch.setattr(config, "_default_constant_pools", {})
+def fresh_defaults():
+    """No default allocator or constant pool on any device, for one test."""
+    with helpers.fresh_defaults():
+        yield
 
 
 def run_python(code: str, env_value: str | None) -> subprocess.CompletedProcess:
@@ -92,7 +93,7 @@ def test_environment_is_read_once():
     os.environ["BLOCKRT_ALLOCATOR"] = "bogus"          # set before first use, after import
     first = runtime.get_default_allocator("cpu")
     os.environ["BLOCKRT_ALLOCATOR"] = "direct"         # set after first use
-    runtime.config._default_allocators.clear()         # so a new default is made
+    delattr(runtime.get_default_device(), runtime.config._ALLOCATOR)  # a new default next
     print(type(first).__name__, type(runtime.get_default_allocator("cpu")).__name__)
     """
     result = run_python(code, "tagged")
@@ -114,7 +115,7 @@ def test_bad_settings_surface_when_a_default_is_needed(fresh_defaults, monkeypat
     monkeypatch.setattr(config, "SETTINGS", config.Settings("nope", "environment variable X"))
     chosen = runtime.set_default_allocator("direct", "cpu")  # an explicit choice still works
     assert runtime.get_default_allocator("cpu") is chosen
-    monkeypatch.setattr(config, "_default_allocators", {})
+    delattr(backends.get_device("cpu"), config._ALLOCATOR)  # NOTE: the fixture restores it
     with pytest.raises(ValueError, match="environment variable X is 'nope'"):
         runtime.zeros(2)
 

@@ -19,6 +19,7 @@ from hypothesis.extra import numpy as hnp
 
 import allocators
 import backends
+import helpers
 import runtime
 from backends import Device
 from backends.numpy import NumpyDevice
@@ -137,18 +138,18 @@ def test_colliding_entries_are_forgotten_one_by_one(pool, alloc, monkeypatch):
 @pytest.mark.skipif(runtime.get_default_device().name != "cpu",
                     reason="about the cpu pool serving constants made without a device, which "
                            "needs cpu to be the default device (BLOCKRT_DEVICE names another)")
-def test_default_pool_per_device(monkeypatch):
+def test_default_pool_per_device():
     from runtime import config
 
-    monkeypatch.setattr(config, "_default_constant_pools", {})
-    a = runtime.constant(np.arange(3.0), device="cpu")
-    b = runtime.constant(np.arange(3.0))
-    default = config.get_default_constant_pool("cpu")
-    assert a.block is b.block
-    assert default.blocks() == [a.block]
-    assert isinstance(default.allocator, ReadOnlyAllocator)  # read-only memory of its own
-    assert not a.block.memory_for_read().raw.flags.writeable
-    assert config.default_constant_pools() == {a.device: default}
+    with helpers.fresh_defaults(allocators=False):
+        a = runtime.constant(np.arange(3.0), device="cpu")
+        b = runtime.constant(np.arange(3.0))
+        default = config.get_default_constant_pool("cpu")
+        assert a.block is b.block
+        assert default.blocks() == [a.block]
+        assert isinstance(default.allocator, ReadOnlyAllocator)  # read-only memory of its own
+        assert not a.block.memory_for_read().raw.flags.writeable
+        assert config.default_constant_pools() == {a.device: default}
 
 
 def test_constant_argument_errors(pool):

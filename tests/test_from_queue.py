@@ -152,6 +152,22 @@ def test_the_same_queue_gives_the_same_device_while_it_is_used_and_nothing_keeps
     assert again.name == name and again.queue is queue
 
 
+def test_a_device_with_a_default_allocator_and_pool_still_goes_with_its_last_use(cl, framework):
+    """The runtime's per-device defaults live on the device, not in a table that keeps it."""
+    queue = cl.CommandQueue(framework.context)
+    references = sys.getrefcount(queue)
+    device = backends.from_queue(queue)
+    t = runtime.tensor(np.ones(4, np.float32), device=device)  # makes the default allocator
+    c = runtime.constant(np.ones(4, np.float32), device=device)  # and the default pool
+    assert device in runtime.config.default_allocators()
+    assert device in runtime.config.default_constant_pools()
+    gone = weakref.ref(device)
+    del device, t, c
+    gc.collect()
+    assert gone() is None, gc.get_referrers(gone())
+    assert sys.getrefcount(queue) == references
+
+
 def test_an_out_of_order_queue_is_refused_saying_why_and_what_to_pass(cl, framework):
     try:
         queue = cl.CommandQueue(framework.context, properties=cl.command_queue_properties
