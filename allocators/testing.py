@@ -52,8 +52,8 @@ from hypothesis.stateful import (
 
 from allocators.base import Allocation, Allocator, InvalidFreeError, OutOfMemoryError, format_bytes
 
-__all__ = ["RATIO_STATS", "REQUIRED_STATS", "AllocatorStateMachine", "allocation_sizes",
-           "byte_pattern", "make_test_case"]
+__all__ = ["QUEUE_CHECK_SIZES", "RATIO_STATS", "REQUIRED_STATS", "AllocatorStateMachine",
+           "allocation_sizes", "byte_pattern", "check_queue_ordered_reuse", "make_test_case"]
 
 #: Keys every allocator's `stats()` has (see DESIGN.md), all non-negative ints.
 REQUIRED_STATS = ("allocated_bytes", "peak_allocated_bytes", "reserved_bytes",
@@ -335,3 +335,90 @@ def make_test_case(factory: Callable[[], Allocator] | None = None, *,
                                   stateful_step_count=stateful_step_count, deadline=deadline,
                                   **options)
     return test_case
+
+
+# ---------------------------------------------------------------------- queue-ordered reuse
+#: OpenCL C for the queue check: x[offset + i] = value, one work item per word.
+_PUT_WORDS = ("__kernel void put(__global uint *x, ulong offset, uint value) "
+              "{ x[offset + get_global_id(0)] = value; }")
+#: The sizes the queue check frees and asks for again.
+QUEUE_CHECK_SIZES = (4, 256, 4096, 65536, (1 << 20) + 512)
+
+
+def check_queue_ordered_reuse(factory: Callable[[], Allocator], *, reuses: int = 4,
+                              guard_seconds: float = 30.0) -> bool:
+    """Check that memory freed while a kernel on another queue may still write it is not handed
+    out again before that kernel has run (Note [queue-ordered reuse] in backends/base.py).
+
+    For each size of QUEUE_CHECK_SIZES: allocate, `record_queue` a second queue, hold a kernel
+    that writes the allocation back on that queue with an OpenCL user event, free the
+    allocation, then allocate `reuses` times the same size and write each on the device's queue;
+    release the held kernel and read everything back. An allocation that holds the held
+    kernel's words was handed out too early. Runs only on OpenCL devices (PoCL counts), the
+    ones where a kernel can be held back deterministically; returns False, checking nothing,
+    elsewhere. A timer releases the held kernel after `guard_seconds` whatever happens, so that
+    an allocator that waits for it (when memory runs out) cannot hang the check.
+
+    Raises:
+        AssertionError: memory was handed out early (the message names the allocations), or
+            the allocator's books are wrong afterwards.
+    """
+    import threading
+
+    allocator = factory()
+    device = allocator.device
+    if device.home_queue is None or device.name.partition(":")[0] != "opencl":
+        return False
+    import pyopencl as cl
+
+    home = device.home_queue
+    other = cl.CommandQueue(device.context)
+    kernel = cl.Program(device.context, _PUT_WORDS).build().put
+    complete = cl.command_execution_status.COMPLETE
+
+    def put(queue: Any, allocation: Allocation, value: int, wait_for: list | None = None) -> Any:
+        view = device.array_view(allocation.raw, allocation.offset, (1,), np.uint8, (1,))
+        return kernel(queue, (allocation.nbytes // 4,), None, view.base_data,
+                      np.uint64(view.offset // 4), np.uint32(value), wait_for=wait_for)
+
+    def words(allocation: Allocation) -> np.ndarray:
+        view = device.array_view(allocation.raw, allocation.offset, (allocation.nbytes // 4,),
+                                 np.uint32, (4,))
+        return view.get(queue=home)
+
+    for nbytes in QUEUE_CHECK_SIZES:
+        held = cl.UserEvent(device.context)
+        guard = threading.Timer(guard_seconds, held.set_status, (complete,))
+        guard.start()
+        try:
+            late = allocator.allocate(nbytes)
+            allocator.record_queue(late, other)
+            put(other, late, 0xBAD0BAD0, wait_for=[held])
+            freed = f"allocation #{late.serial} of {format_bytes(nbytes)}"
+            allocator.free(late)
+            again = [allocator.allocate(nbytes) for _ in range(reuses)]
+            for value, allocation in enumerate(again, 1):
+                put(home, allocation, value)
+        finally:
+            if not guard.finished.is_set():
+                guard.cancel()
+                held.set_status(complete)
+        other.finish()
+        home.finish()
+        for value, allocation in enumerate(again, 1):
+            seen = words(allocation)
+            assert (seen == value).all(), (
+                f"{allocator!r} handed out allocation #{allocation.serial} of "
+                f"{format_bytes(nbytes)} over memory that a kernel queued on another queue "
+                f"(recorded with record_queue) could still write: {freed} was freed while the "
+                f"kernel was held, and the new allocation holds its words "
+                f"({sorted(set(seen.tolist()))[:4]}, expected {value}); freed memory must wait "
+                f"for the recorded queues (does the allocator override free or record_queue?)")
+            allocator.free(allocation)
+    allocator.empty_cache()
+    allocator.check_invariants()
+    stats = allocator.stats()
+    assert stats["active_allocations"] == 0, (
+        f"{allocator!r} still counts {stats['active_allocations']} allocations after the queue "
+        f"check freed everything and emptied its cache")
+    return True
