@@ -45,7 +45,8 @@ class Block:
     """
 
     __slots__ = ("nbytes", "allocator", "device", "id", "generation", "version", "readonly",
-                 "on_return", "lock", "_allocation", "_written", "_refs", "__weakref__")
+                 "on_return", "lock", "exports", "_allocation", "_written", "_refs",
+                 "__weakref__")
 
     def __init__(self, nbytes: int, allocator: Allocator) -> None:
         self.nbytes = nbytes
@@ -60,6 +61,8 @@ class Block:
         # constant pool): references then move under it, so a handle never revives a block
         # whose last reference is going
         self.lock: Any = None
+        # NOTE: DLPack exports of the block's memory that a consumer still holds (runtime.dlpack)
+        self.exports = 0
         self._allocation: Allocation | None = None
         self._written = False
         self._refs = 0
@@ -123,7 +126,18 @@ class Block:
     def free(self) -> None:
         """Return the memory now, whatever references remain: every existing handle goes stale
         and raises UseAfterFreeError when used. The block can be written (and allocated) again
-        through handles acquired afterwards."""
+        through handles acquired afterwards.
+
+        Raises:
+            BufferError: another library still holds a DLPack export of the memory (it would
+                read and write memory handed to someone else); nothing is freed.
+        """
+        if self.exports:
+            raise BufferError(
+                f"free(): block #{self.id} ({format_bytes(self.nbytes)}) has {self.exports} live "
+                f"DLPack export(s): another library's array still uses its memory, which free() "
+                f"would hand to someone else; drop those arrays first (the memory goes back when "
+                f"the last of them and of the tensors goes)")
         with self.lock or contextlib.nullcontext():  # NOTE: not a hot path, unlike release
             self._refs = 0
             self._return_memory()

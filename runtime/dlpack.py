@@ -5,7 +5,22 @@ speaks DLPack, so a tensor exports through it. The view handed over is made over
 object that keeps a new handle on the tensor's block: NumPy's and CuPy's DLPack capsules hold the
 array they export, and a consumer's array holds the capsule, so the block keeps its memory (it is
 not returned to its allocator, and so not reused) until the consumer lets go of it. Releasing the
-tensor only drops the tensor's own reference; `Block.free()` still frees at once, by definition.
+tensor only drops the tensor's own reference. `Block.free()`, which frees whatever handles
+remain, raises BufferError while an export is alive (the holder counts itself in
+`Block.exports`): freeing would let the consumer read and write memory handed to someone else,
+and deferring the free would make it silently not free (PyTorch's storage, which a DLPack
+consumer holds, cannot be freed from under it either).
+
+What a consumer could misuse or not take is refused before anything is shared (BufferError,
+saying what to do instead): a tensor that requires grad (export `t.detach()`, as PyTorch asks);
+a view with negative strides (many consumers cannot take them; PyTorch aborts the process) unless
+the consumer asks for a copy (`copy=True`); and a read-only block (a deduplicated constant) to a
+consumer that asks for no DLPack 1.0 capsule (`max_version` below (1, 0)) and so cannot be told
+that it is read-only. A read-only block otherwise goes out as a copy unless the consumer asks
+for none (`copy=False`): PyTorch (2.13) asks for a versioned capsule and then ignores its
+read-only flag, so a shared view would let it write every holder's constant. With `copy=False`
+a consumer that asks for a versioned capsule gets the memory itself with the read-only flag
+(NumPy then makes a non-writeable array); `copy=True` always gives a writable copy.
 
 Import. `from_dlpack(x)` asks NumPy (or CuPy) to take `x` and wraps the result in a
 `ForeignBlock`: a Block that is written from birth, holds the producer's memory (and so the
@@ -36,6 +51,8 @@ Example:
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -105,18 +122,32 @@ def dlpack_device(device: Device) -> tuple[int, int]:
     raise BufferError(f"device {device.name} ({type(device).__name__}) has no DLPack device type")
 
 
-class _Export:
-    """Holds a tensor handle and shows the tensor's memory through an array interface."""
+_exports_lock = threading.Lock()
 
-    def __init__(self, interface_name: str, interface: dict, handle: Any) -> None:
+
+def _count_export(block: Block, step: int) -> None:
+    with _exports_lock:
+        block.exports += step
+
+
+class _Export:
+    """Holds a handle (a tensor's, or the producer's array) and shows its memory through an
+    array interface. For a tensor's memory it counts as a live export of the block
+    (`Block.exports`) from its birth to its collection, when the consumer lets go."""
+
+    def __init__(self, interface_name: str, interface: dict, handle: Any,
+                 block: Block | None = None) -> None:
         setattr(self, interface_name, interface)
         self.handle = handle  # NOTE: a reference on the block: its memory stays while we live
+        if block is not None:
+            _count_export(block, 1)
+            weakref.finalize(self, _count_export, block, -1)
 
 
 def _share_host(native: np.ndarray, handle: Any) -> np.ndarray:
     interface = dict(native.__array_interface__)
     interface["data"] = (interface["data"][0], bool(handle.block.readonly))
-    return np.asarray(_Export("__array_interface__", interface, handle))
+    return np.asarray(_Export("__array_interface__", interface, handle, handle.block))
 
 
 def _share_cuda(native: Any, handle: Any) -> Any:
@@ -124,7 +155,42 @@ def _share_cuda(native: Any, handle: Any) -> Any:
 
     interface = dict(native.__cuda_array_interface__)
     interface.pop("stream", None)  # NOTE: the export runs on the device's stream already
-    return _cupy().asarray(_Export("__cuda_array_interface__", interface, handle))
+    return _cupy().asarray(_Export("__cuda_array_interface__", interface, handle, handle.block))
+
+
+def _check_exportable(tensor: Any, max_version: Any, copy: Any) -> bool | None:
+    """Refuse, before anything is shared, what a consumer could misuse or not take; returns the
+    copy flag to export with (a read-only block goes as a copy unless copy=False)."""
+    if copy is not None and not isinstance(copy, bool):
+        raise TypeError(f"__dlpack__: copy must be True, False or None, got {copy!r}")
+    if max_version is not None and not (
+            isinstance(max_version, tuple) and len(max_version) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in max_version)):
+        raise TypeError(f"__dlpack__: max_version must be a (major, minor) tuple of ints, got "
+                        f"{max_version!r}")
+    if tensor.requires_grad:
+        raise BufferError(
+            "__dlpack__: the tensor requires grad, and another library's writes to it would "
+            "bypass autograd (PyTorch refuses too); export tensor.detach() instead")
+    if copy:
+        return copy
+    if any(s < 0 and n > 1 for s, n in zip(tensor.strides, tensor.shape)):
+        raise BufferError(
+            f"__dlpack__: the view has negative strides {tensor.strides} (elements), which many "
+            f"consumers cannot take (PyTorch aborts on them); ask for a copy "
+            f"(np.from_dlpack(t, copy=True)) or export runtime.ops.copy(t)")
+    if tensor.block.readonly and (max_version is None or max_version < (1, 0)):
+        raise BufferError(
+            f"__dlpack__: block #{tensor.block.id} is read-only (a constant, shared by every "
+            f"holder of equal content), and a consumer that asks for no DLPack 1.0 capsule "
+            f"(max_version={max_version!r}) cannot be told so and could write it; ask for a "
+            f"copy (np.from_dlpack(t, copy=True), or runtime.tensor(t.numpy()) for a writable "
+            f"tensor) or use a consumer that passes max_version=(1, 0)")
+    if tensor.block.readonly and copy is None:
+        # NOTE: PyTorch 2.13 asks for a versioned capsule and then ignores its read-only flag:
+        # a copy is the only answer that no consumer can turn into a write to the constant
+        return True
+    return copy
 
 
 def export(tensor: Any, stream: Any = None, max_version: tuple[int, int] | None = None,
@@ -133,11 +199,16 @@ def export(tensor: Any, stream: Any = None, max_version: tuple[int, int] | None 
 
     Raises:
         BufferError: the tensor's device cannot be exchanged through DLPack (OpenCL), or the
-            native library refuses the request (e.g. a stream on the CPU).
+            native library refuses the request (e.g. a stream on the CPU); the tensor requires
+            grad; its view has negative strides and no copy was asked for; it is read-only (a
+            constant) and the consumer cannot be told (no max_version >= (1, 0)) nor asked for
+            a copy.
+        TypeError: copy or max_version is malformed.
         UseAfterFreeError / UninitializedMemoryError: the tensor has no readable memory.
         GraphCaptureError: called while a graph is capturing.
     """
     tape.refuse_read("__dlpack__()")
+    copy = _check_exportable(tensor, max_version, copy)
     device_type, _ = dlpack_device(tensor.device)
     share = {KDL_CPU: _share_host, KDL_CUDA: _share_cuda}.get(device_type)
     if share is None:
