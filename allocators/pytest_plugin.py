@@ -121,16 +121,18 @@ def soak_items(items: list[pytest.Item], factor: int) -> int:
 
 
 def run_conformance(factory: Callable[[], Allocator], *, soak: int = 1, **settings: Any) -> None:
-    """Run the conformance state machine on `factory()` allocators; raise on any failure.
+    """Run the conformance state machine on `factory()` allocators, and on OpenCL the queue
+    check (`allocators.testing.check_queue_ordered_reuse`); raise on any failure.
 
     Keyword arguments go to `allocators.testing.make_test_case` (max_examples,
     stateful_step_count, any hypothesis setting); `soak` multiplies max_examples (the plugin's
     fixture and command-line tests pass BLOCKRT_SOAK's factor).
     """
-    from allocators.testing import make_test_case
+    from allocators.testing import check_queue_ordered_reuse, make_test_case
 
     test_case = make_test_case(factory, soak=soak, **settings)
     test_case("runTest").runTest()
+    check_queue_ordered_reuse(factory)  # NOTE: checks nothing off OpenCL
 
 
 class ConformanceItem(pytest.Item):

@@ -126,7 +126,7 @@ class AllocatorStateMachine(RuleBasedStateMachine):
         if self.foreign is self.allocator:
             raise ValueError("make_allocator() must return a new allocator on every call")
         # NOTE: the model. id(allocation) -> (allocation, the bytes written into it).
-        self.model: dict[int, tuple[Allocation, np.ndarray]] = {}
+        self.model: dict[int, tuple[Allocation, np.ndarray | None]] = {}
         self.freed: list[Allocation] = []
         self.expected_allocs = 0
         self.expected_frees = 0
@@ -148,15 +148,19 @@ class AllocatorStateMachine(RuleBasedStateMachine):
             self._check_failed_allocation_left_no_trace(before)
             return multiple()
         assert isinstance(allocation, Allocation), f"allocate() returned {allocation!r}"
+        # NOTE: in the model before any check, so that teardown frees it even when a check
+        # fails (a leak report would hide that failure); its pattern comes after the checks
+        self.model[id(allocation)] = (allocation, None)
+        self.expected_allocs += 1
         assert allocation.nbytes == nbytes, f"asked for {nbytes} bytes, got {allocation!r}"
         assert allocation.size >= allocation.nbytes, (
             f"{allocation!r} sets aside {allocation.size} bytes, fewer than its {nbytes}")
         assert allocation.live and allocation.owner is self.allocator, (
             f"{allocation!r} is not live or not owned by {self.allocator!r}")
+        self._check_placement(allocation)
         pattern = byte_pattern(next(self._tags), nbytes)
         allocation.device.copyin(allocation.raw, allocation.offset, pattern)
         self.model[id(allocation)] = (allocation, pattern)
-        self.expected_allocs += 1
         return allocation
 
     @rule(allocation=consumes(allocations))
@@ -214,6 +218,23 @@ class AllocatorStateMachine(RuleBasedStateMachine):
         self._check_no_overlap()
         self._check_stats()
 
+    def _check_placement(self, allocation: Allocation) -> None:
+        """On the allocator's device, inside its raw memory, at an aligned address."""
+        device = self.allocator.device
+        assert allocation.device is device, (
+            f"{allocation!r} is on {allocation.device.name}, its allocator on {device.name}")
+        assert allocation.offset >= 0 and (
+            allocation.offset + allocation.size <= device.nbytes_of(allocation.raw)), (
+            f"{allocation!r} spans bytes {allocation.offset} to "
+            f"{allocation.offset + allocation.size} of a raw memory of "
+            f"{device.nbytes_of(allocation.raw)} bytes")
+        align = device.alignment
+        assert allocation.ptr % align == 0, (
+            f"{allocation!r} starts at address {allocation.ptr:#x} (offset {allocation.offset} "
+            f"in its raw memory), not a multiple of {device.name}'s alignment of {align} bytes "
+            f"(Device.alignment): every allocation must start there (OpenCL sub-buffers, the "
+            f"pyopencl hook and vector loads rely on it)")
+
     def _check_no_overlap(self) -> None:
         live = [allocation for allocation, _ in self.model.values() if allocation.nbytes]
         spans = sorted((allocation.ptr, allocation.ptr + allocation.nbytes, index)
@@ -254,6 +275,8 @@ class AllocatorStateMachine(RuleBasedStateMachine):
 
     def _check_contents(self, allocation: Allocation) -> None:
         _, pattern = self.model[id(allocation)]
+        if pattern is None:  # NOTE: a check failed before the pattern was written
+            return
         found = allocation.device.copyout(allocation.raw, allocation.offset, allocation.nbytes)
         changed = np.flatnonzero(np.asarray(found, dtype=np.uint8) != pattern)
         if changed.size:
@@ -334,7 +357,18 @@ def make_test_case(factory: Callable[[], Allocator] | None = None, *,
     test_case.settings = settings(max_examples=max_examples * soak,
                                   stateful_step_count=stateful_step_count, deadline=deadline,
                                   **options)
+    probe = factory() if factory is not None else None  # NOTE: the machine refuses non-allocators
+    if isinstance(probe, Allocator) and _holds_kernels(probe.device):
+        def test_queue_ordered_reuse(self: unittest.TestCase) -> None:
+            check_queue_ordered_reuse(factory)
+
+        test_case.test_queue_ordered_reuse = test_queue_ordered_reuse
     return test_case
+
+
+def _holds_kernels(device: Any) -> bool:
+    """Whether `check_queue_ordered_reuse` runs on `device` (OpenCL: user events)."""
+    return device.home_queue is not None and device.name.partition(":")[0] == "opencl"
 
 
 # ---------------------------------------------------------------------- queue-ordered reuse
@@ -367,7 +401,7 @@ def check_queue_ordered_reuse(factory: Callable[[], Allocator], *, reuses: int =
 
     allocator = factory()
     device = allocator.device
-    if device.home_queue is None or device.name.partition(":")[0] != "opencl":
+    if not _holds_kernels(device):
         return False
     import pyopencl as cl
 

@@ -32,7 +32,8 @@ class BumpAllocator(Allocator):
 
     The arena resets when its last allocation is freed and goes back on `empty_cache()` when
     nothing is live. It runs out of room often, so the kit's out-of-memory path gets exercised.
-    `overlap_bytes` plants a bug: each allocation overlaps the next by that many bytes.
+    Every allocation starts at a multiple of the device's alignment. `overlap_bytes` > 0 plants
+    a bug: each allocation overlaps the next (by one alignment unit, so that it stays aligned).
     """
 
     name = "bump"
@@ -52,7 +53,9 @@ class BumpAllocator(Allocator):
         if self._arena is None:
             self._arena = self._device_alloc(self.arena_nbytes)
         allocation = Allocation(self.device, self._arena, self._top, nbytes, nbytes)
-        self._top += max(nbytes - self.overlap_bytes, 0)
+        align = self.device.alignment
+        step = -(-nbytes // align) * align
+        self._top += max(step - (align if self.overlap_bytes else 0), 0)
         self._live_count += 1
         return allocation
 
@@ -406,10 +409,10 @@ def test_check_invariants_catches_reserved_below_allocated():
 
 def test_check_invariants_catches_overlapping_allocations():
     alloc = BumpAllocator("cpu", overlap_bytes=1)
-    first = alloc.allocate(10)
+    first = alloc.allocate(100)  # NOTE: two alignment units on the CPU, the next overlaps one
     alloc.check_invariants()
-    second = alloc.allocate(10)
-    assert second.offset == first.offset + 9
+    second = alloc.allocate(100)
+    assert second.offset == first.offset + alloc.device.alignment
     with pytest.raises(AssertionError, match="overlap"):
         alloc.check_invariants()
 

@@ -56,11 +56,14 @@ class BuddyAllocator(Allocator):
     Args:
         device: a Device or spec (default "cpu").
         arena_nbytes: bytes per arena, a power of two (default 1 MiB).
-        min_block: the smallest block, a power of two (default 64, the CPU alignment).
+        min_block: the smallest block, a power of two and a multiple of the device's alignment
+            (default: the larger of 64 and `device.alignment`, which is 64 on the CPU and
+            CL_DEVICE_MEM_BASE_ADDR_ALIGN on OpenCL, 128 bytes on PoCL): blocks start at
+            multiples of it, so every allocation starts aligned.
 
     Raises:
         TypeError, ValueError: a size is not an int, or not a power of two, or
-            arena_nbytes < min_block.
+            arena_nbytes < min_block, or min_block is not a multiple of the device's alignment.
 
     Example:
         >>> alloc = BuddyAllocator("cpu", arena_nbytes=4096)
@@ -77,10 +80,16 @@ class BuddyAllocator(Allocator):
     name = "buddy"
 
     def __init__(self, device: Any = None, arena_nbytes: int = 1 << 20,
-                 min_block: int = 64) -> None:
+                 min_block: int | None = None) -> None:
         super().__init__(device)
+        align = self.device.alignment
         self.arena_nbytes = _power_of_two(arena_nbytes, "arena_nbytes")
-        self.min_block = _power_of_two(min_block, "min_block")
+        self.min_block = _power_of_two(max(64, align) if min_block is None else min_block,
+                                       "min_block")
+        if self.min_block % align:
+            raise ValueError(f"min_block ({self.min_block}) must be a multiple of the alignment "
+                             f"of {self.device.name} ({align} bytes): blocks start at multiples "
+                             f"of min_block, and every allocation must start aligned")
         if self.arena_nbytes < self.min_block:
             raise ValueError(f"arena_nbytes ({arena_nbytes}) is smaller than min_block "
                              f"({min_block})")
