@@ -55,7 +55,8 @@ from allocators.base import Allocation, Allocator, InvalidFreeError, OutOfMemory
 __all__ = ["QUEUE_CHECK_SIZES", "RATIO_STATS", "REQUIRED_STATS", "AllocatorStateMachine",
            "allocation_sizes", "byte_pattern", "check_queue_ordered_reuse", "make_test_case"]
 
-#: Keys every allocator's `stats()` has (see DESIGN.md), all non-negative ints.
+#: Keys every allocator's `stats()` has (docs/allocators.md, "One stats mapping"), all
+#: non-negative ints.
 REQUIRED_STATS = ("allocated_bytes", "peak_allocated_bytes", "reserved_bytes",
                   "peak_reserved_bytes", "cached_bytes", "peak_cached_bytes", "num_allocs",
                   "num_frees", "cache_hits", "cache_misses", "requested_bytes",

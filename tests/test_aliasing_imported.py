@@ -26,12 +26,6 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-
-import allocators
-import backends
-import runtime
-from runtime import aliasing, ops
-from runtime.dlpack import ForeignBlock
 from test_aliasing import (
     ALL_CASES,
     Case,
@@ -41,6 +35,12 @@ from test_aliasing import (
     call,
     forbidden_overlap,
 )
+
+import allocators
+import backends
+import runtime
+from runtime import aliasing, ops
+from runtime.dlpack import ForeignBlock
 
 
 def square(n: int = 4, dtype: Any = np.float64) -> np.ndarray:

@@ -159,7 +159,7 @@ def test_kit_defaults_are_fit_for_a_suite():
 
 
 def test_kit_required_stats_are_the_design_keys():
-    # DESIGN.md's keys, plus the current and peak bytes and ratios every allocator reports
+    # the design's keys, plus the current and peak bytes and ratios every allocator reports
     peaks = {f"peak_{key}" for key in ("allocated_bytes", "reserved_bytes", "cached_bytes",
                                        "requested_bytes")}
     assert set(REQUIRED_STATS) == set(STATS_KEYS) | peaks

@@ -76,7 +76,7 @@ def test_the_first_writes_to_a_lazy_block_allocate_it_once(kind):
         for trial in range(40):
             t = runtime.empty((THREADS, 64), "float64", allocator=allocator)
 
-            def write_row(i: int) -> None:
+            def write_row(i: int, t: runtime.Tensor = t, trial: int = trial) -> None:
                 t[i] = float(trial * THREADS + i)
 
             run_threads(write_row, THREADS)
@@ -96,7 +96,7 @@ def test_views_made_and_dropped_from_many_threads_keep_the_count_exact():
     base = runtime.tensor(np.arange(4096.0), allocator=allocator)
 
     def churn(i: int) -> None:
-        for k in range(300):
+        for _ in range(300):
             view = base[i::THREADS]
             assert view.shape == (4096 // THREADS,)
             view.T.release()
