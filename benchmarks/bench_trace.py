@@ -29,7 +29,8 @@ from mlp_trace import mlp_training_events, peak_live_bytes
 from timing import interleaved_min
 
 import allocators
-from allocators.adaptors import TraceAdaptor, load_trace, replay
+from allocators.adaptors import TraceAdaptor
+from allocators.trace import load_trace, replay
 
 ALLOCATORS = ("caching", "direct")
 

@@ -22,13 +22,11 @@ from allocators.adaptors import (
     LimitAdaptor,
     StatisticsAdaptor,
     TraceAdaptor,
-    TraceEvent,
     _power_of_two_bucket,
-    load_trace,
-    replay,
 )
 from allocators.direct import DirectAllocator
 from allocators.testing import RATIO_STATS, REQUIRED_STATS, make_test_case
+from allocators.trace import TraceEvent, load_trace, replay
 from helpers import run_threads
 
 
