@@ -102,11 +102,13 @@ class Adaptor(Allocator):
         live, _ = self._check_books()  # NOTE: not super(): an adaptor reserves nothing itself
         for allocation in live:
             inner = allocation.upstream
-            assert inner is not None and inner.live and inner.owner is self.upstream, (
-                f"{allocation!r} of {self!r} wraps {inner!r}, which is not live in its upstream")
+            if not (inner is not None and inner.live and inner.owner is self.upstream):
+                raise AssertionError(f"{allocation!r} of {self!r} wraps {inner!r}, which is not "
+                                     f"live in its upstream")
             same = (allocation.raw is inner.raw and allocation.offset == inner.offset
                     and allocation.size == inner.size and allocation.nbytes == inner.nbytes)
-            assert same, f"{allocation!r} does not cover the same bytes as {inner!r}"
+            if not (same):
+                raise AssertionError(f"{allocation!r} does not cover the same bytes as {inner!r}")
         # NOTE: no overlap check here: ours mirror upstream allocations one to one, and the
         # upstream checks those.
         self.upstream.check_invariants()
@@ -223,10 +225,14 @@ class StatisticsAdaptor(Adaptor):
             c = dict(self._counters)
             histogram_total = sum(self._histogram.values())
             active, peak, total = self._active, self._peak_active, self._total_bytes
-        assert histogram_total == c["num_allocs"], "the size histogram lost requests"
-        assert active == c["num_allocs"] - c["num_frees"], "active allocation count drifted"
-        assert peak >= active, "peak_active_allocations is below the live count"
-        assert total >= c["allocated_bytes"], "total_allocated_bytes is below the live bytes"
+        if not (histogram_total == c["num_allocs"]):
+            raise AssertionError("the size histogram lost requests")
+        if not (active == c["num_allocs"] - c["num_frees"]):
+            raise AssertionError("active allocation count drifted")
+        if not (peak >= active):
+            raise AssertionError("peak_active_allocations is below the live count")
+        if not (total >= c["allocated_bytes"]):
+            raise AssertionError("total_allocated_bytes is below the live bytes")
 
     def _allocate(self, nbytes: int) -> Allocation:
         allocation = super()._allocate(nbytes)
@@ -289,8 +295,9 @@ class LimitAdaptor(Adaptor):
         super().check_invariants()
         with self._lock:
             requested = self._counters["requested_bytes"]
-        assert requested <= self.limit_bytes, (
-            f"{format_bytes(requested)} requested through {self!r}, past its limit")
+        if not (requested <= self.limit_bytes):
+            raise AssertionError(f"{format_bytes(requested)} requested through {self!r}, past its "
+                                 f"limit")
 
     def _allocate(self, nbytes: int) -> Allocation:
         in_use = self._allocated_bytes

@@ -318,12 +318,14 @@ class Allocator(AllocatorState):
     def check_invariants(self) -> None:
         """Raise AssertionError if the accounting or the layout of live allocations is wrong."""
         _, c = self._check_books()
-        assert c["reserved_bytes"] >= c["allocated_bytes"], "reserved < allocated"
+        if not (c["reserved_bytes"] >= c["allocated_bytes"]):
+            raise AssertionError("reserved < allocated")
         with self._lock:  # NOTE: a free in another thread clears allocation.raw
             spans = sorted((a.ptr, a.ptr + a.size, a.serial) for a in self._live.values()
                            if a.size)
         for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
-            assert end <= start, f"allocations #{first} and #{second} overlap"
+            if not (end <= start):
+                raise AssertionError(f"allocations #{first} and #{second} overlap")
 
     def _check_books(self) -> tuple[list[Allocation], dict[str, int]]:
         """Assert the traffic counters match the live allocations, from one locked snapshot;
@@ -331,9 +333,12 @@ class Allocator(AllocatorState):
         with self._lock:
             live = list(self._live.values())
             c = self._counters
-        assert c["allocated_bytes"] == sum(a.size for a in live), "allocated_bytes drifted"
-        assert c["requested_bytes"] == sum(a.nbytes for a in live), "requested_bytes drifted"
-        assert c["num_allocs"] - c["num_frees"] == len(live), "alloc/free counts drifted"
+        if not (c["allocated_bytes"] == sum(a.size for a in live)):
+            raise AssertionError("allocated_bytes drifted")
+        if not (c["requested_bytes"] == sum(a.nbytes for a in live)):
+            raise AssertionError("requested_bytes drifted")
+        if not (c["num_allocs"] - c["num_frees"] == len(live)):
+            raise AssertionError("alloc/free counts drifted")
         return live, c
 
     # ------------------------------------------------------------------ mechanism for subclasses

@@ -360,7 +360,8 @@ class CachingAllocator(Allocator):
                 # NOTE: the new segment is cached bytes too, except the `size` about to be used.
                 self._trim(self._reserved_bytes - self._allocated_bytes - size)
             return head
-        assert failure is not None
+        if failure is None:
+            raise AssertionError("a segment could not be had and no error says why")
         raise failure
 
     def _reserve(self, size: int, pool: _Pool) -> tuple[Any, int]:
@@ -454,56 +455,74 @@ class CachingAllocator(Allocator):
         used_bytes = free_bytes = 0
         free_blocks: list[_Block] = []
         for head, nbytes in self._segments.items():
-            assert head.prev is None and head.offset == 0, "a segment head is not at offset 0"
-            assert nbytes % granule == 0, f"a segment of {nbytes} bytes is not in granules"
+            if not (head.prev is None and head.offset == 0):
+                raise AssertionError("a segment head is not at offset 0")
+            if not (nbytes % granule == 0):
+                raise AssertionError(f"a segment of {nbytes} bytes is not in granules")
             block: _Block | None = head
             end = 0
             while block is not None:
                 where = f"block at +{block.offset} of a {block.pool.name} segment"
-                assert block.offset == end, f"{where}: expected at +{end} (gap or overlap)"
-                assert block.size > 0 and block.size % granule == 0, f"{where}: size {block.size}"
-                assert block.raw is head.raw and block.pool is head.pool, f"{where}: wrong segment"
+                if not (block.offset == end):
+                    raise AssertionError(f"{where}: expected at +{end} (gap or overlap)")
+                if not (block.size > 0 and block.size % granule == 0):
+                    raise AssertionError(f"{where}: size {block.size}")
+                if not (block.raw is head.raw and block.pool is head.pool):
+                    raise AssertionError(f"{where}: wrong segment")
                 after = block.next
-                assert after is None or after.prev is block, f"{where}: broken links"
+                if not (after is None or after.prev is block):
+                    raise AssertionError(f"{where}: broken links")
                 if block.free:
-                    assert not (after is not None and after.free), f"{where}: free neighbours"
+                    if after is not None and after.free:
+                        raise AssertionError(f"{where}: free neighbours")
                     free_bytes += block.size
                     free_blocks.append(block)
                 else:
-                    assert block.prev_free is None and block.next_free is None, (
-                        f"{where}: used but on a free list")
+                    if not (block.prev_free is None and block.next_free is None):
+                        raise AssertionError(f"{where}: used but on a free list")
                     allocation = live_blocks.pop(id(block), None)
-                    assert allocation is not None, f"{where}: used but no live allocation"
-                    assert (allocation.raw is block.raw and allocation.offset == block.offset
-                            and allocation.size == block.size), f"{where}: != {allocation!r}"
+                    if not (allocation is not None):
+                        raise AssertionError(f"{where}: used but no live allocation")
+                    if not (allocation.raw is block.raw and allocation.offset == block.offset
+                            and allocation.size == block.size):
+                        raise AssertionError(f"{where}: != {allocation!r}")
                     used_bytes += block.size
                 end += block.size
                 block = after
-            assert end == nbytes, f"blocks cover {end} of a {nbytes}-byte segment"
-        assert not live_blocks, f"live allocations outside every segment: {live_blocks}"
-        assert sum(self._segments.values()) == counters["reserved_bytes"], "reserved drifted"
-        assert used_bytes == counters["allocated_bytes"], "used blocks != allocated bytes"
-        assert used_bytes + free_bytes == counters["reserved_bytes"], "used + free != reserved"
+            if not (end == nbytes):
+                raise AssertionError(f"blocks cover {end} of a {nbytes}-byte segment")
+        if live_blocks:
+            raise AssertionError(f"live allocations outside every segment: {live_blocks}")
+        if not (sum(self._segments.values()) == counters["reserved_bytes"]):
+            raise AssertionError("reserved drifted")
+        if not (used_bytes == counters["allocated_bytes"]):
+            raise AssertionError("used blocks != allocated bytes")
+        if not (used_bytes + free_bytes == counters["reserved_bytes"]):
+            raise AssertionError("used + free != reserved")
         listed: list[_Block] = []
         for pool in (self._small, self._large):
-            assert pool.sizes == sorted(pool.buckets), f"{pool.name} sizes out of order"
+            if not (pool.sizes == sorted(pool.buckets)):
+                raise AssertionError(f"{pool.name} sizes out of order")
             for size, first in pool.buckets.items():
                 before, block = None, first
                 while block is not None and len(listed) <= len(free_blocks):
                     where = f"the {size}-byte free list of the {pool.name} pool"
-                    assert block.size == size and block.pool is pool and block.free, (
-                        f"{where} holds a wrong block (at +{block.offset}, {block.size} bytes)")
-                    assert block.prev_free is before, f"{where}: broken links"
+                    if not (block.size == size and block.pool is pool and block.free):
+                        raise AssertionError(f"{where} holds a wrong block (at +{block.offset}, "
+                                             f"{block.size} bytes)")
+                    if block.prev_free is not before:
+                        raise AssertionError(f"{where}: broken links")
                     listed.append(block)
                     before, block = block, block.next_free
-        assert sorted(map(id, listed)) == sorted(map(id, free_blocks)), (
-            "the free lists do not hold exactly the free blocks")
+        if not (sorted(map(id, listed)) == sorted(map(id, free_blocks))):
+            raise AssertionError("the free lists do not hold exactly the free blocks")
         whole = [head for head in self._segments if head.free and head.next is None]
-        assert set(map(id, self._idle)) == set(map(id, whole)), "the LRU != whole free segments"
+        if not (set(map(id, self._idle)) == set(map(id, whole))):
+            raise AssertionError("the LRU != whole free segments")
         bound = self._max_cached_bytes
-        assert bound is None or free_bytes <= bound or not self._idle, (
-            f"{format_bytes(free_bytes)} cached past max_cached_bytes {format_bytes(bound)} "
-            f"while whole free segments could go back")
+        if not (bound is None or free_bytes <= bound or not self._idle):
+            raise AssertionError(f"{format_bytes(free_bytes)} cached past max_cached_bytes "
+                                 f"{format_bytes(bound)} while whole free segments could go back")
 
 
 def _optional_nbytes(value: Any, what: str) -> int | None:

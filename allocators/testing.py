@@ -101,8 +101,9 @@ def _expect_invalid_free(allocator: Allocator, allocation: Allocation, what: str
     else:
         raise AssertionError(f"{allocator!r} accepted a {what} of {allocation!r}")
     after = allocator.stats()
-    assert after == before, (
-        f"a refused {what} changed the stats of {allocator!r}: {before} -> {after}")
+    if not (after == before):
+        raise AssertionError(f"a refused {what} changed the stats of {allocator!r}: {before} -> "
+                             f"{after}")
 
 
 class AllocatorStateMachine(RuleBasedStateMachine):
@@ -148,16 +149,19 @@ class AllocatorStateMachine(RuleBasedStateMachine):
         except OutOfMemoryError:
             self._check_failed_allocation_left_no_trace(before)
             return multiple()
-        assert isinstance(allocation, Allocation), f"allocate() returned {allocation!r}"
+        if not (isinstance(allocation, Allocation)):
+            raise AssertionError(f"allocate() returned {allocation!r}")
         # NOTE: in the model before any check, so that teardown frees it even when a check
         # fails (a leak report would hide that failure); its pattern comes after the checks
         self.model[id(allocation)] = (allocation, None)
         self.expected_allocs += 1
-        assert allocation.nbytes == nbytes, f"asked for {nbytes} bytes, got {allocation!r}"
-        assert allocation.size >= allocation.nbytes, (
-            f"{allocation!r} sets aside {allocation.size} bytes, fewer than its {nbytes}")
-        assert allocation.live and allocation.owner is self.allocator, (
-            f"{allocation!r} is not live or not owned by {self.allocator!r}")
+        if not (allocation.nbytes == nbytes):
+            raise AssertionError(f"asked for {nbytes} bytes, got {allocation!r}")
+        if not (allocation.size >= allocation.nbytes):
+            raise AssertionError(f"{allocation!r} sets aside {allocation.size} bytes, fewer than "
+                                 f"its {nbytes}")
+        if not (allocation.live and allocation.owner is self.allocator):
+            raise AssertionError(f"{allocation!r} is not live or not owned by {self.allocator!r}")
         self._check_placement(allocation)
         pattern = byte_pattern(next(self._tags), nbytes)
         allocation.device.copyin(allocation.raw, allocation.offset, pattern)
@@ -171,7 +175,8 @@ class AllocatorStateMachine(RuleBasedStateMachine):
         del self.model[id(allocation)]
         self.freed.append(allocation)
         self.expected_frees += 1
-        assert not allocation.live, f"{allocation!r} still says it is live after free()"
+        if allocation.live:
+            raise AssertionError(f"{allocation!r} still says it is live after free()")
 
     @rule(allocation=allocations)
     def contents_survive(self, allocation: Allocation) -> None:
@@ -183,9 +188,10 @@ class AllocatorStateMachine(RuleBasedStateMachine):
         self.allocator.empty_cache()
         after = self.allocator.stats()
         for key in ("allocated_bytes", "requested_bytes", "num_allocs", "num_frees"):
-            assert after[key] == before[key], f"empty_cache() changed {key}: {before} -> {after}"
-        assert after["reserved_bytes"] <= before["reserved_bytes"], (
-            f"empty_cache() reserved more memory: {before} -> {after}")
+            if not (after[key] == before[key]):
+                raise AssertionError(f"empty_cache() changed {key}: {before} -> {after}")
+        if not (after["reserved_bytes"] <= before["reserved_bytes"]):
+            raise AssertionError(f"empty_cache() reserved more memory: {before} -> {after}")
 
     @precondition(lambda self: self.freed)
     @rule(data=st.data())
@@ -207,7 +213,8 @@ class AllocatorStateMachine(RuleBasedStateMachine):
     @rule(allocation=allocations)
     def free_through_another_allocator_is_refused(self, allocation: Allocation) -> None:
         _expect_invalid_free(self.foreign, allocation, "free of another allocator's allocation")
-        assert allocation.live, f"{allocation!r} died when another allocator refused to free it"
+        if not (allocation.live):
+            raise AssertionError(f"{allocation!r} died when another allocator refused to free it")
 
     # ------------------------------------------------------------------ checks after every step
     @invariant()
@@ -222,19 +229,21 @@ class AllocatorStateMachine(RuleBasedStateMachine):
     def _check_placement(self, allocation: Allocation) -> None:
         """On the allocator's device, inside its raw memory, at an aligned address."""
         device = self.allocator.device
-        assert allocation.device is device, (
-            f"{allocation!r} is on {allocation.device.name}, its allocator on {device.name}")
-        assert allocation.offset >= 0 and (
-            allocation.offset + allocation.size <= device.nbytes_of(allocation.raw)), (
-            f"{allocation!r} spans bytes {allocation.offset} to "
-            f"{allocation.offset + allocation.size} of a raw memory of "
-            f"{device.nbytes_of(allocation.raw)} bytes")
+        if allocation.device is not device:
+            raise AssertionError(f"{allocation!r} is on {allocation.device.name}, its allocator "
+                                 f"on {device.name}")
+        if not (allocation.offset >= 0 and (
+            allocation.offset + allocation.size <= device.nbytes_of(allocation.raw))):
+            raise AssertionError(f"{allocation!r} spans bytes {allocation.offset} to "
+                                 f"{allocation.offset + allocation.size} of a raw memory of "
+                                 f"{device.nbytes_of(allocation.raw)} bytes")
         align = device.alignment
-        assert allocation.ptr % align == 0, (
-            f"{allocation!r} starts at address {allocation.ptr:#x} (offset {allocation.offset} "
-            f"in its raw memory), not a multiple of {device.name}'s alignment of {align} bytes "
-            f"(Device.alignment): every allocation must start there (OpenCL sub-buffers, the "
-            f"pyopencl hook and vector loads rely on it)")
+        if not (allocation.ptr % align == 0):
+            raise AssertionError(f"{allocation!r} starts at address {allocation.ptr:#x} (offset "
+                                 f"{allocation.offset} in its raw memory), not a multiple of "
+                                 f"{device.name}'s alignment of {align} bytes (Device.alignment): "
+                                 f"every allocation must start there (OpenCL sub-buffers, the "
+                                 f"pyopencl hook and vector loads rely on it)")
 
     def _check_no_overlap(self) -> None:
         live = [allocation for allocation, _ in self.model.values() if allocation.nbytes]
@@ -242,37 +251,50 @@ class AllocatorStateMachine(RuleBasedStateMachine):
                        for index, allocation in enumerate(live))
         # NOTE: sorted by start, any overlap shows up between neighbours.
         for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
-            assert end <= start, f"live allocations {live[first]!r} and {live[second]!r} overlap"
+            if not (end <= start):
+                raise AssertionError(f"live allocations {live[first]!r} and {live[second]!r} "
+                                     f"overlap")
 
     def _check_stats(self) -> None:
         stats = self.allocator.stats()
         missing = [key for key in REQUIRED_STATS if key not in stats]
-        assert not missing, f"stats() lacks {missing}: {stats}"
+        if missing:
+            raise AssertionError(f"stats() lacks {missing}: {stats}")
         missing = [key for key in RATIO_STATS if key not in stats]
-        assert not missing, f"stats() lacks {missing}: {stats}"
+        if missing:
+            raise AssertionError(f"stats() lacks {missing}: {stats}")
         for key, value in stats.items():
             if key in RATIO_STATS:
-                assert isinstance(value, float) and 0.0 <= value <= 1.0, (
-                    f"stats()[{key!r}] = {value!r} is not a ratio in [0, 1]")
+                if not (isinstance(value, float) and 0.0 <= value <= 1.0):
+                    raise AssertionError(f"stats()[{key!r}] = {value!r} is not a ratio in [0, 1]")
                 continue
-            assert isinstance(value, int) and not isinstance(value, bool) and value >= 0, (
-                f"stats()[{key!r}] = {value!r} is not a non-negative int")
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise AssertionError(f"stats()[{key!r}] = {value!r} is not a non-negative int")
         for key in ("allocated_bytes", "reserved_bytes", "cached_bytes", "requested_bytes"):
-            assert stats[f"peak_{key}"] >= stats[key], f"peak_{key} is below {key}: {stats}"
+            if not (stats[f"peak_{key}"] >= stats[key]):
+                raise AssertionError(f"peak_{key} is below {key}: {stats}")
         allocs = stats["num_allocs"]
-        assert stats["hit_rate"] == (stats["cache_hits"] / allocs if allocs else 0.0)
+        if stats["hit_rate"] != (stats["cache_hits"] / allocs if allocs else 0.0):
+            raise AssertionError(f"hit_rate {stats['hit_rate']} is not cache_hits / num_allocs: "
+                                 f"{stats}")
         requested = sum(allocation.nbytes for allocation, _ in self.model.values())
         expected = {"requested_bytes": requested, "num_allocs": self.expected_allocs,
                     "num_frees": self.expected_frees, "num_ooms": self.expected_ooms,
                     "cached_bytes": stats["reserved_bytes"] - stats["allocated_bytes"],
                     "cache_hits": stats["num_allocs"] - stats["cache_misses"]}
         wrong = {key: (stats[key], value) for key, value in expected.items() if stats[key] != value}
-        assert not wrong, f"stats disagree with the model, key: (stats, model): {wrong}"
-        assert stats["num_allocs"] - stats["num_frees"] == len(self.model)
-        assert stats["allocated_bytes"] >= requested, (
-            f"allocated_bytes {stats['allocated_bytes']} < {requested} bytes requested and live")
-        assert stats["reserved_bytes"] >= stats["allocated_bytes"], f"reserved < allocated: {stats}"
-        assert stats["peak_allocated_bytes"] >= stats["allocated_bytes"], f"peak < now: {stats}"
+        if wrong:
+            raise AssertionError(f"stats disagree with the model, key: (stats, model): {wrong}")
+        if stats["num_allocs"] - stats["num_frees"] != len(self.model):
+            raise AssertionError(f"{stats['num_allocs']} allocations less {stats['num_frees']} "
+                                 f"frees, but {len(self.model)} live in the model")
+        if not (stats["allocated_bytes"] >= requested):
+            raise AssertionError(f"allocated_bytes {stats['allocated_bytes']} < {requested} bytes "
+                                 f"requested and live")
+        if not (stats["reserved_bytes"] >= stats["allocated_bytes"]):
+            raise AssertionError(f"reserved < allocated: {stats}")
+        if not (stats["peak_allocated_bytes"] >= stats["allocated_bytes"]):
+            raise AssertionError(f"peak < now: {stats}")
 
     def _check_contents(self, allocation: Allocation) -> None:
         _, pattern = self.model[id(allocation)]
@@ -288,13 +310,14 @@ class AllocatorStateMachine(RuleBasedStateMachine):
         self.expected_ooms += 1
         after = self.allocator.stats()
         for key in ("allocated_bytes", "requested_bytes", "num_allocs", "num_frees"):
-            assert after[key] == before[key], (
-                f"a failed allocation changed {key}: {before} -> {after}")
-        assert after["num_ooms"] == before["num_ooms"] + 1, (
-            f"a failed allocation did not count one num_ooms: {before} -> {after}")
+            if not (after[key] == before[key]):
+                raise AssertionError(f"a failed allocation changed {key}: {before} -> {after}")
+        if not (after["num_ooms"] == before["num_ooms"] + 1):
+            raise AssertionError(f"a failed allocation did not count one num_ooms: {before} -> "
+                                 f"{after}")
         # NOTE: reserved bytes may shrink (an allocator may empty its cache and retry), never grow.
-        assert after["reserved_bytes"] <= before["reserved_bytes"], (
-            f"a failed allocation kept memory reserved: {before} -> {after}")
+        if not (after["reserved_bytes"] <= before["reserved_bytes"]):
+            raise AssertionError(f"a failed allocation kept memory reserved: {before} -> {after}")
 
     # ------------------------------------------------------------------ the end of every run
     def teardown(self) -> None:
@@ -308,8 +331,9 @@ class AllocatorStateMachine(RuleBasedStateMachine):
             leaks = {key: format_bytes(stats[key])
                      for key in ("allocated_bytes", "requested_bytes", "reserved_bytes")
                      if stats[key] != 0}
-            assert not leaks, (f"{allocator!r} leaks after every allocation was freed and the "
-                               f"cache emptied: {leaks}")
+            if leaks:
+                raise AssertionError(f"{allocator!r} leaks after every allocation was freed and "
+                                     f"the cache emptied: {leaks}")
 
     @classmethod
     def for_factory(cls, factory: Callable[[], Allocator],
@@ -442,18 +466,21 @@ def check_queue_ordered_reuse(factory: Callable[[], Allocator], *, reuses: int =
         home.finish()
         for value, allocation in enumerate(again, 1):
             seen = words(allocation)
-            assert (seen == value).all(), (
-                f"{allocator!r} handed out allocation #{allocation.serial} of "
-                f"{format_bytes(nbytes)} over memory that a kernel queued on another queue "
-                f"(recorded with record_queue) could still write: {freed} was freed while the "
-                f"kernel was held, and the new allocation holds its words "
-                f"({sorted(set(seen.tolist()))[:4]}, expected {value}); freed memory must wait "
-                f"for the recorded queues (does the allocator override free or record_queue?)")
+            if not ((seen == value).all()):
+                raise AssertionError(f"{allocator!r} handed out allocation #{allocation.serial} "
+                                     f"of {format_bytes(nbytes)} over memory that a kernel queued "
+                                     f"on another queue (recorded with record_queue) could still "
+                                     f"write: {freed} was freed while the kernel was held, and "
+                                     f"the new allocation holds its words "
+                                     f"({sorted(set(seen.tolist()))[:4]}, expected {value}); "
+                                     f"freed memory must wait for the recorded queues (does the "
+                                     f"allocator override free or record_queue?)")
             allocator.free(allocation)
     allocator.empty_cache()
     allocator.check_invariants()
     stats = allocator.stats()
-    assert stats["active_allocations"] == 0, (
-        f"{allocator!r} still counts {stats['active_allocations']} allocations after the queue "
-        f"check freed everything and emptied its cache")
+    if not (stats["active_allocations"] == 0):
+        raise AssertionError(f"{allocator!r} still counts {stats['active_allocations']} "
+                             f"allocations after the queue check freed everything and emptied its "
+                             f"cache")
     return True

@@ -158,23 +158,32 @@ class ConstantPool:
         blocks = [block for bucket in entries.values() for block in bucket]
         read_only_memory = (isinstance(self.allocator, ReadOnlyAllocator)
                             and self.device.read_only_memory)
-        assert len(blocks) == len(keys) == len({b.id for b in blocks}), "entries and keys drifted"
-        assert all(entries.values()), "an empty bucket was left behind"
-        assert nbytes == sum(b.nbytes for b in blocks), "bytes drifted"
-        assert c["hits"] + c["misses"] == c["lookups"], "hits + misses != lookups"
+        if not (len(blocks) == len(keys) == len({b.id for b in blocks})):
+            raise AssertionError("entries and keys drifted")
+        if not (all(entries.values())):
+            raise AssertionError("an empty bucket was left behind")
+        if not (nbytes == sum(b.nbytes for b in blocks)):
+            raise AssertionError("bytes drifted")
+        if not (c["hits"] + c["misses"] == c["lookups"]):
+            raise AssertionError("hits + misses != lookups")
         for key, bucket in entries.items():
             for block in bucket:
-                assert keys[block.id] == key, f"block #{block.id} is filed under two keys"
-                assert block.readonly and block.written, f"block #{block.id} is writable or empty"
-                assert block.refcount > 0, f"block #{block.id} has no user but is still pooled"
-                assert block.allocator is self.allocator, f"block #{block.id} has another owner"
-                assert block.on_return == self._forget, f"block #{block.id} lost its hook"
-                assert (block.nbytes, content_digest(self._read(block))) == key, \
-                    f"block #{block.id} no longer holds the bytes of its key"
+                if not (keys[block.id] == key):
+                    raise AssertionError(f"block #{block.id} is filed under two keys")
+                if not (block.readonly and block.written):
+                    raise AssertionError(f"block #{block.id} is writable or empty")
+                if not (block.refcount > 0):
+                    raise AssertionError(f"block #{block.id} has no user but is still pooled")
+                if block.allocator is not self.allocator:
+                    raise AssertionError(f"block #{block.id} has another owner")
+                if not (block.on_return == self._forget):
+                    raise AssertionError(f"block #{block.id} lost its hook")
+                if not ((block.nbytes, content_digest(self._read(block))) == key):
+                    raise AssertionError(f"block #{block.id} no longer holds the bytes of its key")
                 if read_only_memory:
                     raw = block.memory_for_read("constant pool check").raw
-                    assert self.device.is_read_only(raw), \
-                        f"block #{block.id} is not in read-only memory"
+                    if not (self.device.is_read_only(raw)):
+                        raise AssertionError(f"block #{block.id} is not in read-only memory")
 
     def __len__(self) -> int:
         with self._lock:

@@ -130,27 +130,33 @@ class Plan:
         lifetimes = list(lifetimes)
         align = self.alignment
         keys = [lt.key for lt in lifetimes]
-        assert set(keys) == set(self.offsets), (
-            f"plan places {sorted(map(repr, set(self.offsets) - set(keys)))} that are not "
-            f"buffers and misses {sorted(map(repr, set(keys) - set(self.offsets)))}")
+        if not (set(keys) == set(self.offsets)):
+            raise AssertionError(f"plan places {sorted(map(repr, set(self.offsets) - set(keys)))} "
+                                 f"that are not buffers and misses "
+                                 f"{sorted(map(repr, set(keys) - set(self.offsets)))}")
         top = 0
         for lt in lifetimes:
             off, size = self.offsets[lt.key], _round_up(lt.nbytes, align)
-            assert off >= 0 and off % align == 0, (
-                f"offset {off} of {lt.key!r} is not a non-negative multiple of {align}")
-            assert off + size <= self.planned_bytes, (
-                f"{lt.key!r} at [{off}, {off + size}) runs past the arena of "
-                f"{self.planned_bytes} bytes")
+            if not (off >= 0 and off % align == 0):
+                raise AssertionError(f"offset {off} of {lt.key!r} is not a non-negative multiple "
+                                     f"of {align}")
+            if not (off + size <= self.planned_bytes):
+                raise AssertionError(f"{lt.key!r} at [{off}, {off + size}) runs past the arena of "
+                                     f"{self.planned_bytes} bytes")
             top = max(top, off + size)
-        assert top == self.planned_bytes, f"arena of {self.planned_bytes} bytes, {top} used"
+        if not (top == self.planned_bytes):
+            raise AssertionError(f"arena of {self.planned_bytes} bytes, {top} used")
         _check_no_overlap(lifetimes, self.offsets, align)
         lower = lower_bound(lifetimes, align)
         naive = sum(_round_up(lt.nbytes, align) for lt in lifetimes)
-        assert self.lower_bound_bytes == lower, (
-            f"lower_bound_bytes {self.lower_bound_bytes}, lifetimes give {lower}")
-        assert self.naive_bytes == naive, f"naive_bytes {self.naive_bytes}, lifetimes give {naive}"
-        assert lower <= self.planned_bytes <= naive, (
-            f"planned {self.planned_bytes} outside [lower bound {lower}, naive {naive}]")
+        if not (self.lower_bound_bytes == lower):
+            raise AssertionError(f"lower_bound_bytes {self.lower_bound_bytes}, lifetimes give "
+                                 f"{lower}")
+        if not (self.naive_bytes == naive):
+            raise AssertionError(f"naive_bytes {self.naive_bytes}, lifetimes give {naive}")
+        if not (lower <= self.planned_bytes <= naive):
+            raise AssertionError(f"planned {self.planned_bytes} outside [lower bound {lower}, "
+                                 f"naive {naive}]")
 
 
 def live_bytes(lifetimes: Iterable[Lifetime], n_ops: int | None = None, *,
@@ -497,5 +503,6 @@ def _check_no_overlap(lifetimes: list[Lifetime], offsets: Mapping[Hashable, int]
         spans = sorted(((offsets[lt.key], offsets[lt.key] + _round_up(lt.nbytes, alignment), lt)
                         for lt in live), key=lambda span: span[:2])
         for (lo_a, hi_a, a), (lo_b, hi_b, b) in zip(spans, spans[1:]):
-            assert hi_a <= lo_b, (f"buffers {a.key!r} [{lo_a}, {hi_a}) and {b.key!r} "
-                                  f"[{lo_b}, {hi_b}) are both live at op {op} and overlap")
+            if not (hi_a <= lo_b):
+                raise AssertionError(f"buffers {a.key!r} [{lo_a}, {hi_a}) and {b.key!r} [{lo_b}, "
+                                     f"{hi_b}) are both live at op {op} and overlap")

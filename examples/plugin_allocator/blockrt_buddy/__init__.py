@@ -165,14 +165,15 @@ class BuddyAllocator(Allocator):
         live = {(id(a.raw), a.offset, a.size) for a in self.live_allocations()}
         with self._lock:
             reserved = self._counters["reserved_bytes"]  # a read-only view of the base's counters
-            assert reserved == sum(arena.nbytes for arena in self._arenas.values()), (
-                f"reserved_bytes {reserved} is not the sum of the arenas")
+            if not (reserved == sum(arena.nbytes for arena in self._arenas.values())):
+                raise AssertionError(f"reserved_bytes {reserved} is not the sum of the arenas")
             for arena in self._arenas.values():
                 self._check_arena(arena)
             used = {(id(arena.raw), offset, self.min_block << order)
                     for arena in self._arenas.values() for offset, order in arena.used.items()}
-            assert used == live, (f"used blocks {sorted(used - live)} have no live allocation; "
-                                  f"live allocations {sorted(live - used)} have no block")
+            if not (used == live):
+                raise AssertionError(f"used blocks {sorted(used - live)} have no live allocation; "
+                                     f"live allocations {sorted(live - used)} have no block")
 
     def _check_arena(self, arena: _Arena) -> None:
         blocks = sorted([(offset, self.min_block << order, "free")
@@ -181,15 +182,19 @@ class BuddyAllocator(Allocator):
                            for offset, order in arena.used.items()])
         position = 0
         for offset, size, state in blocks:
-            assert offset == position, (
-                f"{state} block at {offset} leaves a gap or overlaps (expected {position})")
-            assert offset % size == 0, f"{state} block of {size} bytes at {offset} is misaligned"
+            if not (offset == position):
+                raise AssertionError(f"{state} block at {offset} leaves a gap or overlaps "
+                                     f"(expected {position})")
+            if not (offset % size == 0):
+                raise AssertionError(f"{state} block of {size} bytes at {offset} is misaligned")
             position += size
-        assert position == arena.nbytes, f"blocks cover {position} of {arena.nbytes} bytes"
+        if not (position == arena.nbytes):
+            raise AssertionError(f"blocks cover {position} of {arena.nbytes} bytes")
         for order, offsets in enumerate(arena.free[:arena.top]):
             for offset in offsets:
                 buddy = offset ^ (self.min_block << order)
-                assert buddy not in offsets, f"free buddies at {offset} and {buddy} not merged"
+                if not (buddy not in offsets):
+                    raise AssertionError(f"free buddies at {offset} and {buddy} not merged")
 
     def __repr__(self) -> str:
         return (f"<BuddyAllocator on {self.device.name}: {len(self._arenas)} arenas of "
