@@ -36,7 +36,6 @@ from runtime.errors import device_names
 if TYPE_CHECKING:
     from allocators import Allocator
     from backends import Device
-    from runtime.constant import ConstantPool
 
 ALIASING_MODES = ("copy", "raise")
 
@@ -88,11 +87,11 @@ class Settings:
 SETTINGS = Settings.from_environ(os.environ)
 
 _state: dict[str, Any] = {"aliasing": "copy", "device": None}
-# NOTE: a device's default allocator and constant pool live on the device itself (attributes
-# below), not in a table keyed by it: a table would keep every device alive, and a device over a
-# framework's queue (backends.from_queue) must go with the framework's last use of it. The weak
-# set only lists the devices that have defaults, for default_allocators() and the summary.
-_ALLOCATOR, _POOL = "_blockrt_default_allocator", "_blockrt_default_constant_pool"
+# NOTE: a device's defaults (its allocator here, its constant pool in runtime.constant) live on
+# the device itself, as attributes, not in a table keyed by it: a table would keep every device
+# alive, and a device over a framework's queue (backends.from_queue) must go with the framework's
+# last use of it. The weak set only lists the devices that have defaults (devices_with).
+_ALLOCATOR = "_blockrt_default_allocator"
 _with_defaults: weakref.WeakSet[Device] = weakref.WeakSet()
 _lock = threading.Lock()
 
@@ -138,7 +137,7 @@ def get_default_device() -> Device:
     return dev
 
 
-def _device(device: str | Device | None) -> Device:
+def device_or_default(device: str | Device | None) -> Device:
     return backends.get_device(device) if device is not None else get_default_device()
 
 
@@ -150,7 +149,7 @@ def set_default_allocator(allocator: str | Allocator, device: str | Device | Non
     Tensors created afterwards on that device without an explicit allocator use it; existing
     tensors keep the allocator they were made with. Returns the allocator now in use.
     """
-    dev = _device(device)
+    dev = device_or_default(device)
     if isinstance(allocator, str):
         allocator = allocators.create(allocator, dev, **options)
     elif not isinstance(allocator, allocators.Allocator):
@@ -167,9 +166,9 @@ def set_default_allocator(allocator: str | Allocator, device: str | Device | Non
     return allocator
 
 
-def _per_device(attribute: str, dev: Device, make: Callable[[], Any]) -> Any:
-    """The device's `attribute`, made by `make()` the first time; one maker wins when threads
-    race."""
+def per_device(attribute: str, dev: Device, make: Callable[[], Any]) -> Any:
+    """The device's default named `attribute`, made by `make()` the first time; one maker wins
+    when threads race."""
     value = dev.__dict__.get(attribute)
     if value is None:
         with _lock:
@@ -181,7 +180,8 @@ def _per_device(attribute: str, dev: Device, make: Callable[[], Any]) -> Any:
     return value
 
 
-def _defaults(attribute: str) -> dict[Device, Any]:
+def devices_with(attribute: str) -> dict[Device, Any]:
+    """Device -> its default named `attribute`, for every living device that has one."""
     with _lock:
         devices = list(_with_defaults)
     return {dev: dev.__dict__[attribute] for dev in devices if attribute in dev.__dict__}
@@ -194,31 +194,14 @@ def get_default_allocator(device: str | Device | None = None) -> Allocator:
     Raises:
         ValueError: BLOCKRT_ALLOCATOR names no registered allocator.
     """
-    dev = _device(device)
+    dev = device_or_default(device)
     allocator = dev.__dict__.get(_ALLOCATOR)
     if allocator is None:
-        allocator = _per_device(_ALLOCATOR, dev,
+        allocator = per_device(_ALLOCATOR, dev,
                                 lambda: allocators.create(SETTINGS.default_allocator_name(), dev))
     return allocator
 
 
 def default_allocators() -> dict[Device, Allocator]:
     """Device -> default allocator, for every living device that has one so far."""
-    return _defaults(_ALLOCATOR)
-
-
-def get_default_constant_pool(device: str | Device | None = None) -> ConstantPool:
-    """The constant pool `runtime.constant` uses on `device`, created on first use over a
-    `ReadOnlyAllocator` of its own: constants live in the device's read-only memory."""
-    from runtime.constant import ConstantPool  # NOTE: constant imports tensor, which imports us
-
-    dev = _device(device)
-    pool = dev.__dict__.get(_POOL)
-    if pool is None:
-        pool = _per_device(_POOL, dev, lambda: ConstantPool(device=dev))
-    return pool
-
-
-def default_constant_pools() -> dict[Device, ConstantPool]:
-    """Device -> default constant pool, for every living device that has one so far."""
-    return _defaults(_POOL)
+    return devices_with(_ALLOCATOR)

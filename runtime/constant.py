@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from runtime import config
 from runtime.block import Block
 from runtime.errors import device_names
 from runtime.tensor import Tensor, check_device_of, host_array
+
+if TYPE_CHECKING:
+    from backends import Device
 
 __all__ = ["ConstantPool", "ReadOnlyAllocator", "constant", "content_digest"]
 
@@ -260,10 +263,31 @@ def constant(data: Any, dtype: Any = None, device: Any = None,
         True
     """
     if pool is None:
-        pool = config.get_default_constant_pool(device)
+        pool = get_default_constant_pool(device)
     elif not isinstance(pool, ConstantPool):
         raise TypeError(f"pool must be a runtime.ConstantPool, got {type(pool).__name__}")
     elif device is not None and backends.get_device(device) is not pool.device:
         have, asked = device_names(pool.device, backends.get_device(device))
         raise ValueError(f"the pool is on {have}, but device {asked} was asked for")
     return pool.constant(data, dtype)
+
+
+# ---------------------------------------------------------------------- per-device default pools
+#: The device attribute that holds its default pool (see runtime.config.per_device).
+_POOL = "_blockrt_default_constant_pool"
+
+
+def get_default_constant_pool(device: str | Device | None = None) -> ConstantPool:
+    """The constant pool `runtime.constant` uses on `device` (default: the default device),
+    created on first use over a `ReadOnlyAllocator` of its own: constants live in the device's
+    read-only memory."""
+    dev = config.device_or_default(device)
+    pool = dev.__dict__.get(_POOL)
+    if pool is None:
+        pool = config.per_device(_POOL, dev, lambda: ConstantPool(device=dev))
+    return pool
+
+
+def default_constant_pools() -> dict[Device, ConstantPool]:
+    """Device -> default constant pool, for every living device that has one so far."""
+    return config.devices_with(_POOL)

@@ -8,7 +8,7 @@ from typing import Any
 
 from allocators import Allocator, format_bytes
 from runtime import config
-from runtime.constant import ConstantPool
+from runtime.constant import ConstantPool, default_constant_pools
 
 __all__ = ["format_report", "memory_summary", "plot_memory_timeline"]
 
@@ -100,7 +100,7 @@ def _defaults() -> tuple[list[tuple[str, Allocator]], list[tuple[str, ConstantPo
     """Every device's default allocator and constant pool, plus any allocator a pool still uses
     after set_default_allocator replaced it."""
     found = [(_label(a), a) for a in config.default_allocators().values()]
-    pools = [(_label(p), p) for p in config.default_constant_pools().values()]
+    pools = [(_label(p), p) for p in default_constant_pools().values()]
     for _, pool in pools:
         if all(pool.allocator is not a for _, a in found):
             found.append((f"{_label(pool.allocator)} (constants)", pool.allocator))

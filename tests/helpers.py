@@ -63,9 +63,13 @@ def run_threads(target: Callable[[int], None], workers: int) -> None:
 def fresh_defaults(allocators: bool = True, pools: bool = True) -> Iterator[None]:
     """No device has a default allocator (and/or constant pool) inside the block; the ones there
     were come back after it, and those made inside are dropped (see runtime.config)."""
+    import importlib
+
     from runtime import config
 
-    names = [name for name, wanted in ((config._ALLOCATOR, allocators), (config._POOL, pools))
+    constant = importlib.import_module("runtime.constant")  # NOTE: runtime.constant is a function
+
+    names = [name for name, wanted in ((config._ALLOCATOR, allocators), (constant._POOL, pools))
              if wanted]
     saved = {dev: {name: dev.__dict__.pop(name) for name in names if name in dev.__dict__}
              for dev in list(config._with_defaults)}

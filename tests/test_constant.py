@@ -139,17 +139,17 @@ def test_colliding_entries_are_forgotten_one_by_one(pool, alloc, monkeypatch):
                     reason="about the cpu pool serving constants made without a device, which "
                            "needs cpu to be the default device (BLOCKRT_DEVICE names another)")
 def test_default_pool_per_device():
-    from runtime import config
+    from runtime.constant import default_constant_pools, get_default_constant_pool
 
     with helpers.fresh_defaults(allocators=False):
         a = runtime.constant(np.arange(3.0), device="cpu")
         b = runtime.constant(np.arange(3.0))
-        default = config.get_default_constant_pool("cpu")
+        default = get_default_constant_pool("cpu")
         assert a.block is b.block
         assert default.blocks() == [a.block]
         assert isinstance(default.allocator, ReadOnlyAllocator)  # read-only memory of its own
         assert not a.block.memory_for_read().raw.flags.writeable
-        assert config.default_constant_pools() == {a.device: default}
+        assert default_constant_pools() == {a.device: default}
 
 
 def test_constant_argument_errors(pool):

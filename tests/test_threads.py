@@ -47,7 +47,7 @@ from allocators._core import PURE_PYTHON_ENV
 from allocators.testing import allocation_sizes, byte_pattern
 from helpers import run_threads
 from runtime import ConstantPool
-from runtime.config import get_default_constant_pool
+from runtime.constant import get_default_constant_pool
 
 ROOT = Path(__file__).resolve().parent.parent
 THREADS = 4
