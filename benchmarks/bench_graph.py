@@ -37,10 +37,9 @@ from mlp_reference import LR, MLPConfig, init_params, make_batch
 
 import runtime
 from allocators import format_bytes
+from blockrt.models import CONFIGS
 from runtime import nn, ops
 
-CONFIGS = {"S": MLPConfig(64, 256, 8), "M": MLPConfig(256, 1024, 4),
-           "L": MLPConfig(1024, 4096, 4), "D": MLPConfig(64, 256, 64)}
 QUICK = {"S": MLPConfig(16, 32, 8), "M": MLPConfig(32, 64, 4), "L": MLPConfig(64, 128, 4),
          "D": MLPConfig(16, 32, 64)}
 VARIANTS = (("none", None), ("recycle", None), ("static", None), ("static", "sqrt"))

@@ -41,36 +41,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-CLASSES = 10
+from blockrt.models import CLASSES, MLPConfig
+from blockrt.models import CONFIGS as CONFIGS_ALL
+
 LR = 0.01
 
 Params = list[tuple[np.ndarray, np.ndarray]]  # [(weight (out, in), bias (out,)), ...]
 
 
-class MLPConfig(NamedTuple):
-    """One benchmark configuration: batch rows, layer width, number of hidden layers."""
-
-    batch: int
-    width: int
-    depth: int
-
-    def step_flop(self) -> float:
-        """Floating-point operations of the matmuls of one training step (forward and backward).
-
-        Forward 2*b*i*o per layer; backward the same for the weight gradient and again for the
-        input gradient, except at the first layer (no gradient for the data).
-        """
-        b, w = self.batch, self.width
-        layers = [(w, w)] * self.depth + [(w, CLASSES)]
-        forward = sum(2 * b * i * o for i, o in layers)
-        return 3 * forward - 2 * b * w * w
-
-
-CONFIGS = {
-    "S": MLPConfig(batch=64, width=256, depth=8),
-    "M": MLPConfig(batch=256, width=1024, depth=4),
-    "L": MLPConfig(batch=1024, width=4096, depth=4),
-}
+#: The configurations bench_train times (blockrt.models defines them, and D, for the graphs).
+CONFIGS = {name: CONFIGS_ALL[name] for name in ("S", "M", "L")}
 # NOTE: `--quick` and the correctness check use these; the same code paths, sizes of no cost
 QUICK_CONFIGS = {
     "S": MLPConfig(batch=16, width=32, depth=8),

@@ -26,8 +26,8 @@ from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 import runtime
+from blockrt.cli import MAX_SEED, int_in, png_path, run_piped
 from runtime import nn
-from runtime.cli import MAX_SEED, int_in, png_path, run_piped
 from runtime.graph import PLANS
 
 TARGET_ACCURACY = 0.97

@@ -32,11 +32,12 @@ from runtime.errors import (
                             UninitializedMemoryError,
                             UseAfterFreeError,
 )
-from runtime.graph import Graph, graph
+from runtime.graph import PLANS, Graph, graph
 from runtime.summary import format_report, memory_summary, plot_memory_timeline
 from runtime.tensor import Tensor, empty, ones, tensor, view, zeros
 
-__all__ = ["AliasingError", "AutogradError", "Block", "ConstantPool", "Graph", "GraphCaptureError",
+__all__ = ["PLANS", "AliasingError", "AutogradError", "Block", "ConstantPool", "Graph",
+           "GraphCaptureError",
            "ReadOnlyAllocator", "ReadOnlyError", "Tensor", "UninitializedMemoryError",
            "UseAfterFreeError", "constant", "empty", "enable_grad", "format_report", "from_dlpack",
            "get_aliasing", "get_default_allocator", "get_default_device", "graph",

@@ -22,7 +22,7 @@ import pytest
 import allocators
 import backends
 from backends import _blas
-from runtime import cli
+from blockrt import cli
 
 SUBCOMMANDS = ("allocators", "info", "plan", "demo", "bench")
 TINY = ["--batch", "4", "--width", "8", "--depth", "2"]
@@ -30,9 +30,9 @@ TINY = ["--batch", "4", "--width", "8", "--depth", "2"]
 
 def blockrt(*argv: str, env: dict[str, str] | None = None,
             stdout: int = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
-    """`python -m runtime.cli ARGV` in the checkout root, as a user runs it."""
+    """`python -m blockrt ARGV` in the checkout root, as a user runs it."""
     environ = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "runtime.cli", *argv], stdout=stdout,
+    return subprocess.run([sys.executable, "-m", "blockrt", *argv], stdout=stdout,
                           stderr=subprocess.PIPE, text=True, timeout=120, cwd=cli.ROOT,
                           env=environ, check=False)
 
@@ -222,7 +222,7 @@ def test_step_bytes_is_at_least_what_each_plan_holds_and_at_most_twice(cfg):
     old = cli.runtime.get_default_allocator()
     peaks = []
     try:
-        for plan in cli.PLANS:
+        for plan in cli.runtime.PLANS:
             for checkpoint in (None, "sqrt"):
                 measure = cli.runtime.set_default_allocator("direct")
                 step = cli.training_step(cfg, plan, checkpoint)
@@ -401,7 +401,7 @@ def test_output_into_a_closed_pipe_ends_quietly(argv, buffered):
     if argv == ["demo"]:
         for module in cli.DEMO_MODULES:
             pytest.importorskip(module, reason=f"the demo needs {module} (the demo extra)")
-    result = into_a_closed_pipe([sys.executable, "-m", "runtime.cli", *argv], buffered)
+    result = into_a_closed_pipe([sys.executable, "-m", "blockrt", *argv], buffered)
     assert result.stderr == ""
     # NOTE: 1 as Python's `signal` docs do on EPIPE; argparse ignores a failed write of --help
     assert result.returncode == (0 if argv == ["--help"] and not buffered else 1)

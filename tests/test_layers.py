@@ -23,7 +23,7 @@ LAYERS = {
     "constant": 4,
     "nn": 5, "graph": 5,
     "summary": 6,
-    "__init__": 7, "cli": 7,
+    "__init__": 7,
 }
 
 

@@ -12,7 +12,7 @@ Subcommands:
 Example:
     $ blockrt plan --config D --checkpoint sqrt
     $ blockrt bench graph -- --quick
-    $ python -m runtime.cli info
+    $ python -m blockrt info
 
 Exit status: 0 on success, 2 for bad command-line input (argparse's convention: usage, then one
 line naming the option, the value and what is allowed), 1 for other errors (one line) and when
@@ -31,7 +31,6 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
@@ -39,26 +38,12 @@ import allocators
 import backends
 import runtime
 from backends import _blas
+from blockrt.models import CLASSES, CONFIGS, MLPConfig
 from runtime import config, nn
-from runtime.graph import PLANS
 
 __all__ = ["CONFIGS", "MLPConfig", "build_parser", "int_in", "main", "png_path", "run_piped",
            "step_bytes", "training_step"]
 
-CLASSES = 10
-
-
-class MLPConfig(NamedTuple):
-    """A benchmark MLP: batch rows, layer width, number of hidden layers."""
-
-    batch: int
-    width: int
-    depth: int
-
-
-#: The configurations of benchmarks/bench_graph.py (kept in step with it by hand).
-CONFIGS: dict[str, MLPConfig] = {"S": MLPConfig(64, 256, 8), "M": MLPConfig(256, 1024, 4),
-                                 "L": MLPConfig(1024, 4096, 4), "D": MLPConfig(64, 256, 64)}
 
 #: A BLAS takes each dimension of a product as a 32-bit integer (an LP64 build).
 MAX_DIM = 2**31 - 1
@@ -305,7 +290,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     checkpoint = args.checkpoint
     print(f"config {label}: batch {cfg.batch}, width {cfg.width}, depth {cfg.depth}; "
           f"plan {args.plan}, checkpoint {checkpoint or 'none'}")
-    plans = PLANS if args.plot else (args.plan,)
+    plans = runtime.PLANS if args.plot else (args.plan,)
     timelines = {}
     try:
         x, y = _batch(cfg, args.seed)
@@ -387,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
                        + "; ".join(f"{k} {c.batch},{c.width},{c.depth}"
                                    for k, c in CONFIGS.items()) + ".")
     p.add_argument("--config", choices=list(CONFIGS), default="S", help="default: S")
-    p.add_argument("--plan", choices=PLANS, default="static", help="default: static")
+    p.add_argument("--plan", choices=runtime.PLANS, default="static", help="default: static")
     p.add_argument("--checkpoint", choices=["sqrt"], default=None,
                    help="recompute forward results (Chen et al. 2016); default: none")
     p.add_argument("--plot", metavar="PATH", type=png_path,
