@@ -48,19 +48,25 @@ def runtime_imports(path: pathlib.Path) -> list[tuple[int, str]]:
     return found
 
 
-MODULES = sorted((ROOT / "runtime").glob("*.py"))
+def module_of(path: pathlib.Path) -> str:
+    """The runtime module a file belongs to: its stem, or its package's name (runtime/graph/)."""
+    relative = path.relative_to(ROOT / "runtime")
+    return relative.parts[0] if len(relative.parts) > 1 else path.stem
+
+
+FILES = sorted((ROOT / "runtime").rglob("*.py"))
 
 
 def test_every_runtime_module_has_a_layer():
-    assert sorted(path.stem for path in MODULES) == sorted(LAYERS)
+    assert sorted({module_of(path) for path in FILES}) == sorted(LAYERS)
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda path: path.stem)
+@pytest.mark.parametrize("path", FILES, ids=lambda path: str(path.relative_to(ROOT)))
 def test_no_module_imports_a_later_layer(path):
-    mine = LAYERS[path.stem]
+    mine = LAYERS[module_of(path)]
     upward = [f"line {line}: {name} (layer {LAYERS[name]})"
               for line, name in runtime_imports(path) if LAYERS[name] > mine]
-    assert not upward, f"runtime/{path.name} (layer {mine}) imports upward: {upward}"
+    assert not upward, f"{path.relative_to(ROOT)} (layer {mine}) imports upward: {upward}"
 
 
 def test_the_layers_are_the_documented_ones():

@@ -1,0 +1,331 @@
+"""The graph runtime: capture a step once, then replay it under a memory plan.
+
+`runtime.graph(fn, plan=..., checkpoint=..., fuse=...)` returns a callable `Graph`. Its first call
+with a given input signature captures `fn`:
+
+1. **Capture** (delayed execution). `fn` runs with every op recorded on a tape instead of
+   launched (`runtime.tape`): nothing computes and blocks made inside stay lazy. Each instruction
+   names the blocks it reads and writes, as layouts.
+2. **Rewrite.** With `checkpoint="sqrt"`, the forward instructions are cut into about sqrt(n)
+   segments; forward results that the backward pass needs are recomputed from the segment's
+   boundary just before their first backward use (Chen et al. 2016), so they need not stay live.
+3. **Dependencies and schedule.** Read-after-write, write-after-read and write-after-write
+   hazards on blocks give a DAG; a list scheduler walks it preferring instructions that do not
+   add live bytes, so, e.g., each parameter's update runs as soon as its gradient is complete
+   and the gradient dies at once.
+4. **Fusion and in-place reuse** (`fuse=True`). A chain of elementwise instructions whose
+   intermediates feed only the next one becomes one instruction run in cache-sized row blocks,
+   so the intermediates never exist at full size. A matrix product read only by such a chain
+   joins it: as one accumulating `Device.gemm` when the chain is out = alpha * product +
+   beta * out (an SGD update), else written straight into the chain's output. An elementwise
+   instruction writes over an input that dies there when the layouts match (NNVM's rule); never
+   for matmul, constants, parameters or tensors the user holds.
+5. **Memory plan** for the blocks made inside the capture that nothing outside holds
+   (intermediates): "none" allocates each at its first write and frees all at the end of the
+   step; "recycle" frees each right after its last use (SINGA's reference-count recycling);
+   "static" puts them all at offsets in one arena (`runtime.planner`), allocated once, so a
+   replay calls no allocator at all.
+
+Later calls with the same signature replay the schedule on the new inputs without running the
+Python function. Blocks that existed before the capture (parameters, optimizer state) are read
+and written in place; blocks made inside that something still holds after `fn` returns (its
+outputs, gradients kept in `.grad`, new optimizer state) are kept by the graph and written at
+every replay.
+
+What a capture bakes in (and so what invalidates it without being detected): Python control flow
+and Python numbers (learning rates, loop counts), the set of tensors `fn` touches (replacing a
+parameter tensor or changing the model), and settings read while capturing (aliasing mode,
+default allocator). A change of input shape or dtype, or of a non-array argument, captures again;
+`recapture()` forgets every capture.
+
+Example:
+    >>> import numpy as np, runtime
+    >>> from runtime import nn
+    >>> nn.manual_seed(0)
+    >>> model = nn.Sequential(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 3))
+    >>> opt = nn.SGD(model.parameters(), lr=0.1)
+    >>> def train_step(x, y):
+    ...     loss = nn.softmax_cross_entropy(model(x), y)
+    ...     loss.backward()
+    ...     opt.step()
+    ...     opt.zero_grad()
+    ...     return loss
+    >>> step = runtime.graph(train_step, plan="static")
+    >>> x, y = np.ones((2, 4), np.float32), np.array([0, 2])
+    >>> first = step(x, y).item()        # captures, plans, runs
+    >>> second = step(x, y).item()       # replays
+    >>> second < first
+    True
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from allocators import Allocator, OutOfMemoryError, format_bytes
+from backends.base import ieee
+from runtime import config, planner, tape
+from runtime.block import Block
+from runtime.errors import GraphCaptureError
+from runtime.graph.capture import (
+    _abandon,
+    _argument_writes,
+    _build,
+    _chain,
+    _copy_inputs,
+    _flatten,
+    _host,
+    _is_array,
+    _limiter,
+    _results,
+    _signature,
+)
+from runtime.graph.program import _Capture
+from runtime.graph.replay import _release, _replay, _run_init
+from runtime.tape import Tape
+from runtime.tensor import Tensor, tensor
+
+__all__ = ["CHECKPOINTS", "PLANS", "Graph", "graph"]
+
+PLANS = ("none", "recycle", "static")
+CHECKPOINTS = (None, "sqrt")
+#: How many captures (input signatures x calling threads) a graph keeps by default.
+MAX_CAPTURES = 32
+
+
+def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None = None,
+          fuse: bool = True, device: Any = None, allocator: Allocator | None = None,
+          max_captures: int = MAX_CAPTURES) -> Graph:
+    """Wrap `fn` (a training or inference step) as a captured, planned, replayable graph.
+
+    Args:
+        fn: called with tensors in place of its array arguments; returns a Tensor, a tuple or
+            list of Tensors, or None.
+        plan: "none", "recycle" or "static" (see the module docstring).
+        checkpoint: None, or "sqrt" to recompute forward results during backward.
+        fuse: fuse elementwise chains, fold matrix products into the chains that consume them
+            and reuse dying inputs in place.
+        device, allocator: where array arguments and the plan's memory go (default device and
+            its default allocator).
+        max_captures: how many captures to keep; past it the least recently used one is
+            dropped (its memory freed) with a RuntimeWarning, once per graph.
+
+    Raises:
+        ValueError: an unknown plan or checkpoint, or max_captures below 1.
+    """
+    return Graph(fn, plan, checkpoint, fuse, device, allocator, max_captures)
+
+
+class Graph:
+    """A step function captured once per input signature and replayed under a memory plan.
+
+    See `runtime.graph` and the module docstring.
+
+    Threads: a graph may be called from several threads. Calls run one at a time (a lock per
+    graph), so the results and the state they update are those of the calls made one after
+    another in some order; each calling thread has captures of its own, so the tensors a call
+    returns are overwritten only by the same thread's next call of the graph.
+    """
+
+    def __init__(self, fn: Callable[..., Any], plan: str = "static",
+                 checkpoint: str | None = None, fuse: bool = True, device: Any = None,
+                 allocator: Allocator | None = None, max_captures: int = MAX_CAPTURES) -> None:
+        if plan not in PLANS:
+            raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
+        if checkpoint not in CHECKPOINTS:
+            raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
+        if not callable(fn):
+            raise TypeError(f"graph() needs a callable, got {type(fn).__name__}")
+        if isinstance(max_captures, bool) or not isinstance(max_captures, int) \
+                or max_captures < 1:
+            raise ValueError(f"max_captures must be an int >= 1, got {max_captures!r}")
+        self.fn = fn
+        self.plan = plan
+        self.checkpoint = checkpoint
+        self.fuse = bool(fuse)
+        self.max_captures = max_captures
+        self._device = device
+        self._allocator = allocator
+        #: (calling thread, input signature) -> capture, least recently used first
+        self._captures: OrderedDict[tuple, _Capture] = OrderedDict()
+        self._last: _Capture | None = None
+        self._lock = threading.Lock()
+        self._warned = False
+
+    # ------------------------------------------------------------------ calling
+    def __call__(self, *args: Any) -> Any:
+        if tape.active() is not None:
+            raise GraphCaptureError("a graph was called while another graph is capturing; "
+                                    "captures do not nest: call the inner function directly")
+        key = (threading.get_ident(), _signature(args))
+        with self._lock:
+            capture = self._captures.get(key)
+            if capture is None:
+                capture = self._capture(args)
+                self._keep(key, capture)
+            else:
+                self._captures.move_to_end(key)
+            self._last = capture
+            _copy_inputs(capture, args)
+            ieee(_replay, capture, self.plan)  # NOTE: Note [IEEE results, no ...] in backends
+            return _results(capture)
+
+    def _keep(self, key: tuple, capture: _Capture) -> None:
+        """File a new capture, dropping the least recently used past `max_captures`."""
+        self._captures[key] = capture
+        while len(self._captures) > self.max_captures:
+            _, dropped = self._captures.popitem(last=False)
+            _release(dropped)
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"{self!r} holds {self.max_captures} captures (one per input signature and "
+                    f"calling thread) and dropped the oldest; an argument that changes at "
+                    f"every call (a new object, a shape) captures again each time: pass it as "
+                    f"an array, or raise max_captures", RuntimeWarning, stacklevel=3)
+
+    def recapture(self) -> None:
+        """Forget every capture (and free their memory); the next call captures again."""
+        with self._lock:
+            for capture in self._captures.values():
+                _release(capture)
+            self._captures.clear()
+            self._last = None
+
+    release = recapture
+
+    def __del__(self) -> None:
+        # NOTE: a graph dropped without release() gives its arenas back to the allocator
+        try:
+            self.recapture()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ reports
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes of the intermediates of the last capture used.
+
+        Keys: planned_bytes (the static arena), lower_bound_bytes (the most bytes live at once
+        over the schedule, after fusion and in-place reuse), naive_bytes (every intermediate
+        block at full size, no reuse), peak_bytes (the most bytes this graph's plan held at
+        once in its last run), activation_bytes (the most bytes of forward results live at
+        once), scratch_bytes (the block-sized scratch arrays fused chains share, made by the
+        device outside any allocator), plan, and counts: instructions, steps, fused, products,
+        in_place, recomputed.
+        """
+        capture = self._require_capture()
+        static = capture.static_plan
+        return {"plan": self.plan, "checkpoint": self.checkpoint,
+                "planned_bytes": static.planned_bytes,
+                "lower_bound_bytes": static.lower_bound_bytes,
+                "naive_bytes": capture.naive_bytes, "peak_bytes": capture.peak_bytes,
+                "scratch_bytes": sum(int(a.nbytes) for a in capture.scratch.values()),
+                **capture.stats}
+
+    def timeline(self) -> list[int]:
+        """Bytes live at each scheduled step under this graph's plan (one value per step)."""
+        return self._timeline_of(self._require_capture())
+
+    def _timeline_of(self, capture: _Capture) -> list[int]:
+        n, commit = len(capture.steps), capture.commit
+        if self.plan == "static":
+            return [capture.static_plan.planned_bytes] * n
+        if self.plan == "none":  # nothing goes back before the end of the step
+            grown = [0] * n
+            for life in capture.lifetimes:
+                grown[min(life.first, commit)] += life.nbytes
+            return list(np.cumsum(grown).tolist()) if n else []
+        early = [life for lives in capture.starts.values() for life in lives]
+        live = planner.live_bytes(early, n) if early else [0] * n
+        if capture.tail_plan is not None:  # the tail arena, held from the commit step on
+            live[commit:] = [b + capture.tail_plan.planned_bytes for b in live[commit:]]
+        return live
+
+    def _require_capture(self) -> _Capture:
+        if self._last is None:
+            raise GraphCaptureError("the graph has not run yet: call it once first")
+        return self._last
+
+    # ------------------------------------------------------------------ capture
+    def _capture(self, args: Sequence[Any]) -> _Capture:
+        device, allocator = self._where(args)
+        placeholders: list[Tensor | None] = []
+        call_args = []
+        for arg in args:
+            if _is_array(arg):
+                holder = tensor(_host(arg), device=device, allocator=allocator)
+                placeholders.append(holder)
+                call_args.append(holder)
+            else:
+                placeholders.append(None)
+                call_args.append(arg)
+        first = Block(0, allocator).id + 1
+        recorder = Tape(first)
+        try:
+            with tape.recording(recorder):
+                result = self.fn(*call_args)
+            outputs, kind = _flatten(result)
+        except BaseException:
+            _abandon(recorder)
+            raise
+        del result, call_args
+        capture = _build(recorder, placeholders, outputs, kind, device, allocator, self.plan,
+                         self.checkpoint, self.fuse)
+        self._refuse(capture, _argument_writes(capture))
+        self._check_fits(capture)
+        return capture
+
+    def _refuse(self, capture: _Capture, problem: str | None) -> None:
+        """Raise GraphCaptureError with `problem` (if any), after initialising the state the
+        capture made (so the tensors it belongs to stay usable) and freeing its memory."""
+        if problem is None:
+            return
+        try:
+            _run_init(capture)
+        finally:
+            _release(capture)
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        raise GraphCaptureError(f"{name}: {problem}")
+
+    def _check_fits(self, capture: _Capture) -> None:
+        """Refuse, before anything runs, a plan whose memory cannot fit in what the allocator
+        has left (e.g. under a LimitAdaptor). State the capture made (optimizer moments) is
+        still initialised when it fits, so the tensors it belongs to stay usable."""
+        limiter = _limiter(capture.allocator)
+        lazy = sum(block.nbytes for block in capture.outside
+                   if block._allocation is None and not block.readonly
+                   and any(a is limiter for a in _chain(block.allocator)))
+        planned = max(self._timeline_of(capture), default=0)
+        available = capture.allocator.available_bytes()
+        if available is None or planned + lazy <= available:
+            return
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        message = (f"the {self.plan} plan of {name} needs {format_bytes(planned + lazy)} "
+                   f"({format_bytes(planned)} of intermediates + {format_bytes(lazy)} of "
+                   f"outputs and state made in the step) but {capture.allocator!r} has "
+                   f"{format_bytes(available)} available; nothing has run")
+        try:
+            _run_init(capture)
+        except OutOfMemoryError as error:
+            message += f" (and the state the capture made could not be initialised: {error})"
+        _release(capture)
+        raise OutOfMemoryError(message)
+
+    def _where(self, args: Sequence[Any]) -> tuple[Any, Allocator]:
+        device = self._device
+        if device is None:
+            device = next((a.device for a in args if isinstance(a, Tensor)), None)
+            device = device or config.get_default_device()
+        allocator = self._allocator or config.get_default_allocator(device)
+        return allocator.device, allocator
+
+    def __repr__(self) -> str:
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        return (f"<Graph {name} plan={self.plan} checkpoint={self.checkpoint} fuse={self.fuse} "
+                f"captures={len(self._captures)}>")

@@ -1,0 +1,206 @@
+"""Fusion: elementwise chains as one step, products folded into their consumers, in-place reuse."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from runtime.graph.program import _Step
+from runtime.graph.schedule import _positions
+from runtime.tape import Instruction, Operand
+
+
+def _fusable(instr: Instruction) -> bool:
+    return instr.kind == "kernel" and instr.policy == "elementwise" and len(instr.outputs) == 1
+
+
+def _fuse(scheduled: list[Instruction], intermediate: set[int]) -> list[_Step]:
+    """Group chains of elementwise instructions, consecutive in the schedule, where each link's
+    output is an intermediate written whole, read only by the next link (whole), and dead after
+    it. The chain runs in row blocks; its inner results never exist at full size."""
+    readers = _positions(scheduled, "inputs")
+    writers = _positions(scheduled, "outputs")
+    steps: list[_Step] = []
+    for position, instr in enumerate(scheduled):
+        if steps and position and _fusable(instr) and _fusable(scheduled[position - 1]):
+            previous = scheduled[position - 1]
+            link = previous.outputs[0]
+            bid = link.block.id
+            if (bid in intermediate and link.whole and readers.get(bid) == [position]
+                    and writers.get(bid) == [position - 1]
+                    and previous.outputs[0].shape == instr.outputs[0].shape
+                    and all(o.whole for o in instr.inputs if o.block.id == bid)
+                    and steps[-1].instructions[-1] is previous):
+                steps[-1].instructions.append(instr)
+                steps[-1].internal.add(bid)
+                continue
+        steps.append(_Step([instr]))
+    return steps
+
+
+_PRODUCTS = ("matmul", "linear")
+
+
+def _arguments(instr: Instruction) -> Iterator[Operand | float]:
+    """An instruction's arguments in call order: its operands, with the numbers of
+    `scalars` at their positions among them (as `ops._launch` passes them to the kernel)."""
+    scalars = instr.scalars or {}
+    operands = iter(instr.inputs)
+    for position in range(len(instr.inputs) + len(scalars)):
+        yield scalars[position] if position in scalars else next(operands)
+
+
+def _is_product(instr: Instruction) -> bool:
+    """A 2-D matrix product: matmul(a, b), or linear(x, weight.T[, bias broadcast])."""
+    return (instr.kind == "kernel" and instr.op in _PRODUCTS and len(instr.outputs) == 1
+            and instr.outputs[0].whole
+            and all(len(o.shape) == 2 for o in (*instr.inputs[:2], instr.outputs[0])))
+
+
+def _attach_products(steps: list[_Step], intermediate: set[int], device: Any) -> list[_Step]:
+    """Move each matrix product whose result (an intermediate) only an elementwise chain reads,
+    whole, into that chain's step, so the product never gets a buffer of its own:
+    - (alpha, beta): the chain computes out = alpha * product + beta * out, in place on out
+      (plain SGD's w - lr * g, momentum's buf + g), and the device's gemm accumulates: one
+      BLAS call, no pass over a gradient at all; it rounds once where the chain rounded twice
+      or three times;
+    - "into": otherwise, when the chain's output has the product's shape and dtype and shares
+      no block with what the step reads: the product is written straight into the output and
+      the chain (with linear's bias add at its head) runs over it in place. Bit-identical.
+    The product moves later, to the chain's position, only past steps that write nothing it
+    reads."""
+    readers: dict[int, set[int]] = {}
+    writers: dict[int, set[int]] = {}
+    for position, step in enumerate(steps):
+        for instr in step.instructions:
+            for operand in instr.inputs:
+                readers.setdefault(operand.block.id, set()).add(position)
+            for operand in instr.outputs:
+                writers.setdefault(operand.block.id, set()).add(position)
+    moved: set[int] = set()
+    for position, step in enumerate(steps):
+        if step.product is not None or not all(_fusable(i) for i in step.instructions):
+            continue
+        out = step.instructions[-1].outputs[0]
+        for operand in (o for i in step.instructions for o in i.inputs):
+            bid = operand.block.id
+            source = writers.get(bid, set())
+            if bid not in intermediate or len(source) != 1 or readers[bid] != {position}:
+                continue
+            (at,) = source
+            head = steps[at].instructions[0]
+            if at >= position or at in moved or len(steps[at].instructions) != 1 \
+                    or not _is_product(head):
+                continue
+            reads = {o.block.id for o in head.inputs}
+            if out.block.id in reads or any(o.block.id in reads for later in
+                                            steps[at + 1:position]
+                                            for i in later.instructions for o in i.outputs):
+                continue
+            kind = _folding(step, head, out, device)
+            if kind is None:
+                continue
+            steps[position] = _Step([head, *step.instructions], step.internal | {bid}, kind)
+            moved.add(at)
+            break
+    return [step for position, step in enumerate(steps) if position not in moved]
+
+
+def _folding(step: _Step, head: Instruction, out: Operand,
+             device: Any) -> str | tuple[float, float] | None:
+    """How `head`'s product joins `step`'s chain (see `_attach_products`), or None; `out`
+    (the chain's output) is already known not to be read by the product."""
+    product = head.outputs[0]
+    if any(o.block.id == product.block.id and (o.shape != out.shape or not o.whole)
+           for i in step.instructions for o in i.inputs):
+        return None
+    if product.dtype != out.dtype or product.shape != out.shape:
+        return None
+    if head.op == "matmul" or len(head.inputs) == 2:
+        form = _linear_form(step.instructions, product.block.id, out)
+        if form is not None and device.gemm_accumulates \
+                and out.dtype in (np.float32, np.float64):
+            return form
+    if any(o.block.id == out.block.id for i in step.instructions for o in i.inputs):
+        return None
+    return "into"
+
+
+def _linear_form(chain: Sequence[Instruction], product: int,
+                 out: Operand) -> tuple[float, float] | None:
+    """(alpha, beta) when `chain` computes out = alpha * product + beta * out exactly in form
+    (adds, subtractions, negations and multiplications by numbers of those two), else None."""
+    value: dict[int, tuple[float, float]] = {}  # block id -> (coefficient of product, of out)
+    form: tuple[float, float] | None = None
+    for instr in chain:
+        args: list[Any] = []
+        for operand in _arguments(instr):
+            if not isinstance(operand, Operand):
+                args.append(float(operand))
+            elif operand.block.id == product:
+                args.append((1.0, 0.0))
+            elif operand == out:
+                args.append((0.0, 1.0))
+            elif operand.block.id in value:
+                args.append(value[operand.block.id])
+            else:
+                return None
+        terms = [a for a in args if isinstance(a, tuple)]
+        numbers = [a for a in args if not isinstance(a, tuple)]
+        if instr.op in ("add", "sub") and len(terms) == 2:
+            sign = 1.0 if instr.op == "add" else -1.0
+            form = (terms[0][0] + sign * terms[1][0], terms[0][1] + sign * terms[1][1])
+        elif instr.op == "mul" and len(terms) == 1 and len(numbers) == 1:
+            form = (terms[0][0] * numbers[0], terms[0][1] * numbers[0])
+        elif instr.op == "neg" and len(terms) == 1:
+            form = (-terms[0][0], -terms[0][1])
+        else:
+            return None
+        value[instr.outputs[0].block.id] = form
+    return form if form is not None and form[0] != 0.0 else None
+
+
+def _buffers(steps: list[_Step], planned: set[int], in_place: bool,
+             fresh: set[int] = frozenset()) -> tuple[dict[int, int], int]:
+    """Map each planned block to a buffer: its own, or (in place) the buffer of an elementwise
+    input that dies at the step writing it, when both cover their blocks whole with one size.
+    Blocks in `fresh` always get their own (a product is written into them before the chain
+    that reads the dying inputs runs)."""
+    flat = [(position, instr) for position, step in enumerate(steps)
+            for instr in step.instructions]
+    last_use: dict[int, int] = {}
+    first_write: dict[int, int] = {}
+    for position, instr in flat:
+        for operand in instr.inputs:
+            last_use[operand.block.id] = position
+        for operand in instr.outputs:
+            first_write.setdefault(operand.block.id, position)
+            last_use[operand.block.id] = position
+    buffer_of: dict[int, int] = {}
+    reused = 0
+    taken: set[int] = set()
+    for position, instr in flat:
+        for out in instr.outputs:
+            bid = out.block.id
+            if bid not in planned or bid in buffer_of:
+                continue
+            donor = None
+            if in_place and instr.policy == "elementwise" and out.whole \
+                    and first_write[bid] == position and bid not in fresh:
+                for operand in instr.inputs:
+                    source = operand.block.id
+                    if (source in buffer_of and source not in taken and operand.whole
+                            and last_use[source] == position
+                            and operand.block.nbytes == out.block.nbytes
+                            and operand.shape == out.shape and operand.dtype == out.dtype):
+                        donor = source
+                        break
+            if donor is None:
+                buffer_of[bid] = bid  # NOTE: a buffer is named by the first block it holds
+            else:
+                buffer_of[bid] = buffer_of[donor]
+                taken.add(donor)
+                reused += 1
+    return buffer_of, reused

@@ -1,0 +1,217 @@
+"""Replay: run a capture's steps under its plan (none, recycle, static)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from allocators import Allocation
+from runtime.block import Block
+from runtime.graph.fuse import _arguments
+from runtime.graph.program import _Capture, _Step
+from runtime.tape import Instruction, Operand
+
+Memory = dict[int, tuple[Any, int]]  # buffer -> (raw memory, byte offset)
+
+
+def _replay(capture: _Capture, plan: str) -> None:
+    """Run the schedule once. Every allocator call comes before the first write to state
+    (`capture.commit`), so an OutOfMemoryError leaves parameters and optimizer state as they
+    were: blocks the graph keeps get memory first, "static" then takes its arena, and "none" and
+    "recycle" take, just before the commit step, all the memory the rest of the step uses
+    ("recycle" as one arena planned over those buffers' lifetimes)."""
+    for block in capture.outside:
+        if block._allocation is None and not block.readonly:
+            block.memory_for_write("graph replay")
+    if plan == "static":
+        _replay_static(capture)
+        return
+    _run_init(capture)
+    allocator, starts, ends = capture.allocator, capture.starts, capture.ends
+    memory: Memory = {}
+    allocations: dict[int, Allocation] = {}
+    live = peak = 0
+    try:
+        for position, step in enumerate(capture.steps):
+            if position == capture.commit:
+                live += _take_tail(capture, allocations, memory)
+            for life in starts.get(position, ()):
+                allocation = allocations[life.key] = allocator.allocate(life.nbytes)
+                memory[life.key] = (allocation.raw, allocation.offset)
+                live += allocation.size
+            peak = max(peak, live)
+            _bind(step, capture, memory)()
+            for key in ends.get(position, ()):
+                allocation = allocations.pop(key)
+                del memory[key]
+                live -= allocation.size
+                allocator.free(allocation)
+    finally:
+        for allocation in allocations.values():
+            allocator.free(allocation)
+    capture.peak_bytes = peak
+
+
+_TAIL = -1  # NOTE: the key of recycle's tail arena among a replay's allocations
+
+
+def _take_tail(capture: _Capture, allocations: dict[int, Allocation], memory: Memory) -> int:
+    """Allocate the buffers first used at or after the commit step; return the bytes taken."""
+    taken = 0
+    if capture.tail_plan is not None:  # recycle: one arena, its buffers placed by the planner
+        arena = allocations[_TAIL] = capture.allocator.allocate(capture.tail_plan.planned_bytes)
+        for key, offset in capture.tail_plan.offsets.items():
+            memory[key] = (arena.raw, arena.offset + offset)
+        return arena.size
+    for life in capture.tail:  # none: one allocation each, as at their first writes
+        allocation = allocations[life.key] = capture.allocator.allocate(life.nbytes)
+        memory[life.key] = (allocation.raw, allocation.offset)
+        taken += allocation.size
+    return taken
+
+
+def _run_init(capture: _Capture) -> None:
+    """Load the host data that initialises state made in the capture: at the first replay."""
+    for step in capture.init:
+        _bind(step, capture, {})()
+    capture.init = []
+
+
+def _replay_static(capture: _Capture) -> None:
+    """Run the prebuilt steps; they are rebuilt only when an outside block's memory moved."""
+    if capture.arena is None and capture.static_plan.offsets:
+        # NOTE: also for a plan of 0 bytes (zero-size intermediates): their views need memory
+        capture.arena = capture.allocator.allocate(capture.static_plan.planned_bytes)
+        capture.views = None
+    _run_init(capture)
+    key = tuple(id(block._allocation) for block in capture.outside)
+    if capture.views is None or key != capture.view_key:
+        arena = capture.arena
+        memory: Memory = {}
+        if arena is not None:
+            for buffer, offset in capture.static_plan.offsets.items():
+                memory[buffer] = (arena.raw, arena.offset + offset)
+        capture.views = [_bind(step, capture, memory) for step in capture.steps]
+        capture.view_key = tuple(id(block._allocation) for block in capture.outside)
+        capture.peak_bytes = arena.size if arena is not None else 0
+    for thunk in capture.views:
+        thunk()
+
+
+def _memory_of(operand: Operand, capture: _Capture, memory: Memory) -> tuple[Any, int]:
+    buffer = capture.buffer_of.get(operand.block.id)
+    if buffer is not None:
+        return memory[buffer]
+    block = operand.block
+    allocation = block._allocation  # NOTE: the capture checked every read; lazy ones get memory
+    if allocation is None:
+        allocation = block.memory_for_write("graph replay")
+    return allocation.raw, allocation.offset
+
+
+def _view(operand: Operand, capture: _Capture, memory: Memory) -> Any:
+    raw, base = _memory_of(operand, capture, memory)
+    return capture.device._array_view(raw, base + operand.offset, operand.shape, operand.dtype,
+                                      operand.strides)
+
+
+def _outside_writes(instructions: Sequence[Instruction], capture: _Capture) -> list[Block]:
+    """Blocks outside the plan that these instructions write: their versions move on."""
+    return [o.block for instr in instructions for o in instr.outputs
+            if o.block.id not in capture.buffer_of and o.block.id in capture.outside_ids]
+
+
+def _bind(step: _Step, capture: _Capture, memory: Memory) -> Callable[[], None]:
+    """A function that runs `step` on views bound now."""
+    marks = _outside_writes(step.instructions, capture)
+    if step.product is not None:
+        run = _bind_product(step, capture, memory)
+    elif len(step.instructions) > 1:
+        run = _bind_fused(step, capture, memory)
+    else:
+        run = _bind_one(step.instructions[0], capture, memory)
+    if not marks:
+        return run
+
+    def run_and_mark() -> None:
+        run()
+        for block in marks:
+            block.mark_written()
+
+    return run_and_mark
+
+
+def _bind_one(instr: Instruction, capture: _Capture, memory: Memory) -> Callable[[], None]:
+    if instr.kind == "load":
+        raw, base = _memory_of(instr.outputs[0], capture, memory)
+        offset, host, copyin = base + instr.outputs[0].offset, instr.host, capture.device.copyin
+        return lambda: copyin(raw, offset, host)
+    views = [_view(a, capture, memory) if isinstance(a, Operand) else a
+             for a in _arguments(instr)]
+    targets = [_view(o, capture, memory) for o in instr.outputs]
+    run = instr.run
+    return lambda: run(views, *targets)
+
+
+def _bind_product(step: _Step, capture: _Capture, memory: Memory) -> Callable[[], None]:
+    """A product heading a chain (`_attach_products`): one accumulating gemm, or the product
+    written into the chain's output and the chain run over it in place."""
+    head, chain = step.instructions[0], step.instructions[1:]
+    device = capture.device
+    a, b = (_view(operand, capture, memory) for operand in head.inputs[:2])
+    out = _view(chain[-1].outputs[0], capture, memory)
+    if step.product != "into":
+        alpha, beta = step.product
+        return lambda: device.gemm(a, b, out, alpha, beta)
+    rest = _bind_fused(_Step(chain, step.internal), capture, memory, head)
+
+    def run() -> None:
+        device.matmul(a, b, out)  # NOTE: as the op itself computes it: bit-identical
+        rest()
+
+    return run
+
+
+def _bind_fused(step: _Step, capture: _Capture, memory: Memory,
+                head: Instruction | None = None) -> Callable[[], None]:
+    """A chain of elementwise instructions as one `Device.fused` program: the chain's external
+    operands are its inputs, its inner results are links that never exist at full size. With
+    a product `head` already written into the chain's output, the program reads that output
+    (plus linear's bias, added first) where the chain read the product."""
+    out = _view(step.instructions[-1].outputs[0], capture, memory)
+    inputs: list[Any] = []
+    program: list[tuple[str, tuple, Any]] = []
+    source: dict[int, tuple[str, int]] = {}  # internal block id -> its argument
+    if head is not None:
+        product = head.outputs[0]
+        inputs.append(out)
+        source[product.block.id] = ("input", 0)
+        if len(head.inputs) > 2:  # linear's bias
+            inputs.append(_view(head.inputs[2], capture, memory))
+            program.append(("add", (("input", 0), ("input", 1)), product.dtype))
+            source[product.block.id] = ("link", 0)
+    for instr in step.instructions:
+        args = []
+        for operand in _arguments(instr):
+            if not isinstance(operand, Operand):
+                args.append(("number", operand))
+            elif operand.block.id in step.internal:
+                args.append(source[operand.block.id])
+            else:
+                args.append(("input", len(inputs)))
+                inputs.append(_view(operand, capture, memory))
+        output = instr.outputs[0]
+        program.append((instr.op, tuple(args), output.dtype))
+        source[output.block.id] = ("link", len(program) - 1)
+    return capture.device.prepare_fused(tuple(program), inputs, out, capture.scratch)
+
+
+def _release(capture: _Capture) -> None:
+    if capture.arena is not None:
+        capture.allocator.free(capture.arena)
+        capture.arena = None
+    capture.views = None
+    capture.scratch.clear()
+    for t in capture.held:
+        t.release()
+    capture.held.clear()

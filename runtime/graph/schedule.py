@@ -1,0 +1,106 @@
+"""Schedule: the data hazards between recorded instructions, and an order that frees early."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from runtime.tape import Instruction
+
+#: Ops whose kernels check their data and may raise (cross_entropy's labels).
+_RAISES_ON_DATA = frozenset({"cross_entropy"})
+
+
+def _dependencies(program: Sequence[Instruction],
+                  intermediate: set[int] = frozenset()) -> list[set[int]]:
+    """Predecessors of each instruction: read-after-write, write-after-read, write-after-write
+    on blocks (whole blocks: conservative for disjoint views of one block); and a write to a
+    block that outlives the step (state, outputs) waits for every earlier instruction that may
+    raise on its data, so a replay that raises there has written nothing that lasts, as the
+    function called directly would not have (an SGD momentum update needs no gradient and
+    would otherwise run first)."""
+    last_write: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    preds: list[set[int]] = []
+    raisers: list[int] = []
+    for j, instr in enumerate(program):
+        before: set[int] = set()
+        if raisers and any(o.block.id not in intermediate for o in instr.outputs):
+            before.update(raisers)
+        if instr.op in _RAISES_ON_DATA:
+            raisers.append(j)
+        for operand in instr.inputs:
+            writer = last_write.get(operand.block.id)
+            if writer is not None:
+                before.add(writer)
+        for operand in instr.outputs:
+            bid = operand.block.id
+            writer = last_write.get(bid)
+            if writer is not None:
+                before.add(writer)
+            before.update(readers.get(bid, ()))
+        before.discard(j)
+        preds.append(before)
+        for operand in instr.inputs:
+            readers.setdefault(operand.block.id, []).append(j)
+        for operand in instr.outputs:
+            last_write[operand.block.id] = j
+            readers[operand.block.id] = []
+    return preds
+
+
+def _schedule(program: Sequence[Instruction], intermediate: set[int]) -> list[int]:
+    """A topological order of `program` that prefers, among ready instructions, one that adds
+    no live bytes (it frees at least what it allocates), else the earliest in program order."""
+    preds = _dependencies(program, intermediate)
+    waiting = [len(p) for p in preds]
+    succs: list[list[int]] = [[] for _ in program]
+    for j, before in enumerate(preds):
+        for i in before:
+            succs[i].append(j)
+    uses: dict[int, int] = {}
+    sizes: dict[int, int] = {}
+    for instr in program:
+        for operand in {o.block.id: o for o in (*instr.inputs, *instr.outputs)}.values():
+            bid = operand.block.id
+            if bid in intermediate:
+                uses[bid] = uses.get(bid, 0) + 1
+                sizes[bid] = operand.block.nbytes
+    born: set[int] = set()
+    ready = [j for j, n in enumerate(waiting) if n == 0]
+    order: list[int] = []
+
+    def growth(j: int) -> int:
+        touched = {o.block.id for o in (*program[j].inputs, *program[j].outputs)}
+        delta = 0
+        for bid in touched & intermediate:
+            if bid not in born:
+                delta += sizes[bid]
+            if uses[bid] == 1:
+                delta -= sizes[bid]
+        return delta
+
+    while ready:
+        pick = min(ready, key=lambda j: (growth(j) > 0, j))
+        ready.remove(pick)
+        order.append(pick)
+        for bid in {o.block.id for o in (*program[pick].inputs, *program[pick].outputs)}:
+            if bid in intermediate:
+                born.add(bid)
+                uses[bid] -= 1
+        for j in succs[pick]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                ready.append(j)
+    if len(order) != len(program):
+        raise AssertionError("the dependency graph has a cycle")  # program order is a witness
+    return order
+
+
+def _positions(instrs: Sequence[Instruction], side: str) -> dict[int, list[int]]:
+    """Block id -> positions of the instructions that read it ("inputs") or write it
+    ("outputs")."""
+    found: dict[int, list[int]] = {}
+    for position, instr in enumerate(instrs):
+        for operand in getattr(instr, side):
+            found.setdefault(operand.block.id, []).append(position)
+    return found
