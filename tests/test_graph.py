@@ -230,7 +230,7 @@ def test_random_programs_equal_eager_under_every_plan(program, plan, fuse, seed)
         for g, e in zip(got, expected):
             np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-12)
     capture = graph._last
-    capture.static_plan.check_invariants(capture.lifetimes)  # no live buffers overlap
+    capture.memory.static_plan.check_invariants(capture.memory.lifetimes)  # no live buffers overlap
 
 
 # ---------------------------------------------------------------------- plans and memory

@@ -3,28 +3,35 @@
 `runtime.graph(fn, plan=..., checkpoint=..., fuse=...)` returns a callable `Graph`. Its first call
 with a given input signature captures `fn`:
 
-1. **Capture** (delayed execution). `fn` runs with every op recorded on a tape instead of
-   launched (`runtime.tape`): nothing computes and blocks made inside stay lazy. Each instruction
-   names the blocks it reads and writes, as layouts.
-2. **Rewrite.** With `checkpoint="sqrt"`, the forward instructions are cut into about sqrt(n)
-   segments; forward results that the backward pass needs are recomputed from the segment's
-   boundary just before their first backward use (Chen et al. 2016), so they need not stay live.
-3. **Dependencies and schedule.** Read-after-write, write-after-read and write-after-write
-   hazards on blocks give a DAG; a list scheduler walks it preferring instructions that do not
-   add live bytes, so, e.g., each parameter's update runs as soon as its gradient is complete
-   and the gradient dies at once.
-4. **Fusion and in-place reuse** (`fuse=True`). A chain of elementwise instructions whose
-   intermediates feed only the next one becomes one instruction run in cache-sized row blocks,
-   so the intermediates never exist at full size. A matrix product read only by such a chain
-   joins it: as one accumulating `Device.gemm` when the chain is out = alpha * product +
-   beta * out (an SGD update), else written straight into the chain's output. An elementwise
-   instruction writes over an input that dies there when the layouts match (NNVM's rule); never
-   for matmul, constants, parameters or tensors the user holds.
-5. **Memory plan** for the blocks made inside the capture that nothing outside holds
-   (intermediates): "none" allocates each at its first write and frees all at the end of the
-   step; "recycle" frees each right after its last use (SINGA's reference-count recycling);
-   "static" puts them all at offsets in one arena (`runtime.planner`), allocated once, so a
-   replay calls no allocator at all.
+1. **Capture** (delayed execution; `capture.py`). `fn` runs with every op recorded on a tape
+   instead of launched (`runtime.tape`): nothing computes and blocks made inside stay lazy. Each
+   instruction names the blocks it reads and writes, as layouts; `_sort_blocks` tells the
+   intermediates (made inside, held by nothing afterwards) from what the graph keeps.
+2. **Rewrite** (`checkpoint.py`). With `checkpoint="sqrt"`, the forward instructions are cut
+   into about sqrt(n) segments; forward results that the backward pass needs are recomputed from
+   the segment's boundary just before their first backward use (Chen et al. 2016), so they need
+   not stay live.
+3. **Dependencies and schedule** (`schedule.py`). Read-after-write, write-after-read and
+   write-after-write hazards on blocks give a DAG; a list scheduler walks it preferring
+   instructions that do not add live bytes, so, e.g., each parameter's update runs as soon as its
+   gradient is complete and the gradient dies at once.
+4. **Fusion and in-place reuse** (`fuse.py`, with `fuse=True`). A chain of elementwise
+   instructions whose intermediates feed only the next one becomes one instruction run in
+   cache-sized row blocks, so the intermediates never exist at full size. A matrix product read
+   only by such a chain joins it: as one accumulating `Device.gemm` when the chain is
+   out = alpha * product + beta * out (an SGD update), else written straight into the chain's
+   output. An elementwise instruction writes over an input that dies there when the layouts
+   match (NNVM's rule); never for matmul, constants, parameters or tensors the user holds.
+5. **Memory plan** (`memory.py`) for the intermediates: "none" allocates each at its first
+   write and frees all at the end of the step; "recycle" frees each right after its last use
+   (SINGA's reference-count recycling); "static" puts them all at offsets in one arena
+   (`runtime.planner`), allocated once, so a replay calls no allocator at all. Every plan makes
+   its allocator calls before the first write to state (Note [the commit point] in
+   `memory.py`).
+6. **Replay** (`replay.py`): the steps bound to views of the planned memory, run in order.
+
+`capture._build` runs phases 1-5; each takes and returns a record of `program.py` (`Recorded`,
+`Fused`, `MemoryPlan`) built by keyword, and the last one is a `_Capture`.
 
 Later calls with the same signature replay the schedule on the new inputs without running the
 Python function. Blocks that existed before the capture (parameters, optimizer state) are read
@@ -74,6 +81,7 @@ from runtime import config, planner, tape
 from runtime.block import Block
 from runtime.errors import GraphCaptureError
 from runtime.graph.capture import (
+    Options,
     _abandon,
     _argument_writes,
     _build,
@@ -220,7 +228,7 @@ class Graph:
         in_place, recomputed.
         """
         capture = self._require_capture()
-        static = capture.static_plan
+        static = capture.memory.static_plan
         return {"plan": self.plan, "checkpoint": self.checkpoint,
                 "planned_bytes": static.planned_bytes,
                 "lower_bound_bytes": static.lower_bound_bytes,
@@ -233,18 +241,18 @@ class Graph:
         return self._timeline_of(self._require_capture())
 
     def _timeline_of(self, capture: _Capture) -> list[int]:
-        n, commit = len(capture.steps), capture.commit
+        n, commit = len(capture.steps), capture.memory.commit
         if self.plan == "static":
-            return [capture.static_plan.planned_bytes] * n
+            return [capture.memory.static_plan.planned_bytes] * n
         if self.plan == "none":  # nothing goes back before the end of the step
             grown = [0] * n
-            for life in capture.lifetimes:
+            for life in capture.memory.lifetimes:
                 grown[min(life.first, commit)] += life.nbytes
             return list(np.cumsum(grown).tolist()) if n else []
-        early = [life for lives in capture.starts.values() for life in lives]
+        early = [life for lives in capture.memory.starts.values() for life in lives]
         live = planner.live_bytes(early, n) if early else [0] * n
-        if capture.tail_plan is not None:  # the tail arena, held from the commit step on
-            live[commit:] = [b + capture.tail_plan.planned_bytes for b in live[commit:]]
+        if capture.memory.tail_plan is not None:  # the tail arena, held from the commit step on
+            live[commit:] = [b + capture.memory.tail_plan.planned_bytes for b in live[commit:]]
         return live
 
     def _require_capture(self) -> _Capture:
@@ -275,8 +283,10 @@ class Graph:
             _abandon(recorder)
             raise
         del result, call_args
-        capture = _build(recorder, placeholders, outputs, kind, device, allocator, self.plan,
-                         self.checkpoint, self.fuse)
+        capture = _build(recorder, placeholders=placeholders, outputs=outputs,
+                         output_kind=kind, allocator=allocator,
+                         options=Options(plan=self.plan, checkpoint=self.checkpoint,
+                                         fuse=self.fuse))
         self._refuse(capture, _argument_writes(capture))
         self._check_fits(capture)
         return capture

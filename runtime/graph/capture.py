@@ -1,8 +1,10 @@
-"""Capture: arguments in, results out, and `_build`, which runs the phases on a recorded tape."""
+"""Capture: arguments in, results out, phase 1 (`_sort_blocks`), and `_build`, which runs the
+phases on a recorded tape."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -11,11 +13,12 @@ from allocators import Allocator
 from runtime import autograd, planner
 from runtime.block import Block
 from runtime.errors import GraphCaptureError
-from runtime.graph.checkpoint import _recompute_sqrt
-from runtime.graph.fuse import _attach_products, _buffers, _fuse
-from runtime.graph.program import _Capture, _Step
-from runtime.graph.schedule import _schedule
-from runtime.tape import Tape
+from runtime.graph.checkpoint import _checkpoint
+from runtime.graph.fuse import _fuse_steps
+from runtime.graph.memory import _plan_memory
+from runtime.graph.program import Fused, MemoryPlan, Recorded, _Capture, _Step
+from runtime.graph.schedule import _scheduled
+from runtime.tape import Instruction, Tape
 from runtime.tensor import Tensor, host_array
 
 
@@ -90,7 +93,7 @@ def _copy_inputs(capture: _Capture, args: Sequence[Any]) -> None:
         if holder is None:
             continue
         if isinstance(arg, Tensor):
-            if arg.block.id in capture.state:
+            if arg.block.id in capture.memory.state:
                 raise GraphCaptureError(
                     f"graph argument {capture.placeholders.index(holder)} shares block "
                     f"#{arg.block.id} with state the step writes (a parameter or optimizer "
@@ -128,11 +131,43 @@ def _results(capture: _Capture) -> Any:
 
 
 # ---------------------------------------------------------------------- building a capture
-def _build(recorder: Tape, placeholders: list[Tensor | None], outputs: list[Tensor], kind: str,
-           device: Any, allocator: Allocator, plan: str, checkpoint: str | None,
-           fuse: bool) -> _Capture:
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """How a graph captures: its memory plan, checkpointing and fusion (see `runtime.graph`)."""
+
+    plan: str
+    checkpoint: str | None
+    fuse: bool
+
+
+def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[Tensor],
+           output_kind: str, allocator: Allocator, options: Options) -> _Capture:
+    """Run the phases on a recorded tape (the module docstring of `runtime.graph` says what
+    each does)."""
+    recorded = _sort_blocks(recorder, outputs)
+    if options.checkpoint == "sqrt":
+        recorded = _checkpoint(recorded)
+    scheduled = _scheduled(recorded)
+    fused = _fuse_steps(scheduled, recorded.intermediate, allocator.device, fuse=options.fuse,
+                        in_place=options.fuse and options.plan != "none")
+    memory = _plan_memory(fused, recorded, recorder.made_here, plan=options.plan,
+                          alignment=max(allocator.device.alignment, 64))
+    outside = recorded.outside
+    return _Capture(steps=fused.steps, placeholders=placeholders,
+                    outputs=[t.detach() for t in outputs], output_kind=output_kind,
+                    held=recorded.held, buffer_of=fused.buffer_of, memory=memory,
+                    naive_bytes=sum(recorded.blocks[bid].nbytes
+                                    for bid in recorded.intermediate),
+                    device=allocator.device, allocator=allocator,
+                    stats=_counts(recorded, scheduled, fused, memory), outside=outside,
+                    outside_ids={block.id for block in outside},
+                    init=[_Step([instr]) for instr in recorded.init])
+
+
+def _sort_blocks(recorder: Tape, outputs: list[Tensor]) -> Recorded:
+    """Phase 1: which blocks are intermediates (made in the capture, held by nothing once `fn`
+    returned), which the graph keeps, and which loads initialise kept state."""
     program = recorder.instructions
-    # Phase 1: which blocks are intermediates (made here, held by nothing once fn returned).
     blocks: dict[int, Block] = {}
     for instr in program:
         for operand in (*instr.inputs, *instr.outputs):
@@ -142,106 +177,33 @@ def _build(recorder: Tape, placeholders: list[Tensor | None], outputs: list[Tens
         if recorder.made_here(block) and block.refcount > 0:
             held.append(Tensor(block, (block.nbytes,), np.uint8))
     kept = {t.block.id for t in held}
-    intermediate = {bid for bid, block in blocks.items()
-                    if recorder.made_here(block) and bid not in kept}
-    # NOTE: host data loaded into a block made here that outlives the call (optimizer state made
-    # at the first step) initialises it: it runs at the first replay only.
+    intermediate = frozenset(bid for bid, block in blocks.items()
+                             if recorder.made_here(block) and bid not in kept)
+    # NOTE: host data loaded into a block made here that outlives the call (optimizer state
+    # made at the first step) initialises it: it runs at the first replay only.
     init = [instr for instr in program if instr.kind == "load"
             and recorder.made_here(instr.outputs[0].block)
             and instr.outputs[0].block.id not in intermediate]
-    program = [instr for instr in program if not any(instr is i for i in init)]
-    recomputed = 0
-    if checkpoint == "sqrt":
-        program, recomputed = _recompute_sqrt(program, intermediate)
-        for instr in program:
-            for operand in instr.outputs:
-                if operand.block.id not in blocks:
-                    blocks[operand.block.id] = operand.block
-                    intermediate.add(operand.block.id)
-    # Phase 2: dependencies and a memory-aware schedule.
-    order = _schedule(program, intermediate)
-    scheduled = [program[i] for i in order]
-    # Phase 3: fusion into steps, then in-place reuse, both on the schedule.
-    if fuse:
-        steps = _attach_products(_fuse(scheduled, intermediate), intermediate, device)
-    else:
-        steps = [_Step([i]) for i in scheduled]
-    internal = set().union(*(step.internal for step in steps))
-    fresh = {step.instructions[-1].outputs[0].block.id for step in steps
-             if step.product == "into"}
-    buffer_of, in_place = _buffers(steps, intermediate - internal, fuse and plan != "none",
-                                   fresh)
-    # Phase 4: lifetimes per buffer, in step positions, and the static plan.
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for position, step in enumerate(steps):
-        for instr in step.instructions:
-            for operand in (*instr.inputs, *instr.outputs):
-                buffer = buffer_of.get(operand.block.id)
-                if buffer is not None:
-                    first.setdefault(buffer, position)
-                    last[buffer] = position
-    sizes: dict[int, int] = {}
-    for bid, buffer in buffer_of.items():
-        sizes[buffer] = max(sizes.get(buffer, 0), blocks[bid].nbytes)
-    lifetimes = [planner.Lifetime(b, first[b], last[b], sizes[b]) for b in first]
-    alignment = max(allocator.device.alignment, 64)
-    static_plan = planner.plan(lifetimes, alignment=alignment)
-    forward = {buffer_of.get(operand.block.id) for instr in scheduled
-               if instr.phase in ("forward", "recompute") for operand in instr.outputs}
-    activation = [life for life in lifetimes if life.key in forward]
-    stats = {"instructions": len(scheduled), "steps": len(steps),
-             "fused": sum(len(s.instructions) for s in steps if len(s.instructions) > 1),
-             "products": sum(1 for s in steps if s.product is not None),
-             "in_place": in_place, "recomputed": recomputed,
-             "activation_bytes": planner.lower_bound(activation) if activation else 0}
-    naive = sum(blocks[bid].nbytes for bid in intermediate)
-    outside = [block for bid, block in blocks.items() if bid not in intermediate]
-    for block in outside:
-        if recorder.made_here(block) and block._allocation is None:
+    for bid, block in blocks.items():
+        if bid not in intermediate and recorder.made_here(block) and block._allocation is None:
             block._written = False  # NOTE: written on the tape only; a replay writes it for real
-    commit, state = _commit_point(steps, {block.id for block in outside}, recorder)
-    # NOTE: what "none" and "recycle" replays allocate and free at each step, worked out once
-    starts: dict[int, list[planner.Lifetime]] = {}
-    ends: dict[int, list[int]] = {}
-    tail = []
-    for life in lifetimes:
-        if life.first >= commit:
-            tail.append(life)
-            continue
-        starts.setdefault(life.first, []).append(life)
-        if plan == "recycle":
-            ends.setdefault(life.last, []).append(life.key)
-    tail_plan = planner.plan(tail, alignment=alignment) if plan == "recycle" and tail else None
-    return _Capture(steps, placeholders, [t.detach() for t in outputs], kind, held, state,
-                    buffer_of, lifetimes, naive, static_plan, device, allocator, stats,
-                    outside, {block.id for block in outside}, [_Step([i]) for i in init],
-                    commit, tail_plan, starts, ends, tail)
+    return Recorded(program=[instr for instr in program if not any(instr is i for i in init)],
+                    init=init, blocks=blocks, intermediate=intermediate, held=held)
 
 
-def _commit_point(steps: Sequence[_Step], outside: set[int],
-                  recorder: Tape) -> tuple[int, set[int]]:
-    """The position of the first step that writes state, and the blocks of state written.
-
-    State is a block that existed before the capture (parameters, earlier optimizer state) or
-    one made here that a step reads before or where it first writes it (state carried from step
-    to step). Outputs that are only written are not state. A replay makes every allocator call
-    before the commit position, so a failed allocation leaves the state as it was."""
-    read: set[int] = set()
-    written: set[int] = set()
-    state: set[int] = set()
-    commit = len(steps)
-    for position, step in enumerate(steps):
-        for instr in step.instructions:
-            read.update(o.block.id for o in instr.inputs)
-            for operand in instr.outputs:
-                block = operand.block
-                if block.id in outside and block.id not in written and (
-                        block.id in read or not recorder.made_here(block)):
-                    state.add(block.id)
-                    commit = min(commit, position)
-                written.add(block.id)
-    return commit, state
+def _counts(recorded: Recorded, scheduled: list[Instruction], fused: Fused,
+            memory: MemoryPlan) -> dict[str, int]:
+    """What `Graph.memory_report` counts: instructions, steps, fusion, reuse, recomputation,
+    and the most bytes of forward results live at once."""
+    forward = {fused.buffer_of.get(operand.block.id) for instr in scheduled
+               if instr.phase in ("forward", "recompute") for operand in instr.outputs}
+    activation = [life for life in memory.lifetimes if life.key in forward]
+    steps = fused.steps
+    return {"instructions": len(scheduled), "steps": len(steps),
+            "fused": sum(len(s.instructions) for s in steps if len(s.instructions) > 1),
+            "products": sum(1 for s in steps if s.product is not None),
+            "in_place": fused.in_place, "recomputed": recorded.recomputed,
+            "activation_bytes": planner.lower_bound(activation) if activation else 0}
 
 
 def _argument_writes(capture: _Capture) -> str | None:

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from runtime.block import Block
+from runtime.graph.program import Recorded
 from runtime.tape import Instruction, Operand
 
 
-def _recompute_sqrt(program: list[Instruction], intermediate: set[int]
+def _checkpoint(recorded: Recorded) -> Recorded:
+    """Phase 2 (checkpoint="sqrt"): `recorded` with forward results that backward reads
+    recomputed from segment boundaries; the clones write new intermediate blocks."""
+    program, count = _recompute_sqrt(recorded.program, recorded.intermediate)
+    blocks = dict(recorded.blocks)
+    made = {operand.block.id: operand.block for instr in program for operand in instr.outputs
+            if operand.block.id not in blocks}
+    blocks.update(made)
+    return dataclasses.replace(recorded, program=program, blocks=blocks,
+                               intermediate=recorded.intermediate.union(made),
+                               recomputed=count)
+
+
+def _recompute_sqrt(program: list[Instruction], intermediate: frozenset[int]
                     ) -> tuple[list[Instruction], int]:
     """Chen et al.'s sqrt(n) checkpointing on the instruction list.
 

@@ -7,16 +7,32 @@ from typing import Any
 
 import numpy as np
 
-from runtime.graph.program import _Step
+from runtime.graph.program import Fused, _Step
 from runtime.graph.schedule import _positions
 from runtime.tape import Instruction, Operand
+
+
+def _fuse_steps(scheduled: list[Instruction], intermediate: frozenset[int], device: Any, *,
+                fuse: bool, in_place: bool) -> Fused:
+    """Phase 4: the schedule as steps (`fuse`: elementwise chains fused, products folded into
+    the chains that consume them) and a buffer for each planned block (`in_place`: an
+    elementwise step may write over an input that dies there)."""
+    if fuse:
+        steps = _attach_products(_fuse(scheduled, intermediate), intermediate, device)
+    else:
+        steps = [_Step([instr]) for instr in scheduled]
+    internal = set().union(*(step.internal for step in steps))
+    fresh = {step.instructions[-1].outputs[0].block.id for step in steps
+             if step.product == "into"}
+    buffer_of, reused = _buffers(steps, intermediate - internal, in_place, fresh)
+    return Fused(steps=steps, buffer_of=buffer_of, in_place=reused)
 
 
 def _fusable(instr: Instruction) -> bool:
     return instr.kind == "kernel" and instr.policy == "elementwise" and len(instr.outputs) == 1
 
 
-def _fuse(scheduled: list[Instruction], intermediate: set[int]) -> list[_Step]:
+def _fuse(scheduled: list[Instruction], intermediate: frozenset[int]) -> list[_Step]:
     """Group chains of elementwise instructions, consecutive in the schedule, where each link's
     output is an intermediate written whole, read only by the next link (whole), and dead after
     it. The chain runs in row blocks; its inner results never exist at full size."""
@@ -59,7 +75,8 @@ def _is_product(instr: Instruction) -> bool:
             and all(len(o.shape) == 2 for o in (*instr.inputs[:2], instr.outputs[0])))
 
 
-def _attach_products(steps: list[_Step], intermediate: set[int], device: Any) -> list[_Step]:
+def _attach_products(steps: list[_Step], intermediate: frozenset[int],
+                     device: Any) -> list[_Step]:
     """Move each matrix product whose result (an intermediate) only an elementwise chain reads,
     whole, into that chain's step, so the product never gets a buffer of its own:
     - (alpha, beta): the chain computes out = alpha * product + beta * out, in place on out

@@ -1,4 +1,8 @@
-"""The captured program's records: a scheduled step (`_Step`) and a whole capture (`_Capture`)."""
+"""The records the phases pass on: what a tape holds (`Recorded`), the fused steps (`Fused`),
+the memory plan (`MemoryPlan`), a scheduled step (`_Step`) and a whole capture (`_Capture`).
+
+Each phase takes and returns these by name (`capture._build` reads as the list of phases); every
+record is built by keyword."""
 
 from __future__ import annotations
 
@@ -11,6 +15,67 @@ from runtime import planner
 from runtime.block import Block
 from runtime.tape import Instruction
 from runtime.tensor import Tensor
+
+
+# ---------------------------------------------------------------------- what the phases pass on
+@dataclass(frozen=True, kw_only=True)
+class Recorded:
+    """The tape sorted (phase 1, `capture._sort_blocks`), then rewritten by checkpointing
+    (phase 2, `checkpoint._checkpoint`)."""
+
+    #: the instructions to schedule, in program order (the loads in `init` taken out)
+    program: list[Instruction]
+    #: loads of host data into state made in the capture (optimizer moments): run once
+    init: list[Instruction]
+    #: every block an instruction touches, by id
+    blocks: dict[int, Block]
+    #: ids of the blocks made in the capture that nothing holds once `fn` returned: the
+    #: blocks the memory plan places
+    intermediate: frozenset[int]
+    #: handles that keep alive the blocks made in the capture that something still holds
+    held: list[Tensor]
+    #: forward instructions cloned to recompute results during backward
+    recomputed: int = 0
+
+    @property
+    def outside(self) -> list[Block]:
+        """Blocks the steps touch that the plan does not place (parameters, state, outputs)."""
+        return [block for bid, block in self.blocks.items() if bid not in self.intermediate]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fused:
+    """The schedule as steps (phase 4, `fuse._fuse_steps`), and where each planned block lives."""
+
+    steps: list[_Step]
+    #: planned block id -> buffer id (a buffer is named by the first block it holds; blocks
+    #: that reuse a dying input in place share its buffer)
+    buffer_of: dict[int, int]
+    #: blocks that took a dying input's buffer
+    in_place: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryPlan:
+    """Where and when the buffers live (phase 5, `memory._plan_memory`)."""
+
+    #: per buffer, in step positions
+    lifetimes: list[planner.Lifetime]
+    #: every buffer at an offset in one arena ("static", and the lower bound every plan reports)
+    static_plan: planner.Plan
+    #: the position of the first step that writes state (Note [the commit point] in
+    #: runtime/graph/memory.py)
+    commit: int
+    #: blocks of state the steps write
+    state: set[int]
+    #: step position -> buffers allocated just before it ("none" and "recycle")
+    starts: dict[int, list[planner.Lifetime]]
+    #: step position -> buffers freed just after it ("recycle")
+    ends: dict[int, list[int]]
+    #: buffers first used at or after `commit`: allocated just before it
+    tail: list[planner.Lifetime]
+    #: "recycle": `tail` placed in one arena
+    tail_plan: planner.Plan | None
 
 
 # ---------------------------------------------------------------------- the captured program
@@ -27,33 +92,37 @@ class _Step:
     product: str | tuple[float, float] | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Capture:
-    """Everything one capture produced: the schedule, the plan and the graph-held tensors."""
+    """Everything one capture produced: the schedule, the plan and the graph-held tensors, and
+    what its replays keep between calls."""
 
     steps: list[_Step]
     placeholders: list[Tensor | None]
     outputs: list[Tensor]
+    #: how `fn` returned its outputs: "none", "single", "tuple" or "list"
     output_kind: str
-    held: list[Tensor]                       # handles keeping graph-written blocks alive
-    state: set[int]                          # blocks of state the steps write (see _state_of)
-    buffer_of: dict[int, int]                # intermediate block id -> buffer (class) id
-    lifetimes: list[planner.Lifetime]        # per buffer, in schedule positions
+    #: handles keeping graph-written blocks alive
+    held: list[Tensor]
+    #: planned block id -> buffer id
+    buffer_of: dict[int, int]
+    memory: MemoryPlan
     naive_bytes: int
-    static_plan: planner.Plan
     device: Any
     allocator: Allocator
+    #: the counts `Graph.memory_report` adds
     stats: dict[str, int]
-    outside: list[Block]                     # blocks outside the plan that the steps touch
+    #: blocks outside the plan that the steps touch, and their ids
+    outside: list[Block]
     outside_ids: set[int]
-    init: list[_Step]                        # loads that initialise kept state: run once
-    commit: int = 0                          # the first step that writes state
-    tail_plan: planner.Plan | None = None    # recycle: buffers first used from `commit` on
-    starts: dict = field(default_factory=dict)   # step -> buffers allocated there (none/recycle)
-    ends: dict = field(default_factory=dict)     # step -> buffers freed after it (recycle)
-    tail: list = field(default_factory=list)     # buffers first used from `commit` on
+    #: loads that initialise state made in the capture: run at the first replay, then emptied
+    init: list[_Step]
+    #: "static": the arena, and the steps bound to views into it
     arena: Allocation | None = None
-    views: list[Callable[[], None]] | None = None   # static: the steps with bound views
+    views: list[Callable[[], None]] | None = None
+    #: the outside blocks' allocations `views` were bound to
     view_key: tuple = ()
+    #: the most bytes the plan held at once in the last replay
     peak_bytes: int = 0
-    scratch: dict = field(default_factory=dict)   # fused chains' block-sized scratch, shared
+    #: fused chains' block-sized scratch arrays, shared by the steps
+    scratch: dict = field(default_factory=dict)

@@ -16,10 +16,10 @@ Memory = dict[int, tuple[Any, int]]  # buffer -> (raw memory, byte offset)
 
 def _replay(capture: _Capture, plan: str) -> None:
     """Run the schedule once. Every allocator call comes before the first write to state
-    (`capture.commit`), so an OutOfMemoryError leaves parameters and optimizer state as they
-    were: blocks the graph keeps get memory first, "static" then takes its arena, and "none" and
-    "recycle" take, just before the commit step, all the memory the rest of the step uses
-    ("recycle" as one arena planned over those buffers' lifetimes)."""
+    (Note [the commit point] in runtime/graph/memory.py): blocks the graph keeps get memory
+    first, "static" then takes its arena, and "none" and "recycle" take, just before the commit
+    step, all the memory the rest of the step uses ("recycle" as one arena planned over those
+    buffers' lifetimes)."""
     for block in capture.outside:
         if block._allocation is None and not block.readonly:
             block.memory_for_write("graph replay")
@@ -27,13 +27,14 @@ def _replay(capture: _Capture, plan: str) -> None:
         _replay_static(capture)
         return
     _run_init(capture)
-    allocator, starts, ends = capture.allocator, capture.starts, capture.ends
+    allocator, starts, ends = capture.allocator, capture.memory.starts, capture.memory.ends
+    commit = capture.memory.commit
     memory: Memory = {}
     allocations: dict[int, Allocation] = {}
     live = peak = 0
     try:
         for position, step in enumerate(capture.steps):
-            if position == capture.commit:
+            if position == commit:
                 live += _take_tail(capture, allocations, memory)
             for life in starts.get(position, ()):
                 allocation = allocations[life.key] = allocator.allocate(life.nbytes)
@@ -58,12 +59,13 @@ _TAIL = -1  # NOTE: the key of recycle's tail arena among a replay's allocations
 def _take_tail(capture: _Capture, allocations: dict[int, Allocation], memory: Memory) -> int:
     """Allocate the buffers first used at or after the commit step; return the bytes taken."""
     taken = 0
-    if capture.tail_plan is not None:  # recycle: one arena, its buffers placed by the planner
-        arena = allocations[_TAIL] = capture.allocator.allocate(capture.tail_plan.planned_bytes)
-        for key, offset in capture.tail_plan.offsets.items():
+    tail_plan = capture.memory.tail_plan
+    if tail_plan is not None:  # recycle: one arena, its buffers placed by the planner
+        arena = allocations[_TAIL] = capture.allocator.allocate(tail_plan.planned_bytes)
+        for key, offset in tail_plan.offsets.items():
             memory[key] = (arena.raw, arena.offset + offset)
         return arena.size
-    for life in capture.tail:  # none: one allocation each, as at their first writes
+    for life in capture.memory.tail:  # none: one allocation each, as at their first writes
         allocation = allocations[life.key] = capture.allocator.allocate(life.nbytes)
         memory[life.key] = (allocation.raw, allocation.offset)
         taken += allocation.size
@@ -79,9 +81,10 @@ def _run_init(capture: _Capture) -> None:
 
 def _replay_static(capture: _Capture) -> None:
     """Run the prebuilt steps; they are rebuilt only when an outside block's memory moved."""
-    if capture.arena is None and capture.static_plan.offsets:
+    static_plan = capture.memory.static_plan
+    if capture.arena is None and static_plan.offsets:
         # NOTE: also for a plan of 0 bytes (zero-size intermediates): their views need memory
-        capture.arena = capture.allocator.allocate(capture.static_plan.planned_bytes)
+        capture.arena = capture.allocator.allocate(static_plan.planned_bytes)
         capture.views = None
     _run_init(capture)
     key = tuple(id(block._allocation) for block in capture.outside)
@@ -89,7 +92,7 @@ def _replay_static(capture: _Capture) -> None:
         arena = capture.arena
         memory: Memory = {}
         if arena is not None:
-            for buffer, offset in capture.static_plan.offsets.items():
+            for buffer, offset in static_plan.offsets.items():
                 memory[buffer] = (arena.raw, arena.offset + offset)
         capture.views = [_bind(step, capture, memory) for step in capture.steps]
         capture.view_key = tuple(id(block._allocation) for block in capture.outside)

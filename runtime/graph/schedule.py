@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from runtime.graph.program import Recorded
 from runtime.tape import Instruction
 
 #: Ops whose kernels check their data and may raise (cross_entropy's labels).
@@ -11,7 +12,7 @@ _RAISES_ON_DATA = frozenset({"cross_entropy"})
 
 
 def _dependencies(program: Sequence[Instruction],
-                  intermediate: set[int] = frozenset()) -> list[set[int]]:
+                  intermediate: frozenset[int] = frozenset()) -> list[set[int]]:
     """Predecessors of each instruction: read-after-write, write-after-read, write-after-write
     on blocks (whole blocks: conservative for disjoint views of one block); and a write to a
     block that outlives the step (state, outputs) waits for every earlier instruction that may
@@ -48,7 +49,12 @@ def _dependencies(program: Sequence[Instruction],
     return preds
 
 
-def _schedule(program: Sequence[Instruction], intermediate: set[int]) -> list[int]:
+def _scheduled(recorded: Recorded) -> list[Instruction]:
+    """Phase 3: `recorded.program` in an order that respects its hazards and frees early."""
+    return [recorded.program[i] for i in _schedule(recorded.program, recorded.intermediate)]
+
+
+def _schedule(program: Sequence[Instruction], intermediate: frozenset[int]) -> list[int]:
     """A topological order of `program` that prefers, among ready instructions, one that adds
     no live bytes (it frees at least what it allocates), else the earliest in program order."""
     preds = _dependencies(program, intermediate)

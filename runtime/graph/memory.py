@@ -1,0 +1,88 @@
+"""The memory plan: buffer lifetimes over the steps, the static arena, the commit point, and what
+"none" and "recycle" replays allocate and free at each step.
+
+Note [the commit point]: a training step makes every allocator call before its first write to
+state (parameters, optimizer state, anything that outlives the step), so an OutOfMemoryError
+leaves the state exactly as it was and the step can simply be retried. A graph finds the
+position of the first step that writes state (`_commit_point`); its replay takes everything the
+rest of the step needs just before that position: "static" its whole arena before the first
+step, "none" and "recycle" the buffers first used from there on, in one go (`replay._take_tail`),
+and the blocks it keeps (outputs, lazy state) before anything runs. Eager training keeps the
+same rule in `nn.train_step`. A new kind of replay, a new phase that moves a write earlier, or
+an allocation made lazily inside a step must keep it; tests/test_faults.py injects a failure at
+every allocation and checks that the state is untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from runtime import planner
+from runtime.block import Block
+from runtime.graph.program import Fused, MemoryPlan, Recorded, _Step
+
+
+def _plan_memory(fused: Fused, recorded: Recorded, made_here: Callable[[Block], bool], *,
+                 plan: str, alignment: int) -> MemoryPlan:
+    """Phase 5: lifetimes of `fused`'s buffers, their static placement, the commit point, and
+    the allocations of a "none" or "recycle" replay."""
+    lifetimes = _lifetimes(fused, recorded.blocks)
+    commit, state = _commit_point(fused.steps, {block.id for block in recorded.outside},
+                                  made_here)
+    starts: dict[int, list[planner.Lifetime]] = {}
+    ends: dict[int, list[int]] = {}
+    tail = []
+    for life in lifetimes:
+        if life.first >= commit:
+            tail.append(life)
+            continue
+        starts.setdefault(life.first, []).append(life)
+        if plan == "recycle":
+            ends.setdefault(life.last, []).append(life.key)
+    tail_plan = planner.plan(tail, alignment=alignment) if plan == "recycle" and tail else None
+    return MemoryPlan(lifetimes=lifetimes,
+                      static_plan=planner.plan(lifetimes, alignment=alignment),
+                      commit=commit, state=state, starts=starts, ends=ends, tail=tail,
+                      tail_plan=tail_plan)
+
+
+def _lifetimes(fused: Fused, blocks: dict[int, Block]) -> list[planner.Lifetime]:
+    """Each buffer from the first step that touches it to the last, at the size of the largest
+    block it holds."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for position, step in enumerate(fused.steps):
+        for instr in step.instructions:
+            for operand in (*instr.inputs, *instr.outputs):
+                buffer = fused.buffer_of.get(operand.block.id)
+                if buffer is not None:
+                    first.setdefault(buffer, position)
+                    last[buffer] = position
+    sizes: dict[int, int] = {}
+    for bid, buffer in fused.buffer_of.items():
+        sizes[buffer] = max(sizes.get(buffer, 0), blocks[bid].nbytes)
+    return [planner.Lifetime(b, first[b], last[b], sizes[b]) for b in first]
+
+
+def _commit_point(steps: Sequence[_Step], outside: set[int],
+                  made_here: Callable[[Block], bool]) -> tuple[int, set[int]]:
+    """The position of the first step that writes state, and the blocks of state written.
+
+    State is a block that existed before the capture (parameters, earlier optimizer state) or
+    one made here that a step reads before or where it first writes it (state carried from step
+    to step). Outputs that are only written are not state (Note [the commit point])."""
+    read: set[int] = set()
+    written: set[int] = set()
+    state: set[int] = set()
+    commit = len(steps)
+    for position, step in enumerate(steps):
+        for instr in step.instructions:
+            read.update(o.block.id for o in instr.inputs)
+            for operand in instr.outputs:
+                block = operand.block
+                if block.id in outside and block.id not in written and (
+                        block.id in read or not made_here(block)):
+                    state.add(block.id)
+                    commit = min(commit, position)
+                written.add(block.id)
+    return commit, state
