@@ -26,10 +26,11 @@ import pathlib
 import platform
 import subprocess
 import sys
-import tempfile
 import timeit
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import ROOT, baseline_checkout, cpu_name
+
 #: The last commit before queue-ordered reuse.
 BASELINE = "b52df7d"
 
@@ -105,16 +106,6 @@ def worker(number: int, cross: bool) -> None:
 
 
 # ---------------------------------------------------------------------- the driver
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown CPU"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    name = fields.get("Model name", "unknown CPU").strip()
-    return f"{name}, {fields.get('CPU(s)', '?').strip()} CPUs"
-
-
 def run_tree(tree: pathlib.Path, number: int, cross: bool) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree), PYTHONSAFEPATH="1")
     args = [sys.executable, str(ROOT / "benchmarks" / "bench_queues.py"), "--worker",
@@ -127,21 +118,6 @@ def run_tree(tree: pathlib.Path, number: int, cross: bool) -> dict:
     if pathlib.Path(loaded) != tree.resolve():
         raise SystemExit(f"the worker for {tree} imported blockrt from {loaded}")
     return results
-
-
-def baseline_tree(ref: str, into: pathlib.Path) -> pathlib.Path:
-    """A worktree of `ref` with its C extension built in place (with this Python)."""
-    tree = into / "baseline"
-    made = subprocess.run(["git", "worktree", "add", "--detach", str(tree), ref], cwd=ROOT,
-                          capture_output=True, text=True)
-    if made.returncode:
-        raise SystemExit(f"cannot check out the baseline {ref} (a shallow clone?): "
-                         f"{made.stderr.strip()}")
-    built = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree,
-                           capture_output=True, text=True)
-    if built.returncode or not list((tree / "allocators").glob("_speedups*.so")):
-        raise SystemExit(f"cannot build the baseline's C extension:\n{built.stderr[-2000:]}")
-    return tree
 
 
 def main() -> None:
@@ -160,17 +136,12 @@ def main() -> None:
         return
     if args.quick:
         args.rounds, args.number = 3, 300
-    with tempfile.TemporaryDirectory() as tmp:
-        base = baseline_tree(args.baseline, pathlib.Path(tmp))
-        try:
-            best: dict[str, dict[str, float]] = {"baseline": {}, "now": {}}
-            for _ in range(args.rounds):
-                for label, tree, cross in (("baseline", base, False), ("now", ROOT, True)):
-                    for name, value in run_tree(tree, args.number, cross).items():
-                        best[label][name] = min(value, best[label].get(name, float("inf")))
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,
-                           capture_output=True)
+    with baseline_checkout(args.baseline) as base:
+        best: dict[str, dict[str, float]] = {"baseline": {}, "now": {}}
+        for _ in range(args.rounds):
+            for label, tree, cross in (("baseline", base, False), ("now", ROOT, True)):
+                for name, value in run_tree(tree, args.number, cross).items():
+                    best[label][name] = min(value, best[label].get(name, float("inf")))
     print(f"# queue-ordered reuse: same-queue cost against {args.baseline}; {cpu_name()}; "
           f"Python {platform.python_version()}; {args.rounds} rounds of {args.number} calls")
     print("| case | baseline (us) | now (us) | ratio |")

@@ -36,8 +36,10 @@ Run: python benchmarks/bench_train.py [--quick] [--configs S,M,L] [--contenders 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import pathlib
 import resource
 import statistics
 import subprocess
@@ -66,6 +68,7 @@ from mlp_reference import (
     init_params,
     make_batch,
 )
+from timing import ROOT, baseline_checkout, cpu_name
 
 THREADS = 2  # as set above
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -166,17 +169,22 @@ def serve(name: str, config_name: str, quick: bool) -> None:
 
 
 class Child:
-    """One `--serve` subprocess, with the thread variables set."""
+    """One `--serve` subprocess, with the thread variables set. A contender named
+    `NAME@REF` is NAME served by the baseline checkout's own bench_train.py, with its blockrt
+    first on the path (`--baseline`)."""
 
-    def __init__(self, name: str, config_name: str, quick: bool) -> None:
-        command = [sys.executable, os.path.abspath(__file__), "--serve", name, "--config",
-                   config_name] + (["--quick"] if quick else [])
+    def __init__(self, name: str, config_name: str, quick: bool,
+                 baseline: pathlib.Path | None = None) -> None:
+        served, _, ref = name.partition("@")
+        tree = baseline if ref else ROOT
+        command = [sys.executable, str(tree / "benchmarks" / "bench_train.py"), "--serve",
+                   served, "--config", config_name] + (["--quick"] if quick else [])
         env = {**os.environ, **dict.fromkeys(THREAD_VARIABLES, str(THREADS)),
-               **CONTENDER_ENV.get(name, {})}
+               **CONTENDER_ENV.get(served, {}), "PYTHONPATH": str(tree)}
         self.name = name
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True)
+                                        text=True, cwd=tree)
 
     def reply(self) -> dict[str, Any]:
         line = self.process.stdout.readline()
@@ -221,7 +229,7 @@ def print_blas(results: dict[str, Any]) -> None:
 
 
 def run_config(config_name: str, names: list[str], rounds: int, quick: bool,
-               seconds: float) -> dict[str, Any]:
+               seconds: float, baseline: pathlib.Path | None = None) -> dict[str, Any]:
     """Every contender as one long-lived subprocess; `rounds` rounds in which each runs for
     `seconds` in turn (order rotated each round, a pause before each so the previous one's
     BLAS and OpenMP threads have stopped spinning). Contenders that are skipped or fail to
@@ -230,7 +238,7 @@ def run_config(config_name: str, names: list[str], rounds: int, quick: bool,
     children = {}
     records: dict[str, dict[str, Any]] = {}
     for name in names:  # NOTE: one at a time, so no set-up runs beside another's warm-up
-        child = Child(name, config_name, quick)
+        child = Child(name, config_name, quick, baseline)
         ready = child.reply()
         if ready.get("status") == "ready":
             children[name] = child
@@ -290,8 +298,10 @@ def first_loss_spread(records: dict[str, dict[str, Any]]) -> float:
 def print_table(results: dict[str, dict[str, Any]], names: list[str], quick: bool) -> None:
     """The Markdown table: each contender's fastest step (ms) and, for each pair, the median
     over rounds of the ratio of their fastest steps in that round, with the rounds the first
-    won (its fastest step the faster) out of all."""
+    won (its fastest step the faster) out of all; each contender against its baseline."""
     ratios = [(a, b) for a, b in RATIOS if a in names and b in names]
+    ratios += [(name.partition("@")[0], name) for name in names
+               if "@" in name and name.partition("@")[0] in names]
     columns = [f"{name} (ms)" for name in names] + [f"{a} / {b}" for a, b in ratios]
     print("| config | batch, width, depth | GFLOP/step | " + " | ".join(columns) + " |")
     print("|---|---|---:|" + "---:|" * (len(names) + len(ratios)))
@@ -370,12 +380,19 @@ def main() -> None:
                         help="only check every contender against the NumPy reference")
     parser.add_argument("--json", metavar="PATH", help="also write every round's step times "
                         "and each contender's closing record here")
+    parser.add_argument("--baseline", metavar="REF", help="also run the blockrt contenders of "
+                        "--baseline-contenders from this commit, checked out beside this one, "
+                        "each paired with this checkout's (e.g. before a refactor)")
+    parser.add_argument("--baseline-contenders", default="blockrt-eager,blockrt-static",
+                        help="comma-separated (default: blockrt-eager,blockrt-static)")
     parser.add_argument("--serve", metavar="NAME", help=argparse.SUPPRESS)  # child
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args()
     names = args.contenders.split(",")
     configs = args.configs.split(",")
-    unknown = sorted(set(names) - set(CONTENDERS)) + sorted(set(configs) - set(CONFIGS))
+    based = args.baseline_contenders.split(",")
+    unknown = sorted((set(names) | set(based)) - set(CONTENDERS)) + sorted(
+        set(configs) - set(CONFIGS))
     if unknown:
         parser.error(f"unknown contender or configuration: {', '.join(unknown)}")
     seconds = args.seconds if args.seconds is not None else (0.05 if args.quick else 0.3)
@@ -384,18 +401,25 @@ def main() -> None:
         return
     if args.check:
         sys.exit(run_check(names))
-    load_before = os.getloadavg()[0]
-    results = {}
-    for config_name in configs:
-        rounds = args.rounds or (1 if args.quick else ROUNDS[config_name])
-        results[config_name] = run_config(config_name, names, rounds, args.quick, seconds)
-        spread = first_loss_spread(results[config_name]["records"])
-        if spread > 1e-3:
-            print(f"{config_name}: first-step losses differ by {spread:.3g} across contenders",
-                  file=sys.stderr)
-    print(f"MLP training step, {THREADS} threads: fastest step (ms) of each contender; ratios "
-          f"are medians over rounds of the same round's fastest steps (rounds the first won / "
-          f"all). 1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after:")
+    with contextlib.ExitStack() as stack:
+        baseline = None
+        if args.baseline:
+            baseline = stack.enter_context(baseline_checkout(args.baseline))
+            names += [f"{name}@{args.baseline}" for name in based]
+        load_before = os.getloadavg()[0]
+        results = {}
+        for config_name in configs:
+            rounds = args.rounds or (1 if args.quick else ROUNDS[config_name])
+            results[config_name] = run_config(config_name, names, rounds, args.quick, seconds,
+                                              baseline)
+            spread = first_loss_spread(results[config_name]["records"])
+            if spread > 1e-3:
+                print(f"{config_name}: first-step losses differ by {spread:.3g} across "
+                      f"contenders", file=sys.stderr)
+    print(f"MLP training step on {cpu_name()}, {THREADS} threads: fastest step (ms) of each "
+          f"contender; ratios are medians over rounds of the same round's fastest steps (rounds "
+          f"the first won / all). 1-minute load average {load_before:.2f} before, "
+          f"{os.getloadavg()[0]:.2f} after:")
     print()
     print_table(results, names, args.quick)
     print_memory_table(results, names)

@@ -1,9 +1,54 @@
-"""Side-by-side timing for the benchmarks: interleaved rounds, best round kept."""
+"""Side-by-side timing for the benchmarks: interleaved rounds, best round kept; the CPU every
+figure must name; a baseline commit checked out beside this one."""
 
 from __future__ import annotations
 
+import contextlib
+import pathlib
+import platform
+import subprocess
+import sys
+import tempfile
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def cpu_name() -> str:
+    """The CPU's model name and count (lscpu), e.g. "AMD EPYC, 2 CPUs": figures differ between
+    the Intel and AMD machines here, so every table says which measured it."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "unknown CPU"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    name = fields.get("Model name", "unknown CPU").strip()
+    return f"{name}, {fields.get('CPU(s)', '?').strip()} CPUs"
+
+
+@contextlib.contextmanager
+def baseline_checkout(ref: str) -> Iterator[pathlib.Path]:
+    """A temporary git worktree of `ref` with its C extension built in place (with this
+    Python), removed afterwards; SystemExit with git's or the compiler's words when either
+    fails (a shallow clone has no older commits)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = pathlib.Path(tmp) / "baseline"
+        made = subprocess.run(["git", "worktree", "add", "--detach", str(tree), ref], cwd=ROOT,
+                              capture_output=True, text=True)
+        if made.returncode:
+            raise SystemExit(f"cannot check out the baseline {ref} (a shallow clone?): "
+                             f"{made.stderr.strip()}")
+        try:
+            built = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"],
+                                   cwd=tree, capture_output=True, text=True)
+            if built.returncode or not list((tree / "allocators").glob("_speedups*.so")):
+                raise SystemExit(f"cannot build the baseline's C extension:\n"
+                                 f"{built.stderr[-2000:]}")
+            yield tree
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
+                           capture_output=True)
 
 
 def interleaved_min(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
