@@ -123,6 +123,9 @@ class Allocator(AllocatorState):
         return {key: getattr(self, f"_{key}") for key in COUNTERS}
 
     # ------------------------------------------------------------------ public policy
+    # NOTE: the caching allocator's C hot path does what allocate and free do, for its cache
+    # hits, so a change here is made there as well or turns the hot path off:
+    # Note [the hot path runs no Python] in allocators/_core.py
     def allocate(self, nbytes: int) -> Allocation:
         """Return an Allocation of at least `nbytes` bytes (0 is valid).
 
