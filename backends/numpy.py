@@ -21,8 +21,8 @@ from backends.base import Device
 
 
 def _sigmoid(x: np.ndarray, out: np.ndarray) -> None:
-    # NOTE: 0.5 * tanh(0.5 x) + 0.5 never overflows, unlike 1 / (1 + exp(-x)); every backend
-    # computes it so: Note [one formula on every backend] in backends/base.py
+    # NOTE: 0.5 * tanh(0.5 x) + 0.5, never 1 / (1 + exp(-x)), which overflows:
+    # Note [one formula on every backend] in backends/base.py
     np.multiply(x, 0.5, out=out)
     np.tanh(out, out=out)
     np.multiply(out, 0.5, out=out)
