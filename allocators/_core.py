@@ -11,6 +11,25 @@ with `_heapq`).
 The environment variable BLOCKRT_PURE_PYTHON, read once when `allocators` is first imported,
 turns the extension off: set to 1, true, yes or on, the pure-Python classes below are used; 0,
 false, no, off or unset keep it; anything else is an error. `ACCELERATED` says which are in use.
+
+Note [the hot path runs no Python]: the C code (`_caching_allocate` / `_caching_free` in
+`allocators/_speedups.c`) runs only while the allocator's lock is free, keeps the GIL from its
+first check to its last change, and in between calls no Python code (no method, property or
+hook of a Python class), creates no object the garbage collector tracks (a collection may run a
+tensor's `__del__`, which frees into this very allocator) and changes nothing until every check
+that can fail has passed. So, without taking the lock, it is one atomic step to the Python path,
+and a request it cannot serve that way goes to the Python implementation (`_allocate_slow` /
+`_free_slow`: `Allocator.allocate` / `free`) with nothing half done. The Python path stays
+complete: it is what runs under BLOCKRT_PURE_PYTHON, and `tests/test_speedups.py` runs both
+paths on the same requests and compares every field after every step. What that allows:
+- anything rare (a new size, a new segment, pruning, trimming, out of memory, bad input) goes in
+  Python only: the C code falls back to it, so adding there costs the hot path nothing;
+- a field the C code reads is declared twice, in the records below and in the C struct with its
+  member table, with the same name and type;
+- new policy in `Allocator.allocate` / `free` (a check, a counter, a hook) is either done by the
+  C code as well, or turns the hot path off while it applies, as queue-ordered reuse does (its
+  `_hot_off` clears `_hot` and sets `_ordered` until no allocation is recorded or pending); a
+  subclass that overrides `_allocate` or `_free` never gets the hot path at all.
 """
 
 from __future__ import annotations
@@ -86,9 +105,9 @@ class AllocatorState:
         self._live: dict[int, Any] = {}
         self._last_serial = 0
         self._hot = False
-        self._ordered = False  # NOTE: queue-ordered reuse is in use (allocators.base)
-        # NOTE: counters are plain attributes: on the hot path an attribute update costs half
-        # a dict update. `cache_hits` is derived (allocs - misses).
+        self._ordered = False
+        # NOTE: counters are plain attributes, not a dict: on the hot path an attribute update
+        # costs half a dict update. `cache_hits` is derived (allocs - misses).
         for key in COUNTERS:
             setattr(self, f"_{key}", 0)
 
@@ -130,7 +149,7 @@ speedups: Any = None
 if not PURE_PYTHON:
     try:
         from allocators import _speedups as speedups
-    except ImportError:  # NOTE: not built (no compiler when installed): Python does it all
+    except ImportError:  # not built (no compiler at install): Python does it all
         speedups = None
 
 if speedups is not None:

@@ -18,15 +18,12 @@
      self._free_slow, the Python implementation, for anything else: a size never rounded or
      never listed, a new segment, pruning, trimming, errors, or a lock held by someone else.
 
-   The rules of the hot path. It runs only while the allocator's lock is free, and from its
-   first check to its last change it runs no Python code and creates no object that the
-   garbage collector tracks (a collection may run finalizers, such as a tensor's __del__, that
-   free memory back to this allocator). It keeps the GIL all along, so no other thread can take
-   the lock meanwhile: it is atomic with respect to the Python path without taking the lock.
-   The new Allocation is created before the checks; after them there are only dict operations
-   on int and Block keys (whose hashing and equality are C), ints, and reference counts that
-   cannot reach zero. Every check that can fail comes before the first change, so a fallback to
-   the Python path never leaves half an operation behind.
+   The rules of the hot path are Note [the hot path runs no Python] in allocators/_core.py: it
+   runs only while the allocator's lock is free, keeps the GIL, runs no Python code and creates
+   no object that the garbage collector tracks from its first check to its last change, and
+   makes every check that can fail before the first change. In C that means: the new Allocation
+   is created before the checks; after them there are only dict operations on int and Block
+   keys (whose hashing and equality are C), ints, and reference counts that cannot reach zero.
 
    Free-threaded builds are not supported: this relies on the GIL. (As a single-phase module
    with static types, it also declares no support for subinterpreters or for running without
@@ -231,7 +228,7 @@ typedef struct {
     PyObject *serial;  /* NOTE: an int: the very object that keys the owner's live dict */
     char live;
     PyObject *upstream;
-    PyObject *handle;  /* NOTE: the owner's own record of it: the caching allocator's Block */
+    PyObject *handle;  /* the owner's own record of it: the caching allocator's Block */
 } AllocationRecord;
 
 static PyTypeObject AllocationRecordType;

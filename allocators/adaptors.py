@@ -200,7 +200,7 @@ class StatisticsAdaptor(Adaptor):
         self._active = 0
         self._peak_active = 0
         self._largest = 0
-        # NOTE: bucket b counts requests with b/2 < nbytes <= b; bucket 0 counts 0-byte ones.
+        #: bucket b counts requests with b/2 < nbytes <= b; bucket 0 counts 0-byte ones
         self._histogram: dict[int, int] = {}
 
     def counters(self) -> dict[str, dict[str, int]]:
@@ -345,8 +345,9 @@ class TraceAdaptor(Adaptor):
     def __init__(self, upstream: Allocator) -> None:
         super().__init__(upstream)
         self._events: list[TraceEvent] = []
-        # NOTE: the base numbers an allocation right after _allocate returns, still under the
-        # lock, so the last alloc event learns its serial at the next locked step (_settle).
+        #: the allocation of the last alloc event while it has no serial yet: the base numbers an
+        #: allocation right after _allocate returns, still under the lock, so the event learns
+        #: its serial at the next locked step (`_settle`)
         self._unnumbered: Allocation | None = None
 
     @property

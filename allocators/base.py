@@ -60,8 +60,9 @@ class Allocation(AllocationRecord):
     are ints (64-bit when the C accelerator is in use).
     """
 
-    # NOTE: the fields are AllocationRecord's (allocators/_core.py), a C struct when the
-    # accelerator is built, so the C hot path makes and frees allocations too.
+    # NOTE: the fields are AllocationRecord's, a C struct when the extension is built, so the
+    # C hot path makes and frees allocations too: Note [the hot path runs no Python] in
+    # allocators/_core.py
     __slots__ = ()
 
     @property
@@ -76,7 +77,7 @@ class Allocation(AllocationRecord):
 
 
 if speedups is not None:
-    speedups.set_allocation_class(Allocation)  # NOTE: what the C hot path hands out
+    speedups.set_allocation_class(Allocation)  # what the C hot path hands out
 
 
 class Allocator(AllocatorState):
@@ -105,13 +106,15 @@ class Allocator(AllocatorState):
     def __init__(self, device: Device | str | None = None) -> None:
         super().__init__()
         self.device: Device = backends.get_device(device if device is not None else "cpu")
-        # NOTE: queue-ordered reuse (record_queue): serial -> {queue key: queue} of the live
-        # allocations used on queues other than the device's home queue, and serial ->
-        # (allocation, events) of those freed while their queues may still use them (pending:
-        # still live in the books, their memory not yet back). While either is not empty the
-        # C hot path is off (_hot False), so every free and allocation comes through Python.
+        #: queue-ordered reuse (`record_queue`): serial -> {queue key: queue} of the live
+        #: allocations used on queues other than the device's home queue
         self._queue_uses: dict[int, dict[int, Any]] = {}
+        #: serial -> (allocation, events) of those freed while their queues may still use them
+        #: (pending: still live in the books, their memory not yet back)
         self._pending: dict[int, tuple[Allocation, list[Any]]] = {}
+        #: `_hot` from before `_hot_off`: while `_queue_uses` or `_pending` is not empty, the
+        #: C hot path is off and every free and allocation comes through Python
+        #: (Note [the hot path runs no Python] in allocators/_core.py)
         self._hot_when_idle = False
 
     @property
@@ -120,6 +123,9 @@ class Allocator(AllocatorState):
         return {key: getattr(self, f"_{key}") for key in COUNTERS}
 
     # ------------------------------------------------------------------ public policy
+    # NOTE: the caching allocator's C hot path does what allocate and free do, for its cache
+    # hits, so a change here is made there as well or turns the hot path off:
+    # Note [the hot path runs no Python] in allocators/_core.py
     def allocate(self, nbytes: int) -> Allocation:
         """Return an Allocation of at least `nbytes` bytes (0 is valid).
 
@@ -405,7 +411,7 @@ class Allocator(AllocatorState):
             return f"invalid free: {what} was never handed out by an allocator"
         if allocation.owner is not self:
             owner, me = repr(allocation.owner), repr(self)
-            if owner == me:  # NOTE: two allocators of one kind on one device read alike
+            if owner == me:  # two allocators of one kind on one device read alike
                 owner, me = f"{owner} at {id(allocation.owner):#x}", f"{me} at {id(self):#x}"
             return (f"invalid free: {what} belongs to another allocator, {owner}, not to this "
                     f"one, {me}; free it through its owner")

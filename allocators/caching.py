@@ -71,12 +71,13 @@ class _Pool(PoolRecord):
     best-fit search. Pushing, popping and removing a block are O(1) and allocate nothing.
     """
 
-    # NOTE: the fields are PoolRecord's (allocators/_core.py), which the C hot path reads.
+    # NOTE: the fields are PoolRecord's, which the C hot path reads too:
+    # Note [the hot path runs no Python] in allocators/_core.py
     __slots__ = ()
 
     def __init__(self, name: str, min_split: int) -> None:
         self.name = name
-        # NOTE: a free block is split only if the part left over is at least this many bytes.
+        #: a free block is split only if the part left over is at least this many bytes
         self.min_split = min_split
         # NOTE: emptied buckets stay (and their sizes in `sizes`) so an alloc/free loop of one
         # size never re-sorts; the best-fit search steps over them and prunes them in bulk.
@@ -208,17 +209,20 @@ class CachingAllocator(Allocator):
         self._limit_bytes = _optional_nbytes(limit_bytes, "limit_bytes")
         small_size = self.size_classes.small_size
         self._round = self.size_classes.round
-        self._rounded: dict[int, int] = {}  # request bytes -> block bytes, a bounded memo
+        #: request bytes -> block bytes, a bounded memo
+        self._rounded: dict[int, int] = {}
         self._small_size = small_size
         self._small = _Pool("small", min_split=granule)
         # NOTE: as PyTorch, a large block keeps a leftover of up to small_size bytes: split off,
         # it would be too small for any large request and unreachable for small ones.
         self._large = _Pool("large", min_split=small_size + 1)
-        self._segments: dict[_Block, int] = {}  # head block -> bytes of its segment
-        # NOTE: the heads of whole free segments, least recently freed first (dicts keep order).
+        #: head block -> bytes of its segment
+        self._segments: dict[_Block, int] = {}
+        #: the heads of whole free segments, least recently freed first (dicts keep order)
         self._idle: dict[_Block, None] = {}
         # NOTE: the C hot path (allocate / free below) serves only what the hooks here would do;
-        # a subclass with hooks of its own gets the Python path throughout.
+        # a subclass with hooks of its own gets the Python path throughout
+        # (Note [the hot path runs no Python] in allocators/_core.py).
         self._hot = (speedups is not None and type(self)._allocate is CachingAllocator._allocate
                      and type(self)._free is CachingAllocator._free)
 
@@ -233,11 +237,11 @@ class CachingAllocator(Allocator):
         return self._limit_bytes
 
     # ------------------------------------------------------------------ the hot path
-    # NOTE: with the C accelerator, allocate / free serve cache hits (exact, best fit, split or
-    # whole) and frees that coalesce into sizes already listed in C (allocators/_speedups.c),
-    # with the same records and accounting (tests/test_speedups.py compares every field), and
-    # call Allocator.allocate / free (as _allocate_slow / _free_slow) for everything else.
-    # Without it, they are Allocator's.
+    # NOTE: Note [the hot path runs no Python] in allocators/_core.py. With the extension,
+    # allocate / free are its C functions, which serve cache hits (exact, best fit, split or
+    # whole) and frees that coalesce into sizes already listed, with the same records and
+    # accounting, and call Allocator.allocate / free (as _allocate_slow / _free_slow) for
+    # everything else. Without it, they are Allocator's.
     _allocate_slow = Allocator.allocate
     _free_slow = Allocator.free
     if speedups is not None:
@@ -380,7 +384,7 @@ class CachingAllocator(Allocator):
         if limit is not None:
             reserved = self._reserved_bytes
             if reserved + nbytes > limit:
-                nbytes = size  # NOTE: near the limit, a segment just big enough for the block
+                nbytes = size  # a segment just big enough for the block
             if reserved + nbytes > limit:
                 raise MemoryError(f"a new segment of {format_bytes(nbytes)} would pass "
                                   f"limit_bytes: {format_bytes(reserved)} of "

@@ -91,7 +91,7 @@ def pyopencl_allocator(allocator: Allocator, queue: Any = None) -> Callable[[int
                          f"{allocator!r} is on {device.name} ({type(device).__name__})")
     home = device.home_queue
     if queue is not None and device.queue_key(queue) == device.queue_key(home):
-        queue = None  # NOTE: the home queue needs no join
+        queue = None  # the home queue needs no join
 
     def hook(nbytes: int) -> Any:
         nbytes = check_nbytes(nbytes, "pyopencl_allocator hook: size")
@@ -99,7 +99,9 @@ def pyopencl_allocator(allocator: Allocator, queue: Any = None) -> Callable[[int
         try:
             buffer = _sub_buffer(allocation)
             if queue is not None:
-                device.join(queue, home)  # NOTE: the memory's earlier users come first
+                # NOTE: the memory's earlier users come first: Note [queue-ordered reuse] in
+                # backends/base.py
+                device.join(queue, home)
                 allocator.record_queue(allocation, queue)
         except BaseException:
             allocator.free(allocation)

@@ -57,8 +57,8 @@ SOAK_ENV = "BLOCKRT_SOAK"
 #: How many times as many examples `BLOCKRT_SOAK=1` (or true, yes, on) asks for.
 SOAK_DEFAULT_FACTOR = 10
 _SOAK_WORDS = ("1", "true", "yes", "on")
-# NOTE: where a test's original settings are kept once soak mode has scaled them, so that scaling
-# twice (this plugin and a conftest.py both calling soak_items) scales once.
+#: Where a test's original settings are kept once soak mode has scaled them, so that scaling
+#: twice (this plugin and a conftest.py both calling soak_items) scales once.
 _SOAK_BASE = "_blockrt_soak_base_settings"
 _soak_factor_key = pytest.StashKey[int]()
 
@@ -103,7 +103,7 @@ def soak_items(items: list[pytest.Item], factor: int) -> int:
     scaled: set[int] = set()
     for item in items:
         test = getattr(item, "obj", None)
-        test = getattr(test, "__func__", test)  # NOTE: a method's settings live on its function
+        test = getattr(test, "__func__", test)  # a method's settings live on its function
         cls = getattr(item, "cls", None)
         if cls is not None and hasattr(test, "_hypothesis_state_machine_class"):
             owner, attribute = cls, "settings"  # a RuleBasedStateMachine's TestCase
@@ -132,7 +132,7 @@ def run_conformance(factory: Callable[[], Allocator], *, soak: int = 1, **settin
 
     test_case = make_test_case(factory, soak=soak, **settings)
     test_case("runTest").runTest()
-    check_queue_ordered_reuse(factory)  # NOTE: checks nothing off OpenCL
+    check_queue_ordered_reuse(factory)  # checks nothing off OpenCL
 
 
 class ConformanceItem(pytest.Item):

@@ -134,8 +134,9 @@ class MantissaSizeClass(SizeClass):
         if type(mantissa_bits) is not int or not 0 <= mantissa_bits <= 16:
             raise ValueError(f"mantissa_bits must be an int in [0, 16], got {mantissa_bits!r}")
         self.mantissa_bits = mantissa_bits
-        self.linear_limit = granule << mantissa_bits  # NOTE: up to here, plain granules
-        # NOTE: the exponent of the first step above linear_limit, which is one granule.
+        #: sizes up to this round to plain granules
+        self.linear_limit = granule << mantissa_bits
+        #: the exponent of the first step above linear_limit, which is one granule
         self._first_shift = granule.bit_length() - 1
 
     def _shift(self, nbytes: int) -> int:

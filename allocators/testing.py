@@ -127,7 +127,7 @@ class AllocatorStateMachine(RuleBasedStateMachine):
                                 f"not an allocators.Allocator")
         if self.foreign is self.allocator:
             raise ValueError("make_allocator() must return a new allocator on every call")
-        # NOTE: the model. id(allocation) -> (allocation, the bytes written into it).
+        #: the model: id(allocation) -> (allocation, the bytes written into it)
         self.model: dict[int, tuple[Allocation, np.ndarray | None]] = {}
         self.freed: list[Allocation] = []
         self.expected_allocs = 0
@@ -249,7 +249,7 @@ class AllocatorStateMachine(RuleBasedStateMachine):
         live = [allocation for allocation, _ in self.model.values() if allocation.nbytes]
         spans = sorted((allocation.ptr, allocation.ptr + allocation.nbytes, index)
                        for index, allocation in enumerate(live))
-        # NOTE: sorted by start, any overlap shows up between neighbours.
+        # sorted by start, any overlap shows up between neighbours
         for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
             if not (end <= start):
                 raise AssertionError(f"live allocations {live[first]!r} and {live[second]!r} "
@@ -382,7 +382,7 @@ def make_test_case(factory: Callable[[], Allocator] | None = None, *,
     test_case.settings = settings(max_examples=max_examples * soak,
                                   stateful_step_count=stateful_step_count, deadline=deadline,
                                   **options)
-    probe = factory() if factory is not None else None  # NOTE: the machine refuses non-allocators
+    probe = factory() if factory is not None else None  # the machine refuses non-allocators
     if isinstance(probe, Allocator) and _holds_kernels(probe.device):
         def test_queue_ordered_reuse(self: unittest.TestCase) -> None:
             check_queue_ordered_reuse(factory)

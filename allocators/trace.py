@@ -23,13 +23,20 @@ __all__ = ["TraceEvent", "load_trace", "replay", "write_jsonl"]
 class TraceEvent(NamedTuple):
     """One alloc or free seen by a TraceAdaptor (one line of its JSON-lines export)."""
 
-    action: str  # "alloc" or "free"
-    serial: int  # the allocation's serial in the traced adaptor; pairs a free with its alloc
-    nbytes: int  # bytes requested
-    size: int  # bytes set aside (after upstream rounding)
-    address: int  # allocation.ptr, the device address of the first byte
-    time_ns: int  # time.monotonic_ns() when it happened
-    thread: int  # threading.get_ident() of the caller
+    #: "alloc" or "free"
+    action: str
+    #: the allocation's serial in the traced adaptor; pairs a free with its alloc
+    serial: int
+    #: bytes requested
+    nbytes: int
+    #: bytes set aside (after upstream rounding)
+    size: int
+    #: allocation.ptr, the device address of the first byte
+    address: int
+    #: time.monotonic_ns() when it happened
+    time_ns: int
+    #: threading.get_ident() of the caller
+    thread: int
 
 
 _ACTIONS = ("alloc", "free")
@@ -183,7 +190,7 @@ def replay(trace: Sequence[TraceEvent] | str | Path | IO[str], allocator: Alloca
                     free(live[slot])
             seconds += time.perf_counter() - start
         finally:
-            # NOTE: what this pass left live (by the trace, or by an error part way)
+            # what this pass left live (by the trace, or by an error part way)
             for allocation in live:
                 if allocation is not None and allocation.live:
                     free(allocation)

@@ -38,9 +38,9 @@ QUEUE_TYPES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 _devices: dict[str, Device] = {}
-#: (kind, index, queue handle) -> the device over that queue, while anything uses the device.
 # NOTE: weak on the device, not the queue (pyopencl queues take no weak references, and the
 # device holds its queue): the cache never keeps a framework's queue alive.
+#: (kind, index, queue handle) -> the device over that queue, while anything uses the device.
 _over_queues: weakref.WeakValueDictionary[tuple, Device] = weakref.WeakValueDictionary()
 _lock = threading.Lock()
 

@@ -173,7 +173,7 @@ def _open_mkl(path: str) -> Gemm | None:
     version.argtypes = [ctypes.c_char_p, ctypes.c_int]
     version(text, len(text))
     words = text.value.decode(errors="replace").split()
-    # NOTE: "Intel(R) oneAPI Math Kernel Library Version 2025.2-Product Build ..." -> MKL 2025.2
+    # "Intel(R) oneAPI Math Kernel Library Version 2025.2-Product Build ..." -> MKL 2025.2
     number = next((w.split("-")[0] for w in words if w[:1].isdigit()), "")
     # NOTE: the _64 entry points take 64-bit integers whatever MKL_INTERFACE_LAYER says
     gemm = Gemm(library, "", "_64", ctypes.c_int64, f"MKL {number}".strip(), products=True)

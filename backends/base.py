@@ -26,6 +26,14 @@ as OpenCL, CUDA and PyTorch do. NumPy would signal under `np.errstate(...="raise
 RuntimeWarning turned into an error) only after its ufunc has written `out`, breaking Note
 [checked before written]; so the runtime runs kernels through `ieee()`, which switches NumPy's
 error handling off for the call (the op dispatch point, `ops._launch`, and each graph replay).
+
+Note [one formula on every backend]: an elementwise kernel computes the formula of the NumPy
+device (`backends/numpy.py`), written the same way on every backend, so that the backends agree
+on overflow and NaN, and up to their own exp and tanh, on rounding: sigmoid is
+0.5 * tanh(0.5 * x) + 0.5, which never overflows where 1 / (1 + exp(-x)) does; relu lets NaN
+through, as np.maximum does; relu_backward is g * (y > 0), so a NaN gradient stays NaN where
+y <= 0 too; tanh_backward and sigmoid_backward are g * (1 - y * y) and g * ((1 - y) * y) of the
+op's output y. A new or changed formula goes into the NumPy device first, then into the others.
 """
 
 from __future__ import annotations
@@ -278,7 +286,7 @@ class Device:
         The default's scratch arrays and block views are made here, not at every run; pass the
         same `scratch` dict to chains that never run at the same time and they share them."""
         _check_program(program)
-        if type(self)._fused is not Device._fused:  # NOTE: the backend compiles its own kernel
+        if type(self)._fused is not Device._fused:  # the backend compiles its own kernel
             return functools.partial(self._fused, program, inputs, out)
         return self._blocked(program, inputs, out, {} if scratch is None else scratch)
 

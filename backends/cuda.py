@@ -54,15 +54,14 @@ def _kernels() -> dict[str, Any]:
     """The fused elementwise kernels, compiled by CuPy on first use."""
     cp = _cupy()
     kernel = cp.ElementwiseKernel
+    # NOTE: the NumPy device's formulas: Note [one formula on every backend] in backends/base.py
     return {
-        # NOTE: 0.5 * tanh(0.5 x) + 0.5 never overflows, and rounds as the NumPy device does.
         "sigmoid": kernel("T x", "T y", "y = (T)0.5 * tanh((T)0.5 * x) + (T)0.5",
                           "blockrt_sigmoid"),
         "tanh_backward": kernel("T g, T y", "T out", "out = g * ((T)1 - y * y)",
                                 "blockrt_tanh_backward"),
         "sigmoid_backward": kernel("T g, T y", "T out", "out = g * (((T)1 - y) * y)",
                                    "blockrt_sigmoid_backward"),
-        # NOTE: g * (y > 0), not a select, so a NaN gradient stays NaN as on the NumPy device.
         "relu_backward": kernel("T g, T y", "T out", "out = g * (T)(y > (T)0)",
                                 "blockrt_relu_backward"),
         "cross_entropy_backward": kernel(
@@ -95,7 +94,8 @@ class CudaDevice(Device):
         stream: the `cupy.cuda.Stream` every copy and kernel of this device runs on.
     """
 
-    alignment = 256  # cudaMalloc returns 256-byte aligned memory
+    #: cudaMalloc returns 256-byte aligned memory
+    alignment = 256
 
     def __init__(self, index: int = 0, stream: Any = None) -> None:
         cp = _cupy()
@@ -133,7 +133,7 @@ class CudaDevice(Device):
             raise TypeError(f"expected a cupy.cuda.Stream, got {type(queue).__module__}."
                             f"{type(queue).__qualname__}")
         index = getattr(queue, "device_id", -1)
-        if index < 0:  # NOTE: CuPy's -1 (Stream.null, say): the current device's stream
+        if index < 0:  # CuPy's -1 (Stream.null, say): the current device's stream
             index = cp.cuda.Device().id
         count = cls.device_count()
         if not 0 <= index < count:
@@ -149,7 +149,7 @@ class CudaDevice(Device):
     def synchronize(self) -> None:
         self.stream.synchronize()
 
-    # NOTE: queue-ordered reuse: Note [queue-ordered reuse] in backends/base.py
+    # NOTE: Note [queue-ordered reuse] in backends/base.py
     @property
     def home_queue(self) -> Any:
         return self.stream
@@ -159,7 +159,7 @@ class CudaDevice(Device):
         if not isinstance(queue, (cp.cuda.Stream, cp.cuda.ExternalStream)):
             raise TypeError(f"{self.name}: expected a cupy.cuda.Stream, got "
                             f"{type(queue).__name__}")
-        device_id = getattr(queue, "device_id", self.index)  # NOTE: -1: the current device
+        device_id = getattr(queue, "device_id", self.index)  # -1: the current device
         if device_id not in (-1, self.index):
             raise ValueError(f"{self.name}: the stream {queue!r} belongs to cuda:{device_id}")
         return queue.ptr
@@ -254,7 +254,9 @@ class CudaDevice(Device):
         cp = _cupy()
         classes = logits.shape[1]
         bad = labels[(labels < 0) | (labels >= classes)]
-        if bad.size:  # NOTE: a host sync, before the first write: Note [checked before written]
+        # NOTE: a host sync, before the first write: Note [checked before written] in
+        # backends/base.py
+        if bad.size:
             raise ValueError(f"cross_entropy: label {int(bad[0])} is outside [0, {classes}) for "
                              f"{classes} classes")
         # NOTE: the small temporaries below come from CuPy's current allocator (its pool, or
@@ -289,7 +291,8 @@ class _Lease:
 
 def _give_back(allocator: Any, allocation: Any, device: CudaDevice, stream: Any) -> None:
     # NOTE: CuPy may have used the memory on `stream`; the device's own stream, where blockrt
-    # reuses it, waits for that work before anything queued after this point runs.
+    # reuses it, waits for that work before anything queued after this point runs
+    # (Note [queue-ordered reuse] in backends/base.py).
     if stream is not None and stream.ptr != device.stream.ptr:
         device.join(device.stream, stream)
     allocator.free(allocation)
@@ -334,7 +337,9 @@ def use_with_cupy(allocator: Any) -> Callable[[int], Any]:
         stream = cp.cuda.get_current_stream()
         foreign = stream.ptr != device.stream.ptr
         if foreign:
-            device.join(stream, device.stream)  # NOTE: earlier users of the memory come first
+            # NOTE: earlier users of the memory come first: Note [queue-ordered reuse] in
+            # backends/base.py
+            device.join(stream, device.stream)
         allocation = allocator.allocate(nbytes)
         lease = _Lease(allocation)
         record = getattr(allocator, "record_queue", None)

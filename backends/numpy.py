@@ -21,7 +21,8 @@ from backends.base import Device
 
 
 def _sigmoid(x: np.ndarray, out: np.ndarray) -> None:
-    # NOTE: 0.5 * tanh(0.5 x) + 0.5 never overflows, unlike 1 / (1 + exp(-x)).
+    # NOTE: 0.5 * tanh(0.5 x) + 0.5, never 1 / (1 + exp(-x)), which overflows:
+    # Note [one formula on every backend] in backends/base.py
     np.multiply(x, 0.5, out=out)
     np.tanh(out, out=out)
     np.multiply(out, 0.5, out=out)
@@ -81,7 +82,8 @@ class NumpyDevice(Device):
     """Host memory and NumPy kernels. There is one CPU device: index 0."""
 
     alignment = 64
-    read_only_memory = True  # non-writeable ndarrays
+    #: non-writeable ndarrays
+    read_only_memory = True
 
     def __init__(self, index: int = 0) -> None:
         self.name = "cpu"
@@ -153,7 +155,7 @@ class NumpyDevice(Device):
 
     def _gemm(self, a, b, out, alpha, beta) -> None:
         blas = _blas.find()
-        if blas is None or not blas(a, b, out, alpha, beta):  # NOTE: False: layouts it can't read
+        if blas is None or not blas(a, b, out, alpha, beta):  # False: layouts it can't read
             super()._gemm(a, b, out, alpha, beta)
 
     def _reduce(self, name, x, axis, keepdims, out) -> None:
@@ -169,8 +171,8 @@ class NumpyDevice(Device):
 
     def _cross_entropy(self, logits, labels, losses, probs) -> None:
         classes = logits.shape[1]
-        # NOTE: Note [checked before written]: the labels are checked before the first write.
-        # As unsigned, a negative label is huge: one reduction checks both ends.
+        # NOTE: Note [checked before written] in backends/base.py: the labels are checked before
+        # the first write. As unsigned, a negative label is huge: one reduction checks both ends.
         if labels.size:
             unsigned = labels.view(f"u{labels.itemsize}") if labels.dtype.kind == "i" else labels
             if np.maximum.reduce(unsigned) >= classes:

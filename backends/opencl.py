@@ -44,7 +44,7 @@ from backends.base import BackendUnavailableError, Device
 try:
     import pyopencl as cl
     import pyopencl.array as cla
-except ImportError as exc:  # NOTE: backends._load turns this into BackendUnavailableError
+except ImportError as exc:  # backends._load turns this into BackendUnavailableError
     raise ImportError(f"the opencl backend needs pyopencl ({exc})") from exc
 
 #: Work items per work group for elementwise, reduction and cross-entropy kernels.
@@ -53,7 +53,8 @@ GROUP = 128
 TILE = 16
 
 _FLOAT_TYPES = {np.dtype("float32"): "float", np.dtype("float64"): "double"}
-_BITS_TYPES = {1: "uchar", 2: "ushort", 4: "uint", 8: "ulong"}  # "copy" moves bits of any dtype
+#: "copy" moves bits of any dtype: the unsigned type of each item size
+_BITS_TYPES = {1: "uchar", 2: "ushort", 4: "uint", 8: "ulong"}
 _INT_TYPES = {np.dtype(f"{k}{n}"): f"{'u' if k == 'uint' else ''}{c}" for k in ("int", "uint")
               for n, c in ((8, "char"), (16, "short"), (32, "int"), (64, "long"))}
 _FP64 = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"
@@ -62,8 +63,8 @@ _FP64 = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"
 _NO_BAD_ROW = np.array([np.iinfo(np.int32).max], np.int32)
 _NO_BAD_ROW.flags.writeable = False
 
+# NOTE: the NumPy device's formulas: Note [one formula on every backend] in backends/base.py
 _UNARY = {"neg": "-x0", "exp": "exp(x0)", "log": "log(x0)", "tanh": "tanh_(x0)",
-          # NOTE: 0.5 tanh(0.5 x) + 0.5 never overflows, unlike 1 / (1 + exp(-x)), as NumPy's.
           "sigmoid": "(T)0.5 * tanh_((T)0.5 * x0) + (T)0.5",
           "relu": "x0 < (T)0 ? (T)0 : x0",  # NaN stays NaN, as np.maximum
           "sqrt": "sqrt(x0)", "copy": "x0"}
@@ -80,7 +81,8 @@ class _Raw:
 
     def __init__(self, buffer: Any, nbytes: int, address: int) -> None:
         self.buffer = buffer
-        self.nbytes = nbytes  # NOTE: a 0-byte raw holds a 1-byte buffer (OpenCL has no empty ones)
+        #: the bytes asked for: a 0-byte raw holds a 1-byte buffer (OpenCL has no empty ones)
+        self.nbytes = nbytes
         self.address = address
 
 
@@ -169,7 +171,8 @@ class OpenCLDevice(Device):
         'opencl:0'
     """
 
-    read_only_memory = True  # READ_ONLY buffers
+    #: READ_ONLY buffers
+    read_only_memory = True
 
     def __init__(self, index: int = 0, queue: Any = None) -> None:
         if queue is None:
@@ -178,12 +181,14 @@ class OpenCLDevice(Device):
                 raise BackendUnavailableError(f"opencl:{index} does not exist "
                                               f"({len(found)} devices)")
             self.name = f"opencl:{index}"
-            queue = cl.CommandQueue(cl.Context([found[index]]))  # NOTE: in order: module doc
+            # NOTE: in order (the default), which recycling relies on: see the module docstring
+            queue = cl.CommandQueue(cl.Context([found[index]]))
         else:
             self.name = f"opencl:{index}@queue:{queue.int_ptr:#x}"
         self.queue = queue
         self.context = queue.context
-        self.cl_device = queue.device  # NOTE: in a context of several devices, the queue's one
+        #: in a context of several devices, the queue's one
+        self.cl_device = queue.device
         # NOTE: MEM_BASE_ADDR_ALIGN is in bits. A value above 512 bytes makes the caching
         # allocator refuse this device unless it is given size classes of a larger granule.
         self.alignment = max(self.cl_device.mem_base_addr_align // 8, 1)
@@ -195,7 +200,8 @@ class OpenCLDevice(Device):
         self._kernels: dict[tuple, Any] = {}
         self._hits = self._misses = 0
         self._lock = threading.RLock()
-        self._flag: Any = None  # one int for cross_entropy's bad-label report
+        #: one int for cross_entropy's bad-label report
+        self._flag: Any = None
 
     @classmethod
     def device_count(cls) -> int:
@@ -236,7 +242,7 @@ class OpenCLDevice(Device):
     def synchronize(self) -> None:
         self.queue.finish()
 
-    # NOTE: queue-ordered reuse: Note [queue-ordered reuse] in backends/base.py
+    # NOTE: Note [queue-ordered reuse] in backends/base.py
     @property
     def home_queue(self) -> Any:
         return self.queue
@@ -416,7 +422,7 @@ class OpenCLDevice(Device):
         into the next, so nothing but the inputs and `out` touches memory. The program is
         cached by its expression (kernel_cache_stats counts the hits)."""
         if any(dtype != out.dtype for _, _, dtype in program):
-            super()._fused(program, inputs, out)  # NOTE: mixed dtypes: the blocked default
+            super()._fused(program, inputs, out)  # mixed dtypes: the blocked default
             return
         ctype = self._type(out.dtype)
         operands: list[Any] = []
@@ -457,7 +463,8 @@ class OpenCLDevice(Device):
         self._run(kernel, (-(-n_out // GROUP) * GROUP,), (GROUP,), out.base_data, offset_o,
                   x.base_data, offset_x, *numbers)
 
-    gemm_accumulates = True  # the product kernel scales and accumulates as it stores
+    #: the product kernel scales and accumulates as it stores
+    gemm_accumulates = True
 
     def _matmul(self, a, b, out) -> None:
         self._product(a, b, out, 1.0, 0.0)
@@ -508,7 +515,7 @@ class OpenCLDevice(Device):
         rows, classes = logits.shape
         if rows == 0:
             return
-        # NOTE: Note [checked before written] (backends/base.py): a check kernel flags the first
+        # NOTE: Note [checked before written] in backends/base.py: a check kernel flags the first
         # bad label and the loss kernel, queued after it, writes nothing once one is flagged.
         # Still one host wait (the flag read back); the reset is not waited for.
         check = self._kernel(("cross_entropy_labels", ltype), lambda: _labels_source(ltype))

@@ -16,6 +16,21 @@ in reverse, accumulating gradients:
 No reference cycles: a node holds its inputs and detached handles of what it saved, never its
 own output, so every tensor's memory goes back as soon as the last Python reference does.
 
+Note [closures hold no tensors]: the functions an op hands on hold no tensor of their own. A
+backward function (`record`) captures plain values only (shapes, flags, numbers, the device);
+every tensor it needs comes to it as an argument, saved through `save`, and a view's backward
+keeps its base's layout, not its base (`tensor._scatter_backward`). A saved tensor is a detached
+handle with its block's version, checked by `Node.unpack` and released by `Node.free` once the
+node has run. A captured one would escape all three: a later in-place write would go unnoticed,
+its memory would stay allocated until the whole graph is dropped instead of going back during
+the backward pass, and a captured output would make a cycle (output -> node -> function ->
+output) that only the cyclic garbage collector frees. Naming the backward function's parameters
+after the op's tensors (`def fn(g, x, w)` in `ops.linear`) keeps the outer ones out of reach.
+The kernel call an op launches (`run` of `ops._launch`, kept as `Instruction.run` on a graph's
+tape) likewise takes every array as a native view argument: a graph replays it on views of the
+memory its plan chose, and a checkpointed graph runs it again on other buffers, where a captured
+tensor would still be read at its own memory.
+
 Example:
     >>> import numpy as np, runtime
     >>> w = runtime.tensor(np.array([1.0, -2.0]), requires_grad=True)
@@ -103,7 +118,7 @@ class Node:
         self.shapes = tuple(shapes)
         self.labels = tuple(labels)
         self.backward_fn = backward_fn
-        # NOTE: (label, detached handle or plain value, block version when saved; -1: no check)
+        #: (label, detached handle or plain value, block version when saved; -1: no check)
         self.saved = list(saved)
         self.freed = False
 
@@ -274,9 +289,10 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> None:
     from runtime import ops
 
     grads: dict[Node, Tensor] = {root: gradient}
-    handed: dict[int, Tensor] = {id(gradient): gradient}  # NOTE: gradients stored, by id
+    handed: dict[int, Tensor] = {id(gradient): gradient}  # gradients stored, by id
     # NOTE: the leaves' gradients reach `.grad` only once all are computed, and that last part
-    # allocates nothing, so an OutOfMemoryError midway leaves every `.grad` as it was.
+    # allocates nothing, so an OutOfMemoryError midway leaves every `.grad` as it was:
+    # Note [the commit point] in runtime/nn.py
     leaves: dict[int, tuple[Tensor, Tensor]] = {}
     for node in reversed(_topological(root)):
         g = grads.pop(node, None)

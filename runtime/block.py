@@ -57,11 +57,11 @@ class Block:
         self.version = 0
         self.readonly = False
         self.on_return: Callable[[Block], None] | None = None
-        # NOTE: set by owners that hand the block to new handles from other threads (the
-        # constant pool): references then move under it, so a handle never revives a block
-        # whose last reference is going
+        #: set by owners that hand the block to new handles from other threads (the constant
+        #: pool): references then move under it, so a handle never revives a block whose last
+        #: reference is going
         self.lock: Any = None
-        # NOTE: DLPack exports of the block's memory that a consumer still holds (runtime.dlpack)
+        #: DLPack exports of the block's memory that a consumer still holds (runtime.dlpack)
         self.exports = 0
         self._allocation: Allocation | None = None
         self._written = False
@@ -146,7 +146,7 @@ class Block:
         allocation, self._allocation = self._allocation, None
         self._written = False
         self.generation += 1
-        hook, self.on_return = self.on_return, None  # NOTE: one-shot; unused hooks cost one test
+        hook, self.on_return = self.on_return, None  # one-shot; unused hooks cost one test
         if allocation is not None:
             self.allocator.free(allocation)
         if hook is not None:

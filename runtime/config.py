@@ -91,6 +91,7 @@ _state: dict[str, Any] = {"aliasing": "copy", "device": None}
 # the device itself, as attributes, not in a table keyed by it: a table would keep every device
 # alive, and a device over a framework's queue (backends.from_queue) must go with the framework's
 # last use of it. The weak set only lists the devices that have defaults (devices_with).
+#: The device attribute that holds its default allocator (see per_device).
 _ALLOCATOR = "_blockrt_default_allocator"
 _with_defaults: weakref.WeakSet[Device] = weakref.WeakSet()
 _lock = threading.Lock()

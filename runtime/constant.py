@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ConstantPool", "ReadOnlyAllocator", "constant", "content_digest"]
 
-Key = tuple[int, bytes]  # (nbytes, digest of the bytes)
+#: (nbytes, digest of the bytes)
+Key = tuple[int, bytes]
 
 
 def content_digest(data: np.ndarray) -> bytes:
@@ -60,7 +61,8 @@ class ReadOnlyAllocator(DirectAllocator):
     """
 
     name = "read-only"
-    read_only_memory = True  # NOTE: Allocator._device_alloc then asks for read-only memory
+    #: `Allocator._device_alloc` then asks the device for read-only memory
+    read_only_memory = True
 
 
 class ConstantPool:
@@ -104,9 +106,10 @@ class ConstantPool:
             check_device_of(allocator, device)
         self.allocator = allocator
         self.device = allocator.device
-        # NOTE: a key maps to a list because verified collisions get blocks of their own.
+        #: key -> its blocks: a list, because verified collisions get blocks of their own
         self._entries: dict[Key, list[Block]] = {}
-        self._keys: dict[int, Key] = {}  # NOTE: block id -> its key, to forget it in O(1)
+        #: block id -> its key, to forget it in O(1)
+        self._keys: dict[int, Key] = {}
         self._bytes = 0
         self._counters = dict.fromkeys(("lookups", "hits", "misses", "collisions"), 0)
         # NOTE: re-entrant because a release during a lookup (garbage collection of another

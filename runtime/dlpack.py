@@ -112,7 +112,7 @@ class ForeignBlock(Block):
 def dlpack_device(device: Device) -> tuple[int, int]:
     """(DLPack device type, device index) of `device`; BufferError for a device DLPack lacks."""
     kind, _, index = device.name.partition(":")
-    index = index.partition("@")[0]  # NOTE: "opencl:0@queue:0x...": a device over a given queue
+    index = index.partition("@")[0]  # "opencl:0@queue:0x...": a device over a given queue
     if isinstance(device, NumpyDevice):
         return KDL_CPU, 0
     if kind == "cuda":
@@ -138,7 +138,8 @@ class _Export:
     def __init__(self, interface_name: str, interface: dict, handle: Any,
                  block: Block | None = None) -> None:
         setattr(self, interface_name, interface)
-        self.handle = handle  # NOTE: a reference on the block: its memory stays while we live
+        #: a reference on the block: its memory stays while this export lives
+        self.handle = handle
         if block is not None:
             _count_export(block, 1)
             weakref.finalize(self, _count_export, block, -1)
@@ -297,7 +298,7 @@ def from_dlpack(obj: Any, allocator: Allocator | None = None) -> Any:
         raise BufferError(f"from_dlpack: strides {native.strides} (bytes) are not multiples of "
                           f"the item size {item}")
     strides = tuple(s // item for s in native.strides)
-    lo = hi = 0  # NOTE: the byte span [lo, hi) the array touches, from its first element
+    lo = hi = 0  # the byte span [lo, hi) the array touches, from its first element
     for n, s in zip(native.shape, native.strides):
         if n == 0:
             lo = hi = 0

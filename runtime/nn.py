@@ -6,6 +6,21 @@ Modules have `parameters()`, `named_parameters()`, `zero_grad()`, `__call__` and
 Adam's moments, one or two scratch tensors per parameter shape, shared by the parameters of that
 shape) is made at the first step, so a warm step asks the allocator for nothing.
 
+Note [the commit point]: a training step, eager through `train_step` or a `runtime.graph` replay
+under any plan, makes every allocation it needs before its first write to state (parameters,
+optimizer state, and eagerly the gradients in `.grad`). So an OutOfMemoryError, a limit's refusal
+or an injected fault leaves that state bit for bit as it was, and calling the step again retries
+it. Eagerly: `train_step` calls `Optimizer.prepare()` first, which makes every parameter's state
+and scratch and gives them their memory at once (`_allocated`); `backward()` computes every
+leaf's gradient before it stores any in `.grad`, and storing allocates nothing; `step()` then
+allocates nothing, since its ops write into tensors made beforehand (`out=`). In a graph, the
+capture finds the commit position, the first step that writes state, and a replay makes every
+allocator call before it (runtime/graph: `capture._commit_point`, `replay._replay`). Hence an
+optimizer makes what it needs in `_prepare` / `_prepare_shared` and writes only in `_begin`,
+`_update` and `_end`, and a new plan or replay path allocates before the commit position.
+tests/test_faults.py trains under `FaultInjectionAdaptor`, eagerly and under every plan, and
+checks that every failed step changed nothing.
+
 Example:
     >>> import numpy as np, runtime
     >>> from runtime import nn
@@ -86,7 +101,7 @@ class Module:
         """ValueError if `value` is this module or contains it: a module tree has no cycles
         (parameters(), repr and every walk of the tree would never end). A module may appear
         twice (shared weights); only containing itself is refused."""
-        path: dict[int, str] = {id(value): name}  # NOTE: module id -> where it sits in value
+        path: dict[int, str] = {id(value): name}  # module id -> where it sits in value
         stack = [value]
         while stack:
             module = stack.pop()
@@ -284,7 +299,7 @@ def train_step(model: Module, optimizer: Optimizer,
         >>> step = runtime.graph(nn.train_step(model, nn.SGD(model.parameters(), lr=0.1)))
     """
     def step(x: Tensor, target: Any) -> Tensor:
-        optimizer.prepare()  # NOTE: its allocations first: then a failed step changes nothing
+        optimizer.prepare()  # NOTE: every allocation first: Note [the commit point]
         value = loss(model(x), target)
         value.backward()
         optimizer.step()
@@ -313,7 +328,8 @@ def _check_number(what: str, value: Any, low: float, high: float = math.inf,
 
 def _allocated(t: Tensor) -> Tensor:
     """`t` with its memory allocated now rather than at its first write (outside a capture,
-    where memory is the plan's business), so that a step's allocations all come first."""
+    where memory is the plan's business), so that a step's allocations all come first
+    (Note [the commit point])."""
     if tape.active() is None:
         t.block.memory_for_write("optimizer state")
     return t
@@ -352,7 +368,8 @@ class Optimizer:
         """Update every parameter that has a gradient, in place.
 
         All the memory a step needs (state, scratch) is allocated before the first write, so an
-        OutOfMemoryError leaves the parameters and the optimizer state as they were.
+        OutOfMemoryError leaves the parameters and the optimizer state as they were
+        (Note [the commit point]).
         """
         with no_grad(), tape.phase("update"):
             todo = [p for p in self.params if p.grad is not None]
@@ -425,7 +442,8 @@ class SGD(Optimizer):
         if nesterov and (self.momentum == 0 or self.dampening != 0):
             raise ValueError("SGD: Nesterov momentum needs momentum > 0 and dampening 0")
         self.nesterov = as_flag(nesterov, "SGD: nesterov")
-        self._dampened: Tensor | None = None  # 0-d: 1 at the first step, then 1 - dampening
+        #: 0-d: 1 at the first step, then 1 - dampening
+        self._dampened: Tensor | None = None
 
     def _coefficient(self, like: Tensor) -> Tensor:
         if self._dampened is None:
@@ -490,9 +508,11 @@ class Adam(Optimizer):
                       _check_number("Adam: betas[1]", betas[1], 0.0, 1.0))
         self.eps = _check_number("Adam: eps", eps, 0.0, low_open=True)
         self.weight_decay = _check_number("Adam: weight_decay", weight_decay, 0.0)
-        # NOTE: beta1**t, beta2**t, lr / (1 - beta1**t) and 1 / (1 - beta2**t), as 0-d tensors
+        #: beta1**t and beta2**t, as 0-d tensors
         self._powers: tuple[Tensor, Tensor] | None = None
+        #: lr / (1 - beta1**t), a 0-d tensor
         self._step_size: Tensor | None = None
+        #: 1 / (1 - beta2**t), a 0-d tensor
         self._inverse_correction: Tensor | None = None
 
     def _prepare_shared(self) -> None:
@@ -500,7 +520,8 @@ class Adam(Optimizer):
             return
         like = self.params[0]
         dtype, device, allocator = like.dtype, like.device, like.block.allocator
-        # NOTE: all made before any is kept, so a failed allocation leaves none half made
+        # NOTE: all made before any is kept, so a failed allocation leaves none half made and
+        # the next prepare() makes them again (Note [the commit point])
         made = [tensor(np.ones((), dtype), device=device, allocator=allocator) for _ in range(2)]
         made += [_allocated(empty((), dtype, device, allocator)) for _ in range(2)]
         self._powers = (made[0], made[1])

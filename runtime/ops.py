@@ -48,7 +48,8 @@ FLOAT_DTYPES = (np.dtype("float32"), np.dtype("float64"))
 #: The largest finite value of each float dtype, as a Python float.
 _LARGEST = {dtype: float(np.finfo(dtype).max) for dtype in FLOAT_DTYPES}
 
-Operand = Any  # a Tensor, or a Python/NumPy real number for binary ops
+#: a Tensor, or a Python/NumPy real number for binary ops
+Operand = Any
 
 
 # ---------------------------------------------------------------------- checks
@@ -153,7 +154,7 @@ def _clashes(policy: str, out: Tensor, inputs: Sequence[tuple[str, Tensor, tuple
             out_address = out_address or _address(out_block)
             address = _address(block)
             if address is None or out_address is None:
-                continue  # NOTE: a block without memory shares none
+                continue  # a block without memory shares none
             shift = address - out_address  # where block's byte 0 lies in out_block's bytes
         out_span = out_span or out.byte_span()
         span = t.byte_span()  # NOTE: broadcasting adds only zero strides: the span is the same
@@ -199,6 +200,8 @@ def _launch(op: str, out: Tensor, inputs: Sequence[tuple[str, Tensor, tuple]],
         finally:
             temp.release()
         return out
+    # NOTE: `run` holds no tensor: a capture keeps it and a replay calls it on other views:
+    # Note [closures hold no tensors] in runtime/autograd.py
     recorder = tape.active()
     if recorder is not None:
         recorder.record(op, policy, run, [(t, shape) for _, t, shape in inputs], [out, *also],
@@ -209,7 +212,8 @@ def _launch(op: str, out: Tensor, inputs: Sequence[tuple[str, Tensor, tuple]],
         for position, value in scalars.items():
             views.insert(position, value)
     target = out._native_write(op)
-    ieee(run, views, target, *[t._native_write(op) for t in also])  # NOTE: no FP signals
+    # NOTE: Note [IEEE results, no floating-point signals] in backends/base.py
+    ieee(run, views, target, *[t._native_write(op) for t in also])
     out.block.mark_written()
     for t in also:
         t.block.mark_written()
@@ -229,7 +233,7 @@ def _scalar(op: str, x: Any, dtype: np.dtype) -> Any:
     """
     try:
         f = float(x)
-    except OverflowError:  # NOTE: a Python int beyond float64
+    except OverflowError:  # a Python int beyond float64
         f = math.nan
     else:
         if -_LARGEST[dtype] <= f <= _LARGEST[dtype] or not math.isfinite(f):
@@ -244,7 +248,7 @@ def _scalar(op: str, x: Any, dtype: np.dtype) -> Any:
 
 def _elementwise(op: str, out: Tensor | None, *operands: Operand) -> Tensor:
     """Run the elementwise kernel named `op` (the device's kernel has the op's name)."""
-    # NOTE: one pass sorts the operands: (label, tensor) pairs, and numbers by argument position.
+    # one pass sorts the operands: (label, tensor) pairs, and numbers by argument position
     labels = "ab" if len(operands) == 2 else "x"
     named: list[tuple[str, Tensor]] = []
     numbers_at: dict[int, Any] = {}
@@ -290,6 +294,8 @@ def _wants(x: Any) -> bool:
 
 def _record_elementwise(op: str, out: Tensor, operands: Sequence[Operand]) -> None:
     """Attach the backward function of the elementwise `op` (d out / d operand, times g)."""
+    # NOTE: each fn gets the tensors it needs as arguments, named like the operands, and holds
+    # none: Note [closures hold no tensors] in runtime/autograd.py
     a = operands[0]
     b = operands[1] if len(operands) == 2 else None
     na, nb = _wants(a), _wants(b)
@@ -350,6 +356,8 @@ def _swap_last(t: Tensor) -> Tensor:
 def _matmul_backward(a_shape: tuple, b_shape: tuple, na: bool, nb: bool) -> Callable:
     """d(a @ b): ga = g @ b^T, gb = a^T @ g, with 1-D operands promoted to matrices as NumPy
     does (a as a row, b as a column) and batch broadcasting summed away."""
+    # NOTE: made from shapes and flags, so that fn cannot hold a or b:
+    # Note [closures hold no tensors] in runtime/autograd.py
     def fn(g: Tensor, b: Tensor | None, a: Tensor | None) -> tuple:
         if len(b_shape) == 1:  # NOTE: b's column first, so that a's row goes before it
             g = g[..., None]
@@ -522,6 +530,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     if autograd.needs_grad(*operands):
         nx, nw = x.requires_grad, weight.requires_grad
         nb = bias is not None and bias.requires_grad
+        # NOTE: x's shape, not x; x and w come saved, as arguments: Note [closures hold no tensors]
+        # in runtime/autograd.py
         x_shape = x.shape
 
         def fn(g: Tensor, x: Tensor | None, w: Tensor | None) -> tuple:
@@ -574,6 +584,8 @@ def cross_entropy(logits: Tensor, labels: Any, out: Tensor | None = None) -> Ten
                                    ("labels", label_tensor, (rows,))],
             lambda v, o, p: device.cross_entropy(v[0], v[1], o, p), also=(probs,))
     if autograd.needs_grad(logits):
+        # NOTE: probs and labels come saved, as arguments:
+        # Note [closures hold no tensors] in runtime/autograd.py
         def fn(g: Tensor, probs: Tensor, labels: Tensor) -> tuple:
             result = Tensor._fresh(probs.shape, probs.dtype, probs.block.allocator)
             _launch("cross_entropy_backward", result,
@@ -606,6 +618,7 @@ def _reduce(op: str, x: Tensor, axis: Any, keepdims: bool, out: Tensor | None) -
     out = _prepare_out(op, out, shape, dtype, x, (x,))
     _launch(op, out, [("x", x, x.shape)], lambda v, o: device.reduce(op, v[0], axes, keepdims, o))
     if autograd.needs_grad(x):
+        # NOTE: x's shape, not x: Note [closures hold no tensors] in runtime/autograd.py
         x_shape = x.shape
         kept = tuple(1 if i in reduced else n for i, n in enumerate(x_shape))
         scale = 1 / math.prod(x_shape[i] for i in reduced) if op == "mean" and x.size else None

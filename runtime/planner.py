@@ -44,25 +44,27 @@ import numpy as np
 
 __all__ = ["Lifetime", "Plan", "live_bytes", "lower_bound", "plan"]
 
-# Placements stop after about this many steps in all (at least two placements run), a step being
-# a conflicting pair looked at or 1/_BUFFER_STEPS of a buffer placed: a few thousand buffers plan
-# in well under a second, and always the same way.
+#: Placements stop after about this many steps in all (at least two placements run), a step
+#: being a conflicting pair looked at or 1/_BUFFER_STEPS of a buffer placed: a few thousand
+#: buffers plan in well under a second, and always the same way.
 _WORK_BUDGET = 1_000_000
+#: The steps of the budget that placing one buffer counts for.
 _BUFFER_STEPS = 48
-# The local search spends at most this many whole placements' worth of the budget (it replans
-# only the end of the order, so it makes about twice as many tries).
+#: The local search spends at most this many whole placements' worth of the budget (it replans
+#: only the end of the order, so it makes about twice as many tries).
 _LOCAL_PLACEMENTS = 50
-# Its moves: this share moves a buffer at the arena top earlier in the order; the others swap two
-# buffers at most _SWAP_REACH apart.
+#: The local search's moves: this share moves a buffer at the arena top earlier in the order ...
 _MOVE_TOP = 0.5
+#: ... and the others swap two buffers at most this far apart in the order.
 _SWAP_REACH = 5
-# The search for a plan at the lower bound gives up after this many placements (plus two a buffer).
+#: The search for a plan at the lower bound gives up after this many placements (plus two a
+#: buffer) ...
 _SEARCH_NODES = 2000
-# ... and runs only when no buffer conflicts with more than this many others.
+#: ... and runs only when no buffer conflicts with more than this many others.
 _SEARCH_MAX_CONFLICTS = 8
-# Buffers with at least this many conflicts find their gap with NumPy, fewer in plain Python.
+#: Buffers with at least this many conflicts find their gap with NumPy, fewer in plain Python.
 _VECTOR_MIN = 48
-# NOTE: a gap that no buffer fits, for the vectorized best fit
+#: A gap that no buffer fits, for the vectorized best fit.
 _NO_FIT = np.iinfo(np.int64).max
 
 
@@ -109,7 +111,7 @@ class Plan:
     planned_bytes: int
     lower_bound_bytes: int
     naive_bytes: int
-    # NOTE: the alignment the sizes were rounded to; check_invariants needs it to redo the sums
+    #: the alignment the sizes were rounded to; check_invariants needs it to redo the sums
     alignment: int = field(default=1)
 
     def check_invariants(self, lifetimes: Iterable[Lifetime]) -> None:
@@ -265,7 +267,7 @@ def _conflicts(first: list[int], last: list[int], size: list[int]) -> list[list[
             continue
         while live and live[0][0] < first[i]:
             heapq.heappop(live)
-        # NOTE: every buffer still on the heap started no later than i and ends at or after it
+        # every buffer still on the heap started no later than i and ends at or after it
         for _, j in live:
             conflicts[i].append(j)
             conflicts[j].append(i)
@@ -398,7 +400,7 @@ def _best_of_orderings(first: list[int], last: list[int], size: list[int], press
                  ("size", True), ("pressure", False), ("pressure, size", False),
                  ("duration", True), ("breadth", True), ("duration", False),
                  ("breadth", False), ("schedule", True), ("schedule", False))
-    # NOTE: at least two placements run whatever the budget; past it, stop early
+    # at least two placements run whatever the budget; past it, stop early
     placement = sum(cost)
     budget = max(_WORK_BUDGET, 2 * placement)
     best = (-1, [], [], False)  # arena, offsets, order, best fit
@@ -469,7 +471,7 @@ def _search_lower_bound(first: list[int], last: list[int], size: list[int],
             pos + size[i] <= lo or lo + size[j] <= pos for j, lo in live)]
         return (depth, live), fits
 
-    # NOTE: an explicit stack of (state, untried positions); a state that failed once fails again
+    # an explicit stack of (state, untried positions); a state that failed once fails again
     stack = [candidates(0)] if order else []
     while stack:
         state, fits = stack[-1]
@@ -496,10 +498,10 @@ def _check_no_overlap(lifetimes: list[Lifetime], offsets: Mapping[Hashable, int]
         if lt.nbytes > 0:
             starts.setdefault(lt.first, []).append(lt)
     live: list[Lifetime] = []
-    # NOTE: two buffers that are ever live together are both live when the later one starts
+    # two buffers that are ever live together are both live when the later one starts
     for op in sorted(starts):
         live = [lt for lt in live if lt.last >= op] + starts[op]
-        # NOTE: in offset order, if any two overlap then two neighbours do
+        # in offset order, if any two overlap then two neighbours do
         spans = sorted(((offsets[lt.key], offsets[lt.key] + _round_up(lt.nbytes, alignment), lt)
                         for lt in live), key=lambda span: span[:2])
         for (lo_a, hi_a, a), (lo_b, hi_b, b) in zip(spans, spans[1:]):

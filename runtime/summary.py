@@ -12,7 +12,7 @@ from runtime.constant import ConstantPool, default_constant_pools
 
 __all__ = ["format_report", "memory_summary", "plot_memory_timeline"]
 
-# (header, stats key, how to show it) for each column of the allocator table.
+#: (header, stats key, how to show it) for each column of the allocator table.
 _ALLOCATOR_COLUMNS = (
     ("allocated", "allocated_bytes", "bytes"),
     ("peak allocated", "peak_allocated_bytes", "bytes"),
@@ -25,6 +25,7 @@ _ALLOCATOR_COLUMNS = (
     ("fragmentation", "fragmentation", "ratio"),
     ("OOMs", "num_ooms", "count"),
 )
+#: The same for the constant pool table.
 _POOL_COLUMNS = (
     ("constants", "constants", "count"),
     ("bytes", "bytes", "bytes"),
@@ -34,7 +35,8 @@ _POOL_COLUMNS = (
     ("hit rate", "hit_rate", "ratio"),
     ("collisions", "collisions", "count"),
 )
-_GAP = "  "  # NOTE: cells never hold two spaces in a row, so a row splits on this gap
+#: Between cells: cells never hold two spaces in a row, so a row splits on this gap.
+_GAP = "  "
 
 
 def _cell(value: Any, kind: str) -> str:

@@ -58,9 +58,10 @@ class Operand:
 class Instruction:
     """One recorded kernel launch.
 
-    `run(input_views, *output_views)` is the op's kernel call, a pure function of native views;
-    `scalars` maps argument positions to numbers inserted among the input views (as `_launch`
-    does). A "load" instruction copies `host` bytes into its one output instead.
+    `run(input_views, *output_views)` is the op's kernel call, a pure function of native views
+    (Note [closures hold no tensors] in runtime/autograd.py); `scalars` maps argument positions
+    to numbers inserted among the input views (as `_launch` does). A "load" instruction copies
+    `host` bytes into its one output instead.
     """
 
     op: str

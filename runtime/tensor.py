@@ -252,18 +252,24 @@ class Tensor:
     def _setup(self, block: Block, shape: tuple[int, ...], dtype: np.dtype,
                strides: tuple[int, ...], offset: int) -> None:
         self._requires_grad = False
-        self._node: Node | None = None    # NOTE: the autograd record of the op that made it
+        #: the autograd record of the op that made it (None for a leaf)
+        self._node: Node | None = None
         self.grad: Tensor | None = None
-        self.name: str | None = None      # for messages (nn names its parameters)
+        #: for messages (nn names its parameters)
+        self.name: str | None = None
         self.block = block
         self.shape = shape
         self.dtype = dtype
         self.strides = strides
         self.offset = offset
-        self._layout: tuple | None = None   # NOTE: (byte offset, shape, byte strides, itemsize)
-        self._span: Any = _UNSET            # NOTE: cached aliasing.byte_span(self.layout())
+        #: (byte offset, shape, byte strides, itemsize), cached
+        self._layout: tuple | None = None
+        #: aliasing.byte_span(self.layout()), cached (_UNSET until asked for)
+        self._span: Any = _UNSET
+        #: has_internal_overlap(), cached (None until asked for)
         self._self_overlap: bool | None = None
-        self._native: tuple | None = None   # NOTE: (allocation, native view) built on it
+        #: (allocation, the native view built on it), cached while the allocation lasts
+        self._native: tuple | None = None
         self._check_bounds()
         self._gen = block.acquire()
 
@@ -288,7 +294,7 @@ class Tensor:
         return self
 
     def _check_bounds(self) -> None:
-        span = self.byte_span()  # NOTE: cached, so the ops' overlap checks reuse it
+        span = self.byte_span()  # cached, so the ops' overlap checks reuse it
         if span is None or (span[0] >= 0 and span[1] <= self.block.nbytes):
             return
         itemsize = self.dtype.itemsize
@@ -369,6 +375,8 @@ class Tensor:
         return Tensor._trusted(self.block, self.shape, self.dtype, self.strides, self.offset)
 
     def _record_view(self, view: Tensor, op: str, backward_fn: Any) -> Tensor:
+        # NOTE: backward_fn holds no tensor, not even self: Note [closures hold no tensors] in
+        # runtime/autograd.py
         if self._requires_grad and autograd.is_grad_enabled():
             autograd.record(op, view, (self,), ("x",), backward_fn)
         return view
@@ -780,7 +788,7 @@ def _infer(data: Any, target: np.dtype | None, what: str) -> np.ndarray:
         raise error(f"cannot make a {what}{of} from {type(data).__name__} {_brief(data)}: "
                     f"{exc}") from exc
     kind = host.dtype.kind
-    if kind == "O" and not isinstance(data, np.ndarray):  # NOTE: Python ints beyond 64 bits
+    if kind == "O" and not isinstance(data, np.ndarray):  # Python ints beyond 64 bits
         return _from_objects(host, target, what)
     if kind not in "biuf":
         raise TypeError(f"cannot make a {what}{of} from data of dtype {host.dtype} "
@@ -799,7 +807,7 @@ def _from_objects(host: np.ndarray, target: np.dtype | None, what: str) -> np.nd
     of = "" if target is None else f" of {target}"
     values = host.ravel().tolist()
     for v in values:
-        if not isinstance(v, (int, float, np.integer, np.floating)):  # NOTE: bool is an int
+        if not isinstance(v, (int, float, np.integer, np.floating)):  # bool is an int
             raise TypeError(f"cannot make a {what}{of} from data of dtype object: "
                             f"{_brief(v)} ({type(v).__name__}) is not an int or a float")
     to_float = target is not None and target.kind == "f"
@@ -813,7 +821,7 @@ def _from_objects(host: np.ndarray, target: np.dtype | None, what: str) -> np.nd
                                  f"the largest float64, {np.finfo(_FLOAT64).max}; scale it "
                                  f"down first") from None
         result = np.array(floats, _FLOAT64).reshape(host.shape)
-        if not to_float:  # NOTE: as NumPy would have made float64 of it, had the ints fit
+        if not to_float:  # as NumPy would have made float64 of it, had the ints fit
             _check_inferred_ints(values, result, target, what)
         return result
     dtype = target or _INT64
@@ -882,7 +890,7 @@ def _convert(host: np.ndarray, target: np.dtype, what: str, exact: bool) -> np.n
         return host.astype(target)
     out = ieee(host.astype, target)  # NOTE: checked below; NumPy's cast warnings say less
     if target.kind != "f":
-        lost = out != host  # NOTE: NaN, infinities, fractions and out-of-range values differ
+        lost = out != host  # NaN, infinities, fractions and out-of-range values differ
     elif not exact:
         if src.kind != "f":
             return out  # an integer never overflows a float dtype
@@ -1038,12 +1046,14 @@ def _scatter_backward(base: Tensor, view: Tensor) -> Any:
     element, so writing is summing)."""
     if not base._requires_grad or not autograd.is_grad_enabled():
         return None
+    # NOTE: plain values only, never `base` or `view`: Note [closures hold no tensors] in
+    # runtime/autograd.py
     shape, strides, offset = view.shape, view.strides, view.offset
     base_shape, base_strides, base_offset = base.shape, base.strides, base.offset
-    nbytes = base.block.nbytes  # NOTE: plain values only: the closure must not hold `base`
+    nbytes = base.block.nbytes
 
     def backward(g: Tensor) -> tuple[Tensor]:
-        # NOTE: a zeroed copy of the whole block, seen through base's and the view's layouts
+        # a zeroed copy of the whole block, seen through base's and the view's layouts
         whole = zeros(nbytes // g.dtype.itemsize, g.dtype, allocator=g.block.allocator)
         from runtime import ops
 

@@ -35,7 +35,7 @@ from backends.numpy import NumpyDevice
 
 
 def _sigmoid(v: Any) -> Any:
-    # NOTE: the same formula as the NumPy device, so both devices round alike.
+    # NOTE: the NumPy device's formula: Note [one formula on every backend] in backends/base.py
     return 0.5 * np.tanh(0.5 * v) + 0.5
 
 

@@ -5,7 +5,8 @@ seeded by hypothesis) over a caching allocator, on each CPU backend, for eager t
 every graph plan. Each step that fails must raise OutOfMemoryError and leave the parameters, their
 gradients and the optimizer state bit for bit as they were; the step after a failure runs with the
 faults off and must succeed; the run must end with exactly the parameters of a run without faults;
-and once the model is gone no byte is left allocated.
+and once the model is gone no byte is left allocated. The rule under test is
+Note [the commit point] in runtime/nn.py.
 """
 
 from __future__ import annotations

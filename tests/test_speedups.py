@@ -6,7 +6,8 @@ invariants after every step, compare them field by field after every step (`_hot
 Python path on the same state types; BLOCKRT_PURE_PYTHON=1 in a subprocess is the pure-Python
 build) and check that the C path served every kind of hit and free meanwhile, test the lock,
 and run the allocator test files once more in pure-Python mode so CI covers both builds.
-`make asan` runs these tests against a build with AddressSanitizer and UBSan.
+`make asan` runs these tests against a build with AddressSanitizer and UBSan. What the C code
+may do is Note [the hot path runs no Python] in allocators/_core.py.
 """
 
 from __future__ import annotations

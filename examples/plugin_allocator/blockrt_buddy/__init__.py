@@ -42,11 +42,12 @@ class _Arena:
     def __init__(self, raw: Any, nbytes: int, top: int) -> None:
         self.raw = raw
         self.nbytes = nbytes
-        self.top = top  # the order of the whole arena
-        # NOTE: free[k] holds the offsets of the free blocks of order k; used maps the offset
-        # of every handed-out block to its order.
+        #: the order of the whole arena
+        self.top = top
+        #: free[k] holds the offsets of the free blocks of order k
         self.free: list[set[int]] = [set() for _ in range(top + 1)]
         self.free[top].add(0)
+        #: the offset of every handed-out block -> its order
         self.used: dict[int, int] = {}
 
 
@@ -93,7 +94,8 @@ class BuddyAllocator(Allocator):
         if self.arena_nbytes < self.min_block:
             raise ValueError(f"arena_nbytes ({arena_nbytes}) is smaller than min_block "
                              f"({min_block})")
-        self._arenas: dict[int, _Arena] = {}  # id(arena.raw) -> arena
+        #: id(arena.raw) -> arena
+        self._arenas: dict[int, _Arena] = {}
 
     # ------------------------------------------------------------------ hooks
     def _order(self, nbytes: int) -> int:

@@ -14,7 +14,7 @@ def test_buddy_conforms(blockrt_allocator_conformance):
 
 
 def test_buddy_with_small_arenas_conforms(blockrt_allocator_conformance):
-    # NOTE: 64 KiB arenas, so most of the kit's sizes need an arena of their own.
+    # 64 KiB arenas, so most of the kit's sizes need an arena of their own
     blockrt_allocator_conformance(lambda: BuddyAllocator("cpu", arena_nbytes=64 << 10))
 
 
