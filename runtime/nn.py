@@ -15,7 +15,7 @@ and scratch and gives them their memory at once (`_allocated`); `backward()` com
 leaf's gradient before it stores any in `.grad`, and storing allocates nothing; `step()` then
 allocates nothing, since its ops write into tensors made beforehand (`out=`). In a graph, the
 capture finds the commit position, the first step that writes state, and a replay makes every
-allocator call before it (runtime/graph: `capture._commit_point`, `replay._replay`). Hence an
+allocator call before it (runtime/graph: `memory._commit_point`, `replay._replay`). Hence an
 optimizer makes what it needs in `_prepare` / `_prepare_shared` and writes only in `_begin`,
 `_update` and `_end`, and a new plan or replay path allocates before the commit position.
 tests/test_faults.py trains under `FaultInjectionAdaptor`, eagerly and under every plan, and

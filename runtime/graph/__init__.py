@@ -27,7 +27,7 @@ with a given input signature captures `fn`:
    (SINGA's reference-count recycling); "static" puts them all at offsets in one arena
    (`runtime.planner`), allocated once, so a replay calls no allocator at all. Every plan makes
    its allocator calls before the first write to state (Note [the commit point] in
-   `memory.py`).
+   `runtime/nn.py`).
 6. **Replay** (`replay.py`): the steps bound to views of the planned memory, run in order.
 
 `capture._build` runs phases 1-5; each takes and returns a record of `program.py` (`Recorded`,
@@ -181,7 +181,8 @@ class Graph:
                 self._captures.move_to_end(key)
             self._last = capture
             _copy_inputs(capture, args)
-            ieee(_replay, capture, self.plan)  # NOTE: Note [IEEE results, no ...] in backends
+            # NOTE: Note [IEEE results, no floating-point signals] in backends/base.py
+            ieee(_replay, capture, self.plan)
             return _results(capture)
 
     def _keep(self, key: tuple, capture: _Capture) -> None:

@@ -102,9 +102,10 @@ def _copy_inputs(capture: _Capture, args: Sequence[Any]) -> None:
                     f"pass a copy (ops.copy(t)) or read the state inside the function")
             if (arg.device is holder.device and arg.block is not holder.block
                     and type(arg.block) is Block):
-                # NOTE: the hot path of every replay: distinct plain blocks never overlap, so a
-                # plain device copy between the (checked, cached) native views is safe; imported
-                # memory may overlap anything, so it goes through ops.copy's overlap test
+                # NOTE: the hot path of every replay. Distinct plain blocks never overlap
+                # (Note [blocks that may share memory] in docs/aliasing.md), so a plain device
+                # copy between the (checked, cached) native views is safe; imported memory may
+                # overlap anything, so it goes through ops.copy's overlap test
                 source = arg._native_read("graph input")
                 holder.device.unary("copy", source, holder._native_write("graph input"))
                 holder.block.mark_written()

@@ -111,7 +111,9 @@ def _dropped(program: list[Instruction], intermediate: frozenset[int],
 def _clone_segment(program: list[Instruction], members: list[int],
                    wanted: set[int]) -> tuple[list[Instruction], dict[int, Block]]:
     """Clones of a segment's instructions up to the last one writing a block in `wanted`, each
-    writing a fresh block in place of the original's; and original block id -> fresh block."""
+    writing a fresh block in place of the original's; and original block id -> fresh block.
+    A clone reuses the original's `run` on other views, which is sound because `run` is a pure
+    function of the views it is given (Note [closures hold no tensors] in runtime/autograd.py)."""
     last_wanted = max(i for i in members if any(o.block.id in wanted
                                                   for o in program[i].outputs))
     clones: list[Instruction] = []

@@ -1,16 +1,12 @@
 """The memory plan: buffer lifetimes over the steps, the static arena, the commit point, and what
 "none" and "recycle" replays allocate and free at each step.
 
-Note [the commit point]: a training step makes every allocator call before its first write to
-state (parameters, optimizer state, anything that outlives the step), so an OutOfMemoryError
-leaves the state exactly as it was and the step can simply be retried. A graph finds the
-position of the first step that writes state (`_commit_point`); its replay takes everything the
-rest of the step needs just before that position: "static" its whole arena before the first
-step, "none" and "recycle" the buffers first used from there on, in one go (`replay._take_tail`),
-and the blocks it keeps (outputs, lazy state) before anything runs. Eager training keeps the
-same rule in `nn.train_step`. A new kind of replay, a new phase that moves a write earlier, or
-an allocation made lazily inside a step must keep it; tests/test_faults.py injects a failure at
-every allocation and checks that the state is untouched.
+A replay makes every allocator call before the first step that writes state
+(Note [the commit point] in runtime/nn.py): `_commit_point` finds that step; "static" takes its
+whole arena before the first step, "none" and "recycle" take the buffers first used from the
+commit on in one go just before it (`replay._take_tail`), and the blocks the graph keeps get
+memory before anything runs. A new kind of replay, or a phase that moves a write to state
+earlier, must keep this.
 """
 
 from __future__ import annotations

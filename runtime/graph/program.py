@@ -64,7 +64,7 @@ class MemoryPlan:
     #: every buffer at an offset in one arena ("static", and the lower bound every plan reports)
     static_plan: planner.Plan
     #: the position of the first step that writes state (Note [the commit point] in
-    #: runtime/graph/memory.py)
+    #: runtime/nn.py)
     commit: int
     #: blocks of state the steps write
     state: set[int]

@@ -16,7 +16,7 @@ Memory = dict[int, tuple[Any, int]]  # buffer -> (raw memory, byte offset)
 
 def _replay(capture: _Capture, plan: str) -> None:
     """Run the schedule once. Every allocator call comes before the first write to state
-    (Note [the commit point] in runtime/graph/memory.py): blocks the graph keeps get memory
+    (Note [the commit point] in runtime/nn.py): blocks the graph keeps get memory
     first, "static" then takes its arena, and "none" and "recycle" take, just before the commit
     step, all the memory the rest of the step uses ("recycle" as one arena planned over those
     buffers' lifetimes)."""
@@ -53,7 +53,8 @@ def _replay(capture: _Capture, plan: str) -> None:
     capture.peak_bytes = peak
 
 
-_TAIL = -1  # NOTE: the key of recycle's tail arena among a replay's allocations
+#: the key of recycle's tail arena among a replay's allocations
+_TAIL = -1
 
 
 def _take_tail(capture: _Capture, allocations: dict[int, Allocation], memory: Memory) -> int:
@@ -125,7 +126,9 @@ def _outside_writes(instructions: Sequence[Instruction], capture: _Capture) -> l
 
 
 def _bind(step: _Step, capture: _Capture, memory: Memory) -> Callable[[], None]:
-    """A function that runs `step` on views bound now."""
+    """A function that runs `step` on views bound now. The functions hold native views and the
+    instructions' `run` calls, never a Tensor (Note [closures hold no tensors] in
+    runtime/autograd.py), so a bound step keeps no block alive that the plan does not."""
     marks = _outside_writes(step.instructions, capture)
     if step.product is not None:
         run = _bind_product(step, capture, memory)
