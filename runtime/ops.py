@@ -520,10 +520,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         inputs = [("x", x, x.shape), ("weight", weight.T, (weight.shape[1], features))]
         if bias is not None:
             inputs.append(("bias", bias, shape))
+        biased = bias is not None  # NOTE: not `bias`: Note [closures hold no tensors]
 
         def run(v: list, o: Any) -> None:
             device.matmul(v[0], v[1], o)
-            if bias is not None:
+            if biased:
                 device.binary("add", o, v[2], o)
 
         _launch("linear", out, inputs, run)
