@@ -7,6 +7,7 @@ EXTRAS ?= test
 .PHONY: demo test bench lint clean venv asan
 
 $(VENV)/.installed-$(EXTRAS): setup.cfg setup.py pyproject.toml allocators/_speedups.c \
+		runtime/_dispatch.c \
 		examples/plugin_allocator/setup.cfg
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

@@ -143,6 +143,10 @@ class Device:
     #: True where `gemm` accumulates into its output in the product itself (BLAS's beta), so a
     #: graph can fold an update such as w -= lr * (a @ b) into the product and save a pass.
     gemm_accumulates: bool = False
+    #: Elementwise kernels by name, each called as kernel(*input_views, out_view) with inputs
+    #: that the kernel broadcasts itself, for the runtime's eager fast path (Note [the eager
+    #: fast path] in runtime/fastpath.py); None: ops go through `unary` / `binary` only.
+    _fast_kernels: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------- memory (public policy)
     def raw_alloc(self, nbytes: int, read_only: bool = False) -> Any:

@@ -84,6 +84,8 @@ class NumpyDevice(Device):
     alignment = 64
     #: non-writeable ndarrays
     read_only_memory = True
+    #: every elementwise kernel, called as kernel(*inputs, out); NumPy broadcasts the inputs
+    _fast_kernels = {**_UNARY, **_BINARY}
 
     def __init__(self, index: int = 0) -> None:
         self.name = "cpu"

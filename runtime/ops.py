@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import ieee
-from runtime import aliasing, autograd, config, tape
+from runtime import aliasing, autograd, config, fastpath, tape
 from runtime.block import Block
 from runtime.errors import AliasingError, AutogradError, device_names
 from runtime.tensor import Tensor, _brief, as_axes, as_flag, empty, host_array, tensor
@@ -248,6 +248,10 @@ def _scalar(op: str, x: Any, dtype: np.dtype) -> Any:
 
 def _elementwise(op: str, out: Tensor | None, *operands: Operand) -> Tensor:
     """Run the elementwise kernel named `op` (the device's kernel has the op's name)."""
+    if _fast is not None:  # NOTE: Note [the eager fast path] in runtime/fastpath.py
+        result = _fast(op, out, operands)
+        if result is not None:
+            return result
     # one pass sorts the operands: (label, tensor) pairs, and numbers by argument position
     labels = "ab" if len(operands) == 2 else "x"
     named: list[tuple[str, Tensor]] = []
@@ -645,3 +649,7 @@ def mean(x: Tensor, axis: Any = None, keepdims: bool = False,
          out: Tensor | None = None) -> Tensor:
     """The mean over `axis` (an int, a tuple, or None for all). `out` may not overlap x."""
     return _reduce("mean", x, axis, keepdims, out)
+
+
+#: The C fast path of `_elementwise`, or None (Note [the eager fast path]).
+_fast = fastpath.load(_record_elementwise)

@@ -1,0 +1,63 @@
+"""The eager fast path: the common case of an elementwise op, run by the optional C extension
+`runtime._dispatch`.
+
+Note [the eager fast path]: `ops._elementwise` first offers the op to `_dispatch.elementwise(op,
+out, operands)`. The C code takes it only when every check of the Python path would pass without
+a side effect of its own: exact Tensors over plain Blocks of their generation that hold data
+(use after free and unwritten reads go to Python, which raises), plain numbers within the dtype,
+one device and dtype (float32 or float64; any dtype for copy), shapes that broadcast, and an
+`out=` of the result's shape, dtype and device that is writable, does not overlap itself (as
+cached by `Tensor.has_internal_overlap`) and shares a block with an input only as the identical
+view or on disjoint cached byte spans (Note [blocks that may share memory] in
+docs/aliasing.md: any other overlap gets the exact test and its copy-or-raise policy in Python).
+It then does what the Python path does, in the same order: a fresh result from `Tensor._fresh`
+on the first input's allocator, numbers as `dtype.type(x)`, the kernel of the device's
+`_fast_kernels` table on the tensors' native views (NumPy broadcasts, so inputs are not
+broadcast first; the kernels give the same elements either way), under Note [IEEE results, no
+floating-point signals] in backends/base.py, then the out block's version and written flag, and
+the autograd record through `ops._record_elementwise`. Anything else (a graph capture, out=
+while recording gradients, imported memory, a constant's result, a device without a table)
+returns None before anything changed, and the Python path runs.
+
+So the Python path stays complete and is the specification: BLOCKRT_PURE_PYTHON=1 turns the
+fast path off with the allocator's, and tests/test_fastpath.py runs random programs of ops both
+ways and compares every value, error, version and allocator statistic. A new check in
+`ops._elementwise` or `_prepare_out` must be made in `runtime/_dispatch.c` too, or make it fall
+back; a new field it reads is a slot of Tensor or Block, found by name at `configure`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from allocators._core import PURE_PYTHON
+from backends import base
+from runtime import autograd, tape
+from runtime.block import Block
+from runtime.tensor import Tensor
+
+try:
+    from runtime import _dispatch
+except ImportError:  # NOTE: built where a C compiler was present; optional, as the allocator's
+    _dispatch = None
+
+__all__ = ["ACCELERATED", "load"]
+
+#: True when ops run their common case in C (the extension is built, BLOCKRT_PURE_PYTHON is
+#: off and NumPy's error state can be set as the kernels need).
+ACCELERATED = _dispatch is not None and not PURE_PYTHON and base._FP_STATE is not None
+
+
+def load(record: Callable[[str, Tensor, Any], None]) -> Callable[..., Any] | None:
+    """The C `elementwise(op, out, operands)`, configured with `record` (how an op's autograd
+    record is made), or None when the fast path is off."""
+    if not ACCELERATED:
+        return None
+    dtypes = (np.dtype(np.float32), np.dtype(np.float64))
+    _dispatch.configure(Tensor, Block, autograd._mode, tape._state, base._FP_STATE,
+                        base._FP_IGNORE, dtypes, (np.float32, np.float64),
+                        tuple(float(np.finfo(d).max) for d in dtypes), Tensor._fresh, record)
+    return _dispatch.elementwise
