@@ -22,8 +22,10 @@
 #include <structmember.h>
 #include <math.h>
 
-#define MAX_OPERANDS 2
+#define MAX_OPERANDS 2   /* of an elementwise op */
+#define MAX_INPUTS 3     /* of a launch: linear's x, weight, bias */
 #define MAX_DIMS 32
+#define MAX_EXTRA 4
 
 /* ------------------------------------------------------------------ configuration */
 typedef struct {
@@ -41,7 +43,7 @@ static TensorSlots TS;
 static BlockSlots BS;
 static PyObject *grad_mode = NULL;    /* autograd._mode (threading.local): .enabled */
 static PyObject *tape_state = NULL;   /* tape._state (threading.local): .tape */
-static PyObject *fp_state = NULL;     /* NumPy's error-state context variable, or None */
+static PyObject *fp_state = NULL;     /* NumPy's error-state context variable */
 static PyObject *fp_ignore = NULL;    /* the value that ignores every floating-point error */
 static PyObject *floats[2] = {NULL, NULL};    /* np.dtype("float32"), np.dtype("float64") */
 static double largest[2] = {0.0, 0.0};        /* their largest finite values */
@@ -84,10 +86,10 @@ configure(PyObject *self, PyObject *args)
 {
     PyObject *tensor, *block, *mode, *state, *fpvar, *fpvalue, *dtypes, *types, *maxima,
         *fresh_fn, *record_fn;
-    if (!PyArg_ParseTuple(args, "O!O!OOOOO!O!O!OO", &PyType_Type, &tensor, &PyType_Type,
-                          &block, &mode, &state, &fpvar, &fpvalue, &PyTuple_Type, &dtypes,
-                          &PyTuple_Type, &types, &PyTuple_Type, &maxima, &fresh_fn,
-                          &record_fn))
+    if (!PyArg_ParseTuple(args, "O!O!OOO!OO!O!O!OO", &PyType_Type, &tensor, &PyType_Type,
+                          &block, &mode, &state, &PyContextVar_Type, &fpvar, &fpvalue,
+                          &PyTuple_Type, &dtypes, &PyTuple_Type, &types, &PyTuple_Type, &maxima,
+                          &fresh_fn, &record_fn))
         return NULL;
     if (PyTuple_GET_SIZE(dtypes) != 2 || PyTuple_GET_SIZE(types) != 2
         || PyTuple_GET_SIZE(maxima) != 2) {
@@ -123,7 +125,7 @@ configure(PyObject *self, PyObject *args)
     set_ref((PyObject **)&block_type, block);
     set_ref(&grad_mode, mode);
     set_ref(&tape_state, state);
-    set_ref(&fp_state, fpvar == Py_None ? NULL : fpvar);
+    set_ref(&fp_state, fpvar);
     set_ref(&fp_ignore, fpvalue);
     for (int i = 0; i < 2; i++) {
         set_ref(&floats[i], PyTuple_GET_ITEM(dtypes, i));
@@ -244,6 +246,167 @@ no_clash(PyObject *out, PyObject *t)
     return a1 <= b0 || b1 <= a0;
 }
 
+/* ------------------------------------------------------------------ the shared second half */
+/* Is `out` a usable out= for a result of `shape` (ndim dims), `dtype` on `device`, read by
+ * `inputs` (tensors; NULL entries are numbers) under the op's aliasing policy (`never`: no
+ * shared block at all; else the identical view or disjoint spans)? 1 yes, 0 hand back. */
+static int
+out_usable(PyObject *out, const Py_ssize_t *shape, int ndim, PyObject *dtype, PyObject *device,
+           PyObject *const *inputs, Py_ssize_t count, int never)
+{
+    if (Py_TYPE(out) != tensor_type)
+        return 0;
+    PyObject *out_block = SLOT(out, TS.block);
+    if (out_block == NULL || Py_TYPE(out_block) != block_type || SLOT(out, TS.dtype) != dtype
+        || SLOT(out_block, BS.device) != device || SLOT(out_block, BS.readonly) != Py_False
+        || SLOT(out, TS.requires_grad) != Py_False)
+        return 0;
+    Py_ssize_t dims[MAX_DIMS];
+    if (read_dims(SLOT(out, TS.shape), dims) != ndim)
+        return 0;
+    for (int d = 0; d < ndim; d++)
+        if (dims[d] != shape[d])
+            return 0;
+    if (SLOT(out, TS.self_overlap) == Py_None) {  /* not asked yet: ask (it caches) */
+        PyObject *flag = PyObject_CallMethodNoArgs(out, s_has_internal_overlap);
+        if (flag == NULL)
+            PyErr_Clear();
+        Py_XDECREF(flag);
+    }
+    if (SLOT(out, TS.self_overlap) != Py_False)
+        return 0;
+    int current = PyObject_RichCompareBool(SLOT(out, TS.gen), SLOT(out_block, BS.generation),
+                                           Py_EQ);
+    if (current <= 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (inputs[i] == NULL)
+            continue;
+        if (never ? SLOT(inputs[i], TS.block) == out_block : !no_clash(out, inputs[i]))
+            return 0;
+    }
+    return 1;
+}
+
+/* A fresh contiguous result over a new lazy block of `like_block`'s allocator. */
+static PyObject *
+fresh_result(const Py_ssize_t *shape, int ndim, PyObject *dtype, PyObject *like_block)
+{
+    PyObject *shape_tuple = PyTuple_New(ndim);
+    if (shape_tuple == NULL)
+        return NULL;
+    for (int d = 0; d < ndim; d++) {
+        PyObject *n = PyLong_FromSsize_t(shape[d]);
+        if (n == NULL) {
+            Py_DECREF(shape_tuple);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(shape_tuple, d, n);
+    }
+    PyObject *call[3] = {shape_tuple, dtype, SLOT(like_block, BS.allocator)};
+    PyObject *result = PyObject_Vectorcall(fresh, call, 3, NULL);
+    Py_DECREF(shape_tuple);
+    return result;
+}
+
+/* Run kernel(*operand views, result view, *extra) under IEEE results, then mark the result's
+ * block written. `operands[i]` is a tensor, or (when values[i] is set) a number. 0 or -1. */
+static int
+run_kernel(PyObject *op, PyObject *kernel, PyObject *result, PyObject *const *operands,
+           PyObject *const *values, Py_ssize_t count, PyObject *extra)
+{
+    Py_ssize_t nextra = extra == NULL ? 0 : PyTuple_GET_SIZE(extra);
+    PyObject *views[MAX_INPUTS + 1 + MAX_EXTRA];
+    Py_ssize_t nviews = 0;
+    int ok = count + 1 + nextra <= MAX_INPUTS + 1 + MAX_EXTRA;
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError, "run_kernel: too many arguments");
+    for (Py_ssize_t i = 0; i < count && ok; i++) {
+        if (values != NULL && values[i] != NULL) {
+            Py_INCREF(values[i]);
+            views[nviews++] = values[i];
+            continue;
+        }
+        PyObject *view = native_view(operands[i], SLOT(SLOT(operands[i], TS.block),
+                                                       BS.allocation));
+        ok = view != NULL;
+        if (ok)
+            views[nviews++] = view;
+    }
+    PyObject *allocation = NULL;
+    if (ok) {
+        PyObject *out_block = SLOT(result, TS.block);
+        allocation = SLOT(out_block, BS.allocation);
+        if (allocation == Py_None || allocation == NULL)
+            allocation = PyObject_CallMethodOneArg(out_block, s_memory_for_write, op);
+        else
+            Py_INCREF(allocation);
+        ok = allocation != NULL;
+        if (ok) {
+            PyObject *view = native_view(result, allocation);
+            ok = view != NULL;
+            if (ok)
+                views[nviews++] = view;
+        }
+    }
+    for (Py_ssize_t i = 0; i < nextra && ok; i++) {
+        PyObject *item = PyTuple_GET_ITEM(extra, i);
+        Py_INCREF(item);
+        views[nviews++] = item;
+    }
+    PyObject *called = NULL;
+    if (ok) {
+        PyObject *token = PyContextVar_Set(fp_state, fp_ignore);
+        if (token != NULL) {
+            called = PyObject_Vectorcall(kernel, views, nviews, NULL);
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            if (PyContextVar_Reset(fp_state, token) < 0)
+                Py_CLEAR(called);
+            if (type != NULL)
+                PyErr_Restore(type, value, tb);
+            Py_DECREF(token);
+        }
+    }
+    for (Py_ssize_t i = 0; i < nviews; i++)
+        Py_DECREF(views[i]);
+    Py_XDECREF(allocation);
+    if (called == NULL)
+        return -1;
+    Py_DECREF(called);
+    /* mark_written: the data is readable and the version moves on */
+    PyObject *out_block = SLOT(result, TS.block);
+    PyObject *version = SLOT(out_block, BS.version);
+    PyObject *next = version ? PyNumber_Add(version, one) : NULL;
+    if (next == NULL)
+        return -1;
+    Py_XSETREF(SLOT(out_block, BS.version), next);
+    set_ref(&SLOT(out_block, BS.written), Py_True);
+    return 0;
+}
+
+/* 1 when a graph capture runs in this thread (or that cannot be told), else 0. */
+static int
+capturing(void)
+{
+    int flag = local_flag(tape_state, s_tape, 1);
+    if (flag < 0)
+        PyErr_Clear();
+    return flag != 0;
+}
+
+/* 1 when gradients are recorded in this thread (errors read as 1: the Python path decides). */
+static int
+grad_enabled(void)
+{
+    int flag = local_flag(grad_mode, s_enabled, 0);
+    if (flag < 0)
+        PyErr_Clear();
+    return flag != 0;
+}
+
 /* ------------------------------------------------------------------ elementwise */
 static PyObject *
 elementwise(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -255,22 +418,17 @@ elementwise(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *op = args[0], *out = args[1], *operands = args[2];
     PyObject *values[MAX_OPERANDS] = {NULL, NULL};  /* the numbers, as dtype scalars */
-    PyObject *kernel = NULL, *result = NULL, *allocation = NULL;
+    PyObject *tensors[MAX_OPERANDS] = {NULL, NULL};
+    PyObject *kernel = NULL, *result = NULL;
     Py_ssize_t count = PyTuple_GET_SIZE(operands);
-    if (count < 1 || count > MAX_OPERANDS)
+    if (count < 1 || count > MAX_OPERANDS || capturing())
         Py_RETURN_NONE;
-    int capturing = local_flag(tape_state, s_tape, 1);
-    if (capturing != 0) {
-        if (capturing < 0)
-            PyErr_Clear();
-        Py_RETURN_NONE;
-    }
     /* the operands: tensors (readable, one device and dtype) and plain numbers */
     PyObject *first = NULL;
     int numbers = 0, wants_grad = 0;
     Py_ssize_t dims[MAX_OPERANDS + 1][MAX_DIMS];
     int ndims[MAX_OPERANDS + 1];
-    int ntensors = 0;
+    int nshapes = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *x = PyTuple_GET_ITEM(operands, i);
         if (PyFloat_CheckExact(x) || PyLong_CheckExact(x)) {
@@ -279,39 +437,30 @@ elementwise(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         if (!readable(x))
             Py_RETURN_NONE;
-        if (first == NULL) {
+        if (first == NULL)
             first = x;
-        }
         else if (SLOT(SLOT(x, TS.block), BS.device) != SLOT(SLOT(first, TS.block), BS.device)
-                 || SLOT(x, TS.dtype) != SLOT(first, TS.dtype)) {
+                 || SLOT(x, TS.dtype) != SLOT(first, TS.dtype))
             Py_RETURN_NONE;
-        }
+        tensors[i] = x;
         if (SLOT(x, TS.requires_grad) == Py_True)
             wants_grad = 1;
-        ndims[ntensors] = read_dims(SLOT(x, TS.shape), dims[ntensors]);
-        if (ndims[ntensors] < 0)
+        ndims[nshapes] = read_dims(SLOT(x, TS.shape), dims[nshapes]);
+        if (ndims[nshapes] < 0)
             Py_RETURN_NONE;
-        ntensors++;
+        nshapes++;
     }
     if (first == NULL)
         Py_RETURN_NONE;
     PyObject *dtype = SLOT(first, TS.dtype);
     int kind = dtype == floats[0] ? 0 : dtype == floats[1] ? 1 : -1;
-    if (kind < 0) {
-        int is_copy = PyUnicode_Compare(op, copy_name);
-        if (is_copy != 0 || numbers) {
-            PyErr_Clear();
-            Py_RETURN_NONE;
-        }
+    if (kind < 0 && (numbers || PyUnicode_Compare(op, copy_name) != 0)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
     }
-    if (wants_grad) {
-        int enabled = local_flag(grad_mode, s_enabled, 0);
-        if (enabled < 0) {
-            PyErr_Clear();
-            Py_RETURN_NONE;
-        }
-        wants_grad = enabled;
-    }
+    wants_grad = wants_grad && grad_enabled();
+    if (out != Py_None && (wants_grad || Py_TYPE(out) != tensor_type))
+        Py_RETURN_NONE;
     PyObject *block0 = SLOT(first, TS.block);
     PyObject *device = SLOT(block0, BS.device);
     PyObject *kernels = PyObject_GetAttr(device, s_fast_kernels);
@@ -328,13 +477,11 @@ elementwise(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     /* the result's shape: NumPy's broadcasting over the tensors (and out, when given) */
     if (out != Py_None) {
-        if (Py_TYPE(out) != tensor_type || wants_grad)
+        ndims[nshapes] = read_dims(SLOT(out, TS.shape), dims[nshapes]);
+        if (ndims[nshapes] < 0)
             goto fallback;
-        ndims[ntensors] = read_dims(SLOT(out, TS.shape), dims[ntensors]);
-        if (ndims[ntensors] < 0)
-            goto fallback;
+        nshapes++;
     }
-    int nshapes = ntensors + (out != Py_None);
     int ndim = 0;
     for (int i = 0; i < nshapes; i++)
         ndim = ndims[i] > ndim ? ndims[i] : ndim;
@@ -355,10 +502,11 @@ elementwise(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     /* the numbers, as the Python path makes them: dtype.type(x), within the dtype's range */
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *x = PyTuple_GET_ITEM(operands, i);
-        if (!(PyFloat_CheckExact(x) || PyLong_CheckExact(x)))
+        if (tensors[i] != NULL)
             continue;
         double value = PyFloat_AsDouble(x);
-        if ((value == -1.0 && PyErr_Occurred()) || (isfinite(value) && fabs(value) > largest[kind])) {
+        if ((value == -1.0 && PyErr_Occurred())
+            || (isfinite(value) && fabs(value) > largest[kind])) {
             PyErr_Clear();
             goto fallback;
         }
@@ -367,124 +515,23 @@ elementwise(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             goto error;
     }
     if (out != Py_None) {
-        /* out: the result's shape, dtype and device, writable, never overlapping itself */
-        PyObject *out_block = SLOT(out, TS.block);
-        if (ndims[ntensors] != ndim || out_block == NULL || Py_TYPE(out_block) != block_type
-            || SLOT(out, TS.dtype) != dtype || SLOT(out_block, BS.device) != device
-            || SLOT(out_block, BS.readonly) != Py_False
-            || SLOT(out, TS.requires_grad) != Py_False)
+        if (!out_usable(out, shape, ndim, dtype, device, tensors, count, 0))
             goto fallback;
-        if (SLOT(out, TS.self_overlap) == Py_None) {  /* not asked yet: ask (it caches) */
-            PyObject *flag = PyObject_CallMethodNoArgs(out, s_has_internal_overlap);
-            if (flag == NULL)
-                PyErr_Clear();
-            Py_XDECREF(flag);
-        }
-        if (SLOT(out, TS.self_overlap) != Py_False)
-            goto fallback;
-        for (int d = 0; d < ndim; d++)
-            if (dims[ntensors][d] != shape[d])
-                goto fallback;
-        int current = PyObject_RichCompareBool(SLOT(out, TS.gen),
-                                               SLOT(out_block, BS.generation), Py_EQ);
-        if (current <= 0) {
-            PyErr_Clear();
-            goto fallback;
-        }
-        for (Py_ssize_t i = 0; i < count; i++) {
-            PyObject *x = PyTuple_GET_ITEM(operands, i);
-            if (values[i] == NULL && !no_clash(out, x))
-                goto fallback;
-        }
         Py_INCREF(out);
         result = out;
     }
     else {
         if (SLOT(block0, BS.readonly) != Py_False)
             goto fallback;  /* a constant's result goes to the default allocator: Python */
-        PyObject *shape_tuple = PyTuple_New(ndim);
-        if (shape_tuple == NULL)
-            goto error;
-        for (int d = 0; d < ndim; d++) {
-            PyObject *n = PyLong_FromSsize_t(shape[d]);
-            if (n == NULL) {
-                Py_DECREF(shape_tuple);
-                goto error;
-            }
-            PyTuple_SET_ITEM(shape_tuple, d, n);
-        }
-        PyObject *call[3] = {shape_tuple, dtype, SLOT(block0, BS.allocator)};
-        result = PyObject_Vectorcall(fresh, call, 3, NULL);
-        Py_DECREF(shape_tuple);
+        result = fresh_result(shape, ndim, dtype, block0);
         if (result == NULL)
             goto error;
     }
     /* from here on the op runs as the Python path runs it: errors are its errors */
-    {
-        PyObject *views[MAX_OPERANDS + 1] = {NULL, NULL, NULL};
-        int ok = 1;
-        for (Py_ssize_t i = 0; i < count && ok; i++) {
-            PyObject *x = PyTuple_GET_ITEM(operands, i);
-            if (values[i] != NULL) {
-                views[i] = values[i];
-                Py_INCREF(views[i]);
-                continue;
-            }
-            PyObject *block = SLOT(x, TS.block);
-            views[i] = native_view(x, SLOT(block, BS.allocation));
-            ok = views[i] != NULL;
-        }
-        if (ok) {
-            PyObject *out_block = SLOT(result, TS.block);
-            allocation = SLOT(out_block, BS.allocation);
-            if (allocation == Py_None || allocation == NULL)
-                allocation = PyObject_CallMethodOneArg(out_block, s_memory_for_write, op);
-            else
-                Py_INCREF(allocation);
-            ok = allocation != NULL;
-            if (ok) {
-                views[count] = native_view(result, allocation);
-                ok = views[count] != NULL;
-            }
-        }
-        PyObject *called = NULL;
-        if (ok) {
-            PyObject *token = NULL;
-            if (fp_state != NULL) {
-                token = PyContextVar_Set(fp_state, fp_ignore);
-                ok = token != NULL;
-            }
-            if (ok) {
-                called = PyObject_Vectorcall(kernel, views, count + 1, NULL);
-                if (token != NULL) {
-                    PyObject *type, *value, *tb;
-                    PyErr_Fetch(&type, &value, &tb);
-                    if (PyContextVar_Reset(fp_state, token) < 0)
-                        Py_CLEAR(called);
-                    PyErr_Restore(type, value, tb);
-                    Py_DECREF(token);
-                }
-            }
-        }
-        for (Py_ssize_t i = 0; i <= count; i++)
-            Py_XDECREF(views[i]);
-        if (called == NULL)
-            goto error;
-        Py_DECREF(called);
-    }
-    /* mark_written: the data is readable and the version moves on */
-    {
-        PyObject *out_block = SLOT(result, TS.block);
-        PyObject *version = SLOT(out_block, BS.version);
-        PyObject *next = version ? PyNumber_Add(version, one) : NULL;
-        if (next == NULL)
-            goto error;
-        Py_XSETREF(SLOT(out_block, BS.version), next);
-        set_ref(&SLOT(out_block, BS.written), Py_True);
-    }
+    if (run_kernel(op, kernel, result, &PyTuple_GET_ITEM(operands, 0), values, count, NULL) < 0)
+        goto error;
     for (Py_ssize_t i = 0; i < count; i++)
         Py_XDECREF(values[i]);
-    Py_XDECREF(allocation);
     Py_DECREF(kernel);
     if (wants_grad) {
         PyObject *call[3] = {op, result, operands};
@@ -507,9 +554,69 @@ error:
     for (Py_ssize_t i = 0; i < count; i++)
         Py_XDECREF(values[i]);
     Py_XDECREF(result);
-    Py_XDECREF(allocation);
     Py_XDECREF(kernel);
     return NULL;
+}
+
+/* ------------------------------------------------------------------ launch */
+/* launch(op, never, out, shape, dtype, inputs, kernel, extra): the second half of an op whose
+ * Python code has checked its operands and worked out the result's shape and dtype (matmul,
+ * linear, the reductions): `_prepare_out` and `_launch` of runtime/ops.py for tensors `inputs`
+ * read whole, the kernel called as kernel(*input views, out view, *extra). The result, or None
+ * before anything changed. No autograd record: the op makes it after. */
+static PyObject *
+launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8 || !PyTuple_CheckExact(args[3]) || !PyTuple_CheckExact(args[5])
+        || !PyTuple_CheckExact(args[7]) || tensor_type == NULL) {
+        PyErr_SetString(PyExc_TypeError, "launch(op, never, out, shape, dtype, inputs, kernel, "
+                                         "extra): not configured, or bad arguments");
+        return NULL;
+    }
+    PyObject *op = args[0], *out = args[2], *shape_tuple = args[3], *dtype = args[4];
+    PyObject *inputs = args[5], *kernel = args[6], *extra = args[7];
+    int never = PyObject_IsTrue(args[1]);
+    Py_ssize_t count = PyTuple_GET_SIZE(inputs);
+    if (never < 0 || count < 1 || count > MAX_INPUTS || capturing()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *first = PyTuple_GET_ITEM(inputs, 0);
+    int wants_grad = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *x = PyTuple_GET_ITEM(inputs, i);
+        if (!readable(x)
+            || SLOT(SLOT(x, TS.block), BS.device) != SLOT(SLOT(first, TS.block), BS.device))
+            Py_RETURN_NONE;
+        if (SLOT(x, TS.requires_grad) == Py_True)
+            wants_grad = 1;
+    }
+    Py_ssize_t shape[MAX_DIMS];
+    int ndim = read_dims(shape_tuple, shape);
+    if (ndim < 0)
+        Py_RETURN_NONE;
+    PyObject *block0 = SLOT(first, TS.block);
+    PyObject *result;
+    if (out != Py_None) {
+        if ((wants_grad && grad_enabled())
+            || !out_usable(out, shape, ndim, dtype, SLOT(block0, BS.device),
+                           &PyTuple_GET_ITEM(inputs, 0), count, never))
+            Py_RETURN_NONE;
+        Py_INCREF(out);
+        result = out;
+    }
+    else {
+        if (SLOT(block0, BS.readonly) != Py_False)
+            Py_RETURN_NONE;
+        result = fresh_result(shape, ndim, dtype, block0);
+        if (result == NULL)
+            return NULL;
+    }
+    if (run_kernel(op, kernel, result, &PyTuple_GET_ITEM(inputs, 0), NULL, count, extra) < 0) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    return result;
 }
 
 /* ------------------------------------------------------------------ module */
@@ -519,6 +626,9 @@ static PyMethodDef methods[] = {
      "maxima, fresh, record): tell the fast path where the runtime keeps its state"},
     {"elementwise", (PyCFunction)(void (*)(void))elementwise, METH_FASTCALL,
      "elementwise(op, out, operands): the result of the op, or None for the Python path"},
+    {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
+     "launch(op, never, out, shape, dtype, inputs, kernel, extra): the second half of an op, "
+     "or None for the Python path"},
     {NULL, NULL, 0, NULL},
 };
 

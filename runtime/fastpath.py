@@ -51,13 +51,15 @@ __all__ = ["ACCELERATED", "load"]
 ACCELERATED = _dispatch is not None and not PURE_PYTHON and base._FP_STATE is not None
 
 
-def load(record: Callable[[str, Tensor, Any], None]) -> Callable[..., Any] | None:
-    """The C `elementwise(op, out, operands)`, configured with `record` (how an op's autograd
-    record is made), or None when the fast path is off."""
+def load(record: Callable[[str, Tensor, Any], None]) -> Any:
+    """The C extension's module, configured with `record` (how an elementwise op's autograd
+    record is made), or None when the fast path is off. Its `elementwise(op, out, operands)`
+    is the fast `ops._elementwise`; its `launch(op, never, out, shape, dtype, inputs, kernel,
+    extra)` is the fast `_prepare_out` + `_launch` of an op whose operands Python checked."""
     if not ACCELERATED:
         return None
     dtypes = (np.dtype(np.float32), np.dtype(np.float64))
     _dispatch.configure(Tensor, Block, autograd._mode, tape._state, base._FP_STATE,
                         base._FP_IGNORE, dtypes, (np.float32, np.float64),
                         tuple(float(np.finfo(d).max) for d in dtypes), Tensor._fresh, record)
-    return _dispatch.elementwise
+    return _dispatch

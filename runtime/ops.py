@@ -491,14 +491,38 @@ def matmul(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     """
     device, dtype = _common("matmul", [a, b])
     shape = _matmul_shape(a, b)
-    out = _prepare_out("matmul", out, shape, dtype, a, (a, b))
-    inputs = [("a", a, a.shape), ("b", b, b.shape)]
-    _launch("matmul", out, inputs, lambda v, o: device.matmul(v[0], v[1], o))
+    done = _fast_launch("matmul", True, out, shape, dtype, (a, b), device.matmul, ())
+    if done is not None:
+        out = done
+    else:
+        out = _prepare_out("matmul", out, shape, dtype, a, (a, b))
+        inputs = [("a", a, a.shape), ("b", b, b.shape)]
+        _launch("matmul", out, inputs, lambda v, o: device.matmul(v[0], v[1], o))
     if autograd.needs_grad(a, b):
         na, nb = a.requires_grad, b.requires_grad
         autograd.record("matmul", out, (a, b), ("a", "b"),
                         _matmul_backward(a.shape, b.shape, na, nb),
                         [("b", b if na else None), ("a", a if nb else None)])
+    return out
+
+
+def _launch_linear(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None,
+                   shape: tuple[int, ...], dtype: np.dtype, operands: list[Tensor]) -> Tensor:
+    """linear's `_prepare_out` and `_launch`, in Python."""
+    device, features = x.device, weight.shape[0]
+    out = _prepare_out("linear", out, shape, dtype, x, operands)
+    with autograd.no_grad():
+        inputs = [("x", x, x.shape), ("weight", weight.T, (weight.shape[1], features))]
+        if bias is not None:
+            inputs.append(("bias", bias, shape))
+        biased = bias is not None  # NOTE: not `bias`: Note [closures hold no tensors]
+
+        def run(v: list, o: Any) -> None:
+            device.matmul(v[0], v[1], o)
+            if biased:
+                device.binary("add", o, v[2], o)
+
+        _launch("linear", out, inputs, run)
     return out
 
 
@@ -519,19 +543,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     if bias is not None and bias.shape != (features,):
         raise ValueError(f"linear: bias has shape {bias.shape}, expected ({features},)")
     shape = x.shape[:-1] + (features,)
-    out = _prepare_out("linear", out, shape, dtype, x, operands)
-    with autograd.no_grad():
-        inputs = [("x", x, x.shape), ("weight", weight.T, (weight.shape[1], features))]
-        if bias is not None:
-            inputs.append(("bias", bias, shape))
-        biased = bias is not None  # NOTE: not `bias`: Note [closures hold no tensors]
-
-        def run(v: list, o: Any) -> None:
-            device.matmul(v[0], v[1], o)
-            if biased:
-                device.binary("add", o, v[2], o)
-
-        _launch("linear", out, inputs, run)
+    done = None
+    if bias is not None and device._fast_kernels is not None:  # NOTE: the kernel broadcasts
+        done = _fast_launch("linear", True, out, shape, dtype, (x, weight, bias),
+                            _linear_kernel, (device,))
+    if done is not None:
+        out = done
+    else:
+        out = _launch_linear(x, weight, bias, out, shape, dtype, operands)
     if autograd.needs_grad(*operands):
         nx, nw = x.requires_grad, weight.requires_grad
         nb = bias is not None and bias.requires_grad
@@ -620,8 +639,14 @@ def _reduce(op: str, x: Tensor, axis: Any, keepdims: bool, out: Tensor | None) -
     reduced = range(x.ndim) if axes is None else axes
     shape = tuple(1 if i in reduced else n for i, n in enumerate(x.shape) if keepdims or
                   i not in reduced)
-    out = _prepare_out(op, out, shape, dtype, x, (x,))
-    _launch(op, out, [("x", x, x.shape)], lambda v, o: device.reduce(op, v[0], axes, keepdims, o))
+    done = _fast_launch(op, True, out, shape, dtype, (x,), _reduce_kernel,
+                        (device, op, axes, keepdims))
+    if done is not None:
+        out = done
+    else:
+        out = _prepare_out(op, out, shape, dtype, x, (x,))
+        _launch(op, out, [("x", x, x.shape)],
+                lambda v, o: device.reduce(op, v[0], axes, keepdims, o))
     if autograd.needs_grad(x):
         # NOTE: x's shape, not x: Note [closures hold no tensors] in runtime/autograd.py
         x_shape = x.shape
@@ -651,5 +676,23 @@ def mean(x: Tensor, axis: Any = None, keepdims: bool = False,
     return _reduce("mean", x, axis, keepdims, out)
 
 
-#: The C fast path of `_elementwise`, or None (Note [the eager fast path]).
-_fast = fastpath.load(_record_elementwise)
+def _linear_kernel(x: Any, weight: Any, bias: Any, out: Any, device: Any) -> None:
+    """linear's kernel on whole views, for the fast path's launch (NumPy broadcasts the bias)."""
+    device.matmul(x, weight.T, out)
+    device.binary("add", out, bias, out)
+
+
+def _reduce_kernel(x: Any, out: Any, device: Any, op: str, axes: Any, keepdims: bool) -> None:
+    device.reduce(op, x, axes, keepdims, out)
+
+
+def _no_launch(*args: Any) -> None:
+    return None
+
+
+# NOTE: Note [the eager fast path] in runtime/fastpath.py
+_dispatch = fastpath.load(_record_elementwise)
+#: The C fast path of `_elementwise`, or None.
+_fast = _dispatch.elementwise if _dispatch is not None else None
+#: The C fast path of `_prepare_out` + `_launch` for matmul, linear and the reductions.
+_fast_launch = _dispatch.launch if _dispatch is not None else _no_launch

@@ -30,9 +30,13 @@ pytestmark = pytest.mark.skipif(not fastpath.ACCELERATED, reason=(
 
 #: The C fast path itself, whatever a test sets `ops._fast` to.
 C_FAST = ops._fast
+C_LAUNCH = ops._fast_launch
 
 UNARY = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "sqrt", "copy")
 BINARY = ("add", "sub", "mul", "div", "tanh_backward", "sigmoid_backward", "relu_backward")
+#: Ops whose second half (`_prepare_out` + `_launch`) the fast path's launch runs.
+LAUNCHED = ("matmul", "linear", "sum", "mean")
+AXES = (None, 0, 1, -1, (0, 1), (1,))
 NUMBERS = (2.0, -0.5, 3, 0.0, -0.0, float("nan"), float("inf"), 1e39, 1e300, 10 ** 400, True,
            np.float32(2.0), 2 ** 60 + 1)
 
@@ -64,16 +68,24 @@ def build_world(allocator: allocators.Allocator) -> list[runtime.Tensor]:
     constant = runtime.constant(rng.normal(size=(3, 4)).astype(np.float32), device=dev)
     leaf = make(rng.normal(size=(3, 4)).astype(np.float32), requires_grad=True)
     ints = make(np.arange(12, dtype=np.int32).reshape(3, 4))
+    weight = make(rng.normal(size=(4, 4)).astype(np.float32), requires_grad=True)
+    square = runtime.view(buffer, (4, 4), offset=4)    # overlaps first and second
     return [a32, b32, bias32, a64, col64, first, second, shifted, again, strided, odd,
-            transposed, released, unwritten, constant, leaf, ints]
+            transposed, released, unwritten, constant, leaf, ints, weight, square]
 
 
-WORLD_SIZE = 17
+WORLD_SIZE = 19
+#: The world's views of one buffer (first, second, shifted, again, strided, odd, square): drawn
+#: half the time, so that outputs often share memory with inputs.
+SHARED = (5, 6, 7, 8, 9, 10, 18)
 
-operand = st.one_of(st.integers(0, WORLD_SIZE - 1).map(lambda i: ("t", i)),
+index = st.one_of(st.sampled_from(SHARED), st.integers(0, WORLD_SIZE - 1))
+operand = st.one_of(index.map(lambda i: ("t", i)),
                     st.sampled_from(NUMBERS).map(lambda x: ("n", x)))
-step = st.tuples(st.sampled_from(UNARY + BINARY), st.lists(operand, min_size=1, max_size=2),
-                 st.one_of(st.none(), st.integers(0, WORLD_SIZE - 1)), st.booleans())
+step = st.tuples(st.sampled_from(UNARY + BINARY + LAUNCHED),
+                 st.lists(operand, min_size=1, max_size=3),
+                 st.one_of(st.none(), index), st.booleans(),
+                 st.tuples(st.sampled_from(AXES), st.booleans()))
 programs = st.lists(step, min_size=1, max_size=12)
 
 
@@ -94,27 +106,43 @@ def _state(world: list[runtime.Tensor], made: list[runtime.Tensor]) -> list[Any]
     return found
 
 
-def run(program: list, fast: Any) -> list[Any]:
-    """What each step of `program` did, and the world after it, with `ops._fast = fast`."""
+def call(op: str, values: list, out: Any, axis: Any, keepdims: bool,
+         world: list[runtime.Tensor]) -> runtime.Tensor:
+    """`op` on `values` (padded or cut to the op's count), as a program step calls it. A
+    product's second operand is mostly a (4, 4) tensor, one of them over the shared buffer, so
+    that most products are valid and some write into the memory they read."""
+    if op in ("sum", "mean"):
+        return getattr(ops, op)(values[0], axis=axis, keepdims=keepdims, out=out)
+    if op in ("matmul", "linear"):
+        values = (values * 3)[:3]
+        if isinstance(values[1], runtime.Tensor) and values[1].shape != (4, 4):
+            position = next(i for i, t in enumerate(world) if t is values[1])
+            values[1] = world[-1] if position % 2 else world[-2]
+        return getattr(ops, op)(*values[:3 if op == "linear" else 2], out=out)
+    values = (values * 2)[:2] if op in BINARY else values[:1]
+    return ops._elementwise(op, out, *values)
+
+
+def run(program: list, fast: Any, launch: Any) -> list[Any]:
+    """What each step of `program` did, and the world after it, with the elementwise fast
+    path `fast` and the launch `launch` in place (None and `ops._no_launch`: Python only)."""
     allocator = allocators.create("caching", "cpu")
     world = build_world(allocator)
     made: list[runtime.Tensor] = []
     log: list[Any] = []
-    saved, ops._fast = ops._fast, fast
+    saved = ops._fast, ops._fast_launch
+    ops._fast = fast
+    ops._fast_launch = launch
     try:
-        for op, args, out_index, grad in program:
+        for op, args, out_index, grad, (axis, keepdims) in program:
             values = [world[i] if kind == "t" else i for kind, i in args]
-            if op in BINARY and len(values) == 1:
-                values = values * 2
-            if op in UNARY:
-                values = values[:1]
             out = None if out_index is None else world[out_index]
             try:
                 if grad:
-                    result = ops._elementwise(op, out, *values)
+                    result = call(op, values, out, axis, keepdims, world)
                 else:
                     with runtime.no_grad():
-                        result = ops._elementwise(op, out, *values)
+                        result = call(op, values, out, axis, keepdims, world)
             except Exception as error:
                 log.append(("error", type(error).__name__, _words(str(error))))
             else:
@@ -128,7 +156,7 @@ def run(program: list, fast: Any) -> list[Any]:
         log.append({key: stats[key] for key in ("allocated_bytes", "peak_allocated_bytes",
                                                 "num_allocs", "num_frees", "cache_misses")})
     finally:
-        ops._fast = saved
+        ops._fast, ops._fast_launch = saved
     return log
 
 
@@ -142,8 +170,13 @@ def test_the_fast_path_does_what_the_python_path_does(program):
         taken.append(result is not None)
         return result
 
-    fast = run(program, counting)
-    assert fast == run(program, None)
+    def counting_launch(*args: Any) -> Any:
+        result = C_LAUNCH(*args)
+        taken.append(result is not None)
+        return result
+
+    fast = run(program, counting, counting_launch)
+    assert fast == run(program, None, ops._no_launch)
     share = sum(taken) / len(taken) if taken else 0.0
     event(f"share of ops the fast path took: {round(4 * share) / 4:.2f}")
 
@@ -180,7 +213,7 @@ def test_what_the_fast_path_hands_back(monkeypatch):
     """Each case the C code must not take returns None, so the Python path raises or copies."""
     allocator = allocators.create("caching", "cpu")
     (a32, b32, bias32, a64, _, first, _, shifted, _, strided, odd, transposed, released,
-     unwritten, constant, leaf, ints) = build_world(allocator)
+     unwritten, constant, leaf, ints, weight, square) = build_world(allocator)
     fast = C_FAST
     with runtime.no_grad():
         cases = {
@@ -209,3 +242,11 @@ def test_what_the_fast_path_hands_back(monkeypatch):
     with runtime.no_grad():
         assert fast("mul", odd, (strided, 2.0)) is None
         ops.mul(strided, 2.0, out=odd)  # and the Python path finds no clash
+        # launch: out= on an input's block (any overlap: matmul's policy is never)
+        dev = a32.device
+        assert C_LAUNCH("matmul", True, first, (3, 4), first.dtype, (square, first),
+                        dev.matmul, ()) is None
+        assert C_LAUNCH("matmul", True, None, (3, 4), a32.dtype, (a32, released),
+                        dev.matmul, ()) is None
+    assert C_LAUNCH("matmul", True, bias32, (4,), a32.dtype, (leaf, weight),
+                    dev.matmul, ()) is None  # out= while recording gradients
