@@ -1,5 +1,85 @@
-"""blockrt's top level, above the three packages it ships (`backends`, `allocators`,
-`runtime`): the command line (`blockrt.cli`, the `blockrt` console script, `python -m blockrt`)
-and the example model configurations it shares with the benchmarks (`blockrt.models`). Both
-use the runtime only through its public API.
+"""blockrt: a pluggable memory allocator and runtime for array computing, in one namespace.
+
+`import blockrt` is the way to use it. The namespace holds the runtime's whole public API
+(`runtime.__all__`: tensors and views, ops, autograd, `nn`, graphs, constants, DLPack, reports,
+errors), the device and allocator entry points that users call (`get_device`, `from_queue`,
+`OutOfMemoryError`, ...), and the two lower layers themselves as `blockrt.backends` and
+`blockrt.allocators`. Every name is the object the layer packages define (`blockrt.tensor is
+runtime.tensor`), so code that imports `runtime`, `allocators` or `backends` directly mixes
+with code that imports blockrt. Submodules keep their own package's path:
+`allocators.interop`, `allocators.testing`, `backends.cuda`.
+
+The package also holds the command line (`blockrt.cli`: the `blockrt` console script and
+`python -m blockrt`) and the example MLP configurations the command line shares with the
+benchmarks (`blockrt.models`); neither is imported here. Importing blockrt imports NumPy and
+the three layers, and no optional package (pyopencl, CuPy, matplotlib are imported when a
+backend or a plot first needs them).
+
+Example:
+    >>> import numpy as np, blockrt
+    >>> x = blockrt.tensor(np.ones((4, 2), np.float32))
+    >>> float(blockrt.ops.sum(blockrt.ops.add(x, x)).item())
+    16.0
+    >>> blockrt.get_device("cpu") is x.device
+    True
 """
+
+from __future__ import annotations
+
+import allocators
+import backends
+from allocators import InvalidFreeError, OutOfMemoryError
+from backends import BackendUnavailableError, from_queue, get_device
+from runtime import (
+    PLANS,
+    AliasingError,
+    AutogradError,
+    Block,
+    ConstantPool,
+    Graph,
+    GraphCaptureError,
+    ReadOnlyAllocator,
+    ReadOnlyError,
+    Tensor,
+    UninitializedMemoryError,
+    UseAfterFreeError,
+    constant,
+    empty,
+    enable_grad,
+    format_report,
+    from_dlpack,
+    get_aliasing,
+    get_default_allocator,
+    get_default_device,
+    graph,
+    is_grad_enabled,
+    memory_summary,
+    nn,
+    no_grad,
+    ones,
+    ops,
+    overlaps,
+    plot_memory_timeline,
+    set_aliasing,
+    set_default_allocator,
+    set_default_device,
+    tensor,
+    view,
+    zeros,
+)
+
+__all__ = [
+    # the layers below the runtime
+    "allocators", "backends",
+    # devices and allocators
+    "BackendUnavailableError", "InvalidFreeError", "OutOfMemoryError", "from_queue",
+    "get_device",
+    # the runtime (runtime.__all__)
+    "PLANS", "AliasingError", "AutogradError", "Block", "ConstantPool", "Graph",
+    "GraphCaptureError", "ReadOnlyAllocator", "ReadOnlyError", "Tensor",
+    "UninitializedMemoryError", "UseAfterFreeError", "constant", "empty", "enable_grad",
+    "format_report", "from_dlpack", "get_aliasing", "get_default_allocator",
+    "get_default_device", "graph", "is_grad_enabled", "memory_summary", "nn", "no_grad", "ones",
+    "ops", "overlaps", "plot_memory_timeline", "set_aliasing", "set_default_allocator",
+    "set_default_device", "tensor", "view", "zeros",
+]

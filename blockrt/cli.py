@@ -28,7 +28,7 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
 
@@ -41,8 +41,8 @@ from backends import _blas
 from blockrt.models import CLASSES, CONFIGS, MLPConfig
 from runtime import config, nn
 
-__all__ = ["CONFIGS", "MLPConfig", "build_parser", "int_in", "main", "png_path", "run_piped",
-           "step_bytes", "training_step"]
+__all__ = ["CONFIGS", "MLPConfig", "build_parser", "each_plan", "int_in", "main", "png_path",
+           "run_piped", "step_bytes", "training_step"]
 
 
 #: A BLAS takes each dimension of a product as a 32-bit integer (an LP64 build).
@@ -84,6 +84,27 @@ def training_step(cfg: MLPConfig, plan: str, checkpoint: str | None,
     return runtime.graph(nn.train_step(model, opt), plan=plan, checkpoint=checkpoint)
 
 
+def each_plan(make_step: Callable[[str], runtime.Graph], *args: object,
+              plans: Sequence[str] = runtime.PLANS) -> Iterator[tuple[str, runtime.Graph]]:
+    """For each plan: `make_step(plan)`, called once with `args`, as (plan, graph).
+
+    Each graph is released when the loop moves on, so only one plan's memory is held at a time;
+    read what you need (`timeline()`, `memory_report()`) inside the loop. The command line's
+    `plan --plot` and examples/train_mlp.py draw their timelines this way.
+
+    Example:
+        >>> lines = {plan: step.timeline() for plan, step in each_plan(make_step, x, y)}
+        ... # doctest: +SKIP
+    """
+    for plan in plans:
+        step = make_step(plan)
+        step(*args)
+        try:
+            yield plan, step
+        finally:
+            step.release()
+
+
 def _batch(cfg: MLPConfig, seed: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed + 1)
     x = rng.standard_normal((cfg.batch, cfg.width), dtype=np.float32)
@@ -101,11 +122,12 @@ def _checkout_dir(name: str, what: str) -> Path:
 
 
 def _run_script(script: Path, args: Sequence[str]) -> int:
-    """Run `script` with this Python in the checkout root; its exit status (128 + N, as a shell
-    says it, when signal N ended it)."""
+    """Run `script` with this Python in the current directory, so that paths among `args`
+    mean what they say where the user typed them; its exit status (128 + N, as a shell says
+    it, when signal N ended it)."""
     command = [sys.executable, str(script), *args]
     print("$ " + " ".join(command), flush=True)
-    status = subprocess.call(command, cwd=ROOT)
+    status = subprocess.call(command)
     return 128 - status if status < 0 else status
 
 
@@ -294,9 +316,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     timelines = {}
     try:
         x, y = _batch(cfg, args.seed)
-        for plan in plans:
-            step = training_step(cfg, plan, checkpoint, args.seed)
-            step(x, y)
+        for plan, step in each_plan(lambda p: training_step(cfg, p, checkpoint, args.seed), x, y,
+                                    plans=plans):
             timelines[plan] = step.timeline()
             if plan == args.plan:
                 print(runtime.format_report(step.memory_report()))
@@ -305,7 +326,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.plot:
         try:
             path = runtime.plot_memory_timeline(
-                timelines, args.plot, f"blockrt plan {args.config}: MiB held by intermediates")
+                timelines, args.plot, f"blockrt plan: config {label}, one training step")
         except ImportError as exc:
             raise CommandError(f"--plot needs matplotlib: pip install 'blockrt[plot]' ({exc})") \
                 from exc
@@ -392,15 +413,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="train the MLP of examples/train_mlp.py (checkout only)",
                        description="Run examples/train_mlp.py (scikit-learn's digits; needs a "
-                       "repository checkout and the `demo` extra) with this Python. Other "
-                       "arguments, or those after `--`, go to the script, e.g. "
+                       "repository checkout and the `demo` extra) with this Python, in the current "
+                       "directory (where it writes memory_timeline.png). Other arguments, or "
+                       "those after `--`, go to the script, e.g. "
                        "`blockrt demo --epochs 5 --no-progress`.")
     p.set_defaults(run=cmd_demo)
 
     p = sub.add_parser("bench", help="list or run the benchmarks (checkout only)",
                        description="Run benchmarks/bench_NAME.py for each NAME, one after another, "
-                       "with this Python; without NAME or with --list, list them. Other "
-                       "arguments, or those after `--`, go to each script, e.g. "
+                       "with this Python, in the current directory; without NAME or with --list, "
+                       "list them. Other arguments, or those after `--`, go to each script, e.g. "
                        "`blockrt bench graph alloc -- --quick`.")
     p.add_argument("names", nargs="*", metavar="NAME", help="e.g. graph (bench_graph.py)")
     p.add_argument("--list", action="store_true", help="list the benchmarks and exit")

@@ -9,15 +9,14 @@ import gc
 
 import numpy as np
 
-import allocators
-import runtime
+import blockrt
 
 
 def main() -> None:
-    alloc = allocators.create("caching", "cpu")
+    alloc = blockrt.allocators.create("caching", "cpu")
 
     # blockrt -> NumPy: the array is a view of the tensor's block
-    t = runtime.tensor(np.arange(12, dtype=np.float32).reshape(3, 4), allocator=alloc)
+    t = blockrt.tensor(np.arange(12, dtype=np.float32).reshape(3, 4), allocator=alloc)
     columns = np.from_dlpack(t[:, 1::2])
     columns[0, 0] = 100.0
     print("shared:", t.numpy()[0, 1] == 100.0)
@@ -33,8 +32,8 @@ def main() -> None:
 
     # NumPy -> blockrt: a tensor over NumPy's memory, ops write straight into it
     host = np.linspace(-1, 1, 8)
-    x = runtime.from_dlpack(host[::2])
-    runtime.ops.relu(x, out=x)
+    x = blockrt.from_dlpack(host[::2])
+    blockrt.ops.relu(x, out=x)
     print("NumPy sees blockrt's write:", host)
 
 

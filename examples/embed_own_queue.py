@@ -18,14 +18,12 @@ import sys
 
 import numpy as np
 
-import allocators
-import backends
-import runtime
+import blockrt
 from allocators.interop import pyopencl_allocator
-from runtime import nn
+from blockrt import nn
 
 
-def native(t: runtime.Tensor, write: bool = False):
+def native(t: blockrt.Tensor, write: bool = False):
     """The framework's view of tensor `t`: a pyopencl Array over its memory, on the device's
     queue, valid while `t` lives (the view does not keep the memory). With `write=True` the
     memory is allocated if need be and the write is recorded."""
@@ -39,7 +37,7 @@ def native(t: runtime.Tensor, write: bool = False):
 
 
 def main() -> None:
-    if "opencl" not in backends.available():
+    if "opencl" not in blockrt.backends.available():
         sys.exit("embed_own_queue.py needs blockrt's OpenCL backend: pyopencl and an OpenCL "
                  "platform such as PoCL (install blockrt[opencl])")
     import pyopencl as cl
@@ -47,12 +45,12 @@ def main() -> None:
     import pyopencl.clrandom as clrandom
 
     # 1. The framework's own context and in-order queue (an out-of-order one is refused).
-    context = cl.Context([backends.get_device("opencl").cl_device])
+    context = cl.Context([blockrt.get_device("opencl").cl_device])
     queue = cl.CommandQueue(context)
 
     # 2. blockrt over them: one device per queue, and an allocator that serves both sides.
-    device = backends.from_queue(queue)
-    alloc = allocators.StatisticsAdaptor(allocators.create("caching", device))
+    device = blockrt.from_queue(queue)
+    alloc = blockrt.allocators.StatisticsAdaptor(blockrt.allocators.create("caching", device))
     hook = pyopencl_allocator(alloc)  # bound to the device's queue: the framework's
     print(f"blockrt device {device.name}: the framework's queue {device.queue is queue}, "
           f"its context {device.context == context}")
@@ -65,24 +63,24 @@ def main() -> None:
     generator.fill_uniform(u, a=-1.0, b=1.0)
     generator.fill_uniform(v, a=-1.0, b=1.0)
     truth = (u * v) > 0  # int8, allocated through the hook
-    x = runtime.empty((2, n), "float32", device=device, allocator=alloc)
+    x = blockrt.empty((2, n), "float32", device=device, allocator=alloc)
     features = native(x, write=True)  # pyopencl kernels write the blockrt tensors
     features[0], features[1] = 2 * u, 2 * v
-    y = runtime.empty((n,), "uint8", device=device, allocator=alloc)
+    y = blockrt.empty((n,), "uint8", device=device, allocator=alloc)
     native(y, write=True)[...] = truth.view(np.uint8)  # the class labels, 0 or 1
 
     # 4. blockrt trains on the same queue: a captured, planned training step.
     model = nn.Sequential(nn.Dense(2, 16, device=device, allocator=alloc, rng=1), nn.Tanh(),
                           nn.Dense(16, 2, device=device, allocator=alloc, rng=2))
     optimizer = nn.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    step = runtime.graph(nn.train_step(model, optimizer), device=device, allocator=alloc)
+    step = blockrt.graph(nn.train_step(model, optimizer), device=device, allocator=alloc)
     losses = [step(x.T, y).item() for _ in range(300)]
     print(f"training loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
 
     # 5. The framework reads blockrt's output through a native view, on its own queue.
-    with runtime.no_grad():
+    with blockrt.no_grad():
         logits = model(x.T)
-        difference = runtime.ops.sub(logits[:, 1], logits[:, 0])
+        difference = blockrt.ops.sub(logits[:, 1], logits[:, 0])
     margin = native(difference)  # NOTE: valid while `difference` lives: the tensor owns it
     agree = (margin > 0) == truth  # pyopencl kernels on blockrt memory
     print(f"training accuracy {agree.get().mean():.3f}, computed by the framework on "
@@ -92,7 +90,7 @@ def main() -> None:
     gc.collect()
     stats = alloc.stats()
     print(f"one allocator served both: {stats['num_allocs']} allocations, peak "
-          f"{allocators.format_bytes(stats['peak_allocated_bytes'])}, "
+          f"{blockrt.allocators.format_bytes(stats['peak_allocated_bytes'])}, "
           f"{stats['active_allocations']} still live")
 
 

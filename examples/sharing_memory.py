@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-import allocators
-import runtime
-from runtime import ops
+import blockrt
+from blockrt import ops
 
 X = np.array([[0.3, 0.3], [0.9, 0.9]])                      # two identical inputs, as columns
 W1 = np.array([0.3, 0.1, 0.9, 0.0, 0.6, 2.0, 3.7, 1.0]).reshape(2, 4).T   # column-major 4x2
@@ -29,9 +28,9 @@ W2 = np.array([[0.75, 0.15, 0.22, 0.33]])
 B2 = np.array([[0.3]])
 
 
-def colmajor_view(buffer: runtime.Tensor, rows: int, cols: int, offset: int = 0) -> runtime.Tensor:
+def colmajor_view(buffer: blockrt.Tensor, rows: int, cols: int, offset: int = 0) -> blockrt.Tensor:
     """Neanderthal's (view-ge buffer rows cols): a column-major matrix over a flat buffer."""
-    return runtime.view(buffer, (cols, rows), offset).T
+    return blockrt.view(buffer, (cols, rows), offset).T
 
 
 def layer(w, b, activation, x, out):
@@ -52,7 +51,7 @@ def unchecked_gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         out += a[:, k:k + 1] * b[k:k + 1, :]
 
 
-def forward(temp_1: runtime.Tensor, temp_2: runtime.Tensor, params) -> np.ndarray:
+def forward(temp_1: blockrt.Tensor, temp_2: blockrt.Tensor, params) -> np.ndarray:
     x, w1, b1, w2, b2 = params
     a1 = layer(w1, b1, ops.tanh, x, colmajor_view(temp_1, 4, 2))
     a2 = layer(w2, b2, ops.sigmoid, a1, colmajor_view(temp_2, 1, 2))
@@ -60,15 +59,15 @@ def forward(temp_1: runtime.Tensor, temp_2: runtime.Tensor, params) -> np.ndarra
 
 
 def main() -> None:
-    alloc = allocators.create("direct", "cpu")
-    params = [runtime.tensor(p, allocator=alloc) for p in (X, W1, B1, W2, B2)]
-    temp = runtime.empty(8, "float64", allocator=alloc)     # lazy: no memory until first write
+    alloc = blockrt.allocators.create("direct", "cpu")
+    params = [blockrt.tensor(p, allocator=alloc) for p in (X, W1, B1, W2, B2)]
+    temp = blockrt.empty(8, "float64", allocator=alloc)     # lazy: no memory until first write
     print(f"shared buffer: {temp.shape[0]} doubles, allocated yet? {temp.block.allocated}")
 
     a1 = colmajor_view(temp, 4, 2)
     a2 = colmajor_view(temp, 1, 2)
     print(f"a1 {a1.shape} strides {a1.strides} and a2 {a2.shape} strides {a2.strides} share "
-          f"block #{a1.block.id}; do they overlap? {runtime.overlaps(a1.layout(), a2.layout())}")
+          f"block #{a1.block.id}; do they overlap? {blockrt.overlaps(a1.layout(), a2.layout())}")
 
     # 1. The bug: the same two layers on plain NumPy views of one buffer, with the same strides,
     #    and an unchecked GEMM for layer 2.
@@ -81,25 +80,25 @@ def main() -> None:
     print(f"1. unchecked GEMM, output over its input:  {np.round(corrupted, 2)}  (wrong)")
 
     # 2. blockrt's default: the overlap is detected and computed through a temporary.
-    runtime.set_aliasing("copy")
+    blockrt.set_aliasing("copy")
     result = forward(temp, temp, params)
     print(f"2. blockrt, aliasing='copy' (default):      {np.round(result, 2)}")
 
     # 3. Or refuse loudly.
-    runtime.set_aliasing("raise")
+    blockrt.set_aliasing("raise")
     try:
         forward(temp, temp, params)
-    except runtime.AliasingError as exc:
+    except blockrt.AliasingError as exc:
         print(f"3. blockrt, aliasing='raise':               AliasingError:\n   {exc}")
     finally:
-        runtime.set_aliasing("copy")
+        blockrt.set_aliasing("copy")
 
     # 4. The article's fix: two buffers, alternated between layers; no copy is needed.
-    temp_odd = runtime.empty(8, "float64", allocator=alloc)
-    temp_even = runtime.empty(2, "float64", allocator=alloc)
-    runtime.set_aliasing("raise")                           # proves nothing overlaps
+    temp_odd = blockrt.empty(8, "float64", allocator=alloc)
+    temp_even = blockrt.empty(2, "float64", allocator=alloc)
+    blockrt.set_aliasing("raise")                           # proves nothing overlaps
     result = forward(temp_odd, temp_even, params)
-    runtime.set_aliasing("copy")
+    blockrt.set_aliasing("copy")
     print(f"4. two alternating buffers, no overlap:     {np.round(result, 2)}")
 
     # Blocks go back to the allocator when their last view goes.

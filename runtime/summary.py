@@ -140,9 +140,13 @@ def memory_summary(allocators: Any = None) -> str:
 
 
 def plot_memory_timeline(timelines: Mapping[str, Sequence[int]], path: str,
-                         title: str = "bytes live per op") -> str:
+                         title: str = "bytes held by intermediates") -> str:
     """Write a PNG with one line per plan: the bytes its intermediates hold at each scheduled
     step (`Graph.timeline()`). Needs matplotlib (the `plot` extra). Returns `path`.
+
+    The y axis starts at 0, in B, KiB or MiB after the largest value; the legend gives each
+    line's peak. Lines are drawn widest first, each in its own colour, so a line that lies on
+    another one stays visible around it.
 
     Example:
         >>> plot_memory_timeline({"recycle": [64, 128, 64]}, "/tmp/t.png")  # doctest: +SKIP
@@ -156,20 +160,41 @@ def plot_memory_timeline(timelines: Mapping[str, Sequence[int]], path: str,
     except ImportError as exc:
         raise ImportError("plot_memory_timeline needs matplotlib: pip install "
                           "'blockrt[plot]'") from exc
+    figure = _timeline_figure(plt, timelines, title)
+    try:
+        figure.savefig(path, dpi=120)
+    finally:
+        plt.close(figure)
+    return path
+
+
+def _timeline_figure(plt: Any, timelines: Mapping[str, Sequence[int]], title: str) -> Any:
+    """The matplotlib figure `plot_memory_timeline` saves."""
     if not timelines:
         raise ValueError("plot_memory_timeline needs at least one timeline")
-    figure, axes = plt.subplots(figsize=(8, 4.5))
     for name, line in timelines.items():
-        axes.step(range(len(line)), [b / 2**20 for b in line], where="post", label=name)
+        if len(line) == 0 or min(line) < 0:
+            raise ValueError(f"plot_memory_timeline: the timeline {name!r} must hold at least one "
+                             f"byte count, none negative; got {list(line)[:8]!r}")
+    top = max(max(line) for line in timelines.values())
+    unit, scale = next((u, s) for u, s in (("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+                       if top >= s or s == 1)
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    widest = 1.5 + 2.0 * (len(timelines) - 1)
+    for i, (name, line) in enumerate(timelines.items()):
+        steps = range(len(line) + 1)  # NOTE: the last step is drawn as wide as the others
+        values = [b / scale for b in line] + [line[-1] / scale]
+        axes.step(steps, values, where="post", color=f"C{i}", linewidth=widest - 2.0 * i,
+                  alpha=0.9, label=f"{name}: peak {format_bytes(max(line))}")
+    axes.set_ylim(0, top / scale * 1.12 or 1)
+    axes.set_xlim(0, max(len(line) for line in timelines.values()))
     axes.set_xlabel("scheduled step")
-    axes.set_ylabel("MiB held by intermediates")
+    axes.set_ylabel(f"{unit} held by intermediates")
     axes.set_title(title)
     axes.grid(alpha=0.3)
-    axes.legend()
+    axes.legend(loc="best")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return figure
 
 
 def format_report(report: Mapping[str, Any]) -> str:

@@ -243,15 +243,17 @@ def test_bench_list_shows_the_benchmark_scripts(capsys):
 
 def test_bench_and_demo_run_their_scripts_with_this_python(capsys, monkeypatch):
     calls = []
-    monkeypatch.setattr(cli.subprocess, "call", lambda command, cwd: calls.append(command) or 0)
+    monkeypatch.setattr(cli.subprocess, "call",
+                        lambda command, **options: calls.append((command, options)) or 0)
     monkeypatch.setattr(cli, "DEMO_MODULES", ())
     assert run(capsys, "bench", "graph", "bench_alloc.py", "--", "--configs", "S")[0] == 0
     assert run(capsys, "demo", "--epochs", "1", "--no-progress")[0] == 0
     bench = cli.ROOT / "benchmarks"
-    assert calls == [[sys.executable, str(bench / "bench_graph.py"), "--configs", "S"],
-                     [sys.executable, str(bench / "bench_alloc.py"), "--configs", "S"],
-                     [sys.executable, str(cli.ROOT / "examples" / "train_mlp.py"), "--epochs", "1",
-                      "--no-progress"]]
+    # NOTE: no cwd: the scripts run where the user is, so a relative --plot lands there
+    assert calls == [([sys.executable, str(bench / "bench_graph.py"), "--configs", "S"], {}),
+                     ([sys.executable, str(bench / "bench_alloc.py"), "--configs", "S"], {}),
+                     ([sys.executable, str(cli.ROOT / "examples" / "train_mlp.py"), "--epochs",
+                       "1", "--no-progress"], {})]
 
 
 def test_demo_without_its_dependencies_names_the_demo_extra(capsys, monkeypatch):
@@ -371,7 +373,7 @@ def test_blockrt_demo_passes_the_demos_exit_status_2_through_without_a_traceback
 
 
 def test_a_script_ended_by_a_signal_exits_128_plus_the_signal(capsys, monkeypatch):
-    monkeypatch.setattr(cli.subprocess, "call", lambda command, cwd: -9)
+    monkeypatch.setattr(cli.subprocess, "call", lambda command: -9)
     monkeypatch.setattr(cli, "DEMO_MODULES", ())
     assert run(capsys, "demo")[0] == 128 + 9
 

@@ -1,4 +1,5 @@
-"""Embedding hooks: blockrt allocators lent to pyopencl and CuPy, the examples, docs/embedding.md.
+"""Embedding hooks: blockrt allocators lent to pyopencl and CuPy, and the embedding examples
+(tests/test_docs.py runs the snippets of docs/embedding.md).
 
 The pyopencl hook runs on blockrt's OpenCL backend when it is available, and otherwise on a
 minimal real pyopencl-backed Device defined here (PoCL runs it on the CPU): no mocks.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import gc
 import itertools
 import pathlib
-import re
 import subprocess
 import sys
 from typing import Any
@@ -212,16 +212,3 @@ def test_dlpack_numpy_example_shares_memory():
     assert result.returncode == 0, result.stderr
     assert "shared: True" in result.stdout
     assert "still readable after the tensor went: True" in result.stdout
-
-
-def test_embedding_doc_snippets_run():
-    text = (ROOT / "docs" / "embedding.md").read_text()
-    snippets = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(snippets) >= 3
-    namespace: dict[str, Any] = {}
-    for snippet in snippets:
-        if "# requires: cuda" in snippet and "cuda" not in backends.available():
-            continue
-        if "# requires: opencl" in snippet and "opencl" not in backends.available():
-            continue
-        exec(compile(snippet, "docs/embedding.md", "exec"), namespace)

@@ -122,7 +122,8 @@ def train(kind: str, optimizer: str, mode: str, probability: float, seed: int):
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", DEVICES)
-@settings(max_examples=4)
+# NOTE: two seeded runs per combination (each trains twice); more in soak mode (docs/testing.md)
+@settings(max_examples=2)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_failed_steps_change_nothing(kind: str, mode: str, optimizer: str, seed: int) -> None:
     reference, none_failed, _, _ = train(kind, optimizer, mode, 0.0, seed)

@@ -121,6 +121,9 @@ def late_write(dev: Any, program: Any, other: Any, alloc: Any, how: str) -> tupl
     home = cla.empty(dev.queue, (WORDS,), np.uint32, allocator=pyopencl_allocator(alloc))
     reused = offset(home) == where
     put(program, dev.queue, home.data, 1)
+    # NOTE: the new owner's write has run before the held kernel is let go, so whatever the
+    # late kernel does to that memory shows; left queued, the two writes raced on a busy machine
+    dev.queue.finish()
     held.set_status(COMPLETE)
     other.finish()
     return read(dev.queue, home.data), reused

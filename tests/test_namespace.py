@@ -1,0 +1,102 @@
+"""`import blockrt` is the one import a user needs: it holds the runtime's public API and the
+device and allocator entry points, as the same objects the layer packages define, and it stays
+cheap (no optional package is imported with it).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import allocators
+import backends
+import blockrt
+import runtime
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+#: Packages that only a backend, a plot, the demo or the tests may import.
+OPTIONAL = ("pyopencl", "cupy", "matplotlib", "sklearn", "tqdm", "hypothesis", "pytest", "torch")
+#: Where users read about blockrt.
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+         *sorted((ROOT / "examples").glob("*.py"))]
+
+
+def test_the_namespace_holds_every_name_of_the_runtime_as_the_same_object():
+    missing = [name for name in runtime.__all__ if name not in blockrt.__all__]
+    assert not missing, f"runtime.__all__ names missing from blockrt.__all__: {missing}"
+    for name in runtime.__all__:
+        assert getattr(blockrt, name) is getattr(runtime, name), name
+
+
+def test_the_layers_and_their_entry_points_are_there():
+    assert blockrt.allocators is allocators and blockrt.backends is backends
+    assert blockrt.get_device is backends.get_device
+    assert blockrt.from_queue is backends.from_queue
+    assert blockrt.OutOfMemoryError is allocators.OutOfMemoryError
+    assert blockrt.InvalidFreeError is allocators.InvalidFreeError
+    assert blockrt.BackendUnavailableError is backends.BackendUnavailableError
+    assert blockrt.graph is runtime.graph and callable(blockrt.graph)  # NOTE: not the package
+    assert blockrt.ops is runtime.ops and blockrt.nn is runtime.nn
+
+
+def test_every_name_in_all_exists_and_nothing_is_listed_twice():
+    assert len(blockrt.__all__) == len(set(blockrt.__all__))
+    assert [name for name in blockrt.__all__ if not hasattr(blockrt, name)] == []
+
+
+@functools.cache
+def _resolves(dotted: str) -> bool:
+    """Whether `blockrt.a.b...` names something: attributes, or a submodule of blockrt."""
+    obj: object = blockrt
+    parts = dotted.split(".")[1:]
+    for i, part in enumerate(parts):
+        if hasattr(obj, part):
+            obj = getattr(obj, part)
+        elif i == 0:
+            try:
+                obj = importlib.import_module(f"blockrt.{part}")  # blockrt.cli, blockrt.models
+            except ImportError:
+                return False
+        else:
+            return False
+    return True
+
+
+def test_every_blockrt_name_the_docs_and_examples_use_exists():
+    used = {}
+    for page in PAGES:
+        # NOTE: a name is a run of identifiers after "blockrt."; "blockrt[demo]" is no name
+        for match in re.finditer(r"(?<![\w/.-])blockrt(?:\.[A-Za-z_]\w*)+", page.read_text()):
+            used.setdefault(match.group(), page.relative_to(ROOT))
+    assert len(used) >= 10, sorted(used)  # NOTE: the docs do use the namespace
+    broken = {name: str(page) for name, page in used.items() if not _resolves(name)}
+    assert not broken, f"names the docs use that blockrt does not have: {broken}"
+
+
+def test_a_name_blockrt_lacks_is_reported_as_broken():
+    assert _resolves("blockrt.nn.Dense") and _resolves("blockrt.cli.main")
+    assert not _resolves("blockrt.no_such_name") and not _resolves("blockrt.nn.NoSuchLayer")
+
+
+def test_importing_blockrt_imports_no_optional_package():
+    code = ("import sys, blockrt; "
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({OPTIONAL!r})))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout
+
+
+@pytest.mark.parametrize("package", ["runtime", "allocators", "backends"])
+def test_the_layer_packages_stay_importable_on_their_own(package):
+    result = subprocess.run([sys.executable, "-c", f"import {package}; import sys; "
+                             "print('blockrt' in sys.modules)"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"  # NOTE: the layers do not reach up to blockrt
