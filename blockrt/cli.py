@@ -39,7 +39,7 @@ import backends
 import runtime
 from backends import _blas
 from blockrt.models import CLASSES, CONFIGS, MLPConfig
-from runtime import config, nn
+from runtime import config, fastpath, nn
 
 __all__ = ["CONFIGS", "MLPConfig", "build_parser", "each_plan", "int_in", "main", "png_path",
            "run_piped", "step_bytes", "training_step"]
@@ -262,12 +262,14 @@ def _devices(kind: str) -> list[backends.Device]:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    """Print versions, backends and their devices, the C hot path and the default device."""
+    """Print versions, backends and their devices, the C paths and the default device."""
     print(f"blockrt {_version()}")
     print(f"Python {platform.python_version()} ({sys.executable})")
     print(f"NumPy {np.__version__}")
     accelerated = "yes" if allocators.ACCELERATED else "no (pure Python)"
     print(f"C allocator hot path: {accelerated}")
+    fast = "yes" if fastpath.ACCELERATED else "no (pure Python)"
+    print(f"C eager fast path of the ops: {fast}")
     try:
         blas = _blas.find()
         gemm = (f"CBLAS of {blas.name} ({blas.path})" if blas is not None

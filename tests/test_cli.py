@@ -23,6 +23,7 @@ import allocators
 import backends
 from backends import _blas
 from blockrt import cli
+from runtime import fastpath
 
 SUBCOMMANDS = ("allocators", "info", "plan", "demo", "bench")
 TINY = ["--batch", "4", "--width", "8", "--depth", "2"]
@@ -87,6 +88,7 @@ def test_info_shows_versions_backends_devices_and_the_default_device(capsys):
     assert f"  cpu: alignment {cpu.alignment} B, memory " in out
     assert allocators.format_bytes(cpu.total_memory) in out
     assert ("C allocator hot path: yes" in out) == allocators.ACCELERATED
+    assert ("C eager fast path of the ops: yes" in out) == fastpath.ACCELERATED
     blas = _blas.find()
     assert (f"CPU gemm: CBLAS of {blas.name} ({blas.path})" if blas
             else "CPU gemm: matmul + a fused pass") in out
