@@ -36,6 +36,29 @@ def _neg(x: np.ndarray, out: np.ndarray) -> None:
     np.multiply(x, -1, out=out)
 
 
+#: Zeros cached whole up to this many bytes per array (16 shapes at most); larger ones are one row.
+_ZEROS_WHOLE = 256 << 10
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Read-only zeros that broadcast to `shape`: the whole array, or one row when that would
+    be large."""
+    if math.prod(shape) * dtype.itemsize > _ZEROS_WHOLE and shape:
+        shape = shape[-1:]
+    zeros = np.zeros(shape, dtype)
+    zeros.flags.writeable = False
+    return zeros
+
+
+def _relu(x: np.ndarray, out: np.ndarray) -> None:
+    # NOTE: NumPy 2.4's maximum against a scalar runs a loop 3-4x slower than against an array
+    # of zeros (9.0 against 2.7 us at 64x256 float32, 184 against 43 us at 256x1024, AMD EPYC);
+    # the results are the same bits (NaN payloads and signed zeros included:
+    # tests/test_backends.py)
+    np.maximum(x, _zeros(out.shape, out.dtype), out=out)
+
+
 def _relu_backward(grad: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
     np.multiply(grad, np.greater(y, 0), out=out)
 
@@ -59,7 +82,7 @@ _UNARY = {
     "log": np.log,
     "tanh": np.tanh,
     "sigmoid": _sigmoid,
-    "relu": lambda x, out: np.maximum(x, 0, out=out),
+    "relu": _relu,
     "sqrt": np.sqrt,
     "copy": lambda x, out: np.copyto(out, x),
 }

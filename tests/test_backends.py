@@ -475,3 +475,24 @@ def test_reductions_match_numpy(device, name, axis, keepdims):
     out = empty_on(device, np.shape(expected))
     device.reduce(name, to_device(device, host), axis, keepdims, out)
     np.testing.assert_allclose(device.to_host(out), expected, rtol=1e-5, atol=1e-6)
+
+
+SPECIAL = [-0.0, 0.0, np.nan, -np.nan, np.inf, -np.inf, 1e-45, -1e-45, 1e-310, -1e-310, 1.0,
+           -1.0, 3.4e38, -3.4e38]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(14,), (3, 14), (64, 1024 + 14)])  # the last: zeros by row
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "in place"])
+def test_cpu_relu_gives_the_bits_of_maximum_with_zero(dtype, shape, layout):
+    """The NumPy device's relu compares against an array of zeros (faster than a scalar in
+    NumPy 2.4); every value, signed zeros and NaN payloads included, is what np.maximum(x, 0)
+    gives."""
+    with np.errstate(all="ignore"):
+        values = np.resize(np.array(SPECIAL, dtype), shape)
+    x = values.T.copy().T if layout == "transposed" else values.copy()
+    expected = np.maximum(x, 0)
+    dev = backends.get_device("cpu")
+    out = x if layout == "in place" else np.empty_like(x)
+    dev.unary("relu", x, out)
+    assert out.tobytes() == np.ascontiguousarray(expected).tobytes()
