@@ -30,12 +30,22 @@
 /* ------------------------------------------------------------------ configuration */
 typedef struct {
     Py_ssize_t block, shape, dtype, strides, offset, gen, span, self_overlap, native,
-        requires_grad;
+        requires_grad, layout, node, grad, name;
 } TensorSlots;
 
 typedef struct {
-    Py_ssize_t device, allocator, generation, version, readonly, allocation, written;
+    Py_ssize_t nbytes, allocator, device, id, generation, version, readonly, on_return, lock,
+        exports, allocation, written, refs;
 } BlockSlots;
+
+/* Every slot of Tensor and of Block, as the Python classes declare them (`configure` checks):
+ * a fresh result sets each one, as `Tensor._fresh` and `Block.__init__` do. */
+static const char *tensor_slot_names[] = {
+    "block", "shape", "dtype", "strides", "offset", "_gen", "_layout", "_span", "_self_overlap",
+    "_native", "_requires_grad", "_node", "grad", "name", "__weakref__", NULL};
+static const char *block_slot_names[] = {
+    "nbytes", "allocator", "device", "id", "generation", "version", "readonly", "on_return",
+    "lock", "exports", "_allocation", "_written", "_refs", "__weakref__", NULL};
 
 static PyTypeObject *tensor_type = NULL;
 static PyTypeObject *block_type = NULL;
@@ -51,9 +61,14 @@ static PyObject *scalar_types[2] = {NULL, NULL};  /* np.float32, np.float64 */
 static PyObject *fresh = NULL;        /* Tensor._fresh(shape, dtype, allocator) */
 static PyObject *record = NULL;       /* ops._record_elementwise(op, out, operands) */
 static PyObject *copy_name = NULL;    /* "copy": the one op that takes any dtype */
+static PyObject *block_ids = NULL;    /* runtime.block._ids: where a Block's id comes from */
+static PyObject *unset = NULL;        /* runtime.tensor._UNSET */
+static PyObject *released = NULL;     /* runtime.tensor._RELEASED */
+static PyObject *zero = NULL;
 
 static PyObject *s_enabled, *s_tape, *s_fast_kernels, *s_native_on, *s_memory_for_write;
-static PyObject *one = NULL, *s_has_internal_overlap = NULL;
+static PyObject *one = NULL, *s_has_internal_overlap = NULL, *s_allocate = NULL, *s_free = NULL;
+static PyObject *s_release = NULL;
 
 #define SLOT(obj, offset) (*(PyObject **)((char *)(obj) + (offset)))
 
@@ -74,6 +89,34 @@ slot_offset(PyObject *cls, const char *name, Py_ssize_t *offset)
     return 0;
 }
 
+/* Refuse a class whose __slots__ are not exactly `names` (a slot added in Python and not here
+ * would be left unset in a fresh result). */
+static int
+check_slots(PyObject *cls, const char **names)
+{
+    PyObject *slots = PyObject_GetAttrString(cls, "__slots__");
+    if (slots == NULL)
+        return -1;
+    PyObject *declared = PySet_New(slots);
+    Py_DECREF(slots);
+    if (declared == NULL)
+        return -1;
+    Py_ssize_t count = 0;
+    int ok = 1;
+    for (; names[count] != NULL && ok; count++) {
+        PyObject *name = PyUnicode_FromString(names[count]);
+        ok = name != NULL && PySet_Contains(declared, name) == 1;
+        Py_XDECREF(name);
+    }
+    ok = ok && PySet_GET_SIZE(declared) == count;
+    if (!ok && !PyErr_Occurred())
+        PyErr_Format(PyExc_TypeError, "runtime/_dispatch.c knows other __slots__ than %R has "
+                     "(%R): add the new field to its slot table and to fresh_result", cls,
+                     declared);
+    Py_DECREF(declared);
+    return ok ? 0 : -1;
+}
+
 static void
 set_ref(PyObject **field, PyObject *value)
 {
@@ -85,11 +128,13 @@ static PyObject *
 configure(PyObject *self, PyObject *args)
 {
     PyObject *tensor, *block, *mode, *state, *fpvar, *fpvalue, *dtypes, *types, *maxima,
-        *fresh_fn, *record_fn;
-    if (!PyArg_ParseTuple(args, "O!O!OOO!OO!O!O!OO", &PyType_Type, &tensor, &PyType_Type,
+        *fresh_fn, *record_fn, *ids, *unset_value, *released_value;
+    if (!PyArg_ParseTuple(args, "O!O!OOO!OO!O!O!OOOOO", &PyType_Type, &tensor, &PyType_Type,
                           &block, &mode, &state, &PyContextVar_Type, &fpvar, &fpvalue,
                           &PyTuple_Type, &dtypes, &PyTuple_Type, &types, &PyTuple_Type, &maxima,
-                          &fresh_fn, &record_fn))
+                          &fresh_fn, &record_fn, &ids, &unset_value, &released_value))
+        return NULL;
+    if (check_slots(tensor, tensor_slot_names) < 0 || check_slots(block, block_slot_names) < 0)
         return NULL;
     if (PyTuple_GET_SIZE(dtypes) != 2 || PyTuple_GET_SIZE(types) != 2
         || PyTuple_GET_SIZE(maxima) != 2) {
@@ -105,13 +150,18 @@ configure(PyObject *self, PyObject *args)
         || slot_offset(tensor, "_self_overlap", &ts.self_overlap)
         || slot_offset(tensor, "_native", &ts.native)
         || slot_offset(tensor, "_requires_grad", &ts.requires_grad)
+        || slot_offset(tensor, "_layout", &ts.layout) || slot_offset(tensor, "_node", &ts.node)
+        || slot_offset(tensor, "grad", &ts.grad) || slot_offset(tensor, "name", &ts.name)
+        || slot_offset(block, "nbytes", &bs.nbytes) || slot_offset(block, "id", &bs.id)
         || slot_offset(block, "device", &bs.device)
         || slot_offset(block, "allocator", &bs.allocator)
         || slot_offset(block, "generation", &bs.generation)
         || slot_offset(block, "version", &bs.version)
         || slot_offset(block, "readonly", &bs.readonly)
+        || slot_offset(block, "on_return", &bs.on_return)
+        || slot_offset(block, "lock", &bs.lock) || slot_offset(block, "exports", &bs.exports)
         || slot_offset(block, "_allocation", &bs.allocation)
-        || slot_offset(block, "_written", &bs.written))
+        || slot_offset(block, "_written", &bs.written) || slot_offset(block, "_refs", &bs.refs))
         return NULL;
     double maxf[2];
     for (int i = 0; i < 2; i++) {
@@ -134,6 +184,9 @@ configure(PyObject *self, PyObject *args)
     }
     set_ref(&fresh, fresh_fn);
     set_ref(&record, record_fn);
+    set_ref(&block_ids, ids);
+    set_ref(&unset, unset_value);
+    set_ref(&released, released_value);
     Py_RETURN_NONE;
 }
 
@@ -290,25 +343,125 @@ out_usable(PyObject *out, const Py_ssize_t *shape, int ndim, PyObject *dtype, Py
     return 1;
 }
 
-/* A fresh contiguous result over a new lazy block of `like_block`'s allocator. */
+/* A fresh contiguous result over a new lazy block of `like_block`'s allocator, made as
+ * `Tensor._fresh` makes it (every slot of the Block and the Tensor set). */
 static PyObject *
 fresh_result(const Py_ssize_t *shape, int ndim, PyObject *dtype, PyObject *like_block)
 {
-    PyObject *shape_tuple = PyTuple_New(ndim);
-    if (shape_tuple == NULL)
+    PyObject *allocator = SLOT(like_block, BS.allocator);
+    PyObject *itemsize_obj = PyObject_GetAttrString(dtype, "itemsize");
+    if (itemsize_obj == NULL)
         return NULL;
-    for (int d = 0; d < ndim; d++) {
+    Py_ssize_t itemsize = PyLong_AsSsize_t(itemsize_obj);
+    Py_DECREF(itemsize_obj);
+    if (itemsize == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *shape_tuple = PyTuple_New(ndim), *strides = PyTuple_New(ndim);
+    PyObject *nbytes = NULL, *device = NULL, *id = NULL, *block = NULL, *result = NULL;
+    if (shape_tuple == NULL || strides == NULL)
+        goto done;
+    Py_ssize_t count = 1;
+    for (int d = ndim - 1; d >= 0; d--) {
         PyObject *n = PyLong_FromSsize_t(shape[d]);
-        if (n == NULL) {
-            Py_DECREF(shape_tuple);
-            return NULL;
+        PyObject *stride = PyLong_FromSsize_t(count);
+        if (n == NULL || stride == NULL) {
+            Py_XDECREF(n);
+            Py_XDECREF(stride);
+            goto done;
         }
         PyTuple_SET_ITEM(shape_tuple, d, n);
+        PyTuple_SET_ITEM(strides, d, stride);
+        count *= shape[d] > 0 ? shape[d] : 1;
     }
-    PyObject *call[3] = {shape_tuple, dtype, SLOT(like_block, BS.allocator)};
-    PyObject *result = PyObject_Vectorcall(fresh, call, 3, NULL);
-    Py_DECREF(shape_tuple);
+    if (itemsize <= 0) {  /* a dtype of no size: as Python makes it */
+        PyObject *call[3] = {shape_tuple, dtype, allocator};
+        result = PyObject_Vectorcall(fresh, call, 3, NULL);
+        goto done;
+    }
+    Py_ssize_t elements = 1;
+    for (int d = 0; d < ndim; d++)
+        elements *= shape[d];
+    nbytes = PyLong_FromSsize_t(elements * itemsize);
+    device = PyObject_GetAttrString(allocator, "device");
+    id = nbytes && device ? PyIter_Next(block_ids) : NULL;
+    if (id == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "the block id counter is exhausted");
+        goto done;
+    }
+    block = block_type->tp_alloc(block_type, 0);
+    result = block ? tensor_type->tp_alloc(tensor_type, 0) : NULL;
+    if (result == NULL)
+        goto done;
+    set_ref(&SLOT(block, BS.nbytes), nbytes);
+    set_ref(&SLOT(block, BS.allocator), allocator);
+    set_ref(&SLOT(block, BS.device), device);
+    set_ref(&SLOT(block, BS.id), id);
+    set_ref(&SLOT(block, BS.generation), zero);
+    set_ref(&SLOT(block, BS.version), zero);
+    set_ref(&SLOT(block, BS.readonly), Py_False);
+    set_ref(&SLOT(block, BS.on_return), Py_None);
+    set_ref(&SLOT(block, BS.lock), Py_None);
+    set_ref(&SLOT(block, BS.exports), zero);
+    set_ref(&SLOT(block, BS.allocation), Py_None);
+    set_ref(&SLOT(block, BS.written), Py_False);
+    set_ref(&SLOT(block, BS.refs), one);  /* the result's own reference (acquire) */
+    set_ref(&SLOT(result, TS.block), block);
+    set_ref(&SLOT(result, TS.shape), shape_tuple);
+    set_ref(&SLOT(result, TS.dtype), dtype);
+    set_ref(&SLOT(result, TS.strides), strides);
+    set_ref(&SLOT(result, TS.offset), zero);
+    set_ref(&SLOT(result, TS.gen), zero);
+    set_ref(&SLOT(result, TS.layout), Py_None);
+    set_ref(&SLOT(result, TS.span), unset);
+    set_ref(&SLOT(result, TS.self_overlap), Py_False);
+    set_ref(&SLOT(result, TS.native), Py_None);
+    set_ref(&SLOT(result, TS.requires_grad), Py_False);
+    set_ref(&SLOT(result, TS.node), Py_None);
+    set_ref(&SLOT(result, TS.grad), Py_None);
+    set_ref(&SLOT(result, TS.name), Py_None);
+done:
+    Py_XDECREF(shape_tuple);
+    Py_XDECREF(strides);
+    Py_XDECREF(nbytes);
+    Py_XDECREF(device);
+    Py_XDECREF(id);
+    Py_XDECREF(block);
     return result;
+}
+
+/* `block.memory_for_write(op)`: its allocation, made now on first use. For a plain writable
+ * block this is `Block._first_allocation` without the lock, which only orders the publishing
+ * between threads: here the GIL is held from the allocator's return to the publishing. */
+static PyObject *
+memory_for_write(PyObject *block, PyObject *op)
+{
+    PyObject *allocation = SLOT(block, BS.allocation);
+    if (allocation != NULL && allocation != Py_None) {
+        Py_INCREF(allocation);
+        return allocation;
+    }
+    if (Py_TYPE(block) != block_type || SLOT(block, BS.readonly) != Py_False)
+        return PyObject_CallMethodOneArg(block, s_memory_for_write, op);
+    PyObject *made = PyObject_CallMethodOneArg(SLOT(block, BS.allocator), s_allocate,
+                                               SLOT(block, BS.nbytes));
+    if (made == NULL)
+        return NULL;
+    allocation = SLOT(block, BS.allocation);
+    if (allocation == NULL || allocation == Py_None) {  /* publish ours */
+        set_ref(&SLOT(block, BS.allocation), made);
+        return made;
+    }
+    /* another thread published first (while the allocator ran): give ours back, use theirs */
+    Py_INCREF(allocation);
+    PyObject *freed = PyObject_CallMethodOneArg(SLOT(block, BS.allocator), s_free, made);
+    Py_DECREF(made);
+    if (freed == NULL) {
+        Py_DECREF(allocation);
+        return NULL;
+    }
+    Py_DECREF(freed);
+    return allocation;
 }
 
 /* Run kernel(*operand views, result view, *extra) under IEEE results, then mark the result's
@@ -337,12 +490,7 @@ run_kernel(PyObject *op, PyObject *kernel, PyObject *result, PyObject *const *op
     }
     PyObject *allocation = NULL;
     if (ok) {
-        PyObject *out_block = SLOT(result, TS.block);
-        allocation = SLOT(out_block, BS.allocation);
-        if (allocation == Py_None || allocation == NULL)
-            allocation = PyObject_CallMethodOneArg(out_block, s_memory_for_write, op);
-        else
-            Py_INCREF(allocation);
+        allocation = memory_for_write(SLOT(result, TS.block), op);
         ok = allocation != NULL;
         if (ok) {
             PyObject *view = native_view(result, allocation);
@@ -619,6 +767,86 @@ launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+/* ------------------------------------------------------------------ release */
+/* release(t): `Tensor.release` (called by `Tensor.__del__`): the handle goes stale and drops
+ * its reference; the last one gives the block's memory back (`Block._return_memory`). A tensor
+ * or block of a subclass, a block with a lock, and an unbalanced count go to Python. */
+static PyObject *
+release(PyObject *self, PyObject *t)
+{
+    if (Py_TYPE(t) != tensor_type || block_type == NULL)
+        goto python;
+    PyObject *block = SLOT(t, TS.block), *gen = SLOT(t, TS.gen);
+    if (block == NULL || gen == NULL || Py_TYPE(block) != block_type
+        || SLOT(block, BS.lock) != Py_None)
+        goto python;
+    if (gen == released)
+        Py_RETURN_NONE;  /* released before: harmless */
+    PyObject *refs_obj = SLOT(block, BS.refs), *generation = SLOT(block, BS.generation);
+    if (refs_obj == NULL || generation == NULL || !PyLong_CheckExact(refs_obj))
+        goto python;
+    int current = PyObject_RichCompareBool(gen, generation, Py_EQ);
+    if (current < 0)
+        return NULL;
+    Py_ssize_t refs = PyLong_AsSsize_t(refs_obj);
+    if (refs == -1 && PyErr_Occurred())
+        return NULL;
+    if (current && refs < 1)
+        goto python;  /* an unbalanced count: Python raises InvalidFreeError */
+    Py_INCREF(block);
+    Py_INCREF(gen);
+    set_ref(&SLOT(t, TS.gen), released);
+    set_ref(&SLOT(t, TS.native), Py_None);
+    PyObject *result = Py_None;
+    if (current) {
+        PyObject *count = PyLong_FromSsize_t(refs - 1);
+        if (count == NULL) {
+            result = NULL;
+            goto out;
+        }
+        Py_XSETREF(SLOT(block, BS.refs), count);
+        if (refs - 1 == 0) {  /* the last reference: Block._return_memory */
+            PyObject *allocation = SLOT(block, BS.allocation);
+            Py_XINCREF(allocation);
+            set_ref(&SLOT(block, BS.allocation), Py_None);
+            set_ref(&SLOT(block, BS.written), Py_False);
+            PyObject *next = PyNumber_Add(generation, one);
+            if (next == NULL) {
+                Py_XDECREF(allocation);
+                result = NULL;
+                goto out;
+            }
+            Py_XSETREF(SLOT(block, BS.generation), next);
+            PyObject *hook = SLOT(block, BS.on_return);
+            Py_XINCREF(hook);
+            set_ref(&SLOT(block, BS.on_return), Py_None);
+            if (allocation != NULL && allocation != Py_None) {
+                PyObject *freed = PyObject_CallMethodOneArg(SLOT(block, BS.allocator), s_free,
+                                                            allocation);
+                if (freed == NULL)
+                    result = NULL;
+                Py_XDECREF(freed);
+            }
+            Py_XDECREF(allocation);
+            if (result != NULL && hook != NULL && hook != Py_None) {
+                PyObject *called = PyObject_CallOneArg(hook, block);
+                if (called == NULL)
+                    result = NULL;
+                Py_XDECREF(called);
+            }
+            Py_XDECREF(hook);
+        }
+    }
+out:
+    Py_DECREF(gen);
+    Py_DECREF(block);
+    if (result == NULL)
+        return NULL;
+    Py_RETURN_NONE;
+python:
+    return PyObject_CallMethodNoArgs(t, s_release);
+}
+
 /* ------------------------------------------------------------------ module */
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
@@ -626,6 +854,8 @@ static PyMethodDef methods[] = {
      "maxima, fresh, record): tell the fast path where the runtime keeps its state"},
     {"elementwise", (PyCFunction)(void (*)(void))elementwise, METH_FASTCALL,
      "elementwise(op, out, operands): the result of the op, or None for the Python path"},
+    {"release", release, METH_O,
+     "release(tensor): Tensor.release, for Tensor.__del__"},
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
      "launch(op, never, out, shape, dtype, inputs, kernel, extra): the second half of an op, "
      "or None for the Python path"},
@@ -648,8 +878,12 @@ PyInit__dispatch(void)
     s_memory_for_write = PyUnicode_InternFromString("memory_for_write");
     copy_name = PyUnicode_InternFromString("copy");
     one = PyLong_FromLong(1);
+    zero = PyLong_FromLong(0);
     s_has_internal_overlap = PyUnicode_InternFromString("has_internal_overlap");
-    if (!one || !s_has_internal_overlap || !s_enabled || !s_tape || !s_fast_kernels || !s_native_on || !s_memory_for_write
+    s_allocate = PyUnicode_InternFromString("allocate");
+    s_free = PyUnicode_InternFromString("free");
+    s_release = PyUnicode_InternFromString("release");
+    if (!one || !zero || !s_has_internal_overlap || !s_allocate || !s_free || !s_release || !s_enabled || !s_tape || !s_fast_kernels || !s_native_on || !s_memory_for_write
         || !copy_name)
         return NULL;
     return PyModule_Create(&module);

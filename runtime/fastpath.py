@@ -28,6 +28,7 @@ back; a new field it reads is a slot of Tensor or Block, found by name at `confi
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -36,8 +37,8 @@ import numpy as np
 from allocators._core import PURE_PYTHON
 from backends import base
 from runtime import autograd, tape
-from runtime.block import Block
-from runtime.tensor import Tensor
+from runtime.block import Block, _ids
+from runtime.tensor import _RELEASED, _UNSET, Tensor
 
 try:
     from runtime import _dispatch
@@ -61,5 +62,8 @@ def load(record: Callable[[str, Tensor, Any], None]) -> Any:
     dtypes = (np.dtype(np.float32), np.dtype(np.float64))
     _dispatch.configure(Tensor, Block, autograd._mode, tape._state, base._FP_STATE,
                         base._FP_IGNORE, dtypes, (np.float32, np.float64),
-                        tuple(float(np.finfo(d).max) for d in dtypes), Tensor._fresh, record)
+                        tuple(float(np.finfo(d).max) for d in dtypes), Tensor._fresh, record,
+                        _ids, _UNSET, _RELEASED)
+    # NOTE: the module, not runtime.tensor (the package binds that name to the factory)
+    sys.modules["runtime.tensor"]._release = _dispatch.release
     return _dispatch

@@ -29,6 +29,9 @@ DTYPES = tuple(np.dtype(t) for t in ("float32", "float64", "int32", "int64", "ui
 MAX_NBYTES = 2**63 - 1
 _RELEASED = -1
 _UNSET = object()
+#: What `Tensor.__del__` calls: `Tensor.release`, or its C version where the eager fast path is
+#: built (`runtime.fastpath` sets it; Note [the eager fast path] in runtime/fastpath.py).
+_release: Any
 
 
 #: The same dtypes, for a quick membership test.
@@ -436,7 +439,7 @@ class Tensor:
 
     def __del__(self) -> None:
         try:
-            self.release()
+            _release(self)
         except Exception:
             pass
 
@@ -714,6 +717,9 @@ def _infer_shape(shape: Any, size: int, old_shape: tuple) -> tuple[int, ...]:
         raise ValueError(f"reshape: cannot reshape {size} elements {old_shape} into "
                          f"{new_shape} ({math.prod(new_shape)} elements)")
     return new_shape
+
+
+_release = Tensor.release
 
 
 # ---------------------------------------------------------------------- factories

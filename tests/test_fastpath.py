@@ -13,7 +13,9 @@ int32 tensor, and numbers beyond float32 or of the wrong kind.
 
 from __future__ import annotations
 
+import gc
 import re
+import sys
 from typing import Any
 
 import numpy as np
@@ -31,6 +33,9 @@ pytestmark = pytest.mark.skipif(not fastpath.ACCELERATED, reason=(
 #: The C fast path itself, whatever a test sets `ops._fast` to.
 C_FAST = ops._fast
 C_LAUNCH = ops._fast_launch
+#: runtime/tensor.py (the package binds `runtime.tensor` to the factory function)
+tensor = sys.modules["runtime.tensor"]
+C_RELEASE = tensor._release
 
 UNARY = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "sqrt", "copy")
 BINARY = ("add", "sub", "mul", "div", "tanh_backward", "sigmoid_backward", "relu_backward")
@@ -130,9 +135,10 @@ def run(program: list, fast: Any, launch: Any) -> list[Any]:
     world = build_world(allocator)
     made: list[runtime.Tensor] = []
     log: list[Any] = []
-    saved = ops._fast, ops._fast_launch
+    saved = ops._fast, ops._fast_launch, tensor._release
     ops._fast = fast
     ops._fast_launch = launch
+    tensor._release = C_RELEASE if fast is not None else runtime.Tensor.release
     try:
         for op, args, out_index, grad, (axis, keepdims) in program:
             values = [world[i] if kind == "t" else i for kind, i in args]
@@ -155,8 +161,12 @@ def run(program: list, fast: Any, launch: Any) -> list[Any]:
         stats = allocator.stats()
         log.append({key: stats[key] for key in ("allocated_bytes", "peak_allocated_bytes",
                                                 "num_allocs", "num_frees", "cache_misses")})
+        del world, made
+        gc.collect()  # NOTE: every tensor goes: the frees are part of what is compared
+        stats = allocator.stats()
+        log.append((stats["num_frees"], stats["allocated_bytes"]))
     finally:
-        ops._fast, ops._fast_launch = saved
+        ops._fast, ops._fast_launch, tensor._release = saved
     return log
 
 
@@ -250,3 +260,30 @@ def test_what_the_fast_path_hands_back(monkeypatch):
                         dev.matmul, ()) is None
     assert C_LAUNCH("matmul", True, bias32, (4,), a32.dtype, (leaf, weight),
                     dev.matmul, ()) is None  # out= while recording gradients
+
+
+def test_a_fresh_result_in_c_sets_every_slot_as_tensor_fresh_does():
+    """The C code makes fresh results itself; every slot of the Tensor and its Block holds what
+    `Tensor._fresh` (and `Block.__init__`) would put there."""
+    allocator = allocators.create("caching", "cpu")
+    a = runtime.tensor(np.ones((3, 4), np.float32), allocator=allocator)
+    with runtime.no_grad():
+        made = C_FAST("neg", None, (a,))
+    assert made is not None
+    python = runtime.Tensor._fresh(made.shape, made.dtype, allocator)
+    python.block.memory_for_write("test")
+    python._native_on(python.block._allocation)
+    python.block.mark_written()
+
+    def slots(obj: Any, cls: type) -> dict[str, Any]:
+        return {name: getattr(obj, name) for name in cls.__slots__ if name != "__weakref__"}
+
+    mine, theirs = slots(made, runtime.Tensor), slots(python, runtime.Tensor)
+    for name in ("block", "_native"):
+        assert type(mine.pop(name)) is type(theirs.pop(name)), name
+    assert mine == theirs
+    block_mine = slots(made.block, type(made.block))
+    block_theirs = slots(python.block, type(python.block))
+    for name in ("id", "_allocation"):
+        assert type(block_mine.pop(name)) is type(block_theirs.pop(name)), name
+    assert block_mine == block_theirs
