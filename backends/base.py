@@ -143,9 +143,10 @@ class Device:
     #: True where `gemm` accumulates into its output in the product itself (BLAS's beta), so a
     #: graph can fold an update such as w -= lr * (a @ b) into the product and save a pass.
     gemm_accumulates: bool = False
-    #: Elementwise kernels by name, each called as kernel(*input_views, out_view) with inputs
-    #: that the kernel broadcasts itself, for the runtime's eager fast path (Note [the eager
-    #: fast path] in runtime/fastpath.py); None: ops go through `unary` / `binary` only.
+    #: Kernels by name for the runtime's eager fast path (Note [the eager fast path] in
+    #: runtime/fastpath.py): each elementwise one called as kernel(*input_views, out_view) with
+    #: inputs that it broadcasts itself, "sum" and "mean" as kernel(x, out, axes, keepdims);
+    #: None: ops go through `unary`, `binary` and `reduce` only.
     _fast_kernels: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------- memory (public policy)

@@ -90,6 +90,19 @@ _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divi
            "tanh_backward": _tanh_backward, "sigmoid_backward": _sigmoid_backward,
            "relu_backward": _relu_backward}
 _REDUCE = {"sum": np.sum, "mean": np.mean}
+
+
+def _reduce(name: str, x: np.ndarray, axis: tuple[int, ...] | None, keepdims: bool,
+            out: np.ndarray) -> None:
+    if x.dtype in _FLOATS and x.dtype == out.dtype and x.size:
+        # NOTE: what np.sum and np.mean do for floats, without their Python wrappers (a third
+        # of the time of a small reduction): the same ufunc calls, the same bits
+        np.add.reduce(x, axis=axis, keepdims=keepdims, out=out)
+        if name == "mean":
+            count = x.size if axis is None else math.prod(x.shape[i] for i in axis)
+            np.true_divide(out, count, out=out)
+        return
+    _REDUCE[name](x, axis=axis, keepdims=keepdims, out=out)
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -107,8 +120,12 @@ class NumpyDevice(Device):
     alignment = 64
     #: non-writeable ndarrays
     read_only_memory = True
-    #: every elementwise kernel, called as kernel(*inputs, out); NumPy broadcasts the inputs
-    _fast_kernels = {**_UNARY, **_BINARY}
+    #: every elementwise kernel, called as kernel(*inputs, out) (NumPy broadcasts the inputs),
+    #: and the reductions, as kernel(x, out, axes, keepdims)
+    _fast_kernels = {**_UNARY, **_BINARY,
+                     "sum": lambda x, out, axes, keepdims: _reduce("sum", x, axes, keepdims, out),
+                     "mean": lambda x, out, axes, keepdims: _reduce("mean", x, axes, keepdims,
+                                                                   out)}
 
     def __init__(self, index: int = 0) -> None:
         self.name = "cpu"
@@ -184,15 +201,7 @@ class NumpyDevice(Device):
             super()._gemm(a, b, out, alpha, beta)
 
     def _reduce(self, name, x, axis, keepdims, out) -> None:
-        if x.dtype in _FLOATS and x.dtype == out.dtype and x.size:
-            # NOTE: what np.sum and np.mean do for floats, without their Python wrappers (a
-            # third of the time of a small reduction): the same ufunc calls, the same bits
-            np.add.reduce(x, axis=axis, keepdims=keepdims, out=out)
-            if name == "mean":
-                count = x.size if axis is None else math.prod(x.shape[i] for i in axis)
-                np.true_divide(out, count, out=out)
-            return
-        _REDUCE[name](x, axis=axis, keepdims=keepdims, out=out)
+        _reduce(name, x, axis, keepdims, out)
 
     def _cross_entropy(self, logits, labels, losses, probs) -> None:
         classes = logits.shape[1]

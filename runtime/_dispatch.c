@@ -767,6 +767,135 @@ launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
+/* ------------------------------------------------------------------ reduce */
+/* reduce(op, x, axis, keepdims, out): `ops._reduce` ("sum", "mean") where nothing is recorded
+ * for autograd: the same checks (axis None, an int or a tuple of ints in range without
+ * repeats; keepdims True or False), the same result shape, the kernel of the device's table
+ * called as kernel(x view, out view, axes, keepdims). The result, or None before anything
+ * changed. */
+static PyObject *
+reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || tensor_type == NULL) {
+        PyErr_SetString(PyExc_TypeError, "reduce(op, x, axis, keepdims, out): not configured, "
+                                         "or bad arguments");
+        return NULL;
+    }
+    PyObject *op = args[0], *x = args[1], *axis = args[2], *keepdims = args[3], *out = args[4];
+    if (!readable(x) || (keepdims != Py_True && keepdims != Py_False) || capturing())
+        Py_RETURN_NONE;
+    PyObject *dtype = SLOT(x, TS.dtype);
+    if (dtype != floats[0] && dtype != floats[1])
+        Py_RETURN_NONE;
+    if (SLOT(x, TS.requires_grad) == Py_True && grad_enabled())
+        Py_RETURN_NONE;  /* recorded: Python */
+    Py_ssize_t dims[MAX_DIMS];
+    int ndim = read_dims(SLOT(x, TS.shape), dims);
+    if (ndim < 0)
+        Py_RETURN_NONE;
+    int reduced[MAX_DIMS] = {0};
+    PyObject *axes = Py_None;
+    if (axis == Py_None) {
+        for (int d = 0; d < ndim; d++)
+            reduced[d] = 1;
+    }
+    else {
+        PyObject *items = PyTuple_CheckExact(axis) ? axis : NULL;
+        Py_ssize_t count = items ? PyTuple_GET_SIZE(items) : 1;
+        if (count > ndim)
+            Py_RETURN_NONE;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            PyObject *a = items ? PyTuple_GET_ITEM(items, i) : axis;
+            if (!PyLong_CheckExact(a))
+                Py_RETURN_NONE;
+            long value = PyLong_AsLong(a);
+            if (value == -1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                Py_RETURN_NONE;
+            }
+            if (value < -ndim || value >= ndim)
+                Py_RETURN_NONE;
+            value = value < 0 ? value + ndim : value;
+            if (reduced[value])
+                Py_RETURN_NONE;  /* a repeated axis: Python's error */
+            reduced[value] = 1;
+        }
+        int taken = 0;
+        for (int d = 0; d < ndim; d++)
+            taken += reduced[d];
+        axes = PyTuple_New(taken);
+        if (axes == NULL)
+            return NULL;
+        for (int d = 0, i = 0; d < ndim; d++) {
+            if (!reduced[d])
+                continue;
+            PyObject *n = PyLong_FromLong(d);
+            if (n == NULL) {
+                Py_DECREF(axes);
+                return NULL;
+            }
+            PyTuple_SET_ITEM(axes, i++, n);
+        }
+    }
+    if (axes == Py_None)
+        Py_INCREF(axes);
+    Py_ssize_t shape[MAX_DIMS];
+    int rank = 0;
+    for (int d = 0; d < ndim; d++) {
+        if (!reduced[d])
+            shape[rank++] = dims[d];
+        else if (keepdims == Py_True)
+            shape[rank++] = 1;
+    }
+    PyObject *block = SLOT(x, TS.block), *device = SLOT(block, BS.device);
+    PyObject *result = NULL, *kernel = NULL;
+    PyObject *kernels = PyObject_GetAttr(device, s_fast_kernels);
+    if (kernels == NULL) {
+        PyErr_Clear();
+        goto fallback;
+    }
+    kernel = PyDict_Check(kernels) ? PyDict_GetItemWithError(kernels, op) : NULL;
+    Py_XINCREF(kernel);
+    Py_DECREF(kernels);
+    if (kernel == NULL) {
+        PyErr_Clear();
+        goto fallback;
+    }
+    if (out != Py_None) {
+        if (!out_usable(out, shape, rank, dtype, device, &x, 1, 1))
+            goto fallback;
+        Py_INCREF(out);
+        result = out;
+    }
+    else {
+        if (SLOT(block, BS.readonly) != Py_False)
+            goto fallback;
+        result = fresh_result(shape, rank, dtype, block);
+        if (result == NULL)
+            goto error;
+    }
+    PyObject *extra = PyTuple_Pack(2, axes, keepdims);
+    if (extra == NULL)
+        goto error;
+    int failed = run_kernel(op, kernel, result, &x, NULL, 1, extra) < 0;
+    Py_DECREF(extra);
+    if (failed)
+        goto error;
+    Py_DECREF(kernel);
+    Py_DECREF(axes);
+    return result;
+fallback:
+    Py_XDECREF(kernel);
+    Py_XDECREF(result);
+    Py_DECREF(axes);
+    Py_RETURN_NONE;
+error:
+    Py_XDECREF(kernel);
+    Py_XDECREF(result);
+    Py_DECREF(axes);
+    return NULL;
+}
+
 /* ------------------------------------------------------------------ release */
 /* release(t): `Tensor.release` (called by `Tensor.__del__`): the handle goes stale and drops
  * its reference; the last one gives the block's memory back (`Block._return_memory`). A tensor
@@ -854,6 +983,8 @@ static PyMethodDef methods[] = {
      "maxima, fresh, record): tell the fast path where the runtime keeps its state"},
     {"elementwise", (PyCFunction)(void (*)(void))elementwise, METH_FASTCALL,
      "elementwise(op, out, operands): the result of the op, or None for the Python path"},
+    {"reduce", (PyCFunction)(void (*)(void))reduce, METH_FASTCALL,
+     "reduce(op, x, axis, keepdims, out): a sum or mean recording nothing, or None"},
     {"release", release, METH_O,
      "release(tensor): Tensor.release, for Tensor.__del__"},
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,

@@ -667,13 +667,15 @@ def _reduce(op: str, x: Tensor, axis: Any, keepdims: bool, out: Tensor | None) -
 def sum(x: Tensor, axis: Any = None, keepdims: bool = False,
         out: Tensor | None = None) -> Tensor:
     """The sum over `axis` (an int, a tuple, or None for all). `out` may not overlap x."""
-    return _reduce("sum", x, axis, keepdims, out)
+    done = _fast_reduce("sum", x, axis, keepdims, out)  # NOTE: Note [the eager fast path]
+    return done if done is not None else _reduce("sum", x, axis, keepdims, out)
 
 
 def mean(x: Tensor, axis: Any = None, keepdims: bool = False,
          out: Tensor | None = None) -> Tensor:
     """The mean over `axis` (an int, a tuple, or None for all). `out` may not overlap x."""
-    return _reduce("mean", x, axis, keepdims, out)
+    done = _fast_reduce("mean", x, axis, keepdims, out)  # NOTE: Note [the eager fast path]
+    return done if done is not None else _reduce("mean", x, axis, keepdims, out)
 
 
 def _linear_kernel(x: Any, weight: Any, bias: Any, out: Any, device: Any) -> None:
@@ -696,3 +698,5 @@ _dispatch = fastpath.load(_record_elementwise)
 _fast = _dispatch.elementwise if _dispatch is not None else None
 #: The C fast path of `_prepare_out` + `_launch` for matmul, linear and the reductions.
 _fast_launch = _dispatch.launch if _dispatch is not None else _no_launch
+#: The C fast path of a sum or mean that records nothing.
+_fast_reduce = _dispatch.reduce if _dispatch is not None else _no_launch

@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(not fastpath.ACCELERATED, reason=(
 #: The C fast path itself, whatever a test sets `ops._fast` to.
 C_FAST = ops._fast
 C_LAUNCH = ops._fast_launch
+C_REDUCE = ops._fast_reduce
 #: runtime/tensor.py (the package binds `runtime.tensor` to the factory function)
 tensor = sys.modules["runtime.tensor"]
 C_RELEASE = tensor._release
@@ -41,7 +42,7 @@ UNARY = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "sqrt", "copy")
 BINARY = ("add", "sub", "mul", "div", "tanh_backward", "sigmoid_backward", "relu_backward")
 #: Ops whose second half (`_prepare_out` + `_launch`) the fast path's launch runs.
 LAUNCHED = ("matmul", "linear", "sum", "mean")
-AXES = (None, 0, 1, -1, (0, 1), (1,))
+AXES = (None, 0, 1, -1, (0, 1), (1,), (1, 1), 2, [0], True, np.int64(0))
 NUMBERS = (2.0, -0.5, 3, 0.0, -0.0, float("nan"), float("inf"), 1e39, 1e300, 10 ** 400, True,
            np.float32(2.0), 2 ** 60 + 1)
 
@@ -128,16 +129,18 @@ def call(op: str, values: list, out: Any, axis: Any, keepdims: bool,
     return ops._elementwise(op, out, *values)
 
 
-def run(program: list, fast: Any, launch: Any) -> list[Any]:
+def run(program: list, fast: Any, launch: Any, reduce: Any = None) -> list[Any]:
     """What each step of `program` did, and the world after it, with the elementwise fast
-    path `fast` and the launch `launch` in place (None and `ops._no_launch`: Python only)."""
+    path `fast`, the launch `launch` and the reduction `reduce` in place (None,
+    `ops._no_launch` and None: Python only)."""
     allocator = allocators.create("caching", "cpu")
     world = build_world(allocator)
     made: list[runtime.Tensor] = []
     log: list[Any] = []
-    saved = ops._fast, ops._fast_launch, tensor._release
+    saved = ops._fast, ops._fast_launch, ops._fast_reduce, tensor._release
     ops._fast = fast
     ops._fast_launch = launch
+    ops._fast_reduce = reduce if reduce is not None else ops._no_launch
     tensor._release = C_RELEASE if fast is not None else runtime.Tensor.release
     try:
         for op, args, out_index, grad, (axis, keepdims) in program:
@@ -166,7 +169,7 @@ def run(program: list, fast: Any, launch: Any) -> list[Any]:
         stats = allocator.stats()
         log.append((stats["num_frees"], stats["allocated_bytes"]))
     finally:
-        ops._fast, ops._fast_launch, tensor._release = saved
+        ops._fast, ops._fast_launch, ops._fast_reduce, tensor._release = saved
     return log
 
 
@@ -185,7 +188,12 @@ def test_the_fast_path_does_what_the_python_path_does(program):
         taken.append(result is not None)
         return result
 
-    fast = run(program, counting, counting_launch)
+    def counting_reduce(*args: Any) -> Any:
+        result = C_REDUCE(*args)
+        taken.append(result is not None)
+        return result
+
+    fast = run(program, counting, counting_launch, counting_reduce)
     assert fast == run(program, None, ops._no_launch)
     share = sum(taken) / len(taken) if taken else 0.0
     event(f"share of ops the fast path took: {round(4 * share) / 4:.2f}")
@@ -260,6 +268,13 @@ def test_what_the_fast_path_hands_back(monkeypatch):
                         dev.matmul, ()) is None
     assert C_LAUNCH("matmul", True, bias32, (4,), a32.dtype, (leaf, weight),
                     dev.matmul, ()) is None  # out= while recording gradients
+    # reductions: what ops._reduce refuses or records goes to Python
+    for axis, keepdims in [((1, 1), False), ([0], False), (True, False), (np.int64(0), False),
+                           (2, False), (-3, False), (0, "no"), (0, np.True_)]:
+        assert C_REDUCE("sum", a32, axis, keepdims, None) is None, (axis, keepdims)
+    assert C_REDUCE("sum", leaf, 0, False, None) is None  # recorded for autograd
+    assert C_REDUCE("sum", ints, 0, False, None) is None
+    assert C_REDUCE("mean", a32, (0, -1), True, None).shape == (1, 1)
 
 
 def test_a_fresh_result_in_c_sets_every_slot_as_tensor_fresh_does():
