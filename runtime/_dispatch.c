@@ -68,7 +68,8 @@ static PyObject *zero = NULL;
 
 static PyObject *s_enabled, *s_tape, *s_fast_kernels, *s_native_on, *s_memory_for_write;
 static PyObject *one = NULL, *s_has_internal_overlap = NULL, *s_allocate = NULL, *s_free = NULL;
-static PyObject *s_release = NULL;
+static PyObject *s_release = NULL, *s_itemsize = NULL, *s_raw = NULL, *s_offset = NULL,
+    *s_array_view = NULL;
 
 #define SLOT(obj, offset) (*(PyObject **)((char *)(obj) + (offset)))
 
@@ -254,7 +255,56 @@ native_view(PyObject *t, PyObject *allocation)
         Py_INCREF(view);
         return view;
     }
-    return PyObject_CallMethodOneArg(t, s_native_on, allocation);
+    /* `Tensor._native_on`: device._array_view(raw, byte offset, shape, dtype, byte strides) */
+    PyObject *dtype = SLOT(t, TS.dtype), *shape = SLOT(t, TS.shape);
+    PyObject *strides = SLOT(t, TS.strides), *offset = SLOT(t, TS.offset);
+    PyObject *itemsize = dtype ? PyObject_GetAttr(dtype, s_itemsize) : NULL;
+    PyObject *raw = itemsize ? PyObject_GetAttr(allocation, s_raw) : NULL;
+    PyObject *base = raw ? PyObject_GetAttr(allocation, s_offset) : NULL;
+    PyObject *bytes = NULL, *start = NULL, *byte_strides = NULL, *view = NULL;
+    Py_ssize_t item = itemsize ? PyLong_AsSsize_t(itemsize) : -1;
+    if (base == NULL || item < 0 || !PyTuple_CheckExact(strides) || shape == NULL
+        || offset == NULL)
+        goto done;
+    bytes = PyNumber_Multiply(offset, itemsize);
+    start = bytes ? PyNumber_Add(base, bytes) : NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(strides);
+    byte_strides = start ? PyTuple_New(n) : NULL;
+    for (Py_ssize_t i = 0; byte_strides != NULL && i < n; i++) {
+        Py_ssize_t s = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, i));
+        PyObject *value = s == -1 && PyErr_Occurred() ? NULL : PyLong_FromSsize_t(s * item);
+        if (value == NULL)
+            Py_CLEAR(byte_strides);
+        else
+            PyTuple_SET_ITEM(byte_strides, i, value);
+    }
+    if (byte_strides == NULL)
+        goto done;
+    PyObject *device = SLOT(SLOT(t, TS.block), BS.device);
+    PyObject *call[6] = {device, raw, start, shape, dtype, byte_strides};
+    view = PyObject_VectorcallMethod(s_array_view, call, 6, NULL);
+    if (view != NULL) {
+        PyObject *pair = PyTuple_Pack(2, allocation, view);
+        if (pair == NULL)
+            Py_CLEAR(view);
+        else
+            Py_XSETREF(SLOT(t, TS.native), pair);
+    }
+    if (view != NULL && SLOT(t, TS.layout) == Py_None) {  /* `Tensor.layout()`'s cache */
+        PyObject *layout = PyTuple_Pack(4, bytes, shape, byte_strides, itemsize);
+        if (layout == NULL)
+            Py_CLEAR(view);
+        else
+            Py_XSETREF(SLOT(t, TS.layout), layout);
+    }
+done:
+    Py_XDECREF(itemsize);
+    Py_XDECREF(raw);
+    Py_XDECREF(base);
+    Py_XDECREF(bytes);
+    Py_XDECREF(start);
+    Py_XDECREF(byte_strides);
+    return view;
 }
 
 /* (start, end) of a cached byte span, or 0 when it is not a cached pair of ints. */
@@ -299,6 +349,26 @@ no_clash(PyObject *out, PyObject *t)
     return a1 <= b0 || b1 <= a0;
 }
 
+/* 1 when a graph capture runs in this thread (or that cannot be told), else 0. */
+static int
+capturing(void)
+{
+    int flag = local_flag(tape_state, s_tape, 1);
+    if (flag < 0)
+        PyErr_Clear();
+    return flag != 0;
+}
+
+/* 1 when gradients are recorded in this thread (errors read as 1: the Python path decides). */
+static int
+grad_enabled(void)
+{
+    int flag = local_flag(grad_mode, s_enabled, 0);
+    if (flag < 0)
+        PyErr_Clear();
+    return flag != 0;
+}
+
 /* ------------------------------------------------------------------ the shared second half */
 /* Is `out` a usable out= for a result of `shape` (ndim dims), `dtype` on `device`, read by
  * `inputs` (tensors; NULL entries are numbers) under the op's aliasing policy (`never`: no
@@ -311,8 +381,10 @@ out_usable(PyObject *out, const Py_ssize_t *shape, int ndim, PyObject *dtype, Py
         return 0;
     PyObject *out_block = SLOT(out, TS.block);
     if (out_block == NULL || Py_TYPE(out_block) != block_type || SLOT(out, TS.dtype) != dtype
-        || SLOT(out_block, BS.device) != device || SLOT(out_block, BS.readonly) != Py_False
-        || SLOT(out, TS.requires_grad) != Py_False)
+        || SLOT(out_block, BS.device) != device || SLOT(out_block, BS.readonly) != Py_False)
+        return 0;
+    /* `_prepare_out` refuses out= while recording gradients (the callers checked the inputs) */
+    if (SLOT(out, TS.requires_grad) != Py_False && grad_enabled())
         return 0;
     Py_ssize_t dims[MAX_DIMS];
     if (read_dims(SLOT(out, TS.shape), dims) != ndim)
@@ -533,26 +605,6 @@ run_kernel(PyObject *op, PyObject *kernel, PyObject *result, PyObject *const *op
     Py_XSETREF(SLOT(out_block, BS.version), next);
     set_ref(&SLOT(out_block, BS.written), Py_True);
     return 0;
-}
-
-/* 1 when a graph capture runs in this thread (or that cannot be told), else 0. */
-static int
-capturing(void)
-{
-    int flag = local_flag(tape_state, s_tape, 1);
-    if (flag < 0)
-        PyErr_Clear();
-    return flag != 0;
-}
-
-/* 1 when gradients are recorded in this thread (errors read as 1: the Python path decides). */
-static int
-grad_enabled(void)
-{
-    int flag = local_flag(grad_mode, s_enabled, 0);
-    if (flag < 0)
-        PyErr_Clear();
-    return flag != 0;
 }
 
 /* ------------------------------------------------------------------ elementwise */
@@ -1014,7 +1066,12 @@ PyInit__dispatch(void)
     s_allocate = PyUnicode_InternFromString("allocate");
     s_free = PyUnicode_InternFromString("free");
     s_release = PyUnicode_InternFromString("release");
-    if (!one || !zero || !s_has_internal_overlap || !s_allocate || !s_free || !s_release || !s_enabled || !s_tape || !s_fast_kernels || !s_native_on || !s_memory_for_write
+    s_itemsize = PyUnicode_InternFromString("itemsize");
+    s_raw = PyUnicode_InternFromString("raw");
+    s_offset = PyUnicode_InternFromString("offset");
+    s_array_view = PyUnicode_InternFromString("_array_view");
+    if (!one || !zero || !s_has_internal_overlap || !s_allocate || !s_free || !s_release
+        || !s_itemsize || !s_raw || !s_offset || !s_array_view || !s_enabled || !s_tape || !s_fast_kernels || !s_native_on || !s_memory_for_write
         || !copy_name)
         return NULL;
     return PyModule_Create(&module);
