@@ -106,6 +106,15 @@ def _reduce(name: str, x: np.ndarray, axis: tuple[int, ...] | None, keepdims: bo
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
+def _sum(x: np.ndarray, out: np.ndarray, axes: tuple[int, ...] | None, keepdims: bool) -> None:
+    """The fast path's sum: `_reduce("sum", ...)`, with the float case's ufunc called first
+    (positional arguments: a fifth of the call's time goes to keywords)."""
+    if x.dtype is out.dtype and x.size and x.dtype in _FLOATS:
+        np.add.reduce(x, axes, None, out, keepdims)
+    else:
+        _reduce("sum", x, axes, keepdims, out)
+
+
 @functools.lru_cache(maxsize=64)
 def _rows(count: int) -> np.ndarray:
     """np.arange(count), made once per count (read-only: it is shared)."""
@@ -122,8 +131,7 @@ class NumpyDevice(Device):
     read_only_memory = True
     #: every elementwise kernel, called as kernel(*inputs, out) (NumPy broadcasts the inputs),
     #: and the reductions, as kernel(x, out, axes, keepdims)
-    _fast_kernels = {**_UNARY, **_BINARY,
-                     "sum": lambda x, out, axes, keepdims: _reduce("sum", x, axes, keepdims, out),
+    _fast_kernels = {**_UNARY, **_BINARY, "sum": _sum,
                      "mean": lambda x, out, axes, keepdims: _reduce("mean", x, axes, keepdims,
                                                                    out)}
 

@@ -28,8 +28,9 @@ back; a new field it reads is a slot of Tensor or Block, found by name at `confi
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -45,7 +46,7 @@ try:
 except ImportError:  # NOTE: built where a C compiler was present; optional, as the allocator's
     _dispatch = None
 
-__all__ = ["ACCELERATED", "load"]
+__all__ = ["ACCELERATED", "load", "python_only"]
 
 #: True when ops run their common case in C (the extension is built, BLOCKRT_PURE_PYTHON is
 #: off and NumPy's error state can be set as the kernels need).
@@ -67,3 +68,19 @@ def load(record: Callable[[str, Tensor, Any], None]) -> Any:
     # NOTE: the module, not runtime.tensor (the package binds that name to the factory)
     sys.modules["runtime.tensor"]._release = _dispatch.release
     return _dispatch
+
+
+@contextlib.contextmanager
+def python_only() -> Iterator[None]:
+    """Run ops on the Python path alone inside the block (in this process, every thread), as
+    BLOCKRT_PURE_PYTHON=1 would: for benchmarks and differential tests."""
+    from runtime import ops
+
+    tensor = sys.modules["runtime.tensor"]
+    saved = ops._fast, ops._fast_launch, ops._fast_reduce, tensor._release
+    ops._fast, ops._fast_launch, ops._fast_reduce = None, ops._no_launch, ops._no_launch
+    tensor._release = Tensor.release
+    try:
+        yield
+    finally:
+        ops._fast, ops._fast_launch, ops._fast_reduce, tensor._release = saved
