@@ -380,6 +380,24 @@ def _matmul_backward(a_shape: tuple, b_shape: tuple, na: bool, nb: bool) -> Call
     return fn
 
 
+def _matmul_at(a: Tensor, b: Tensor) -> Tensor:
+    """a.T @ b for 2-D a and b; where the eager fast path runs it, without making the view a.T
+    (the kernel transposes the native view, as matmul(a.T, b) would have it)."""
+    device = a.device
+    if (device._fast_kernels is not None and b.device is device and a.ndim == b.ndim == 2
+            and a.shape[0] == b.shape[0] and a.dtype == b.dtype and a.dtype in FLOAT_DTYPES
+            and not autograd.needs_grad(a, b)):
+        done = _fast_launch("matmul", True, None, (a.shape[1], b.shape[1]), a.dtype, (a, b),
+                            _matmul_at_kernel, (device,))
+        if done is not None:
+            return done
+    return matmul(a.T, b)
+
+
+def _matmul_at_kernel(a: Any, b: Any, out: Any, device: Any) -> None:
+    device.matmul(a.T, b, out)
+
+
 def _matrix(shape: tuple, row: bool) -> tuple:
     """The shape of a matmul operand with a 1-D one promoted (a row for a, a column for b)."""
     if len(shape) > 1:
@@ -559,9 +577,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         x_shape = x.shape
 
         def fn(g: Tensor, x: Tensor | None, w: Tensor | None) -> tuple:
-            g2 = g.reshape(-1, features)
+            g2 = g if g.ndim == 2 else g.reshape(-1, features)
             gx = matmul(g, w) if nx else None
-            gw = matmul(g2.T, x.reshape(-1, x_shape[-1])) if nw else None
+            gw = None
+            if nw:
+                gw = _matmul_at(g2, x if x.ndim == 2 else x.reshape(-1, x_shape[-1]))
             gb = sum(g2, axis=0) if nb else None
             return gx, gw, gb
 
