@@ -26,10 +26,12 @@ demo:
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# `make asan`: the C hot path (allocators/_speedups.c) built with AddressSanitizer and
-# UndefinedBehaviorSanitizer, and the allocator tests run against it (needs gcc, ASAN_CC).
-# - The build goes into a copy of the allocators package in $(ASAN_DIR), first on PYTHONPATH, so
-#   .venv keeps its normal build; a check that it is the extension Python loads comes first.
+# `make asan`: the C hot path (allocators/_speedups.c) and the ops' fast path (runtime/_dispatch.c)
+# built with AddressSanitizer and UndefinedBehaviorSanitizer, and the allocator and op tests run
+# against them (needs gcc, ASAN_CC).
+# - The builds go into copies of the allocators and runtime packages in $(ASAN_DIR), first on
+#   PYTHONPATH, so .venv keeps its normal build; a check that they are the extensions Python
+#   loads comes first.
 # - libasan must be the first library of the process, so it is preloaded into Python.
 # - CPython leaks by design: no leak reports. Tests ask for a PiB to see OutOfMemoryError: malloc
 #   returns NULL (NumPy raises MemoryError) instead of ASan aborting. Any UB report stops the run.
@@ -39,28 +41,34 @@ test: venv
 ASAN_CC    ?= gcc
 ASAN_DIR   := build/asan
 ASAN_TESTS ?= tests/test_speedups.py tests/test_caching.py tests/test_allocators.py \
-              tests/test_threads.py tests/test_adaptors.py tests/test_races.py
+              tests/test_threads.py tests/test_adaptors.py tests/test_races.py \
+              tests/test_fastpath.py tests/test_ops.py tests/test_autograd.py tests/test_nn.py
 ASAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
 # NOTE: PYTHONSAFEPATH: the working directory, first on sys.path, would give the normal build
 ASAN_ENV    = PYTHONSAFEPATH=1 PYTHONPATH=$(abspath $(ASAN_DIR)) \
               LD_PRELOAD=$$($(ASAN_CC) -print-file-name=libasan.so) \
               ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 \
               UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+ASAN_BUILD  = $(ASAN_CC) -shared -fPIC $(ASAN_FLAGS) \
+              -I$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+EXT_SUFFIX  = $$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 
 asan: venv
 	rm -rf $(ASAN_DIR)
-	mkdir -p $(ASAN_DIR)/allocators
+	mkdir -p $(ASAN_DIR)/allocators $(ASAN_DIR)/runtime
 	cp allocators/*.py $(ASAN_DIR)/allocators/
-	$(ASAN_CC) -shared -fPIC $(ASAN_FLAGS) \
-		-I$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])') \
-		allocators/_speedups.c -o $(ASAN_DIR)/allocators/_speedups$$($(PY) -c \
-		'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-	$(ASAN_ENV) $(PY) -c "import allocators, allocators._core as core; \
-		path = core.speedups.__file__ if allocators.ACCELERATED else 'no extension'; \
-		assert path.startswith('$(abspath $(ASAN_DIR))/'), f'not the sanitized build: {path}'; \
-		print('sanitized extension in use:', path)"
-	nm -D $(ASAN_DIR)/allocators/_speedups*.so | grep -q __asan_init
-	nm -D $(ASAN_DIR)/allocators/_speedups*.so | grep -q __ubsan_handle_
+	cp -r runtime/*.py runtime/graph $(ASAN_DIR)/runtime/
+	$(ASAN_BUILD) allocators/_speedups.c -o $(ASAN_DIR)/allocators/_speedups$(EXT_SUFFIX)
+	$(ASAN_BUILD) runtime/_dispatch.c -o $(ASAN_DIR)/runtime/_dispatch$(EXT_SUFFIX)
+	$(ASAN_ENV) $(PY) -c "import allocators, allocators._core as core, runtime; \
+		from runtime import fastpath; \
+		paths = [core.speedups.__file__ if allocators.ACCELERATED else 'no extension', \
+		         fastpath._dispatch.__file__ if fastpath.ACCELERATED else 'no extension']; \
+		bad = [p for p in paths if not p.startswith('$(abspath $(ASAN_DIR))/')]; \
+		assert not bad, f'not the sanitized builds: {bad}'; \
+		print('sanitized extensions in use:', *paths)"
+	for so in $(ASAN_DIR)/allocators/_speedups*.so $(ASAN_DIR)/runtime/_dispatch*.so; do \
+		nm -D $$so | grep -q __asan_init && nm -D $$so | grep -q __ubsan_handle_ || exit 1; done
 	$(ASAN_ENV) $(PY) -m pytest -p no:cacheprovider --capture=sys -m "not slow" $(ASAN_TESTS) \
 		$(PYTEST_ARGS)
 
