@@ -375,7 +375,24 @@ class Tensor:
     def detach(self) -> Tensor:
         """A new handle on the same memory, outside the graph (requires no gradient)."""
         self._check("detach()")
-        return Tensor._trusted(self.block, self.shape, self.dtype, self.strides, self.offset)
+        # NOTE: the same layout, already checked: its caches come along, no bounds check
+        # (autograd detaches every tensor it saves)
+        handle = Tensor.__new__(Tensor)
+        handle.block = self.block
+        handle.shape = self.shape
+        handle.dtype = self.dtype
+        handle.strides = self.strides
+        handle.offset = self.offset
+        handle._layout = self._layout
+        handle._span = self._span
+        handle._self_overlap = self._self_overlap
+        handle._native = self._native
+        handle._requires_grad = False
+        handle._node = None
+        handle.grad = None
+        handle.name = None
+        handle._gen = self.block.acquire()
+        return handle
 
     def _record_view(self, view: Tensor, op: str, backward_fn: Any) -> Tensor:
         # NOTE: backward_fn holds no tensor, not even self: Note [closures hold no tensors] in

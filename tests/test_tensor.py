@@ -491,3 +491,28 @@ def test_tensor_factory_uses_the_given_allocator():
     assert ops.add(t, t).block.allocator is alloc
     with pytest.raises(TypeError):
         runtime.tensor(np.ones(4), allocator="direct")
+
+
+@pytest.mark.parametrize("view", ["whole", "transposed", "strided", "offset"])
+def test_detach_sets_every_field_and_its_caches_hold(view):
+    """detach() copies the layout and its caches instead of checking the bounds again: every
+    slot is set, and each cache equals what the handle would compute for itself."""
+    base = runtime.tensor(np.arange(24.0).reshape(4, 6))
+    t = {"whole": base, "transposed": base.T, "strided": base[::2, 1::2],
+         "offset": base[1:, 2:]}[view]
+    t.layout(), t.byte_span(), t.has_internal_overlap(), t.numpy()  # warm every cache
+    handle = t.detach()
+    for name in runtime.Tensor.__slots__:
+        if name != "__weakref__":
+            assert hasattr(handle, name), name
+    assert (handle.shape, handle.strides, handle.offset, handle.dtype) == (
+        t.shape, t.strides, t.offset, t.dtype)
+    assert handle.block is t.block and not handle.requires_grad and handle.grad_fn is None
+    fresh = runtime.Tensor(t.block, t.shape, t.dtype, t.strides, t.offset)
+    assert handle.layout() == fresh.layout()
+    assert handle.byte_span() == fresh.byte_span()
+    assert handle.has_internal_overlap() == fresh.has_internal_overlap()
+    np.testing.assert_array_equal(handle.numpy(), t.numpy())
+    refs = t.block.refcount
+    handle.release()
+    assert t.block.refcount == refs - 1
