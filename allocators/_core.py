@@ -25,16 +25,20 @@ paths on the same requests and compares every field after every step. What that 
 - anything rare (a new size, a new segment, pruning, trimming, out of memory, bad input) goes in
   Python only: the C code falls back to it, so adding there costs the hot path nothing;
 - a field the C code reads is declared twice, in the records below and in the C struct with its
-  member table, with the same name and type; the allocator state's `_small`, `_large` and
-  `_idle` take only records of their kind (checked when set), so the C code need not check;
+  member table, with the same name and type; in the C build the allocator state's `_small`,
+  `_large` and `_idle` take only records of their kind (checked when set), so the C code need
+  not check them;
 - the common case touches no dictionary it can avoid: a free block knows its free list
   (`Block.free_list`, a `FreeList` whose `first` the C code moves), and the whole free segments
   are a list linked through their head blocks (`IdleRecord`), so a hit on a cached block and its
   free look up one size and move pointers;
-- new policy in `Allocator.allocate` / `free` (a check, a counter, a hook) is either done by the
-  C code as well, or turns the hot path off while it applies, as queue-ordered reuse does (its
-  `_hot_off` clears `_hot` and sets `_ordered` until no allocation is recorded or pending); a
-  subclass that overrides `_allocate` or `_free` never gets the hot path at all.
+- the books of `Allocator.allocate` / `free` (owner, serial, live set, counters) are
+  `AllocatorState._book_allocation` / `_book_free`, defined below and in C, where the hot path
+  keeps the same books with the same code; new policy there (a check, a counter, a hook) is
+  either done by the C code as well, or turns the hot path off while it applies, as
+  queue-ordered reuse does (its `_hot_off` clears `_hot` and sets `_ordered` until no
+  allocation is recorded or pending); a subclass that overrides `_allocate` or `_free` never
+  gets the hot path at all.
 """
 
 from __future__ import annotations
@@ -98,7 +102,8 @@ class AllocationRecord:
 
 
 class AllocatorState:
-    """What an allocator's hot path reads and writes: counters, serials, live set, lock.
+    """What an allocator's hot path reads and writes: counters, serials, live set, lock, and
+    the books `Allocator.allocate` and `free` keep in them.
 
     Every counter of COUNTERS is an attribute named "_" + its key. `_last_serial` is the serial
     of the last allocation handed out; `_live` maps serial -> live Allocation. `_hot` turns on
@@ -116,6 +121,44 @@ class AllocatorState:
         # costs half a dict update. `cache_hits` is derived (allocs - misses).
         for key in COUNTERS:
             setattr(self, f"_{key}", 0)
+
+    # NOTE: the books of Allocator.allocate and free, one call each, so that the C build keeps
+    # them in C: there, Python reaches a counter (a C field) only through a generic attribute
+    # lookup and a new int, a dozen times a pair. The hot path keeps the same books.
+    def _book_allocation(self, allocation: Any, nbytes: int, device_allocs: int) -> None:
+        """Allocator.allocate's books for `allocation`, just made by `_allocate` for a request
+        of `nbytes` with the lock held: its owner, serial and live flag, the live set, and the
+        counters (a cache miss if `_num_device_allocs` moved from `device_allocs`). Changes
+        nothing if it raises."""
+        serial = self._last_serial + 1
+        allocated = self._allocated_bytes + allocation.size
+        requested = self._requested_bytes + nbytes
+        self._live[serial] = allocation  # NOTE: the last step that can fail
+        self._last_serial = allocation.serial = serial
+        allocation.owner = self
+        allocation.live = True
+        self._num_allocs += 1
+        if self._num_device_allocs != device_allocs:
+            self._cache_misses += 1
+        self._allocated_bytes = allocated
+        self._requested_bytes = requested
+        if allocated > self._peak_allocated_bytes:
+            self._peak_allocated_bytes = allocated
+        if requested > self._peak_requested_bytes:
+            self._peak_requested_bytes = requested
+        cached = self._reserved_bytes - allocated  # a new segment may leave some cached
+        if cached > self._peak_cached_bytes:
+            self._peak_cached_bytes = cached
+
+    def _book_free(self, allocation: Any) -> None:
+        """Allocator.free's books for `allocation`, off the live set and given to `_free` with
+        the lock held: the counters."""
+        self._num_frees += 1
+        allocated = self._allocated_bytes = self._allocated_bytes - allocation.size
+        self._requested_bytes -= allocation.nbytes
+        cached = self._reserved_bytes - allocated
+        if cached > self._peak_cached_bytes:
+            self._peak_cached_bytes = cached
 
 
 class Block:

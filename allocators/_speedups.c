@@ -18,6 +18,9 @@
      request from the cache (best fit, split, coalesce) and call self._allocate_slow /
      self._free_slow, the Python implementation, for anything else: a size never rounded or
      never listed, a new segment, pruning, trimming, errors, or a lock held by someone else.
+     _book_allocation / _book_free keep the books of every allocator's Python path
+     (allocators.base.Allocator.allocate / free), with the hot path's own code: from Python,
+     a C counter costs a generic attribute lookup and a new int at every touch.
 
    What a hit costs: one lookup of the request size (the memo `_rounded`), one of the block size
    (the pool's `buckets`, which give its FreeList), and the live set's insertion; its free, the
@@ -120,6 +123,29 @@ lock_is_free(PyObject *op)
     return op != NULL && Py_IS_TYPE(op, &LockType) && !((LockObject *)op)->locked;
 }
 
+/* Wait for the lock without the GIL, up to `timeout` seconds (-1: for as long as it takes). */
+static PyObject *
+lock_wait(LockObject *self, double timeout)
+{
+    PY_TIMEOUT_T microseconds = -1;
+    if (timeout > 0) {
+        if (timeout * 1e6 >= (double)PY_TIMEOUT_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
+            return NULL;
+        }
+        microseconds = (PY_TIMEOUT_T)(timeout * 1e6);
+    }
+    PyLockStatus status;
+    Py_BEGIN_ALLOW_THREADS
+    status = PyThread_acquire_lock_timed(self->lock, microseconds, 0);
+    Py_END_ALLOW_THREADS
+    if (status != PY_LOCK_ACQUIRED) {
+        Py_RETURN_FALSE;
+    }
+    self->locked = 1;
+    Py_RETURN_TRUE;
+}
+
 static PyObject *
 lock_acquire(LockObject *self, PyObject *args, PyObject *kwds)
 {
@@ -143,23 +169,18 @@ lock_acquire(LockObject *self, PyObject *args, PyObject *kwds)
     if (!blocking || timeout == 0) {
         Py_RETURN_FALSE;
     }
-    PY_TIMEOUT_T microseconds = -1;
-    if (timeout > 0) {
-        if (timeout * 1e6 >= (double)PY_TIMEOUT_MAX) {
-            PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
-            return NULL;
-        }
-        microseconds = (PY_TIMEOUT_T)(timeout * 1e6);
+    return lock_wait(self, timeout);
+}
+
+/* acquire() for the with statement: the Python path takes the lock this way in every allocate
+   and free, so it parses no arguments. */
+static PyObject *
+lock_enter(LockObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (lock_try(self)) {
+        Py_RETURN_TRUE;
     }
-    PyLockStatus status;
-    Py_BEGIN_ALLOW_THREADS
-    status = PyThread_acquire_lock_timed(self->lock, microseconds, 0);
-    Py_END_ALLOW_THREADS
-    if (status != PY_LOCK_ACQUIRED) {
-        Py_RETURN_FALSE;
-    }
-    self->locked = 1;
-    Py_RETURN_TRUE;
+    return lock_wait(self, -1);
 }
 
 static PyObject *
@@ -175,7 +196,7 @@ lock_release_method(LockObject *self, PyObject *Py_UNUSED(ignored))
 }
 
 static PyObject *
-lock_exit(LockObject *self, PyObject *Py_UNUSED(args))
+lock_exit(LockObject *self, PyObject *const *Py_UNUSED(args), Py_ssize_t Py_UNUSED(nargs))
 {
     return lock_release_method(self, NULL);
 }
@@ -191,11 +212,12 @@ static PyMethodDef lock_methods[] = {
      PyDoc_STR("acquire(blocking=True, timeout=-1) -> bool\n\n"
                "Take the lock, waiting (without the GIL) up to timeout seconds when blocking;\n"
                "-1 waits for as long as it takes. Returns whether it was taken.")},
-    {"__enter__", (PyCFunction)(void (*)(void))lock_acquire, METH_VARARGS | METH_KEYWORDS,
+    {"__enter__", (PyCFunction)lock_enter, METH_NOARGS,
      PyDoc_STR("acquire(), for the with statement.")},
     {"release", (PyCFunction)lock_release_method, METH_NOARGS,
      PyDoc_STR("release()\n\nRelease the lock; RuntimeError if it is not held.")},
-    {"__exit__", (PyCFunction)lock_exit, METH_VARARGS, PyDoc_STR("release().")},
+    {"__exit__", (PyCFunction)(void (*)(void))lock_exit, METH_FASTCALL,
+     PyDoc_STR("release().")},
     {"locked", (PyCFunction)lock_locked, METH_NOARGS,
      PyDoc_STR("locked() -> bool\n\nWhether some thread holds the lock.")},
     {NULL, NULL}
@@ -241,14 +263,42 @@ typedef struct {
 
 static PyTypeObject AllocationRecordType;
 
+/* The three ints of Allocation(device, raw, offset, nbytes, size) given by position, taken as
+   PyArg_ParseTupleAndKeywords takes "L" (an int, or an object with __index__; a float is
+   refused with the same TypeError); 0, or -1 with an exception set. */
+static int
+record_ints(PyObject *args, long long *offset, long long *nbytes, long long *size)
+{
+    long long *fields[3] = {offset, nbytes, size};
+    for (int i = 0; i < 3; i++) {
+        *fields[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(args, i + 2));
+        if (*fields[i] == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static int
 record_init(AllocationRecord *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"device", "raw", "offset", "nbytes", "size", "upstream", NULL};
     PyObject *device, *raw, *upstream = Py_None;
     long long offset, nbytes, size;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOLLL|O:Allocation", kwlist, &device, &raw,
-                                     &offset, &nbytes, &size, &upstream)) {
+    Py_ssize_t given = PyTuple_GET_SIZE(args);
+    /* NOTE: allocators make one per allocation, by position: no argument parser for that */
+    if ((kwds == NULL || PyDict_GET_SIZE(kwds) == 0) && (given == 5 || given == 6)) {
+        if (record_ints(args, &offset, &nbytes, &size) < 0) {
+            return -1;
+        }
+        device = PyTuple_GET_ITEM(args, 0);
+        raw = PyTuple_GET_ITEM(args, 1);
+        if (given == 6) {
+            upstream = PyTuple_GET_ITEM(args, 5);
+        }
+    }
+    else if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOLLL|O:Allocation", kwlist, &device,
+                                          &raw, &offset, &nbytes, &size, &upstream)) {
         return -1;
     }
     Py_XSETREF(self->device, Py_NewRef(device));
@@ -798,8 +848,9 @@ typedef struct {
     /* read by the caching hot path only; `hot` is false in every other allocator */
     char hot;
     /* whether allocations are recorded on other queues or pending (allocators.base: queue-
-       ordered reuse); read by Python only, where a member is faster than a __dict__ entry */
-    char ordered;
+       ordered reuse): True or False; read by Python only, as a slot that CPython's specializing
+       interpreter reads in a few instructions (it does so for object slots only) */
+    PyObject *ordered;
     PyObject *rounded;          /* dict: request bytes -> block bytes */
     /* NOTE: small, large and idle are records of their kind or NULL: their setters check */
     PyObject *small;            /* PoolRecord of blocks <= small_size */
@@ -822,6 +873,7 @@ state_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kwd
     }
     self->live = PyDict_New();
     self->lock = lock_create(&LockType);
+    self->ordered = Py_NewRef(Py_False);
     if (self->live == NULL || self->lock == NULL) {
         Py_DECREF(self);
         return NULL;
@@ -841,6 +893,7 @@ state_traverse(AllocatorState *self, visitproc visit, void *arg)
     Py_VISIT(self->idle);
     Py_VISIT(self->max_cached_bytes);
     Py_VISIT(self->spare);
+    Py_VISIT(self->ordered);
     return 0;
 }
 
@@ -856,6 +909,7 @@ state_clear(AllocatorState *self)
     Py_CLEAR(self->idle);
     Py_CLEAR(self->max_cached_bytes);
     Py_CLEAR(self->spare);
+    Py_CLEAR(self->ordered);
     return 0;
 }
 
@@ -865,6 +919,94 @@ state_dealloc(AllocatorState *self)
     PyObject_GC_UnTrack(self);
     state_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The counters of AllocatorState._book_allocation (allocators/_core.py): one allocation of
+   `size` bytes for a request of `nbytes`, that needed a device allocation if `missed`. */
+static inline void
+count_allocation(AllocatorState *self, long long size, long long nbytes, int missed)
+{
+    self->num_allocs += 1;
+    self->cache_misses += missed;
+    self->allocated_bytes += size;
+    self->requested_bytes += nbytes;
+    if (self->allocated_bytes > self->peak_allocated_bytes) {
+        self->peak_allocated_bytes = self->allocated_bytes;
+    }
+    if (self->requested_bytes > self->peak_requested_bytes) {
+        self->peak_requested_bytes = self->requested_bytes;
+    }
+    /* NOTE: a new segment may leave some of itself cached */
+    if (self->reserved_bytes - self->allocated_bytes > self->peak_cached_bytes) {
+        self->peak_cached_bytes = self->reserved_bytes - self->allocated_bytes;
+    }
+}
+
+/* The counters of AllocatorState._book_free: one allocation of `size` bytes given back. */
+static inline void
+count_free(AllocatorState *self, long long size, long long nbytes)
+{
+    self->num_frees += 1;
+    self->allocated_bytes -= size;
+    self->requested_bytes -= nbytes;
+    if (self->reserved_bytes - self->allocated_bytes > self->peak_cached_bytes) {
+        self->peak_cached_bytes = self->reserved_bytes - self->allocated_bytes;
+    }
+}
+
+PyDoc_STRVAR(book_allocation_doc,
+"_book_allocation(allocation, nbytes, device_allocs) -> None\n\n"
+"Allocator.allocate's books for `allocation`, just made by `_allocate` for a request of\n"
+"`nbytes` with the lock held: its owner, serial and live flag, the live set, and the counters\n"
+"(a cache miss if `_num_device_allocs` moved from `device_allocs`). Changes nothing if it\n"
+"raises.");
+
+static PyObject *
+state_book_allocation(AllocatorState *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyObject_TypeCheck(args[0], &AllocationRecordType)) {
+        PyErr_SetString(PyExc_TypeError, "_book_allocation(allocation, nbytes, device_allocs)");
+        return NULL;
+    }
+    AllocationRecord *allocation = (AllocationRecord *)args[0];
+    long long nbytes = PyLong_AsLongLong(args[1]);
+    long long device_allocs = nbytes == -1 && PyErr_Occurred() ? -1 : PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (self->live == NULL || !PyDict_Check(self->live)) {
+        PyErr_SetString(PyExc_TypeError, "_live is not a dict");
+        return NULL;
+    }
+    long long serial = self->last_serial + 1;
+    PyObject *serial_key = PyLong_FromLongLong(serial);
+    if (serial_key == NULL || PyDict_SetItem(self->live, serial_key, args[0]) < 0) {
+        Py_XDECREF(serial_key);
+        return NULL;
+    }
+    self->last_serial = serial;
+    Py_XSETREF(allocation->owner, Py_NewRef((PyObject *)self));
+    Py_XSETREF(allocation->serial, serial_key);  /* NOTE: the live set's key object itself */
+    allocation->live = 1;
+    count_allocation(self, allocation->size, nbytes, self->num_device_allocs != device_allocs);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(book_free_doc,
+"_book_free(allocation) -> None\n\n"
+"Allocator.free's books for `allocation`, off the live set and given to `_free` with the lock\n"
+"held: the counters.");
+
+static PyObject *
+state_book_free(AllocatorState *self, PyObject *arg)
+{
+    if (!PyObject_TypeCheck(arg, &AllocationRecordType)) {
+        PyErr_SetString(PyExc_TypeError, "_book_free(allocation)");
+        return NULL;
+    }
+    AllocationRecord *allocation = (AllocationRecord *)arg;
+    count_free(self, allocation->size, allocation->nbytes);
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -1052,19 +1194,7 @@ state_caching_allocate(AllocatorState *self, PyObject *arg)
     allocation->owner = Py_NewRef((PyObject *)self);
     allocation->serial = serial_key;  /* NOTE: the key object itself: free finds it by identity */
     allocation->live = 1;
-    /* the accounting of Allocator.allocate, for a hit: no device allocation, so no miss */
-    self->num_allocs += 1;
-    self->allocated_bytes += allocation->size;
-    self->requested_bytes += nbytes;
-    if (self->allocated_bytes > self->peak_allocated_bytes) {
-        self->peak_allocated_bytes = self->allocated_bytes;
-    }
-    if (self->requested_bytes > self->peak_requested_bytes) {
-        self->peak_requested_bytes = self->requested_bytes;
-    }
-    if (self->reserved_bytes - self->allocated_bytes > self->peak_cached_bytes) {
-        self->peak_cached_bytes = self->reserved_bytes - self->allocated_bytes;
-    }
+    count_allocation(self, allocation->size, nbytes, 0);  /* a hit: no device allocation */
     if (self->spare == NULL) {  /* the next split's block, made after the changes */
         self->spare = (BlockObject *)BlockType.tp_alloc(&BlockType, 0);
         if (self->spare == NULL) {
@@ -1196,13 +1326,7 @@ state_caching_free(AllocatorState *self, PyObject *arg)
     if (whole_segment) {
         idle_append(idle, result);  /* the whole segment is free: newest in the LRU order */
     }
-    /* the accounting of Allocator.free */
-    self->num_frees += 1;
-    self->allocated_bytes -= allocation->size;
-    self->requested_bytes -= allocation->nbytes;
-    if (self->reserved_bytes - self->allocated_bytes > self->peak_cached_bytes) {
-        self->peak_cached_bytes = self->reserved_bytes - self->allocated_bytes;
-    }
+    count_free(self, allocation->size, allocation->nbytes);
     Py_XDECREF(after);
     Py_XDECREF(handle);
     Py_XDECREF(raw);
@@ -1216,6 +1340,9 @@ slow:
 static PyMethodDef state_methods[] = {
     {"_caching_allocate", (PyCFunction)state_caching_allocate, METH_O, caching_allocate_doc},
     {"_caching_free", (PyCFunction)state_caching_free, METH_O, caching_free_doc},
+    {"_book_allocation", (PyCFunction)(void (*)(void))state_book_allocation, METH_FASTCALL,
+     book_allocation_doc},
+    {"_book_free", (PyCFunction)state_book_free, METH_O, book_free_doc},
     {NULL, NULL}
 };
 
@@ -1235,14 +1362,16 @@ static PyMemberDef state_members[] = {
     STATE_MEMBER("_num_device_allocs", num_device_allocs, T_LONGLONG),
     STATE_MEMBER("_num_device_frees", num_device_frees, T_LONGLONG),
     STATE_MEMBER("_last_serial", last_serial, T_LONGLONG),
-    STATE_MEMBER("_live", live, T_OBJECT),
-    STATE_MEMBER("_lock", lock, T_OBJECT),
-    STATE_MEMBER("device", device, T_OBJECT),
+    /* NOTE: object slots are T_OBJECT_EX (AttributeError while unset, as in the Python class):
+       the specializing interpreter reads and writes only those in a few instructions */
+    STATE_MEMBER("_live", live, T_OBJECT_EX),
+    STATE_MEMBER("_lock", lock, T_OBJECT_EX),
+    STATE_MEMBER("device", device, T_OBJECT_EX),
     STATE_MEMBER("_hot", hot, T_BOOL),
-    STATE_MEMBER("_ordered", ordered, T_BOOL),
-    STATE_MEMBER("_rounded", rounded, T_OBJECT),
+    STATE_MEMBER("_ordered", ordered, T_OBJECT_EX),
+    STATE_MEMBER("_rounded", rounded, T_OBJECT_EX),
     STATE_MEMBER("_small_size", small_size, T_LONGLONG),
-    STATE_MEMBER("_max_cached_bytes", max_cached_bytes, T_OBJECT),
+    STATE_MEMBER("_max_cached_bytes", max_cached_bytes, T_OBJECT_EX),
     {NULL}
 };
 

@@ -203,9 +203,9 @@ class _Idle(IdleRecord):
 
     def discard(self, head: _Block) -> None:
         """Take `head` out, if it is in."""
-        if head not in self:
-            return
         before, after = head.prev_idle, head.next_idle
+        if before is None and self.oldest is not head:  # NOTE: `head not in self`, inlined
+            return
         if before is None:
             self.oldest = after
         else:

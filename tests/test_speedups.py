@@ -475,11 +475,15 @@ def test_the_hot_path_serves_repeating_requests_without_python(monkeypatch):
 
 
 def test_pure_python_and_the_extension_agree():
-    """The same program in this process and in a pure-Python one: same stats, same offsets."""
+    """The same program in this process and in a pure-Python one: same stats, same offsets.
+    Besides the caching allocator, the direct one and an adaptor, whose books are kept by the
+    base class (AllocatorState._book_allocation / _book_free, C in one build, Python in the
+    other)."""
     script = (
         "import json, random, sys\n"
         "sys.path.insert(0, 'tests')\n"
         "import allocators\n"
+        "from allocators.adaptors import StatisticsAdaptor\n"
         "from test_speedups import run_program\n"
         "rng = random.Random(7)\n"
         "sizes = [0, 4, 1000, 4096, 100 * 1024, 1 << 20, 3 << 20, 777]\n"
@@ -489,6 +493,18 @@ def test_pure_python_and_the_extension_agree():
         "for segments in ('exact', 'pytorch'):\n"
         "    alloc = allocators.create('caching', 'cpu', segments=segments)\n"
         "    out[segments] = run_program(alloc, program, check=False)\n"
+        "def books(alloc):\n"
+        "    live, serials = [], []\n"
+        "    for action, value in program:\n"
+        "        if action == 'alloc':\n"
+        "            live.append(alloc.allocate(value))\n"
+        "            serials.append(live[-1].serial)\n"
+        "        elif live:\n"
+        "            alloc.free(live.pop(value % len(live)))\n"
+        "    alloc.check_invariants()\n"
+        "    return [serials, alloc.stats()]\n"
+        "out['direct'] = books(allocators.create('direct', 'cpu'))\n"
+        "out['statistics'] = books(StatisticsAdaptor(allocators.create('caching', 'cpu')))\n"
         "print(json.dumps({'accelerated': allocators.ACCELERATED, 'runs': out}))\n")
 
     def run(pure: bool) -> dict:
@@ -503,6 +519,7 @@ def test_pure_python_and_the_extension_agree():
     pure, default = run(pure=True), run(pure=False)
     assert pure["accelerated"] is False
     assert pure["runs"] == default["runs"]
+    assert default["runs"]["direct"][1]["num_allocs"] > 100
 
 
 @needs_speedups
@@ -645,6 +662,20 @@ def test_counters_are_one_state_for_python_and_c():
     assert alloc.stats()["num_ooms"] == 5
     alloc.free(held)
     assert alloc._counters["num_frees"] == 2
+
+
+def test_the_books_change_nothing_when_they_refuse():
+    """Allocator.allocate's books (AllocatorState._book_allocation) are all or nothing."""
+    alloc = allocators.create("direct", "cpu")
+    kept = alloc.allocate(64)
+    before = alloc.stats()
+    stray = allocators.Allocation(alloc.device, None, 0, 8, 8)
+    with pytest.raises(TypeError):
+        alloc._book_allocation(stray, "eight", 0)
+    assert alloc.stats() == before and alloc._last_serial == kept.serial == 1
+    assert stray.owner is None and not stray.live and alloc._live == {1: kept}
+    alloc.free(kept)
+    alloc.check_invariants()
 
 
 @needs_speedups
