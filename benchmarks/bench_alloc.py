@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import timeit
 from collections.abc import Callable
 from typing import Any
 
@@ -29,11 +30,14 @@ import allocators
 import backends
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import cpu_name, interleaved_best, versions
+from timing import cpu_name, interleaved_min, versions
 
 SIZES = (256, 64 << 10, 4 << 20, 64 << 20)
 #: (numerator, denominator) contenders of each ratio column: two allocators of one device
 RATIOS = (("caching (cpu)", "numpy.empty"), ("caching (opencl)", "pyopencl pool"))
+#: The contenders that go to the device (or the OS) at every pair: at 1 MiB and up they touch
+#: fresh memory, so they run a tenth of the pairs per round to keep the run short.
+UNCACHED = ("direct (cpu)", "numpy.empty")
 
 
 def blockrt_pair(name: str, device: Any, nbytes: int) -> Callable[[], None]:
@@ -74,8 +78,22 @@ def pyopencl_pair(device: Any, nbytes: int) -> Callable[[], None]:
 def header(device: Any, rounds: int, number: int, load: float) -> str:
     speed = "C hot path" if allocators.ACCELERATED else "pure Python (no C hot path)"
     return (f"alloc+free pairs on {cpu_name()}; {versions(device)}; blockrt {speed}; best of "
-            f"{rounds} interleaved rounds of {number} pairs ({number // 10} at 4 MiB and up); "
-            f"1-minute load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
+            f"{rounds} interleaved rounds of {number} pairs ({number // 10} for "
+            f"{' and '.join(UNCACHED)} at 1 MiB and up); 1-minute load average {load:.2f} "
+            f"before, {os.getloadavg()[0]:.2f} after")
+
+
+def best_times(contenders: dict[str, Callable[[], None]], nbytes: int, number: int,
+               rounds: int) -> dict[str, float]:
+    """Microseconds per pair of each contender, best of `rounds` interleaved rounds."""
+    def per_pair(name: str, pair: Callable[[], None]) -> Callable[[], float]:
+        count = number // 10 if name in UNCACHED and nbytes >= (1 << 20) else number
+        return lambda: timeit.timeit(pair, number=count) / count * 1e6
+
+    for pair in contenders.values():
+        pair()  # NOTE: warm-up: the cached ones hit from here on
+    return interleaved_min({name: per_pair(name, pair) for name, pair in contenders.items()},
+                           rounds)
 
 
 def main() -> None:
@@ -93,10 +111,7 @@ def main() -> None:
         if device is not None:
             contenders["caching (opencl)"] = blockrt_pair("caching", device, nbytes)
             contenders["pyopencl pool"] = pyopencl_pair(device, nbytes)
-        # NOTE: the uncached ones touch fresh memory; fewer repetitions keep the run short
-        best = interleaved_best(contenders, number if nbytes < (1 << 20) else number // 10,
-                                rounds)
-        rows.append((nbytes, best))
+        rows.append((nbytes, best_times(contenders, nbytes, number, rounds)))
     names = list(rows[0][1])
     ratios = [(top, bottom) for top, bottom in RATIOS if top in names and bottom in names]
     print(header(device, rounds, number, load) + "\n")
