@@ -1103,7 +1103,7 @@ state_caching_allocate(AllocatorState *self, PyObject *arg)
     }
     /* the most recently freed block of exactly this size, else the best fit */
     PyObject *exact = PyDict_GetItemWithError(buckets, size_key);  /* its list, if listed */
-    if (exact != NULL && !freelist_ready(exact)) {
+    if (exact != NULL && (!freelist_ready(exact) || AS_FREE_LIST(exact)->size != size)) {
         goto slow;
     }
     FreeListObject *source = AS_FREE_LIST(exact);
