@@ -1416,10 +1416,38 @@ set_allocation_class(PyObject *Py_UNUSED(module), PyObject *cls)
     Py_RETURN_NONE;
 }
 
+/* The hot path as allocate / free of one class (see caching_methods). */
+static PyMethodDef caching_defs[] = {
+    {"allocate", (PyCFunction)state_caching_allocate, METH_O, caching_allocate_doc},
+    {"free", (PyCFunction)state_caching_free, METH_O, caching_free_doc},
+};
+
+static PyObject *
+caching_methods(PyObject *Py_UNUSED(module), PyObject *cls)
+{
+    if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls, &AllocatorStateType)) {
+        PyErr_SetString(PyExc_TypeError, "caching_methods() takes a subclass of AllocatorState");
+        return NULL;
+    }
+    PyObject *allocate = PyDescr_NewMethod((PyTypeObject *)cls, &caching_defs[0]);
+    PyObject *free = PyDescr_NewMethod((PyTypeObject *)cls, &caching_defs[1]);
+    PyObject *pair = allocate != NULL && free != NULL ? PyTuple_Pack(2, allocate, free) : NULL;
+    Py_XDECREF(allocate);
+    Py_XDECREF(free);
+    return pair;
+}
+
 static PyMethodDef module_methods[] = {
     {"set_allocation_class", set_allocation_class, METH_O,
      PyDoc_STR("set_allocation_class(cls)\n--\n\n"
                "The class whose instances the hot path hands out (allocators.Allocation).")},
+    {"caching_methods", caching_methods, METH_O,
+     PyDoc_STR("caching_methods(cls) -> (allocate, free)\n--\n\n"
+               "The hot path (AllocatorState._caching_allocate / _caching_free) as method\n"
+               "descriptors of `cls`, a subclass of AllocatorState. CPython 3.11 specializes a\n"
+               "call of a C method only for instances of exactly the class its descriptor\n"
+               "names: `alloc.allocate(n)` on a CachingAllocator takes the fast call this way,\n"
+               "the generic one with AllocatorState's.")},
     {NULL, NULL}
 };
 

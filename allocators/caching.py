@@ -301,15 +301,12 @@ class CachingAllocator(Allocator):
 
     # ------------------------------------------------------------------ the hot path
     # NOTE: Note [the hot path runs no Python] in allocators/_core.py. With the extension,
-    # allocate / free are its C functions, which serve cache hits (exact, best fit, split or
-    # whole) and frees that coalesce into sizes already listed, with the same records and
-    # accounting, and call Allocator.allocate / free (as _allocate_slow / _free_slow) for
-    # everything else. Without it, they are Allocator's.
+    # allocate / free are its C functions (set by _with_hot_path, below the class), which serve
+    # cache hits (exact, best fit, split or whole) and frees that coalesce into sizes already
+    # listed, with the same records and accounting, and call Allocator.allocate / free (as
+    # _allocate_slow / _free_slow) for everything else. Without it, they are Allocator's.
     _allocate_slow = Allocator.allocate
     _free_slow = Allocator.free
-    if speedups is not None:
-        allocate = speedups.AllocatorState._caching_allocate
-        free = speedups.AllocatorState._caching_free
 
     # ------------------------------------------------------------------ hooks (lock held)
     def _allocate(self, nbytes: int) -> Allocation:
@@ -617,6 +614,18 @@ class CachingAllocator(Allocator):
         whole = [head for head in self._segments if head.free and head.next is None]
         if not (sorted(map(id, idle)) == sorted(map(id, whole))):
             raise AssertionError("the LRU != whole free segments")
+
+
+def _with_hot_path(cls: type[CachingAllocator]) -> None:
+    """Make the C hot path `cls.allocate` / `cls.free` where the extension is built."""
+    if speedups is not None:
+        # NOTE: descriptors of `cls` itself, not of AllocatorState, where they are defined:
+        # CPython 3.11 specializes `alloc.allocate(n)` into a direct C call only when `alloc`
+        # is exactly of the descriptor's class (unspecialized, a call cost 35 ns more here)
+        cls.allocate, cls.free = speedups.caching_methods(cls)
+
+
+_with_hot_path(CachingAllocator)
 
 
 def _optional_nbytes(value: Any, what: str) -> int | None:

@@ -698,6 +698,20 @@ def test_the_pools_and_the_lru_take_only_records_of_their_kind():
 
 
 @needs_speedups
+def test_allocate_and_free_are_c_methods_of_the_caching_allocator_itself():
+    """So that CPython specializes `alloc.allocate(n)` (it does for exactly the descriptor's
+    class); a subclass (Witness) runs the same C code through the generic call."""
+    for name in ("allocate", "free"):
+        method = CachingAllocator.__dict__[name]
+        assert type(method).__name__ == "method_descriptor"
+        assert method.__objclass__ is CachingAllocator
+    alloc = Witness("cpu")
+    alloc.free(alloc.allocate(100))
+    alloc.free(alloc.allocate(100))
+    assert alloc.slow_calls == 2  # the first allocate and free: a new size
+
+
+@needs_speedups
 def test_the_c_search_gives_up_where_python_prunes():
     assert speedups.PRUNE_AFTER == _PRUNE_AFTER
 
