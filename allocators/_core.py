@@ -4,9 +4,9 @@ The caching allocator's most common cases (a cache hit, and a free that coalesce
 already listed) run in C, in the optional extension `allocators._speedups`; everything else runs
 in Python. For C and Python to work on one state, the records and the allocator state
 are types of that extension when it is built: the fields of an `Allocation`, of a caching
-`_Block`, `_FreeList`, `_Pool` and `_Idle`, and an allocator's counters, serial counter, live set
-and lock. This module defines the same names in Python, then takes the C ones when it can (as
-CPython's `heapq` does with `_heapq`).
+`_Block`, its `FreeList`s, `_Pool` and `_Idle`, and an allocator's counters, serial counter,
+live set and lock. This module defines the same names in Python, then takes the C ones when it
+can (as CPython's `heapq` does with `_heapq`).
 
 The environment variable BLOCKRT_PURE_PYTHON, read once when `allocators` is first imported,
 turns the extension off: set to 1, true, yes or on, the pure-Python classes below are used; 0,
@@ -124,7 +124,7 @@ class AllocatorState:
 
     # NOTE: the books of Allocator.allocate and free, one call each, so that the C build keeps
     # them in C: there, Python reaches a counter (a C field) only through a generic attribute
-    # lookup and a new int, a dozen times a pair. The hot path keeps the same books.
+    # lookup and a new int, about 25 times a pair. The hot path keeps the same books.
     def _book_allocation(self, allocation: Any, nbytes: int, device_allocs: int) -> None:
         """Allocator.allocate's books for `allocation`, just made by `_allocate` for a request
         of `nbytes` with the lock held: its owner, serial and live flag, the live set, and the
@@ -170,8 +170,9 @@ class Block:
     splits cut from the top, so the head record lives as long as the segment and names it.
     A free block is also on the free list of its size in its pool: `free_list` is that
     `FreeList`, `prev_free` and `next_free` its neighbours there (see `caching._Pool`). A used
-    block has None there, and as `free_list` the list of its size that its pool had when it was
-    handed out, or None: where that list is still listed, its free goes straight back to it. The
+    block has None as `prev_free` and `next_free`, and as `free_list` the list of its size that
+    its pool had when it was handed out, or None: while that list is listed, its free goes
+    straight back to it. The
     head of a whole free segment is also in the allocator's LRU list of them (`prev_idle`,
     `next_idle`, see `caching._Idle`); every other block has None there. `pool` is its
     `caching._Pool`.
