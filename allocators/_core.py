@@ -4,9 +4,9 @@ The caching allocator's most common cases (a cache hit, and a free that coalesce
 already listed) run in C, in the optional extension `allocators._speedups`; everything else runs
 in Python. For C and Python to work on one state, the records and the allocator state
 are types of that extension when it is built: the fields of an `Allocation`, of a caching
-`_Block` and `_Pool`, and an allocator's counters, serial counter, live set and lock. This module
-defines the same names in Python, then takes the C ones when it can (as CPython's `heapq` does
-with `_heapq`).
+`_Block`, its `FreeList`s, `_Pool` and `_Idle`, and an allocator's counters, serial counter,
+live set and lock. This module defines the same names in Python, then takes the C ones when it
+can (as CPython's `heapq` does with `_heapq`).
 
 The environment variable BLOCKRT_PURE_PYTHON, read once when `allocators` is first imported,
 turns the extension off: set to 1, true, yes or on, the pure-Python classes below are used; 0,
@@ -25,11 +25,20 @@ paths on the same requests and compares every field after every step. What that 
 - anything rare (a new size, a new segment, pruning, trimming, out of memory, bad input) goes in
   Python only: the C code falls back to it, so adding there costs the hot path nothing;
 - a field the C code reads is declared twice, in the records below and in the C struct with its
-  member table, with the same name and type;
-- new policy in `Allocator.allocate` / `free` (a check, a counter, a hook) is either done by the
-  C code as well, or turns the hot path off while it applies, as queue-ordered reuse does (its
-  `_hot_off` clears `_hot` and sets `_ordered` until no allocation is recorded or pending); a
-  subclass that overrides `_allocate` or `_free` never gets the hot path at all.
+  member table, with the same name and type; in the C build the allocator state's `_small`,
+  `_large` and `_idle` take only records of their kind (checked when set), so the C code need
+  not check them;
+- the common case touches no dictionary it can avoid: a free block knows its free list
+  (`Block.free_list`, a `FreeList` whose `first` the C code moves), and the whole free segments
+  are a list linked through their head blocks (`IdleRecord`), so a hit on a cached block and its
+  free look up one size and move pointers;
+- the books of `Allocator.allocate` / `free` (owner, serial, live set, counters) are
+  `AllocatorState._book_allocation` / `_book_free`, defined below and in C, where the hot path
+  keeps the same books with the same code; new policy there (a check, a counter, a hook) is
+  either done by the C code as well, or turns the hot path off while it applies, as
+  queue-ordered reuse does (its `_hot_off` clears `_hot` and sets `_ordered` until no
+  allocation is recorded or pending); a subclass that overrides `_allocate` or `_free` never
+  gets the hot path at all.
 """
 
 from __future__ import annotations
@@ -39,7 +48,8 @@ import threading
 from typing import Any
 
 __all__ = ["ACCELERATED", "COUNTERS", "PURE_PYTHON", "PURE_PYTHON_ENV", "AllocationRecord",
-           "AllocatorState", "Block", "Lock", "PoolRecord", "speedups"]
+           "AllocatorState", "Block", "FreeList", "IdleRecord", "Lock", "PoolRecord",
+           "speedups"]
 
 #: The environment variable that turns the C hot path off (see the module docstring).
 PURE_PYTHON_ENV = "BLOCKRT_PURE_PYTHON"
@@ -92,7 +102,8 @@ class AllocationRecord:
 
 
 class AllocatorState:
-    """What an allocator's hot path reads and writes: counters, serials, live set, lock.
+    """What an allocator's hot path reads and writes: counters, serials, live set, lock, and
+    the books `Allocator.allocate` and `free` keep in them.
 
     Every counter of COUNTERS is an attribute named "_" + its key. `_last_serial` is the serial
     of the last allocation handed out; `_live` maps serial -> live Allocation. `_hot` turns on
@@ -111,6 +122,44 @@ class AllocatorState:
         for key in COUNTERS:
             setattr(self, f"_{key}", 0)
 
+    # NOTE: the books of Allocator.allocate and free, one call each, so that the C build keeps
+    # them in C: there, Python reaches a counter (a C field) only through a generic attribute
+    # lookup and a new int, about 25 times a pair. The hot path keeps the same books.
+    def _book_allocation(self, allocation: Any, nbytes: int, device_allocs: int) -> None:
+        """Allocator.allocate's books for `allocation`, just made by `_allocate` for a request
+        of `nbytes` with the lock held: its owner, serial and live flag, the live set, and the
+        counters (a cache miss if `_num_device_allocs` moved from `device_allocs`). Changes
+        nothing if it raises."""
+        serial = self._last_serial + 1
+        allocated = self._allocated_bytes + allocation.size
+        requested = self._requested_bytes + nbytes
+        self._live[serial] = allocation  # NOTE: the last step that can fail
+        self._last_serial = allocation.serial = serial
+        allocation.owner = self
+        allocation.live = True
+        self._num_allocs += 1
+        if self._num_device_allocs != device_allocs:
+            self._cache_misses += 1
+        self._allocated_bytes = allocated
+        self._requested_bytes = requested
+        if allocated > self._peak_allocated_bytes:
+            self._peak_allocated_bytes = allocated
+        if requested > self._peak_requested_bytes:
+            self._peak_requested_bytes = requested
+        cached = self._reserved_bytes - allocated  # a new segment may leave some cached
+        if cached > self._peak_cached_bytes:
+            self._peak_cached_bytes = cached
+
+    def _book_free(self, allocation: Any) -> None:
+        """Allocator.free's books for `allocation`, off the live set and given to `_free` with
+        the lock held: the counters."""
+        self._num_frees += 1
+        allocated = self._allocated_bytes = self._allocated_bytes - allocation.size
+        self._requested_bytes -= allocation.nbytes
+        cached = self._reserved_bytes - allocated
+        if cached > self._peak_cached_bytes:
+            self._peak_cached_bytes = cached
+
 
 class Block:
     """A run of bytes inside a segment of the caching allocator: used (behind one live
@@ -119,14 +168,20 @@ class Block:
     The blocks of a segment form a doubly linked list by address (`prev`, `next`). The first
     block of a segment, at offset 0, is its head: blocks merge into the lower neighbour and
     splits cut from the top, so the head record lives as long as the segment and names it.
-    A free block is also on the free list of its size in its pool (`prev_free`, `next_free`,
-    see `caching._Pool`); a used block has None there. `pool` is its `caching._Pool`.
+    A free block is also on the free list of its size in its pool: `free_list` is that
+    `FreeList`, `prev_free` and `next_free` its neighbours there (see `caching._Pool`). A used
+    block has None as `prev_free` and `next_free`, and as `free_list` the list of its size that
+    its pool had when it was handed out, or None: while that list is listed, its free goes
+    straight back to it. The
+    head of a whole free segment is also in the allocator's LRU list of them (`prev_idle`,
+    `next_idle`, see `caching._Idle`); every other block has None there. `pool` is its
+    `caching._Pool`.
     """
 
     # NOTE: no __init__: a Python-level __init__ call costs more than the stores, and
     # `caching._split` makes one block per split. `_new_block` and `_split` set every field.
     __slots__ = ("raw", "offset", "size", "pool", "free", "prev", "next", "prev_free",
-                 "next_free")
+                 "next_free", "free_list", "prev_idle", "next_idle")
 
     raw: Any
     offset: int
@@ -137,12 +192,38 @@ class Block:
     next: Block | None
     prev_free: Block | None
     next_free: Block | None
+    free_list: FreeList | None
+    prev_idle: Block | None
+    next_idle: Block | None
+
+
+class FreeList:
+    """The free blocks of one size in one pool of the caching allocator: `first`, the most
+    recently freed, then on through the blocks' `next_free`.
+
+    `listed` says whether it is its pool's list of `size` (in `pool.buckets`): a list the pool
+    pruned while it was empty is not, and a used block may still name it as its `free_list`.
+    """
+
+    __slots__ = ("size", "first", "listed")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.first: Block | None = None
+        self.listed = True
 
 
 class PoolRecord:
     """The fields of a pool of the caching allocator (see `caching._Pool`)."""
 
     __slots__ = ("name", "min_split", "buckets", "sizes")
+
+
+class IdleRecord:
+    """The fields of the caching allocator's LRU list of whole free segments (see
+    `caching._Idle`): the head blocks `oldest` and `newest`, None when it is empty."""
+
+    __slots__ = ("oldest", "newest")
 
 
 speedups: Any = None
@@ -157,6 +238,8 @@ if speedups is not None:
         AllocationRecord,
         AllocatorState,
         Block,
+        FreeList,
+        IdleRecord,
         Lock,
         PoolRecord,
     )

@@ -144,22 +144,8 @@ class Allocator(AllocatorState):
                 allocation = self._allocate(nbytes)
             except MemoryError as exc:
                 allocation = self._allocate_after_pending(nbytes, exc)
-            allocation.owner = self
-            serial = allocation.serial = self._last_serial = self._last_serial + 1
-            allocation.live = True
-            self._live[serial] = allocation
-            self._num_allocs += 1
-            if self._num_device_allocs != device_allocs:
-                self._cache_misses += 1
-            allocated = self._allocated_bytes = self._allocated_bytes + allocation.size
-            requested = self._requested_bytes = self._requested_bytes + nbytes
-            if allocated > self._peak_allocated_bytes:
-                self._peak_allocated_bytes = allocated
-            if requested > self._peak_requested_bytes:
-                self._peak_requested_bytes = requested
-            cached = self._reserved_bytes - allocated  # a new segment may leave some cached
-            if cached > self._peak_cached_bytes:
-                self._peak_cached_bytes = cached
+            # owner, serial, live set and counters (allocators/_core.py)
+            self._book_allocation(allocation, nbytes, device_allocs)
         return allocation
 
     def free(self, allocation: Allocation) -> None:
@@ -180,12 +166,7 @@ class Allocator(AllocatorState):
         books (lock held)."""
         allocation.live = False
         self._free(allocation)
-        self._num_frees += 1
-        allocated = self._allocated_bytes = self._allocated_bytes - allocation.size
-        self._requested_bytes -= allocation.nbytes
-        cached = self._reserved_bytes - allocated
-        if cached > self._peak_cached_bytes:
-            self._peak_cached_bytes = cached
+        self._book_free(allocation)
 
     # ------------------------------------------------------------------ queue-ordered reuse
     def record_queue(self, allocation: Allocation, queue: Any) -> None:

@@ -20,9 +20,10 @@ caching layer, PyTorch's CUDACachingAllocator, CuPy's memory pool). The layout f
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Iterator
 from typing import Any
 
-from allocators._core import Block, PoolRecord, speedups
+from allocators._core import Block, FreeList, IdleRecord, PoolRecord, speedups
 from allocators.base import Allocation, Allocator, format_bytes
 from allocators.sizeclass import SizeClass, get_size_class
 from backends.base import Device, check_nbytes
@@ -51,7 +52,7 @@ _Block = Block
 
 
 def _new_block(raw: Any, offset: int, size: int, pool: _Pool) -> _Block:
-    """A free block, linked to no neighbour and in no free list."""
+    """A free block, linked to no neighbour, in no free list and not in the LRU."""
     block = _Block()
     block.raw = raw
     block.offset = offset
@@ -59,16 +60,19 @@ def _new_block(raw: Any, offset: int, size: int, pool: _Pool) -> _Block:
     block.pool = pool
     block.free = True
     block.prev = block.next = block.prev_free = block.next_free = None
+    block.free_list = block.prev_idle = block.next_idle = None
     return block
 
 
 class _Pool(PoolRecord):
     """The free blocks of one pool ("small" or "large"), found by size.
 
-    `buckets` maps a block size to the first block of the free list of that size, a doubly
-    linked list through the blocks' `prev_free` / `next_free`, most recently freed first (None
-    when no block of that size is free); `sizes` is the sorted list of the bucket keys, for the
-    best-fit search. Pushing, popping and removing a block are O(1) and allocate nothing.
+    `buckets` maps a block size to the `FreeList` of that size: its `first` block, most
+    recently freed, starts a doubly linked list through the blocks' `prev_free` / `next_free`
+    (`first` is None when no block of that size is free), and each block on it names it as its
+    `free_list`. `sizes` is the sorted list of the bucket keys, for the best-fit search.
+    Pushing, popping and removing a block are O(1) and allocate nothing once its size is
+    listed; removing needs no lookup at all.
     """
 
     # NOTE: the fields are PoolRecord's, which the C hot path reads too:
@@ -85,22 +89,25 @@ class _Pool(PoolRecord):
         self.sizes: list[int] = []
 
     def push(self, block: _Block) -> None:
-        """Put the free `block` first on the free list of its size."""
-        buckets, size = self.buckets, block.size
-        first = buckets.get(size)
-        if first is None and size not in buckets:
+        """Put the free `block` first on the free list of its size (listed if new)."""
+        size = block.size
+        free_list = self.buckets.get(size)
+        if free_list is None:
+            free_list = self.buckets[size] = FreeList(size)
             insort(self.sizes, size)
+        first = free_list.first
         block.prev_free = None
         block.next_free = first
         if first is not None:
             first.prev_free = block
-        buckets[size] = block
+        free_list.first = block
+        block.free_list = free_list
 
     def remove(self, block: _Block) -> None:
-        """Take the free `block` off its free list."""
+        """Take the free `block` off its free list (it keeps naming the list)."""
         before, after = block.prev_free, block.next_free
         if before is None:
-            self.buckets[block.size] = after  # it was the first
+            block.free_list.first = after  # it was the first
         else:
             before.next_free = after
         if after is not None:
@@ -109,7 +116,8 @@ class _Pool(PoolRecord):
 
     def pop(self, size: int) -> _Block | None:
         """Remove and return the most recently freed block of exactly `size` bytes, or None."""
-        block = self.buckets.get(size)
+        free_list = self.buckets.get(size)
+        block = None if free_list is None else free_list.first
         if block is not None:
             self.remove(block)
         return block
@@ -120,7 +128,7 @@ class _Pool(PoolRecord):
         start = index = bisect_left(sizes, size)
         end = len(sizes)
         while index < end:  # NOTE: a while loop costs a third of a for over a range here
-            block = buckets[sizes[index]]
+            block = buckets[sizes[index]].first
             if block is not None:
                 self.remove(block)
                 if index - start > _PRUNE_AFTER:
@@ -132,26 +140,81 @@ class _Pool(PoolRecord):
         return None
 
     def prune(self) -> None:
-        """Forget the sizes that have no free block."""
+        """Forget the sizes that have no free block (their lists are no longer `listed`)."""
         buckets = self.buckets
-        self.sizes = [size for size in self.sizes if buckets[size] is not None]
+        for free_list in buckets.values():
+            if free_list.first is None:
+                free_list.listed = False
+        self.sizes = [size for size in self.sizes if buckets[size].listed]
         self.buckets = {size: buckets[size] for size in self.sizes}
 
     def largest(self) -> int:
         for size in reversed(self.sizes):
-            if self.buckets[size] is not None:
+            if self.buckets[size].first is not None:
                 return size
         return 0
 
     def free_blocks(self) -> list[_Block]:
         """Every block on the free lists, walking each list from its first block."""
         blocks = []
-        for first in self.buckets.values():
-            block = first
+        for free_list in self.buckets.values():
+            block = free_list.first
             while block is not None:
                 blocks.append(block)
                 block = block.next_free
         return blocks
+
+
+class _Idle(IdleRecord):
+    """The whole free segments of a caching allocator, least recently freed first: a doubly
+    linked list of their head blocks through `prev_idle` / `next_idle`, from `oldest` to
+    `newest`. Appending and removing are O(1) and allocate nothing; iterating goes oldest first.
+    """
+
+    # NOTE: the fields are IdleRecord's, which the C hot path moves too:
+    # Note [the hot path runs no Python] in allocators/_core.py
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        self.oldest = self.newest = None
+
+    def __contains__(self, head: _Block) -> bool:
+        return head.prev_idle is not None or self.oldest is head
+
+    def __bool__(self) -> bool:
+        return self.oldest is not None
+
+    def __iter__(self) -> Iterator[_Block]:
+        head = self.oldest
+        while head is not None:
+            yield head
+            head = head.next_idle
+
+    def append(self, head: _Block) -> None:
+        """Make the head of a segment that just became wholly free the newest."""
+        last = self.newest
+        head.prev_idle = last
+        head.next_idle = None
+        if last is None:
+            self.oldest = head
+        else:
+            last.next_idle = head
+        self.newest = head
+
+    def discard(self, head: _Block) -> None:
+        """Take `head` out, if it is in."""
+        before, after = head.prev_idle, head.next_idle
+        if before is None and self.oldest is not head:  # NOTE: `head not in self`, inlined
+            return
+        if before is None:
+            self.oldest = after
+        else:
+            before.next_idle = after
+        if after is None:
+            self.newest = before
+        else:
+            after.prev_idle = before
+        head.prev_idle = head.next_idle = None
 
 
 class CachingAllocator(Allocator):
@@ -218,8 +281,8 @@ class CachingAllocator(Allocator):
         self._large = _Pool("large", min_split=small_size + 1)
         #: head block -> bytes of its segment
         self._segments: dict[_Block, int] = {}
-        #: the heads of whole free segments, least recently freed first (dicts keep order)
-        self._idle: dict[_Block, None] = {}
+        #: the heads of whole free segments, least recently freed first
+        self._idle = _Idle()
         # NOTE: the C hot path (allocate / free below) serves only what the hooks here would do;
         # a subclass with hooks of its own gets the Python path throughout
         # (Note [the hot path runs no Python] in allocators/_core.py).
@@ -238,15 +301,12 @@ class CachingAllocator(Allocator):
 
     # ------------------------------------------------------------------ the hot path
     # NOTE: Note [the hot path runs no Python] in allocators/_core.py. With the extension,
-    # allocate / free are its C functions, which serve cache hits (exact, best fit, split or
-    # whole) and frees that coalesce into sizes already listed, with the same records and
-    # accounting, and call Allocator.allocate / free (as _allocate_slow / _free_slow) for
-    # everything else. Without it, they are Allocator's.
+    # allocate / free are its C functions (set by _with_hot_path, below the class), which serve
+    # cache hits (exact, best fit, split or whole) and frees that coalesce into sizes already
+    # listed, with the same records and accounting, and call Allocator.allocate / free (as
+    # _allocate_slow / _free_slow) for everything else. Without it, they are Allocator's.
     _allocate_slow = Allocator.allocate
     _free_slow = Allocator.free
-    if speedups is not None:
-        allocate = speedups.AllocatorState._caching_allocate
-        free = speedups.AllocatorState._caching_free
 
     # ------------------------------------------------------------------ hooks (lock held)
     def _allocate(self, nbytes: int) -> Allocation:
@@ -260,10 +320,12 @@ class CachingAllocator(Allocator):
             if block is None:
                 block = self._grow(size, pool)
         if block.prev is None and block.next is None:
-            self._idle.pop(block, None)  # a whole free segment is in use again
+            self._idle.discard(block)  # a whole free segment is in use again
         if block.size - size >= pool.min_split:
             block = self._split(block, size)
         block.free = False
+        # NOTE: its free goes straight back to this list while the pool keeps it listed
+        block.free_list = pool.buckets.get(block.size)
         # NOTE: the block's size, not `size`: a leftover below min_split stays in the block, so
         # a block may be handed out whole, larger than the request's size class (and so in C)
         allocation = Allocation(self.device, block.raw, block.offset, nbytes, block.size)
@@ -294,7 +356,7 @@ class CachingAllocator(Allocator):
             block.free = True
         pool.push(block)
         if block.prev is None and after is None:
-            self._idle[block] = None  # the whole segment is free: newest in the LRU order
+            self._idle.append(block)  # the whole segment is free: newest in the LRU order
         if self._max_cached_bytes is not None:
             # NOTE: the base subtracts allocation.size from allocated bytes after this hook.
             self._trim(self._reserved_bytes - self._allocated_bytes + allocation.size)
@@ -323,6 +385,7 @@ class CachingAllocator(Allocator):
         used.pool = pool
         used.free = False
         used.prev_free = used.next_free = None
+        used.free_list = used.prev_idle = used.next_idle = None
         after = used.next = block.next
         if after is not None:
             after.prev = used
@@ -393,7 +456,7 @@ class CachingAllocator(Allocator):
 
     def _release(self, head: _Block) -> None:
         """Give the whole free segment `head` back to the device."""
-        del self._idle[head]
+        self._idle.discard(head)
         head.pool.remove(head)
         nbytes = self._segments.pop(head)
         self._device_free(head.raw, nbytes)
@@ -415,7 +478,7 @@ class CachingAllocator(Allocator):
         idle = self._idle
         bound = self._max_cached_bytes
         while cached > bound and idle:
-            head = next(iter(idle))
+            head = idle.oldest
             cached -= head.size
             self._release(head)
 
@@ -446,8 +509,8 @@ class CachingAllocator(Allocator):
 
     def check_invariants(self) -> None:
         """The base checks, and: segments tile exactly into blocks, free neighbours are merged,
-        the free lists hold exactly the free blocks, the LRU exactly the whole free segments,
-        and used + free bytes add up to allocated and reserved bytes."""
+        the free lists hold exactly the free blocks (each naming its list), the LRU exactly the
+        whole free segments, and used + free bytes add up to allocated and reserved bytes."""
         super().check_invariants()
         with self._lock:
             self._check_layout()
@@ -473,6 +536,9 @@ class CachingAllocator(Allocator):
                     raise AssertionError(f"{where}: size {block.size}")
                 if not (block.raw is head.raw and block.pool is head.pool):
                     raise AssertionError(f"{where}: wrong segment")
+                if not (block.prev_idle is None and block.next_idle is None
+                        or block is head and block.free and block.next is None):
+                    raise AssertionError(f"{where}: linked in the LRU, not a whole free segment")
                 after = block.next
                 if not (after is None or after.prev is block):
                     raise AssertionError(f"{where}: broken links")
@@ -484,6 +550,10 @@ class CachingAllocator(Allocator):
                 else:
                     if not (block.prev_free is None and block.next_free is None):
                         raise AssertionError(f"{where}: used but on a free list")
+                    named = block.free_list
+                    if not (named is None or named.size == block.size
+                            and (named.listed or named.first is None)):
+                        raise AssertionError(f"{where}: used, naming a wrong free list")
                     allocation = live_blocks.pop(id(block), None)
                     if not (allocation is not None):
                         raise AssertionError(f"{where}: used but no live allocation")
@@ -507,11 +577,15 @@ class CachingAllocator(Allocator):
         for pool in (self._small, self._large):
             if not (pool.sizes == sorted(pool.buckets)):
                 raise AssertionError(f"{pool.name} sizes out of order")
-            for size, first in pool.buckets.items():
-                before, block = None, first
+            for size, free_list in pool.buckets.items():
+                where = f"the {size}-byte free list of the {pool.name} pool"
+                if not (free_list.size == size and free_list.listed):
+                    raise AssertionError(f"{where} is a list of {free_list.size} bytes, listed "
+                                         f"{free_list.listed}")
+                before, block = None, free_list.first
                 while block is not None and len(listed) <= len(free_blocks):
-                    where = f"the {size}-byte free list of the {pool.name} pool"
-                    if not (block.size == size and block.pool is pool and block.free):
+                    if not (block.size == size and block.pool is pool and block.free
+                            and block.free_list is free_list):
                         raise AssertionError(f"{where} holds a wrong block (at +{block.offset}, "
                                              f"{block.size} bytes)")
                     if block.prev_free is not before:
@@ -520,13 +594,38 @@ class CachingAllocator(Allocator):
                     before, block = block, block.next_free
         if not (sorted(map(id, listed)) == sorted(map(id, free_blocks))):
             raise AssertionError("the free lists do not hold exactly the free blocks")
-        whole = [head for head in self._segments if head.free and head.next is None]
-        if not (set(map(id, self._idle)) == set(map(id, whole))):
-            raise AssertionError("the LRU != whole free segments")
+        self._check_idle()
         bound = self._max_cached_bytes
         if not (bound is None or free_bytes <= bound or not self._idle):
             raise AssertionError(f"{format_bytes(free_bytes)} cached past max_cached_bytes "
                                  f"{format_bytes(bound)} while whole free segments could go back")
+
+    def _check_idle(self) -> None:
+        """The LRU list links exactly the whole free segments, both ways."""
+        idle, before = [], None
+        head = self._idle.oldest
+        while head is not None and len(idle) <= len(self._segments):
+            if head.prev_idle is not before:
+                raise AssertionError("the LRU: broken links")
+            idle.append(head)
+            before, head = head, head.next_idle
+        if self._idle.newest is not before:
+            raise AssertionError("the LRU: its newest is not its last")
+        whole = [head for head in self._segments if head.free and head.next is None]
+        if not (sorted(map(id, idle)) == sorted(map(id, whole))):
+            raise AssertionError("the LRU != whole free segments")
+
+
+def _with_hot_path(cls: type[CachingAllocator]) -> None:
+    """Make the C hot path `cls.allocate` / `cls.free` where the extension is built."""
+    if speedups is not None:
+        # NOTE: descriptors of `cls` itself, not of AllocatorState, where they are defined:
+        # CPython 3.11 specializes `alloc.allocate(n)` into a direct C call only when `alloc`
+        # is exactly of the descriptor's class (unspecialized, a call cost 35 ns more here)
+        cls.allocate, cls.free = speedups.caching_methods(cls)
+
+
+_with_hot_path(CachingAllocator)
 
 
 def _optional_nbytes(value: Any, what: str) -> int | None:

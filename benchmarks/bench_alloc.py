@@ -1,11 +1,16 @@
 """Hot-path latency of one alloc+free pair, at 256 B, 64 KiB, 4 MiB and 64 MiB.
 
 Side by side in one run, in interleaved rounds (best round kept):
-- blockrt's allocators: "caching" (a cache hit after warm-up) and "direct" (one device
-  allocation per pair), through the public `allocate` / `free`;
-- `numpy.empty(n, uint8)` (allocate, then drop the array);
-- `pyopencl.tools.MemoryPool(ImmediateAllocator(queue))` on the first OpenCL device (PoCL on a
-  plain CPU), when pyopencl is installed.
+- blockrt's allocators through the public `alloc.allocate` / `alloc.free`, as users call them:
+  "caching" (a cache hit after warm-up) on the CPU device and on the OpenCL device, and
+  "direct" on the CPU (one device allocation per pair);
+- `numpy.empty(n, uint8)` (allocate, then drop the array), the CPU device's own allocator;
+- `pyopencl.tools.MemoryPool(ImmediateAllocator(queue))` on the queue of blockrt's OpenCL device
+  (PoCL on a plain CPU), when pyopencl is installed: `pool.allocate(n).release()`.
+
+Each ratio compares two allocators of one device: caching (cpu) with numpy.empty, caching
+(opencl) with pyopencl's pool, which hands out buffers of the same PoCL device and context.
+The header names the CPU, Python, NumPy, pyopencl and the OpenCL device, and the load.
 
 Run: python benchmarks/bench_alloc.py [--quick]
 """
@@ -15,24 +20,33 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import timeit
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 import allocators
+import backends
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import interleaved_best
+from timing import cpu_name, interleaved_min, versions
 
 SIZES = (256, 64 << 10, 4 << 20, 64 << 20)
+#: (numerator, denominator) contenders of each ratio column: two allocators of one device
+RATIOS = (("caching (cpu)", "numpy.empty"), ("caching (opencl)", "pyopencl pool"))
+#: The contenders that go to the device (or the OS) at every pair: at 1 MiB and up they touch
+#: fresh memory, so they run a tenth of the pairs per round to keep the run short.
+UNCACHED = ("direct (cpu)", "numpy.empty")
 
 
-def blockrt_pair(name: str, nbytes: int) -> Callable[[], None]:
-    alloc = allocators.create(name, "cpu")
-    allocate, free = alloc.allocate, alloc.free
+def blockrt_pair(name: str, device: Any, nbytes: int) -> Callable[[], None]:
+    alloc = allocators.create(name, device)
 
+    # NOTE: methods looked up at every call, as users write it (and as pyopencl's pair must
+    # look up `release`): bound once, blockrt's pair measured 0.02 us less
     def pair() -> None:
-        free(allocate(nbytes))
+        alloc.free(alloc.allocate(nbytes))
 
     return pair
 
@@ -44,14 +58,17 @@ def numpy_pair(nbytes: int) -> Callable[[], None]:
     return pair
 
 
-def pyopencl_pair(nbytes: int) -> Callable[[], None] | None:
-    try:
-        import pyopencl as cl
-        import pyopencl.tools as cl_tools
-    except ImportError:
+def opencl_device() -> Any:
+    """blockrt's OpenCL device (PoCL here), or None when pyopencl or a device is missing."""
+    if "opencl" not in backends.available():
         return None
-    queue = cl.CommandQueue(cl.create_some_context(interactive=False))
-    pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(queue))
+    return backends.get_device("opencl")
+
+
+def pyopencl_pair(device: Any, nbytes: int) -> Callable[[], None]:
+    import pyopencl.tools as cl_tools
+
+    pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(device.queue))
 
     def pair() -> None:
         pool.allocate(nbytes).release()
@@ -59,34 +76,53 @@ def pyopencl_pair(nbytes: int) -> Callable[[], None] | None:
     return pair
 
 
+def header(device: Any, rounds: int, number: int, load: float) -> str:
+    speed = "C hot path" if allocators.ACCELERATED else "pure Python (no C hot path)"
+    return (f"alloc+free pairs on {cpu_name()}; {versions(device)}; blockrt {speed}; best of "
+            f"{rounds} interleaved rounds of {number} pairs ({number // 10} for "
+            f"{' and '.join(UNCACHED)} at 1 MiB and up); 1-minute load average {load:.2f} "
+            f"before, {os.getloadavg()[0]:.2f} after")
+
+
+def best_times(contenders: dict[str, Callable[[], None]], nbytes: int, number: int,
+               rounds: int) -> dict[str, float]:
+    """Microseconds per pair of each contender, best of `rounds` interleaved rounds."""
+    def per_pair(name: str, pair: Callable[[], None]) -> Callable[[], float]:
+        count = number // 10 if name in UNCACHED and nbytes >= (1 << 20) else number
+        return lambda: timeit.timeit(pair, number=count) / count * 1e6
+
+    for pair in contenders.values():
+        pair()  # NOTE: warm-up: the cached ones hit from here on
+    return interleaved_min({name: per_pair(name, pair) for name, pair in contenders.items()},
+                           rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (for smoke runs)")
     args = parser.parse_args()
     rounds, number = (3, 2000) if args.quick else (15, 20000)
+    load = os.getloadavg()[0]
+    device = opencl_device()
     rows = []
     for nbytes in SIZES:
-        contenders = {"caching": blockrt_pair("caching", nbytes),
-                      "direct": blockrt_pair("direct", nbytes),
+        contenders = {"caching (cpu)": blockrt_pair("caching", "cpu", nbytes),
+                      "direct (cpu)": blockrt_pair("direct", "cpu", nbytes),
                       "numpy.empty": numpy_pair(nbytes)}
-        opencl = pyopencl_pair(nbytes)
-        if opencl is not None:
-            contenders["pyopencl pool"] = opencl
-        # NOTE: the uncached ones touch fresh memory; fewer repetitions keep the run short
-        best = interleaved_best(contenders, number if nbytes < (1 << 20) else number // 10,
-                                rounds)
-        rows.append((nbytes, best))
+        if device is not None:
+            contenders["caching (opencl)"] = blockrt_pair("caching", device, nbytes)
+            contenders["pyopencl pool"] = pyopencl_pair(device, nbytes)
+        rows.append((nbytes, best_times(contenders, nbytes, number, rounds)))
     names = list(rows[0][1])
-    print("| size | " + " | ".join(f"{n} (us)" for n in names) + " | caching / numpy.empty |"
-          + (" caching / pyopencl pool |" if "pyopencl pool" in names else ""))
-    print("|---" * (len(names) + 2 + ("pyopencl pool" in names)) + "|")
+    ratios = [(top, bottom) for top, bottom in RATIOS if top in names and bottom in names]
+    print(header(device, rounds, number, load) + "\n")
+    print("| size | " + " | ".join(f"{name} (us)" for name in names) + " | "
+          + " | ".join(f"{top} / {bottom}" for top, bottom in ratios) + " |")
+    print("|---|" + "---:|" * (len(names) + len(ratios)))
     for nbytes, best in rows:
-        cells = " | ".join(f"{best[n]:.2f}" for n in names)
-        line = (f"| {allocators.format_bytes(nbytes)} | {cells} | "
-                f"{best['caching'] / best['numpy.empty']:.2f} |")
-        if "pyopencl pool" in best:
-            line += f" {best['caching'] / best['pyopencl pool']:.2f} |"
-        print(line)
+        cells = [f"{best[name]:.2f}" for name in names]
+        cells += [f"{best[top] / best[bottom]:.2f}" for top, bottom in ratios]
+        print(f"| {allocators.format_bytes(nbytes)} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ Tables:
    time, static against static + sqrt, 30 interleaved rounds, best step of each and the median of
    the rounds' ratios (goal: >= 4x less activation memory at <= 1.35x step time).
 
+Memory figures do not depend on the machine; the header names the CPU, the software, the CBLAS
+the products run on and the load all the same, for the timings of table 3.
+
 Run: python benchmarks/bench_graph.py [--quick] [--configs S,M,L,D]
 """
 
@@ -34,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mlp_reference import LR, MLPConfig, init_params, make_batch
+from timing import blas_name, cpu_name, versions
 
 import runtime
 from allocators import format_bytes
@@ -183,6 +187,8 @@ def main() -> None:
     args = parser.parse_args()
     table = QUICK if args.quick else CONFIGS
     configs = {name: table[name] for name in args.configs.split(",")}
+    print(f"graph plans on {cpu_name()}; {versions()}; products on {blas_name()}; 1-minute load "
+          f"average {os.getloadavg()[0]:.2f} at the start\n")
     ratios = memory_table(configs)
     suite_table(ratios, args.quick)
     if "D" in configs:

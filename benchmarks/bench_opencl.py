@@ -10,6 +10,8 @@ Tables, each measured side by side in interleaved rounds (best kept):
    GEMM runs at about 1 GFLOP/s here).
 3. A cached allocate + free pair: blockrt's caching allocator on the OpenCL device against
    `pyopencl.tools.MemoryPool(ImmediateAllocator(queue))` on the same device.
+The header names the CPU (PoCL runs the kernels on it), the software (pyopencl, the OpenCL
+platform) and the load; products run in blockrt's own OpenCL kernel, on no CBLAS.
 
 Run: python benchmarks/bench_opencl.py [--quick] [--elements N]
 """
@@ -25,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mlp_reference import LR, MLPConfig, init_params, make_batch
-from timing import interleaved_best, interleaved_min
+from timing import cpu_name, interleaved_best, interleaved_min, versions
 
 import allocators
 import backends
@@ -157,6 +159,8 @@ def main() -> None:
     parser.add_argument("--elements", type=int, default=16 << 20)
     args = parser.parse_args()
     device = device_or_exit()
+    print(f"OpenCL on {cpu_name()}; {versions(device)}; products in blockrt's OpenCL kernel; "
+          f"1-minute load average {os.getloadavg()[0]:.2f} at the start\n")
     elements = 1 << 16 if args.quick else args.elements
     fusion_table(device, elements, 3 if args.quick else 9)
     config = MLPConfig(16, 32, 2) if args.quick else MLPConfig(64, 256, 4)

@@ -13,7 +13,8 @@ Cases (all seeded, so every run plans the same lifetimes):
 
 Columns: buffers, naive (sum of sizes, no reuse), the lower bound (most bytes live at one op),
 planned (the arena `runtime.planner.plan` returns), planned / lower bound, and the best of a few
-planning times. Sizes are rounded to 64 bytes everywhere, as `plan` does by default.
+planning times. Sizes are rounded to 64 bytes everywhere, as `plan` does by default. The header
+names the CPU and the software the planning times were measured on (no products run here).
 
 Run: python benchmarks/bench_planner.py [--quick]
 """
@@ -21,9 +22,14 @@ Run: python benchmarks/bench_planner.py [--quick]
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import sys
 import time
 from collections.abc import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import cpu_name, versions
 
 from runtime.planner import Lifetime, plan
 
@@ -149,6 +155,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer and smaller cases")
     args = parser.parse_args()
+    print(f"planner on {cpu_name()}; {versions()}; 1-minute load average "
+          f"{os.getloadavg()[0]:.2f} at the start\n")
     print("| case | buffers | naive | lower bound | planned | planned / lower bound "
           "| planning time (ms) |")
     print("|---|---:|---:|---:|---:|---:|---:|")

@@ -2,8 +2,11 @@
 
 The trace (benchmarks/mlp_trace.py: 30 allocs and 30 frees per step) is recorded through
 blockrt's `TraceAdaptor`, written as JSON lines, loaded back and replayed with
-`allocators.adaptors.replay` against each blockrt allocator; numpy.empty and pyopencl's
-MemoryPool on PoCL replay the same events with an equivalent loop. Figures, from one run:
+`allocators.adaptors.replay` against each blockrt allocator on the CPU device, and the caching
+allocator on the OpenCL device too; numpy.empty and pyopencl's MemoryPool, on the queue of
+blockrt's OpenCL device (PoCL), replay the same events with an equivalent loop. So "caching
+(opencl)" and "pyopencl pool" hand out buffers of one device. Figures, from one run, under a
+header naming the CPU, the versions and the load:
 
 - hit rate after the first step: allocations served from the cache / allocations, steps 2..N;
 - peak reserved / peak requested bytes;
@@ -20,15 +23,17 @@ import pathlib
 import sys
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from mlp_trace import mlp_training_events, peak_live_bytes
-from timing import interleaved_min
+from timing import cpu_name, interleaved_min, versions
 
 import allocators
+import backends
 from allocators.adaptors import TraceAdaptor
 from allocators.trace import load_trace, replay
 
@@ -48,9 +53,9 @@ def record_trace(events, path: pathlib.Path) -> None:
         tracer.to_jsonl(f)
 
 
-def blockrt_memory(name: str, trace, steps: int) -> dict:
+def blockrt_memory(name: str, device: Any, trace, steps: int) -> dict:
     """Hit rate after the first step and peak reserved bytes of a fresh allocator."""
-    alloc = allocators.create(name, "cpu")
+    alloc = allocators.create(name, device)
     one_step = len(trace) // steps
     replay(trace[:one_step], alloc)
     first = alloc.stats()
@@ -90,14 +95,25 @@ def loop_memory(alloc_fn, free_fn, events, steps: int, reserved_fn) -> dict:
     return {"hit_rate": 1 - misses / allocs, "peak_reserved": peak}
 
 
-def pyopencl_pool():
-    try:
-        import pyopencl as cl
-        import pyopencl.tools as cl_tools
-    except ImportError:
+def opencl_device() -> Any:
+    """blockrt's OpenCL device (PoCL here), or None when pyopencl or a device is missing."""
+    if "opencl" not in backends.available():
         return None
-    queue = cl.CommandQueue(cl.create_some_context(interactive=False))
-    return cl_tools.MemoryPool(cl_tools.ImmediateAllocator(queue))
+    return backends.get_device("opencl")
+
+
+def pyopencl_pool(device: Any) -> Any:
+    """pyopencl's own pool on the queue of blockrt's OpenCL `device`."""
+    import pyopencl.tools as cl_tools
+
+    return cl_tools.MemoryPool(cl_tools.ImmediateAllocator(device.queue))
+
+
+def header(device: Any, repeats: int, load: float) -> str:
+    speed = "C hot path" if allocators.ACCELERATED else "pure Python (no C hot path)"
+    return (f"trace replay on {cpu_name()}; {versions(device)}; blockrt {speed}; best of "
+            f"{repeats} interleaved replays; 1-minute load average {load:.2f} before, "
+            f"{os.getloadavg()[0]:.2f} after")
 
 
 def main() -> None:
@@ -107,25 +123,33 @@ def main() -> None:
     args = parser.parse_args()
     steps = args.steps or (5 if args.quick else 50)
     repeats = 2 if args.quick else 9
+    load = os.getloadavg()[0]
+    device = opencl_device()
     events = mlp_training_events(batch=256, width=1024, depth=4, steps=steps)
     requested = peak_live_bytes(events)
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "mlp.jsonl"
         record_trace(events, path)
         trace = load_trace(path)
-    rows = {name: blockrt_memory(name, trace, steps) for name in ALLOCATORS}
-    timed = {name: (lambda name=name: replay(trace, allocators.create(name, "cpu"))["us_per_event"])
-             for name in ALLOCATORS}
+    # (row name, allocator name, device) of the blockrt contenders
+    blockrt = [(f"{name} (cpu)", name, "cpu") for name in ALLOCATORS]
+    if device is not None:
+        blockrt.append(("caching (opencl)", "caching", device))
+    rows = {row: blockrt_memory(name, where, trace, steps) for row, name, where in blockrt}
+    timed = {row: (lambda name=name, where=where:
+                   replay(trace, allocators.create(name, where))["us_per_event"])
+             for row, name, where in blockrt}
     rows["numpy.empty"] = {"hit_rate": None, "peak_reserved": None}
     timed["numpy.empty"] = lambda: loop_replay(lambda n: np.empty(n, np.uint8), lambda a: None,
                                                events)
-    pool = pyopencl_pool()
-    if pool is not None:
+    if device is not None:
+        pool = pyopencl_pool(device)
         rows["pyopencl pool"] = loop_memory(pool.allocate, lambda b: b.release(), events, steps,
                                             reserved_fn=lambda: pool.managed_bytes)
         timed["pyopencl pool"] = lambda: loop_replay(pool.allocate, lambda b: b.release(), events)
     for name, us in interleaved_min(timed, repeats).items():
         rows[name]["us_per_event"] = us
+    print(header(device, repeats, load) + "\n")
     print(f"{steps} steps, {len(events)} events, peak requested "
           f"{allocators.format_bytes(requested)}\n")
     print("| allocator | hit rate after step 1 | peak reserved / peak requested | us per event |")

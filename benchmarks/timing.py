@@ -1,5 +1,5 @@
-"""Side-by-side timing for the benchmarks: interleaved rounds, best round kept; the CPU every
-figure must name; a baseline commit checked out beside this one."""
+"""Side-by-side timing for the benchmarks: interleaved rounds, best round kept; the CPU, the
+software and the BLAS every figure must name; a baseline commit checked out beside this one."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 import tempfile
 import timeit
 from collections.abc import Callable, Iterator
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -25,6 +26,32 @@ def cpu_name() -> str:
     fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
     name = fields.get("Model name", "unknown CPU").strip()
     return f"{name}, {fields.get('CPU(s)', '?').strip()} CPUs"
+
+
+def versions(opencl_device: Any = None) -> str:
+    """"Python 3.11.7, NumPy 2.4.6", and with a blockrt OpenCL device, pyopencl's version, the
+    device and its platform ("pyopencl 2026.1.4 on opencl:0 = pthread-AMD EPYC (OpenCL 3.0 PoCL
+    3.0-rc2)"): the software a figure was measured with."""
+    import numpy as np
+
+    text = f"Python {platform.python_version()}, NumPy {np.__version__}"
+    if opencl_device is not None:
+        import pyopencl as cl
+
+        cl_device = opencl_device.cl_device
+        platform_version = " ".join(cl_device.platform.version.split()[:4])
+        text += (f", pyopencl {cl.VERSION_TEXT} on {opencl_device.name} = {cl_device.name} "
+                 f"({platform_version})")
+    return text
+
+
+def blas_name() -> str:
+    """The CBLAS the CPU device's products run on in this process (backends/_blas.py), e.g.
+    "MKL 2026.2" or "OpenBLAS 0.3.31"; "none (np.matmul)" where none is used."""
+    from backends import _blas
+
+    gemm = _blas.find()
+    return gemm.name if gemm is not None else "none (np.matmul)"
 
 
 @contextlib.contextmanager
