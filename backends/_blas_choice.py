@@ -1,0 +1,409 @@
+"""Which CBLAS runs the CPU device's matrix products, chosen by measurement (BLOCKRT_BLAS=auto).
+
+Where MKL and NumPy's OpenBLAS are both here, neither is the faster one everywhere: on the Intel
+Xeons of BENCHMARKS.md MKL took the MLP step's products in 0.81-0.90 of OpenBLAS's time, on an
+AMD EPYC OpenBLAS was the faster by 8-17%, and on one CPU the two can rank differently from one
+shape to the next. So `Chooser` times the products this process runs, on each library, and then
+keeps the faster library for the process (Note [one thread pool per process]).
+
+Note [one thread pool per process]: each library runs its products on a pool of threads that
+spin for a while after a product (MKL's OpenMP workers for KMP_BLOCKTIME, 200 ms by default;
+OpenBLAS's for about 0.1 s, yielding). Two pools side by side fight over the cores: the MLP
+step with its products split between the two by shape, each shape on the library that was the
+faster for it alone, took 1.27-1.65x the time of the step on one library (BENCHMARKS.md, issue
+18), and an earlier split 1.4-2x. So the choice is one library for all the products of a
+process, the one whose products took the least time in total (weighted by how often each shape
+runs), never a mix; timings are per shape, for that sum and for `blockrt info`. Products of at
+most `SMALL` multiply-adds are the exception: they go to NumPy's own BLAS whatever is chosen,
+as OpenBLAS runs them on the calling thread (no pool wakes) with the least per-call cost.
+
+How it measures, in phases (`Chooser`): the products run for real, on one library per phase,
+the libraries taking turns (A, B, A, B: `rounds` phases each). A phase first lets the previous
+library's threads go quiet (`quiet` seconds: the products still run, untimed), then times every
+product above `SMALL` until each shape known to the process (seen, or announced by a captured
+graph through `Device.plan_products`) has been timed in it and it has lasted `record_seconds`
+(or `cap` seconds, for a shape that never comes back). Then the per-shape fastest times, summed
+with each shape's number of calls as weight, decide. Nothing is computed twice and no memory is
+taken: the measurement is the process's own work, at the speed of the slower library half of
+the time, for a few steps (a few seconds on the benchmarks' MLP steps). Results during those
+steps come from either library, so they can differ in the last bits from one step to the next;
+a library named in BLOCKRT_BLAS gives the same bits every time.
+
+A disk cache (`DiskCache`, off unless BLOCKRT_BLAS_CACHE says where) keeps the per-shape times
+per machine (CPU model, library versions and thread counts), so a later process whose shapes
+are all known decides without measuring.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = ["SMALL", "Chooser", "Decision", "DiskCache", "Measured", "Product", "product_of",
+           "run"]
+
+#: Products of at most this many multiply-adds (m * n * k) are not timed and go to NumPy's own
+#: BLAS (Note [one thread pool per process]). It is 64**3, OpenBLAS's own limit for running a
+#: product on the calling thread; on the AMD EPYC of BENCHMARKS.md such a product took 8 us
+#: through np.matmul, against 1.3 us of np.matmul's and about 10 us of a ctypes call's own cost.
+SMALL = 1 << 18
+#: The least number of timed products of a phase per shape it must time (in all).
+REPS = 2
+#: Phases per library.
+ROUNDS = 2
+#: The least time a phase times products for, after its quiet time (s).
+RECORD_SECONDS = 0.2
+#: The most time a phase times products for (s), when a known shape does not come back.
+CAP_SECONDS = 10.0
+#: Rounds after which the choice is made with whatever was timed.
+MAX_ROUNDS = 4
+
+
+class Product(NamedTuple):
+    """What a product's time depends on: the element type, the sizes (out is m x n, the inner
+    dimension k), whether each operand is stored transposed, and whether it accumulates into
+    its output (beta != 0)."""
+
+    dtype: str
+    m: int
+    n: int
+    k: int
+    a_transposed: bool
+    b_transposed: bool
+    accumulates: bool
+
+    def __str__(self) -> str:
+        flags = ("T" if self.a_transposed else "N") + ("T" if self.b_transposed else "N")
+        return (f"{self.dtype} {self.m}x{self.k} @ {self.k}x{self.n} {flags}"
+                + (" +=" if self.accumulates else ""))
+
+    @classmethod
+    def parse(cls, text: str) -> Product:
+        """The inverse of str() (the disk cache's keys); ValueError for anything else."""
+        words = text.split()
+        if len(words) not in (5, 6) or words[2] != "@" or words[5:] not in ([], ["+="]):
+            raise ValueError(f"not a product key: {text!r}")
+        m, k = (int(v) for v in words[1].split("x"))
+        k2, n = (int(v) for v in words[3].split("x"))
+        if k != k2 or len(words[4]) != 2 or set(words[4]) - {"N", "T"}:
+            raise ValueError(f"not a product key: {text!r}")
+        return cls(words[0], m, n, k, words[4][0] == "T", words[4][1] == "T", len(words) == 6)
+
+    @property
+    def size(self) -> int:
+        """Multiply-adds."""
+        return self.m * self.n * self.k
+
+
+def _transposed(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
+    """Whether a 2-D layout is read as the transpose of a row-major matrix (as `Gemm` reads it)."""
+    return not (strides[1] == itemsize or shape[1] == 1)
+
+
+def product_of(a: Any, b: Any, out: Any, accumulates: bool) -> Product:
+    """The `Product` of out = a @ b (+ out): anything with shape, strides (bytes) and dtype."""
+    size = np.dtype(out.dtype).itemsize
+    return Product(np.dtype(out.dtype).name, out.shape[0], out.shape[1], a.shape[1],
+                   _transposed(a.shape, a.strides, size), _transposed(b.shape, b.strides, size),
+                   bool(accumulates))
+
+
+def run(library: Any, a: np.ndarray, b: np.ndarray, c: np.ndarray, alpha: float,
+        beta: float) -> bool:
+    """c = alpha * a @ b + beta * c on `library` (a `Gemm`); False where CBLAS cannot read the
+    layouts. A plain product on NumPy's own BLAS goes through np.matmul (`Gemm.products`)."""
+    if not library.products and alpha == 1.0 and beta == 0.0:
+        np.matmul(a, b, out=c)
+        return True
+    return library(a, b, c, alpha, beta)
+
+
+class Measured:
+    """The route once measured: `library` for the products above `SMALL`, NumPy's own BLAS
+    (`small`, None to keep them on `library`) for the rest. Called as a `Gemm` is."""
+
+    products = True
+
+    def __init__(self, library: Any, small: Any) -> None:
+        self.library = library
+        self.small = small
+        self.name = library.name
+        self.path = library.path
+
+    def __call__(self, a: np.ndarray, b: np.ndarray, c: np.ndarray, alpha: float,
+                 beta: float) -> bool:
+        if self.small is not None and c.shape[0] * c.shape[1] * a.shape[1] <= SMALL:
+            return run(self.small, a, b, c, alpha, beta)
+        return run(self.library, a, b, c, alpha, beta)
+
+
+@dataclass
+class Decision:
+    """What the chooser decided and why: the library, one line of reason, and the total time
+    (s) the products timed on every library would take on each, weighted by calls."""
+
+    library: Any
+    reason: str
+    totals: dict[str, float] = field(default_factory=dict)
+
+
+class DiskCache:
+    """Per-shape fastest times of each library, kept in `directory`/blas-choice.json under a
+    key naming the machine (CPU, thread counts, library versions), so that a later process on
+    the same machine need not measure shapes it has seen. Unreadable or foreign content is
+    ignored (and replaced at the next write)."""
+
+    FILE = "blas-choice.json"
+    FORMAT = 1
+
+    def __init__(self, directory: str, machine: str) -> None:
+        self.path = os.path.join(directory, self.FILE)
+        self.machine = machine
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            with open(self.path) as f:
+                content = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(content, dict) or content.get("format") != self.FORMAT \
+                or not isinstance(content.get("machines"), dict):
+            return {}
+        return content
+
+    def load(self) -> dict[Product, dict[str, float]]:
+        """Every product timed on this machine: product -> library name -> seconds."""
+        found: dict[Product, dict[str, float]] = {}
+        entries = self._read().get("machines", {}).get(self.machine, {})
+        for text, times in (entries.items() if isinstance(entries, dict) else ()):
+            try:
+                product = Product.parse(text)
+            except ValueError:
+                continue
+            if isinstance(times, dict) and all(isinstance(t, (int, float)) and t > 0
+                                               for t in times.values()):
+                found[product] = {name: float(t) for name, t in times.items()}
+        return found
+
+    def store(self, times: dict[Product, dict[str, float]]) -> None:
+        """Add `times` to the file (written whole, then renamed into place); a warning, not an
+        error, when it cannot be written."""
+        content = self._read() or {"format": self.FORMAT, "machines": {}}
+        entries = content["machines"].setdefault(self.machine, {})
+        entries.update({str(product): t for product, t in times.items()})
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            handle, temporary = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".tmp")
+            with os.fdopen(handle, "w") as f:
+                json.dump(content, f, indent=1, sort_keys=True)
+            os.replace(temporary, self.path)
+        except OSError as exc:
+            warnings.warn(f"BLOCKRT_BLAS_CACHE: cannot write {self.path}: {exc}", RuntimeWarning,
+                          stacklevel=2)
+
+
+class Chooser:
+    """Runs the CPU device's products while it measures which library to keep (the module
+    docstring), then on the one it chose (`route`). Called as a `Gemm` is; safe to call from
+    several threads (the bookkeeping takes a lock, the products do not).
+
+    Args:
+        libraries: the candidates, `Gemm`s; the first is kept where nothing could be timed.
+        small: NumPy's own BLAS (a `Gemm` with products False), for the products of at most
+            `SMALL` multiply-adds; None to leave them on the library of the moment.
+        quiet: seconds a library's threads may go on spinning after its last product.
+        cache: a `DiskCache`, or None.
+        clock: seconds, monotonic (tests pass their own).
+    """
+
+    def __init__(self, libraries: Sequence[Any], small: Any, *, quiet: float,
+                 cache: DiskCache | None = None,
+                 clock: Callable[[], float] = time.perf_counter, reps: int = REPS,
+                 rounds: int = ROUNDS, record_seconds: float = RECORD_SECONDS,
+                 cap: float = CAP_SECONDS) -> None:
+        if len(libraries) < 2:
+            raise ValueError(f"a choice needs two libraries or more, got {len(libraries)}")
+        self.libraries = tuple(libraries)
+        self.small = small
+        #: whether the device sends plain products here (not where np.matmul is the route)
+        self.products = True
+        self.name = "measuring: " + " / ".join(library.name for library in self.libraries)
+        self.path = ", ".join(library.path for library in self.libraries)
+        #: what runs the products once decided (a `Measured`), None before
+        self.route: Any = None
+        self.quiet = quiet
+        self.cache = cache
+        self._clock = clock
+        self._reps = reps
+        self._rounds = rounds
+        self._record_seconds = record_seconds
+        self._cap = cap
+        #: product -> library name -> its timed calls (s); cached times come as one call
+        self.times: dict[Product, dict[str, list[float]]] = {}
+        #: product -> calls seen in timing windows, plus those a graph announced per step
+        self.calls: Counter[Product] = Counter()
+        #: products that came from the disk cache
+        self.cached: set[Product] = set()
+        self._known: set[Product] = set()
+        self._stored = cache.load() if cache is not None else {}
+        self._phase = 0
+        #: clock() when the current phase began; None before the first product
+        self._phase_start: float | None = None
+        self._phase_calls: Counter[Product] = Counter()
+        self.decision: Decision | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ the products
+    @property
+    def library(self) -> Any:
+        """The library of the current phase (the chosen one once decided)."""
+        if self.decision is not None:
+            return self.decision.library
+        return self.libraries[self._phase % len(self.libraries)]
+
+    def __call__(self, a: np.ndarray, b: np.ndarray, c: np.ndarray, alpha: float,
+                 beta: float) -> bool:
+        route = self.route
+        if route is not None:
+            return route(a, b, c, alpha, beta)
+        if c.shape[0] * c.shape[1] * a.shape[1] <= SMALL:
+            return run(self.small or self.library, a, b, c, alpha, beta)
+        library = self.library
+        start = self._clock()
+        timed = self._timing(start)
+        done = run(library, a, b, c, alpha, beta)
+        seconds = self._clock() - start if timed else None
+        if done:
+            self._after(product_of(a, b, c, beta != 0.0), library, seconds)
+        return done
+
+    def _timing(self, now: float) -> bool:
+        """Whether a product starting now is timed: past the current phase's quiet time."""
+        if self._phase_start is None:
+            with self._lock:
+                if self._phase_start is None:
+                    self._phase_start = now
+        return now >= self._phase_start + self.quiet
+
+    def expect(self, products: Iterable[Product]) -> None:
+        """Products a captured graph runs at every step (one entry per call): known from now on,
+        so each phase waits for them, and weighted by their count."""
+        with self._lock:
+            if self.decision is not None:
+                return
+            for product in products:
+                if product.size > SMALL:
+                    self._know(product)
+                    self.calls[product] += 1
+            if self._known and self._known <= self.cached:
+                self._choose()
+
+    # ------------------------------------------------------------------ bookkeeping (locked)
+    def _know(self, product: Product) -> None:
+        if product in self._known:
+            return
+        self._known.add(product)
+        stored = self._stored.get(product)
+        if stored is not None and all(lib.name in stored for lib in self.libraries):
+            self.times[product] = {lib.name: [stored[lib.name]] for lib in self.libraries}
+            self.cached.add(product)
+
+    def _after(self, product: Product, library: Any, seconds: float | None) -> None:
+        """Note a product that ran on `library`, and the time it took if it was timed."""
+        with self._lock:
+            if self.decision is not None:
+                return
+            self._know(product)
+            if seconds is None or library is not self.library:
+                return  # NOTE: untimed, or the phase moved on while it ran: not this phase's
+            if product not in self.cached:
+                self.times.setdefault(product, {}).setdefault(library.name, []).append(seconds)
+            self.calls[product] += 1
+            self._phase_calls[product] += 1
+            now = self._clock()
+            if self._phase_done(now - self._phase_start - self.quiet):
+                self._next_phase(now)
+
+    def _phase_done(self, timed_for: float) -> bool:
+        if timed_for >= self._cap:
+            return True
+        needed = self._known - self.cached
+        return (timed_for >= self._record_seconds
+                and all(self._phase_calls[p] for p in needed)
+                and sum(self._phase_calls.values()) >= self._reps * len(needed))
+
+    def _next_phase(self, now: float) -> None:
+        self._phase += 1
+        self._phase_calls.clear()
+        self._phase_start = now
+        count = len(self.libraries)
+        if self._known <= self.cached:
+            self._choose()
+        elif self._phase % count == 0 and self._phase >= self._rounds * count \
+                and (self._complete() or self._phase >= MAX_ROUNDS * count):
+            self._choose()
+
+    def _complete(self) -> list[Product]:
+        """Products timed on every library."""
+        return [p for p, by in self.times.items()
+                if all(by.get(lib.name) for lib in self.libraries)]
+
+    def _choose(self) -> None:
+        complete = self._complete()
+        if not complete:
+            library = self.libraries[0]
+            decision = Decision(library, f"no product was timed on every library: "
+                                         f"{library.name}, the first found")
+        else:
+            totals = {lib.name: sum(self.calls[p] * min(self.times[p][lib.name])
+                                    for p in complete) for lib in self.libraries}
+            library = min(self.libraries, key=lambda lib: totals[lib.name])
+            others = ", ".join(f"{name} {seconds * 1e3:.4g} ms" for name, seconds in
+                               totals.items() if name != library.name)
+            decision = Decision(library, f"measured: {library.name} took "
+                                         f"{totals[library.name] * 1e3:.4g} ms for the "
+                                         f"{len(complete)} product shapes timed (the fastest "
+                                         f"call of each, times its calls), {others}", totals)
+        if self.cache is not None:
+            fresh = {p: {name: min(t) for name, t in self.times[p].items()}
+                     for p in complete if p not in self.cached}
+            if fresh:
+                self.cache.store(fresh)
+        small = self.small if self.small is not library else None
+        self.name, self.path = library.name, library.path
+        self.products = library.products or small is not None
+        self.route = Measured(library, small)
+        self.decision = decision  # NOTE: last: a product that sees it finds the route set
+
+    # ------------------------------------------------------------------ reports
+    def table(self) -> list[tuple[Product, int, dict[str, float | None], bool]]:
+        """(product, calls, library name -> its fastest time or None, whether the times came
+        from the disk cache) for every product known, the most called first."""
+        with self._lock:
+            rows = []
+            for product in self._known:
+                times = self.times.get(product, {})
+                fastest = {lib.name: min(times[lib.name]) if times.get(lib.name) else None
+                           for lib in self.libraries}
+                rows.append((product, self.calls[product], fastest, product in self.cached))
+        return sorted(rows, key=lambda row: (-row[1], str(row[0])))
+
+    @property
+    def state(self) -> str:
+        """"decided", "measuring" (phase n of at least m) or "waiting" (no product yet)."""
+        if self.decision is not None:
+            return "decided"
+        if self._phase_start is None:
+            return "waiting"
+        return (f"measuring (phase {self._phase + 1} of at least "
+                f"{self._rounds * len(self.libraries)}, on {self.library.name})")
