@@ -399,6 +399,11 @@ class Chooser:
         return sorted(rows, key=lambda row: (-row[1], str(row[0])))
 
     @property
+    def measuring(self) -> bool:
+        """Whether it has begun to run products (above `SMALL`) and not decided yet."""
+        return self.decision is None and self._phase_start is not None
+
+    @property
     def state(self) -> str:
         """"decided", "measuring" (phase n of at least m) or "waiting" (no product yet)."""
         if self.decision is not None:
