@@ -302,7 +302,7 @@ def find() -> Any:
     per process, at the first call, from `Settings`: a library named in BLOCKRT_BLAS (a
     RuntimeError saying what is missing where it is not here); under "auto", the one library
     here, or, where there are two, a `Chooser` that measures them on this process's products
-    and then puts the faster in its place. Nothing is remembered after an error."""
+    and then runs them all on the faster. Nothing is remembered after an error."""
     if _found:
         return _found[0]
     with _lock:

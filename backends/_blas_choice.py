@@ -22,12 +22,16 @@ the libraries taking turns (A, B, A, B: `rounds` phases each). A phase first let
 library's threads go quiet (`quiet` seconds: the products still run, untimed), then times every
 product above `SMALL` until each shape known to the process (seen, or announced by a captured
 graph through `Device.plan_products`) has been timed in it and it has lasted `record_seconds`
-(or `cap` seconds, for a shape that never comes back). Then the per-shape fastest times, summed
-with each shape's number of calls as weight, decide. Nothing is computed twice and no memory is
-taken: the measurement is the process's own work, at the speed of the slower library half of
-the time, for a few steps (a few seconds on the benchmarks' MLP steps). Results during those
-steps come from either library, so they can differ in the last bits from one step to the next;
-a library named in BLOCKRT_BLAS gives the same bits every time.
+(or `cap` seconds, for a shape that never comes back). A product's sample is the time from its
+start to the start of the next product: the product and the work after it (elementwise passes,
+Python), which a library's spinning threads can slow down as much as they speed up the product
+itself, so that the samples of a phase add up to its whole wall time, whole steps and all. A
+shape's time on a library is the median of a phase's samples, the better of its phases; these,
+each times the shape's number of calls, are summed, and the smaller sum decides. Nothing is
+computed twice and no memory is taken: the measurement is the process's own work, at the speed
+of the slower library half of the time, for a few steps (a few seconds on the benchmarks' MLP
+steps). Results during those steps come from either library, so they can differ in the last
+bits from one step to the next; a library named in BLOCKRT_BLAS gives the same bits every time.
 
 A disk cache (`DiskCache`, off unless BLOCKRT_BLAS_CACHE says where) keeps the per-shape times
 per machine (CPU model, library versions and thread counts), so a later process whose shapes
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 import threading
 import time
@@ -57,7 +62,7 @@ __all__ = ["SMALL", "Chooser", "Decision", "DiskCache", "Measured", "Product", "
 #: product on the calling thread; on the AMD EPYC of BENCHMARKS.md such a product took 8 us
 #: through np.matmul, against 1.3 us of np.matmul's and about 10 us of a ctypes call's own cost.
 SMALL = 1 << 18
-#: The least number of timed products of a phase per shape it must time (in all).
+#: Samples a phase takes, in all, per shape it must time.
 REPS = 2
 #: Phases per library.
 ROUNDS = 2
@@ -158,10 +163,10 @@ class Decision:
 
 
 class DiskCache:
-    """Per-shape fastest times of each library, kept in `directory`/blas-choice.json under a
-    key naming the machine (CPU, thread counts, library versions), so that a later process on
-    the same machine need not measure shapes it has seen. Unreadable or foreign content is
-    ignored (and replaced at the next write)."""
+    """Per-shape times of each library (`Chooser.typical`), kept in
+    `directory`/blas-choice.json under a key naming the machine (CPU, thread counts, library
+    versions), so that a later process on the same machine need not measure shapes it has
+    seen. Unreadable or foreign content is ignored (and replaced at the next write)."""
 
     FILE = "blas-choice.json"
     FORMAT = 1
@@ -248,9 +253,11 @@ class Chooser:
         self._rounds = rounds
         self._record_seconds = record_seconds
         self._cap = cap
-        #: product -> library name -> its timed calls (s); cached times come as one call
-        self.times: dict[Product, dict[str, list[float]]] = {}
-        #: product -> calls seen in timing windows, plus those a graph announced per step
+        #: product -> library name -> phase -> its samples (s): each the time from the start
+        #: of a call of it to the start of the next product, so that the work between products,
+        #: slowed or not by the library's threads, counts too; the disk cache's come as phase -1
+        self.times: dict[Product, dict[str, dict[int, list[float]]]] = {}
+        #: product -> calls timed, plus those a graph announced per step
         self.calls: Counter[Product] = Counter()
         #: products that came from the disk cache
         self.cached: set[Product] = set()
@@ -260,6 +267,9 @@ class Chooser:
         #: clock() when the current phase began; None before the first product
         self._phase_start: float | None = None
         self._phase_calls: Counter[Product] = Counter()
+        #: the last product timed in this phase, waiting for the next one to start: (product,
+        #: its library, when it started)
+        self._last: tuple[Product, Any, float] | None = None
         self.decision: Decision | None = None
         self._lock = threading.Lock()
 
@@ -282,9 +292,8 @@ class Chooser:
         start = self._clock()
         timed = self._timing(start)
         done = run(library, a, b, c, alpha, beta)
-        seconds = self._clock() - start if timed else None
         if done:
-            self._after(product_of(a, b, c, beta != 0.0), library, seconds)
+            self._after(product_of(a, b, c, beta != 0.0), library, start, timed)
         return done
 
     def _timing(self, now: float) -> bool:
@@ -315,24 +324,30 @@ class Chooser:
         self._known.add(product)
         stored = self._stored.get(product)
         if stored is not None and all(lib.name in stored for lib in self.libraries):
-            self.times[product] = {lib.name: [stored[lib.name]] for lib in self.libraries}
+            self.times[product] = {lib.name: {-1: [stored[lib.name]]} for lib in self.libraries}
             self.cached.add(product)
 
-    def _after(self, product: Product, library: Any, seconds: float | None) -> None:
-        """Note a product that ran on `library`, and the time it took if it was timed."""
+    def _after(self, product: Product, library: Any, start: float, timed: bool) -> None:
+        """Note a product that ran on `library` from `start`; the one timed before it in this
+        phase gets its sample, which ends where this one began."""
         with self._lock:
             if self.decision is not None:
                 return
             self._know(product)
-            if seconds is None or library is not self.library:
-                return  # NOTE: untimed, or the phase moved on while it ran: not this phase's
-            if product not in self.cached:
-                self.times.setdefault(product, {}).setdefault(library.name, []).append(seconds)
+            last, self._last = self._last, None
+            if not timed or library is not self.library:
+                return  # NOTE: in the quiet time, or the phase moved on while it ran
+            self._last = (product, library, start)
             self.calls[product] += 1
-            self._phase_calls[product] += 1
-            now = self._clock()
-            if self._phase_done(now - self._phase_start - self.quiet):
-                self._next_phase(now)
+            if last is None:
+                return
+            previous, previous_library, began = last
+            if previous not in self.cached:
+                self.times.setdefault(previous, {}).setdefault(previous_library.name, {}) \
+                    .setdefault(self._phase, []).append(start - began)
+            self._phase_calls[previous] += 1
+            if self._phase_done(start - self._phase_start - self.quiet):
+                self._next_phase(start)
 
     def _phase_done(self, timed_for: float) -> bool:
         if timed_for >= self._cap:
@@ -346,6 +361,7 @@ class Chooser:
         self._phase += 1
         self._phase_calls.clear()
         self._phase_start = now
+        self._last = None
         count = len(self.libraries)
         if self._known <= self.cached:
             self._choose()
@@ -353,10 +369,17 @@ class Chooser:
                 and (self._complete() or self._phase >= MAX_ROUNDS * count):
             self._choose()
 
+    def typical(self, product: Product, library: Any) -> float | None:
+        """A product's time on `library` (s): the median of each phase's samples, the least
+        over phases (a phase in a slow spell of the machine does not count against it), or
+        None where it has none."""
+        phases = self.times.get(product, {}).get(library.name, {})
+        medians = [statistics.median(samples) for samples in phases.values() if samples]
+        return min(medians) if medians else None
+
     def _complete(self) -> list[Product]:
         """Products timed on every library."""
-        return [p for p, by in self.times.items()
-                if all(by.get(lib.name) for lib in self.libraries)]
+        return [p for p in self.times if all(self.typical(p, lib) for lib in self.libraries)]
 
     def _choose(self) -> None:
         complete = self._complete()
@@ -365,17 +388,18 @@ class Chooser:
             decision = Decision(library, f"no product was timed on every library: "
                                          f"{library.name}, the first found")
         else:
-            totals = {lib.name: sum(self.calls[p] * min(self.times[p][lib.name])
-                                    for p in complete) for lib in self.libraries}
+            totals = {lib.name: sum(self.calls[p] * self.typical(p, lib) for p in complete)
+                      for lib in self.libraries}
             library = min(self.libraries, key=lambda lib: totals[lib.name])
             others = ", ".join(f"{name} {seconds * 1e3:.4g} ms" for name, seconds in
                                totals.items() if name != library.name)
             decision = Decision(library, f"measured: {library.name} took "
                                          f"{totals[library.name] * 1e3:.4g} ms for the "
-                                         f"{len(complete)} product shapes timed (the fastest "
-                                         f"call of each, times its calls), {others}", totals)
+                                         f"{len(complete)} product shapes timed (each call and "
+                                         f"the work up to the next product, times its calls), "
+                                         f"{others}", totals)
         if self.cache is not None:
-            fresh = {p: {name: min(t) for name, t in self.times[p].items()}
+            fresh = {p: {lib.name: self.typical(p, lib) for lib in self.libraries}
                      for p in complete if p not in self.cached}
             if fresh:
                 self.cache.store(fresh)
@@ -387,15 +411,12 @@ class Chooser:
 
     # ------------------------------------------------------------------ reports
     def table(self) -> list[tuple[Product, int, dict[str, float | None], bool]]:
-        """(product, calls, library name -> its fastest time or None, whether the times came
-        from the disk cache) for every product known, the most called first."""
+        """(product, calls, library name -> its time (`typical`) or None, whether the times
+        came from the disk cache) for every product known, the most called first."""
         with self._lock:
-            rows = []
-            for product in self._known:
-                times = self.times.get(product, {})
-                fastest = {lib.name: min(times[lib.name]) if times.get(lib.name) else None
-                           for lib in self.libraries}
-                rows.append((product, self.calls[product], fastest, product in self.cached))
+            rows = [(product, self.calls[product],
+                     {lib.name: self.typical(product, lib) for lib in self.libraries},
+                     product in self.cached) for product in self._known]
         return sorted(rows, key=lambda row: (-row[1], str(row[0])))
 
     @property

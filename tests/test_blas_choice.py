@@ -144,7 +144,30 @@ def test_products_in_a_phases_quiet_time_are_not_timed():
     choice = chooser([steady, spun], clock)
     run_until_decided(choice, lambda: choice(a, b, c, 1.0, 0.0))
     assert choice.decision.library is spun
-    assert min(choice.times[product]["spun"]) == pytest.approx(1e-7 * product.size)
+    assert choice.typical(product, spun) == pytest.approx(1e-7 * product.size)
+
+
+def test_the_work_between_products_counts_too():
+    """`spinner`'s products are the faster, but its threads, spinning after each one, slow
+    down the work that follows (a step's elementwise passes): the whole step is faster on
+    `steady`, and that is the one to keep."""
+    clock = Clock()
+    a, b, c = operands(80, 80, 80)
+    spinner, steady = Fake("spinner", clock, 1e-7), Fake("steady", clock, 1.2e-7)
+    choice = chooser([spinner, steady], clock)
+    product = product_of(a, b, c, False)
+
+    def step():
+        for _ in range(3):
+            ran = len(spinner.ran)
+            choice(a, b, c, 1.0, 0.0)
+            work = 0.02 * (3 if len(spinner.ran) > ran else 1)  # elementwise work after it
+            clock.now += work
+
+    run_until_decided(choice, step)
+    assert choice.decision.library is steady
+    assert choice.typical(product, spinner) == pytest.approx(1e-7 * product.size + 0.06)
+    assert choice.typical(product, steady) == pytest.approx(1.2e-7 * product.size + 0.02)
 
 
 def test_small_products_go_to_numpys_blas_untimed():
