@@ -98,8 +98,9 @@ class Gemm:
 
     def _layouts(self, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> tuple | None:
         if not (a.dtype == b.dtype == c.dtype and c.dtype in self._functions
-                and a.ndim == b.ndim == c.ndim == 2 and c.size > 0 and a.shape[1] > 0):
-            return None
+                and a.ndim == b.ndim == c.ndim == 2 and c.size > 0 and a.shape[1] > 0
+                and (a.shape[0], b.shape[1]) == c.shape and a.shape[1] == b.shape[0]):
+            return None  # NOTE: shapes that do not agree go to NumPy, which says so
         out, left, right = self._layout(c), self._layout(a), self._layout(b)
         if out is None or out[0] != _NO_TRANS or left is None or right is None:
             return None

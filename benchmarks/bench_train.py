@@ -88,7 +88,9 @@ DEFAULT_CONTENDERS = ("numpy-prealloc", "torch", "torch-compile", "blockrt-eager
 #: A ratio's second term may be a group: round by round, the faster of its contenders there.
 GROUPS = {"[static forced]": ("blockrt-static-openblas", "blockrt-static-mkl"),
           "[eager forced]": ("blockrt-eager-openblas", "blockrt-eager-mkl")}
-RATIOS = (("blockrt-static", "[static forced]"), ("blockrt-eager", "[eager forced]"),
+RATIOS = (("blockrt-static", "[static forced]"), ("blockrt-static", "blockrt-static-openblas"),
+          ("blockrt-static", "blockrt-static-mkl"), ("blockrt-eager", "[eager forced]"),
+          ("blockrt-eager", "blockrt-eager-openblas"), ("blockrt-eager", "blockrt-eager-mkl"),
           ("blockrt-static", "torch"), ("blockrt-static", "torch-compile"),
           ("blockrt-eager", "torch"), ("blockrt-static", "blockrt-eager"),
           ("blockrt-static", "numpy-prealloc"), ("blockrt-eager", "numpy-prealloc"),

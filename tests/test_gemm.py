@@ -191,6 +191,18 @@ def test_blas_gemm_reads_transposed_and_padded_views(vendor, m, n, k, layout, pa
     np.testing.assert_array_equal(out_store[:, n:], before[:, n:])  # the padding is untouched
 
 
+def test_shapes_that_do_not_agree_are_left_to_numpy_which_refuses_them(vendor):
+    a = np.ones((2, 3), np.float32)
+    for b, out in ((np.ones((3, 4), np.float32), np.zeros((1, 4), np.float32)),
+                   (np.ones((3, 4), np.float32), np.zeros((2, 5), np.float32)),
+                   (np.ones((2, 4), np.float32), np.zeros((2, 4), np.float32))):
+        assert not vendor.supports(a, b, out)
+        assert not vendor(a, b, out, 1.0, 0.0)  # refuses, and writes nothing
+        np.testing.assert_array_equal(out, 0.0)
+        with pytest.raises(ValueError, match="matmul"):
+            cpu.matmul(a, b, out)
+
+
 def test_layouts_blas_cannot_read_fall_back_to_the_emulation(vendor):
     rng = np.random.default_rng(3)
     a = rng.normal(size=(8, 12)).astype(np.float32)[:, ::2]  # every other column: no unit stride
