@@ -17,21 +17,25 @@ runs), never a mix; timings are per shape, for that sum and for `blockrt info`. 
 most `SMALL` multiply-adds are the exception: they go to NumPy's own BLAS whatever is chosen,
 as OpenBLAS runs them on the calling thread (no pool wakes) with the least per-call cost.
 
-How it measures, in phases (`Chooser`): the products run for real, on one library per phase,
-the libraries taking turns (A, B, A, B: `rounds` phases each). A phase first lets the previous
-library's threads go quiet (`quiet` seconds: the products still run, untimed), then times every
-product above `SMALL` until each shape known to the process (seen, or announced by a captured
-graph through `Device.plan_products`) has been timed in it and it has lasted `record_seconds`
-(or `cap` seconds, for a shape that never comes back). A product's sample is the time from its
-start to the start of the next product: the product and the work after it (elementwise passes,
-Python), which a library's spinning threads can slow down as much as they speed up the product
-itself, so that the samples of a phase add up to its whole wall time, whole steps and all. A
-shape's time on a library is the median of a phase's samples, the better of its phases; these,
-each times the shape's number of calls, are summed, and the smaller sum decides. Nothing is
-computed twice and no memory is taken: the measurement is the process's own work, at the speed
-of the slower library half of the time, for a few steps (a few seconds on the benchmarks' MLP
-steps). Results during those steps come from either library, so they can differ in the last
-bits from one step to the next; a library named in BLOCKRT_BLAS gives the same bits every time.
+How it measures, in phases (`Chooser`): the products run for real, on one library per phase.
+A warm-up on the first library comes first, untimed, until the process's loop has come round
+(the first shape came back after another) and every shape known to it (seen, or announced by a
+captured graph through `Device.plan_products`) has run twice: a first step's first touches of
+memory are not any library's. Then the libraries take turns, the order
+reversed every other round (A B B A: `rounds` phases each), so that a drift of the machine's
+speed favours none. A phase that follows another library's first lets its threads go quiet
+(`quiet` seconds: the products still run, untimed), then times every product above `SMALL`
+until each known shape has `reps` samples in it and it has lasted `record_seconds` (or `cap`
+seconds, for a shape that never comes back). A product's sample is the time from its start to
+the start of the next product: the product and the work after it (elementwise passes, Python),
+which a library's spinning threads can slow down as much as they speed up the product itself,
+so that the samples of a phase add up to its whole wall time. A shape's time on a library is
+the median of its samples; these, each times the shape's number of calls, are summed, and the
+smaller sum decides. Nothing is computed twice and no memory is taken: the measurement is the
+process's own work, at the speed of the slower library half of the time, for a few steps (a
+few seconds on the benchmarks' S and M steps, about ten steps on L). Results during those steps
+come from either library, so they can differ in the last bits from one step to the next; a
+library named in BLOCKRT_BLAS gives the same bits every time.
 
 A disk cache (`DiskCache`, off unless BLOCKRT_BLAS_CACHE says where) keeps the per-shape times
 per machine (CPU model, library versions and thread counts), so a later process whose shapes
@@ -263,9 +267,19 @@ class Chooser:
         self.cached: set[Product] = set()
         self._known: set[Product] = set()
         self._stored = cache.load() if cache is not None else {}
+        #: 0: the warm-up (untimed); 1, 2, ...: the timed phases (`library` says whose)
         self._phase = 0
         #: clock() when the current phase began; None before the first product
         self._phase_start: float | None = None
+        #: clock() from which products are timed in this phase (after its quiet time)
+        self._timed_from = float("inf")
+        #: product -> calls seen while measuring, timed or not
+        self._seen: Counter[Product] = Counter()
+        #: the first product seen and the one seen last: the warm-up ends no sooner than the
+        #: first comes back after another (the process's loop has come round once)
+        self._first: Product | None = None
+        self._previous: Product | None = None
+        self._wrapped = False
         self._phase_calls: Counter[Product] = Counter()
         #: the last product timed in this phase, waiting for the next one to start: (product,
         #: its library, when it started)
@@ -276,10 +290,16 @@ class Chooser:
     # ------------------------------------------------------------------ the products
     @property
     def library(self) -> Any:
-        """The library of the current phase (the chosen one once decided)."""
+        """The library of the current phase (the chosen one once decided): the first during
+        the warm-up, then each in turn, the order reversed every other round (A B, B A, ...),
+        so that a drift of the machine's speed favours none."""
         if self.decision is not None:
             return self.decision.library
-        return self.libraries[self._phase % len(self.libraries)]
+        if self._phase == 0:
+            return self.libraries[0]
+        round_, position = divmod(self._phase - 1, len(self.libraries))
+        order = self.libraries if round_ % 2 == 0 else self.libraries[::-1]
+        return order[position]
 
     def __call__(self, a: np.ndarray, b: np.ndarray, c: np.ndarray, alpha: float,
                  beta: float) -> bool:
@@ -297,12 +317,12 @@ class Chooser:
         return done
 
     def _timing(self, now: float) -> bool:
-        """Whether a product starting now is timed: past the current phase's quiet time."""
+        """Whether a product starting now is timed: in a timed phase, past its quiet time."""
         if self._phase_start is None:
             with self._lock:
                 if self._phase_start is None:
                     self._phase_start = now
-        return now >= self._phase_start + self.quiet
+        return now >= self._timed_from
 
     def expect(self, products: Iterable[Product]) -> None:
         """Products a captured graph runs at every step (one entry per call): known from now on,
@@ -334,6 +354,15 @@ class Chooser:
             if self.decision is not None:
                 return
             self._know(product)
+            self._seen[product] += 1
+            if self._phase == 0:
+                if self._first is None:
+                    self._first = product
+                elif product == self._first and self._previous != product:
+                    self._wrapped = True
+                self._previous = product
+                self._warm_up(start)
+                return
             last, self._last = self._last, None
             if not timed or library is not self.library:
                 return  # NOTE: in the quiet time, or the phase moved on while it ran
@@ -346,36 +375,46 @@ class Chooser:
                 self.times.setdefault(previous, {}).setdefault(previous_library.name, {}) \
                     .setdefault(self._phase, []).append(start - began)
             self._phase_calls[previous] += 1
-            if self._phase_done(start - self._phase_start - self.quiet):
+            if self._phase_done(start - self._timed_from):
                 self._next_phase(start)
+
+    def _warm_up(self, now: float) -> None:
+        """End the warm-up once the process's loop has come round (the first product came back
+        after another), every known product has run twice (a first step's first touches of
+        memory are behind), and the quiet time is over; or at the cap (a loop of one shape)."""
+        elapsed = now - self._phase_start
+        if elapsed >= self._cap or (elapsed >= self.quiet and self._wrapped
+                                    and all(self._seen[p] >= 2 for p in self._known)):
+            self._next_phase(now)
 
     def _phase_done(self, timed_for: float) -> bool:
         if timed_for >= self._cap:
             return True
         needed = self._known - self.cached
-        return (timed_for >= self._record_seconds
-                and all(self._phase_calls[p] for p in needed)
-                and sum(self._phase_calls.values()) >= self._reps * len(needed))
+        return timed_for >= self._record_seconds and all(self._phase_calls[p] >= self._reps
+                                                         for p in needed)
 
     def _next_phase(self, now: float) -> None:
+        previous = self.library
         self._phase += 1
         self._phase_calls.clear()
         self._phase_start = now
         self._last = None
-        count = len(self.libraries)
+        # NOTE: no quiet time where the library stays (A B, B A: the second B follows B)
+        self._timed_from = now + (self.quiet if self.library is not previous else 0.0)
+        timed, count = self._phase - 1, len(self.libraries)
         if self._known <= self.cached:
             self._choose()
-        elif self._phase % count == 0 and self._phase >= self._rounds * count \
-                and (self._complete() or self._phase >= MAX_ROUNDS * count):
+        elif timed % count == 0 and timed >= self._rounds * count \
+                and (self._complete() or timed >= MAX_ROUNDS * count):
             self._choose()
 
     def typical(self, product: Product, library: Any) -> float | None:
-        """A product's time on `library` (s): the median of each phase's samples, the least
-        over phases (a phase in a slow spell of the machine does not count against it), or
-        None where it has none."""
-        phases = self.times.get(product, {}).get(library.name, {})
-        medians = [statistics.median(samples) for samples in phases.values() if samples]
-        return min(medians) if medians else None
+        """A product's time on `library` (s): the median of its samples over every phase of
+        that library, or None where it has none."""
+        samples = [t for phase in self.times.get(product, {}).get(library.name, {}).values()
+                   for t in phase]
+        return statistics.median(samples) if samples else None
 
     def _complete(self) -> list[Product]:
         """Products timed on every library."""
@@ -431,5 +470,7 @@ class Chooser:
             return "decided"
         if self._phase_start is None:
             return "waiting"
-        return (f"measuring (phase {self._phase + 1} of at least "
+        if self._phase == 0:
+            return f"measuring (warming up, on {self.library.name})"
+        return (f"measuring (phase {self._phase} of at least "
                 f"{self._rounds * len(self.libraries)}, on {self.library.name})")

@@ -155,6 +155,19 @@ def blas_of(name: str) -> str | None:
     return blas_summary()
 
 
+def blas_measured(name: str) -> dict[str, Any] | None:
+    """Why a blockrt contender's CBLAS was chosen, where it was measured: the reason and each
+    product shape's time (ms) on each library, as `blockrt info` prints them."""
+    blas = sys.modules.get("backends._blas")
+    chooser = blas.report().chooser if blas is not None and name.startswith("blockrt") else None
+    if chooser is None or chooser.decision is None:
+        return None
+    return {"reason": chooser.decision.reason,
+            "shapes": {str(product): {"calls": calls, **{lib: t * 1e3 for lib, t in times.items()
+                                                         if t is not None}}
+                       for product, calls, times, _ in chooser.table()}}
+
+
 def torch_blas() -> str | None:
     """What PyTorch's CPU build says it multiplies with (its BLAS and MKL), where torch ran."""
     torch = sys.modules.get("torch")
@@ -219,7 +232,8 @@ def serve(name: str, config_name: str, quick: bool) -> None:
         print(json.dumps({"ms": [1e3 * t for t in times], "at": time.time()}), flush=True)
     print(json.dumps({
         **record, "status": "ok", "threads": threads, "cpu": cpu_name(),
-        "blas": blas_of(name) or torch_blas(), "first_loss": first_loss,
+        "blas": blas_of(name) or torch_blas(), "blas_measured": blas_measured(name),
+        "first_loss": first_loss,
         "last_loss": last_loss, "warmup_steps": warmup_steps, "warmup_seconds": warmup_seconds,
         "maxrss_kib": {"data": rss_data, "setup": rss_setup, "after": maxrss_kib()},
         "added_by_training_kib": (None if rss_before is None
