@@ -31,11 +31,15 @@ the start of the next product: the product and the work after it (elementwise pa
 which a library's spinning threads can slow down as much as they speed up the product itself,
 so that the samples of a phase add up to its whole wall time. A shape's time on a library is
 the median of its samples; these, each times the shape's number of calls, are summed, and the
-smaller sum decides. Nothing is computed twice and no memory is taken: the measurement is the
-process's own work, at the speed of the slower library half of the time, for a few steps (a
-few seconds on the benchmarks' S and M steps, about ten steps on L). Results during those steps
-come from either library, so they can differ in the last bits from one step to the next; a
-library named in BLOCKRT_BLAS gives the same bits every time.
+smaller sum decides. A first choice is measured once more `confirm` seconds later, without the
+warm-up, and that second choice stays: on a shared machine the load at a process's start (other
+processes starting with it) is not the load it runs under; a library's threads on a busy core
+can stall a product for a scheduler tick (OpenBLAS took 16 ms for a 0.06 ms product for seconds
+on end in BENCHMARKS.md's runs while MKL did not). Nothing is computed twice and no memory is
+taken: the measurement is the process's own work, at the speed of the slower library half of
+the time, for a few steps (a few seconds on the benchmarks' S and M steps, about ten steps on
+L), twice. Results during those steps come from either library, so they can differ in the last
+bits from one step to the next; a library named in BLOCKRT_BLAS gives the same bits every time.
 
 A disk cache (`DiskCache`, off unless BLOCKRT_BLAS_CACHE says where) keeps the per-shape times
 per machine (CPU model, library versions and thread counts), so a later process whose shapes
@@ -76,6 +80,8 @@ RECORD_SECONDS = 0.2
 CAP_SECONDS = 10.0
 #: Rounds after which the choice is made with whatever was timed.
 MAX_ROUNDS = 4
+#: Seconds after the first choice at which it is measured once more, and that choice stays.
+CONFIRM_SECONDS = 30.0
 
 
 class Product(NamedTuple):
@@ -239,7 +245,7 @@ class Chooser:
                  cache: DiskCache | None = None,
                  clock: Callable[[], float] = time.perf_counter, reps: int = REPS,
                  rounds: int = ROUNDS, record_seconds: float = RECORD_SECONDS,
-                 cap: float = CAP_SECONDS) -> None:
+                 cap: float = CAP_SECONDS, confirm: float = CONFIRM_SECONDS) -> None:
         if len(libraries) < 2:
             raise ValueError(f"a choice needs two libraries or more, got {len(libraries)}")
         self.libraries = tuple(libraries)
@@ -257,6 +263,11 @@ class Chooser:
         self._rounds = rounds
         self._record_seconds = record_seconds
         self._cap = cap
+        self._confirm = confirm
+        #: clock() at which the first choice is measured again; inf once the choice stays
+        self._confirm_at = float("inf")
+        #: every choice made, the one in force last
+        self.history: list[Decision] = []
         #: product -> library name -> phase -> its samples (s): each the time from the start
         #: of a call of it to the start of the next product, so that the work between products,
         #: slowed or not by the library's threads, counts too; the disk cache's come as phase -1
@@ -305,7 +316,9 @@ class Chooser:
                  beta: float) -> bool:
         route = self.route
         if route is not None:
-            return route(a, b, c, alpha, beta)
+            if self._clock() < self._confirm_at:
+                return route(a, b, c, alpha, beta)
+            self._reopen()
         if c.shape[0] * c.shape[1] * a.shape[1] <= SMALL:
             return run(self.small or self.library, a, b, c, alpha, beta)
         library = self.library
@@ -315,6 +328,24 @@ class Chooser:
         if done:
             self._after(product_of(a, b, c, beta != 0.0), library, start, timed)
         return done
+
+    def _reopen(self) -> None:
+        """Measure the first choice once more (the machine's load may have changed since the
+        process began): timed phases again, no warm-up; the fresh samples decide."""
+        with self._lock:
+            if self.route is None or self._clock() < self._confirm_at:
+                return  # NOTE: another thread reopened it first
+            previous = self.route.library
+            self._confirm_at = float("inf")
+            for product in [p for p in self.times if p not in self.cached]:
+                del self.times[product]
+            self.route = None
+            self.decision = None
+            self._phase = 1
+            self._phase_calls.clear()
+            self._last = None
+            self._phase_start = now = self._clock()
+            self._timed_from = now + (self.quiet if self.library is not previous else 0.0)
 
     def _timing(self, now: float) -> bool:
         """Whether a product starting now is timed: in a timed phase, past its quiet time."""
@@ -335,7 +366,7 @@ class Chooser:
                     self._know(product)
                     self.calls[product] += 1
             if self._known and self._known <= self.cached:
-                self._choose()
+                self._choose(None)
 
     # ------------------------------------------------------------------ bookkeeping (locked)
     def _know(self, product: Product) -> None:
@@ -355,7 +386,7 @@ class Chooser:
                 return
             self._know(product)
             self._seen[product] += 1
-            if self._phase == 0:
+            if self._phase == 0 and not self.history:
                 if self._first is None:
                     self._first = product
                 elif product == self._first and self._previous != product:
@@ -404,10 +435,10 @@ class Chooser:
         self._timed_from = now + (self.quiet if self.library is not previous else 0.0)
         timed, count = self._phase - 1, len(self.libraries)
         if self._known <= self.cached:
-            self._choose()
+            self._choose(now)
         elif timed % count == 0 and timed >= self._rounds * count \
                 and (self._complete() or timed >= MAX_ROUNDS * count):
-            self._choose()
+            self._choose(now)
 
     def typical(self, product: Product, library: Any) -> float | None:
         """A product's time on `library` (s): the median of its samples over every phase of
@@ -420,7 +451,9 @@ class Chooser:
         """Products timed on every library."""
         return [p for p in self.times if all(self.typical(p, lib) for lib in self.libraries)]
 
-    def _choose(self) -> None:
+    def _choose(self, now: float | None) -> None:
+        """Decide, from the times so far; `now`: when (None: from the disk cache alone, a
+        choice that stays), so that a first choice is measured again `confirm` s later."""
         complete = self._complete()
         if not complete:
             library = self.libraries[0]
@@ -432,7 +465,9 @@ class Chooser:
             library = min(self.libraries, key=lambda lib: totals[lib.name])
             others = ", ".join(f"{name} {seconds * 1e3:.4g} ms" for name, seconds in
                                totals.items() if name != library.name)
-            decision = Decision(library, f"measured: {library.name} took "
+            how = "measured" if not self.history else \
+                f"measured again ({self.history[-1].library.name} the first time)"
+            decision = Decision(library, f"{how}: {library.name} took "
                                          f"{totals[library.name] * 1e3:.4g} ms for the "
                                          f"{len(complete)} product shapes timed (each call and "
                                          f"the work up to the next product, times its calls), "
@@ -444,9 +479,13 @@ class Chooser:
                 self.cache.store(fresh)
         small = self.small if self.small is not library else None
         self.name, self.path = library.name, library.path
-        self.products = library.products or small is not None
+        first = now is not None and not self.history
+        # NOTE: plain products keep coming here until the choice stays (to see the time come)
+        self.products = first or library.products or small is not None
+        self.history.append(decision)
         self.route = Measured(library, small)
-        self.decision = decision  # NOTE: last: a product that sees it finds the route set
+        self.decision = decision  # NOTE: after the route: a product that sees it finds it
+        self._confirm_at = now + self._confirm if first else float("inf")
 
     # ------------------------------------------------------------------ reports
     def table(self) -> list[tuple[Product, int, dict[str, float | None], bool]]:
@@ -460,8 +499,10 @@ class Chooser:
 
     @property
     def measuring(self) -> bool:
-        """Whether it has begun to run products (above `SMALL`) and not decided yet."""
-        return self.decision is None and self._phase_start is not None
+        """Whether it has begun to run products (above `SMALL`) and its choice does not stay
+        yet (not made, or to be measured again)."""
+        return self._phase_start is not None and (self.decision is None
+                                                  or self._confirm_at != float("inf"))
 
     @property
     def state(self) -> str:
@@ -472,5 +513,6 @@ class Chooser:
             return "waiting"
         if self._phase == 0:
             return f"measuring (warming up, on {self.library.name})"
-        return (f"measuring (phase {self._phase} of at least "
+        again = ", again" if self.history else ""
+        return (f"measuring{again} (phase {self._phase} of at least "
                 f"{self._rounds * len(self.libraries)}, on {self.library.name})")

@@ -297,7 +297,10 @@ def _blas_lines(report: _blas.Report) -> list[str]:
     lines = ["CPU gemm: measured per process (BLOCKRT_BLAS=auto) between "
              + " and ".join(f"{lib.name} ({lib.path})" for lib in libraries)]
     if chooser.decision is not None:
-        lines.append(f"  chosen: {chooser.decision.library.name}; {chooser.decision.reason}")
+        again = (f" (to be measured once more {_blas_choice.CONFIRM_SECONDS:g} s after the "
+                 f"first choice; that choice stays)" if chooser.measuring else "")
+        lines.append(f"  chosen: {chooser.decision.library.name}{again}; "
+                     f"{chooser.decision.reason}")
     else:
         lines.append(f"  chosen: nothing yet, {chooser.state}: a process times the products "
                      f"of more than {_blas_choice.SMALL} multiply-adds it runs, then keeps one "

@@ -68,11 +68,13 @@ def chooser(libraries, clock, **options) -> Chooser:
                    **options)
 
 
-def run_until_decided(choice: Chooser, step, limit: int = 10_000) -> int:
-    """Call `step()` until the choice is made; the number of calls."""
+def run_until_decided(choice: Chooser, step, limit: int = 10_000,
+                      confirmed: bool = False) -> int:
+    """Call `step()` until the choice is made (`confirmed`: until it stays); the number of
+    calls."""
     for count in range(1, limit + 1):
         step()
-        if choice.decision is not None:
+        if choice.decision is not None and not (confirmed and choice.measuring):
             return count
     raise AssertionError(f"no decision after {limit} steps: {choice.state}")
 
@@ -212,7 +214,42 @@ def test_when_numpys_blas_wins_plain_products_go_back_to_np_matmul():
     a, b, c = operands(96, 96, 96)
     run_until_decided(choice, lambda: choice(a, b, c, -1.0, 1.0))
     assert choice.decision.library is numpy_blas
+    assert choice.products  # until the choice is measured again, plain products come here
+    clock.now += _blas_choice.CONFIRM_SECONDS
+    run_until_decided(choice, lambda: choice(a, b, c, -1.0, 1.0), confirmed=True)
+    assert choice.decision.library is numpy_blas and not choice.measuring
     assert not choice.products  # the device calls np.matmul for plain products itself
+
+
+def test_the_first_choice_is_measured_again_and_the_second_stays():
+    """The machine's load changed after the process began: `one` was the faster then, `two`
+    is now; the second measurement, `confirm` seconds after the first, decides for good."""
+    clock = Clock()
+    one, two = Fake("one", clock, 1e-7), Fake("two", clock, 2e-7)
+    choice = chooser([one, two], clock)
+    shapes = [operands(80, 80, 80, 1), operands(96, 64, 80, 2)]
+
+    def step():
+        for ops in shapes:
+            choice(*ops, -1.0, 1.0)
+
+    run_until_decided(choice, step)
+    assert choice.decision.library is one and choice.measuring  # to be measured again
+    one.per_madd, two.per_madd = 3e-7, 1e-7
+    ran = len(two.ran)
+    for _ in range(3):
+        step()  # before `confirm` seconds: on `one`, nothing measured
+    assert choice.decision.library is one and len(two.ran) == ran
+    clock.now += _blas_choice.CONFIRM_SECONDS
+    run_until_decided(choice, step, confirmed=True)
+    assert [d.library for d in choice.history] == [one, two]
+    assert choice.decision.reason.startswith("measured again (one the first time): two took")
+    assert not choice.measuring
+    clock.now += 100 * _blas_choice.CONFIRM_SECONDS
+    one.ran.clear()
+    for _ in range(10):
+        step()
+    assert one.ran == [] and choice.decision.library is two  # it stays
 
 
 def test_each_phase_waits_for_every_product_a_graph_announced():
@@ -390,7 +427,8 @@ def test_info_measure_shows_the_choice_and_each_shapes_times(capsys, monkeypatch
            "multiply-adds" in out
     assert cli.main(["info", "--measure", "S"]) == 0
     out = capsys.readouterr().out
-    assert "  chosen: fast; measured: fast took " in out
+    assert "  chosen: fast (to be measured once more 30 s after the first choice; that " \
+           "choice stays); measured: fast took " in out
     assert "  disk cache: off (BLOCKRT_BLAS_CACHE=1 keeps the times per machine)" in out
     rows = {line.strip().split("  ")[0]: line.split() for line in out.splitlines()
             if line.startswith("    float32")}
