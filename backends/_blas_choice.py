@@ -1,19 +1,23 @@
 """Which CBLAS runs the CPU device's matrix products, chosen by measurement (BLOCKRT_BLAS=auto).
 
-Where MKL and NumPy's OpenBLAS are both here, neither is the faster one everywhere: on the Intel
-Xeons of BENCHMARKS.md MKL took the MLP step's products in 0.81-0.90 of OpenBLAS's time, on an
-AMD EPYC OpenBLAS was the faster by 8-17%, and on one CPU the two can rank differently from one
-shape to the next. So `Chooser` times the products this process runs, on each library, and then
-keeps the faster library for the process (Note [one thread pool per process]).
+Where MKL and NumPy's OpenBLAS are both here, neither is the faster one everywhere: the static
+MLP step on MKL took 0.81-0.90 of its time on OpenBLAS on M and L on the Intel Xeons of
+BENCHMARKS.md, and 1.00-1.20 on an AMD EPYC (where OpenBLAS, on two threads, could also stall
+for a scheduler tick per product on a busy machine, and MKL did not); on one CPU the two can
+rank differently from one shape to the next. So `Chooser` times the products this process runs,
+on each library, and then keeps the faster library for the process (Note [one thread pool per
+process]).
 
 Note [one thread pool per process]: each library runs its products on a pool of threads that
 spin for a while after a product (MKL's OpenMP workers for KMP_BLOCKTIME, 200 ms by default;
-OpenBLAS's for about 0.1 s, yielding). Two pools side by side fight over the cores: the MLP
-step with its products split between the two by shape, each shape on the library that was the
-faster for it alone, took 1.27-1.65x the time of the step on one library (BENCHMARKS.md, issue
-18), and an earlier split 1.4-2x. So the choice is one library for all the products of a
-process, the one whose products took the least time in total (weighted by how often each shape
-runs), never a mix; timings are per shape, for that sum and for `blockrt info`. Products of at
+OpenBLAS's for about 0.1 s, yielding). Two pools side by side fight over the cores: the M MLP
+step with each product shape on the library that was the faster for it alone took 1.75x the
+time of the step on one library with one of its six shapes on the other library, and 1.02x
+with two small ones (bench_train's blockrt-static-mixed, BENCHMARKS.md, issue 18); an earlier
+split, before products were measured, 1.4-2x. So the choice is one library for all the
+products of a process, the one whose products took the least time in total (weighted by how
+often each shape runs), never a mix; timings are per shape, for that sum and for `blockrt
+info`. Products of at
 most `SMALL` multiply-adds are the exception: they go to NumPy's own BLAS whatever is chosen,
 as OpenBLAS runs them on the calling thread (no pool wakes) with the least per-call cost.
 
