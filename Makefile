@@ -85,7 +85,7 @@ clean:
 # Benchmarks compare against pyopencl's pool on PoCL and against PyTorch CPU, so they install the
 # opencl extra and torch (benchmark-only; exactly 2.13.0, the CPU build these machines carry).
 bench:
-	$(MAKE) venv EXTRAS=test,opencl
+	$(MAKE) venv EXTRAS=test,opencl,mkl
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) benchmarks/bench_alloc.py
 	$(PY) benchmarks/bench_trace.py

@@ -244,6 +244,13 @@ class Device:
         elementwise pass (the same result up to rounding)."""
         self._gemm(a, b, out, float(alpha), float(beta))
 
+    def plan_products(self, products: Sequence[tuple[Any, Any, Any, bool]]) -> None:
+        """Hear which 2-D products a captured graph runs at every step, as (a, b, out,
+        accumulates) layouts (anything with shape, strides in bytes and dtype), one entry per
+        `matmul` or `gemm` call. A device that picks how to run its products by measuring
+        them (the CPU's CBLAS, backends/_blas_choice.py) uses it; the default ignores it."""
+        self._plan_products(list(products))
+
     def reduce(self, name: str, x: Any, axis: tuple[int, ...] | None, keepdims: bool,
                out: Any) -> None:
         """out = sum or mean of x over `axis` (None: all axes); out never overlaps x."""
@@ -433,6 +440,9 @@ class Device:
 
     def _matmul(self, a: Any, b: Any, out: Any) -> None:
         raise _missing(self, "_matmul")
+
+    def _plan_products(self, products: list[tuple[Any, Any, Any, bool]]) -> None:
+        pass  # optional: only a device that measures its products listens
 
     def _gemm(self, a: Any, b: Any, out: Any, alpha: float, beta: float) -> None:
         if beta == 0.0 and alpha == 1.0:

@@ -196,9 +196,13 @@ class NumpyDevice(Device):
 
     def _matmul(self, a, b, out) -> None:
         blas = _blas.find()
-        # NOTE: on MKL, 2-D products go where gemm goes: one pool of threads (see Gemm.products)
+        # NOTE: 2-D products go where gemm goes, unless that is NumPy's own BLAS (`products`
+        # False): Note [one thread pool per process] in backends/_blas_choice.py
         if out.ndim != 2 or blas is None or not blas.products or not blas(a, b, out, 1.0, 0.0):
             np.matmul(a, b, out=out)
+
+    def _plan_products(self, products) -> None:
+        _blas.expect(products)  # while the CBLAS is being chosen, these are what it times
 
     @property
     def gemm_accumulates(self) -> bool:  # type: ignore[override]

@@ -8,26 +8,32 @@ uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) from one seeded NumPy Generator) and tr
 fixed batch. Configurations (batch, width, depth): S = 64, 256, 8; M = 256, 1024, 4;
 L = 1024, 4096, 4.
 
-Contenders: `numpy-prealloc` (every buffer allocated once: the practical limit), `torch` (PyTorch
-CPU eager, `nn.Linear`, `F.cross_entropy`, SGD as `optim.SGD` runs it on CPU; optional, skipped
-when torch is not importable), `blockrt-eager` (blockrt's autograd and `runtime.nn`; skipped when
-`runtime.nn` is missing), and on request `numpy-naive` (the plain NumPy reference, a new array per
-result).
+Contenders (benchmarks/mlp_reference.py): `numpy-prealloc` (every buffer allocated once: the
+practical limit), `torch` and `torch-compile` (PyTorch CPU eager, `nn.Linear`, `F.cross_entropy`,
+SGD as `optim.SGD` runs it on CPU, and the same step under `torch.compile`; optional, skipped when
+torch is not importable), `blockrt-eager` and the graph plans, each blockrt mode also with each
+CBLAS forced (`-openblas`, `-mkl`: BLOCKRT_BLAS set in its process), and on request `numpy-naive`
+(the plain NumPy reference, a new array per result), `blockrt-static-mixed` (each product shape
+on the library faster for it alone) and `tinygrad`.
 
 Each contender runs in its own long-lived subprocess (`--serve NAME --config C`), with
 OMP_NUM_THREADS, OPENBLAS_NUM_THREADS and MKL_NUM_THREADS set to 2 before NumPy loads and
 `torch.set_num_threads(2)`. The child builds the model and warms up (at least 2 steps and half a
-second: a graph's capture happens there), then serves rounds: in each round every contender in
-turn (order rotated per round, a `PAUSE_SECONDS` pause first so the previous one's BLAS and
-OpenMP threads have stopped spinning) times whole steps for at least `--seconds` (and at least 2).
+second: a graph's capture happens there; a blockrt contender also until its CBLAS is chosen, as
+`BLOCKRT_BLAS=auto` measures the libraries on the first steps), then serves rounds: in each
+round every contender in turn (order rotated per round, a `PAUSE_SECONDS` pause first so the
+previous one's BLAS and OpenMP threads have stopped spinning) times whole steps for at least
+`--seconds` (and at least 2).
 
 Two figures come out. Each contender's **fastest step** over all rounds, and for each pair the
-**median over rounds of the ratio of their fastest steps in that round**. The ratio is the one to
-read: this machine is shared, and it runs in slow and fast spells of tens of seconds (the same
-GEMM takes 2.8 ms in one and 4.5 ms in the next), so two contenders measured minutes apart, or
+**median over rounds of the ratio of their fastest steps in that round** (against a group in
+brackets, such as [static forced]: the faster of its contenders in that round). The ratio is the
+one to read: this machine is shared, and it runs in slow and fast spells of tens of seconds (the
+same GEMM takes 2.8 ms in one and 4.5 ms in the next), so two contenders measured minutes apart, or
 even each one's best over a whole run, can differ by the spell they drew; within a round they
-ran seconds apart. Every step time is in the `--json` records. Each child also reports
-ru_maxrss after the data, after setup and after its last round (process memory).
+ran seconds apart. Every step time is in the `--json` records, with the CPU model and each
+contender's BLAS. Each child also reports ru_maxrss after the data, after setup and after its
+last round (process memory).
 
 Run: python benchmarks/bench_train.py [--quick] [--configs S,M,L] [--contenders a,b] [--rounds N]
      [--seconds T] [--check] [--json PATH]
@@ -40,6 +46,7 @@ import contextlib
 import json
 import os
 import pathlib
+import platform
 import resource
 import statistics
 import subprocess
@@ -54,6 +61,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "2")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import numpy as np
 from mlp_reference import (
     CHECK_CONFIG,
     CONFIGS,
@@ -64,6 +72,7 @@ from mlp_reference import (
     PARAM_ATOL,
     QUICK_CONFIGS,
     ContenderUnavailable,
+    blas_summary,
     check_against_reference,
     init_params,
     make_batch,
@@ -72,15 +81,45 @@ from timing import ROOT, baseline_checkout, cpu_name
 
 THREADS = 2  # as set above
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-DEFAULT_CONTENDERS = ("numpy-prealloc", "torch", "blockrt-eager", "blockrt-none",
-                      "blockrt-recycle", "blockrt-static", "blockrt-static-openblas")
-RATIOS = (("blockrt-eager", "numpy-prealloc"), ("blockrt-eager", "torch"),
-          ("blockrt-static", "blockrt-eager"), ("blockrt-static", "numpy-prealloc"),
-          ("blockrt-static", "torch"), ("torch", "numpy-prealloc"),
-          ("blockrt-static", "blockrt-static-openblas"), ("blockrt-static-openblas", "torch"))
+DEFAULT_CONTENDERS = ("numpy-prealloc", "torch", "torch-compile", "blockrt-eager",
+                      "blockrt-eager-openblas", "blockrt-eager-mkl", "blockrt-none",
+                      "blockrt-recycle", "blockrt-static", "blockrt-static-openblas",
+                      "blockrt-static-mkl")
+#: A ratio's second term may be a group: round by round, the faster of its contenders there.
+GROUPS = {"[static forced]": ("blockrt-static-openblas", "blockrt-static-mkl"),
+          "[eager forced]": ("blockrt-eager-openblas", "blockrt-eager-mkl")}
+RATIOS = (("blockrt-static", "[static forced]"), ("blockrt-static", "blockrt-static-openblas"),
+          ("blockrt-static", "blockrt-static-mkl"), ("blockrt-eager", "[eager forced]"),
+          ("blockrt-eager", "blockrt-eager-openblas"), ("blockrt-eager", "blockrt-eager-mkl"),
+          ("blockrt-static", "torch"), ("blockrt-static", "torch-compile"),
+          ("blockrt-eager", "torch"), ("blockrt-static", "blockrt-eager"),
+          ("blockrt-static", "numpy-prealloc"), ("blockrt-eager", "numpy-prealloc"),
+          ("torch", "numpy-prealloc"), ("torch-compile", "torch"),
+          ("blockrt-static-mkl", "blockrt-static-openblas"),
+          ("blockrt-eager-mkl", "blockrt-eager-openblas"),
+          ("blockrt-static-mixed", "blockrt-static"),
+          ("blockrt-static-openblas", "torch"), ("blockrt-static-mkl", "torch"))
 ROUNDS = {"S": 30, "M": 20, "L": 8}
 PAUSE_SECONDS = 0.25   # before each contender's turn: the last one's threads stop spinning
 WARMUP_SECONDS = 0.5
+#: The longest a blockrt contender warms up waiting for its CBLAS to be chosen (s).
+CHOICE_SECONDS = 300.0
+
+
+def cpu_model() -> str:
+    """The CPU's family, model and stepping (what tells two CPUs of one name apart)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return "family unknown"
+    return ", ".join(f"{key} {fields[key]}" for key in ("cpu family", "model", "stepping")
+                     if key in fields) or "family unknown"
 
 
 def maxrss_kib() -> int:
@@ -109,13 +148,39 @@ def _status_kib(field: str) -> int | None:
 
 
 def blas_of(name: str) -> str | None:
-    """The CBLAS a blockrt contender's products ran on in this process ("none": np.matmul);
-    None for the other contenders."""
-    blas = sys.modules.get("backends._blas")
-    if blas is None or not name.startswith("blockrt"):
+    """The CBLAS a blockrt contender's products ran on in this process and how it was chosen
+    (`backends._blas.Report.summary`); None for the other contenders."""
+    if "backends._blas" not in sys.modules or not name.startswith("blockrt"):
         return None
-    gemm = blas.find()
-    return gemm.name if gemm is not None else "none"
+    return blas_summary()
+
+
+def blas_measured(name: str) -> dict[str, Any] | None:
+    """Why a blockrt contender's CBLAS was chosen, where it was measured: the reason and each
+    product shape's time (ms) on each library, as `blockrt info` prints them."""
+    blas = sys.modules.get("backends._blas")
+    chooser = blas.report().chooser if blas is not None and name.startswith("blockrt") else None
+    if chooser is None or chooser.decision is None:
+        return None
+    return {"reason": chooser.decision.reason,
+            "shapes": {str(product): {"calls": calls, **{lib: t * 1e3 for lib, t in times.items()
+                                                         if t is not None}}
+                       for product, calls, times, _ in chooser.table()}}
+
+
+def torch_blas() -> str | None:
+    """What PyTorch's CPU build says it multiplies with (its BLAS and MKL), where torch ran."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    found = []
+    for line in torch.__config__.show().splitlines():
+        words = line.replace("-", " ").split()
+        if "Math Kernel Library" in line and "Version" in words:
+            found.append("MKL " + words[words.index("Version") + 1] + " (its own)")
+        elif line.strip().startswith("- Intel(R) MKL-DNN"):
+            found.append("oneDNN " + line.split()[3])
+    return ", ".join(found) or "its own"
 
 
 def serve(name: str, config_name: str, quick: bool) -> None:
@@ -146,6 +211,11 @@ def serve(name: str, config_name: str, quick: bool) -> None:
     while warmup_steps < 2 or time.perf_counter() - start < WARMUP_SECONDS:
         trainer.step()
         warmup_steps += 1
+    settled = trainer.settled or (lambda: True)
+    while not settled() and time.perf_counter() - start < CHOICE_SECONDS:
+        trainer.step()  # NOTE: BLOCKRT_BLAS=auto measures the libraries on the first steps
+        warmup_steps += 1
+    warmup_seconds = time.perf_counter() - start
     print(json.dumps({"status": "ready"}), flush=True)
     last_loss = first_loss
     for line in sys.stdin:
@@ -161,8 +231,10 @@ def serve(name: str, config_name: str, quick: bool) -> None:
             times.append(time.perf_counter() - begin)
         print(json.dumps({"ms": [1e3 * t for t in times], "at": time.time()}), flush=True)
     print(json.dumps({
-        **record, "status": "ok", "threads": threads, "blas": blas_of(name),
-        "first_loss": first_loss, "last_loss": last_loss, "warmup_steps": warmup_steps,
+        **record, "status": "ok", "threads": threads, "cpu": cpu_name(),
+        "blas": blas_of(name) or torch_blas(), "blas_measured": blas_measured(name),
+        "first_loss": first_loss,
+        "last_loss": last_loss, "warmup_steps": warmup_steps, "warmup_seconds": warmup_seconds,
         "maxrss_kib": {"data": rss_data, "setup": rss_setup, "after": maxrss_kib()},
         "added_by_training_kib": (None if rss_before is None
                                   else _status_kib("VmHWM") - rss_before)}), flush=True)
@@ -219,13 +291,18 @@ class Child:
 
 
 def print_blas(results: dict[str, Any]) -> None:
-    """Which CBLAS each blockrt contender's products ran on (`backends/_blas.py`)."""
-    used = {name: record["blas"] for result in results.values()
-            for name, record in result["records"].items() if record.get("blas")}
-    if used:
-        print()
-        print("CBLAS of the blockrt contenders: "
-              + "; ".join(f"{name}: {blas}" for name, blas in used.items()))
+    """Which BLAS each contender's products ran on, per configuration (`backends/_blas.py`
+    for blockrt's; what torch.__config__ says for PyTorch's), and how long warm-up took."""
+    print()
+    print("| config | contender | BLAS | warm-up |")
+    print("|---|---|---|---:|")
+    for config_name, result in results.items():
+        for name, record in result["records"].items():
+            if record.get("status") != "ok":
+                continue
+            warmup = f"{record['warmup_steps']} steps, {record['warmup_seconds']:.1f} s"
+            blas = record.get("blas") or ("NumPy's own" if name.startswith("numpy") else "-")
+            print(f"| {config_name} | {name} | {blas} | {warmup} |")
 
 
 def run_config(config_name: str, names: list[str], rounds: int, quick: bool,
@@ -270,6 +347,17 @@ def best_ms(rounds: list[list[float]] | None) -> float | None:
     return min(min(r) for r in rounds) if rounds else None
 
 
+def rounds_of(name: str, rounds: dict[str, list[list[float]]]) -> list[list[float]] | None:
+    """A contender's rounds, or a group's (`GROUPS`): in each round all of its contenders ran,
+    the fastest step of the faster one."""
+    if name not in GROUPS:
+        return rounds.get(name)
+    members = [rounds.get(member) for member in GROUPS[name]]
+    if not all(members):
+        return None
+    return [[min(min(r) for r in same_round)] for same_round in zip(*members)]
+
+
 def round_ratios(a: list[list[float]] | None, b: list[list[float]] | None) -> list[float]:
     """a's fastest step / b's fastest step, round by round (rounds both ran)."""
     return [min(x) / min(y) for x, y in zip(a or [], b or [])]
@@ -296,26 +384,36 @@ def first_loss_spread(records: dict[str, dict[str, Any]]) -> float:
 
 
 def print_table(results: dict[str, dict[str, Any]], names: list[str], quick: bool) -> None:
-    """The Markdown table: each contender's fastest step (ms) and, for each pair, the median
+    """Two Markdown tables: each contender's fastest step (ms), then, for each pair, the median
     over rounds of the ratio of their fastest steps in that round, with the rounds the first
     won (its fastest step the faster) out of all; each contender against its baseline."""
-    ratios = [(a, b) for a, b in RATIOS if a in names and b in names]
+    present = set(names) | {group for group, members in GROUPS.items()
+                            if all(member in names for member in members)}
+    ratios = [(a, b) for a, b in RATIOS if a in present and b in present]
     ratios += [(name.partition("@")[0], name) for name in names
                if "@" in name and name.partition("@")[0] in names]
-    columns = [f"{name} (ms)" for name in names] + [f"{a} / {b}" for a, b in ratios]
-    print("| config | batch, width, depth | GFLOP/step | " + " | ".join(columns) + " |")
-    print("|---|---|---:|" + "---:|" * (len(names) + len(ratios)))
+    print("| config | batch, width, depth | GFLOP/step | "
+          + " | ".join(f"{name} (ms)" for name in names) + " |")
+    print("|---|---|---:|" + "---:|" * len(names))
     for config_name, result in results.items():
         config = (QUICK_CONFIGS if quick else CONFIGS)[config_name]
-        rounds = result["rounds"]
-        best = {name: best_ms(rounds.get(name)) for name in names}
+        best = {name: best_ms(result["rounds"].get(name)) for name in names}
         cells = [f"{best[name]:.2f}" if best[name] is not None else "n/a" for name in names]
-        for a, b in ratios:
-            ratio = paired_ratio(rounds.get(a), rounds.get(b))
-            won, total = rounds_won(rounds.get(a), rounds.get(b))
-            cells.append(f"{ratio:.2f} ({won}/{total})" if ratio is not None else "n/a")
         print(f"| {config_name} | {config.batch}, {config.width}, {config.depth} | "
               f"{config.step_flop() / 1e9:.3g} | " + " | ".join(cells) + " |")
+    if not ratios:
+        return
+    print()
+    print("| config | " + " | ".join(f"{a} / {b}" for a, b in ratios) + " |")
+    print("|---|" + "---:|" * len(ratios))
+    for config_name, result in results.items():
+        cells = []
+        for a, b in ratios:
+            first, second = rounds_of(a, result["rounds"]), rounds_of(b, result["rounds"])
+            ratio = paired_ratio(first, second)
+            won, total = rounds_won(first, second)
+            cells.append(f"{ratio:.2f} ({won}/{total})" if ratio is not None else "n/a")
+        print(f"| {config_name} | " + " | ".join(cells) + " |")
 
 
 def print_memory_table(results: dict[str, dict[str, Any]], names: list[str]) -> None:
@@ -416,7 +514,8 @@ def main() -> None:
             if spread > 1e-3:
                 print(f"{config_name}: first-step losses differ by {spread:.3g} across "
                       f"contenders", file=sys.stderr)
-    print(f"MLP training step on {cpu_name()}, {THREADS} threads: fastest step (ms) of each "
+    print(f"MLP training step on {cpu_name()} ({cpu_model()}), {THREADS} threads, Python "
+          f"{platform.python_version()}, NumPy {np.__version__}: fastest step (ms) of each "
           f"contender; ratios are medians over rounds of the same round's fastest steps (rounds "
           f"the first won / all). 1-minute load average {load_before:.2f} before, "
           f"{os.getloadavg()[0]:.2f} after:")
@@ -428,7 +527,9 @@ def main() -> None:
         with open(args.json, "w") as f:
             for config_name, result in results.items():
                 for name, rounds in result["rounds"].items():
+                    record = result["records"].get(name, {})
                     f.write(json.dumps({"config": config_name, "contender": name,
+                                        "cpu": record.get("cpu"), "blas": record.get("blas"),
                                         "rounds_ms": rounds}) + "\n")
                 for record in result["records"].values():
                     f.write(json.dumps(record) + "\n")

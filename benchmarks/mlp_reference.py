@@ -14,19 +14,26 @@ contender starts from the same weights and trains on the same batch.
 A contender is a factory `make(params, x, labels, lr) -> Trainer`: it copies the given NumPy
 weights into its own representation (the caller's arrays are never written) and returns a
 `Trainer` whose `step()` runs one training step and returns the loss as a Python float (so the
-step has completed when it returns), and whose `params()` returns the current weights as NumPy
-copies for correctness checks. Contenders:
+step has completed when it returns), whose `params()` returns the current weights as NumPy
+copies for correctness checks, and whose `settled()`, if any, says whether the warm-up its own
+first steps need is over (blockrt's: measuring its CBLAS). Contenders:
 
 - `numpy-naive`: the plain NumPy reference (`reference_step`), a fresh array for every result;
 - `numpy-prealloc`: hand-written NumPy with every buffer allocated once (the practical limit);
 - `torch`: PyTorch CPU eager, `nn.Linear` layers, `F.cross_entropy`, SGD as `optim.SGD` runs it;
+- `torch-compile`: the same step under `torch.compile` (PyTorch's captured mode: TorchDynamo and
+  Inductor, which needs a C++ compiler; the first call compiles, about 30 s here);
 - `blockrt-eager`: blockrt's autograd and `runtime.nn`, eager.
 - `blockrt-none`, `blockrt-recycle`, `blockrt-static`, `blockrt-static-sqrt`: the same step
   captured by `runtime.graph` under each memory plan (the last with checkpoint="sqrt"), on the
-  CBLAS that blockrt picks (`backends/_blas.py`: MKL where the `mkl` wheel is installed, else
-  NumPy's OpenBLAS);
-- `blockrt-static-openblas`: `blockrt-static` on NumPy's OpenBLAS whatever is installed (its
-  process runs with BLOCKRT_BLAS=openblas, `CONTENDER_ENV`), to show what the BLAS is worth.
+  CBLAS that blockrt picks (`backends/_blas.py`: where MKL and NumPy's OpenBLAS are both here,
+  the one measured faster on the step's own products in the first steps);
+- `blockrt-static-openblas`, `blockrt-static-mkl`, `blockrt-eager-openblas`,
+  `blockrt-eager-mkl`: `blockrt-static` and `blockrt-eager` with that library for every product
+  (their processes run with BLOCKRT_BLAS set, `CONTENDER_ENV`), to show what the choice is worth;
+- `blockrt-static-mixed`: `blockrt-static` with each product shape on the library that was the
+  faster for that shape alone (as measured by the choice), the mix that Note [one thread pool
+  per process] in backends/_blas_choice.py rules out; shown side by side to keep it honest.
 - `tinygrad`: tinygrad on its CPU device, the step under `TinyJit` (needs tinygrad and a clang).
 
 Optional dependencies (torch, tinygrad, blockrt's nn) are imported inside their factory only; a
@@ -78,6 +85,10 @@ class Trainer(NamedTuple):
 
     step: Callable[[], float]
     params: Callable[[], Params]
+    #: what a contender built on another may reuse (make_torch's model and tensors), or None
+    state: Any = None
+    #: whether its own warm-up is over (blockrt's: the CBLAS chosen); None: nothing to wait for
+    settled: Callable[[], bool] | None = None
 
 
 def init_params(config: MLPConfig, seed: int = 0) -> Params:
@@ -264,19 +275,56 @@ def make_torch(params: Params, x: np.ndarray, labels: np.ndarray, lr: float = LR
         return [(m.weight.detach().numpy().copy(), m.bias.detach().numpy().copy())
                 for m in linears]
 
-    return Trainer(step=step, params=current)
+    return Trainer(step=step, params=current, state=(model, parameters, tx, tlabels))
+
+
+def make_torch_compile(params: Params, x: np.ndarray, labels: np.ndarray,
+                       lr: float = LR) -> Trainer:
+    """PyTorch's captured mode: `make_torch`'s step (gradients set to None, forward, loss,
+    backward, the SGD update) as one function under `torch.compile` (TorchDynamo captures it,
+    AOTAutograd the backward, Inductor compiles both with the C++ compiler); the first call
+    compiles. ContenderUnavailable where torch or its compiler is missing."""
+    import shutil
+
+    eager = make_torch(params, x, labels, lr)
+    import torch
+    import torch.nn.functional as F
+
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        raise ContenderUnavailable("torch.compile's Inductor needs a C++ compiler (g++)")
+    model, parameters, tx, tlabels = eager.state
+
+    def train_step() -> Any:
+        for parameter in parameters:
+            parameter.grad = None
+        loss = F.cross_entropy(model(tx), tlabels)
+        loss.backward()
+        with torch.no_grad():
+            for parameter in parameters:
+                parameter.add_(parameter.grad, alpha=-lr)
+        return loss
+
+    compiled = torch.compile(train_step)
+    return Trainer(step=lambda: compiled().item(), params=eager.params)
 
 
 # --- blockrt, eager ----------------------------------------------------------------------------
 
 
 def _blockrt_model(params: Params, lr: float) -> tuple[Any, Any, list[Any]]:
-    """blockrt's `nn.Sequential` of `nn.Dense` and `nn.ReLU` holding `params`, and plain SGD."""
+    """blockrt's `nn.Sequential` of `nn.Dense` and `nn.ReLU` holding `params`, and plain SGD.
+    ContenderUnavailable where blockrt is not importable or BLOCKRT_BLAS names a library that
+    is not here."""
     try:
         import runtime
+        from backends import _blas
         from runtime import nn
     except ImportError as e:
         raise ContenderUnavailable(f"blockrt's nn is not importable ({e})") from e
+    try:
+        _blas.find()
+    except RuntimeError as e:  # e.g. BLOCKRT_BLAS=mkl without MKL
+        raise ContenderUnavailable(str(e)) from e
     layers = []
     for i, (weight, bias) in enumerate(params):
         dense = nn.Dense(weight.shape[1], weight.shape[0])
@@ -311,7 +359,7 @@ def make_blockrt_eager(params: Params, x: np.ndarray, labels: np.ndarray,
         opt.step()
         return float(loss.item())
 
-    return Trainer(step=step, params=_current(denses))
+    return Trainer(step=step, params=_current(denses), settled=_settled)
 
 
 def blockrt_graph(plan: str, checkpoint: str | None = None) -> Callable[..., Trainer]:
@@ -328,10 +376,93 @@ def blockrt_graph(plan: str, checkpoint: str | None = None) -> Callable[..., Tra
         def step() -> float:
             return float(graph(tx, tlabels).item())
 
-        return Trainer(step=step, params=_current(denses))
+        return Trainer(step=step, params=_current(denses), settled=_settled)
 
     make.__doc__ = f"blockrt's step under runtime.graph(plan={plan!r}, checkpoint={checkpoint!r})"
     return make
+
+
+class _PerShape:
+    """A route for the CPU device's products (called as `backends._blas.Gemm` is): while
+    `chooser` measures, its own; once it has decided, each product shape it timed on the
+    library that was the faster for that shape alone, and the rest as the chooser runs them."""
+
+    products = True
+
+    def __init__(self, chooser: Any) -> None:
+        from backends._blas_choice import product_of, run
+
+        self._product_of, self._run = product_of, run
+        self.chooser = chooser
+        self.path = chooser.path
+        #: (a's and b's shapes and strides, accumulates) -> its product, while measuring
+        self.layouts: dict[tuple, Any] = {}
+        #: the same keys -> the library for them, once decided
+        self.by_shape: dict[tuple, Any] | None = None
+
+    @property
+    def summary(self) -> str:
+        if self.by_shape is None:
+            return f"per shape, {self.chooser.state}"
+        counts: dict[str, int] = {}
+        for library in self.by_shape.values():
+            counts[library.name] = counts.get(library.name, 0) + 1
+        return "per shape: " + ", ".join(f"{name} for {count} layouts"
+                                         for name, count in sorted(counts.items()))
+
+    def __call__(self, a: np.ndarray, b: np.ndarray, c: np.ndarray, alpha: float,
+                 beta: float) -> bool:
+        key = (a.shape, a.strides, b.shape, b.strides, beta != 0.0)
+        if self.by_shape is None:
+            if self.chooser.decision is None:
+                self.layouts[key] = self._product_of(a, b, c, beta != 0.0)
+                return self.chooser(a, b, c, alpha, beta)
+            self._split()
+        library = self.by_shape.get(key)
+        if library is None:
+            return self.chooser(a, b, c, alpha, beta)
+        return self._run(library, a, b, c, alpha, beta)
+
+    def _split(self) -> None:
+        libraries = {lib.name: lib for lib in self.chooser.libraries}
+        fastest = {}
+        for product, _, times, _ in self.chooser.table():
+            timed = [(t, name) for name, t in times.items() if t is not None]
+            if len(timed) == len(libraries):
+                fastest[product] = libraries[min(timed)[1]]
+        self.by_shape = {key: fastest[product] for key, product in self.layouts.items()
+                         if product in fastest}
+
+
+def make_blockrt_static_mixed(params: Params, x: np.ndarray, labels: np.ndarray,
+                              lr: float = LR) -> Trainer:
+    """`blockrt-static` whose products, once the measured choice is made, each run on the
+    library that was the faster for their shape alone (ContenderUnavailable where there is
+    no choice: one library, or BLOCKRT_BLAS set)."""
+    from backends import _blas
+
+    trainer = blockrt_graph("static")(params, x, labels, lr)
+    chooser = _blas.report().chooser
+    if chooser is None:
+        raise ContenderUnavailable("needs two CBLAS libraries and BLOCKRT_BLAS=auto")
+    route = _blas._found[0] = _PerShape(chooser)
+    return trainer._replace(settled=lambda: route.by_shape is not None or not chooser.measuring)
+
+
+def blas_summary() -> str:
+    """The CBLAS this process's blockrt products run on and how it was chosen."""
+    from backends import _blas
+
+    route = _blas.find()
+    return route.summary if isinstance(route, _PerShape) else _blas.report().summary
+
+
+def _settled() -> bool:
+    """Whether this process is done measuring which CBLAS runs its products."""
+    from backends import _blas
+
+    chooser = _blas.report().chooser
+    return chooser is None or not chooser.measuring
 
 
 # --- tinygrad ----------------------------------------------------------------------------------
@@ -426,18 +557,25 @@ CONTENDERS: dict[str, Callable[..., Trainer]] = {
     "numpy-naive": make_numpy_naive,
     "numpy-prealloc": make_numpy_prealloc,
     "torch": make_torch,
+    "torch-compile": make_torch_compile,
     "blockrt-eager": make_blockrt_eager,
+    "blockrt-eager-openblas": make_blockrt_eager,
+    "blockrt-eager-mkl": make_blockrt_eager,
     "blockrt-none": blockrt_graph("none"),
     "blockrt-recycle": blockrt_graph("recycle"),
     "blockrt-static": blockrt_graph("static"),
     "blockrt-static-sqrt": blockrt_graph("static", "sqrt"),
     "blockrt-static-openblas": blockrt_graph("static"),
+    "blockrt-static-mkl": blockrt_graph("static"),
+    "blockrt-static-mixed": make_blockrt_static_mixed,
     "tinygrad": make_tinygrad,
 }
 
 
 #: Environment variables a contender's process needs set before blockrt loads.
-CONTENDER_ENV: dict[str, dict[str, str]] = {"blockrt-static-openblas": {"BLOCKRT_BLAS": "openblas"}}
+CONTENDER_ENV: dict[str, dict[str, str]] = {
+    f"blockrt-{mode}-{library}": {"BLOCKRT_BLAS": library}
+    for mode in ("static", "eager") for library in ("openblas", "mkl")}
 
 
 def check_against_reference(make: Callable[..., Trainer], config: MLPConfig = CHECK_CONFIG,

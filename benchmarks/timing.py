@@ -46,12 +46,12 @@ def versions(opencl_device: Any = None) -> str:
 
 
 def blas_name() -> str:
-    """The CBLAS the CPU device's products run on in this process (backends/_blas.py), e.g.
-    "MKL 2026.2" or "OpenBLAS 0.3.31"; "none (np.matmul)" where none is used."""
+    """The CBLAS the CPU device's products run on in this process and how it was chosen
+    (backends/_blas.py `Report.summary`), e.g. "OpenBLAS 0.3.31 (measured against MKL 2026.2)"
+    or "none (np.matmul and an elementwise pass)"."""
     from backends import _blas
 
-    gemm = _blas.find()
-    return gemm.name if gemm is not None else "none (np.matmul)"
+    return _blas.report().summary
 
 
 @contextlib.contextmanager

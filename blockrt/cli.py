@@ -3,7 +3,8 @@ and the demo and benchmarks of a repository checkout.
 
 Subcommands:
     blockrt allocators      the registered allocators, where each comes from, the default
-    blockrt info            Python/NumPy versions, backends and their devices, the default device
+    blockrt info            Python/NumPy versions, backends and their devices, the default device,
+                            the CPU's BLAS and why (--measure S|M|L|D: time a step first)
     blockrt plan            capture an MLP training step and print its memory report
                             (--config S|M|L|D, --plan, --checkpoint sqrt, --plot PATH)
     blockrt demo [ARGS]     run examples/train_mlp.py (a checkout, and the `demo` extra)
@@ -28,6 +29,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
@@ -37,7 +39,7 @@ import numpy as np
 import allocators
 import backends
 import runtime
-from backends import _blas
+from backends import _blas, _blas_choice
 from blockrt.models import CLASSES, CONFIGS, MLPConfig
 from runtime import config, fastpath, nn
 
@@ -271,12 +273,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     fast = "yes" if fastpath.ACCELERATED else "no (pure Python)"
     print(f"C eager fast path of the ops: {fast}")
     try:
-        blas = _blas.find()
-        gemm = (f"CBLAS of {blas.name} ({blas.path})" if blas is not None
-                else "matmul + a fused pass")
+        if args.measure is not None:
+            _measure_blas(CONFIGS[args.measure])
+        lines = _blas_lines(_blas.report())
     except (ValueError, RuntimeError) as e:  # a BLOCKRT_BLAS it cannot honour
-        gemm = f"error: {e}"
-    print(f"CPU gemm: {gemm}")
+        lines = [f"CPU gemm: error: {e}"]
+    print("\n".join(lines))
     kinds = backends.available()
     print(f"backends: {', '.join(kinds)}")
     for kind in kinds:
@@ -289,6 +291,63 @@ def cmd_info(args: argparse.Namespace) -> int:
     except (ValueError, backends.BackendUnavailableError) as exc:
         print(f"default device: unusable: {exc}")
     return 0
+
+
+def _measure_blas(cfg: MLPConfig, limit: float = 600.0) -> None:
+    """Run `cfg`'s training step under a static graph until the CPU's BLAS is chosen (at most
+    `limit` seconds), so that `_blas_lines` has timings to show."""
+    chooser = _blas.report().chooser
+    if chooser is None:
+        return  # NOTE: a library named in BLOCKRT_BLAS, or only one here: nothing to measure
+    step = training_step(cfg, "static", None)
+    x, y = _batch(cfg, 0)
+    start = time.perf_counter()
+    while chooser.decision is None and time.perf_counter() - start < limit:
+        step(x, y)
+    step.release()
+
+
+def _blas_lines(report: _blas.Report) -> list[str]:
+    """What `blockrt info` says of the CPU's products: the library, how it was chosen, and, for
+    a measured choice, the time of each product shape on each library."""
+    route, chooser = report.route, report.chooser
+    if chooser is None:
+        how = (f"{_blas.ENV}={report.setting}" if report.setting != "auto" else
+               "the only CBLAS here" if route is not None else "no CBLAS found")
+        what = f"CBLAS of {route.name} ({route.path})" if route is not None else \
+            "matmul + a fused pass"
+        return [f"CPU gemm: {what}, {how}"]
+    libraries = chooser.libraries
+    lines = ["CPU gemm: measured per process (BLOCKRT_BLAS=auto) between "
+             + " and ".join(f"{lib.name} ({lib.path})" for lib in libraries)]
+    if chooser.decision is not None:
+        again = (f" (to be measured once more {_blas_choice.CONFIRM_SECONDS:g} s after the "
+                 f"first choice; that choice stays)" if chooser.measuring else "")
+        lines.append(f"  chosen: {chooser.decision.library.name}{again}; "
+                     f"{chooser.decision.reason}")
+    else:
+        lines.append(f"  chosen: nothing yet, {chooser.state}: a process times the products "
+                     f"of more than {_blas_choice.SMALL} multiply-adds it runs, then keeps one "
+                     f"library (`blockrt info --measure S` runs the S training step until then)")
+    cache = chooser.cache
+    lines.append(f"  disk cache: {cache.path}" if cache is not None else
+                 f"  disk cache: off ({_blas.CACHE_ENV}=1 keeps the times per machine)")
+    rows = [(str(p), str(calls), times, "disk cache" if cached else "measured")
+            for p, calls, times, cached in chooser.table()]
+    if not rows and cache is not None:
+        rows = [(str(p), "-", times, "disk cache") for p, times in sorted(
+            cache.load().items(), key=lambda item: str(item[0]))]
+    if rows:
+        header = ("product (m x k @ k x n, transposed, +=: accumulates)", "calls",
+                  *(f"{lib.name} (ms)" for lib in libraries), "from")
+        cells = [(name, calls, *(f"{times[lib.name] * 1e3:.4g}" if times.get(lib.name)
+                                  else "-" for lib in libraries), source)
+                 for name, calls, times, source in rows]
+        widths = [max(len(row[i]) for row in (header, *cells)) for i in range(len(header))]
+        for row in (header, *cells):
+            lines.append("    " + "  ".join(cell.ljust(width) for cell, width
+                                           in zip(row, widths)).rstrip())
+    return lines
 
 
 def _version() -> str:
@@ -385,7 +444,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="versions, backends, devices, the default device",
                        description="Print the Python and NumPy versions, the available backends "
                        "and their devices, whether the C allocator hot path is in use, the BLAS "
-                       "the CPU device's gemm calls, and the default device.")
+                       "the CPU device's products run on (and, where it is measured, the time "
+                       "of each product shape on each library), and the default device.")
+    p.add_argument("--measure", choices=list(CONFIGS), default=None, metavar="CONFIG",
+                   help="first run this MLP configuration's training step (one of "
+                   f"{', '.join(CONFIGS)}) until the CPU's BLAS is chosen, to show the timings")
     p.set_defaults(run=cmd_info)
 
     p = sub.add_parser("plan", help="memory report of an MLP training step",

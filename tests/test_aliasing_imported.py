@@ -300,13 +300,13 @@ def kernels_watched() -> Iterator[list[str]]:
 
 
 def test_the_kernel_watch_sees_an_overlap():
-    x = np.arange(6.0)
+    x = np.arange(8.0)
     device = backends.get_device("cpu")
     with kernels_watched() as seen:
-        device.binary("add", x[:3], x[3:], x[:3])  # in place on the identical view: allowed
-        device.matmul(x[:4].reshape(2, 2), x[:4].reshape(2, 2), x[4:].reshape(1, 2))
+        device.binary("add", x[:3], x[3:6], x[:3])  # in place on the identical view: allowed
+        device.matmul(x[:4].reshape(2, 2), x[:4].reshape(2, 2), x[4:].reshape(2, 2))
         assert seen == []
-        device.binary("add", x[:3], x[3:], x[1:4])  # overlaps both inputs
+        device.binary("add", x[:3], x[3:6], x[1:4])  # overlaps both inputs
     assert seen == ["binary add: out at byte 8 (3,) (8,) overlaps an input at byte 0 (3,) (8,)",
                     "binary add: out at byte 0 (3,) (8,) overlaps an input at byte 16 (3,) (8,)"]
 

@@ -56,6 +56,22 @@ def test_torch_matches_the_reference():
     assert_matches_reference("torch")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                    reason="torch is not installed (optional: pip install torch==2.13.0)")
+# NOTE: torch.compile's own imports and tracing warn (deprecations, a .grad it reads itself)
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_torch_compile_matches_the_reference():
+    # skipped (ContenderUnavailable) where Inductor has no C++ compiler
+    assert_matches_reference("torch-compile")
+
+
+def test_blockrt_static_mixed_matches_the_reference(monkeypatch):
+    from backends import _blas
+
+    monkeypatch.setattr(_blas, "_found", [])  # NOTE: it puts a route of its own there
+    assert_matches_reference("blockrt-static-mixed")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("tinygrad") is None,
                     reason="tinygrad is not installed (optional: pip install tinygrad)")
 def test_tinygrad_matches_the_reference():
@@ -79,6 +95,11 @@ def test_ratios_pair_rounds_and_best_is_the_fastest_step():
     assert bench_train.rounds_won(a, b) == (1, 3)  # only the 0.5 round
     assert bench_train.rounds_won(b, a) == (2, 3)
     assert bench_train.rounds_won(a, None) == (0, 0)
+    members = bench_train.GROUPS["[static forced]"]
+    rounds = {members[0]: a, members[1]: b}
+    assert bench_train.rounds_of("[static forced]", rounds) == [[1.0], [2.0], [1.0]]
+    assert bench_train.rounds_of(members[0], rounds) is a
+    assert bench_train.rounds_of("[eager forced]", rounds) is None  # its contenders did not run
 
 
 def test_a_quick_run_serves_rounds_from_long_lived_children():
@@ -97,10 +118,30 @@ def test_the_openblas_contender_runs_on_openblas():
                                     quick=True, seconds=0.01)
     records = result["records"]
     assert records["blockrt-static-openblas"]["blas"].startswith("OpenBLAS")
-    assert records["blockrt-static"]["blas"] == _blas.find().name
+    assert records["blockrt-static-openblas"]["blas"].endswith("(BLOCKRT_BLAS=openblas)")
+    names = [lib.name for lib in _blas.present()]
+    chosen, _, how = records["blockrt-static"]["blas"].partition(" (")
+    if len(names) > 1:  # the quick S products are small: nothing measured, nothing chosen yet
+        assert records["blockrt-static"]["blas"] == "not chosen yet (waiting)"
+    else:
+        assert chosen == names[0] and how == "the only CBLAS here)"
+    for record in records.values():
+        assert record["cpu"] == bench_train.cpu_name()
 
 
 def test_the_check_runs_the_openblas_contender_on_openblas(capsys):
     assert bench_train.run_check(["blockrt-static-openblas"]) == 0
     out = capsys.readouterr().out
     assert "blockrt-static-openblas: ok" in out and "products on OpenBLAS" in out
+
+
+def test_the_check_runs_each_forced_library_in_a_process_of_its_own(capsys):
+    names = ["blockrt-static-mkl", "blockrt-eager-mkl", "blockrt-eager-openblas"]
+    assert bench_train.run_check(names) == 0
+    out = capsys.readouterr().out
+    for name in names:
+        library = "MKL" if name.endswith("mkl") else "OpenBLAS"
+        if _blas.load(name.rpartition("-")[2]) is None:
+            assert f"{name}: skipped" in out
+        else:
+            assert f"{name}: ok" in out and f"products on {library}" in out

@@ -89,9 +89,13 @@ def test_info_shows_versions_backends_devices_and_the_default_device(capsys):
     assert allocators.format_bytes(cpu.total_memory) in out
     assert ("C allocator hot path: yes" in out) == allocators.ACCELERATED
     assert ("C eager fast path of the ops: yes" in out) == fastpath.ACCELERATED
-    blas = _blas.find()
-    assert (f"CPU gemm: CBLAS of {blas.name} ({blas.path})" if blas
-            else "CPU gemm: matmul + a fused pass") in out
+    report = _blas.report()
+    if report.chooser is not None:
+        assert "CPU gemm: measured per process (BLOCKRT_BLAS=auto) between " + " and ".join(
+            f"{lib.name} ({lib.path})" for lib in report.libraries) in out
+    else:
+        assert (f"CPU gemm: CBLAS of {report.route.name} ({report.route.path})" if report.route
+                else "CPU gemm: matmul + a fused pass") in out
     assert f"default device: {cli.runtime.get_default_device().name}" in out
 
 

@@ -1,6 +1,6 @@
 """`Device.gemm`: out = alpha * a @ b + beta * out on every backend, and the CPU device's CBLAS
 path (MKL where installed, NumPy's own OpenBLAS) against NumPy, for every layout it accepts, and
-how BLOCKRT_BLAS picks between them."""
+how BLOCKRT_BLAS picks between them (the measured choice of "auto": tests/test_blas_choice.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import backends
-from backends import Device, _blas
+from backends import Device, _blas, _blas_choice
 from helpers import to_device
 
 
@@ -73,8 +73,10 @@ def fresh_choice(monkeypatch):
 @needs_blas
 def test_a_cblas_is_found_and_the_cpu_device_accumulates():
     assert cpu.gemm_accumulates
-    assert blas.name.split()[0] in ("MKL", "OpenBLAS")
-    assert ("mkl" if blas.name.startswith("MKL") else "openblas") in blas.path.lower()
+    for gemm in _blas.present():
+        assert gemm.name.split()[0] in ("MKL", "OpenBLAS")
+        assert ("mkl" if gemm.name.startswith("MKL") else "openblas") in gemm.path.lower()
+        assert gemm.threads() >= 1
 
 
 def test_blockrt_blas_picks_the_library(fresh_choice):
@@ -82,12 +84,21 @@ def test_blockrt_blas_picks_the_library(fresh_choice):
     openblas = _blas.load("openblas")
     fresh_choice.setenv(_blas.ENV, "none")
     assert _blas.find() is None and not cpu.gemm_accumulates
-    for value, want in (("openblas", openblas), ("mkl", mkl), ("auto", mkl or openblas),
-                        ("", mkl or openblas)):
+    for value, want in (("openblas", openblas), ("mkl", mkl)):
         fresh_choice.setattr(_blas, "_found", [])
         fresh_choice.setenv(_blas.ENV, value)
         found = _blas.find()
         assert (found and found.path) == (want and want.path), value
+        assert _blas.report().summary == f"{want.name} (BLOCKRT_BLAS={value})"
+    for value in ("auto", ""):  # measured where both are here, else the one that is
+        fresh_choice.setattr(_blas, "_found", [])
+        fresh_choice.setenv(_blas.ENV, value)
+        found = _blas.find()
+        if mkl and openblas:
+            assert isinstance(found, _blas_choice.Chooser), value
+            assert [lib.path for lib in found.libraries] == [openblas.path, mkl.path]
+        else:
+            assert found is (mkl or openblas), value
     fresh_choice.setattr(_blas, "_found", [])
     fresh_choice.setenv(_blas.ENV, "openblas")
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -134,9 +145,11 @@ def test_asking_for_a_blas_that_is_not_here_is_an_error(fresh_choice, vendor_nam
     with pytest.raises(RuntimeError, match=f"BLOCKRT_BLAS={vendor_name}, but .*self-test"):
         _blas.find()
     assert _blas._found == []
-    fresh_choice.setenv(_blas.ENV, "auto")  # auto falls back to the other, or to matmul
+    fresh_choice.setenv(_blas.ENV, "auto")  # auto takes the other, unmeasured, or matmul
     other = _blas.load("openblas" if vendor_name == "mkl" else "mkl")
     assert _blas.find() is other
+    assert _blas.report().summary == (f"{other.name} (the only CBLAS here)" if other else
+                                      "none (np.matmul and an elementwise pass)")
 
 
 def test_sizes_a_32_bit_blas_cannot_take_are_left_to_numpy(vendor, monkeypatch):
@@ -176,6 +189,18 @@ def test_blas_gemm_reads_transposed_and_padded_views(vendor, m, n, k, layout, pa
     tolerance = 2e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(out, want, rtol=tolerance, atol=tolerance * (k + 2) * 4)
     np.testing.assert_array_equal(out_store[:, n:], before[:, n:])  # the padding is untouched
+
+
+def test_shapes_that_do_not_agree_are_left_to_numpy_which_refuses_them(vendor):
+    a = np.ones((2, 3), np.float32)
+    for b, out in ((np.ones((3, 4), np.float32), np.zeros((1, 4), np.float32)),
+                   (np.ones((3, 4), np.float32), np.zeros((2, 5), np.float32)),
+                   (np.ones((2, 4), np.float32), np.zeros((2, 4), np.float32))):
+        assert not vendor.supports(a, b, out)
+        assert not vendor(a, b, out, 1.0, 0.0)  # refuses, and writes nothing
+        np.testing.assert_array_equal(out, 0.0)
+        with pytest.raises(ValueError, match="matmul"):
+            cpu.matmul(a, b, out)
 
 
 def test_layouts_blas_cannot_read_fall_back_to_the_emulation(vendor):

@@ -94,6 +94,7 @@ from runtime.graph.capture import (
     _results,
     _signature,
 )
+from runtime.graph.fuse import _products
 from runtime.graph.program import _Capture
 from runtime.graph.replay import _release, _replay, _run_init
 from runtime.tape import Tape
@@ -290,6 +291,7 @@ class Graph:
                                          fuse=self.fuse))
         self._refuse(capture, _argument_writes(capture))
         self._check_fits(capture)
+        capture.device.plan_products(_products(capture.steps))  # e.g. the CPU times its BLASes
         return capture
 
     def _refuse(self, capture: _Capture, problem: str | None) -> None:

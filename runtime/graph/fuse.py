@@ -75,6 +75,22 @@ def _is_product(instr: Instruction) -> bool:
             and all(len(o.shape) == 2 for o in (*instr.inputs[:2], instr.outputs[0])))
 
 
+def _products(steps: Sequence[_Step]) -> list[tuple[Operand, Operand, Operand, bool]]:
+    """The 2-D matrix products the steps run, one entry per call, as (a, b, out, accumulates),
+    for `Device.plan_products`: products heading a chain, and products on their own."""
+    found = []
+    for step in steps:
+        head = step.instructions[0]
+        if step.product is not None:
+            accumulates = step.product != "into" and step.product[1] != 0.0
+            found.append((head.inputs[0], head.inputs[1], step.instructions[-1].outputs[0],
+                          accumulates))
+        elif (len(step.instructions) == 1 and head.kind == "kernel" and head.op in _PRODUCTS
+              and all(len(o.shape) == 2 for o in (*head.inputs[:2], *head.outputs))):
+            found.append((head.inputs[0], head.inputs[1], head.outputs[0], False))
+    return found
+
+
 def _attach_products(steps: list[_Step], intermediate: frozenset[int],
                      device: Any) -> list[_Step]:
     """Move each matrix product whose result (an intermediate) only an elementwise chain reads,
