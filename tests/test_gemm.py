@@ -87,8 +87,13 @@ def test_blockrt_blas_picks_the_library(fresh_choice):
     for value, want in (("openblas", openblas), ("mkl", mkl)):
         fresh_choice.setattr(_blas, "_found", [])
         fresh_choice.setenv(_blas.ENV, value)
+        if want is None:  # named but not here: an error that says so, and nothing remembered
+            with pytest.raises(RuntimeError, match=f"BLOCKRT_BLAS={value}, but no "):
+                _blas.find()
+            assert _blas._found == []
+            continue
         found = _blas.find()
-        assert (found and found.path) == (want and want.path), value
+        assert found.path == want.path, value
         assert _blas.report().summary == f"{want.name} (BLOCKRT_BLAS={value})"
     for value in ("auto", ""):  # measured where both are here, else the one that is
         fresh_choice.setattr(_blas, "_found", [])
