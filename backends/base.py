@@ -237,6 +237,11 @@ class Device:
         """out = a @ b for 2-D (or batched N-D) views; out never overlaps a or b."""
         self._matmul(a, b, out)
 
+    def cast(self, x: Any, out: Any) -> None:
+        """out = x converted to out's dtype (same shape; never overlapping), under the rules of
+        `runtime.ops.cast` (which refuses the other pairs before a device sees them)."""
+        self._cast(x, out)
+
     def gemm(self, a: Any, b: Any, out: Any, alpha: float = 1.0, beta: float = 0.0) -> None:
         """out = alpha * (a @ b) + beta * out for 2-D views; out never overlaps a or b. With
         beta 0 the old contents of out are not read. Where `gemm_accumulates` is True this is
@@ -440,6 +445,9 @@ class Device:
 
     def _matmul(self, a: Any, b: Any, out: Any) -> None:
         raise _missing(self, "_matmul")
+
+    def _cast(self, x: Any, out: Any) -> None:
+        raise _missing(self, "_cast")
 
     def _plan_products(self, products: list[tuple[Any, Any, Any, bool]]) -> None:
         pass  # optional: only a device that measures its products listens

@@ -240,6 +240,10 @@ class CudaDevice(Device):
             ufunc[name](a, b, out=out)
 
     @_on_stream
+    def _cast(self, x, out) -> None:
+        out[...] = x  # NOTE: runtime.ops.cast allowed only exact or IEEE conversions
+
+    @_on_stream
     def _matmul(self, a, b, out) -> None:
         _cupy().matmul(a, b, out=out)  # cuBLAS for float dtypes
 

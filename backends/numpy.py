@@ -194,6 +194,9 @@ class NumpyDevice(Device):
     def _binary(self, name, a, b, out) -> None:
         _BINARY[name](a, b, out=out)
 
+    def _cast(self, x, out) -> None:
+        np.copyto(out, x, casting="unsafe")  # NOTE: runtime.ops.cast allowed only exact or IEEE
+
     def _matmul(self, a, b, out) -> None:
         blas = _blas.find()
         # NOTE: 2-D products go where gemm goes, unless that is NumPy's own BLAS (`products`

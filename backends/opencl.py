@@ -37,6 +37,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from backends.base import BackendUnavailableError, Device
@@ -53,6 +54,8 @@ GROUP = 128
 TILE = 16
 
 _FLOAT_TYPES = {np.dtype("float32"): "float", np.dtype("float64"): "double"}
+#: ml_dtypes' bfloat16, stored as the upper half of a float's bits (`_storage`)
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 #: "copy" moves bits of any dtype: the unsigned type of each item size
 _BITS_TYPES = {1: "uchar", 2: "ushort", 4: "uint", 8: "ulong"}
 _INT_TYPES = {np.dtype(f"{k}{n}"): f"{'u' if k == 'uint' else ''}{c}" for k in ("int", "uint")
@@ -417,6 +420,22 @@ class OpenCLDevice(Device):
     def _binary(self, name, a, b, out) -> None:
         self._elementwise(name, _BINARY[name], [a, b], out, self._type(out.dtype))
 
+    def _cast(self, x, out) -> None:
+        if out.size == 0:
+            return
+        if np.dtype("float64") in (x.dtype, out.dtype):
+            self._type(np.dtype("float64"))  # TypeError where the device has no cl_khr_fp64
+        offsets, strides = zip(*(_elements(v) for v in (out, x)))
+        dims, steps = _collapse(out.shape, list(strides))
+        if not dims:
+            dims, steps = [1], [[0], [0]]
+        src, dst = _storage(x.dtype), _storage(out.dtype)
+        kernel = self._kernel(("cast", x.dtype.str, out.dtype.str, len(dims)),
+                              lambda: _cast_source(src, dst, len(dims)))
+        n = math.prod(dims)
+        self._run(kernel, (-(-n // GROUP) * GROUP,), (GROUP,), out.base_data, offsets[0],
+                  x.base_data, offsets[1], n, *dims, *(s for step in steps for s in step))
+
     def _fused(self, program, inputs, out) -> None:
         """A fused elementwise chain as one generated kernel: each link's expression is inlined
         into the next, so nothing but the inputs and `out` touches memory. The program is
@@ -576,6 +595,45 @@ def _header(ctype: str) -> str:
             + f"typedef {ctype} T;\n") + (
         "inline T tanh_(T x) { return fabs(x) > (T)20 ? copysign((T)1, x) : tanh(x); }\n"
         if ctype in ("float", "double") else "")
+
+
+def _storage(dtype: np.dtype) -> tuple[str, str, str]:
+    """(pointer type, load expression of p[i] as a value, store of value v into p[i]) of a
+    dtype in a cast kernel: half through vload_half / vstore_half (core OpenCL, no cl_khr_fp16),
+    bfloat16 as a float's upper 16 bits, rounded to nearest even (NaN stays NaN), as ml_dtypes
+    does (float64 goes through float32, as there)."""
+    if dtype == np.float16:
+        return "half", "vload_half(i, p)", "vstore_half_rte(v, i, p)"
+    if dtype == BFLOAT16:
+        return ("ushort", "as_float((uint)p[i] << 16)",
+                "float f = (float)v; uint u = as_uint(f); "
+                "p[i] = isnan(f) ? (ushort)((u >> 16) | 0x40) "
+                ": (ushort)((u + 0x7fff + ((u >> 16) & 1)) >> 16)")
+    if dtype == np.bool_:
+        return "uchar", "p[i]", "p[i] = (uchar)(v != 0)"
+    ctype = {**_FLOAT_TYPES, **_INT_TYPES}[dtype]
+    return ctype, "p[i]", f"p[i] = ({ctype})v"
+
+
+def _cast_source(src: tuple[str, str, str], dst: tuple[str, str, str], ndim: int) -> str:
+    """A kernel that converts each element of `in` (storage `src`) into `out` (`dst`)."""
+    wide = "double" if "double" in (src[0], dst[0]) else "float"
+    if src[0] not in ("half", "ushort", "float", "double"):  # an integer or bool source
+        wide = src[0] if dst[0] not in ("half", "ushort", "float", "double") else wide
+    load = src[1].replace("p[i]", "in[in_o]").replace("(i, p)", "(in_o, in)")
+    store = dst[2].replace("p[i]", "out[out_o]").replace("i, p)", "out_o, out)")
+    strides = [f"{p}_s{d}" for p in ("out_o", "in_o") for d in range(ndim)]
+    return f"""{_FP64 if wide == "double" else ""}
+__kernel void k(__global {dst[0]}* out, long out_o, __global const {src[0]}* in, long in_o,
+                long n{_longs([f"n{d}" for d in range(ndim)])}{_longs(strides)})
+{{
+    long i = get_global_id(0);
+    if (i >= n) return;
+{_walk("i", "n", ["out_o", "in_o"], ndim)}
+    {wide} v = ({wide})({load});
+    {store};
+}}
+"""
 
 
 def _elementwise_source(expr: str, ctype: str, kinds: str, ndim: int) -> str:

@@ -51,6 +51,7 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import weakref
 from collections.abc import Callable
@@ -64,6 +65,7 @@ from backends.base import Device
 from backends.numpy import NumpyDevice
 from runtime import tape
 from runtime.block import Block
+from runtime.dtypes import BFLOAT16
 
 #: DLPack's DLDeviceType codes that blockrt meets.
 KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_OPENCL = 1, 2, 3, 4
@@ -224,9 +226,93 @@ def export(tensor: Any, stream: Any = None, max_version: tuple[int, int] | None 
                "copy": copy}
     options = {key: value for key, value in options.items() if value is not None}
     if device_type == KDL_CUDA:
+        if native.dtype == BFLOAT16:
+            raise BufferError("__dlpack__: bfloat16 tensors on CUDA cannot be exported: CuPy "
+                              "has no bfloat16; export ops.cast(t, 'float32')")
         with tensor.device.cuda_device, tensor.device.stream:
             return _share_cuda(native, tensor.detach()).__dlpack__(**options)
+    if native.dtype == BFLOAT16:  # Note [bfloat16 through DLPack]
+        shared = _share_host(native.view(np.uint16), tensor.detach())
+        return _retyped(shared.__dlpack__(**options), (_KDL_UINT, 16), (_KDL_BFLOAT, 16))
     return _share_host(native, tensor.detach()).__dlpack__(**options)
+
+
+# Note [bfloat16 through DLPack]: DLPack has a code for bfloat16 (kDLBfloat, 4), and PyTorch
+# and JAX use it, but NumPy has no bfloat16 and refuses the code both ways. So a host bfloat16
+# tensor is handed to NumPy's exporter as uint16 (the same bits) and the capsule's dtype is set
+# to kDLBfloat before it leaves; an incoming capsule of kDLBfloat is set to uint16 before
+# NumPy takes it, and the array is viewed as ml_dtypes.bfloat16. Only the DLDataType changes,
+# in a capsule nobody has consumed yet; the layout of DLManagedTensor(Versioned) is DLPack's
+# stable ABI.
+_KDL_UINT, _KDL_BFLOAT = 1, 4
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.c_void_p),
+                ("strides", ctypes.c_void_p), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32),
+                ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p),
+                ("flags", ctypes.c_uint64), ("dl_tensor", _DLTensor)]
+
+
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype, _capsule_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _dtype_field(capsule: Any) -> _DLDataType:
+    """The DLDataType inside an unconsumed DLPack capsule (either kind); valid while the
+    capsule lives."""
+    name = _capsule_name(capsule)
+    kind = {b"dltensor": _DLManagedTensor,
+            b"dltensor_versioned": _DLManagedTensorVersioned}.get(name)
+    if kind is None:
+        raise BufferError(f"from_dlpack: the producer gave a capsule named {name!r}, not an "
+                          f"unconsumed DLPack tensor")
+    return kind.from_address(_capsule_pointer(capsule, name)).dl_tensor.dtype
+
+
+def _retyped(capsule: Any, old: tuple[int, int], new: tuple[int, int]) -> Any:
+    """`capsule` with its dtype (code, bits) `old` set to `new` (others left as they are)."""
+    field = _dtype_field(capsule)
+    if (field.code, field.bits) == old and field.lanes == 1:
+        field.code, field.bits = new
+    return capsule
+
+
+class _BfloatAsUint16:
+    """What NumPy imports in place of a producer: its capsule, a bfloat16 one retyped uint16."""
+
+    def __init__(self, producer: Any) -> None:
+        self.producer = producer
+        self.bfloat = False
+
+    def __dlpack_device__(self) -> Any:
+        return self.producer.__dlpack_device__()
+
+    def __dlpack__(self, **options: Any) -> Any:
+        capsule = self.producer.__dlpack__(**options)
+        field = _dtype_field(capsule)
+        if (field.code, field.bits, field.lanes) == (_KDL_BFLOAT, 16, 1):
+            field.code = _KDL_UINT
+            self.bfloat = True
+        return capsule
 
 
 # ---------------------------------------------------------------------- import
@@ -238,7 +324,10 @@ def _host_memory(address: int, nbytes: int, readonly: bool, owner: Any) -> np.nd
 
 
 def _import_host(obj: Any, index: int) -> tuple[Device, Any, int, Callable[..., Any]]:
-    native = np.from_dlpack(obj)
+    producer = _BfloatAsUint16(obj)  # Note [bfloat16 through DLPack]
+    native = np.from_dlpack(producer)
+    if producer.bfloat:
+        native = native.view(BFLOAT16)
     readonly = not native.flags.writeable
 
     def memory(address: int, nbytes: int) -> np.ndarray:

@@ -23,13 +23,14 @@ from typing import Any
 import numpy as np
 
 from backends.base import ieee
-from runtime import aliasing, autograd, config, fastpath, tape
+from runtime import aliasing, autograd, config, dtypes, fastpath, tape
 from runtime.block import Block
 from runtime.errors import AliasingError, AutogradError, device_names
-from runtime.tensor import Tensor, _brief, as_axes, as_flag, empty, host_array, tensor
+from runtime.tensor import Tensor, _brief, as_axes, as_dtype, as_flag, empty, host_array, tensor
 
 __all__ = ["ALIASING_POLICY", "add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sigmoid",
-           "relu", "sqrt", "matmul", "linear", "cross_entropy", "sum", "mean", "copy"]
+           "relu", "sqrt", "matmul", "linear", "cross_entropy", "sum", "mean", "copy", "cast",
+           "can_cast"]
 
 ELEMENTWISE = "elementwise"
 NEVER = "never"
@@ -38,13 +39,14 @@ NEVER = "never"
 ALIASING_POLICY: dict[str, str] = {
     **dict.fromkeys(("add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sigmoid", "relu",
                      "sqrt", "copy"), ELEMENTWISE),
-    **dict.fromkeys(("matmul", "linear", "cross_entropy", "sum", "mean"), NEVER),
+    **dict.fromkeys(("matmul", "linear", "cross_entropy", "sum", "mean", "cast"), NEVER),
     # autograd's fused derivatives (not public ops): (gradient, the op's output) -> gradient
     **dict.fromkeys(("tanh_backward", "sigmoid_backward", "relu_backward"), ELEMENTWISE),
     "cross_entropy_backward": NEVER,
 }
 
-FLOAT_DTYPES = (np.dtype("float32"), np.dtype("float64"))
+#: The dtypes the arithmetic ops compute in (runtime/dtypes.py COMPUTE).
+FLOAT_DTYPES = dtypes.COMPUTE
 #: The largest finite value of each float dtype, as a Python float.
 _LARGEST = {dtype: float(np.finfo(dtype).max) for dtype in FLOAT_DTYPES}
 
@@ -66,9 +68,11 @@ def _common(op: str, tensors: Sequence[Tensor], floats_only: bool = True) -> tup
                              f"copy one over first")
         if t.dtype != first.dtype:
             raise TypeError(f"{op}: operands have different dtypes: {first.dtype} and {t.dtype}; "
-                            f"convert one first")
+                            f"convert one first (runtime.ops.cast)")
     if floats_only and first.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{op}: supports float32 and float64, got {first.dtype}")
+        raise TypeError(f"{op}: computes in float32 and float64, got {first.dtype}; "
+                        f"{first.dtype} tensors are stored, copied, viewed and cast, not computed "
+                        f"on: cast first (runtime.ops.cast(x, 'float32'))")
     return first.device, first.dtype
 
 
@@ -470,6 +474,70 @@ def copy(x: Tensor, out: Tensor | None = None) -> Tensor:
         array([0., 1., 2.])
     """
     return _elementwise("copy", out, x)
+
+
+def can_cast(src: Any, dst: Any) -> bool:
+    """Whether `cast` converts tensors of dtype `src` to `dst` (the rule in `cast`)."""
+    src, dst = as_dtype(src, "can_cast"), as_dtype(dst, "can_cast")
+    return _cast_refusal(src, dst) is None
+
+
+def _cast_refusal(src: np.dtype, dst: np.dtype) -> str | None:
+    """Why `cast` refuses src -> dst, or None where it converts."""
+    if src == dst or src.kind == "b" or dtypes.is_float(dst) and (dtypes.is_float(src)
+                                                                  or dst in FLOAT_DTYPES):
+        return None  # exact (bool, or an integer into float32 / float64 up to 2**24 / 2**53)
+    if dtypes.is_float(src):
+        return ("a float to an integer or bool would truncate, wrap or lose NaN; convert on "
+                "the host, where runtime.tensor(x.numpy(), dtype=...) refuses any value it "
+                "would change")
+    if dtypes.is_float(dst):
+        exact = 2 ** (dtypes.finfo(dst).nmant + 1)
+        return (f"an integer to {dst} would lose integers above {exact}; cast to float32 or "
+                f"float64 first")
+    if np.can_cast(src, dst, "safe"):
+        return None  # every value survives: integers into a wider integer
+    return ("not every value survives (a narrower integer, or signed to unsigned); convert "
+            "on the host, where runtime.tensor(x.numpy(), dtype=...) refuses any value it "
+            "would change")
+
+
+def cast(x: Tensor, dtype: Any, out: Tensor | None = None) -> Tensor:
+    """x converted to `dtype`, elementwise, on x's device.
+
+    Casts between float dtypes round to nearest even, as IEEE 754 says (a finite value beyond
+    the target's range becomes an infinity, as in NumPy and PyTorch; float64 to bfloat16 goes
+    through float32, as ml_dtypes does). Integers go to float32 or float64 (rounded to
+    nearest) and into a wider integer (exact); bool goes to any dtype (0 or 1). Everything
+    else would change values silently and is refused (`can_cast` says which): convert on the
+    host instead.
+    Gradients flow through casts between float dtypes (the gradient is cast back).
+
+    `out` may not share any memory with x.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> half = runtime.ops.cast(runtime.tensor(np.float32([1.0, 0.1, 70000.0])), "float16")
+        >>> half.dtype, half.numpy().tolist()
+        (dtype('float16'), [1.0, 0.0999755859375, inf])
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"cast: expected a Tensor, got {type(x).__name__} {_brief(x)}")
+    target = as_dtype(dtype, "cast")
+    why = _cast_refusal(x.dtype, target)
+    if why is not None:
+        raise TypeError(f"cast: {x.dtype} to {target} is refused: {why}")
+    device = x.device
+    out = _prepare_out("cast", out, x.shape, target, x, (x,))
+    _launch("cast", out, [("x", x, x.shape)], lambda v, o: device.cast(v[0], o))
+    if autograd.needs_grad(x) and dtypes.is_float(target):
+        source = x.dtype
+
+        def fn(g: Tensor) -> tuple:
+            return (cast(g, source),)
+
+        autograd.record("cast", out, (x,), ("x",), fn)
+    return out
 
 
 # ---------------------------------------------------------------------- matmul

@@ -17,13 +17,13 @@ import numpy as np
 import backends
 from allocators import Allocator, format_bytes
 from backends.base import ieee
-from runtime import aliasing, autograd, config, dlpack, tape
+from runtime import aliasing, autograd, config, dlpack, dtypes, tape
 from runtime.autograd import Node
 from runtime.block import Block
 from runtime.errors import AutogradError, UseAfterFreeError, device_names
 
-#: The dtypes a tensor may hold. Arithmetic ops accept the float ones.
-DTYPES = tuple(np.dtype(t) for t in ("float32", "float64", "int32", "int64", "uint8", "bool"))
+#: The dtypes a tensor may hold (runtime/dtypes.py). Arithmetic ops accept dtypes.COMPUTE.
+DTYPES = dtypes.DTYPES
 
 #: The most bytes one tensor may span: what a 64-bit signed size (NumPy's intp) can count.
 MAX_NBYTES = 2**63 - 1
@@ -348,7 +348,7 @@ class Tensor:
         if self._node is not None and not flag:
             raise AutogradError(f"requires_grad can only be turned off on a leaf; this tensor "
                                 f"is the result of {self._node.op}: use detach()")
-        if flag and self.dtype.kind != "f":
+        if flag and not dtypes.is_float(self.dtype):
             raise AutogradError(f"only float tensors can require gradients, not {self.dtype}")
         self._requires_grad = flag
 
@@ -770,11 +770,10 @@ def host_array(data: Any, dtype: Any = None, what: str = "tensor") -> np.ndarray
     """`data` (array-like or Tensor) as a C-contiguous host array of a dtype tensors hold:
     what `runtime.tensor(data, dtype)` holds, exactly. Never changes a value silently.
 
-    Without `dtype`, data of a dtype in DTYPES keeps it; other data converts only where every
-    value survives exactly: bool stays bool, other integers become int64 (int8, int16, uint16,
-    uint32 always fit; a uint64 above 2**63 - 1 is refused), floats become float64 (a
-    non-native byte order is swapped; a longdouble must hold float64 values); float16 is
-    refused until tensors hold it (pass dtype="float32", exact).
+    Without `dtype`, data of a dtype in DTYPES keeps it (a non-native byte order is swapped);
+    other data converts only where every value survives exactly: other integers (Python's,
+    NumPy's long long) become int64, other floats float64 (a longdouble must hold float64
+    values).
 
     With `dtype`, a float dtype rounds to nearest (its meaning) but never turns a finite value
     into an infinity; an integer or bool dtype takes only whole values in its range (no
@@ -810,7 +809,7 @@ def _infer(data: Any, target: np.dtype | None, what: str) -> np.ndarray:
         error = TypeError if isinstance(exc, TypeError) else ValueError
         raise error(f"cannot make a {what}{of} from {type(data).__name__} {_brief(data)}: "
                     f"{exc}") from exc
-    kind = host.dtype.kind
+    kind = dtypes.kind(host.dtype)
     if kind == "O" and not isinstance(data, np.ndarray):  # Python ints beyond 64 bits
         return _from_objects(host, target, what)
     if kind not in "biuf":
@@ -818,7 +817,7 @@ def _infer(data: Any, target: np.dtype | None, what: str) -> np.ndarray:
                         f"({type(data).__name__} {_brief(data)}): tensors hold real numbers "
                         f"({', '.join(map(str, DTYPES))})")
     if kind == "f" and not isinstance(data, (np.ndarray, np.generic)) and (
-            target is None or target.kind != "f"):
+            target is None or dtypes.kind(target) != "f"):
         # NOTE: NumPy makes float64 of [-1, 2**64 - 1] or [0.5, 2**60 + 1], rounding the int
         _check_inferred_ints(data, host, target, what)
     return host
@@ -833,7 +832,7 @@ def _from_objects(host: np.ndarray, target: np.dtype | None, what: str) -> np.nd
         if not isinstance(v, (int, float, np.integer, np.floating)):  # bool is an int
             raise TypeError(f"cannot make a {what}{of} from data of dtype object: "
                             f"{_brief(v)} ({type(v).__name__}) is not an int or a float")
-    to_float = target is not None and target.kind == "f"
+    to_float = target is not None and dtypes.is_float(target)
     if to_float or any(isinstance(v, (float, np.floating)) for v in values):
         floats = []
         for v in values:
@@ -891,9 +890,6 @@ def _implicit_dtype(src: np.dtype, what: str) -> np.dtype:
     native = src.newbyteorder("=")
     if native in _SUPPORTED:
         return native
-    if src.kind == "f" and src.itemsize == 2:
-        raise TypeError(f"cannot make a {what} from data of dtype {src}: tensors do not hold "
-                        f"float16; pass dtype='float32' (or 'float64') to widen it exactly")
     return _DEFAULT_OF_KIND[src.kind]
 
 
@@ -904,7 +900,8 @@ def _convert(host: np.ndarray, target: np.dtype, what: str, exact: bool) -> np.n
     src = host.dtype
     if np.can_cast(src, target, "safe"):
         return host.astype(target)  # every value of src is exact in target
-    if src.kind in "iu" and target.kind in "iu":
+    src_kind, target_kind = dtypes.kind(src), dtypes.kind(target)
+    if src_kind in "iu" and target_kind in "iu":
         if host.size:
             low, high = int(host.min()), int(host.max())
             info = np.iinfo(target)
@@ -912,12 +909,10 @@ def _convert(host: np.ndarray, target: np.dtype, what: str, exact: bool) -> np.n
                 _refuse(what, src, target, low if low < info.min else high, exact)
         return host.astype(target)
     out = ieee(host.astype, target)  # NOTE: checked below; NumPy's cast warnings say less
-    if target.kind != "f":
+    if target_kind != "f":
         lost = out != host  # NaN, infinities, fractions and out-of-range values differ
     elif not exact:
-        if src.kind != "f":
-            return out  # an integer never overflows a float dtype
-        lost = np.isfinite(host) & ~np.isfinite(out)
+        lost = np.isfinite(host) & ~np.isfinite(out)  # e.g. 70000 as float16, 2**128 bfloat16
     else:
         lost = (out != host) & ~(np.isnan(out) & np.isnan(host))
     if lost.any():
@@ -930,10 +925,11 @@ def _refuse(what: str, src: np.dtype, target: np.dtype, value: Any, exact: bool)
     if isinstance(value, np.generic) and value.dtype.itemsize <= 8:
         value = value.item()  # NOTE: compared below with Python ints, without NumPy's casts
     text = str(value) if isinstance(value, np.generic) else repr(value)  # a longdouble: str
-    if target.kind in "iub":
+    target_kind = dtypes.kind(target)
+    if target_kind in "iub":
         if value != value or value in (math.inf, -math.inf):
             reason, fix = f"{text} has no {target} value", "replace it first (np.nan_to_num)"
-        elif target.kind == "b":
+        elif target_kind == "b":
             reason, fix = f"{text} is neither 0 nor 1", "compare it first (data != 0)"
         elif not np.iinfo(target).min <= value <= np.iinfo(target).max:
             low, high = np.iinfo(target).min, np.iinfo(target).max
@@ -946,7 +942,7 @@ def _refuse(what: str, src: np.dtype, target: np.dtype, value: Any, exact: bool)
     elif exact:
         reason, fix = f"{text} has no exact {target} value", f"pass dtype='{target}' to round it"
     else:
-        reason = f"{text} is beyond the largest {target}, {np.finfo(target).max}"
+        reason = f"{text} is beyond the largest {target}, {dtypes.finfo(target).max}"
         fix = "use float64" if target.itemsize < 8 else "scale it down first"
     raise ValueError(f"cannot make a {what} of {target} from {src} data: {reason} (tensors "
                      f"never change a value silently); {fix}")

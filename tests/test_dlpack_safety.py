@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import runtime
+from runtime.dtypes import BFLOAT16
 from runtime.tensor import DTYPES
 
 
@@ -146,7 +147,9 @@ def test_malformed_arguments_are_named(options, error, match):
 # ---------------------------------------------------------------------- the property
 @st.composite
 def views(draw: Any) -> tuple[np.ndarray, tuple]:
-    dtype = draw(st.sampled_from(DTYPES))
+    # NOTE: NumPy, the consumer here, has no bfloat16 (tests/test_dlpack.py takes it through
+    # a capsule and PyTorch)
+    dtype = draw(st.sampled_from([d for d in DTYPES if d != BFLOAT16]))
     shape = tuple(draw(st.lists(st.integers(0, 4), min_size=1, max_size=3)))
     host = (np.arange(int(np.prod(shape))) % 7).astype(dtype).reshape(shape)
     index = tuple(slice(draw(st.sampled_from([None, 0, 1])), None,

@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 #: runtime module -> layer; a module may import only modules of its layer or lower ones.
 LAYERS = {
-    "errors": 0, "aliasing": 0, "planner": 0,
+    "errors": 0, "aliasing": 0, "planner": 0, "dtypes": 0,
     "block": 1,
     "config": 2,
     "tape": 3, "autograd": 3, "tensor": 3, "dlpack": 3, "fastpath": 3, "ops": 3,

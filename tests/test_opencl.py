@@ -25,6 +25,8 @@ from backends.base import BINARY_KERNELS, UNARY_KERNELS  # noqa: E402
 from backends.opencl import OpenCLDevice  # noqa: E402
 
 DTYPES = [np.float32, np.float64]
+#: every storage dtype (runtime/dtypes.py)
+ALL_DTYPES = runtime.dtypes.DTYPES
 SHAPE = (3, 5)
 
 
@@ -167,7 +169,7 @@ def test_unary_kernels_in_place(dev, where, dtype):
         check_written(x, expected, dtype)
 
 
-@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.int64, np.uint8, np.bool_, np.float16])
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("where", INPUTS)
 def test_copy_moves_any_dtype(dev, where, dtype):
     x = Placed(dev, (2, 3, 4), dtype, where, values=lambda rng, n: rng.integers(0, 2, n))

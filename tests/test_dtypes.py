@@ -1,0 +1,193 @@
+"""Every storage dtype (runtime/dtypes.py) on every device here: creation, views, copies,
+constants and `ops.cast`, against NumPy (and ml_dtypes for bfloat16), bit for bit; the ops that
+compute refuse the other dtypes by name; casts between floats carry gradients and replay in a
+captured graph."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import backends
+import runtime
+from runtime import dtypes, ops
+
+DEVICES = backends.available()
+STORAGE = dtypes.DTYPES
+PAIRS = list(itertools.product(STORAGE, STORAGE))
+
+
+def _on(kind: str) -> Any:
+    if kind == "cuda":
+        pytest.skip("CUDA storage of bfloat16 is not covered (CuPy has no bfloat16)")
+    return backends.get_device(kind)
+
+
+def _edges(dtype: np.dtype) -> list[Any]:
+    """Values at the edges of `dtype`, as Python numbers."""
+    if dtype.kind == "b":
+        return [False, True]
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return [int(info.min), int(info.min) + 1, 0, 1, int(info.max) - 1, int(info.max)]
+    info = dtypes.finfo(dtype)
+    return [float(info.max), -float(info.max), float(info.tiny), float(info.smallest_subnormal),
+            0.0, -0.0, math.nan, math.inf, -math.inf, 0.1, 1 / 3, -2.5, 65504.0, 65520.0,
+            1 + 2.0**-8 + 2.0**-30, 2.0**24 + 1, 3.3961e38]
+
+
+@st.composite
+def host_values(draw: Any, dtype: np.dtype) -> np.ndarray:
+    """An array of `dtype`, shape (2..4, 2..5), with edge values and random ones."""
+    shape = (draw(st.integers(2, 4)), draw(st.integers(2, 5)))
+    n = shape[0] * shape[1]
+    if dtype.kind == "b":
+        values = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+        return np.array(values, dtype).reshape(shape)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        numbers = st.integers(int(info.min), int(info.max)) | st.sampled_from(_edges(dtype))
+        return np.array(draw(st.lists(numbers, min_size=n, max_size=n)), dtype).reshape(shape)
+    floats = st.floats(width=64) | st.sampled_from(_edges(dtype))
+    wide = np.array(draw(st.lists(floats, min_size=n, max_size=n)), np.float64)
+    with np.errstate(over="ignore"):
+        return wide.astype(dtype).reshape(shape)
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> None:
+    """Equal values and dtypes, NaN equal to NaN, +0 told from -0 (compared as bits)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if dtypes.is_float(a.dtype):
+        nan = np.isnan(a.astype(np.float64))
+        np.testing.assert_array_equal(nan, np.isnan(b.astype(np.float64)))
+        bits = f"u{a.dtype.itemsize}"
+        np.testing.assert_array_equal(np.where(nan, 0, a.view(bits)), np.where(nan, 0,
+                                                                                 b.view(bits)))
+    else:
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", DEVICES)
+@pytest.mark.parametrize("dtype", STORAGE, ids=str)
+def test_every_dtype_is_stored_viewed_and_copied(kind, dtype):
+    device = _on(kind)
+    host = np.arange(12).reshape(3, 4).astype(dtype)
+    t = runtime.tensor(host, device=device)
+    assert t.dtype == dtype and t.nbytes == host.nbytes
+    _same(t.numpy(), host)
+    _same(t.T.numpy(), host.T)  # views
+    _same(t[1:, ::2].numpy(), host[1:, ::2])
+    _same(t.reshape(4, 3).numpy(), host.reshape(4, 3))
+    copied = ops.copy(t[:, ::-1])
+    _same(copied.numpy(), host[:, ::-1])
+    assert copied.block is not t.block
+    empty = runtime.empty((3, 4), dtype, device=device)  # lazy until written
+    ops.copy(t, out=empty)
+    _same(empty.numpy(), host)
+    c = runtime.constant(host, device=device)
+    assert c.dtype == dtype and runtime.constant(host.copy(), device=device).block is c.block
+    _same(c.numpy(), host)
+
+
+@pytest.mark.parametrize("dtype", [d for d in STORAGE if d not in ops.FLOAT_DTYPES], ids=str)
+def test_ops_that_compute_refuse_other_dtypes_by_name(dtype):
+    t = runtime.tensor(np.ones((2, 2), dtype))
+    for call in (lambda: ops.add(t, t), lambda: ops.exp(t), lambda: ops.matmul(t, t),
+                 lambda: ops.sum(t), lambda: ops.relu(t)):
+        with pytest.raises(TypeError, match=f"computes in float32 and float64, got {dtype}"):
+            call()
+    with pytest.raises(TypeError, match="cast first"):
+        ops.mul(t, 2)
+
+
+@pytest.mark.parametrize(("src", "dst"), PAIRS, ids=lambda d: str(d))
+def test_cast_converts_exactly_or_by_ieee_rounding_else_refuses(src, dst):
+    """The rule: floats to floats (IEEE), bool and integers to float32/float64, bool to
+    anything, integers into wider integers; nothing else."""
+    allowed = (src == dst or dtypes.is_float(src) and dtypes.is_float(dst)
+               or not dtypes.is_float(src) and dst in ops.FLOAT_DTYPES
+               or src.kind == "b"
+               or src.kind in "iu" and dst.kind in "iu" and np.can_cast(src, dst, "safe"))
+    assert ops.can_cast(src, dst) == allowed
+    t = runtime.tensor(np.zeros(3, src))
+    if allowed:
+        assert ops.cast(t, dst).dtype == dst
+    else:
+        with pytest.raises(TypeError, match=f"cast: {src} to {dst} is refused: "):
+            ops.cast(t, dst)
+
+
+ALLOWED = [(s, d) for s, d in PAIRS if ops.can_cast(s, d)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), pair=st.sampled_from(ALLOWED), kind=st.sampled_from(DEVICES),
+       layout=st.sampled_from(["contiguous", "transposed", "strided"]))
+def test_cast_equals_numpy_bit_for_bit_on_every_device(data, pair, kind, layout):
+    src, dst = pair
+    device = _on(kind)
+    if "float64" in (src.name, dst.name) and kind == "opencl" and not device.fp64:
+        return
+    host = data.draw(host_values(src))
+    t = runtime.tensor(host, device=device)
+    view, expected_in = {"contiguous": (t, host), "transposed": (t.T, host.T),
+                         "strided": (t[:, ::2], host[:, ::2])}[layout]
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = expected_in.astype(dst)  # ml_dtypes: float64 -> bfloat16 via float32
+    _same(ops.cast(view, dst).numpy(), expected)
+
+
+def test_float64_to_bfloat16_rounds_through_float32_as_ml_dtypes_does():
+    x = np.array([1 + 2.0**-8 + 2.0**-30])  # just above a tie, which float32 makes a tie
+    assert x.astype(ml_dtypes.bfloat16)[0] == 1.0
+    for kind in DEVICES:
+        if kind != "cuda":
+            out = ops.cast(runtime.tensor(x, device=backends.get_device(kind)), "bfloat16")
+            assert out.numpy()[0] == 1.0
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_gradients_flow_through_casts_between_floats(half):
+    host = np.array([[0.5, -1.25], [2.0, 3.0]], np.float32)
+    x = runtime.tensor(host, requires_grad=True)
+    y = ops.cast(ops.cast(x, half), "float32")  # stored in half, computed in float32
+    loss = ops.sum(ops.mul(y, y))
+    loss.backward()
+    np.testing.assert_array_equal(x.grad.numpy(), 2 * host.astype(half).astype(np.float32))
+    assert x.grad.dtype == np.float32
+
+
+def test_cast_is_captured_and_replayed_by_a_graph():
+    host = np.linspace(-3, 3, 12, dtype=np.float32).reshape(3, 4)
+
+    def step(x):
+        return ops.cast(ops.mul(ops.cast(ops.cast(x, "bfloat16"), "float32"), 3.0), "float16")
+
+    g = runtime.graph(step)
+    for scale in (1.0, 0.1, 1000.0):
+        x = runtime.tensor(host * scale)
+        _same(g(x).numpy(), step(x).numpy())
+
+
+def test_a_cast_into_its_own_memory_goes_through_a_temporary_or_raises():
+    """cast's output may not share memory with its input: a float32 view of an int32 tensor's
+    own bytes is computed through a temporary (the default) or refused ("raise")."""
+    host = np.arange(-3, 5, dtype=np.int32)
+    t = runtime.tensor(host)
+    same_bytes = runtime.Tensor(t.block, t.shape, np.float32, t.strides, t.offset)
+    ops.cast(t, "float32", out=same_bytes)
+    np.testing.assert_array_equal(same_bytes.numpy(), host.astype(np.float32))
+    old = runtime.set_aliasing("raise")
+    try:
+        with pytest.raises(runtime.AliasingError, match="cast: the output"):
+            ops.cast(runtime.tensor(host), "float32", out=same_bytes)  # no overlap: fine
+            ops.cast(t, "float32", out=same_bytes)
+    finally:
+        runtime.set_aliasing(old)
