@@ -21,8 +21,8 @@ the batch): the process's peak resident memory during one step less its resident
 before, each contender in a process of its own in which glibc maps every allocation of 16 KiB
 or more by itself (MALLOC_MMAP_THRESHOLD_), so that freed memory leaves at once. (PyTorch's
 profiler's memory events were tried first: summed op by op they gave checkpointing with one
-segment less than the weight gradients alone, so they are not used.) Step time: the fastest of `rounds`
-timed steps (the profiler is off then).
+segment less than the weight gradients alone, so they are not used.) Step time: the fastest
+of `rounds` timed steps.
 
 Run: .venv/bin/python benchmarks/torch_budget.py [--configs D] [--rounds 5]
 """
@@ -43,10 +43,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import mlp_reference as ref  # noqa: E402
-from timing import cpu_name, versions  # noqa: E402
+import mlp_reference as ref
+from timing import cpu_name, versions
 
-from blockrt.models import CONFIGS, MLPConfig  # noqa: E402
+from blockrt.models import CONFIGS, MLPConfig
 
 #: Segment counts tried for checkpoint_sequential (1: one segment, everything recomputed once).
 SEGMENTS = (1, 2, 4, 8, 16, 32)
@@ -200,7 +200,7 @@ def measure_one(config: MLPConfig, name: str, rounds: int) -> dict[str, Any]:
     try:
         step = make()
         return {"contender": name, "ms": step_ms(step, rounds), "peak": peak_bytes(step)}
-    except Exception as exc:  # noqa: BLE001 - a contender that cannot run says why
+    except Exception as exc:
         return {"contender": name, "error": f"{type(exc).__name__}: {exc}"[:160]}
 
 
