@@ -7,7 +7,7 @@ EXTRAS ?= test
 .PHONY: demo test bench lint clean venv asan
 
 $(VENV)/.installed-$(EXTRAS): setup.cfg setup.py pyproject.toml allocators/_speedups.c \
-		runtime/_dispatch.c \
+		runtime/_dispatch.c backends/_halfconv.c \
 		examples/plugin_allocator/setup.cfg
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -96,3 +96,4 @@ bench:
 	$(PY) benchmarks/bench_planner.py
 	$(PY) benchmarks/bench_opencl.py
 	$(PY) benchmarks/bench_queues.py
+	$(PY) benchmarks/bench_half.py

@@ -42,6 +42,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 #: Elementwise kernels of one input. "copy" writes its input (possibly broadcast) into out.
@@ -55,6 +56,15 @@ BINARY_KERNELS = ("add", "sub", "mul", "div", "tanh_backward", "sigmoid_backward
 REDUCE_KERNELS = ("sum", "mean")
 #: The default `Device.fused` runs a chain in blocks of about this many bytes per operand (L2).
 FUSED_BLOCK_BYTES = 64 << 10
+#: The two-byte floats: every kernel computes them in float32 and rounds each result to the
+#: output's dtype once (`Device._in_float32`), as PyTorch's CPU kernels do for half and
+#: bfloat16 (their "opmath" type) and NumPy's float16 loops do op by op.
+HALVES = (np.dtype("float16"), np.dtype(ml_dtypes.bfloat16))
+_FLOAT32 = np.dtype("float32")
+
+
+def _half(x: Any) -> bool:
+    return getattr(x, "dtype", None) in HALVES
 
 
 class BackendUnavailableError(RuntimeError):
@@ -225,16 +235,22 @@ class Device:
         """out = f(x) elementwise, f one of UNARY_KERNELS; x may be identical to out."""
         if name not in UNARY_KERNELS:
             raise ValueError(f"unknown unary kernel {name!r}; known: {', '.join(UNARY_KERNELS)}")
+        if (_half(out) or _half(x)) and name != "copy":
+            return self._in_float32(functools.partial(self._unary, name), (x,), (out,))
         self._unary(name, x, out)
 
     def binary(self, name: str, a: Any, b: Any, out: Any) -> None:
         """out = a (op) b elementwise; a and b already have out's shape (zero strides broadcast)."""
         if name not in BINARY_KERNELS:
             raise ValueError(f"unknown binary kernel {name!r}; known: {', '.join(BINARY_KERNELS)}")
+        if _half(out) or _half(a) or _half(b):
+            return self._in_float32(functools.partial(self._binary, name), (a, b), (out,))
         self._binary(name, a, b, out)
 
     def matmul(self, a: Any, b: Any, out: Any) -> None:
         """out = a @ b for 2-D (or batched N-D) views; out never overlaps a or b."""
+        if _half(out):
+            return self._in_float32(self._matmul, (a, b), (out,))
         self._matmul(a, b, out)
 
     def cast(self, x: Any, out: Any) -> None:
@@ -247,6 +263,10 @@ class Device:
         beta 0 the old contents of out are not read. Where `gemm_accumulates` is True this is
         one BLAS-style product that rounds once; otherwise a product into scratch and a fused
         elementwise pass (the same result up to rounding)."""
+        if _half(out):
+            return self._in_float32(lambda a, b, o: self._gemm(a, b, o, float(alpha),
+                                                               float(beta)),
+                                    (a, b), (out,), read=beta != 0)
         self._gemm(a, b, out, float(alpha), float(beta))
 
     def plan_products(self, products: Sequence[tuple[Any, Any, Any, bool]]) -> None:
@@ -261,6 +281,9 @@ class Device:
         """out = sum or mean of x over `axis` (None: all axes); out never overlaps x."""
         if name not in REDUCE_KERNELS:
             raise ValueError(f"unknown reduction {name!r}; known: {', '.join(REDUCE_KERNELS)}")
+        if _half(out):
+            return self._in_float32(lambda x, o: self._reduce(name, x, axis, keepdims, o), (x,),
+                                    (out,))
         self._reduce(name, x, axis, keepdims, out)
 
     def cross_entropy(self, logits: Any, labels: Any, losses: Any, probs: Any) -> None:
@@ -274,6 +297,9 @@ class Device:
         bad label in row order) before writing either output (Note [checked before written]):
         labels in a Tensor reach the kernel unchecked.
         """
+        if _half(logits):
+            return self._in_float32(lambda x, y, o, p: self._cross_entropy(x, y, o, p),
+                                    (logits, labels), (losses, probs))
         self._cross_entropy(logits, labels, losses, probs)
 
     def cross_entropy_backward(self, probs: Any, labels: Any, grad: Any, out: Any) -> None:
@@ -281,7 +307,42 @@ class Device:
         of `cross_entropy` with respect to the logits, given the gradient `grad` (rows,).
         `labels` are those `cross_entropy` checked (autograd saves them with their version), so
         a backend need not check them again; outside [0, classes) the result is undefined."""
+        if _half(out):
+            return self._in_float32(self._cross_entropy_backward, (probs, labels, grad), (out,))
         self._cross_entropy_backward(probs, labels, grad, out)
+
+    def _in_float32(self, kernel: Callable[..., None], inputs: Sequence[Any],
+                    outs: Sequence[Any], read: bool = False) -> None:
+        """kernel(*inputs, *outs) with each half operand (HALVES) widened to a float32 scratch
+        copy, exactly, and each half output computed in float32 scratch and then rounded to its
+        dtype once (`_cast`, round to nearest even); `read`: the outputs' old contents are read
+        too. Numbers pass as float32, as PyTorch keeps a Python number in its opmath type."""
+        wide = []
+        for x in inputs:
+            if _half(x):
+                x = self._widened(x)
+            elif isinstance(x, np.generic) and x.dtype in HALVES:
+                x = np.float32(x)
+            wide.append(x)
+        targets = []
+        for o in outs:
+            t = o
+            if _half(o):
+                t = self.scratch(tuple(o.shape), _FLOAT32)
+                if read:
+                    self._cast(o, t)
+            targets.append(t)
+        kernel(*wide, *targets)
+        for t, o in zip(targets, outs):
+            if t is not o:
+                self._cast(t, o)
+
+    def _widened(self, x: Any) -> Any:
+        """A float32 array equal to the half view `x` (its shape; any strides). The default
+        converts into a scratch copy; a backend may widen less (a broadcast view's one row)."""
+        w = self.scratch(tuple(x.shape), _FLOAT32)
+        self._cast(x, w)
+        return w
 
     def fused(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
               out: Any) -> None:
@@ -342,7 +403,8 @@ class Device:
                     target = out[start:stop] if shape else out
                 else:
                     target = scratch[i][:stop - start] if shape else scratch[i]
-                kernel = self._unary if len(operands) == 1 else self._binary
+                # NOTE: the public kernels: two-byte floats compute in float32 (HALVES)
+                kernel = self.unary if len(operands) == 1 else self.binary
                 calls.append((kernel, (name, *operands, target)))
                 results.append(target)
 

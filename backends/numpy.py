@@ -14,10 +14,22 @@ import functools
 import math
 import os
 
+import ml_dtypes
 import numpy as np
 
+from allocators._core import PURE_PYTHON
 from backends import _blas
 from backends.base import Device
+
+try:  # NOTE: optional, as the allocator's hot path: np.copyto converts the same bits
+    from backends import _halfconv
+except ImportError:
+    _halfconv = None
+if PURE_PYTHON:
+    _halfconv = None
+_F16, _F32, _BF16 = np.dtype("float16"), np.dtype("float32"), np.dtype(ml_dtypes.bfloat16)
+_WIDEN = {} if _halfconv is None else {_F16: _halfconv.widen, _BF16: _halfconv.widen_bf16}
+_NARROW = {} if _halfconv is None else {_F16: _halfconv.narrow, _BF16: _halfconv.narrow_bf16}
 
 
 def _sigmoid(x: np.ndarray, out: np.ndarray) -> None:
@@ -194,7 +206,30 @@ class NumpyDevice(Device):
     def _binary(self, name, a, b, out) -> None:
         _BINARY[name](a, b, out=out)
 
+    def scratch(self, shape, dtype) -> np.ndarray:  # NOTE: a host array is its own memory
+        return np.empty(tuple(shape), dtype)
+
+    def _widened(self, x) -> np.ndarray:
+        # NOTE: a broadcast operand (a bias) is widened once, not at every row it is seen
+        # again, and a transposed one (a weight in a product) as its contiguous self
+        strides = x.strides
+        if 0 in strides and x.ndim:
+            compact = x[tuple(0 if s == 0 else slice(None) for s in strides)]
+            return np.broadcast_to(np.expand_dims(self._widened(compact), tuple(
+                i for i, s in enumerate(strides) if s == 0)), x.shape)
+        if not x.flags.c_contiguous and x.T.flags.c_contiguous:
+            return self._widened(x.T).T
+        w = np.empty(x.shape, _F32)
+        self._cast(x, w)
+        return w
+
     def _cast(self, x, out) -> None:
+        if (_halfconv is not None and x.flags.c_contiguous and out.flags.c_contiguous
+                and x.shape == out.shape):
+            if out.dtype == _F32 and x.dtype in _WIDEN:
+                return _WIDEN[x.dtype](x.view(np.uint16), out)  # NumPy: one item at a time
+            if x.dtype == _F32 and out.dtype in _NARROW:
+                return _NARROW[out.dtype](x, out.view(np.uint16))
         np.copyto(out, x, casting="unsafe")  # NOTE: runtime.ops.cast allowed only exact or IEEE
 
     def _matmul(self, a, b, out) -> None:

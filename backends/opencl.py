@@ -40,7 +40,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from backends.base import BackendUnavailableError, Device
+from backends.base import HALVES, BackendUnavailableError, Device
 
 try:
     import pyopencl as cl
@@ -440,8 +440,8 @@ class OpenCLDevice(Device):
         """A fused elementwise chain as one generated kernel: each link's expression is inlined
         into the next, so nothing but the inputs and `out` touches memory. The program is
         cached by its expression (kernel_cache_stats counts the hits)."""
-        if any(dtype != out.dtype for _, _, dtype in program):
-            super()._fused(program, inputs, out)  # mixed dtypes: the blocked default
+        if out.dtype in HALVES or any(dtype != out.dtype for _, _, dtype in program):
+            super()._fused(program, inputs, out)  # mixed dtypes, halves: the blocked default
             return
         ctype = self._type(out.dtype)
         operands: list[Any] = []

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from allocators import Allocator
-from runtime import ops, tape
+from runtime import dtypes, ops, tape
 from runtime.autograd import no_grad
 from runtime.tensor import (
     Tensor,
@@ -200,8 +200,9 @@ class Dense(Module):
         self.out_features = int(out_features)
         bias = as_flag(bias, "Dense: bias")
         dtype = as_dtype(dtype, "Dense")
-        if dtype.kind != "f":
-            raise TypeError(f"Dense: parameters are float32 or float64, got dtype {dtype}")
+        if not dtypes.is_float(dtype):
+            raise TypeError(f"Dense: parameters are a float dtype (float16, bfloat16, float32, "
+                            f"float64), got dtype {dtype}")
         checked_nbytes((self.out_features, self.in_features), dtype, "Dense: weight")
         generator = _rng if rng is None else _generator(rng)
         bound = 1 / math.sqrt(in_features)

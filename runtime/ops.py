@@ -49,6 +49,7 @@ ALIASING_POLICY: dict[str, str] = {
 FLOAT_DTYPES = dtypes.COMPUTE
 #: The largest finite value of each float dtype, as a Python float.
 _LARGEST = {dtype: float(np.finfo(dtype).max) for dtype in FLOAT_DTYPES}
+_FLOAT32 = np.dtype("float32")
 
 #: a Tensor, or a Python/NumPy real number for binary ops
 Operand = Any
@@ -69,10 +70,11 @@ def _common(op: str, tensors: Sequence[Tensor], floats_only: bool = True) -> tup
         if t.dtype != first.dtype:
             raise TypeError(f"{op}: operands have different dtypes: {first.dtype} and {t.dtype}; "
                             f"convert one first (runtime.ops.cast)")
-    if floats_only and first.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{op}: computes in float32 and float64, got {first.dtype}; "
-                        f"{first.dtype} tensors are stored, copied, viewed and cast, not computed "
-                        f"on: cast first (runtime.ops.cast(x, 'float32'))")
+    if floats_only and first.dtype not in dtypes.FLOATS:
+        raise TypeError(f"{op}: computes on float dtypes only (float32, float64, and float16 "
+                        f"and bfloat16 in float32), got {first.dtype}; {first.dtype} tensors "
+                        f"are stored, copied, viewed and cast: cast first "
+                        f"(runtime.ops.cast(x, 'float32'))")
     return first.device, first.dtype
 
 
@@ -285,7 +287,9 @@ def _elementwise(op: str, out: Tensor | None, *operands: Operand) -> Tensor:
                          ) from None
     out = _prepare_out(op, out, shape, dtype, tensors[0], tensors)
     inputs = [(label, t, shape) for label, t in named]
-    scalars = {i: _scalar(op, x, dtype) for i, x in numbers_at.items()}
+    # NOTE: a number meets a two-byte float in float32, its compute dtype (as in PyTorch)
+    wide = _FLOAT32 if dtype in dtypes.HALVES else dtype
+    scalars = {i: _scalar(op, x, wide) for i, x in numbers_at.items()}
     if len(operands) == 1:
         _launch(op, out, inputs, lambda v, o: device.unary(op, v[0], o))
     else:
@@ -604,9 +608,7 @@ def _launch_linear(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor |
         biased = bias is not None  # NOTE: not `bias`: Note [closures hold no tensors]
 
         def run(v: list, o: Any) -> None:
-            device.matmul(v[0], v[1], o)
-            if biased:
-                device.binary("add", o, v[2], o)
+            _linear_views(device, v[0], v[1], v[2] if biased else None, o)
 
         _launch("linear", out, inputs, run)
     return out
@@ -768,8 +770,20 @@ def mean(x: Tensor, axis: Any = None, keepdims: bool = False,
 
 def _linear_kernel(x: Any, weight: Any, bias: Any, out: Any, device: Any) -> None:
     """linear's kernel on whole views, for the fast path's launch (NumPy broadcasts the bias)."""
-    device.matmul(x, weight.T, out)
-    device.binary("add", out, bias, out)
+    _linear_views(device, x, weight.T, bias, out)
+
+
+def _linear_views(device: Any, x: Any, weight_t: Any, bias: Any, out: Any) -> None:
+    """out = x @ weight_t (+ bias) on native views; a two-byte float out is computed in float32
+    and rounded once, as one op (backends/base.py HALVES)."""
+    if out.dtype in dtypes.HALVES:
+        operands = (x, weight_t) if bias is None else (x, weight_t, bias)
+        device._in_float32(lambda *v: _linear_views(device, *v[:2], v[2] if len(v) == 4
+                                                    else None, v[-1]), operands, (out,))
+        return
+    device.matmul(x, weight_t, out)
+    if bias is not None:
+        device.binary("add", out, bias, out)
 
 
 def _reduce_kernel(x: Any, out: Any, device: Any, op: str, axes: Any, keepdims: bool) -> None:

@@ -1,7 +1,9 @@
 """Every storage dtype (runtime/dtypes.py) on every device here: creation, views, copies,
 constants and `ops.cast`, against NumPy (and ml_dtypes for bfloat16), bit for bit; the ops that
-compute refuse the other dtypes by name; casts between floats carry gradients and replay in a
-captured graph."""
+compute refuse the non-float dtypes by name; casts between floats carry gradients and replay in
+a captured graph. float16 and bfloat16 compute by the rule "in float32, rounded once to the
+result's dtype" (backends/base.py HALVES), checked against the same op on float32 tensors of
+the same values, and their gradients against float32 finite differences."""
 
 from __future__ import annotations
 
@@ -96,12 +98,12 @@ def test_every_dtype_is_stored_viewed_and_copied(kind, dtype):
     _same(c.numpy(), host)
 
 
-@pytest.mark.parametrize("dtype", [d for d in STORAGE if d not in ops.FLOAT_DTYPES], ids=str)
+@pytest.mark.parametrize("dtype", [d for d in STORAGE if not dtypes.is_float(d)], ids=str)
 def test_ops_that_compute_refuse_other_dtypes_by_name(dtype):
     t = runtime.tensor(np.ones((2, 2), dtype))
     for call in (lambda: ops.add(t, t), lambda: ops.exp(t), lambda: ops.matmul(t, t),
                  lambda: ops.sum(t), lambda: ops.relu(t)):
-        with pytest.raises(TypeError, match=f"computes in float32 and float64, got {dtype}"):
+        with pytest.raises(TypeError, match=f"computes on float dtypes only .*, got {dtype}"):
             call()
     with pytest.raises(TypeError, match="cast first"):
         ops.mul(t, 2)
@@ -191,3 +193,165 @@ def test_a_cast_into_its_own_memory_goes_through_a_temporary_or_raises():
             ops.cast(t, "float32", out=same_bytes)
     finally:
         runtime.set_aliasing(old)
+
+
+# ---------------------------------------------------------------------- half compute
+HALF = [np.dtype("float16"), dtypes.BFLOAT16]
+UNARY = ["neg", "exp", "log", "tanh", "sigmoid", "relu", "sqrt"]
+BINARY = ["add", "sub", "mul", "div"]
+
+
+def _half_and_wide(values: np.ndarray, half: np.dtype, device: Any) -> tuple[Any, Any]:
+    """The same values as a half tensor and as a float32 tensor (widening is exact)."""
+    h = runtime.tensor(values.astype(half), device=device)
+    return h, ops.cast(h, "float32")
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), half=st.sampled_from(HALF), kind=st.sampled_from(DEVICES),
+       name=st.sampled_from(UNARY + BINARY + ["matmul", "linear", "sum", "mean",
+                                              "cross_entropy", "mul-number"]))
+def test_half_ops_compute_in_float32_and_round_once(data, half, kind, name):
+    device = _on(kind)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    a = rng.normal(0, 2, (3, 4)).astype(np.float32)
+    b = rng.normal(0, 2, (3, 4)).astype(np.float32)
+    if name in ("log", "sqrt"):
+        a = np.abs(a) + 0.01
+    ha, wa = _half_and_wide(a, half, device)
+    hb, wb = _half_and_wide(b, half, device)
+    f = getattr(ops, name, None)
+    calls = {
+        **{op: (lambda: (f(ha), f(wa))) for op in UNARY},
+        **{op: (lambda: (f(ha, hb), f(wa, wb))) for op in BINARY},
+        "matmul": lambda: (ops.matmul(ha, hb.T), ops.matmul(wa, wb.T)),
+        "linear": lambda: (ops.linear(ha, hb, ha[0, :3]), ops.linear(wa, wb, wa[0, :3])),
+        "sum": lambda: (ops.sum(ha, axis=0), ops.sum(wa, axis=0)),
+        "mean": lambda: (ops.mean(ha), ops.mean(wa)),
+        "cross_entropy": lambda: (ops.cross_entropy(ha, [0, 3, 1]),
+                                  ops.cross_entropy(wa, [0, 3, 1])),
+        "mul-number": lambda: (ops.mul(ha, 0.1), ops.mul(wa, 0.1)),  # 0.1 stays float32
+    }
+    got, wide = calls[name]()
+    assert got.dtype == half
+    _same(got.numpy(), ops.cast(wide, half).numpy())
+
+
+@pytest.mark.parametrize("half", HALF, ids=str)
+def test_half_gradients_match_float32_finite_differences(half):
+    """d mean(sigmoid(relu(x @ w.T + b))) / d(x, w, b) in half precision, against central
+    differences of the same function in float64 at the half values. Tolerances: the half's
+    unit roundoff times a few dozen (about 1e-2 for float16, 6e-2 for bfloat16, relative to the
+    largest gradient), since each op rounds its result once."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(0, 1, (4, 3)).astype(half)
+    w = rng.normal(0, 1, (5, 3)).astype(half)
+    b = rng.normal(0, 1, (5,)).astype(half)
+    tensors = [runtime.tensor(v, requires_grad=True) for v in (x, w, b)]
+    loss = ops.mean(ops.sigmoid(ops.relu(ops.linear(*tensors))))
+    loss.backward()
+
+    def f(x, w, b):
+        z = np.maximum(x @ w.T + b, 0)
+        return float(np.mean(1 / (1 + np.exp(-z))))
+
+    wide = [v.astype(np.float64) for v in (x, w, b)]
+    eps = 1e-6
+    tol = {np.dtype("float16"): 1e-2, dtypes.BFLOAT16: 6e-2}[np.dtype(half)]
+    for i, t in enumerate(tensors):
+        assert t.grad.dtype == half
+        numeric = np.zeros_like(wide[i])
+        for index in np.ndindex(wide[i].shape):
+            up = [v.copy() for v in wide]
+            down = [v.copy() for v in wide]
+            up[i][index] += eps
+            down[i][index] -= eps
+            numeric[index] = (f(*up) - f(*down)) / (2 * eps)
+        got = t.grad.numpy().astype(np.float64)
+        scale = max(np.abs(numeric).max(), 1e-3)
+        assert np.abs(got - numeric).max() <= tol * scale, (i, got, numeric)
+
+
+@pytest.mark.parametrize("half", HALF, ids=str)
+def test_a_half_training_step_is_captured_and_replayed_bit_for_bit(half):
+    rng = np.random.default_rng(3)
+    w0 = rng.normal(0, 0.3, (6, 4)).astype(half)
+    x = rng.normal(0, 1, (8, 4)).astype(half)
+    labels = rng.integers(0, 6, 8)
+
+    def make():
+        w = runtime.tensor(w0, requires_grad=True)
+
+        def step(x):
+            loss = ops.mean(ops.cross_entropy(ops.linear(x, w), labels))
+            loss.backward()
+            with runtime.no_grad():
+                ops.sub(w, ops.mul(w.grad, 0.5), out=w)
+            w.grad = None
+            return loss
+        return w, step
+
+    w_eager, eager = make()
+    w_graph, graph_step = make()
+    graphed = runtime.graph(graph_step)
+    for _ in range(3):
+        _same(graphed(runtime.tensor(x)).numpy(), eager(runtime.tensor(x)).numpy())
+        _same(w_graph.numpy(), w_eager.numpy())
+
+
+# ---------------------------------------------------------------------- the C conversions
+@pytest.fixture(params=[True, False], ids=["f16c-avx2", "portable"])
+def conv(request):
+    module = pytest.importorskip("backends._halfconv", reason="the C conversions are not built")
+    module.set_f16c(request.param)
+    yield module
+    module.set_f16c(True)
+
+
+def _equal_or_both_nan(got: np.ndarray, want: np.ndarray) -> None:
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+    bits = f"u{got.dtype.itemsize}"
+    np.testing.assert_array_equal(got.view(bits)[~nan], want.view(bits)[~nan])
+
+
+def test_every_float16_and_bfloat16_widens_as_numpy_does(conv):
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    for widen, dtype in ((conv.widen, np.float16), (conv.widen_bf16, ml_dtypes.bfloat16)):
+        out = np.empty(every.size, np.float32)
+        widen(every, out)
+        _equal_or_both_nan(out, every.view(dtype).astype(np.float32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_float32_narrows_to_nearest_even_as_numpy_does(seed):
+    module = pytest.importorskip("backends._halfconv", reason="the C conversions are not built")
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 2**32, 50_000, dtype=np.uint64).astype(np.uint32)
+    edges = np.array([0x477FF000, 0x477FEFFF, 0x38800000, 0x387FFFFF, 0x33000000, 0x33000001,
+                      0x32FFFFFF, 0x7F800000, 0x7F7FFFFF, 0x3F808000, 0x3F818000, 0x00000001],
+                     np.uint32)
+    values = np.concatenate([bits, edges, edges | 0x80000000]).view(np.float32)
+    for flag in (True, False):
+        module.set_f16c(flag)
+        for narrow, dtype in ((module.narrow, np.float16),
+                              (module.narrow_bf16, ml_dtypes.bfloat16)):
+            out = np.empty(values.size, np.uint16)
+            narrow(values, out)
+            with np.errstate(all="ignore"):
+                _equal_or_both_nan(out.view(dtype), values.astype(dtype))
+    module.set_f16c(True)
+
+
+def test_the_conversions_refuse_buffers_that_do_not_match(conv):
+    with pytest.raises(ValueError, match="not the same number"):
+        conv.widen(np.zeros(4, np.uint16), np.zeros(3, np.float32))
+    with pytest.raises((TypeError, BufferError, ValueError)):
+        conv.narrow(np.zeros(4, np.float32), np.zeros(8, np.uint16)[::2])  # not contiguous
+    frozen = np.zeros(4, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises((TypeError, BufferError, ValueError)):
+        conv.widen(np.zeros(4, np.uint16), frozen)
+    with pytest.raises(TypeError):
+        conv.widen(np.zeros(4, np.uint16))

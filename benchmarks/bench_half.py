@@ -1,0 +1,88 @@
+"""Half-precision storage on the CPU: the MLP training step with every tensor (parameters,
+activations, gradients) in float16 or bfloat16, against the same step in float32, eager and
+under a static graph plan (issue 20, part 2: the CPU computes a two-byte float in float32 and
+rounds each op's result once; goal at most 1.3x the float32 step on S and M).
+
+Contenders share one process and are timed in interleaved rounds (`timing.interleaved_best`),
+so that all see the same machine load; the ratio is to float32 in the same mode. One BLAS
+thread unless OPENBLAS_NUM_THREADS is set (the step's overhead, not the product's threads, is
+what the rule adds).
+
+Run: .venv/bin/python benchmarks/bench_half.py [--configs S,M] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+from timing import blas_name, cpu_name, interleaved_best, versions  # noqa: E402
+
+import runtime  # noqa: E402
+from blockrt.models import CLASSES, CONFIGS, MLPConfig  # noqa: E402
+from runtime import fastpath, nn  # noqa: E402
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def training_step(config: MLPConfig, dtype: str, graph: bool) -> Callable[[], Any]:
+    """One SGD step of the config's MLP with every tensor in `dtype` (the same seeds)."""
+    rng = np.random.default_rng(0)
+    widths = [config.width] * (config.depth + 1) + [CLASSES]
+    layers: list[Any] = []
+    for i in range(config.depth + 1):
+        layers.append(nn.Dense(widths[i], widths[i + 1], dtype=dtype, rng=i))
+        if i < config.depth:
+            layers.append(nn.ReLU())
+    model = nn.Sequential(*layers)
+    opt = nn.SGD(model.parameters(), lr=0.01)
+    x = runtime.tensor(rng.normal(0, 1, (config.batch, config.width)), dtype=dtype)
+    y = runtime.tensor(rng.integers(0, CLASSES, config.batch))
+
+    def step(x: Any, y: Any) -> Any:
+        opt.zero_grad()
+        loss = nn.softmax_cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    run = runtime.graph(step) if graph else step
+    return lambda: run(x, y)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="S,M")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    print(f"Half-precision storage on {cpu_name()}; {versions()}; products on {blas_name()}; "
+          f"{os.environ['OPENBLAS_NUM_THREADS']} BLAS thread(s); C fast path "
+          f"{'on' if fastpath.ACCELERATED else 'off'}; 1-minute load {os.getloadavg()[0]:.2f}")
+    print()
+    print("| config | mode | float32 (ms) | float16 (ms) | bfloat16 (ms) | float16 / float32 | "
+          "bfloat16 / float32 |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for key in args.configs.split(","):
+        config = CONFIGS[key]
+        number = max(2, int(2e9 // (6 * config.batch * config.width ** 2 * (config.depth + 1)
+                                    * 50)))
+        for graph in (False, True):
+            steps = {dtype: training_step(config, dtype, graph) for dtype in DTYPES}
+            us = interleaved_best(steps, number, args.rounds)
+            ms = {dtype: us[dtype] / 1e3 for dtype in DTYPES}
+            print(f"| {key} | {'static graph' if graph else 'eager'} | {ms['float32']:.2f} | "
+                  f"{ms['float16']:.2f} | {ms['bfloat16']:.2f} | "
+                  f"{ms['float16'] / ms['float32']:.2f} | {ms['bfloat16'] / ms['float32']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
