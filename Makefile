@@ -26,7 +26,8 @@ demo:
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# `make asan`: the C hot path (allocators/_speedups.c) and the ops' fast path (runtime/_dispatch.c)
+# `make asan`: the C hot path (allocators/_speedups.c), the ops' fast path (runtime/_dispatch.c)
+# and the half conversions (backends/_halfconv.c)
 # built with AddressSanitizer and UndefinedBehaviorSanitizer, and the allocator and op tests run
 # against them (needs gcc, ASAN_CC).
 # - The builds go into copies of the allocators and runtime packages in $(ASAN_DIR), first on
@@ -42,7 +43,8 @@ ASAN_CC    ?= gcc
 ASAN_DIR   := build/asan
 ASAN_TESTS ?= tests/test_speedups.py tests/test_caching.py tests/test_allocators.py \
               tests/test_threads.py tests/test_adaptors.py tests/test_races.py \
-              tests/test_fastpath.py tests/test_ops.py tests/test_autograd.py tests/test_nn.py
+              tests/test_fastpath.py tests/test_ops.py tests/test_autograd.py tests/test_nn.py \
+              tests/test_halfconv.py
 ASAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
 # NOTE: PYTHONSAFEPATH: the working directory, first on sys.path, would give the normal build
 ASAN_ENV    = PYTHONSAFEPATH=1 PYTHONPATH=$(abspath $(ASAN_DIR)) \
@@ -55,19 +57,23 @@ EXT_SUFFIX  = $$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT
 
 asan: venv
 	rm -rf $(ASAN_DIR)
-	mkdir -p $(ASAN_DIR)/allocators $(ASAN_DIR)/runtime
+	mkdir -p $(ASAN_DIR)/allocators $(ASAN_DIR)/runtime $(ASAN_DIR)/backends
 	cp allocators/*.py $(ASAN_DIR)/allocators/
 	cp -r runtime/*.py runtime/graph $(ASAN_DIR)/runtime/
+	cp backends/*.py $(ASAN_DIR)/backends/
 	$(ASAN_BUILD) allocators/_speedups.c -o $(ASAN_DIR)/allocators/_speedups$(EXT_SUFFIX)
 	$(ASAN_BUILD) runtime/_dispatch.c -o $(ASAN_DIR)/runtime/_dispatch$(EXT_SUFFIX)
+	$(ASAN_BUILD) backends/_halfconv.c -o $(ASAN_DIR)/backends/_halfconv$(EXT_SUFFIX)
 	$(ASAN_ENV) $(PY) -c "import allocators, allocators._core as core, runtime; \
-		from runtime import fastpath; \
+		from runtime import fastpath; from backends import numpy as cpu; \
 		paths = [core.speedups.__file__ if allocators.ACCELERATED else 'no extension', \
-		         fastpath._dispatch.__file__ if fastpath.ACCELERATED else 'no extension']; \
+		         fastpath._dispatch.__file__ if fastpath.ACCELERATED else 'no extension', \
+		         cpu._halfconv.__file__ if cpu._halfconv else 'no extension']; \
 		bad = [p for p in paths if not p.startswith('$(abspath $(ASAN_DIR))/')]; \
 		assert not bad, f'not the sanitized builds: {bad}'; \
 		print('sanitized extensions in use:', *paths)"
-	for so in $(ASAN_DIR)/allocators/_speedups*.so $(ASAN_DIR)/runtime/_dispatch*.so; do \
+	for so in $(ASAN_DIR)/allocators/_speedups*.so $(ASAN_DIR)/runtime/_dispatch*.so \
+	          $(ASAN_DIR)/backends/_halfconv*.so; do \
 		nm -D $$so | grep -q __asan_init && nm -D $$so | grep -q __ubsan_handle_ || exit 1; done
 	$(ASAN_ENV) $(PY) -m pytest -p no:cacheprovider --capture=sys -m "not slow" $(ASAN_TESTS) \
 		$(PYTEST_ARGS)
