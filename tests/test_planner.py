@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import random
 
-import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -230,11 +229,10 @@ def test_replanning_the_end_of_an_order_matches_planning_it_whole(lts: list[Life
     first = [lt.first for lt in lts]
     last = [lt.last for lt in lts]
     size = [lt.nbytes for lt in lts]
-    conflicts = planner._conflicts(first, last, size)
-    arrays = ([np.array(c, dtype=np.int64) for c in conflicts], np.array(size, dtype=np.int64))
+    buffers = planner._buffers(first, last, size)
     order = data.draw(st.permutations(range(len(lts))))
     cut = data.draw(st.integers(0, len(lts)))
     best_fit = data.draw(st.booleans())
-    whole, arena = planner._place(order, size, conflicts, best_fit, arrays)
+    whole, arena = planner._place(order, buffers, best_fit)
     placed = [whole[i] if i in order[:cut] else -1 for i in range(len(lts))]
-    assert planner._place(order[cut:], size, conflicts, best_fit, arrays, placed) == (whole, arena)
+    assert planner._place(order[cut:], buffers, best_fit, placed) == (whole, arena)
