@@ -393,15 +393,16 @@ class _Placed:
     """The placed buffers with bytes, in offset order: offset, end, first op and last op.
 
     Finds the gaps a buffer may take among the placed buffers live with it without a list of
-    them: one vectorized pass over the columns, already in offset order, so nothing is sorted
+    them: a few vectorized passes over columns already in offset order, so nothing is sorted
     per buffer. Insertion shifts the columns after the new one (a memory move).
     """
 
     def __init__(self, buffers: _Buffers, offset: list[int]) -> None:
         placed = [i for i, o in enumerate(offset) if o >= 0 and buffers.size[i]]
         placed.sort(key=offset.__getitem__)
-        #: rows offset, end, first, last; columns [0, count) are the placed buffers
-        self.table = np.zeros((4, len(offset)), dtype=np.int64)
+        #: rows offset, end, first, last; columns [0, count) are the placed buffers, and the
+        #: column after them holds the arena top while a gap is sought
+        self.table = np.zeros((4, len(offset) + 1), dtype=np.int64)
         self.count = len(placed)
         self.table[:, :self.count] = [[offset[i] for i in placed],
                                       [offset[i] + buffers.size[i] for i in placed],
@@ -411,14 +412,19 @@ class _Placed:
     def fit(self, first: int, last: int, need: int, arena: int, best_fit: bool) -> int:
         """The offset for a buffer live over [first, last]: the gaps below each placed buffer
         live with it, in offset order, and the space above them up to `arena`."""
-        lo, hi, starts, ends = self.table[:, :self.count]
+        count = self.count
+        self.table[0, count] = arena
+        lo = self.table[0, :count + 1]
+        hi, starts, ends = self.table[1:, :count]
         live = starts <= last
         live &= ends >= first
-        lo, hi = lo[live], hi[live]
-        below = np.zeros(len(lo) + 1, dtype=np.int64)
-        np.maximum.accumulate(hi, out=below[1:])
-        gaps = np.append(lo, arena) - below
+        # below[k]: the top of the live buffers before column k (0 for none); buffers not live
+        # count as ending at 0, so the gap below a live one is lo - below
+        below = np.zeros(count + 1, dtype=np.int64)
+        np.maximum.accumulate(np.multiply(hi, live), out=below[1:])
+        gaps = lo - below
         fits = gaps >= need
+        fits[:count] &= live
         if best_fit:
             # NOTE: argmin returns the first smallest, as min() does in the list path
             chosen = int(np.argmin(np.where(fits, gaps, _NO_FIT)))
