@@ -63,6 +63,9 @@ _SEARCH_NODES = 2000
 _SEARCH_MAX_CONFLICTS = 8
 #: Buffers with at least this many conflicts find their gap with NumPy, fewer in plain Python.
 _VECTOR_MIN = 48
+#: Buffers placed since the last vectorized search go into its table one by one up to this
+#: many, merged by a sort beyond.
+_SHIFT_MAX = 8
 #: Plan.check_invariants tests about this many pairs of buffers at a time.
 _CHECK_PAIRS = 1 << 20
 #: A gap that no buffer fits, for the vectorized best fit.
@@ -236,16 +239,16 @@ def plan(lifetimes: Sequence[Lifetime], alignment: int = 64) -> Plan:
     lower = max(live, default=0)
     naive = sum(size)
     pressure = _pressure(live, first, last)
-    buffers = _buffers(first, last, size)
+    # NOTE: intervals that pairwise overlap share an op, so the conflict graph of lifetimes is
+    # bipartite (a chain's) exactly when no op has three buffers live
+    chain = _most_live(first, last, size) <= 2
+    buffers = _buffers(first, last, size, lists_for_all=chain)
 
     # Phase 3: offsets. Two-colour a chain; otherwise greedy best fit over several orderings,
     # then a bounded local search from the best one. Keep the smallest arena.
     offsets, arena = [], -1
-    if _most_live(first, last, size) <= 2:
-        # NOTE: intervals that pairwise overlap share an op, so the conflict graph of
-        # lifetimes is bipartite exactly when no op has three buffers live
-        offsets, arena = _two_colour(_buffers(first, last, size, lists_for_all=True).conflicts,
-                                     size, lower)
+    if chain:
+        offsets, arena = _two_colour(buffers.conflicts, size, lower)
     if arena != lower:
         offsets, arena = _best_of_orderings(buffers, pressure, lower)
     if arena != lower and max(buffers.counts, default=0) <= _SEARCH_MAX_CONFLICTS:
@@ -394,24 +397,26 @@ class _Placed:
 
     Finds the gaps a buffer may take among the placed buffers live with it without a list of
     them: a few vectorized passes over columns already in offset order, so nothing is sorted
-    per buffer. Insertion shifts the columns after the new one (a memory move).
+    per buffer. Buffers placed since the last search wait in a Python list and go in together
+    when the next one comes (shifted in one by one when they are few, merged when many).
     """
 
     def __init__(self, buffers: _Buffers, offset: list[int]) -> None:
-        placed = [i for i, o in enumerate(offset) if o >= 0 and buffers.size[i]]
-        placed.sort(key=offset.__getitem__)
-        #: rows offset, end, first, last; columns [0, count) are the placed buffers, and the
-        #: column after them holds the arena top while a gap is sought
+        #: rows offset, end, first, last; columns [0, count) are the placed buffers in offset
+        #: order, and the column after them holds the arena top while a gap is sought
         self.table = np.zeros((4, len(offset) + 1), dtype=np.int64)
-        self.count = len(placed)
-        self.table[:, :self.count] = [[offset[i] for i in placed],
-                                      [offset[i] + buffers.size[i] for i in placed],
-                                      [buffers.first[i] for i in placed],
-                                      [buffers.last[i] for i in placed]]
+        self.count = 0
+        #: (offset, end, first, last) of buffers placed but not yet in the table
+        self.pending = [(o, o + buffers.size[i], buffers.first[i], buffers.last[i])
+                        for i, o in enumerate(offset) if o >= 0 and buffers.size[i]]
+
+    def add(self, offset: int, end: int, first: int, last: int) -> None:
+        self.pending.append((offset, end, first, last))
 
     def fit(self, first: int, last: int, need: int, arena: int, best_fit: bool) -> int:
         """The offset for a buffer live over [first, last]: the gaps below each placed buffer
         live with it, in offset order, and the space above them up to `arena`."""
+        self._take_pending()
         count = self.count
         self.table[0, count] = arena
         lo = self.table[0, :count + 1]
@@ -432,11 +437,21 @@ class _Placed:
             chosen = int(np.argmax(fits))
         return int(below[chosen] if fits[chosen] else below[-1])
 
-    def add(self, offset: int, end: int, first: int, last: int) -> None:
-        at = int(np.searchsorted(self.table[0, :self.count], offset, side="right"))
-        self.table[:, at + 1:self.count + 1] = self.table[:, at:self.count]
-        self.table[:, at] = (offset, end, first, last)
-        self.count += 1
+    def _take_pending(self) -> None:
+        count, pending = self.count, self.pending
+        if len(pending) > _SHIFT_MAX:
+            merged = np.concatenate((self.table[:, :count], np.array(pending).T), axis=1)
+            # NOTE: the order among equal offsets does not change any gap that fits
+            order = np.argsort(merged[0], kind="stable")
+            self.table[:, :count + len(pending)] = merged[:, order]
+            count += len(pending)
+        else:
+            for column in pending:
+                at = int(np.searchsorted(self.table[0, :count], column[0], side="right"))
+                self.table[:, at + 1:count + 1] = self.table[:, at:count]
+                self.table[:, at] = column
+                count += 1
+        self.count, self.pending = count, []
 
 
 def _place(order: Sequence[int], buffers: _Buffers, best_fit: bool,
