@@ -24,6 +24,19 @@ get many tries, large ones only a few orderings. When at most two buffers are ev
 plain chain), a two-colouring reaches the lower bound exactly; when every buffer overlaps only a
 few others, a bounded depth-first search tries for the lower bound where the greedy missed it.
 
+Conflicts are counted, not listed: with the start and end ops sorted, how many buffers each one
+is live with takes two bisections. Only a buffer live with few others gets a list of them, which
+placement scans in plain Python. The others find their gap in a table of the placed buffers kept
+in offset order, whose lifetimes one vectorized pass matches against theirs; that gives the same
+offset as a list would, so a dense schedule never lists its millions of pairs (the shape of a
+deep network's training step: every saved activation is live at the turn to the backward pass).
+Measured on a shared 2-vCPU AMD EPYC (BENCHMARKS.md, "Planner scaling"): 5,000 buffers with 8.3
+million conflicting pairs plan in about 0.33 s (2.5 s when every pair was listed), an 830-layer
+MLP training step (about 5,000 buffers, 4 to 7 million pairs) in about 0.15 s (0.8 to 1.4 s), and
+the synthetic DAGs of up to 2,000 ops in at most about 0.15 s. The table costs a vectorized pass
+and a memory move of its columns a buffer placed, so time grows with the square of the buffers:
+10,000 dense ones (33 million pairs) take about 0.8 s.
+
 Example:
     >>> from runtime.planner import Lifetime, plan
     >>> p = plan([Lifetime("a", 0, 1, 100), Lifetime("b", 1, 2, 50), Lifetime("c", 2, 3, 100)])
@@ -33,7 +46,6 @@ Example:
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import random
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -45,8 +57,9 @@ import numpy as np
 __all__ = ["Lifetime", "Plan", "live_bytes", "lower_bound", "plan"]
 
 #: Placements stop after about this many steps in all (at least two placements run), a step
-#: being a conflicting pair looked at or 1/_BUFFER_STEPS of a buffer placed: a few thousand
-#: buffers plan in well under a second, and always the same way.
+#: being a conflicting pair or 1/_BUFFER_STEPS of a buffer placed, so that a plan depends on
+#: its input only. It bounds the number of placements, not their time: 5,000 dense buffers get
+#: two (about 0.33 s, see the module docstring), a few hundred get a dozen and a local search.
 _WORK_BUDGET = 1_000_000
 #: The steps of the budget that placing one buffer counts for.
 _BUFFER_STEPS = 48
@@ -62,8 +75,14 @@ _SWAP_REACH = 5
 _SEARCH_NODES = 2000
 #: ... and runs only when no buffer conflicts with more than this many others.
 _SEARCH_MAX_CONFLICTS = 8
-#: Buffers with at least this many conflicts find their gap with NumPy, fewer in plain Python.
+#: Buffers with at least this many conflicts find their gap in a vectorized table of the placed
+#: buffers, without a conflict list; fewer, in plain Python over their list.
 _VECTOR_MIN = 48
+#: Buffers placed since the last vectorized search go into its table one by one up to this
+#: many, merged by a sort beyond.
+_SHIFT_MAX = 8
+#: Plan.check_invariants tests about this many pairs of buffers at a time.
+_CHECK_PAIRS = 1 << 20
 #: A gap that no buffer fits, for the vectorized best fit.
 _NO_FIT = np.iinfo(np.int64).max
 
@@ -228,24 +247,29 @@ def plan(lifetimes: Sequence[Lifetime], alignment: int = 64) -> Plan:
     last = [lt.last for lt in lifetimes]
     size = [_round_up(lt.nbytes, alignment) for lt in lifetimes]
 
-    # Phase 2: events. Sweep the start and end events once: the live bytes at each op give the
-    # lower bound, and each buffer's pressure (the most bytes live while it is); the buffers
-    # live when another starts give every conflicting pair.
+    # Phase 2: events. The live bytes at each op give the lower bound and each buffer's pressure
+    # (the most bytes live while it is); sorted start and end ops give how many buffers each
+    # one is live with. Only the buffers live with few others get an explicit list of them.
     live = live_bytes(lifetimes, alignment=alignment)
     lower = max(live, default=0)
     naive = sum(size)
-    conflicts = _conflicts(first, last, size)
     pressure = _pressure(live, first, last)
+    # NOTE: intervals that pairwise overlap share an op, so the conflict graph of lifetimes is
+    # bipartite (a chain's) exactly when no op has three buffers live
+    chain = _most_live(first, last, size) <= 2
+    buffers = _buffers(first, last, size, lists_for_all=chain)
 
     # Phase 3: offsets. Two-colour a chain; otherwise greedy best fit over several orderings,
     # then a bounded local search from the best one. Keep the smallest arena.
-    offsets, arena = _two_colour(conflicts, size, lower)
+    offsets, arena = [], -1
+    if chain:
+        offsets, arena = _two_colour(buffers.conflicts, size, lower)
     if arena != lower:
-        offsets, arena = _best_of_orderings(first, last, size, pressure, conflicts, lower)
-    if arena != lower and max(map(len, conflicts), default=0) <= _SEARCH_MAX_CONFLICTS:
+        offsets, arena = _best_of_orderings(buffers, pressure, lower)
+    if arena != lower and max(buffers.counts, default=0) <= _SEARCH_MAX_CONFLICTS:
         # A bounded search may still fit everything into the lower bound when few buffers
         # overlap each one (chains with short skips): each try then costs little.
-        found = _search_lower_bound(first, last, size, conflicts, lower)
+        found = _search_lower_bound(first, last, size, buffers.conflicts, lower)
         if found is not None:
             offsets, arena = found, lower
 
@@ -258,21 +282,93 @@ def _round_up(nbytes: int, alignment: int) -> int:
     return -(-nbytes // alignment) * alignment
 
 
-def _conflicts(first: list[int], last: list[int], size: list[int]) -> list[list[int]]:
-    """For each buffer, the buffers live at some op it is live at (0-byte buffers: none)."""
-    conflicts: list[list[int]] = [[] for _ in size]
-    live: list[tuple[int, int]] = []  # heap of (last op, buffer) of buffers live so far
-    for i in sorted(range(len(size)), key=first.__getitem__):
-        if size[i] == 0:
-            continue
-        while live and live[0][0] < first[i]:
-            heapq.heappop(live)
-        # every buffer still on the heap started no later than i and ends at or after it
-        for _, j in live:
-            conflicts[i].append(j)
-            conflicts[j].append(i)
-        heapq.heappush(live, (last[i], i))
-    return conflicts
+@dataclass(frozen=True)
+class _Buffers:
+    """The buffers as placement sees them, numbered 0..n-1 (sizes already rounded)."""
+
+    first: list[int]
+    last: list[int]
+    size: list[int]
+    #: how many buffers each one is live with at some op (0-byte buffers: none)
+    counts: list[int]
+    #: the buffers each one is live with, for those with fewer than _VECTOR_MIN of them; None
+    #: for the others, which placement matches against the placed buffers' lifetimes instead
+    conflicts: list[list[int] | None]
+
+
+def _buffers(first: list[int], last: list[int], size: list[int], lists_for_all: bool = False
+             ) -> _Buffers:
+    """Count each buffer's conflicts and list them for the buffers that have few.
+
+    Costs O(n log n) plus the length of the lists made: a dense schedule's millions of
+    conflicting pairs are counted, never listed. `lists_for_all` lists them for every buffer.
+    """
+    first_array = np.array(first, dtype=np.int64)
+    last_array = np.array(last, dtype=np.int64)
+    nonzero = np.array(size, dtype=np.int64) > 0
+    # Buffers live together with i: those starting by its last op, less those ending before
+    # its first op (they start by then too), less i itself.
+    starts = np.sort(first_array[nonzero])
+    ends = np.sort(last_array[nonzero])
+    counts = (np.searchsorted(starts, last_array, side="right")
+              - np.searchsorted(ends, first_array, side="left") - 1)
+    counts = np.where(nonzero, counts, 0)
+    listed = np.ones(len(size), dtype=bool) if lists_for_all else counts < _VECTOR_MIN
+    sources, targets = _listed_pairs(first_array, last_array, nonzero, listed)
+    # group the pairs by source: each listed buffer's slice of the targets
+    targets = targets[np.argsort(sources, kind="stable")].tolist()
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(sources, minlength=len(size))))).tolist()
+    conflicts: list[list[int] | None] = [
+        targets[bounds[i]:bounds[i + 1]] if listed[i] else None for i in range(len(size))]
+    return _Buffers(first=first, last=last, size=size, counts=counts.tolist(),
+                    conflicts=conflicts)
+
+
+def _listed_pairs(first: np.ndarray, last: np.ndarray, nonzero: np.ndarray, listed: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Every conflicting pair (i, j), as two arrays, whose `i` is listed.
+
+    Of two buffers live together, the one that starts later (in start order) starts within the
+    other's lifetime; in start order, the buffers starting within one's lifetime are the
+    positions after it up to `stop`. A listed buffer takes all of those; an unlisted one only
+    the listed among them, found by bisection, so unlisted pairs are never made.
+    """
+    indices = np.flatnonzero(nonzero)
+    by_start = indices[np.argsort(first[indices], kind="stable")]
+    stop = np.searchsorted(first[by_start], last[by_start], side="right")
+    positions = np.arange(len(by_start))
+    is_listed = listed[by_start]
+    # listed buffers with every buffer that starts in their lifetime (both ways when both are
+    # listed)
+    own = positions[is_listed]
+    source, later = _ranges(own + 1, stop[own])
+    i, j = by_start[own[source]], by_start[later]
+    back = listed[j]
+    # unlisted buffers with the listed ones that start in their lifetime (one way)
+    others = positions[~is_listed]
+    source, within = _ranges(np.searchsorted(own, others + 1), np.searchsorted(own, stop[others]))
+    k, m = by_start[others[source]], by_start[own[within]]
+    return np.concatenate((i, j[back], m)), np.concatenate((j, i[back], k))
+
+
+def _ranges(starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """All of range(starts[r], stops[r]) for each r, concatenated, and for each element its r."""
+    lengths = np.maximum(stops - starts, 0)
+    row = np.repeat(np.arange(len(starts)), lengths)
+    # each element's place within its range, from a running count that restarts at each range
+    place = np.arange(len(row)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return row, starts[row] + place
+
+
+def _most_live(first: list[int], last: list[int], size: list[int]) -> int:
+    """The most buffers (with bytes) live at any one op."""
+    nonzero = np.array(size, dtype=np.int64) > 0
+    if not nonzero.any():
+        return 0
+    starts = np.array(first, dtype=np.int64)[nonzero]
+    ends = np.array(last, dtype=np.int64)[nonzero] + 1
+    delta = np.bincount(starts, minlength=ends.max() + 1) - np.bincount(ends)
+    return int(np.cumsum(delta).max())
 
 
 def _pressure(live: list[int], first: list[int], last: list[int]) -> list[int]:
@@ -311,27 +407,90 @@ def _two_colour(conflicts: list[list[int]], size: list[int], lower: int
     return offsets, max((o + s for o, s in zip(offsets, size)), default=0)
 
 
-def _place(order: Sequence[int], size: list[int], conflicts: list[list[int]], best_fit: bool,
-           arrays: tuple[list[np.ndarray], np.ndarray], placed: list[int] | None = None
-           ) -> tuple[list[int], int]:
+class _Placed:
+    """The placed buffers with bytes, in offset order: offset, end, first op and last op.
+
+    Finds the gaps a buffer may take among the placed buffers live with it without a list of
+    them: a few vectorized passes over columns already in offset order, so nothing is sorted
+    per buffer. Buffers placed since the last search wait in a Python list and go in together
+    when the next one comes (shifted in one by one when they are few, merged when many).
+    """
+
+    def __init__(self, buffers: _Buffers, offset: list[int]) -> None:
+        #: rows offset, end, first, last; columns [0, count) are the placed buffers in offset
+        #: order, and the column after them holds the arena top while a gap is sought
+        self.table = np.zeros((4, len(offset) + 1), dtype=np.int64)
+        self.count = 0
+        #: (offset, end, first, last) of buffers placed but not yet in the table
+        self.pending = [(o, o + buffers.size[i], buffers.first[i], buffers.last[i])
+                        for i, o in enumerate(offset) if o >= 0 and buffers.size[i]]
+
+    def add(self, offset: int, end: int, first: int, last: int) -> None:
+        self.pending.append((offset, end, first, last))
+
+    def fit(self, first: int, last: int, need: int, arena: int, best_fit: bool) -> int:
+        """The offset for a buffer live over [first, last]: the gaps below each placed buffer
+        live with it, in offset order, and the space above them up to `arena`."""
+        self._take_pending()
+        count = self.count
+        self.table[0, count] = arena
+        lo = self.table[0, :count + 1]
+        hi, starts, ends = self.table[1:, :count]
+        live = starts <= last
+        live &= ends >= first
+        # below[k]: the top of the live buffers before column k (0 for none); buffers not live
+        # count as ending at 0, so the gap below a live one is lo - below
+        below = np.zeros(count + 1, dtype=np.int64)
+        np.maximum.accumulate(np.multiply(hi, live), out=below[1:])
+        gaps = lo - below
+        fits = gaps >= need
+        fits[:count] &= live
+        if best_fit:
+            # NOTE: argmin returns the first smallest, as min() does in the list path
+            chosen = int(np.argmin(np.where(fits, gaps, _NO_FIT)))
+        else:
+            chosen = int(np.argmax(fits))
+        return int(below[chosen] if fits[chosen] else below[-1])
+
+    def _take_pending(self) -> None:
+        count, pending = self.count, self.pending
+        if len(pending) > _SHIFT_MAX:
+            merged = np.concatenate((self.table[:, :count], np.array(pending).T), axis=1)
+            # NOTE: the order among equal offsets does not change any gap that fits
+            order = np.argsort(merged[0], kind="stable")
+            self.table[:, :count + len(pending)] = merged[:, order]
+            count += len(pending)
+        else:
+            for column in pending:
+                at = int(np.searchsorted(self.table[0, :count], column[0], side="right"))
+                self.table[:, at + 1:count + 1] = self.table[:, at:count]
+                self.table[:, at] = column
+                count += 1
+        self.count, self.pending = count, []
+
+
+def _place(order: Sequence[int], buffers: _Buffers, best_fit: bool,
+           placed: list[int] | None = None) -> tuple[list[int], int]:
     """Place buffers in `order`, each in a gap among the placed buffers it conflicts with.
 
     A gap is free space between placed conflicting buffers; the space above the highest of them
     counts as a gap up to the current arena top. `best_fit` takes the tightest gap that fits
     (TFLite), otherwise the lowest (first fit). When no gap fits the buffer goes on top of its
-    conflicts, growing the arena. Buffers with many conflicts take a vectorized path. `placed`,
-    when given, holds the offsets of buffers already placed (-1 for the others, which must be
+    conflicts, growing the arena. A buffer with a conflict list scans it in plain Python; the
+    others take the vectorized pass of `_Placed`, which gives the same offset. `placed`, when
+    given, holds the offsets of buffers already placed (-1 for the others, which must be
     exactly those in `order`); it is copied, not changed.
     """
-    conflict_arrays, size_array = arrays
+    size, first, last, conflicts = buffers.size, buffers.first, buffers.last, buffers.conflicts
     offset = [-1] * len(size) if placed is None else list(placed)
-    offset_array = np.array(offset, dtype=np.int64)
     arena = max((o + s for o, s in zip(offset, size) if o >= 0), default=0)
+    # NOTE: only a buffer without a conflict list needs the placed ones in offset order
+    table = _Placed(buffers, offset) if any(conflicts[i] is None for i in order) else None
     for i in order:
         need = size[i]
-        if len(conflicts[i]) < _VECTOR_MIN:
-            spans = sorted((offset[j], offset[j] + size[j])
-                           for j in conflicts[i] if offset[j] >= 0)
+        near = conflicts[i]
+        if near is not None:
+            spans = sorted((offset[j], offset[j] + size[j]) for j in near if offset[j] >= 0)
             tops = list(itertools.accumulate((hi for _, hi in spans), max, initial=0))
             gaps = [lo - below for (lo, _), below in zip(spans, tops)]
             # The space above every conflict, up to the arena top, is one more (bounded) gap.
@@ -344,55 +503,41 @@ def _place(order: Sequence[int], size: list[int], conflicts: list[list[int]], be
             else:
                 best = tops[fits[0]]
         else:
-            # The same in NumPy: gaps below each placed conflict in offset order, then the top.
-            placed_conflicts = conflict_arrays[i][offset_array[conflict_arrays[i]] >= 0]
-            lo_array = offset_array[placed_conflicts]
-            by_offset = np.argsort(lo_array, kind="stable")
-            tops = np.zeros(len(lo_array) + 1, dtype=np.int64)
-            np.maximum.accumulate(lo_array[by_offset] + size_array[placed_conflicts][by_offset],
-                                  out=tops[1:])
-            gaps = np.append(lo_array[by_offset], arena) - tops
-            fits = gaps >= need
-            if not fits.any():
-                best = int(tops[-1])
-            elif best_fit:
-                # NOTE: argmin returns the first smallest, as min() does in the loop above
-                best = int(tops[np.argmin(np.where(fits, gaps, _NO_FIT))])
-            else:
-                best = int(tops[np.argmax(fits)])
+            best = table.fit(first[i], last[i], need, arena, best_fit)
         offset[i] = best
-        offset_array[i] = best
+        if table is not None and need:
+            table.add(best, best + need, first[i], last[i])
         arena = max(arena, best + need)
     return offset, arena
 
 
-def _best_of_orderings(first: list[int], last: list[int], size: list[int], pressure: list[int],
-                       conflicts: list[list[int]], lower: int) -> tuple[list[int], int]:
+def _best_of_orderings(buffers: _Buffers, pressure: list[int], lower: int
+                       ) -> tuple[list[int], int]:
     """Best fit and first fit over a few orderings, then a seeded local search from the best.
 
-    Work is counted in steps (`_BUFFER_STEPS` a buffer placed plus one a conflicting pair looked
-    at) against `_WORK_BUDGET`, so small problems get many tries, large ones few, and the result
-    depends on the input only.
+    Work is counted in steps (`_BUFFER_STEPS` a buffer placed plus one a conflicting pair) against
+    `_WORK_BUDGET`, so small problems get many tries, large ones few, and the result depends on
+    the input only.
     """
+    first, last, size = buffers.first, buffers.last, buffers.size
     n = len(size)
-    arrays = ([np.array(c, dtype=np.int64) for c in conflicts], np.array(size, dtype=np.int64))
     duration = [last[i] - first[i] + 1 for i in range(n)]
-    cost = [_BUFFER_STEPS + len(c) for c in conflicts]
+    cost = [_BUFFER_STEPS + count for count in buffers.counts]
     # Sort keys, each an ordering to try; ties fall to the next element.
     keys = {
         # greedy by size (TFLite); the longer-lived, then the earlier first
-        "size": [(-size[i], -duration[i], first[i]) for i in range(n)],
+        "size": lambda i: (-size[i], -duration[i], first[i]),
         # the buffers live at the busiest ops first, in schedule order: at an op where the
         # lower bound is set they must tile the arena exactly, so they go in before the rest
-        "pressure": [(-pressure[i], first[i], -size[i]) for i in range(n)],
+        "pressure": lambda i: (-pressure[i], first[i], -size[i]),
         # ... or by size among the same pressure
-        "pressure, size": [(-pressure[i], -size[i], first[i]) for i in range(n)],
+        "pressure, size": lambda i: (-pressure[i], -size[i], first[i]),
         # longest-lived first: they constrain everything they overlap
-        "duration": [(-duration[i], -size[i], first[i]) for i in range(n)],
+        "duration": lambda i: (-duration[i], -size[i], first[i]),
         # greedy by breadth: bytes x ops
-        "breadth": [(-size[i] * duration[i], -size[i], first[i]) for i in range(n)],
+        "breadth": lambda i: (-size[i] * duration[i], -size[i], first[i]),
         # in schedule order, as a linear-scan allocator would see them
-        "schedule": [(first[i], -size[i], -duration[i]) for i in range(n)],
+        "schedule": lambda i: (first[i], -size[i], -duration[i]),
     }
     # (ordering, best fit), those that win most often on random DAGs first, as large problems
     # get through only a few of them
@@ -405,8 +550,8 @@ def _best_of_orderings(first: list[int], last: list[int], size: list[int], press
     budget = max(_WORK_BUDGET, 2 * placement)
     best = (-1, [], [], False)  # arena, offsets, order, best fit
     for name, best_fit in orderings:
-        order = sorted(range(n), key=keys[name].__getitem__)
-        offsets, arena = _place(order, size, conflicts, best_fit, arrays)
+        order = sorted(range(n), key=keys[name])
+        offsets, arena = _place(order, buffers, best_fit)
         budget -= placement
         if best[0] < 0 or arena < best[0]:
             best = (arena, offsets, order, best_fit)
@@ -440,8 +585,7 @@ def _best_of_orderings(first: list[int], last: list[int], size: list[int], press
         placed = list(offsets)
         for i in trial_order[start:]:
             placed[i] = -1
-        trial_offsets, trial_arena = _place(trial_order[start:], size, conflicts, best_fit,
-                                            arrays, placed)
+        trial_offsets, trial_arena = _place(trial_order[start:], buffers, best_fit, placed)
         if trial_arena <= arena:
             order, offsets, arena = trial_order, trial_offsets, trial_arena
     return offsets, arena
@@ -492,19 +636,33 @@ def _search_lower_bound(first: list[int], last: list[int], size: list[int],
 
 def _check_no_overlap(lifetimes: list[Lifetime], offsets: Mapping[Hashable, int],
                       alignment: int) -> None:
-    """AssertionError naming two buffers live at the same op whose byte ranges intersect."""
-    starts: dict[int, list[Lifetime]] = {}
-    for lt in lifetimes:
-        if lt.nbytes > 0:
-            starts.setdefault(lt.first, []).append(lt)
-    live: list[Lifetime] = []
-    # two buffers that are ever live together are both live when the later one starts
-    for op in sorted(starts):
-        live = [lt for lt in live if lt.last >= op] + starts[op]
-        # in offset order, if any two overlap then two neighbours do
-        spans = sorted(((offsets[lt.key], offsets[lt.key] + _round_up(lt.nbytes, alignment), lt)
-                        for lt in live), key=lambda span: span[:2])
-        for (lo_a, hi_a, a), (lo_b, hi_b, b) in zip(spans, spans[1:]):
-            if not (hi_a <= lo_b):
-                raise AssertionError(f"buffers {a.key!r} [{lo_a}, {hi_a}) and {b.key!r} [{lo_b}, "
-                                     f"{hi_b}) are both live at op {op} and overlap")
+    """AssertionError naming two buffers live at the same op whose byte ranges intersect.
+
+    Of two buffers live together, the later to start starts within the other's lifetime: those
+    pairs are tested, vectorized, about `_CHECK_PAIRS` at a time.
+    """
+    first = np.array([lt.first for lt in lifetimes], dtype=np.int64)
+    last = np.array([lt.last for lt in lifetimes], dtype=np.int64)
+    lo = np.array([offsets[lt.key] for lt in lifetimes], dtype=np.int64)
+    hi = lo + np.array([_round_up(lt.nbytes, alignment) for lt in lifetimes], dtype=np.int64)
+    indices = np.flatnonzero(hi > lo)
+    by_start = indices[np.argsort(first[indices], kind="stable")]
+    stop = np.searchsorted(first[by_start], last[by_start], side="right")
+    # the pairs made before each source position, to cut the sources into chunks
+    made = np.cumsum(stop - np.arange(1, len(by_start) + 1))
+    start = 0
+    while start < len(by_start):
+        before = int(made[start - 1]) if start else 0
+        end = max(start + 1, int(np.searchsorted(made, before + _CHECK_PAIRS, side="right")))
+        positions = np.arange(start, end)
+        source, later = _ranges(positions + 1, stop[start:end])
+        a, b = by_start[positions[source]], by_start[later]
+        clash = np.flatnonzero((lo[a] < hi[b]) & (lo[b] < hi[a]))
+        if len(clash):
+            a, b = int(a[clash[0]]), int(b[clash[0]])
+            if lo[b] < lo[a]:
+                a, b = b, a
+            raise AssertionError(
+                f"buffers {lifetimes[a].key!r} [{lo[a]}, {hi[a]}) and {lifetimes[b].key!r} "
+                f"[{lo[b]}, {hi[b]}) are both live at op {max(first[a], first[b])} and overlap")
+        start = end
