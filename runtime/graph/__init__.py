@@ -270,8 +270,7 @@ class Graph:
         if choice is not None:
             budget.update(memory_budget=choice.budget, budget_source=choice.source,
                           units=choice.units, room=choice.room, depth=choice.depth,
-                          recompute_flops=choice.recompute_flops,
-                          step_flops=choice.step_flops, moves=choice.moves)
+                          moves=choice.moves)
         return {"plan": self.plan, "checkpoint": self.checkpoint, **budget,
                 "planned_bytes": static.planned_bytes,
                 "lower_bound_bytes": static.lower_bound_bytes,

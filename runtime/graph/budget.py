@@ -101,9 +101,6 @@ class Choice:
     room: int | None
     #: nesting of the recomputes (0: none)
     depth: int
-    #: forward work recomputed, and the whole step's work without it
-    recompute_flops: int
-    step_flops: int
     #: why nothing is moved to host memory
     moves: str
 
@@ -224,17 +221,14 @@ def _fit(recorded: Recorded, budget: int, source: str,
     program, intermediate = recorded.program, recorded.intermediate
     wanted = _wanted(program, intermediate)
     units = _units(program, wanted)
-    step_flops = sum(flops(i) for i in program)
     moves = (f"none: the {device_name} device's memory is the host's" if device_name == "cpu"
              else f"none: moves to host memory are not chosen on {device_name} yet")
 
     def choice(chosen: Recorded, room: int | None, depth: int) -> Choice:
         read = {o.block.id for i in chosen.program if i.phase != "forward" for o in i.inputs}
         kept = len(wanted & read)
-        work = sum(flops(i) for i in chosen.program if i.phase == "recompute")
         return Choice(budget=budget, source=source, kept=kept, recomputed=len(wanted) - kept,
-                      units=len(units), room=room, depth=depth, recompute_flops=work,
-                      step_flops=step_flops, moves=moves)
+                      units=len(units), room=room, depth=depth, moves=moves)
 
     planned, peak = plan_of(recorded)
     if peak <= budget:

@@ -13,7 +13,7 @@ from allocators import Allocator
 from runtime import autograd, planner
 from runtime.block import Block
 from runtime.errors import GraphCaptureError
-from runtime.graph.budget import BudgetError, _fit
+from runtime.graph.budget import BudgetError, _fit, flops
 from runtime.graph.checkpoint import _checkpoint
 from runtime.graph.fuse import _fuse_steps
 from runtime.graph.memory import _plan_memory, _timeline
@@ -262,6 +262,8 @@ def _counts(recorded: Recorded, scheduled: list[Instruction], fused: Fused,
             for o in instr.inputs}
     return {"instructions": len(scheduled), "steps": len(steps),
             "kept": sum(1 for bid in read if made.get(bid) == "forward"),
+            "recompute_flops": sum(flops(i) for i in scheduled if i.phase == "recompute"),
+            "step_flops": sum(flops(i) for i in scheduled if i.phase != "recompute"),
             "recomputed": sum(1 for bid in read if made.get(bid) == "recompute"),
             "fused": sum(len(s.instructions) for s in steps if len(s.instructions) > 1),
             "products": sum(1 for s in steps if s.product is not None),
