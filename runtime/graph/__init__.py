@@ -77,7 +77,7 @@ import numpy as np
 
 from allocators import Allocator, OutOfMemoryError, format_bytes
 from backends.base import ieee
-from runtime import config, tape
+from runtime import config, planner, tape
 from runtime.block import Block
 from runtime.errors import GraphCaptureError
 from runtime.graph.budget import BudgetError
@@ -278,9 +278,15 @@ class Graph:
                 "scratch_bytes": sum(int(a.nbytes) for a in capture.scratch.values()),
                 **capture.stats}
 
-    def timeline(self) -> list[int]:
-        """Bytes live at each scheduled step under this graph's plan (one value per step)."""
-        return self._timeline_of(self._require_capture())
+    def timeline(self, live: bool = False) -> list[int]:
+        """Bytes held at each scheduled step under this graph's plan (one value per step); with
+        `live`, the bytes of intermediates live at each step instead (what any placement must
+        hold there; its highest point is `lower_bound_bytes`)."""
+        capture = self._require_capture()
+        if live:
+            return planner.live_bytes(capture.memory.lifetimes, len(capture.steps),
+                                      alignment=capture.memory.static_plan.alignment)
+        return self._timeline_of(capture)
 
     def _timeline_of(self, capture: _Capture) -> list[int]:
         return _timeline(capture.memory, self.plan, len(capture.steps))
