@@ -8,10 +8,9 @@ subprocess with no traceback. Output into a pipe whose reader has gone ends quie
 
 from __future__ import annotations
 
-import re
-
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
