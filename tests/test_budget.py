@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from test_graph_training import build, data, training_programs
 
 import allocators
+import backends
 import runtime
 from allocators import LimitAdaptor, OutOfMemoryError, StatisticsAdaptor
 from runtime import BudgetError, nn
@@ -236,3 +237,49 @@ def test_random_programs_under_random_budgets_equal_the_unconstrained_graph_bit_
     assert got == expected
     for mine, theirs in zip(model.parameters(), reference_model.parameters()):
         assert np.array_equal(mine.numpy(), theirs.numpy())
+
+
+# ---------------------------------------------------------------------- moves (OpenCL)
+def opencl_device() -> Any:
+    pytest.importorskip("pyopencl", reason="pyopencl is not installed (pip install "
+                        "'blockrt[opencl]'): moves to host memory run on OpenCL only")
+    if "opencl" not in backends.available():
+        pytest.skip("no OpenCL device on this machine (PoCL from blockrt[opencl] provides one)")
+    return backends.get_device("opencl")
+
+
+def test_moves_to_host_memory_on_opencl_fit_the_budget_bit_for_bit():
+    """On a device whose memory is not the host's the budget first moves forward results to
+    host memory and back (on PoCL the device's memory is in fact host memory: the path runs
+    for correctness); results equal the unconstrained graph's bit for bit."""
+    device = opencl_device()
+    assert not device.host_memory and backends.get_device("cpu").host_memory
+    x, y = batch(rows=8, width=16)
+
+    def on_device(seed: int = 0) -> tuple[nn.Module, Any]:
+        rng = np.random.default_rng(seed)
+        layers: list[nn.Module] = []
+        for _ in range(8):
+            layers += [nn.Dense(16, 16, rng=rng, device=device), nn.ReLU()]
+        model = nn.Sequential(*layers, nn.Dense(16, 10, rng=rng, device=device))
+        return model, nn.train_step(model, nn.SGD(model.parameters(), lr=0.05))
+
+    reference_model, reference_step = on_device()
+    reference = runtime.graph(reference_step, device=device)
+    expected = [reference(x, y).item() for _ in range(3)]
+    need = reference.memory_report()["planned_bytes"]
+    for budget in (need * 8 // 10, need // 2, need // 3):
+        stats = StatisticsAdaptor(allocators.create("direct", device))
+        model, step = on_device()
+        graph = runtime.graph(step, device=device, allocator=stats, memory_budget=budget)
+        got = []
+        for _ in range(3):
+            got.append(graph(x, y).item())
+            assert stats.stats()["peak_allocated_bytes"] - not_planned(graph, stats) <= budget
+        assert got == expected
+        for mine, theirs in zip(model.parameters(), reference_model.parameters()):
+            assert np.array_equal(mine.numpy(), theirs.numpy())
+        report = graph.memory_report()
+        assert report["moved"] > 0 and report["recomputed"] == 0
+        assert report["moved_bytes"] > 0 and "moved to host memory" in report["moves"]
+        assert report["kept"] + report["moved"] == reference.memory_report()["kept"]

@@ -266,7 +266,7 @@ class Graph:
         capture = self._require_capture()
         static = capture.memory.static_plan
         choice = capture.choice
-        budget = {"memory_budget": None, "moved": 0, "moved_bytes": 0}
+        budget: dict[str, Any] = {"memory_budget": None}
         if choice is not None:
             budget.update(memory_budget=choice.budget, budget_source=choice.source,
                           units=choice.units, room=choice.room, depth=choice.depth,

@@ -24,8 +24,13 @@ The model of cost (docs/graph.md, "Memory budgets"):
   peak fits is found by bisection (each probe is one rewrite and plan, tens of milliseconds on
   config D), so the choice is the least recompute work among the plans that fit. Deterministic:
   no clocks, no random numbers.
-- **Moves** to host memory and back are not chosen on any device yet: on the CPU device the
-  device's memory is the host's, so a move would save nothing (the report says so).
+- **Moves** to host memory and back (`move.py`) are chosen only on devices whose memory is not
+  the host's (`Device.host_memory` False: OpenCL, CUDA), and there before any recompute: the
+  fewest units, from the first (whose results wait longest for the backward pass), whose
+  results moved out after their last forward use and back before their first backward use make
+  the plan fit, found by bisection; they cost bytes copied (`moved_bytes`), no device work.
+  When moving all but the last unit's results does not fit, the graph recomputes instead (no
+  mix of the two yet). On the CPU device a move would free nothing: the report says so.
 
 A budget below the least peak any room reaches is refused when planned, naming both (a
 `BudgetError`, an `OutOfMemoryError`), before anything runs.
@@ -38,11 +43,13 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from allocators import OutOfMemoryError, format_bytes
 from runtime.graph.checkpoint import _recompute_sweep
+from runtime.graph.move import _move
 from runtime.graph.program import Recorded
 from runtime.tape import Instruction
 
@@ -200,6 +207,39 @@ def _apply(recorded: Recorded, units: list[list[Instruction]], sweep: _Sweep) ->
                                intermediate=frozenset(intermediate), recomputed=clones)
 
 
+# ---------------------------------------------------------------------- moves
+def _fit_moves(recorded: Recorded, units: list[list[Instruction]], wanted: set[int],
+               budget: int, plan_of: Callable[[Recorded], tuple[object, int]], device: Any
+               ) -> tuple[tuple[Recorded, object, int, int] | None, int]:
+    """The fewest units, from the first on (their results wait longest for the backward pass),
+    whose results moved to host memory and back make the plan fit (None when moving all but
+    the last unit's does not), and the least peak seen."""
+
+    def moved(count: int) -> tuple[Recorded, list[int], int]:
+        blocks = sorted({o.block.id for unit in units[:count] for i in unit
+                         for o in i.outputs if o.block.id in wanted})
+        intermediate = set(recorded.intermediate)
+        program, copied = _move(list(recorded.program), intermediate, blocks, device)
+        tape = dataclasses.replace(recorded, program=program, intermediate=frozenset(
+            intermediate), blocks={**recorded.blocks, **{
+                o.block.id: o.block for i in program for o in (*i.inputs, *i.outputs)}})
+        return tape, blocks, copied
+
+    best, least = None, None
+    low, high = 1, len(units) - 1
+    while low <= high:  # NOTE: the fewest units that fit
+        middle = (low + high) // 2
+        tape, blocks, copied = moved(middle)
+        made, peak = plan_of(tape)
+        least = peak if least is None else min(least, peak)
+        if peak <= budget:
+            best = (tape, made, len(blocks), copied)
+            high = middle - 1
+        else:
+            low = middle + 1
+    return best, least if least is not None else budget + 1
+
+
 # ---------------------------------------------------------------------- the search
 @dataclass(frozen=True)
 class Fitted:
@@ -212,28 +252,42 @@ class Fitted:
 
 
 def _fit(recorded: Recorded, budget: int, source: str,
-         plan_of: Callable[[Recorded], tuple[object, int]], *, device_name: str,
+         plan_of: Callable[[Recorded], tuple[object, int]], *, device: Any,
          name: str) -> Fitted:
-    """The least recompute work whose planned peak fits `budget` bytes.
+    """The least recompute work whose planned peak fits `budget` bytes; on a device whose
+    memory is not the host's, first the fewest moves to host memory that fit.
 
     `plan_of(recorded)` schedules, fuses and plans a tape and returns (what it made, its peak in
-    bytes). Raises BudgetError when no room fits, naming the least peak reached."""
+    bytes). Raises BudgetError when nothing fits, naming the least peak reached."""
     program, intermediate = recorded.program, recorded.intermediate
     wanted = _wanted(program, intermediate)
     units = _units(program, wanted)
-    moves = (f"none: the {device_name} device's memory is the host's" if device_name == "cpu"
-             else f"none: moves to host memory are not chosen on {device_name} yet")
+    moves = (f"none: the {device.name} device's memory is the host's" if device.host_memory
+             else "none: everything fits without")
 
-    def choice(chosen: Recorded, room: int | None, depth: int) -> Choice:
+    def choice(chosen: Recorded, room: int | None, depth: int, moved: int = 0,
+               why: str = moves) -> Choice:
         read = {o.block.id for i in chosen.program if i.phase != "forward" for o in i.inputs}
         kept = len(wanted & read)
-        return Choice(budget=budget, source=source, kept=kept, recomputed=len(wanted) - kept,
-                      units=len(units), room=room, depth=depth, moves=moves)
+        return Choice(budget=budget, source=source, kept=kept,
+                      recomputed=len(wanted) - kept - moved, units=len(units), room=room,
+                      depth=depth, moves=why)
 
     planned, peak = plan_of(recorded)
     if peak <= budget:
         return Fitted(recorded, planned, choice(recorded, None, 0))
     peaks = {len(units): peak}
+    if not device.host_memory and len(units) > 1:
+        # NOTE: room -1 stands for the moves in `peaks`
+        found, peaks[-1] = _fit_moves(recorded, units, wanted, budget, plan_of, device)
+        if found is not None:
+            candidate, made, count, copied = found
+            why = (f"{count} forward results of the first units moved to host memory and back "
+                   f"({copied} bytes a step): on {device.name} that frees device memory at "
+                   f"no recompute")
+            return Fitted(candidate, made, choice(candidate, None, 0, count, why))
+        moves = (f"none: moving every forward result but the last unit's to host memory does "
+                 f"not fit on {device.name}; recomputed instead")
     fits: dict[int, tuple[Recorded, object]] = {}
     if len(units) > 2:
         _, split = _table(len(units))
@@ -259,8 +313,9 @@ def _fit(recorded: Recorded, budget: int, source: str,
             f"{name}: a memory budget of {budget} bytes ({format_bytes(budget)}, {source}) is "
             f"below the least any choice reaches: {least} bytes ({format_bytes(least)}) of "
             f"intermediates, recomputing every forward result the backward pass reads down "
-            f"to two units kept at once ({len(units)} units; {peak} bytes keeping everything); "
-            f"nothing has run", budget_bytes=budget, least_bytes=least)
+            f"to two units kept at once{' or moving them to host memory' if -1 in peaks else ''}"
+            f" ({len(units)} units; {peak} bytes keeping everything); nothing has run",
+            budget_bytes=budget, least_bytes=least)
     room = max(fits)
     candidate, made = fits[room]
     sweep = _sweep(0, len(units), room, _table(len(units))[1])

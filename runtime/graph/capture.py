@@ -171,7 +171,7 @@ def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[T
     else:
         try:
             fitted = _fit(recorded, budget, source, plan_of,
-                          device_name=allocator.device.name, name=name)
+                          device=allocator.device, name=name)
         except BudgetError as error:
             if options.memory_budget is not None:
                 raise
@@ -265,6 +265,9 @@ def _counts(recorded: Recorded, scheduled: list[Instruction], fused: Fused,
             "recompute_flops": sum(flops(i) for i in scheduled if i.phase == "recompute"),
             "step_flops": sum(flops(i) for i in scheduled if i.phase != "recompute"),
             "recomputed": sum(1 for bid in read if made.get(bid) == "recompute"),
+            "moved": sum(1 for i in scheduled if i.op == "reload" and i.phase == "move"),
+            "moved_bytes": sum(2 * i.outputs[0].block.nbytes for i in scheduled
+                               if i.op == "reload" and i.phase == "move"),
             "fused": sum(len(s.instructions) for s in steps if len(s.instructions) > 1),
             "products": sum(1 for s in steps if s.product is not None),
             "in_place": fused.in_place, "recompute_instructions": recorded.recomputed,
