@@ -130,6 +130,23 @@ def budget_point(config: MLPConfig, budget: int, x: np.ndarray, y: np.ndarray) -
     return point
 
 
+def eightfold(config: MLPConfig, activations: int, least: int, top: int, x: np.ndarray,
+              y: np.ndarray) -> int:
+    """The largest budget whose choice holds at most an eighth of the unconstrained plan's
+    activation bytes (the issue's goal point), by bisection over budgets."""
+    low, high, found = least, top, least
+    while high - low > 1024:
+        middle = (low + high) // 2
+        graph, _ = blockrt_graph(config, memory_budget=middle)
+        graph(x, y)
+        if graph.memory_report()["activation_bytes"] * 8 <= activations:
+            found, low = middle, middle
+        else:
+            high = middle
+        graph.release()
+    return found
+
+
 def blockrt_points(config: MLPConfig, x: np.ndarray, y: np.ndarray) -> list[Point]:
     points = []
     graph, stats = blockrt_graph(config)
@@ -147,7 +164,9 @@ def blockrt_points(config: MLPConfig, x: np.ndarray, y: np.ndarray) -> list[Poin
     top = full["planned_bytes"]
     budgets = sorted({int(top * (least / top) ** (i / (POINTS - 1))) for i in range(POINTS)},
                      reverse=True)
-    points += [budget_point(config, budget, x, y) for budget in budgets]
+    budgets.append(eightfold(config, full["activation_bytes"], least, top, x, y))
+    points += [budget_point(config, budget, x, y) for budget in sorted(set(budgets),
+                                                                       reverse=True)]
     graph, stats = blockrt_graph(config, checkpoint="sqrt")
     graph(x, y)
     point = Point("blockrt sqrt", 'checkpoint="sqrt"', lambda g=graph: g(x, y).item(),
@@ -371,6 +390,13 @@ def report(name: str, config: MLPConfig, points: list[Point]) -> None:
         print(f"| {point.family}: {point.label} | {format_bytes(point.peak)} | {act} | "
               f"{point.seconds * 1e3:.2f} | {point.seconds / base.seconds:.2f}x | {extra} | "
               f"{kept} | {plan} |")
+    goal = [p for p in points if p.family == "blockrt" and hasattr(p, "budget")
+            and p.report["activation_bytes"] * 8 <= full["activation_bytes"]]
+    if goal:
+        best = min(goal, key=lambda p: p.seconds)
+        print(f"\nGoal point (at least 8x less activation memory): {best.label}, activations "
+              f"{full['activation_bytes'] / best.report['activation_bytes']:.2f}x less, "
+              f"{best.seconds / base.seconds:.2f}x the unconstrained step's time")
     print("\nPeers against blockrt's curve (blockrt's best step among its points whose measured "
           "peak is at most the peer's):\n")
     print("| peer point | its peak | its ms | blockrt's ms at that peak | blockrt at or below |")
