@@ -419,7 +419,7 @@ def plot(results: dict[str, tuple[MLPConfig, list[Point]]], path: str) -> None:
 
     figure, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.8),
                                 squeeze=False)
-    styles = {"blockrt": ("C0", "o", "-"), "blockrt sqrt": ("C0", "*", ""),
+    styles = {"blockrt": ("C0", "o", "-"), "blockrt sqrt": ("C4", "*", ""),
               "torch": ("C3", "s", ""), "torch checkpoint": ("C1", "^", "--"),
               "torch.compile budget": ("C2", "D", ":")}
     for axis, (name, (config, points)) in zip(axes[0], results.items()):
@@ -429,7 +429,8 @@ def plot(results: dict[str, tuple[MLPConfig, list[Point]]], path: str) -> None:
                 continue
             label = LABELS[family]
             axis.plot([p.peak / MIB for p in mine], [p.seconds * 1e3 for p in mine],
-                      color=colour, marker=marker, linestyle=line or "none", label=label)
+                      color=colour, marker=marker, linestyle=line or "none", label=label,
+                      markersize=11 if marker == "*" else 6, zorder=3 if marker == "*" else 2)
         axis.set_xscale("log")
         axis.set_xlabel("measured peak of one step (MiB, log)")
         axis.set_ylabel("ms per step (best)")
