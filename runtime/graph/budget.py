@@ -55,6 +55,8 @@ from runtime.tape import Instruction
 
 __all__ = ["BudgetError"]
 
+#: At most this many units: `_table` takes about units**2 NumPy calls (65 units: 20 ms).
+_MAX_UNITS = 256
 #: Ops whose work is a matrix product: 2 * rows * columns * inner.
 _PRODUCTS = frozenset({"matmul", "linear"})
 
@@ -100,9 +102,6 @@ class Choice:
     #: the budget in bytes, and where it came from ("memory_budget" or the allocator's limit)
     budget: int
     source: str
-    #: forward results the backward pass reads: kept from forward to backward, or recomputed
-    kept: int
-    recomputed: int
     #: units, and the most units kept at once (None: everything kept)
     units: int
     room: int | None
@@ -171,6 +170,10 @@ def _units(program: Sequence[Instruction], wanted: set[int]) -> list[list[Instru
         units.pop()
     elif len(units) > 1:
         units[-2].extend(units.pop())  # NOTE: the tail (the loss) joins the last unit
+    if len(units) > _MAX_UNITS:  # NOTE: neighbours merged, so the table stays small
+        per = -(-len(units) // _MAX_UNITS)
+        units = [[i for unit in units[k:k + per] for i in unit]
+                 for k in range(0, len(units), per)]
     return units
 
 
@@ -265,17 +268,13 @@ def _fit(recorded: Recorded, budget: int, source: str,
     moves = (f"none: the {device.name} device's memory is the host's" if device.host_memory
              else "none: everything fits without")
 
-    def choice(chosen: Recorded, room: int | None, depth: int, moved: int = 0,
-               why: str = moves) -> Choice:
-        read = {o.block.id for i in chosen.program if i.phase != "forward" for o in i.inputs}
-        kept = len(wanted & read)
-        return Choice(budget=budget, source=source, kept=kept,
-                      recomputed=len(wanted) - kept - moved, units=len(units), room=room,
-                      depth=depth, moves=why)
+    def choice(room: int | None, depth: int, why: str = moves) -> Choice:
+        return Choice(budget=budget, source=source, units=len(units), room=room, depth=depth,
+                      moves=why)
 
     planned, peak = plan_of(recorded)
     if peak <= budget:
-        return Fitted(recorded, planned, choice(recorded, None, 0))
+        return Fitted(recorded, planned, choice(None, 0))
     peaks = {len(units): peak}
     if not device.host_memory and len(units) > 1:
         # NOTE: room -1 stands for the moves in `peaks`
@@ -285,7 +284,7 @@ def _fit(recorded: Recorded, budget: int, source: str,
             why = (f"{count} forward results of the first units moved to host memory and back "
                    f"({copied} bytes a step): on {device.name} that frees device memory at "
                    f"no recompute")
-            return Fitted(candidate, made, choice(candidate, None, 0, count, why))
+            return Fitted(candidate, made, choice(None, 0, why))
         moves = (f"none: moving every forward result but the last unit's to host memory does "
                  f"not fit on {device.name}; recomputed instead")
     fits: dict[int, tuple[Recorded, object]] = {}
@@ -319,4 +318,4 @@ def _fit(recorded: Recorded, budget: int, source: str,
     room = max(fits)
     candidate, made = fits[room]
     sweep = _sweep(0, len(units), room, _table(len(units))[1])
-    return Fitted(candidate, made, choice(candidate, room, _depth(sweep)))
+    return Fitted(candidate, made, choice(room, _depth(sweep)))
