@@ -183,6 +183,23 @@ def test_bad_budgets_are_refused(kwargs: dict, message: str):
         runtime.graph(lambda x: x, **kwargs)
 
 
+def test_units_past_the_cap_are_merged_and_still_fit(monkeypatch):
+    from runtime.graph import budget as budget_module
+
+    x, y = batch()
+    _, reference_step = deep_step()
+    reference = runtime.graph(reference_step)
+    expected = reference(x, y).item()
+    need = reference.memory_report()["planned_bytes"]
+    monkeypatch.setattr(budget_module, "_MAX_UNITS", 5)
+    _, step = deep_step()
+    graph = runtime.graph(step, memory_budget=need * 2 // 3)
+    assert graph(x, y).item() == expected
+    report = graph.memory_report()
+    assert report["units"] == 5 and report["recomputed"] > 0
+    assert report["planned_bytes"] <= need * 2 // 3
+
+
 def test_a_program_with_nothing_to_recompute_is_refused_below_its_peak():
     def forward_only(x):
         return runtime.ops.sum(runtime.ops.tanh(runtime.ops.matmul(x, x)))
