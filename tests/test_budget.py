@@ -256,20 +256,26 @@ def test_random_programs_under_random_budgets_equal_the_unconstrained_graph_bit_
         assert np.array_equal(mine.numpy(), theirs.numpy())
 
 
-# ---------------------------------------------------------------------- moves (OpenCL)
-def opencl_device() -> Any:
-    pytest.importorskip("pyopencl", reason="pyopencl is not installed (pip install "
-                        "'blockrt[opencl]'): moves to host memory run on OpenCL only")
-    if "opencl" not in backends.available():
-        pytest.skip("no OpenCL device on this machine (PoCL from blockrt[opencl] provides one)")
-    return backends.get_device("opencl")
+# ---------------------------------------------------------------------- moves (OpenCL, CUDA)
+NEEDS = {"opencl": ("pyopencl", "pip install 'blockrt[opencl]'; PoCL provides a CPU device"),
+         "cuda": ("cupy", "CuPy and an NVIDIA GPU")}
 
 
-def test_moves_to_host_memory_on_opencl_fit_the_budget_bit_for_bit():
+def separate_memory_device(kind: str) -> Any:
+    module, how = NEEDS[kind]
+    pytest.importorskip(module, reason=f"{module} is not installed ({how}): moves to host "
+                        f"memory run on devices whose memory is not the host's")
+    if kind not in backends.available():
+        pytest.skip(f"no {kind} device on this machine ({how})")
+    return backends.get_device(kind)
+
+
+@pytest.mark.parametrize("kind", sorted(NEEDS))
+def test_moves_to_host_memory_fit_the_budget_bit_for_bit(kind: str):
     """On a device whose memory is not the host's the budget first moves forward results to
     host memory and back (on PoCL the device's memory is in fact host memory: the path runs
     for correctness); results equal the unconstrained graph's bit for bit."""
-    device = opencl_device()
+    device = separate_memory_device(kind)
     assert not device.host_memory and backends.get_device("cpu").host_memory
     x, y = batch(rows=8, width=16)
 
