@@ -99,6 +99,7 @@ bench:
 	$(PY) benchmarks/bench_train.py --check
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_graph.py
+	$(PY) benchmarks/bench_budget.py
 	$(PY) benchmarks/bench_planner.py
 	$(PY) benchmarks/bench_opencl.py
 	$(PY) benchmarks/bench_queues.py

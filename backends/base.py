@@ -150,6 +150,9 @@ class Device:
     name: str = "device"
     alignment: int = 64
     read_only_memory: bool = False
+    #: True where the device's memory is the host's own (NumPy): moving a tensor to host memory
+    #: and back would free nothing, so a graph under a memory budget never does it.
+    host_memory: bool = False
     #: True where `gemm` accumulates into its output in the product itself (BLAS's beta), so a
     #: graph can fold an update such as w -= lr * (a @ b) into the product and save a pass.
     gemm_accumulates: bool = False

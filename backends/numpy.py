@@ -141,6 +141,7 @@ class NumpyDevice(Device):
     alignment = 64
     #: non-writeable ndarrays
     read_only_memory = True
+    host_memory = True
     #: every elementwise kernel, called as kernel(*inputs, out) (NumPy broadcasts the inputs),
     #: and the reductions, as kernel(x, out, axes, keepdims)
     _fast_kernels = {**_UNARY, **_BINARY, "sum": _sum,

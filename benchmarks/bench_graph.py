@@ -173,7 +173,7 @@ def checkpoint_table(config: MLPConfig, rounds: int) -> None:
     print("|---|---|---|---|---|")
     for name, report in (("static", plain), ("static + sqrt", sqrt)):
         print(f"| {name} | {format_bytes(report['activation_bytes'])} | "
-              f"{format_bytes(report['peak_bytes'])} | {report['recomputed']} | "
+              f"{format_bytes(report['peak_bytes'])} | {report['recompute_instructions']} | "
               f"{best[name] * 1e3:.2f} |")
     print(f"| **ratio** | **{plain['activation_bytes'] / sqrt['activation_bytes']:.2f}x less** | "
           f"{plain['peak_bytes'] / sqrt['peak_bytes']:.2f}x less | | "

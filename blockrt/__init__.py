@@ -35,6 +35,7 @@ from runtime import (
     AliasingError,
     AutogradError,
     Block,
+    BudgetError,
     ConstantPool,
     Graph,
     GraphCaptureError,
@@ -75,7 +76,7 @@ __all__ = [
     "BackendUnavailableError", "InvalidFreeError", "OutOfMemoryError", "from_queue",
     "get_device",
     # the runtime (runtime.__all__)
-    "PLANS", "AliasingError", "AutogradError", "Block", "ConstantPool", "Graph",
+    "PLANS", "AliasingError", "AutogradError", "Block", "BudgetError", "ConstantPool", "Graph",
     "GraphCaptureError", "ReadOnlyAllocator", "ReadOnlyError", "Tensor",
     "UninitializedMemoryError", "UseAfterFreeError", "constant", "empty", "enable_grad",
     "format_report", "from_dlpack", "get_aliasing", "get_default_allocator",

@@ -6,7 +6,8 @@ Subcommands:
     blockrt info            Python/NumPy versions, backends and their devices, the default device,
                             the CPU's BLAS and why (--measure S|M|L|D: time a step first)
     blockrt plan            capture an MLP training step and print its memory report
-                            (--config S|M|L|D, --plan, --checkpoint sqrt, --plot PATH)
+                            (--config S|M|L|D, --plan, --checkpoint sqrt, --budget BYTES,
+                            --plot PATH)
     blockrt demo [ARGS]     run examples/train_mlp.py (a checkout, and the `demo` extra)
     blockrt bench [NAME]    list (--list) or run benchmarks/bench_NAME.py (a checkout)
 
@@ -70,12 +71,13 @@ class CommandError(Exception):
 
 
 def training_step(cfg: MLPConfig, plan: str, checkpoint: str | None,
-                  seed: int = 0) -> runtime.Graph:
+                  seed: int = 0, memory_budget: int | None = None) -> runtime.Graph:
     """The MLP training step of benchmarks/bench_graph.py captured by `runtime.graph`.
 
     `cfg.depth` hidden Dense(width, width) layers with ReLU, a Dense(width, 10) classifier,
     softmax cross-entropy, SGD lr 0.01, `zero_grad()` at the end of the step (so gradients are
-    intermediates). Weights come from `seed`; the caller runs the step.
+    intermediates). Weights come from `seed`; the caller runs the step. `memory_budget`:
+    bytes the intermediates may take (`runtime.graph`'s option).
     """
     rng = np.random.default_rng(seed)
     layers: list[nn.Module] = []
@@ -83,7 +85,55 @@ def training_step(cfg: MLPConfig, plan: str, checkpoint: str | None,
         layers += [nn.Dense(cfg.width, cfg.width, rng=rng), nn.ReLU()]
     model = nn.Sequential(*layers, nn.Dense(cfg.width, CLASSES, rng=rng))
     opt = nn.SGD(model.parameters(), lr=0.01)
-    return runtime.graph(nn.train_step(model, opt), plan=plan, checkpoint=checkpoint)
+    return runtime.graph(nn.train_step(model, opt), plan=plan, checkpoint=checkpoint,
+                         memory_budget=memory_budget)
+
+
+#: Characters of a text timeline, from empty to full.
+_LEVELS = " .:-=+*#%@"
+
+
+def text_timeline(values: Sequence[int], width: int = 72) -> str:
+    """`values` as one line of `width` characters at most: each the highest value of its share
+    of the steps, from ' ' (0) to '@' (the highest of all).
+
+    Example:
+        >>> text_timeline([0, 5, 10, 5], width=4)
+        ' =@='
+    """
+    if not values:
+        return ""
+    top = max(values) or 1
+    shares = min(width, len(values))
+    line = []
+    for k in range(shares):
+        part = values[k * len(values) // shares:(k + 1) * len(values) // shares]
+        line.append(_LEVELS[round(max(part) / top * (len(_LEVELS) - 1))])
+    return "".join(line)
+
+
+def budget_lines(step: runtime.Graph) -> list[str]:
+    """What a memory budget chose, for `blockrt plan --budget`: the choice, its extra work, and
+    the live bytes of intermediates at each step as a text timeline."""
+    report = step.memory_report()
+    live = step.timeline(live=True)
+    fmt = allocators.format_bytes
+    room = report["room"]
+    kept = ("everything kept" if room is None else
+            f"at most {room} of {report['units']} units kept at once, recomputes nested "
+            f"{report['depth']} deep")
+    extra = report["recompute_flops"] / max(1, report["step_flops"])
+    return [
+        f"budget {report['memory_budget']} B ({fmt(report['memory_budget'])}, "
+        f"{report['budget_source']}): planned {fmt(report['planned_bytes'])}",
+        f"choice: {kept}; forward results the backward pass reads: {report['kept']} kept, "
+        f"{report['recomputed']} recomputed, {report['moved']} moved ({report['moves']})",
+        f"extra work: {report['recompute_flops'] / 1e6:.1f} MFLOP recomputed "
+        f"(+{extra:.1%} of the step's {report['step_flops'] / 1e6:.1f} MFLOP), "
+        f"{report['moved_bytes']} B moved",
+        f"timeline (live intermediates, {len(live)} steps, peak {fmt(max(live, default=0))}):",
+        f"|{text_timeline(live)}|",
+    ]
 
 
 def each_plan(make_step: Callable[[str], runtime.Graph], *args: object,
@@ -370,18 +420,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           f"step (its parameters and activations, float32), more "
                           f"than the {allocators.format_bytes(have)} of device {device.name}; "
                           "lower --batch, --width or --depth")
-    checkpoint = args.checkpoint
+    checkpoint, budget = args.checkpoint, args.budget
+    if budget is not None and (checkpoint is not None or args.plan == "none"):
+        args.parser.error("argument --budget: the budget chooses what to recompute itself and "
+                          "needs --plan static or recycle (not --checkpoint, not --plan none)")
     print(f"config {label}: batch {cfg.batch}, width {cfg.width}, depth {cfg.depth}; "
-          f"plan {args.plan}, checkpoint {checkpoint or 'none'}")
+          f"plan {args.plan}, checkpoint {checkpoint or 'none'}"
+          + (f", memory budget {budget} B" if budget is not None else ""))
     plans = runtime.PLANS if args.plot else (args.plan,)
+    if budget is not None:
+        plans = tuple(p for p in plans if p != "none")
     timelines = {}
     try:
         x, y = _batch(cfg, args.seed)
-        for plan, step in each_plan(lambda p: training_step(cfg, p, checkpoint, args.seed), x, y,
-                                    plans=plans):
+        for plan, step in each_plan(lambda p: training_step(cfg, p, checkpoint, args.seed,
+                                                            budget), x, y, plans=plans):
             timelines[plan] = step.timeline()
             if plan == args.plan:
                 print(runtime.format_report(step.memory_report()))
+                if budget is not None:
+                    print("\n".join(budget_lines(step)))
+    except runtime.BudgetError as exc:
+        raise CommandError(str(exc)) from exc
     except MemoryError as exc:  # NOTE: step_bytes() fits, but other processes hold memory too
         raise CommandError(f"out of memory running config {label}: {exc}") from exc
     if args.plot:
@@ -461,6 +521,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", choices=runtime.PLANS, default="static", help="default: static")
     p.add_argument("--checkpoint", choices=["sqrt"], default=None,
                    help="recompute forward results (Chen et al. 2016); default: none")
+    p.add_argument("--budget", metavar="BYTES", type=int_in(0), default=None,
+                   help="fit the intermediates in BYTES: keep or recompute each forward result "
+                   "the backward pass reads, chosen by cost (docs/graph.md); shows the choice "
+                   "and the timeline")
     p.add_argument("--plot", metavar="PATH", type=png_path,
                    help="also write a PNG of the memory timeline of all three plans "
                    "(needs matplotlib: the `plot` extra)")

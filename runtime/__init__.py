@@ -32,11 +32,12 @@ from runtime.errors import (
                             UninitializedMemoryError,
                             UseAfterFreeError,
 )
-from runtime.graph import PLANS, Graph, graph
+from runtime.graph import PLANS, BudgetError, Graph, graph
 from runtime.summary import format_report, memory_summary, plot_memory_timeline
 from runtime.tensor import Tensor, empty, ones, tensor, view, zeros
 
-__all__ = ["PLANS", "AliasingError", "AutogradError", "Block", "ConstantPool", "Graph",
+__all__ = ["PLANS", "AliasingError", "AutogradError", "Block", "BudgetError", "ConstantPool",
+           "Graph",
            "GraphCaptureError",
            "ReadOnlyAllocator", "ReadOnlyError", "Tensor", "UninitializedMemoryError",
            "UseAfterFreeError", "constant", "empty", "enable_grad", "format_report", "from_dlpack",

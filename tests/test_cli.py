@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -110,6 +111,22 @@ def test_plan_prints_the_memory_report_of_the_chosen_plan(capsys):
         assert key in report
 
 
+def test_plan_budget_shows_the_choice_and_the_timeline(capsys):
+    argv = ["plan", "--config", "D", "--batch", "4", "--width", "16", "--depth", "12"]
+    status, out, err = run(capsys, *argv, "--budget", "3000")
+    assert status == 0, err
+    assert "memory budget 3000 B" in out.splitlines()[0]
+    choice = next(line for line in out.splitlines() if line.startswith("choice: "))
+    assert "units kept at once" in choice and "recomputed" in choice, out
+    assert "moved (none: the cpu device's memory is the host's)" in choice
+    assert re.search(r"extra work: [0-9.]+ MFLOP recomputed \(\+[0-9.]+% of the step", out), out
+    timeline = out.splitlines()[-1]
+    assert timeline.startswith("|") and timeline.endswith("|") and "@" in timeline, out
+    status, out, err = run(capsys, *argv, "--budget", "10")
+    assert status == 1
+    assert "a memory budget of 10 bytes" in err and "below the least any choice reaches" in err
+
+
 def test_plan_defaults_to_config_s_and_the_static_plan():
     args = cli.build_parser().parse_args(["plan"])
     assert (args.config, args.plan, args.checkpoint) == ("S", "static", None)
@@ -171,6 +188,10 @@ BAD_INPUT = [
     (["plan", "--width", "1e3"], ["--width", "'1e3'", "not an integer", DIM]),
     (["plan", "--width", ""], ["--width", "''", "not an integer"]),
     (["plan", "--width", "9" * 5000], ["--width", "'99999", "...", "not an integer"]),
+    (["plan", "--budget", "-1"], ["--budget", "-1", "0 or more"]),
+    (["plan", "--budget", "1MiB"], ["--budget", "'1MiB'", "not an integer"]),
+    (["plan", "--budget", "9000", "--checkpoint", "sqrt"], ["--budget", "--checkpoint"]),
+    (["plan", "--budget", "9000", "--plan", "none"], ["--budget", "--plan none"]),
     (["plan", "--seed", "-1"], ["--seed", "-1", SEEDS]),
     (["plan", "--seed", str(2**32)], ["--seed", str(2**32), SEEDS]),
     (["plan", "--seed", "abc"], ["--seed", "'abc'", SEEDS]),

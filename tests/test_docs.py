@@ -246,6 +246,14 @@ def check_plan_plot(out: str, cwd: Path) -> None:
     assert (cwd / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def check_plan_budget(out: str, cwd: Path) -> None:
+    report = report_of(out)
+    assert report["plan"] == "static" and int(report["recomputed"]) > 0, out
+    assert "budget 600000 B (585.94 KiB, memory_budget): planned " in out, out
+    assert "units kept at once" in out and "extra work: " in out, out
+    assert out.splitlines()[-1].startswith("|"), out  # NOTE: the timeline
+
+
 def check_demo(out: str, cwd: Path) -> None:
     result = next(line for line in out.splitlines() if "test accuracy" in line)
     assert float(result.split("test accuracy")[1].split()[0]) >= 0.97, result
@@ -267,6 +275,7 @@ CHECKS = {
     "blockrt allocators": check_allocators,
     "blockrt plan --config D --checkpoint sqrt": check_plan_sqrt,
     "blockrt plan --config S --plot timeline.png": check_plan_plot,
+    "blockrt plan --config D --budget 600000": check_plan_budget,
     "blockrt demo --epochs 5 --no-progress": check_demo,
     "blockrt bench --list": check_bench_list,
 }

@@ -80,6 +80,7 @@ from backends.base import ieee
 from runtime import config, planner, tape
 from runtime.block import Block
 from runtime.errors import GraphCaptureError
+from runtime.graph.budget import BudgetError
 from runtime.graph.capture import (
     Options,
     _abandon,
@@ -95,12 +96,13 @@ from runtime.graph.capture import (
     _signature,
 )
 from runtime.graph.fuse import _products
+from runtime.graph.memory import _timeline
 from runtime.graph.program import _Capture
 from runtime.graph.replay import _release, _replay, _run_init
 from runtime.tape import Tape
 from runtime.tensor import Tensor, tensor
 
-__all__ = ["CHECKPOINTS", "PLANS", "Graph", "graph"]
+__all__ = ["CHECKPOINTS", "PLANS", "BudgetError", "Graph", "graph"]
 
 PLANS = ("none", "recycle", "static")
 CHECKPOINTS = (None, "sqrt")
@@ -110,7 +112,7 @@ MAX_CAPTURES = 32
 
 def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None = None,
           fuse: bool = True, device: Any = None, allocator: Allocator | None = None,
-          max_captures: int = MAX_CAPTURES) -> Graph:
+          max_captures: int = MAX_CAPTURES, memory_budget: int | None = None) -> Graph:
     """Wrap `fn` (a training or inference step) as a captured, planned, replayable graph.
 
     Args:
@@ -124,11 +126,22 @@ def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None =
             its default allocator).
         max_captures: how many captures to keep; past it the least recently used one is
             dropped (its memory freed) with a RuntimeWarning, once per graph.
+        memory_budget: bytes the intermediates may take at most (plans "static" and
+            "recycle"): for every forward result the backward pass reads, the graph chooses to
+            keep or recompute it, by cost, so that the plan's peak fits (`budget.py`,
+            docs/graph.md). None: under an allocator with a limit of its own (a LimitAdaptor),
+            a plan that would not fit in what the limit leaves is fitted to it the same way.
 
     Raises:
-        ValueError: an unknown plan or checkpoint, or max_captures below 1.
+        ValueError: an unknown plan or checkpoint, max_captures below 1, a negative budget,
+            or a budget with plan "none" or checkpoint="sqrt".
+        BudgetError: (at the first call, before anything runs) a budget below the least peak
+            any choice reaches; an OutOfMemoryError naming both.
+
+    Example:
+        >>> step = runtime.graph(train_step, memory_budget=8 << 20)  # doctest: +SKIP
     """
-    return Graph(fn, plan, checkpoint, fuse, device, allocator, max_captures)
+    return Graph(fn, plan, checkpoint, fuse, device, allocator, max_captures, memory_budget)
 
 
 class Graph:
@@ -144,7 +157,8 @@ class Graph:
 
     def __init__(self, fn: Callable[..., Any], plan: str = "static",
                  checkpoint: str | None = None, fuse: bool = True, device: Any = None,
-                 allocator: Allocator | None = None, max_captures: int = MAX_CAPTURES) -> None:
+                 allocator: Allocator | None = None, max_captures: int = MAX_CAPTURES,
+                 memory_budget: int | None = None) -> None:
         if plan not in PLANS:
             raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
         if checkpoint not in CHECKPOINTS:
@@ -154,6 +168,19 @@ class Graph:
         if isinstance(max_captures, bool) or not isinstance(max_captures, int) \
                 or max_captures < 1:
             raise ValueError(f"max_captures must be an int >= 1, got {max_captures!r}")
+        if memory_budget is not None:
+            if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, np.integer)) \
+                    or memory_budget < 0:
+                raise ValueError(f"memory_budget must be a number of bytes >= 0 or None, got "
+                                 f"{memory_budget!r}")
+            if plan == "none":
+                raise ValueError("memory_budget needs plan 'static' or 'recycle': plan 'none' "
+                                 "reuses no memory, so recomputing saves nothing")
+            if checkpoint is not None:
+                raise ValueError("memory_budget chooses what to recompute itself: leave "
+                                 f"checkpoint None (got {checkpoint!r})")
+            memory_budget = int(memory_budget)
+        self.memory_budget = memory_budget
         self.fn = fn
         self.plan = plan
         self.checkpoint = checkpoint
@@ -227,35 +254,42 @@ class Graph:
         once in its last run), activation_bytes (the most bytes of forward results live at
         once), scratch_bytes (the block-sized scratch arrays fused chains share, made by the
         device outside any allocator), plan, and counts: instructions, steps, fused, products,
-        in_place, recomputed.
+        in_place, recompute_instructions (instructions cloned to recompute).
+
+        What stays for the backward pass (with or without a budget): kept (forward results the
+        backward pass reads that stay live until then), recomputed (those recomputed instead),
+        moved (those moved to host memory and back: 0, see `moves`), recompute_flops (the
+        extra work), moved_bytes, step_flops (the step's work without recomputation). Under a
+        budget also: memory_budget (bytes), budget_source, units, room (the most units kept at
+        once; None: all), depth (nesting of the recomputes), moves (why nothing moved).
         """
         capture = self._require_capture()
         static = capture.memory.static_plan
-        return {"plan": self.plan, "checkpoint": self.checkpoint,
+        choice = capture.choice
+        budget: dict[str, Any] = {"memory_budget": None}
+        if choice is not None:
+            budget.update(memory_budget=choice.budget, budget_source=choice.source,
+                          units=choice.units, room=choice.room, depth=choice.depth,
+                          moves=choice.moves)
+        return {"plan": self.plan, "checkpoint": self.checkpoint, **budget,
                 "planned_bytes": static.planned_bytes,
                 "lower_bound_bytes": static.lower_bound_bytes,
                 "naive_bytes": capture.naive_bytes, "peak_bytes": capture.peak_bytes,
                 "scratch_bytes": sum(int(a.nbytes) for a in capture.scratch.values()),
                 **capture.stats}
 
-    def timeline(self) -> list[int]:
-        """Bytes live at each scheduled step under this graph's plan (one value per step)."""
-        return self._timeline_of(self._require_capture())
+    def timeline(self, live: bool = False) -> list[int]:
+        """Bytes held at each scheduled step under this graph's plan (one value per step); with
+        `live`, the bytes of intermediates live at each step instead (what any placement must
+        hold there; its highest point is `lower_bound_bytes`)."""
+        capture = self._require_capture()
+        if live:
+            return planner.live_bytes(capture.memory.lifetimes, len(capture.steps),
+                                      alignment=capture.memory.static_plan.alignment)
+        return self._timeline_of(capture)
 
     def _timeline_of(self, capture: _Capture) -> list[int]:
-        n, commit = len(capture.steps), capture.memory.commit
-        if self.plan == "static":
-            return [capture.memory.static_plan.planned_bytes] * n
-        if self.plan == "none":  # nothing goes back before the end of the step
-            grown = [0] * n
-            for life in capture.memory.lifetimes:
-                grown[min(life.first, commit)] += life.nbytes
-            return list(np.cumsum(grown).tolist()) if n else []
-        early = [life for lives in capture.memory.starts.values() for life in lives]
-        live = planner.live_bytes(early, n) if early else [0] * n
-        if capture.memory.tail_plan is not None:  # the tail arena, held from the commit step on
-            live[commit:] = [b + capture.memory.tail_plan.planned_bytes for b in live[commit:]]
-        return live
+        return _timeline(capture.memory, self.plan, len(capture.steps))
 
     def _require_capture(self) -> _Capture:
         if self._last is None:
@@ -288,7 +322,8 @@ class Graph:
         capture = _build(recorder, placeholders=placeholders, outputs=outputs,
                          output_kind=kind, allocator=allocator,
                          options=Options(plan=self.plan, checkpoint=self.checkpoint,
-                                         fuse=self.fuse))
+                                         fuse=self.fuse, memory_budget=self.memory_budget),
+                         name=getattr(self.fn, "__name__", type(self.fn).__name__))
         self._refuse(capture, _argument_writes(capture))
         self._check_fits(capture)
         capture.device.plan_products(_products(capture.steps))  # e.g. the CPU times its BLASes
@@ -323,6 +358,9 @@ class Graph:
                    f"({format_bytes(planned)} of intermediates + {format_bytes(lazy)} of "
                    f"outputs and state made in the step) but {capture.allocator!r} has "
                    f"{format_bytes(available)} available; nothing has run")
+        if capture.least_bytes is not None:
+            message += (f" (recomputing forward results during backward reaches at least "
+                        f"{format_bytes(capture.least_bytes)} of intermediates: no choice fits)")
         try:
             _run_init(capture)
         except OutOfMemoryError as error:

@@ -13,9 +13,10 @@ from allocators import Allocator
 from runtime import autograd, planner
 from runtime.block import Block
 from runtime.errors import GraphCaptureError
+from runtime.graph.budget import BudgetError, _fit, flops
 from runtime.graph.checkpoint import _checkpoint
 from runtime.graph.fuse import _fuse_steps
-from runtime.graph.memory import _plan_memory
+from runtime.graph.memory import _plan_memory, _timeline
 from runtime.graph.program import Fused, MemoryPlan, Recorded, _Capture, _Step
 from runtime.graph.schedule import _scheduled
 from runtime.tape import Instruction, Tape
@@ -134,25 +135,53 @@ def _results(capture: _Capture) -> Any:
 # ---------------------------------------------------------------------- building a capture
 @dataclass(frozen=True, kw_only=True)
 class Options:
-    """How a graph captures: its memory plan, checkpointing and fusion (see `runtime.graph`)."""
+    """How a graph captures: its memory plan, checkpointing, fusion and memory budget (see
+    `runtime.graph`)."""
 
     plan: str
     checkpoint: str | None
     fuse: bool
+    #: bytes the intermediates may take at most; None: the allocator's limit, if it has one
+    memory_budget: int | None = None
 
 
 def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[Tensor],
-           output_kind: str, allocator: Allocator, options: Options) -> _Capture:
+           output_kind: str, allocator: Allocator, options: Options,
+           name: str = "step") -> _Capture:
     """Run the phases on a recorded tape (the module docstring of `runtime.graph` says what
     each does)."""
     recorded = _sort_blocks(recorder, outputs)
     if options.checkpoint == "sqrt":
         recorded = _checkpoint(recorded)
-    scheduled = _scheduled(recorded)
-    fused = _fuse_steps(scheduled, recorded.intermediate, allocator.device, fuse=options.fuse,
-                        in_place=options.fuse and options.plan != "none")
-    memory = _plan_memory(fused, recorded, recorder.made_here, plan=options.plan,
-                          alignment=max(allocator.device.alignment, 64))
+    alignment = max(allocator.device.alignment, 64)
+
+    def plan_of(tape: Recorded) -> tuple[tuple[list[Instruction], Fused, MemoryPlan], int]:
+        scheduled = _scheduled(tape)
+        fused = _fuse_steps(scheduled, tape.intermediate, allocator.device, fuse=options.fuse,
+                            in_place=options.fuse and options.plan != "none")
+        memory = _plan_memory(fused, tape, recorder.made_here, plan=options.plan,
+                              alignment=alignment)
+        peak = max(_timeline(memory, options.plan, len(fused.steps)), default=0)
+        return (scheduled, fused, memory), peak
+
+    budget, source = _budget(options, allocator, recorded)
+    choice, least = None, None
+    if budget is None:
+        (scheduled, fused, memory), _ = plan_of(recorded)
+    else:
+        try:
+            fitted = _fit(recorded, budget, source, plan_of,
+                          device=allocator.device, name=name)
+        except BudgetError as error:
+            if options.memory_budget is not None:
+                raise
+            # NOTE: under a limit nobody asked to fit, the capture goes on as planned
+            # without one and `Graph._check_fits` refuses it with the limit's numbers
+            (scheduled, fused, memory), _ = plan_of(recorded)
+            least = error.least_bytes
+        else:
+            recorded, choice = fitted.recorded, fitted.choice
+            scheduled, fused, memory = fitted.planned
     outside = recorded.outside
     return _Capture(steps=fused.steps, placeholders=placeholders,
                     outputs=[t.detach() for t in outputs], output_kind=output_kind,
@@ -162,7 +191,33 @@ def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[T
                     device=allocator.device, allocator=allocator,
                     stats=_counts(recorded, scheduled, fused, memory), outside=outside,
                     outside_ids={block.id for block in outside},
-                    init=[_Step([instr]) for instr in recorded.init])
+                    init=[_Step([instr]) for instr in recorded.init], choice=choice,
+                    least_bytes=least)
+
+
+def _budget(options: Options, allocator: Allocator, recorded: Recorded
+            ) -> tuple[int | None, str]:
+    """The bytes the intermediates may take, and where the number comes from: the graph's
+    memory_budget, else (plans that reuse memory) what the allocator's own limit leaves once
+    the blocks the step makes and keeps are allocated, else None."""
+    if options.memory_budget is not None:
+        return options.memory_budget, "memory_budget"
+    limiter = _limiter(allocator)
+    if options.plan == "none" or limiter._limit()[1] == "device memory":
+        return None, ""
+    available = allocator.available_bytes()
+    if available is None:
+        return None, ""
+    lazy = _lazy_bytes(recorded.outside, limiter)
+    return max(0, available - lazy), f"the limit of {limiter!r}"
+
+
+def _lazy_bytes(outside: list[Block], limiter: Allocator) -> int:
+    """Bytes of the blocks outside the plan that a replay allocates (outputs and state made in
+    the step) and that count against `limiter`."""
+    return sum(block.nbytes for block in outside
+               if block._allocation is None and not block.readonly
+               and any(a is limiter for a in _chain(block.allocator)))
 
 
 def _sort_blocks(recorder: Tape, outputs: list[Tensor]) -> Recorded:
@@ -200,10 +255,22 @@ def _counts(recorded: Recorded, scheduled: list[Instruction], fused: Fused,
                if instr.phase in ("forward", "recompute") for operand in instr.outputs}
     activation = [life for life in memory.lifetimes if life.key in forward]
     steps = fused.steps
+    made = {o.block.id: instr.phase for instr in scheduled
+            if instr.phase in ("forward", "recompute")
+            for o in instr.outputs if o.block.id in recorded.intermediate}
+    read = {o.block.id for instr in scheduled if instr.phase in ("backward", "update")
+            for o in instr.inputs}
     return {"instructions": len(scheduled), "steps": len(steps),
+            "kept": sum(1 for bid in read if made.get(bid) == "forward"),
+            "recompute_flops": sum(flops(i) for i in scheduled if i.phase == "recompute"),
+            "step_flops": sum(flops(i) for i in scheduled if i.phase != "recompute"),
+            "recomputed": sum(1 for bid in read if made.get(bid) == "recompute"),
+            "moved": sum(1 for i in scheduled if i.op == "reload" and i.phase == "move"),
+            "moved_bytes": sum(2 * i.outputs[0].block.nbytes for i in scheduled
+                               if i.op == "reload" and i.phase == "move"),
             "fused": sum(len(s.instructions) for s in steps if len(s.instructions) > 1),
             "products": sum(1 for s in steps if s.product is not None),
-            "in_place": fused.in_place, "recomputed": recorded.recomputed,
+            "in_place": fused.in_place, "recompute_instructions": recorded.recomputed,
             "activation_bytes": planner.lower_bound(activation) if activation else 0}
 
 

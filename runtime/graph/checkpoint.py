@@ -1,4 +1,5 @@
-"""Checkpointing: recompute sqrt(n) segments of the forward pass during backward."""
+"""Checkpointing: recompute segments of the forward pass during backward (sqrt(n) of them with
+checkpoint="sqrt"; `budget.py` chooses nested segments to fit a memory budget)."""
 
 from __future__ import annotations
 
@@ -44,47 +45,74 @@ def _recompute(program: list[Instruction], intermediate: frozenset[int],
     forward results that the backward phase reads are recomputed: the segment's instructions
     (up to the last one that writes such a result) are cloned, writing fresh blocks, just before
     the first backward instruction that needs them, and the backward reads are pointed at the
-    clones. Returns the rewritten program and the number of clones.
+    clones. The last segment drops nothing: its results are used at once. Returns the rewritten
+    program and the number of clones.
     """
-    dropped = _dropped(program, intermediate, segments)
-    backward_reads = _first_backward_reads(program)
+    drop = [True] * (len(segments) - 1) + [False]
+    rewritten, clones = _recompute_sweep(program, intermediate, segments, drop)
+    return rewritten, sum(len(c) for c in clones)
+
+
+def _recompute_sweep(program: list[Instruction], intermediate: frozenset[int] | set[int],
+                     segments: list[list[int]], drop: list[bool]
+                     ) -> tuple[list[Instruction], list[list[Instruction]]]:
+    """`_recompute` over one sweep: `segments` are consecutive runs of positions in `program`
+    (the sweep: the forward pass, or the clones that recompute a part of it), and `drop` says
+    which segments give up their results that instructions outside the sweep read (each keeps
+    its last result and what a later segment reads) and recompute them from their start just
+    before the first such read. Returns the rewritten program and, per segment, its clones in
+    order (a prefix of the segment's instructions; empty when nothing is dropped).
+
+    Instructions outside the sweep that read no dropped result stay the same objects, so a
+    caller can find a sweep's clones again after later rewrites (`budget._apply`)."""
+    inside = {i for members in segments for i in members}
+    # NOTE: nothing before the sweep reads what it makes: the scans start where it starts
+    start = min(inside, default=len(program))
+    outside_reads = _outside_reads(program, inside, start)
+    dropped = _dropped(program, intermediate, segments, outside_reads, drop)
     insert_before: dict[int, list[Instruction]] = {}
     renamed: dict[int, Block] = {}
-    count = 0
+    made: list[list[Instruction]] = []
     for members, wanted in zip(segments, dropped):
         if not wanted:
+            made.append([])
             continue
         clones, local = _clone_segment(program, members, wanted)
-        count += len(clones)
-        at = min(backward_reads[bid] for bid in wanted)
+        made.append(clones)
+        at = min(outside_reads[bid] for bid in wanted)
         insert_before.setdefault(at, []).extend(clones)
         renamed.update((bid, local[bid]) for bid in wanted)
-    rewritten: list[Instruction] = []
-    for i, instr in enumerate(program):
+    rewritten = program[:start]
+    for i in range(start, len(program)):
+        instr = program[i]
         rewritten.extend(insert_before.get(i, ()))
-        if instr.phase != "forward":
+        if renamed and i not in inside and any(o.block.id in renamed for o in instr.inputs):
             instr = _reading(instr, instr.phase, renamed)
         rewritten.append(instr)
-    for index, instr in enumerate(rewritten):
-        instr.index = index
-    return rewritten, count
+    for index in range(start, len(rewritten)):
+        rewritten[index].index = index
+    return rewritten, made
 
 
-def _first_backward_reads(program: list[Instruction]) -> dict[int, int]:
-    """Block id -> the position of the first instruction outside the forward phase reading it."""
+def _outside_reads(program: list[Instruction], inside: set[int], start: int = 0
+                   ) -> dict[int, int]:
+    """Block id -> the position of the first instruction from `start` on, not in `inside`,
+    reading it."""
     found: dict[int, int] = {}
-    for i, instr in enumerate(program):
-        if instr.phase != "forward":
+    for i in range(start, len(program)):
+        instr = program[i]
+        if i not in inside:
             for operand in instr.inputs:
                 found.setdefault(operand.block.id, i)
     return found
 
 
-def _dropped(program: list[Instruction], intermediate: frozenset[int],
-             segments: list[list[int]]) -> list[set[int]]:
-    """Per segment, the forward results that need not stay live: intermediates that backward
-    reads, other than the segment's last result and what a later segment reads. The last
-    segment drops nothing: its results are used at once."""
+def _dropped(program: list[Instruction], intermediate: frozenset[int] | set[int],
+             segments: list[list[int]], outside_reads: dict[int, int],
+             drop: list[bool]) -> list[set[int]]:
+    """Per segment, the results that need not stay live: intermediates that an instruction
+    outside the sweep reads, other than the segment's last result and what a later segment
+    reads; nothing for a segment `drop` does not mark."""
     segment_of: dict[int, int] = {}
     for s, members in enumerate(segments):
         for i in members:
@@ -97,14 +125,15 @@ def _dropped(program: list[Instruction], intermediate: frozenset[int],
                 home = segment_of.get(operand.block.id)
                 if home is not None and home < s:
                     later_reads.add(operand.block.id)
-    backward_reads = _first_backward_reads(program)
     dropped: list[set[int]] = []
     for s, members in enumerate(segments):
+        if not drop[s] or not members:
+            dropped.append(set())
+            continue
         boundary = {o.block.id for o in program[members[-1]].outputs}
-        dropped.append(set() if s == len(segments) - 1 else {
-            bid for bid, home in segment_of.items()
-            if home == s and bid in intermediate and bid in backward_reads
-            and bid not in boundary and bid not in later_reads})
+        dropped.append({bid for bid, home in segment_of.items()
+                        if home == s and bid in intermediate and bid in outside_reads
+                        and bid not in boundary and bid not in later_reads})
     return dropped
 
 

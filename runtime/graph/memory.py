@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from runtime import planner
 from runtime.block import Block
 from runtime.graph.program import Fused, MemoryPlan, Recorded, _Step
@@ -40,6 +42,25 @@ def _plan_memory(fused: Fused, recorded: Recorded, made_here: Callable[[Block], 
                       static_plan=planner.plan(lifetimes, alignment=alignment),
                       commit=commit, state=state, starts=starts, ends=ends, tail=tail,
                       tail_plan=tail_plan)
+
+
+def _timeline(memory: MemoryPlan, plan: str, n: int) -> list[int]:
+    """Bytes held at each of the `n` steps under `plan` ("static": the arena throughout; "none":
+    nothing goes back before the end of the step; "recycle": live bytes, and the tail arena from
+    the commit point on)."""
+    commit = memory.commit
+    if plan == "static":
+        return [memory.static_plan.planned_bytes] * n
+    if plan == "none":
+        grown = [0] * n
+        for life in memory.lifetimes:
+            grown[min(life.first, commit)] += life.nbytes
+        return list(np.cumsum(grown).tolist()) if n else []
+    early = [life for lives in memory.starts.values() for life in lives]
+    live = planner.live_bytes(early, n) if early else [0] * n
+    if memory.tail_plan is not None:
+        live[commit:] = [b + memory.tail_plan.planned_bytes for b in live[commit:]]
+    return live
 
 
 def _lifetimes(fused: Fused, blocks: dict[int, Block]) -> list[planner.Lifetime]:

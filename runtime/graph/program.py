@@ -126,3 +126,7 @@ class _Capture:
     peak_bytes: int = 0
     #: fused chains' block-sized scratch arrays, shared by the steps
     scratch: dict = field(default_factory=dict)
+    #: what a memory budget chose (`budget.Choice`), or None without a budget
+    choice: Any = None
+    #: under an allocator's limit that no choice fits: the least peak of intermediates reached
+    least_bytes: int | None = None
