@@ -111,161 +111,147 @@ f16c_narrow(const float *src, uint16_t *dst, Py_ssize_t n)
 }
 #endif
 
-/* The two buffers of a call, checked: contiguous, item sizes `src_item` and `dst_item`, the
- * same count, dst writable. 0 on success (release both views), -1 with an exception set. */
-static int
-get_buffers(PyObject *const *args, Py_ssize_t nargs, Py_buffer *src, Py_buffer *dst,
-            Py_ssize_t src_item, Py_ssize_t dst_item, const char *name)
+/* One conversion loop: n items of src into dst. */
+typedef void (*loop_fn)(const void *src, void *dst, Py_ssize_t n);
+
+static int use_avx2 = 0;
+
+static void
+widen_loop(const void *src, void *dst, Py_ssize_t n)
 {
+    const uint16_t *s = src;
+    float *d = dst;
+#if HAVE_X86
+    if (use_f16c) {
+        f16c_widen(s, d, n);
+        return;
+    }
+#endif
+    for (Py_ssize_t i = 0; i < n; i++) {
+        d[i] = scalar_widen(s[i]);
+    }
+}
+
+static void
+narrow_loop(const void *src, void *dst, Py_ssize_t n)
+{
+    const float *s = src;
+    uint16_t *d = dst;
+#if HAVE_X86
+    if (use_f16c) {
+        f16c_narrow(s, d, n);
+        return;
+    }
+#endif
+    for (Py_ssize_t i = 0; i < n; i++) {
+        d[i] = scalar_narrow(s[i]);
+    }
+}
+
+/* bfloat16 is a float's upper 16 bits: widening shifts them back; narrowing rounds to nearest
+ * even on bit 16, and a NaN keeps its sign and upper payload with the quiet bit set. */
+static void
+widen_bf16_loop(const void *src, void *dst, Py_ssize_t n)
+{
+    const uint16_t *s = src;
+    uint32_t *d = dst;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        d[i] = (uint32_t)s[i] << 16;
+    }
+}
+
+static inline uint16_t
+scalar_narrow_bf16(uint32_t u)
+{
+    uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+    uint32_t nan = (u >> 16) | 0x40;
+    return (uint16_t)((u & 0x7fffffff) > 0x7f800000 ? nan : rounded);
+}
+
+#if HAVE_X86
+__attribute__((target("avx2"), optimize("O3"))) static void
+narrow_bf16_avx2(const uint32_t *s, uint16_t *d, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {  /* scalar_narrow_bf16, inlined and vectorised */
+        d[i] = scalar_narrow_bf16(s[i]);
+    }
+}
+#endif
+
+static void
+narrow_bf16_loop(const void *src, void *dst, Py_ssize_t n)
+{
+    const uint32_t *s = src;
+    uint16_t *d = dst;
+#if HAVE_X86
+    if (use_avx2) {
+        narrow_bf16_avx2(s, d, n);
+        return;
+    }
+#endif
+    for (Py_ssize_t i = 0; i < n; i++) {
+        d[i] = scalar_narrow_bf16(s[i]);
+    }
+}
+
+/* name(src, dst): checks the two buffers (C-contiguous, item sizes `src_item` and `dst_item`,
+ * the same count, dst writable) before writing anything, then runs `loop` without the GIL. */
+static PyObject *
+convert(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t src_item, Py_ssize_t dst_item,
+        const char *name, loop_fn loop)
+{
+    Py_buffer src, dst;
     if (nargs != 2) {
         PyErr_Format(PyExc_TypeError, "%s(src, dst) takes 2 arguments, got %zd", name, nargs);
-        return -1;
+        return NULL;
     }
-    if (PyObject_GetBuffer(args[0], src, PyBUF_C_CONTIGUOUS) < 0) {
-        return -1;
+    if (PyObject_GetBuffer(args[0], &src, PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
     }
-    if (PyObject_GetBuffer(args[1], dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(src);
-        return -1;
+    if (PyObject_GetBuffer(args[1], &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
     }
-    if (src->len % src_item || dst->len % dst_item
-        || src->len / src_item != dst->len / dst_item) {
+    Py_ssize_t n = src.len / src_item;
+    if (src.len % src_item || dst.len % dst_item || n != dst.len / dst_item) {
         PyErr_Format(PyExc_ValueError, "%s: src has %zd bytes and dst %zd: not the same "
-                     "number of %zd-byte and %zd-byte items", name, src->len, dst->len,
+                     "number of %zd-byte and %zd-byte items", name, src.len, dst.len,
                      src_item, dst_item);
-        PyBuffer_Release(src);
-        PyBuffer_Release(dst);
-        return -1;
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        loop(src.buf, dst.buf, n);
+        Py_END_ALLOW_THREADS
     }
-    return 0;
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 static PyObject *
 widen(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer src, dst;
-    if (get_buffers(args, nargs, &src, &dst, 2, 4, "widen") < 0) {
-        return NULL;
-    }
-    Py_ssize_t n = src.len / 2;
-    const uint16_t *s = src.buf;
-    float *d = dst.buf;
-    Py_BEGIN_ALLOW_THREADS
-#if HAVE_X86
-    if (use_f16c) {
-        f16c_widen(s, d, n);
-    } else
-#endif
-    {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            d[i] = scalar_widen(s[i]);
-        }
-    }
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
-    Py_RETURN_NONE;
+    return convert(args, nargs, 2, 4, "widen", widen_loop);
 }
 
 static PyObject *
 narrow(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer src, dst;
-    if (get_buffers(args, nargs, &src, &dst, 4, 2, "narrow") < 0) {
-        return NULL;
-    }
-    Py_ssize_t n = src.len / 4;
-    const float *s = src.buf;
-    uint16_t *d = dst.buf;
-    Py_BEGIN_ALLOW_THREADS
-#if HAVE_X86
-    if (use_f16c) {
-        f16c_narrow(s, d, n);
-    } else
-#endif
-    {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            d[i] = scalar_narrow(s[i]);
-        }
-    }
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
-    Py_RETURN_NONE;
+    return convert(args, nargs, 4, 2, "narrow", narrow_loop);
 }
 
-/* bfloat16 is a float's upper 16 bits: widening shifts them back; narrowing rounds to nearest
- * even on bit 16, and a NaN keeps its sign and upper payload with the quiet bit set, as
- * ml_dtypes does. Plain loops the compiler vectorises. */
 static PyObject *
 widen_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer src, dst;
-    if (get_buffers(args, nargs, &src, &dst, 2, 4, "widen_bf16") < 0) {
-        return NULL;
-    }
-    Py_ssize_t n = src.len / 2;
-    const uint16_t *s = src.buf;
-    uint32_t *d = dst.buf;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        d[i] = (uint32_t)s[i] << 16;
-    }
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
-    Py_RETURN_NONE;
+    return convert(args, nargs, 2, 4, "widen_bf16", widen_bf16_loop);
 }
-
-static void
-bf16_narrow_loop(const uint32_t *s, uint16_t *d, Py_ssize_t n)
-{
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t u = s[i];
-        uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
-        uint32_t nan = (u >> 16) | 0x40;
-        d[i] = (uint16_t)((u & 0x7fffffff) > 0x7f800000 ? nan : rounded);
-    }
-}
-
-#if HAVE_X86
-__attribute__((target("avx2"), optimize("O3"))) static void
-bf16_narrow_avx2(const uint32_t *s, uint16_t *d, Py_ssize_t n)
-{
-    for (Py_ssize_t i = 0; i < n; i++) {  /* the same loop, vectorised for AVX2 */
-        uint32_t u = s[i];
-        uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
-        uint32_t nan = (u >> 16) | 0x40;
-        d[i] = (uint16_t)((u & 0x7fffffff) > 0x7f800000 ? nan : rounded);
-    }
-}
-#endif
-
-static int use_avx2 = 0;
 
 static PyObject *
 narrow_bf16(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer src, dst;
-    if (get_buffers(args, nargs, &src, &dst, 4, 2, "narrow_bf16") < 0) {
-        return NULL;
-    }
-    Py_ssize_t n = src.len / 4;
-    const uint32_t *s = src.buf;
-    uint16_t *d = dst.buf;
-    Py_BEGIN_ALLOW_THREADS
-#if HAVE_X86
-    if (use_avx2) {
-        bf16_narrow_avx2(s, d, n);
-    } else
-#endif
-    {
-        bf16_narrow_loop(s, d, n);
-    }
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
-    Py_RETURN_NONE;
+    return convert(args, nargs, 4, 2, "narrow_bf16", narrow_bf16_loop);
 }
 
 /* set_f16c(flag): use F16C (and AVX2 for bfloat16) when flag and the CPU has them (the tests

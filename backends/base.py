@@ -238,7 +238,7 @@ class Device:
         """out = f(x) elementwise, f one of UNARY_KERNELS; x may be identical to out."""
         if name not in UNARY_KERNELS:
             raise ValueError(f"unknown unary kernel {name!r}; known: {', '.join(UNARY_KERNELS)}")
-        if (_half(out) or _half(x)) and name != "copy":
+        if out.dtype in HALVES and name != "copy":  # NOTE: ops give x out's dtype
             return self._in_float32(functools.partial(self._unary, name), (x,), (out,))
         self._unary(name, x, out)
 
@@ -246,13 +246,13 @@ class Device:
         """out = a (op) b elementwise; a and b already have out's shape (zero strides broadcast)."""
         if name not in BINARY_KERNELS:
             raise ValueError(f"unknown binary kernel {name!r}; known: {', '.join(BINARY_KERNELS)}")
-        if _half(out) or _half(a) or _half(b):
+        if out.dtype in HALVES:  # NOTE: ops give a and b out's dtype
             return self._in_float32(functools.partial(self._binary, name), (a, b), (out,))
         self._binary(name, a, b, out)
 
     def matmul(self, a: Any, b: Any, out: Any) -> None:
         """out = a @ b for 2-D (or batched N-D) views; out never overlaps a or b."""
-        if _half(out):
+        if out.dtype in HALVES:
             return self._in_float32(self._matmul, (a, b), (out,))
         self._matmul(a, b, out)
 
@@ -266,7 +266,7 @@ class Device:
         beta 0 the old contents of out are not read. Where `gemm_accumulates` is True this is
         one BLAS-style product that rounds once; otherwise a product into scratch and a fused
         elementwise pass (the same result up to rounding)."""
-        if _half(out):
+        if out.dtype in HALVES:
             return self._in_float32(lambda a, b, o: self._gemm(a, b, o, float(alpha),
                                                                float(beta)),
                                     (a, b), (out,), read=beta != 0)
@@ -284,7 +284,7 @@ class Device:
         """out = sum or mean of x over `axis` (None: all axes); out never overlaps x."""
         if name not in REDUCE_KERNELS:
             raise ValueError(f"unknown reduction {name!r}; known: {', '.join(REDUCE_KERNELS)}")
-        if _half(out):
+        if out.dtype in HALVES:
             return self._in_float32(lambda x, o: self._reduce(name, x, axis, keepdims, o), (x,),
                                     (out,))
         self._reduce(name, x, axis, keepdims, out)
@@ -300,8 +300,8 @@ class Device:
         bad label in row order) before writing either output (Note [checked before written]):
         labels in a Tensor reach the kernel unchecked.
         """
-        if _half(logits):
-            return self._in_float32(lambda x, y, o, p: self._cross_entropy(x, y, o, p),
+        if logits.dtype in HALVES:
+            return self._in_float32(self._cross_entropy,
                                     (logits, labels), (losses, probs))
         self._cross_entropy(logits, labels, losses, probs)
 
@@ -310,7 +310,7 @@ class Device:
         of `cross_entropy` with respect to the logits, given the gradient `grad` (rows,).
         `labels` are those `cross_entropy` checked (autograd saves them with their version), so
         a backend need not check them again; outside [0, classes) the result is undefined."""
-        if _half(out):
+        if out.dtype in HALVES:
             return self._in_float32(self._cross_entropy_backward, (probs, labels, grad), (out,))
         self._cross_entropy_backward(probs, labels, grad, out)
 
@@ -319,7 +319,8 @@ class Device:
         """kernel(*inputs, *outs) with each half operand (HALVES) widened to a float32 scratch
         copy, exactly, and each half output computed in float32 scratch and then rounded to its
         dtype once (`_cast`, round to nearest even); `read`: the outputs' old contents are read
-        too. Numbers pass as float32, as PyTorch keeps a Python number in its opmath type."""
+        too. Numbers pass as float32, as PyTorch keeps a Python number in its opmath type;
+        other operands (None, integer labels) as they are."""
         wide = []
         for x in inputs:
             if _half(x):

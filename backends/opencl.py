@@ -598,21 +598,21 @@ def _header(ctype: str) -> str:
 
 
 def _storage(dtype: np.dtype) -> tuple[str, str, str]:
-    """(pointer type, load expression of p[i] as a value, store of value v into p[i]) of a
-    dtype in a cast kernel: half through vload_half / vstore_half (core OpenCL, no cl_khr_fp16),
-    bfloat16 as a float's upper 16 bits, rounded to nearest even (NaN stays NaN), as ml_dtypes
-    does (float64 goes through float32, as there)."""
+    """(pointer type, load of element {i} of {p} as a value, store of value v there) of a dtype
+    in a cast kernel, {p} and {i} to be filled in: half through vload_half / vstore_half (core
+    OpenCL, no cl_khr_fp16), bfloat16 as a float's upper 16 bits, rounded to nearest even (NaN
+    stays NaN), as ml_dtypes does (float64 goes through float32, as there)."""
     if dtype == np.float16:
-        return "half", "vload_half(i, p)", "vstore_half_rte(v, i, p)"
+        return "half", "vload_half({i}, {p})", "vstore_half_rte(v, {i}, {p})"
     if dtype == BFLOAT16:
-        return ("ushort", "as_float((uint)p[i] << 16)",
+        return ("ushort", "as_float((uint){p}[{i}] << 16)",
                 "float f = (float)v; uint u = as_uint(f); "
-                "p[i] = isnan(f) ? (ushort)((u >> 16) | 0x40) "
+                "{p}[{i}] = isnan(f) ? (ushort)((u >> 16) | 0x40) "
                 ": (ushort)((u + 0x7fff + ((u >> 16) & 1)) >> 16)")
     if dtype == np.bool_:
-        return "uchar", "p[i]", "p[i] = (uchar)(v != 0)"
+        return "uchar", "{p}[{i}]", "{p}[{i}] = (uchar)(v != 0)"
     ctype = {**_FLOAT_TYPES, **_INT_TYPES}[dtype]
-    return ctype, "p[i]", f"p[i] = ({ctype})v"
+    return ctype, "{p}[{i}]", f"{{p}}[{{i}}] = ({ctype})v"
 
 
 def _cast_source(src: tuple[str, str, str], dst: tuple[str, str, str], ndim: int) -> str:
@@ -620,8 +620,8 @@ def _cast_source(src: tuple[str, str, str], dst: tuple[str, str, str], ndim: int
     wide = "double" if "double" in (src[0], dst[0]) else "float"
     if src[0] not in ("half", "ushort", "float", "double"):  # an integer or bool source
         wide = src[0] if dst[0] not in ("half", "ushort", "float", "double") else wide
-    load = src[1].replace("p[i]", "in[in_o]").replace("(i, p)", "(in_o, in)")
-    store = dst[2].replace("p[i]", "out[out_o]").replace("i, p)", "out_o, out)")
+    load = src[1].format(p="in", i="in_o")
+    store = dst[2].format(p="out", i="out_o")
     strides = [f"{p}_s{d}" for p in ("out_o", "in_o") for d in range(ndim)]
     return f"""{_FP64 if wide == "double" else ""}
 __kernel void k(__global {dst[0]}* out, long out_o, __global const {src[0]}* in, long in_o,

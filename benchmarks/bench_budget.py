@@ -45,14 +45,14 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mlp_reference import LR, MLPConfig, init_params, make_batch
+from bench_graph import training_graph
+from mlp_reference import LR, MLPConfig, init_params, make_batch, make_torch
 from timing import blas_name, cpu_name, interleaved_min, versions
 
 import allocators
 import runtime
 from allocators import StatisticsAdaptor, format_bytes
 from blockrt.models import CONFIGS as MODELS
-from runtime import nn
 
 CONFIGS = {"D": MODELS["D"], "DW": MLPConfig(batch=64, width=512, depth=128)}
 QUICK = {"D": MLPConfig(16, 32, 16), "DW": MLPConfig(16, 64, 24)}
@@ -78,18 +78,9 @@ class Point:
 
 # ---------------------------------------------------------------------- blockrt
 def blockrt_graph(config: MLPConfig, **options: Any) -> tuple[runtime.Graph, StatisticsAdaptor]:
-    layers: list[nn.Module] = []
-    for weight, bias in init_params(config):
-        dense = nn.Dense(weight.shape[1], weight.shape[0])
-        with runtime.no_grad():
-            dense.weight[...] = weight
-            dense.bias[...] = bias
-        layers += [dense, nn.ReLU()]
-    model = nn.Sequential(*layers[:-1])
+    """bench_graph's static training graph, on an allocator that measures its peak."""
     stats = StatisticsAdaptor(allocators.create("direct", "cpu"))
-    graph = runtime.graph(nn.train_step(model, nn.SGD(model.parameters(), lr=LR)),
-                          plan="static", allocator=stats, **options)
-    return graph, stats
+    return training_graph(config, allocator=stats, **options), stats
 
 
 def measured_peak(graph: runtime.Graph, stats: StatisticsAdaptor) -> int:
@@ -178,19 +169,8 @@ def blockrt_points(config: MLPConfig, x: np.ndarray, y: np.ndarray) -> list[Poin
 
 # ---------------------------------------------------------------------- PyTorch
 def torch_model(config: MLPConfig) -> Any:
-    import torch
-
-    layers: list[Any] = []
-    params = init_params(config)
-    for i, (weight, bias) in enumerate(params):
-        linear = torch.nn.Linear(weight.shape[1], weight.shape[0])
-        with torch.no_grad():
-            linear.weight.copy_(torch.from_numpy(weight))
-            linear.bias.copy_(torch.from_numpy(bias))
-        layers.append(linear)
-        if i < len(params) - 1:
-            layers.append(torch.nn.ReLU())
-    return torch.nn.Sequential(*layers)
+    """mlp_reference.make_torch's model, with the reference weights."""
+    return make_torch(init_params(config), *make_batch(config)).state[0]
 
 
 def torch_step(model: Any, forward: Callable[[Any], Any], x: np.ndarray, y: np.ndarray,

@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")
@@ -49,8 +50,9 @@ QUICK = {"S": MLPConfig(16, 32, 8), "M": MLPConfig(32, 64, 4), "L": MLPConfig(64
 VARIANTS = (("none", None), ("recycle", None), ("static", None), ("static", "sqrt"))
 
 
-def training_graph(config: MLPConfig, plan: str, checkpoint: str | None) -> runtime.Graph:
-    """blockrt's model with the reference weights, its step captured under `plan`."""
+def training_graph(config: MLPConfig, plan: str = "static", **options: Any) -> runtime.Graph:
+    """blockrt's model with the reference weights, its SGD step captured under `plan` (and
+    `runtime.graph`'s other `options`)."""
     layers: list[nn.Module] = []
     for weight, bias in init_params(config):
         dense = nn.Dense(weight.shape[1], weight.shape[0])
@@ -60,7 +62,7 @@ def training_graph(config: MLPConfig, plan: str, checkpoint: str | None) -> runt
         layers += [dense, nn.ReLU()]
     model = nn.Sequential(*layers[:-1])
     opt = nn.SGD(model.parameters(), lr=LR)
-    return runtime.graph(nn.train_step(model, opt), plan=plan, checkpoint=checkpoint)
+    return runtime.graph(nn.train_step(model, opt), plan=plan, **options)
 
 
 def memory_table(configs: dict[str, MLPConfig]) -> list[tuple[str, float]]:
@@ -74,7 +76,7 @@ def memory_table(configs: dict[str, MLPConfig]) -> list[tuple[str, float]]:
         peaks = {}
         naive = lower = 0
         for plan, checkpoint in VARIANTS:
-            graph = training_graph(config, plan, checkpoint)
+            graph = training_graph(config, plan, checkpoint=checkpoint)
             graph(x, y)
             report = graph.memory_report()
             peaks[(plan, checkpoint)] = report["peak_bytes"]
@@ -148,8 +150,8 @@ def suite_table(mlp_ratios: list[tuple[str, float]], quick: bool) -> None:
 
 def checkpoint_table(config: MLPConfig, rounds: int) -> None:
     x, y = make_batch(config)
-    graphs = {"static": training_graph(config, "static", None),
-              "static + sqrt": training_graph(config, "static", "sqrt")}
+    graphs = {"static": training_graph(config),
+              "static + sqrt": training_graph(config, checkpoint="sqrt")}
     for graph in graphs.values():
         graph(x, y)
         graph(x, y)

@@ -349,24 +349,28 @@ no_clash(PyObject *out, PyObject *t)
     return a1 <= b0 || b1 <= a0;
 }
 
-/* 1 when a graph capture runs in this thread (or that cannot be told), else 0. */
+/* local_flag, with an error read as 1 (the caller then hands the op to the Python path). */
 static int
-capturing(void)
+flag_or_yes(PyObject *state, PyObject *name, int none_test)
 {
-    int flag = local_flag(tape_state, s_tape, 1);
+    int flag = local_flag(state, name, none_test);
     if (flag < 0)
         PyErr_Clear();
     return flag != 0;
 }
 
-/* 1 when gradients are recorded in this thread (errors read as 1: the Python path decides). */
+/* 1 when a graph capture runs in this thread (or that cannot be told), else 0. */
+static int
+capturing(void)
+{
+    return flag_or_yes(tape_state, s_tape, 1);
+}
+
+/* 1 when gradients are recorded in this thread (or that cannot be told), else 0. */
 static int
 grad_enabled(void)
 {
-    int flag = local_flag(grad_mode, s_enabled, 0);
-    if (flag < 0)
-        PyErr_Clear();
-    return flag != 0;
+    return flag_or_yes(grad_mode, s_enabled, 0);
 }
 
 /* ------------------------------------------------------------------ the shared second half */

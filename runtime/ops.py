@@ -15,6 +15,7 @@ partially overlapping operands, on any backend.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -777,9 +778,7 @@ def _linear_views(device: Any, x: Any, weight_t: Any, bias: Any, out: Any) -> No
     """out = x @ weight_t (+ bias) on native views; a two-byte float out is computed in float32
     and rounded once, as one op (backends/base.py HALVES)."""
     if out.dtype in dtypes.HALVES:
-        operands = (x, weight_t) if bias is None else (x, weight_t, bias)
-        device._in_float32(lambda *v: _linear_views(device, *v[:2], v[2] if len(v) == 4
-                                                    else None, v[-1]), operands, (out,))
+        device._in_float32(functools.partial(_linear_views, device), (x, weight_t, bias), (out,))
         return
     device.matmul(x, weight_t, out)
     if bias is not None:

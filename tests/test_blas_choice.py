@@ -349,8 +349,10 @@ def test_a_cache_it_cannot_write_warns(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")  # a file where the directory should be
     cache = DiskCache(str(blocker / "sub"), "m")
-    with pytest.warns(RuntimeWarning, match="BLOCKRT_BLAS_CACHE: cannot write"):
+    with pytest.warns(RuntimeWarning, match="BLOCKRT_BLAS_CACHE: cannot write") as warned:
         cache.store({Product("float32", 100, 100, 100, False, False, False): {"x": 1.0}})
+    assert len(warned) == 1 and str(blocker) in str(warned[0].message)
+    assert cache.load() == {}  # nothing was written, and reading says so without failing
 
 
 def test_product_keys_read_back_and_bad_ones_are_refused():

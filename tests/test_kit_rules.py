@@ -75,7 +75,17 @@ def test_the_kit_catches_an_allocation_on_another_device():
 @pytest.mark.parametrize("kind", BACKENDS)
 @pytest.mark.parametrize("name", ["direct", "caching", "buddy"])
 def test_blockrt_allocators_and_the_plugin_keep_the_placement_rules(kind, name):
-    run_kit(lambda: allocators.create(name, kind))
+    made = []
+
+    def factory():
+        made.append(allocators.create(name, kind))
+        return made[-1]
+
+    run_kit(factory)  # NOTE: raises AssertionError naming a broken rule (the planted bugs above)
+    assert made, "the kit never made an allocator"
+    for allocator in made:
+        allocator.check_invariants()
+    assert sum(a.stats()["num_allocs"] for a in made) > 0, "the kit allocated nothing"
 
 
 def test_the_kit_adds_the_queue_check_on_opencl_only():
