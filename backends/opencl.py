@@ -40,7 +40,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from backends.base import HALVES, BackendUnavailableError, Device
+from backends.base import HALVES, REDUCE_KERNELS, BackendUnavailableError, Device
 
 try:
     import pyopencl as cl
@@ -277,6 +277,35 @@ class OpenCLDevice(Device):
         """{"kernels": programs built, "hits": launches that found theirs, "misses": builds}."""
         return {"kernels": len(self._kernels), "hits": self._hits, "misses": self._misses}
 
+    # ----------------------------------------------------------------- two-byte floats
+    # NOTE: the rule of HALVES in backends/base.py, with no widened copies: these kernels load
+    # float16 / bfloat16 straight into float and round once as they store (bit for bit what
+    # `_in_float32` gives), so the half case skips it; cross_entropy still goes through it.
+    def unary(self, name: str, x: Any, out: Any) -> None:
+        if out.dtype in HALVES and name in _UNARY:
+            self._unary(name, x, out)
+        else:
+            super().unary(name, x, out)
+
+    def binary(self, name: str, a: Any, b: Any, out: Any) -> None:
+        if out.dtype in HALVES and name in _BINARY:
+            self._binary(name, a, b, out)
+        else:
+            super().binary(name, a, b, out)
+
+    def matmul(self, a: Any, b: Any, out: Any) -> None:
+        self._product(a, b, out, 1.0, 0.0)
+
+    def gemm(self, a: Any, b: Any, out: Any, alpha: float = 1.0, beta: float = 0.0) -> None:
+        self._product(a, b, out, float(alpha), float(beta))
+
+    def reduce(self, name: str, x: Any, axis: tuple[int, ...] | None, keepdims: bool,
+               out: Any) -> None:
+        if out.dtype in HALVES and name in REDUCE_KERNELS:
+            self._reduce(name, x, axis, keepdims, out)
+        else:
+            super().reduce(name, x, axis, keepdims, out)
+
     # ----------------------------------------------------------------- memory
     def _raw_alloc(self, nbytes: int) -> _Raw:
         return self._buffer(nbytes, cl.mem_flags.READ_WRITE)
@@ -349,6 +378,11 @@ class OpenCLDevice(Device):
                             f"(cl_khr_fp64); use float32")
         return ctype
 
+    def _compute(self, dtype: np.dtype) -> str:
+        """The C type kernels compute `dtype` in: float for the two-byte floats (HALVES), whose
+        loads widen exactly and whose stores round once, else `dtype`'s own (`_type`)."""
+        return "float" if dtype in HALVES else self._type(dtype)
+
     def _kernel(self, key: tuple, source: Any) -> Any:
         """The kernel built from `source()` (OpenCL C defining `k`), cached under `key`, which
         determines the source."""
@@ -373,11 +407,18 @@ class OpenCLDevice(Device):
         with self._lock:  # NOTE: a kernel's arguments are shared state until it is enqueued
             kernel(self.queue, size, local, *args)
 
-    def _elementwise(self, op: str, expr: str, operands: list, out: Any, ctype: str) -> None:
-        """out = expr(x0, x1, ...) where each operand is a view or a NumPy scalar."""
+    def _elementwise(self, op: str, expr: str, operands: list, out: Any, ctype: str,
+                     bits: bool = False) -> None:
+        """out = expr(x0, x1, ...) computed in `ctype`, where each operand is a view (of any
+        float dtype: `_storage` loads and stores it) or a NumPy scalar; `bits`: `ctype` is the
+        unsigned type of out's item size, and every view is moved as such."""
         if out.size == 0:
             return
         views = [x for x in operands if isinstance(x, cla.Array)]
+        if bits:
+            io = [(ctype, "{p}[{i}]", "{p}[{i}] = v")] * (len(views) + 1)
+        else:
+            io = [_storage(v.dtype) for v in [out, *views]]
         offsets, strides = zip(*(_elements(v) for v in [out, *views]))
         dims, steps = _collapse(out.shape, list(strides))
         if not dims:
@@ -393,15 +434,15 @@ class OpenCLDevice(Device):
                 v += 1
             else:
                 kinds += "s"
-        key = ("elementwise", op, ctype, ndim, kinds)
-        kernel = self._kernel(key, lambda: _elementwise_source(expr, ctype, kinds, ndim))
+        key = ("elementwise", op, ctype, ndim, kinds, tuple(io))
+        kernel = self._kernel(key, lambda: _elementwise_source(expr, ctype, kinds, ndim, io))
         args: list[Any] = [out.base_data, offsets[0]]
         v = 1
         for x in operands:
             if isinstance(x, cla.Array):
                 args += [x.base_data, offsets[v]]
                 v += 1
-            else:
+            else:  # NOTE: a number meets a two-byte float as float32 (ops._scalar)
                 args.append(x)
         n = math.prod(dims)
         args += [n, *dims, *(s for step, walk in zip(steps, walked) if walk for s in step)]
@@ -413,12 +454,12 @@ class OpenCLDevice(Device):
             if ctype is None:
                 raise TypeError(f"{self.name} cannot copy {out.dtype} "
                                 f"({out.dtype.itemsize}-byte elements)")
+            self._elementwise(name, _UNARY[name], [x], out, ctype, bits=True)
         else:
-            ctype = self._type(out.dtype)
-        self._elementwise(name, _UNARY[name], [x], out, ctype)
+            self._elementwise(name, _UNARY[name], [x], out, self._compute(out.dtype))
 
     def _binary(self, name, a, b, out) -> None:
-        self._elementwise(name, _BINARY[name], [a, b], out, self._type(out.dtype))
+        self._elementwise(name, _BINARY[name], [a, b], out, self._compute(out.dtype))
 
     def _cast(self, x, out) -> None:
         if out.size == 0:
@@ -439,29 +480,46 @@ class OpenCLDevice(Device):
     def _fused(self, program, inputs, out) -> None:
         """A fused elementwise chain as one generated kernel: each link's expression is inlined
         into the next, so nothing but the inputs and `out` touches memory. The program is
-        cached by its expression (kernel_cache_stats counts the hits)."""
-        if out.dtype in HALVES or any(dtype != out.dtype for _, _, dtype in program):
-            super()._fused(program, inputs, out)  # mixed dtypes, halves: the blocked default
+        cached by its expression (kernel_cache_stats counts the hits). Two-byte floats compute
+        in float, each two-byte link rounded to its dtype in registers, as its own kernel would
+        round it; a chain that mixes float64 with another dtype runs the blocked default."""
+        ctype = self._fused_type(program, inputs, out)
+        if ctype is None:
+            super()._fused(program, inputs, out)
             return
-        ctype = self._type(out.dtype)
+        number = np.float64 if ctype == "double" else np.float32
         operands: list[Any] = []
         links: list[str] = []
 
         def name_of(kind: str, ref: Any) -> str:
             if kind == "link":
                 return f"({links[ref]})"
-            operands.append(inputs[ref] if kind == "input" else out.dtype.type(ref))
+            operands.append(inputs[ref] if kind == "input" else number(ref))
             return f"x{len(operands) - 1}"
 
-        for name, args, _ in program:
+        for i, (name, args, dtype) in enumerate(program):
             template = (_UNARY if len(args) == 1 else _BINARY)[name]
             names = [name_of(kind, ref) for kind, ref in args]
-            links.append(re.sub(r"\bx([01])\b", lambda m, names=names: names[int(m.group(1))],
-                                template))
+            link = re.sub(r"\bx([01])\b", lambda m, names=names: names[int(m.group(1))],
+                          template)
+            last = i == len(program) - 1 and np.dtype(dtype) == out.dtype  # out's store rounds
+            if np.dtype(dtype) in _ROUND and not last:
+                link = f"{_ROUND[np.dtype(dtype)]}({link})"
+            links.append(link)
         self._elementwise(f"fused {links[-1]}", links[-1], operands, out, ctype)
 
+    def _fused_type(self, program, inputs, out) -> str | None:
+        """The C type a fused chain computes in, or None for the blocked default: one dtype
+        throughout, or two-byte floats mixed with float32 (all computed in float)."""
+        dtypes = {np.dtype(dtype) for _, _, dtype in program} | {x.dtype for x in inputs}
+        if dtypes == {out.dtype}:
+            return self._compute(out.dtype)
+        if dtypes | {out.dtype} <= {*HALVES, np.dtype("float32")}:
+            return "float"
+        return None
+
     def _reduce(self, name, x, axis, keepdims, out) -> None:
-        ctype = self._type(x.dtype)
+        ctype = self._compute(x.dtype)
         if out.size == 0:
             return
         axes = range(x.ndim) if axis is None else axis
@@ -475,9 +533,10 @@ class OpenCLDevice(Device):
                                   [tuple(strides_x[i] for i in axes)])
         n_out, n_red = math.prod(kdims), math.prod(rdims)
         acc = "double" if self.fp64 else ctype
-        key = ("reduce", name, ctype, len(kdims), len(rdims))
+        io_x, io_out = _storage(x.dtype), _storage(out.dtype)
+        key = ("reduce", name, ctype, len(kdims), len(rdims), io_x, io_out)
         kernel = self._kernel(key, lambda: _reduce_source(name == "mean", ctype, acc,
-                                                          len(kdims), len(rdims)))
+                                                          len(kdims), len(rdims), io_x, io_out))
         numbers = [n_out, n_red, *kdims, *ksteps[0], *ksteps[1], *rdims, *rsteps[0]]
         self._run(kernel, (-(-n_out // GROUP) * GROUP,), (GROUP,), out.base_data, offset_o,
                   x.base_data, offset_x, *numbers)
@@ -494,7 +553,7 @@ class OpenCLDevice(Device):
     def _product(self, a, b, out, alpha: float, beta: float) -> None:
         """out = alpha * a @ b + beta * out (out not read when beta is 0), NumPy's matmul rules
         for 1-D and batched operands."""
-        ctype = self._type(out.dtype)
+        ctype = self._compute(out.dtype)
         (oa, sa), (ob, sb), (oc, sc) = _elements(a), _elements(b), _elements(out)
         a_shape, b_shape, c_shape = a.shape, b.shape, out.shape
         if a.ndim == 1:  # NumPy's rules: a row, b a column, the extra output dim dropped
@@ -515,8 +574,10 @@ class OpenCLDevice(Device):
                                        for i in range(len(batch))))
         bdims, bsteps = _collapse(batch, batch_strides)
         nbatch = math.prod(bdims)
-        key = ("matmul", ctype, len(bdims), self.tiled_gemm)
-        kernel = self._kernel(key, lambda: _matmul_source(ctype, len(bdims), self.tiled_gemm))
+        io = tuple(_storage(v.dtype) for v in (out, a, b))
+        key = ("matmul", ctype, len(bdims), self.tiled_gemm, io)
+        kernel = self._kernel(key, lambda: _matmul_source(ctype, len(bdims), self.tiled_gemm,
+                                                          io))
         numbers = [m, n, k, sa[-2], sa[-1], sb[-2], sb[-1], sc[-2], sc[-1], *bdims,
                    *(s for step in bsteps for s in step)]
         size = (-(-n // TILE) * TILE, -(-m // TILE) * TILE, nbatch)
@@ -594,7 +655,19 @@ def _header(ctype: str) -> str:
     return ("#pragma OPENCL FP_CONTRACT OFF\n" + (_FP64 if "double" in ctype else "")
             + f"typedef {ctype} T;\n") + (
         "inline T tanh_(T x) { return fabs(x) > (T)20 ? copysign((T)1, x) : tanh(x); }\n"
-        if ctype in ("float", "double") else "")
+        if ctype in ("float", "double") else "") + (_ROUNDING if ctype == "float" else "")
+
+
+#: A float rounded to float16 (`round_f16`) or bfloat16 (`round_bf16`) and widened back, in
+#: registers: a fused chain's two-byte links round as their own kernels' stores would.
+_ROUNDING = """inline float round_f16(float v) {
+    ushort h; vstore_half_rte(v, 0, (half*)&h); return vload_half(0, (const half*)&h); }
+inline float round_bf16(float v) {
+    uint u = as_uint(v);
+    return as_float(isnan(v) ? (u | 0x400000u) & 0xffff0000u
+                             : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u); }
+"""
+_ROUND = {np.dtype("float16"): "round_f16", BFLOAT16: "round_bf16"}
 
 
 def _storage(dtype: np.dtype) -> tuple[str, str, str]:
@@ -636,18 +709,23 @@ __kernel void k(__global {dst[0]}* out, long out_o, __global const {src[0]}* in,
 """
 
 
-def _elementwise_source(expr: str, ctype: str, kinds: str, ndim: int) -> str:
-    params = ["__global T* out, long out_o"]
+def _elementwise_source(expr: str, ctype: str, kinds: str, ndim: int,
+                        io: Sequence[tuple[str, str, str]]) -> str:
+    """out = expr(x0, x1, ...) computed in `ctype`; io[0] is out's storage, io[1:] each array
+    operand's (`_storage`): a two-byte float loads into float and rounds once as it is stored."""
+    params = [f"__global {io[0][0]}* out, long out_o"]
     loads = []
     pointers = ["out_o"]
+    arrays = iter(io[1:])
     for i, kind in enumerate(kinds):
         if kind == "s":
             params.append(f"T x{i}")
         else:
-            params.append(f"__global const T* in{i}, long in{i}_o")
+            storage, load, _ = next(arrays)
+            params.append(f"__global const {storage}* in{i}, long in{i}_o")
             if kind == "v":  # "b": one element for every work item, not walked
                 pointers.append(f"in{i}_o")
-            loads.append(f"    T x{i} = in{i}[in{i}_o];")
+            loads.append(f"    T x{i} = {load.format(p=f'in{i}', i=f'in{i}_o')};")
     strides = [f"{p}_s{d}" for p in pointers for d in range(ndim)]
     return f"""{_header(ctype)}
 __kernel void k({", ".join(params)}, long n{_longs([f"n{d}" for d in range(ndim)])}
@@ -657,20 +735,22 @@ __kernel void k({", ".join(params)}, long n{_longs([f"n{d}" for d in range(ndim)
     if (i >= n) return;
 {_walk("i", "n", pointers, ndim)}
 {chr(10).join(loads)}
-    out[out_o] = {expr};
+    T v = {expr};
+    {io[0][2].format(p="out", i="out_o")};
 }}
 """
 
 
-def _reduce_source(mean: bool, ctype: str, acc: str, nkept: int, nred: int) -> str:
+def _reduce_source(mean: bool, ctype: str, acc: str, nkept: int, nred: int,
+                   io_x: tuple[str, str, str], io_out: tuple[str, str, str]) -> str:
     kept = [f"k{d}" for d in range(nkept)]
     kept_steps = [f"x_o_s{d}" for d in range(nkept)] + [f"out_o_s{d}" for d in range(nkept)]
     red = [f"r{d}" for d in range(nred)]
     red_steps = [f"p_s{d}" for d in range(nred)]
     result = "total / (A)n_red" if mean else "total"
     return f"""{_header(ctype)}{_FP64 if acc == "double" else ""}typedef {acc} A;
-__kernel void k(__global T* out, long out_o, __global const T* x, long x_o, long n_out,
-                long n_red{_longs(kept + kept_steps + red + red_steps)})
+__kernel void k(__global {io_out[0]}* out, long out_o, __global const {io_x[0]}* x, long x_o,
+                long n_out, long n_red{_longs(kept + kept_steps + red + red_steps)})
 {{
     long i = get_global_id(0);
     if (i >= n_out) return;
@@ -679,37 +759,46 @@ __kernel void k(__global T* out, long out_o, __global const T* x, long x_o, long
     for (long j = 0; j < n_red; j++) {{
         long p = x_o;
 {_walk("j", "r", ["p"], nred)}
-        total += x[p];
+        total += ({ctype}){io_x[1].format(p="x", i="p")};
     }}
-    out[out_o] = (T)({result});
+    T v = (T)({result});
+    {io_out[2].format(p="out", i="out_o")};
 }}
 """
 
 
-def _matmul_source(ctype: str, nbatch: int, tiled: bool) -> str:
+def _matmul_source(ctype: str, nbatch: int, tiled: bool,
+                   io: Sequence[tuple[str, str, str]]) -> str:
+    """c = alpha * a @ b + beta * c in `ctype`; io is the storage of c, a and b (`_storage`)."""
     batch = [f"b{d}" for d in range(nbatch)]
     steps = [f"{p}_s{d}" for p in ("c_o", "a_o", "b_o") for d in range(nbatch)]
+    io_c, io_a, io_b = io
     if tiled:  # TS x TS tiles of a and b in local memory, one output element per work item
-        body = """
+        at = io_a[1].format(p="a", i="a_o + row * am + ka * ak")
+        bt = io_b[1].format(p="b", i="b_o + kb * bk + col * bn")
+        body = f"""
     __local T at[TS][TS];
     __local T bt[TS][TS + 1];
     int lr = get_local_id(1), lc = get_local_id(0);
-    for (long t = 0; t < K; t += TS) {
+    for (long t = 0; t < K; t += TS) {{
         long ka = t + lc, kb = t + lr;
-        at[lr][lc] = row < M && ka < K ? a[a_o + row * am + ka * ak] : (T)0;
-        bt[lr][lc] = kb < K && col < N ? b[b_o + kb * bk + col * bn] : (T)0;
+        at[lr][lc] = row < M && ka < K ? (T){at} : (T)0;
+        bt[lr][lc] = kb < K && col < N ? (T){bt} : (T)0;
         barrier(CLK_LOCAL_MEM_FENCE);
         for (int q = 0; q < TS; q++) total += at[lr][q] * bt[q][lc];
         barrier(CLK_LOCAL_MEM_FENCE);
-    }"""
+    }}"""
     else:
-        body = """
+        a = io_a[1].format(p="a", i="a_o + row * am + q * ak")
+        b = io_b[1].format(p="b", i="b_o + q * bk + col * bn")
+        body = f"""
     if (row >= M || col >= N) return;
     for (long q = 0; q < K; q++)
-        total += a[a_o + row * am + q * ak] * b[b_o + q * bk + col * bn];"""
+        total += (T){a} * (T){b};"""
     return f"""{_header(ctype)}#define TS {TILE}
 __kernel __attribute__((reqd_work_group_size(TS, TS, 1)))
-void k(__global T* c, long c_o, __global const T* a, long a_o, __global const T* b, long b_o,
+void k(__global {io_c[0]}* c, long c_o, __global const {io_a[0]}* a, long a_o,
+       __global const {io_b[0]}* b, long b_o,
        long M, long N, long K, long am, long ak, long bk, long bn, long cm, long cn
        {_longs(batch + steps)}, T alpha, T beta)
 {{
@@ -718,9 +807,10 @@ void k(__global T* c, long c_o, __global const T* a, long a_o, __global const T*
 {_walk("z", "b", ["c_o", "a_o", "b_o"], nbatch)}
     T total = 0;{body}
     if (row >= M || col >= N) return;
-    __global T* at_c = c + c_o + row * cm + col * cn;
+    long at_c = c_o + row * cm + col * cn;
     T scaled = alpha == (T)1 ? total : alpha * total;
-    *at_c = beta == (T)0 ? scaled : scaled + beta * *at_c;
+    T v = beta == (T)0 ? scaled : scaled + beta * (T){io_c[1].format(p="c", i="at_c")};
+    {io_c[2].format(p="c", i="at_c")};
 }}
 """
 
