@@ -17,6 +17,16 @@ multi-index from the shape and each operand's strides and offset, in elements, s
 broadcast (0-stride) or offset view works; dimensions that every operand walks contiguously are
 merged first, so most launches are 1-D. Each program is built once and kept (`kernel_cache_stats`).
 
+float16 and bfloat16 follow the rule of HALVES in backends/base.py inside the kernels, with no
+widened copies: a kernel loads a float16 operand with `vload_half` (bfloat16 by a 16-bit shift)
+into float, computes in float and stores with `vstore_half_rte` (bfloat16 rounded to nearest
+even), and a fused chain rounds each two-byte link in registers as the link's own kernel would;
+so the results are bit for bit those of the widened path (`Device._in_float32`). This is core
+OpenCL 1.x and needs no cl_khr_fp16. Where a device has cl_khr_fp16, kernels still compute in
+float, not in half arithmetic: a chain in half rounds every intermediate, and a sum would
+accumulate in half, so results would depend on the device and break "compute in float32, round
+once" (no such device was at hand to test an opt-in). cross_entropy still widens its operands.
+
 Recycling without events (pyopencl issue 447): memory freed while a queued kernel still reads it
 must not be overwritten before that kernel runs. Here it cannot be: every kernel and every copy of
 a device goes to its one in-order queue, so a command enqueued after a free (a write into the
@@ -196,6 +206,9 @@ class OpenCLDevice(Device):
         # allocator refuse this device unless it is given size classes of a larger granule.
         self.alignment = max(self.cl_device.mem_base_addr_align // 8, 1)
         self.fp64 = "cl_khr_fp64" in self.cl_device.extensions
+        #: whether the device has half arithmetic (cl_khr_fp16); reported, never used: the
+        #: two-byte floats compute in float on every device (module docstring)
+        self.fp16 = "cl_khr_fp16" in self.cl_device.extensions
         # NOTE: local-memory GEMM tiles suit GPUs; on CPU devices (PoCL) the barriers make them
         # ~5x slower than one plain dot product per work item, so those get the plain kernel.
         self.tiled_gemm = not self.cl_device.type & cl.device_type.CPU
