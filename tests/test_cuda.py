@@ -243,6 +243,41 @@ def test_training_steps_on_cuda_match_the_cpu(gpu):
     np.testing.assert_allclose(losses[str(gpu)], losses["cpu"], rtol=1e-4)
 
 
+@needs_cuda
+@pytest.mark.parametrize("name", ["exp", "tanh", "sigmoid", "relu", "add", "mul", "div",
+                                  "matmul", "sum", "mean", "chain"])
+def test_float16_computes_in_float32_and_rounds_once(gpu, name):
+    """The rule of HALVES in backends/base.py on CUDA: a float16 op gives its float32 result
+    (from the same values) rounded once, bit for bit, not CuPy's own float16 arithmetic; the
+    exactly rounded ones (add, mul, a chain of them, each op rounding) give the CPU's bits
+    too, and a captured graph the eager bits."""
+    ops = runtime.ops
+    rng = np.random.default_rng(5)
+    hosts = [rng.normal(0, 2, (6, 70)).astype(np.float16) for _ in range(2)]
+
+    def run(x, y):
+        calls = {"matmul": lambda: ops.matmul(x, y.T), "sum": lambda: ops.sum(x, axis=1),
+                 "mean": lambda: ops.mean(x),
+                 "chain": lambda: ops.add(ops.mul(ops.sub(x, y), 0.1), ops.mul(x, x))}
+        if name in calls:
+            return calls[name]()
+        f = getattr(ops, name)
+        return f(x) if name in UNARY_KERNELS else f(x, y)
+
+    half = [runtime.tensor(h, device=gpu) for h in hosts]
+    got = run(*half).numpy()
+    assert got.dtype == np.float16
+    if name != "chain":  # each op of the chain rounds: against the CPU below
+        wide = run(*(ops.cast(t, "float32") for t in half))
+        np.testing.assert_array_equal(got.view(np.uint16),
+                                      ops.cast(wide, "float16").numpy().view(np.uint16))
+    np.testing.assert_array_equal(runtime.graph(run)(*half).numpy().view(np.uint16),
+                                  got.view(np.uint16))
+    if name in ("add", "mul", "chain"):
+        on_cpu = run(*(runtime.tensor(h) for h in hosts)).numpy()
+        np.testing.assert_array_equal(on_cpu.view(np.uint16), got.view(np.uint16))
+
+
 # ---------------------------------------------------------------------- queue-ordered reuse
 #: Waits until the host sets *flag (managed memory), then writes v into x[0:n] (one block).
 LATE = r"""
