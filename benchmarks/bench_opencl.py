@@ -10,10 +10,15 @@ Tables, each measured side by side in interleaved rounds (best kept):
    GEMM runs at about 1 GFLOP/s here).
 3. A cached allocate + free pair: blockrt's caching allocator on the OpenCL device against
    `pyopencl.tools.MemoryPool(ImmediateAllocator(queue))` on the same device.
+4. float16 and bfloat16 against float32 (`--half-elements`, default 4M): the chain
+   sigmoid(x * a + b) op by op and as one fused program, and the S MLP training step (eager and
+   under a static graph), each half dtype two ways: the native half kernels (loads widen, the
+   store rounds once) and the widened path they replaced (`WidenedHalves`: every half operand
+   copied into float32 scratch, the float32 kernel, the result narrowed by a cast kernel).
 The header names the CPU (PoCL runs the kernels on it), the software (pyopencl, the OpenCL
 platform) and the load; products run in blockrt's own OpenCL kernel, on no CBLAS.
 
-Run: python benchmarks/bench_opencl.py [--quick] [--elements N]
+Run: python benchmarks/bench_opencl.py [--quick] [--elements N] [--tables fusion,half,...]
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from timing import cpu_name, interleaved_best, interleaved_min, versions
 import allocators
 import backends
 import runtime
+from backends.base import HALVES, Device
+from blockrt.models import CLASSES, CONFIGS
 from runtime import nn, ops
 
 
@@ -153,19 +160,143 @@ def allocation_table(device: backends.Device, rounds: int, number: int) -> None:
               f"{best['pyopencl pool']:.2f} | {best['caching'] / best['pyopencl pool']:.2f} |")
 
 
+class WidenedHalves:
+    """Makes the OpenCL device class that computes float16 and bfloat16 as before the native
+    half kernels: `Device`'s own public kernels (each half operand widened into float32
+    scratch, the float32 kernel, the result narrowed), fused half chains in the blocked
+    default (those kernels again, block by block)."""
+
+    @staticmethod
+    def device() -> backends.Device:
+        from backends.opencl import OpenCLDevice
+
+        class Widened(OpenCLDevice):
+            unary, binary, reduce = Device.unary, Device.binary, Device.reduce
+            matmul, gemm = Device.matmul, Device.gemm
+
+            def _fused(self, program, inputs, out) -> None:
+                if out.dtype in HALVES:
+                    Device._fused(self, program, inputs, out)
+                else:
+                    super()._fused(program, inputs, out)
+
+        return Widened(0)
+
+
+def half_chain(device: backends.Device, dtype: str, elements: int):
+    """(op by op, fused) runs of sigmoid(x * a + b) on `elements` of `dtype`, and the out."""
+    alloc = allocators.create("caching", device)
+    host = np.random.default_rng(0).normal(size=elements).astype(np.float32)
+    x = runtime.tensor(host, dtype=dtype, device=device, allocator=alloc)
+    out = runtime.tensor(np.zeros(elements, np.float32), dtype=dtype, device=device,
+                         allocator=alloc)
+    a, b = np.float32(1.5), np.float32(-0.25)
+    half = np.dtype(out.dtype)
+    program = (("mul", (("input", 0), ("number", a)), half),
+               ("add", (("link", 0), ("number", b)), half),
+               ("sigmoid", (("link", 1),), half))
+    views, target = [x._native_read("bench")], out._native_write("bench")
+
+    def unfused() -> None:
+        ops.sigmoid(ops.add(ops.mul(x, a), b), out=out)
+
+    def fused() -> None:
+        device.fused(program, views, target)
+
+    return unfused, fused, out
+
+
+def half_step(device: backends.Device, dtype: str, graph: bool):
+    """One SGD step of the S MLP (blockrt.models) with every tensor in `dtype` on `device`."""
+    config = CONFIGS["S"]
+    rng = np.random.default_rng(0)
+    widths = [config.width] * (config.depth + 1) + [CLASSES]
+    layers: list[nn.Module] = []
+    for i in range(config.depth + 1):
+        layers.append(nn.Dense(widths[i], widths[i + 1], dtype=dtype, device=device, rng=i))
+        if i < config.depth:
+            layers.append(nn.ReLU())
+    model = nn.Sequential(*layers)
+    opt = nn.SGD(model.parameters(), lr=0.01)
+    x = runtime.tensor(rng.normal(0, 1, (config.batch, config.width)), dtype=dtype,
+                       device=device)
+    y = runtime.tensor(rng.integers(0, CLASSES, config.batch), device=device)
+    step = nn.train_step(model, opt)
+    run = runtime.graph(step, plan="static", device=device) if graph else step
+    return lambda: run(x, y).item()
+
+
+def half_table(device: backends.Device, elements: int, rounds: int, step: bool) -> None:
+    widened = WidenedHalves.device()
+    kinds = {"float32": [("float32", device)]}
+    for dtype in ("float16", "bfloat16"):
+        kinds[dtype] = [(f"{dtype} widened", widened), (f"{dtype} native", device)]
+    chains = {}
+    for dtype, pairs in kinds.items():
+        for label, dev in pairs:
+            chains[label] = half_chain(dev, dtype, elements)
+    for dtype in ("float16", "bfloat16"):  # the same bits both ways, op by op and fused
+        results = []
+        for label in (f"{dtype} widened", f"{dtype} native"):
+            for run in chains[label][:2]:
+                run()
+                results.append(chains[label][2].numpy().view(np.uint16))
+        if not all(np.array_equal(results[0], r) for r in results[1:]):
+            raise SystemExit(f"{dtype}: the widened and native paths disagree")
+    measures = {}
+    for label, (unfused, fused, _) in chains.items():
+        dev = widened if "widened" in label else device
+        measures[f"{label} op by op"] = lambda unfused=unfused, dev=dev: timed(unfused, dev)
+        measures[f"{label} fused"] = lambda fused=fused, dev=dev: timed(fused, dev)
+    if step:
+        for graph in (False, True):
+            mode = "graph" if graph else "eager"
+            for dtype, pairs in kinds.items():
+                for label, dev in pairs:
+                    run = half_step(dev, dtype, graph)
+                    run()
+                    measures[f"{label} S step {mode}"] = lambda run=run, dev=dev: timed(run, dev)
+    best = interleaved_min(measures, rounds)
+    print(f"\nfloat16 and bfloat16 against float32 on {device.name} (cl_khr_fp16: "
+          f"{'yes' if device.fp16 else 'no'}), best of {rounds} rounds: the chain "
+          f"sigmoid(x * a + b) on {elements:,} elements, the S MLP training step "
+          f"(batch {CONFIGS['S'].batch}, width {CONFIGS['S'].width}, depth "
+          f"{CONFIGS['S'].depth}); ratios to float32 in the same row\n")
+    labels = ["float32"] + [f"{d} {w}" for d in ("float16", "bfloat16")
+                            for w in ("widened", "native")]
+    print("| what | " + " | ".join(f"{label} (ms)" for label in labels)
+          + " | " + " | ".join(f"{label} / float32" for label in labels[1:]) + " |")
+    print("|---|" + "---:|" * (2 * len(labels) - 1))
+    rows = ["op by op", "fused"] + (["S step eager", "S step graph"] if step else [])
+    for row in rows:
+        ms = [best[f"{label} {row}"] for label in labels]
+        print(f"| {row} | " + " | ".join(f"{m:.2f}" for m in ms) + " | "
+              + " | ".join(f"{m / ms[0]:.2f}" for m in ms[1:]) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few rounds")
     parser.add_argument("--elements", type=int, default=16 << 20)
+    parser.add_argument("--half-elements", type=int, default=4 << 20)
+    parser.add_argument("--tables", default="fusion,training,allocation,half",
+                        help="which tables, comma-separated")
     args = parser.parse_args()
+    tables = args.tables.split(",")
     device = device_or_exit()
     print(f"OpenCL on {cpu_name()}; {versions(device)}; products in blockrt's OpenCL kernel; "
           f"1-minute load average {os.getloadavg()[0]:.2f} at the start\n")
     elements = 1 << 16 if args.quick else args.elements
-    fusion_table(device, elements, 3 if args.quick else 9)
+    if "fusion" in tables:
+        fusion_table(device, elements, 3 if args.quick else 9)
     config = MLPConfig(16, 32, 2) if args.quick else MLPConfig(64, 256, 4)
-    training_table(device, config, 2 if args.quick else 5)
-    allocation_table(device, 3 if args.quick else 9, 500 if args.quick else 5000)
+    if "training" in tables:
+        training_table(device, config, 2 if args.quick else 5)
+    if "allocation" in tables:
+        allocation_table(device, 3 if args.quick else 9, 500 if args.quick else 5000)
+    if "half" in tables:
+        half_table(device, 1 << 16 if args.quick else args.half_elements,
+                   2 if args.quick else 5, step=not args.quick)
 
 
 if __name__ == "__main__":
