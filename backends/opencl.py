@@ -18,11 +18,12 @@ broadcast (0-stride) or offset view works; dimensions that every operand walks c
 merged first, so most launches are 1-D. Each program is built once and kept (`kernel_cache_stats`).
 
 float16 and bfloat16 follow the rule of HALVES in backends/base.py inside the kernels, with no
-widened copies: a kernel loads a float16 operand with `vload_half` (bfloat16 by a 16-bit shift)
-into float, computes in float and stores with `vstore_half_rte` (bfloat16 rounded to nearest
-even), and a fused chain rounds each two-byte link in registers as the link's own kernel would;
-so the results are bit for bit those of the widened path (`Device._in_float32`). This is core
-OpenCL 1.x and needs no cl_khr_fp16. Where a device has cl_khr_fp16, kernels still compute in
+widened copies: a kernel loads a two-byte operand from its bits into float (exactly: what
+`vload_half` gives; bfloat16 by a 16-bit shift), computes in float and stores it rounded to
+nearest even (what `vstore_half_rte` gives), and a fused chain rounds each two-byte link in
+registers as the link's own kernel would; so the results are bit for bit those of the widened
+path (`Device._in_float32`). This is integer arithmetic of core OpenCL 1.x (`_HALF_IO`) and
+needs no cl_khr_fp16. Where a device has cl_khr_fp16, kernels still compute in
 float, not in half arithmetic: a chain in half rounds every intermediate, and a sum would
 accumulate in half, so results would depend on the device and break "compute in float32, round
 once" (no such device was at hand to test an opt-in). cross_entropy still widens its operands.
@@ -483,7 +484,8 @@ class OpenCLDevice(Device):
         dims, steps = _collapse(out.shape, list(strides))
         if not dims:
             dims, steps = [1], [[0], [0]]
-        src, dst = _storage(x.dtype), _storage(out.dtype)
+        double = np.dtype("float64") in (x.dtype, out.dtype)
+        src, dst = _storage(x.dtype), _storage(out.dtype, double)
         kernel = self._kernel(("cast", x.dtype.str, out.dtype.str, len(dims)),
                               lambda: _cast_source(src, dst, len(dims)))
         n = math.prod(dims)
@@ -565,7 +567,11 @@ class OpenCLDevice(Device):
 
     def _product(self, a, b, out, alpha: float, beta: float) -> None:
         """out = alpha * a @ b + beta * out (out not read when beta is 0), NumPy's matmul rules
-        for 1-D and batched operands."""
+        for 1-D and batched operands. The plain kernel reads each element of a and b n and m
+        times: a float16 operand is widened once first (its load is a dozen integer operations,
+        bfloat16's a shift); the tiled one loads each into local memory once per tile."""
+        if not self.tiled_gemm and 0 not in out.shape:
+            a, b = (self._widened(v) if v.dtype == np.float16 else v for v in (a, b))
         ctype = self._compute(out.dtype)
         (oa, sa), (ob, sb), (oc, sc) = _elements(a), _elements(b), _elements(out)
         a_shape, b_shape, c_shape = a.shape, b.shape, out.shape
@@ -668,33 +674,51 @@ def _header(ctype: str) -> str:
     return ("#pragma OPENCL FP_CONTRACT OFF\n" + (_FP64 if "double" in ctype else "")
             + f"typedef {ctype} T;\n") + (
         "inline T tanh_(T x) { return fabs(x) > (T)20 ? copysign((T)1, x) : tanh(x); }\n"
-        if ctype in ("float", "double") else "") + (_ROUNDING if ctype == "float" else "")
+        if ctype in ("float", "double") else "") + _HALF_IO
 
 
-#: A float rounded to float16 (`round_f16`) or bfloat16 (`round_bf16`) and widened back, in
-#: registers: a fused chain's two-byte links round as their own kernels' stores would.
-_ROUNDING = """inline float round_f16(float v) {
-    ushort h; vstore_half_rte(v, 0, (half*)&h); return vload_half(0, (const half*)&h); }
-inline float round_bf16(float v) {
-    uint u = as_uint(v);
-    return as_float(isnan(v) ? (u | 0x400000u) & 0xffff0000u
-                             : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u); }
+# NOTE: float16 by bit arithmetic, not vload_half / vstore_half_rte: the same bits, and PoCL's
+# are a scalar routine each (the S MLP step in float16 ran 3.6x float32 through them, 1.1x in
+# bfloat16). Loads are exact; stores round to nearest even, overflow to infinity, NaN stays NaN.
+#: OpenCL C: a float16 (`load_f16`, `store_f16`) or bfloat16 (`store_bf16`) from or into its
+#: bits, and a float rounded to either and widened back in registers (`round_f16`,
+#: `round_bf16`): a fused chain's two-byte links round as their own kernels' stores would.
+_HALF_IO = """inline float load_f16(ushort h) {
+    uint m = h & 0x3ffu, e = h & 0x7c00u;
+    uint bits = e == 0x7c00u ? 0x7f800000u | (m << 13) : ((h & 0x7fffu) << 13) + 0x38000000u;
+    float magnitude = e == 0u ? (float)m * 0x1p-24f : as_float(bits);
+    return as_float(as_uint(magnitude) | ((uint)(h & 0x8000u) << 16)); }
+inline ushort store_f16(float f) {
+    uint u = as_uint(f), a = u & 0x7fffffffu;
+    uint normal = (a - 0x38000000u + 0xfffu + ((a >> 13) & 1u)) >> 13;
+    /* below 2**-14, a multiple of 2**-24: adding 2**23 rounds a * 2**24 to an integer (ties
+       to even) in the low bits; rint does the same, as a scalar call on PoCL */
+    uint tiny = as_uint(as_float(a) * 0x1p24f + 0x1p23f) - 0x4b000000u;
+    uint h = a > 0x7f800000u ? 0x7e00u | ((a >> 13) & 0x3ffu)
+           : a >= 0x477ff000u ? 0x7c00u : a >= 0x38800000u ? normal : tiny;
+    return (ushort)(((u >> 16) & 0x8000u) | h); }
+inline ushort store_bf16(float f) {
+    uint u = as_uint(f);
+    return isnan(f) ? (ushort)((u >> 16) | 0x40u)
+                    : (ushort)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }
+inline float round_f16(float v) { return load_f16(store_f16(v)); }
+inline float round_bf16(float v) { return as_float((uint)store_bf16(v) << 16); }
 """
 _ROUND = {np.dtype("float16"): "round_f16", BFLOAT16: "round_bf16"}
 
 
-def _storage(dtype: np.dtype) -> tuple[str, str, str]:
-    """(pointer type, load of element {i} of {p} as a value, store of value v there) of a dtype
-    in a cast kernel, {p} and {i} to be filled in: half through vload_half / vstore_half (core
-    OpenCL, no cl_khr_fp16), bfloat16 as a float's upper 16 bits, rounded to nearest even (NaN
-    stays NaN), as ml_dtypes does (float64 goes through float32, as there)."""
+def _storage(dtype: np.dtype, double: bool = False) -> tuple[str, str, str]:
+    """(pointer type, load of element {i} of {p} as a value, store of value v there) of a dtype,
+    {p} and {i} to be filled in: float16 and bfloat16 as their bits (`_HALF_IO`, core OpenCL,
+    no cl_khr_fp16; bfloat16 a float's upper 16 bits), rounded to nearest even (NaN stays NaN),
+    as NumPy and ml_dtypes do; `double`: v is a double, which float16 rounds from directly
+    (bfloat16 goes through float32, as ml_dtypes does)."""
     if dtype == np.float16:
-        return "half", "vload_half({i}, {p})", "vstore_half_rte(v, {i}, {p})"
+        if double:
+            return "half", "vload_half({i}, {p})", "vstore_half_rte(v, {i}, {p})"
+        return "ushort", "load_f16({p}[{i}])", "{p}[{i}] = store_f16(v)"
     if dtype == BFLOAT16:
-        return ("ushort", "as_float((uint){p}[{i}] << 16)",
-                "float f = (float)v; uint u = as_uint(f); "
-                "{p}[{i}] = isnan(f) ? (ushort)((u >> 16) | 0x40) "
-                ": (ushort)((u + 0x7fff + ((u >> 16) & 1)) >> 16)")
+        return "ushort", "as_float((uint){p}[{i}] << 16)", "{p}[{i}] = store_bf16((float)v)"
     if dtype == np.bool_:
         return "uchar", "{p}[{i}]", "{p}[{i}] = (uchar)(v != 0)"
     ctype = {**_FLOAT_TYPES, **_INT_TYPES}[dtype]
@@ -709,7 +733,7 @@ def _cast_source(src: tuple[str, str, str], dst: tuple[str, str, str], ndim: int
     load = src[1].format(p="in", i="in_o")
     store = dst[2].format(p="out", i="out_o")
     strides = [f"{p}_s{d}" for p in ("out_o", "in_o") for d in range(ndim)]
-    return f"""{_FP64 if wide == "double" else ""}
+    return f"""{_FP64 if wide == "double" else ""}{_HALF_IO}
 __kernel void k(__global {dst[0]}* out, long out_o, __global const {src[0]}* in, long in_o,
                 long n{_longs([f"n{d}" for d in range(ndim)])}{_longs(strides)})
 {{

@@ -81,10 +81,11 @@ def _output(dev: OpenCLDevice, shape: tuple, dtype: np.dtype, where: str) -> Any
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    """Equal bits, every NaN equal to every NaN."""
-    nan = np.isnan(a.astype(np.float64))
+    """Equal bits, every NaN equal to every NaN (signalling ones too)."""
+    with np.errstate(invalid="ignore"):
+        nan, nan_b = np.isnan(a.astype(np.float64)), np.isnan(b.astype(np.float64))
     bits = f"u{a.dtype.itemsize}"
-    return bool(a.dtype == b.dtype and np.array_equal(nan, np.isnan(b.astype(np.float64)))
+    return bool(a.dtype == b.dtype and np.array_equal(nan, nan_b)
                 and np.array_equal(np.where(nan, 0, a.view(bits)), np.where(nan, 0, b.view(bits))))
 
 
@@ -225,10 +226,13 @@ def test_half_products_equal_the_widened_path(gemm_dev, half, alpha, beta, m, k,
     assert _same(gemm_dev.to_host(got), gemm_dev.to_host(wide))
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["plain", "tiled"])
 @pytest.mark.parametrize("half", HALF, ids=str)
-def test_half_kernels_widen_nothing_into_scratch(half, monkeypatch):
-    """No raw memory is allocated by a half kernel: its operands are loaded as they are."""
+def test_half_kernels_widen_nothing_into_scratch(half, tiled, monkeypatch):
+    """No raw memory is allocated by a half kernel: its operands are loaded as they are; only
+    the plain product kernel widens a float16 operand, once (it reads each element n times)."""
     fresh = OpenCLDevice(0)
+    fresh.tiled_gemm = tiled
     rng = np.random.default_rng(0)
     x, y = (_placed(fresh, rng.normal(0, 1, (6, 8)).astype(half), w)
             for w in ("contiguous", "transposed"))
@@ -244,8 +248,51 @@ def test_half_kernels_widen_nothing_into_scratch(half, monkeypatch):
     fresh.binary("mul", x, y, out)
     fresh.fused(program, [x, y], out)
     fresh.reduce("sum", x, (1,), True, out[:, :1])
+    fresh.reduce("mean", x, None, False, out[0, 0])
+    assert allocated == []
     fresh.matmul(x, square, out)
     fresh.gemm(x, y.T, product, 0.5, 1.0)
-    assert allocated == []
+    widened = [] if tiled or half == dtypes.BFLOAT16 else [x.size * 4, square.size * 4,
+                                                           x.size * 4, y.size * 4]
+    assert allocated == widened
+    allocated.clear()
     Device.unary(fresh, "exp", x, out)  # the widened path, for contrast: x and out widened
     assert allocated == [x.size * 4, out.size * 4]
+
+
+def _ties(half: np.dtype) -> np.ndarray:
+    """float32 values where rounding to `half` is hardest: every finite half, the midpoints
+    between neighbours (ties, which go to the even one), the floats just either side of each
+    midpoint, the overflow threshold and NaN."""
+    values = np.arange(65536, dtype=np.uint16).view(half)
+    finite = np.sort(values[np.isfinite(values.astype(np.float32))].astype(np.float32))
+    mids = (finite[:-1].astype(np.float64) + finite[1:]) / 2  # exact in float32
+    mids = mids.astype(np.float32)
+    near = [np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf))]
+    top = float(dtypes.finfo(half).max)
+    edge = (top + (top - float(np.nextafter(values.dtype.type(top), 0)))) / 2  # max + ulp/2
+    extra = np.array([edge, -edge, np.nextafter(np.float32(edge), 0), np.inf, np.nan, 1e-45],
+                     np.float32)
+    return np.concatenate([finite, mids, *near, extra])
+
+
+@pytest.mark.parametrize("half", HALF, ids=str)
+def test_every_half_widens_exactly_and_every_tie_rounds_to_even(dev, half):
+    """The kernels' float16 and bfloat16 loads and stores (bit arithmetic, `_HALF_IO`) on every
+    bit pattern and every tie, against NumPy and ml_dtypes: a cast's store, and a fused chain's
+    link rounded in registers and stored as float32."""
+    every = np.arange(65536, dtype=np.uint16).view(half).reshape(256, 256)
+    x = _placed(dev, every, "contiguous")
+    wide = dev.scratch(every.shape, np.float32)
+    dev.cast(x, wide)
+    assert _same(dev.to_host(wide), every.astype(np.float32))
+    ties = _ties(half)
+    t = _placed(dev, ties.reshape(1, -1), "contiguous")
+    rounded, linked = dev.scratch(t.shape, half), dev.scratch(t.shape, np.float32)
+    dev.cast(t, rounded)
+    with np.errstate(over="ignore"):
+        expected = ties.reshape(1, -1).astype(half)
+    assert _same(dev.to_host(rounded), expected)
+    program = [("copy", (("input", 0),), half), ("copy", (("link", 0),), np.float32)]
+    dev.fused(program, [t], linked)
+    assert _same(dev.to_host(linked), expected.astype(np.float32))
