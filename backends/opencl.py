@@ -320,6 +320,23 @@ class OpenCLDevice(Device):
         else:
             super().reduce(name, x, axis, keepdims, out)
 
+    def _in_float32(self, kernel, inputs, outs, read: bool = False) -> None:
+        """`Device._in_float32` with no widened inputs (every kernel here loads a half operand
+        itself): only a half output is computed in float32 scratch and rounded once, as
+        linear's product-and-bias and cross_entropy's outputs need; `read`: its old contents
+        are widened into the scratch first."""
+        inputs = [np.float32(x) if isinstance(x, np.generic) and x.dtype in HALVES else x
+                  for x in inputs]
+        targets = [self.scratch(tuple(o.shape), np.float32) if o.dtype in HALVES else o
+                   for o in outs]
+        for target, o in zip(targets, outs):
+            if read and target is not o:
+                self._cast(o, target)
+        kernel(*inputs, *targets)
+        for target, o in zip(targets, outs):
+            if target is not o:
+                self._cast(target, o)
+
     # ----------------------------------------------------------------- memory
     def _raw_alloc(self, nbytes: int) -> _Raw:
         return self._buffer(nbytes, cl.mem_flags.READ_WRITE)
@@ -610,7 +627,8 @@ class OpenCLDevice(Device):
         return ltype
 
     def _cross_entropy(self, logits, labels, losses, probs) -> None:
-        ctype, ltype = self._type(logits.dtype), self._labels_type(labels)
+        ctype, ltype = self._type(losses.dtype), self._labels_type(labels)
+        io = _storage(logits.dtype)  # NOTE: half logits load as they are (`_in_float32`)
         rows, classes = logits.shape
         if rows == 0:
             return
@@ -618,8 +636,8 @@ class OpenCLDevice(Device):
         # bad label and the loss kernel, queued after it, writes nothing once one is flagged.
         # Still one host wait (the flag read back); the reset is not waited for.
         check = self._kernel(("cross_entropy_labels", ltype), lambda: _labels_source(ltype))
-        kernel = self._kernel(("cross_entropy", ctype, ltype),
-                              lambda: _xent_source(ctype, ltype))
+        kernel = self._kernel(("cross_entropy", ctype, ltype, io),
+                              lambda: _xent_source(ctype, ltype, io))
         offset, (stride,) = _elements(labels)
         size = (-(-rows // GROUP) * GROUP,)
         first_bad = np.empty(1, np.int32)
@@ -644,12 +662,13 @@ class OpenCLDevice(Device):
                          f"{classes} classes")
 
     def _cross_entropy_backward(self, probs, labels, grad, out) -> None:
-        ctype, ltype = self._type(probs.dtype), self._labels_type(labels)
+        ctype, ltype = self._type(out.dtype), self._labels_type(labels)
+        io = (_storage(probs.dtype), _storage(grad.dtype))
         rows, classes = out.shape
         if rows * classes == 0:
             return
-        kernel = self._kernel(("cross_entropy_backward", ctype, ltype),
-                              lambda: _xent_backward_source(ctype, ltype))
+        kernel = self._kernel(("cross_entropy_backward", ctype, ltype, io),
+                              lambda: _xent_backward_source(ctype, ltype, *io))
         args = _xent_args(rows, classes, (out, probs, labels, grad))
         total = rows * classes
         self._run(kernel, (-(-total // GROUP) * GROUP,), (GROUP,), *args)
@@ -867,44 +886,53 @@ __kernel void k(__global int* first_bad, long rows, long classes,
 """
 
 
-def _xent_source(ctype: str, ltype: str) -> str:
+def _xent_source(ctype: str, ltype: str, io_x: tuple[str, str, str]) -> str:
+    """The losses and probabilities in `ctype` from logits x of storage `io_x` (`_storage`)."""
+    def x(i: str) -> str:
+        return io_x[1].format(p="row", i=i)
+
     return f"""{_header(ctype)}typedef {ltype} L;
 __kernel void k(__global const int* first_bad, long rows, long classes,
                 __global T* loss, long loss_o, long loss_s,
                 __global T* p, long p_o, long p_r, long p_c,
-                __global const T* x, long x_o, long x_r, long x_c,
+                __global const {io_x[0]}* x, long x_o, long x_r, long x_c,
                 __global const L* labels, long l_o, long l_s)
 {{
     long i = get_global_id(0);
     if (i >= rows || *first_bad != INT_MAX) return;  // a bad label anywhere: write nothing
     long label = (long)labels[l_o + i * l_s];
-    __global const T* row = x + x_o + i * x_r;
+    __global const {io_x[0]}* row = x + x_o + i * x_r;
     __global T* prob = p + p_o + i * p_r;
-    T top = row[0];
-    for (long j = 1; j < classes; j++) top = fmax(top, row[j * x_c]);
+    T top = {x("0")};
+    for (long j = 1; j < classes; j++) top = fmax(top, (T){x("j * x_c")});
     T total = 0;
     for (long j = 0; j < classes; j++) {{
-        T e = exp(row[j * x_c] - top);
+        T e = exp((T){x("j * x_c")} - top);
         prob[j * p_c] = e;
         total += e;
     }}
     for (long j = 0; j < classes; j++) prob[j * p_c] /= total;
-    loss[loss_o + i * loss_s] = log(total) - (row[label * x_c] - top);
+    loss[loss_o + i * loss_s] = log(total) - ((T){x("label * x_c")} - top);
 }}
 """
 
 
-def _xent_backward_source(ctype: str, ltype: str) -> str:
+def _xent_backward_source(ctype: str, ltype: str, io_p: tuple[str, str, str],
+                          io_g: tuple[str, str, str]) -> str:
+    """The logits' gradient in `ctype` from probabilities and a gradient of storage `io_p` and
+    `io_g` (`_storage`)."""
+    p = io_p[1].format(p="p", i="p_o + r * p_r + c * p_c")
+    g = io_g[1].format(p="g", i="g_o + r * g_s")
     return f"""{_header(ctype)}typedef {ltype} L;
 __kernel void k(long rows, long classes, __global T* out, long o_o, long o_r, long o_c,
-                __global const T* p, long p_o, long p_r, long p_c,
+                __global const {io_p[0]}* p, long p_o, long p_r, long p_c,
                 __global const L* labels, long l_o, long l_s,
-                __global const T* g, long g_o, long g_s)
+                __global const {io_g[0]}* g, long g_o, long g_s)
 {{
     long i = get_global_id(0);
     if (i >= rows * classes) return;
     long r = i / classes, c = i % classes;
     T hit = (long)labels[l_o + r * l_s] == c ? (T)1 : (T)0;
-    out[o_o + r * o_r + c * o_c] = (p[p_o + r * p_r + c * p_c] - hit) * g[g_o + r * g_s];
+    out[o_o + r * o_r + c * o_c] = ((T){p} - hit) * (T){g};
 }}
 """

@@ -13,7 +13,7 @@ Tables, each measured side by side in interleaved rounds (best kept):
 4. float16 and bfloat16 against float32 (`--half-elements`, default 4M): the chain
    sigmoid(x * a + b) op by op and as one fused program, and the S MLP training step (eager and
    under a static graph), each half dtype two ways: the native half kernels (loads widen, the
-   store rounds once) and the widened path they replaced (`WidenedHalves`: every half operand
+   store rounds once) and the widened path they replaced (`widened_halves`: every half operand
    copied into float32 scratch, the float32 kernel, the result narrowed by a cast kernel).
 The header names the CPU (PoCL runs the kernels on it), the software (pyopencl, the OpenCL
 platform) and the load; products run in blockrt's own OpenCL kernel, on no CBLAS.
@@ -160,27 +160,24 @@ def allocation_table(device: backends.Device, rounds: int, number: int) -> None:
               f"{best['pyopencl pool']:.2f} | {best['caching'] / best['pyopencl pool']:.2f} |")
 
 
-class WidenedHalves:
-    """Makes the OpenCL device class that computes float16 and bfloat16 as before the native
-    half kernels: `Device`'s own public kernels (each half operand widened into float32
-    scratch, the float32 kernel, the result narrowed), fused half chains in the blocked
+def widened_halves() -> backends.Device:
+    """A new OpenCL device that computes float16 and bfloat16 as before the native half
+    kernels: `Device`'s own public kernels and `_in_float32` (each half operand widened into
+    float32 scratch, the float32 kernel, the result narrowed), fused half chains in the blocked
     default (those kernels again, block by block)."""
+    from backends.opencl import OpenCLDevice
 
-    @staticmethod
-    def device() -> backends.Device:
-        from backends.opencl import OpenCLDevice
+    class Widened(OpenCLDevice):
+        unary, binary, reduce = Device.unary, Device.binary, Device.reduce
+        matmul, gemm, _in_float32 = Device.matmul, Device.gemm, Device._in_float32
 
-        class Widened(OpenCLDevice):
-            unary, binary, reduce = Device.unary, Device.binary, Device.reduce
-            matmul, gemm = Device.matmul, Device.gemm
+        def _fused(self, program, inputs, out) -> None:
+            if out.dtype in HALVES:
+                Device._fused(self, program, inputs, out)
+            else:
+                super()._fused(program, inputs, out)
 
-            def _fused(self, program, inputs, out) -> None:
-                if out.dtype in HALVES:
-                    Device._fused(self, program, inputs, out)
-                else:
-                    super()._fused(program, inputs, out)
-
-        return Widened(0)
+    return Widened(0)
 
 
 def half_chain(device: backends.Device, dtype: str, elements: int):
@@ -227,7 +224,7 @@ def half_step(device: backends.Device, dtype: str, graph: bool):
 
 
 def half_table(device: backends.Device, elements: int, rounds: int, step: bool) -> None:
-    widened = WidenedHalves.device()
+    widened = widened_halves()
     kinds = {"float32": [("float32", device)]}
     for dtype in ("float16", "bfloat16"):
         kinds[dtype] = [(f"{dtype} widened", widened), (f"{dtype} native", device)]

@@ -41,6 +41,20 @@ def dev() -> OpenCLDevice:
     return backends.get_device("opencl")
 
 
+class Widened(OpenCLDevice):
+    """The device as it computed the two-byte floats before its half kernels: `Device`'s own
+    public kernels and `_in_float32` (each half operand widened into float32 scratch by a cast
+    kernel, the float32 kernel, the result narrowed by another)."""
+
+    unary, binary, reduce = Device.unary, Device.binary, Device.reduce
+    matmul, gemm, _in_float32 = Device.matmul, Device.gemm, Device._in_float32
+
+
+def widened(device: OpenCLDevice) -> Widened:
+    """A `Widened` device on `device`'s own queue (and context), so it runs on its views."""
+    return Widened(0, device.queue)
+
+
 def _values(rng: np.random.Generator, n: int, dtype: np.dtype, edges: bool) -> np.ndarray:
     """n values of `dtype`: normal(0, 2), some of them edge values when `edges`."""
     wide = rng.normal(0, 2, n)
@@ -107,10 +121,10 @@ def test_elementwise_half_kernels_equal_the_widened_path(dev, half, name, where,
     got, wide = (_output(dev, shape, half, where[2]) for _ in range(2))
     if name in UNARY_KERNELS:
         dev.unary(name, inputs[0], got)
-        Device.unary(dev, name, inputs[0], wide)  # the widened path, on this device
+        widened(dev).unary(name, inputs[0], wide)
     else:
         dev.binary(name, *inputs, got)
-        Device.binary(dev, name, *inputs, wide)
+        widened(dev).binary(name, *inputs, wide)
     assert _same(dev.to_host(got), dev.to_host(wide))
 
 
@@ -137,15 +151,16 @@ def chains(draw: Any, half: np.dtype) -> list[tuple[str, tuple, np.dtype]]:
 
 
 def _one_by_one(dev: OpenCLDevice, program: list, inputs: list, out: Any) -> None:
-    """The program's links run one at a time by `Device`'s own (widening) kernels, each into a
+    """The program's links run one at a time by the widening kernels (`Widened`), each into a
     full-size array of its dtype."""
+    wide = widened(dev)
     results: list[Any] = []
     for i, (name, args, dtype) in enumerate(program):
         operands = [inputs[ref] if kind == "input" else results[ref] if kind == "link" else ref
                     for kind, ref in args]
         target = out if i == len(program) - 1 else dev.scratch(out.shape, dtype)
-        kernel = Device.unary if len(operands) == 1 else Device.binary
-        kernel(dev, name, *operands, target)
+        kernel = wide.unary if len(operands) == 1 else wide.binary
+        kernel(name, *operands, target)
         results.append(target)
 
 
@@ -180,7 +195,7 @@ def test_half_reductions_equal_the_widened_path(dev, half, name, axis, keepdims,
     out_shape = np.sum(np.zeros(shape), axis=axis, keepdims=keepdims).shape
     got, wide = (dev.scratch(out_shape, half) for _ in range(2))
     dev.reduce(name, x, axis, keepdims, got)
-    Device.reduce(dev, name, x, axis, keepdims, wide)
+    widened(dev).reduce(name, x, axis, keepdims, wide)
     assert _same(dev.to_host(got), dev.to_host(wide))
 
 
@@ -193,7 +208,7 @@ def test_a_half_sum_accumulates_as_the_float32_kernel_does(dev, half):
     x = _placed(dev, host, "contiguous")
     got, wide = (dev.scratch((1,), half) for _ in range(2))
     dev.reduce("sum", x, (1,), False, got)
-    Device.reduce(dev, "sum", x, (1,), False, wide)
+    widened(dev).reduce("sum", x, (1,), False, wide)
     assert _same(dev.to_host(got), dev.to_host(wide))
     assert dev.to_host(got)[0] == (np.float32(300 * 2.0**-12).astype(half) if dev.fp64 else 0)
 
@@ -219,10 +234,10 @@ def test_half_products_equal_the_widened_path(gemm_dev, half, alpha, beta, m, k,
     old = rng.normal(0, 1, (m, n)).astype(half)
     got, wide = (_placed(gemm_dev, old.copy(), "offset") for _ in range(2))
     gemm_dev.gemm(a, b, got, alpha, beta)
-    Device.gemm(gemm_dev, a, b, wide, alpha, beta)  # widened operands, out read when beta != 0
+    widened(gemm_dev).gemm(a, b, wide, alpha, beta)  # out read when beta != 0
     assert _same(gemm_dev.to_host(got), gemm_dev.to_host(wide))
     gemm_dev.matmul(a, b, got)
-    Device.matmul(gemm_dev, a, b, wide)
+    widened(gemm_dev).matmul(a, b, wide)
     assert _same(gemm_dev.to_host(got), gemm_dev.to_host(wide))
 
 
@@ -252,12 +267,12 @@ def test_half_kernels_widen_nothing_into_scratch(half, tiled, monkeypatch):
     assert allocated == []
     fresh.matmul(x, square, out)
     fresh.gemm(x, y.T, product, 0.5, 1.0)
-    widened = [] if tiled or half == dtypes.BFLOAT16 else [x.size * 4, square.size * 4,
-                                                           x.size * 4, y.size * 4]
-    assert allocated == widened
+    once = [] if tiled or half == dtypes.BFLOAT16 else [x.size * 4, square.size * 4,
+                                                        x.size * 4, y.size * 4]
+    assert allocated == once
     allocated.clear()
-    Device.unary(fresh, "exp", x, out)  # the widened path, for contrast: x and out widened
-    assert allocated == [x.size * 4, out.size * 4]
+    fresh._in_float32(lambda x, o: fresh.unary("exp", x, o), (x,), (out,))
+    assert allocated == [out.size * 4]  # `_in_float32` (linear, cross_entropy): out's only
 
 
 def _ties(half: np.dtype) -> np.ndarray:
@@ -296,3 +311,25 @@ def test_every_half_widens_exactly_and_every_tie_rounds_to_even(dev, half):
     program = [("copy", (("input", 0),), half), ("copy", (("link", 0),), np.float32)]
     dev.fused(program, [t], linked)
     assert _same(dev.to_host(linked), expected.astype(np.float32))
+
+
+@pytest.mark.parametrize("half", HALF, ids=str)
+@pytest.mark.parametrize("where", ["contiguous", "transposed", "strided"])
+def test_half_cross_entropy_reads_its_operands_as_they_are(dev, half, where):
+    """cross_entropy and its backward load half logits, probabilities and gradients in the
+    kernel (only their outputs go through float32 scratch): the float32 kernels' results on
+    the widened values, rounded once."""
+    rng = np.random.default_rng(11)
+    host = rng.normal(0, 3, (7, 5)).astype(half)
+    labels = _placed(dev, rng.integers(0, 5, (1, 7)), "contiguous")[0]
+    grad_host = rng.normal(0, 1, (1, 7)).astype(half)
+    losses, probs, dlogits = (dev.scratch(shape, half) for shape in ((7,), (7, 5), (7, 5)))
+    dev.cross_entropy(_placed(dev, host.copy(), where), labels, losses, probs)
+    dev.cross_entropy_backward(probs, labels, _placed(dev, grad_host, "offset")[0], dlogits)
+    wide = [dev.scratch(shape, np.float32) for shape in ((7,), (7, 5), (7, 5))]
+    dev.cross_entropy(_placed(dev, host.astype(np.float32), where), labels, *wide[:2])
+    probs_wide = _placed(dev, dev.to_host(probs).astype(np.float32), "contiguous")
+    grad_wide = _placed(dev, grad_host.astype(np.float32), "offset")[0]
+    dev.cross_entropy_backward(probs_wide, labels, grad_wide, wide[2])
+    for got, expected in zip((losses, probs, dlogits), wide):
+        assert _same(dev.to_host(got), dev.to_host(expected).astype(half))
