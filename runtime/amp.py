@@ -163,9 +163,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: Any,
     master parameters: x is cast to `dtype` first (a differentiable cast) and the result is
     `dtype`. The backward pass computes in `dtype` and gives the masters gradients of their own
     dtype (cast once, as in torch.autocast); it reads the weight's working copy, so only x is
-    saved per call."""
+    saved per call, and an x that had to be cast is saved as given and cast again in the
+    backward pass (a cheap pass, where keeping its cast would hold a copy of the input batch
+    from the forward pass to the backward one)."""
     dtype = _half(dtype, "amp.linear")
-    if x.dtype != dtype:
+    given = x
+    recast = x.dtype != dtype
+    if recast:
         x = ops.cast(x, dtype)
     w = working_copy(weight, dtype, copies)
     b = working_copy(bias, dtype, copies) if bias is not None else None
@@ -184,6 +188,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: Any,
             gx = ops.matmul(g, w) if nx else None
             gw = gb = None
             if nw:
+                x = ops.cast(x, dtype) if recast else x
                 x2 = x if x.ndim == 2 else x.reshape(-1, in_features)
                 gw = ops.cast(ops._matmul_at(g2, x2), master)
             if nb:
@@ -191,7 +196,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: Any,
             return gx, gw, gb
 
         autograd.record("linear", out, operands, ("x", "weight", "bias"), fn,
-                        [("x", x if nw else None), ("weight", w if nx else None)])
+                        [("x", given if nw else None), ("weight", w if nx else None)])
     return out
 
 
@@ -290,9 +295,8 @@ class GradScaler:
                 self._buffer("inverse", p.dtype)
                 self._buffer("sum", p.dtype)
                 self._buffer("gate", p.dtype)
-            prepare_gate = getattr(optimizer, "prepare_gate", None)
-            if prepare_gate is not None:
-                prepare_gate()
+            if getattr(optimizer, "gated_updates", False):
+                optimizer.prepare_gate()
 
     # ------------------------------------------------------------------ the step
     def scale(self, loss: Tensor) -> Tensor:
@@ -314,7 +318,8 @@ class GradScaler:
         if not (Note [a skipped step is a select on the device]). Disabled: optimizer.step().
 
         Raises GraphCaptureError inside a capture for an optimizer that cannot skip on the
-        device (one without `prepare_gate`: not derived from nn.SGD or nn.Adam).
+        device (`gated_updates` False: not nn.SGD or nn.Adam); eagerly, such an optimizer's
+        step is skipped in Python after reading the check back.
         """
         if not self.enabled:
             optimizer.step()
@@ -323,12 +328,13 @@ class GradScaler:
         if not grads:
             return
         capturing = tape.active() is not None
-        gated = getattr(optimizer, "prepare_gate", None) is not None
+        gated = getattr(optimizer, "gated_updates", False)
         if capturing and not gated:
             raise GraphCaptureError(
                 f"GradScaler.step: {type(optimizer).__name__} cannot skip a step on the device "
-                f"(it has no prepare_gate / gated updates, as nn.SGD and nn.Adam have), so a "
-                f"captured step could not skip an overflow; run it eagerly")
+                f"(its gated_updates is False: only nn.SGD and nn.Adam write through "
+                f"_target / _commit), so a captured step could not skip an overflow; run it "
+                f"eagerly, where the scaler reads the check back and skips in Python")
         self.prepare(optimizer)
         with no_grad(), tape.phase("update"):
             finite, gates = self._check(grads)
@@ -414,8 +420,9 @@ class GradScaler:
         return float(self._state[name].item())
 
     def get_scale(self) -> float:
-        """The current scale (1.0 when disabled); reads the device."""
-        return self._read("scale", 1.0)
+        """The current scale (init_scale before the first step, 1.0 when disabled); reads the
+        device."""
+        return self._read("scale", self.init_scale) if self.enabled else 1.0
 
     @property
     def skipped_steps(self) -> int:

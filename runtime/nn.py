@@ -394,6 +394,10 @@ class Optimizer:
     """Base of the optimizers: holds the parameters and per-parameter state; `step()` runs
     `_update(param, grad, state)` under no_grad for each parameter that has a gradient."""
 
+    #: True where every write of `_update`, `_begin` and `_end` to a parameter or to state goes
+    #: through `_target` and `_commit`, so that amp.GradScaler can skip a step on the device
+    gated_updates = False
+
     def __init__(self, params: Iterable[Tensor], lr: float) -> None:
         self.params: list[Tensor] = []
         name = type(self).__name__
@@ -451,9 +455,8 @@ class Optimizer:
                 self._gates = None
 
     def prepare_gate(self) -> None:
-        """Allocate now the further scratch a gated step needs (amp.GradScaler calls it, as
-        `prepare()`). An optimizer that has this method computes every new value with
-        `_target` and writes it with `_commit`, so that a gated step can be skipped."""
+        """Allocate now the state and the further scratch a gated step needs (amp.GradScaler
+        calls it, as `nn.train_step` calls `prepare()`; see `gated_updates`)."""
         self.prepare()
         gates, self._gates = self._gates, {}  # NOTE: _target makes scratch only when gated
         try:
@@ -529,6 +532,8 @@ class Optimizer:
 class SGD(Optimizer):
     """Stochastic gradient descent with momentum, dampening, Nesterov and weight decay, with
     PyTorch's update rule (momentum buffer = gradient at the first step)."""
+
+    gated_updates = True
 
     def __init__(self, params: Iterable[Tensor], lr: float, momentum: float = 0.0,
                  weight_decay: float = 0.0, dampening: float = 0.0,
@@ -611,6 +616,8 @@ class Adam(Optimizer):
     The bias corrections live on the device (beta**t as 0-d tensors updated by ops at every
     step), so a captured graph replays later steps correctly, like PyTorch's capturable Adam.
     """
+
+    gated_updates = True
 
     def __init__(self, params: Iterable[Tensor], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
