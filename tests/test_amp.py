@@ -53,14 +53,14 @@ def _optimizer(kind: str, params: list) -> nn.Optimizer:
 def _state(model: nn.Module, opt: nn.Optimizer) -> list[np.ndarray]:
     """Every value a step may write: parameters, optimizer state, Adam's powers and SGD's
     dampening coefficient."""
-    values = [p.numpy() for p in model.parameters()]
+    tensors = list(model.parameters())
     for p in opt.params:
-        values += [t.numpy() for t in opt.state[id(p)].values()]
-    for name in ("_powers",):
-        values += [t.numpy() for t in getattr(opt, name, None) or ()]
+        tensors += list(opt.state[id(p)].values())
+    tensors += list(getattr(opt, "_powers", None) or ())
     if getattr(opt, "_dampened", None) is not None:
-        values.append(opt._dampened.numpy())
-    return values
+        tensors.append(opt._dampened)
+    # NOTE: None for state a failed capture made and never wrote (it has no value to keep)
+    return [t.numpy() if t.block.written else None for t in tensors]
 
 
 def _data(seed: int = 1, rows: int = 6, features: int = 8,
@@ -301,6 +301,61 @@ def test_an_optimizer_without_gated_updates_is_skipped_eagerly_and_refused_in_a_
         runtime.graph(step)(x, y)
 
 
+@pytest.mark.parametrize("mode", ["eager", "none", "recycle", "static"])
+@settings(max_examples=2, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_mixed_step_that_fails_for_memory_changes_nothing(mode, seed):
+    """Note [the commit point] in runtime/nn.py with mixed precision: under injected allocation
+    faults (probability 0.05, as tests/test_faults.py), a failed float16 step leaves the
+    parameters, the optimizer state and the scaler's state bit for bit as they were, and the
+    run ends with the parameters of a run without faults."""
+    import allocators
+    from allocators import FaultInjectionAdaptor, OutOfMemoryError
+
+    x, y = _data(seed=6)
+
+    def run(probability: float) -> tuple[list[np.ndarray], int]:
+        flaky = FaultInjectionAdaptor(allocators.create("caching", "cpu"), 0.0, seed)
+        nn.manual_seed(0)
+        model = nn.Sequential(nn.Dense(8, 12, allocator=flaky), nn.ReLU(),
+                              nn.Dense(12, 3, allocator=flaky))
+        opt = nn.Adam(model.parameters(), lr=1e-2)
+        scaler = amp.GradScaler(init_scale=2.0 ** 20, growth_interval=2)  # skips, then grows
+        inner = nn.train_step(model, opt, precision="float16", scaler=scaler)
+        if mode == "eager":
+            def step():
+                return inner(runtime.tensor(x, allocator=flaky), y)
+        else:
+            graph = runtime.graph(inner, plan=mode, allocator=flaky)
+
+            def step():
+                return graph(x, y)
+
+        def snapshot() -> list[np.ndarray]:
+            values = _state(model, opt)
+            values += [t.numpy() for t in scaler._state.values() if t.block.written]
+            return values
+
+        flaky.probability = probability
+        failures = 0
+        for _ in range(8):
+            before = snapshot()
+            try:
+                step()
+            except OutOfMemoryError:
+                failures += 1
+                assert all(a is None or _same(a, b) for a, b in zip(before, snapshot()))
+                flaky.probability = 0.0
+                step()
+                flaky.probability = probability
+        return [p.numpy() for p in model.parameters()], failures
+
+    reference, none = run(0.0)
+    final, failures = run(0.05)
+    assert none == 0
+    assert all(_same(a, b) for a, b in zip(reference, final))
+
+
 # ---------------------------------------------------------------------- the gate itself
 GATED = st.sampled_from(["sgd", "sgd-momentum", "nesterov", "adam"])
 
@@ -400,25 +455,35 @@ def test_mixed_activation_memory_is_at_most_055_of_float32(config):
         assert activation[half] <= 0.55 * activation["float32"], activation
 
 
-def test_the_demo_reaches_97_percent_in_float16():
-    pytest.importorskip("sklearn", reason="the demo needs scikit-learn (the demo extra)")
+@pytest.fixture(scope="module")
+def demo() -> Any:
+    """examples/train_mlp.py as a module (it needs the demo extra)."""
     import importlib.util
     import pathlib
 
+    for module in ("sklearn", "tqdm"):
+        pytest.importorskip(module, reason=f"the demo needs {module} (the demo extra)")
     path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_mlp.py"
-    if importlib.util.find_spec("tqdm") is None:
-        pytest.skip("the demo needs tqdm (the demo extra)")
     spec = importlib.util.spec_from_file_location("train_mlp_amp", path)
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("precision", HALF)
+def test_the_demo_reaches_97_percent_in_mixed_precision(demo, precision, seed):
+    """The demo's training (5 epochs, batch 16, Adam falling linearly, a static graph) in
+    mixed precision; seeds 0-79 reached 97.6-98.4% (float16) in the measurements of
+    /work/notes (figs-amp)."""
     x_train, x_test, y_train, y_test = demo.load()
-    nn.manual_seed(1)
+    nn.manual_seed(seed)
     model = demo.make_model()
     opt = nn.Adam(model.parameters(), lr=demo.LR)
-    train = nn.train_step(model, opt, precision="float16")
+    train = nn.train_step(model, opt, precision=precision)
     step = runtime.graph(train)
-    rng = np.random.default_rng(1)
-    epochs, batch = 3, 16
+    rng = np.random.default_rng(seed)
+    epochs, batch = 5, 16
     for epoch in range(epochs):
         opt.lr = demo.learning_rate(epoch, epochs)
         step.recapture()
@@ -426,6 +491,8 @@ def test_the_demo_reaches_97_percent_in_float16():
         for start in range(0, len(x_train) // batch * batch, batch):
             pick = order[start:start + batch]
             step(x_train[pick], y_train[pick])
-    assert demo.accuracy(model, x_test, y_test, "float16") >= 0.97
-    assert train.scaler.steps == epochs * (len(x_train) // batch)
-    assert math.isfinite(train.scaler.get_scale())
+    assert demo.accuracy(model, x_test, y_test, precision) >= 0.97
+    assert all(p.dtype == np.float32 for p in model.parameters())
+    if precision == "float16":
+        assert train.scaler.steps == epochs * (len(x_train) // batch)
+        assert math.isfinite(train.scaler.get_scale())
