@@ -248,8 +248,6 @@ class GradScaler:
         self._state: dict[str, Tensor] = {}
         #: 0-d scratch for one step, by name (eager only: a capture uses temporaries)
         self._scratch: dict[str, Tensor] = {}
-        #: -0.0 or NaN per dtype of the parameters: the gate of the last step
-        self._gates: dict[np.dtype, Tensor] = {}
         #: optimizer steps since the last update(), on the host (the same in every replay)
         self._pending = 0
         #: skipped steps already logged
