@@ -252,6 +252,8 @@ class GradScaler:
         self._pending = 0
         #: skipped steps already logged
         self._reported = 0
+        #: the state `load_state_dict` gave before the device state was made
+        self._initial: dict[str, float] = {}
 
     # ------------------------------------------------------------------ state
     def _make_state(self, like: Tensor) -> None:
@@ -259,7 +261,7 @@ class GradScaler:
             return
         device, allocator = like.device, like.block.allocator
         values = {"scale": self.init_scale, "tracker": 0.0, "steps": 0.0, "skipped": 0.0,
-                  "finite": 1.0}
+                  "finite": 1.0, **self._initial}
         # NOTE: all made before any is kept: Note [the commit point] in runtime/nn.py
         made = {name: tensor(np.array(value, _FLOAT32), device=device, allocator=allocator)
                 for name, value in values.items()}
@@ -414,7 +416,7 @@ class GradScaler:
     # ------------------------------------------------------------------ what happened
     def _read(self, name: str, default: float) -> float:
         if not self.enabled or not self._state:
-            return default
+            return self._initial.get(name, default) if self.enabled else default
         return float(self._state[name].item())
 
     def get_scale(self) -> float:
@@ -444,6 +446,44 @@ class GradScaler:
                          "" if new == 1 else "s", self.get_scale(), skipped, self.steps)
             self._reported = skipped
         return skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's settings and state as plain numbers (torch.amp.GradScaler's keys, plus
+        the step counts), for a checkpoint; reads the device. Empty when disabled."""
+        if not self.enabled:
+            return {}
+        return {"scale": self.get_scale(), "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
+                "_growth_tracker": int(self._read("tracker", 0.0)), "steps": self.steps,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned: the settings now, the device state (scale,
+        growth counter, counts) at once if it exists, else when it is made.
+
+        Raises ValueError for a state of a disabled scaler or with a key missing."""
+        if not self.enabled:
+            return
+        missing = {"scale", "growth_factor", "backoff_factor", "growth_interval",
+                   "_growth_tracker"} - set(state)
+        if missing:
+            raise ValueError(f"GradScaler.load_state_dict: the state has no "
+                             f"{', '.join(sorted(missing))} (a disabled scaler's state is empty)")
+        self.growth_factor = _positive("growth_factor", state["growth_factor"], 1.0)
+        self.backoff_factor = _positive("backoff_factor", state["backoff_factor"], 0.0, 1.0)
+        self.growth_interval = int(state["growth_interval"])
+        self.init_scale = _positive("scale", state["scale"], 0.0)
+        values = {"scale": self.init_scale, "tracker": float(state["_growth_tracker"]),
+                  "steps": float(state.get("steps", 0)),
+                  "skipped": float(state.get("skipped_steps", 0))}
+        self._reported = int(values["skipped"])
+        if self._state:
+            with no_grad():
+                for name, value in values.items():
+                    ops.mul(self._state[name], 0.0, out=self._state[name])
+                    ops.add(self._state[name], value, out=self._state[name])
+        else:
+            self._initial = values
 
     def __repr__(self) -> str:
         if not self.enabled:

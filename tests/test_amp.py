@@ -300,6 +300,25 @@ def test_the_scale_grows_after_growth_interval_finite_steps_in_a_row(graphed):
     assert scaler._state["tracker"].item() == 1.0
 
 
+def test_the_scaler_state_round_trips_through_a_checkpoint():
+    (m1, o1, s1, eager), _ = _pair("float16", "sgd", init_scale=2.0 ** 40, growth_interval=5)
+    x, y = _data()
+    for _ in range(30):
+        eager(runtime.tensor(x), y)
+    saved = s1.state_dict()
+    assert saved["skipped_steps"] == s1.skipped_steps > 0 and saved["steps"] == 30
+    assert saved["scale"] == s1.get_scale() and 0 <= saved["_growth_tracker"] < 5
+    for made in (False, True):  # into a fresh scaler, and into one that has run
+        other = amp.GradScaler()
+        if made:
+            other.scale(runtime.tensor(np.float32(1.0)))
+        other.load_state_dict(saved)
+        assert other.state_dict() == saved
+    with pytest.raises(ValueError, match="the state has no _growth_tracker, scale"):
+        amp.GradScaler().load_state_dict({"growth_factor": 2.0, "backoff_factor": 0.5,
+                                          "growth_interval": 3})
+
+
 def test_bfloat16_needs_no_scaler_and_a_disabled_scaler_passes_through():
     model = _model()
     opt = nn.SGD(model.parameters(), lr=0.1)
