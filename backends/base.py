@@ -50,8 +50,9 @@ UNARY_KERNELS = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "sqrt", "copy")
 #: Elementwise kernels of two inputs, broadcast by the runtime to the output's shape. The
 #: "*_backward" ones take (gradient, the op's output): tanh: a * (1 - b*b); sigmoid:
 #: a * b * (1 - b); relu: a where b > 0, else 0 (autograd's fused derivative kernels).
+#: "where_finite": a where a is finite, else b (the select of a skipped mixed-precision step).
 BINARY_KERNELS = ("add", "sub", "mul", "div", "tanh_backward", "sigmoid_backward",
-                  "relu_backward")
+                  "relu_backward", "where_finite")
 #: Reductions over an axis (or all axes).
 REDUCE_KERNELS = ("sum", "mean")
 #: The default `Device.fused` runs a chain in blocks of about this many bytes per operand (L2).

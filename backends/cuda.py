@@ -64,6 +64,8 @@ def _kernels() -> dict[str, Any]:
                                    "blockrt_sigmoid_backward"),
         "relu_backward": kernel("T g, T y", "T out", "out = g * (T)(y > (T)0)",
                                 "blockrt_relu_backward"),
+        "where_finite": kernel("T a, T b", "T out", "out = isfinite(a) ? a : b",
+                               "blockrt_where_finite"),
         "cross_entropy_backward": kernel(
             "T p, L label, T g, L col", "T out", "out = (p - (T)(col == label)) * g",
             "blockrt_cross_entropy_backward"),
@@ -233,7 +235,7 @@ class CudaDevice(Device):
     @_on_stream
     def _binary(self, name, a, b, out) -> None:
         cp = _cupy()
-        if name.endswith("_backward"):
+        if name.endswith("_backward") or name == "where_finite":
             _kernels()[name](a, b, out)
         else:
             ufunc = {"add": cp.add, "sub": cp.subtract, "mul": cp.multiply, "div": cp.divide}

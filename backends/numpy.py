@@ -75,6 +75,15 @@ def _relu_backward(grad: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
     np.multiply(grad, np.greater(y, 0), out=out)
 
 
+def _where_finite(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    finite = np.isfinite(a)
+    if np.may_share_memory(out, a):  # NOTE: then out is a itself (ops allow no other overlap)
+        np.copyto(out, b, where=~finite)
+        return
+    np.copyto(out, b)
+    np.copyto(out, a, where=finite)
+
+
 def _tanh_backward(grad: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
     # NOTE: out may be grad or y itself, so the factor is built in a temporary first.
     factor = np.multiply(y, y, out=np.empty(out.shape, out.dtype))
@@ -100,7 +109,7 @@ _UNARY = {
 }
 _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
            "tanh_backward": _tanh_backward, "sigmoid_backward": _sigmoid_backward,
-           "relu_backward": _relu_backward}
+           "relu_backward": _relu_backward, "where_finite": _where_finite}
 _REDUCE = {"sum": np.sum, "mean": np.mean}
 
 

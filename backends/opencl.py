@@ -86,7 +86,8 @@ _UNARY = {"neg": "-x0", "exp": "exp(x0)", "log": "log(x0)", "tanh": "tanh_(x0)",
 _BINARY = {"add": "x0 + x1", "sub": "x0 - x1", "mul": "x0 * x1", "div": "x0 / x1",
            "tanh_backward": "x0 * ((T)1 - x1 * x1)",
            "sigmoid_backward": "x0 * (((T)1 - x1) * x1)",
-           "relu_backward": "x1 > (T)0 ? x0 : x0 * (T)0"}
+           "relu_backward": "x1 > (T)0 ? x0 : x0 * (T)0",
+           "where_finite": "isfinite(x0) ? x0 : x1"}
 
 
 class _Raw:

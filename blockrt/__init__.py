@@ -44,6 +44,7 @@ from runtime import (
     Tensor,
     UninitializedMemoryError,
     UseAfterFreeError,
+    amp,
     constant,
     empty,
     enable_grad,
@@ -78,7 +79,7 @@ __all__ = [
     # the runtime (runtime.__all__)
     "PLANS", "AliasingError", "AutogradError", "Block", "BudgetError", "ConstantPool", "Graph",
     "GraphCaptureError", "ReadOnlyAllocator", "ReadOnlyError", "Tensor",
-    "UninitializedMemoryError", "UseAfterFreeError", "constant", "empty", "enable_grad",
+    "UninitializedMemoryError", "UseAfterFreeError", "amp", "constant", "empty", "enable_grad",
     "format_report", "from_dlpack", "get_aliasing", "get_default_allocator",
     "get_default_device", "graph", "is_grad_enabled", "memory_summary", "nn", "no_grad", "ones",
     "ops", "overlaps", "plot_memory_timeline", "set_aliasing", "set_default_allocator",

@@ -545,7 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "repository checkout and the `demo` extra) with this Python, in the current "
                        "directory (where it writes memory_timeline.png). Other arguments, or "
                        "those after `--`, go to the script, e.g. "
-                       "`blockrt demo --epochs 5 --no-progress`.")
+                       "`blockrt demo --epochs 5 --no-progress`, or "
+                       "`blockrt demo --precision float16` for mixed precision.")
     p.set_defaults(run=cmd_demo)
 
     p = sub.add_parser("bench", help="list or run the benchmarks (checkout only)",

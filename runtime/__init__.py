@@ -10,7 +10,7 @@ Example:
 
 from __future__ import annotations
 
-from runtime import nn, ops
+from runtime import amp, nn, ops
 from runtime.aliasing import overlaps
 from runtime.autograd import enable_grad, is_grad_enabled, no_grad
 from runtime.block import Block
@@ -36,7 +36,7 @@ from runtime.graph import PLANS, BudgetError, Graph, graph
 from runtime.summary import format_report, memory_summary, plot_memory_timeline
 from runtime.tensor import Tensor, empty, ones, tensor, view, zeros
 
-__all__ = ["PLANS", "AliasingError", "AutogradError", "Block", "BudgetError", "ConstantPool",
+__all__ = ["PLANS", "AliasingError", "amp", "AutogradError", "Block", "BudgetError", "ConstantPool",
            "Graph",
            "GraphCaptureError",
            "ReadOnlyAllocator", "ReadOnlyError", "Tensor", "UninitializedMemoryError",

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from allocators import Allocator
-from runtime import dtypes, ops, tape
+from runtime import amp, dtypes, ops, tape
 from runtime.autograd import no_grad
 from runtime.tensor import (
     Tensor,
@@ -182,6 +182,10 @@ class Dense(Module):
     `weight` is (out_features, in_features) and, like `bias`, starts uniform in
     [-1/sqrt(in_features), 1/sqrt(in_features)] (PyTorch's nn.Linear initialisation).
 
+    Inside `amp.autocast(half)` a layer with parameters of another float dtype computes in
+    `half` from working copies of its parameters, cast again only when a parameter changed
+    (runtime/amp.py); its input is cast to `half` and its output is `half`.
+
     Args:
         in_features, out_features: positive sizes.
         bias: whether to add a learned bias.
@@ -210,9 +214,17 @@ class Dense(Module):
                                device, allocator)
         self.bias = (_uniform(generator, (self.out_features,), bound, dtype, device, allocator)
                      if bias else None)
+        #: working copies of the parameters for autocast, by (parameter id, dtype)
+        self._copies: dict[Any, Any] = {}
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        half = amp.autocast_dtype()
+        if half is None:
+            return ops.linear(x, self.weight, self.bias)
+        if self.weight.dtype == half:  # NOTE: already two-byte: nothing to cast but x
+            return ops.linear(x if x.dtype == half else ops.cast(x, half), self.weight,
+                              self.bias)
+        return amp.linear(x, self.weight, self.bias, half, self._copies)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -267,25 +279,38 @@ class Sequential(Module):
 
 
 # ---------------------------------------------------------------------- losses
+def _autocast_float32(x: Tensor) -> Tensor:
+    """x in float32 where `amp.autocast` is on and x is two-byte (losses run in float32 there,
+    as torch.autocast runs them), else x."""
+    if amp.autocast_dtype() is not None and x.dtype in dtypes.HALVES:
+        return ops.cast(x, "float32")
+    return x
+
+
 def softmax_cross_entropy(logits: Tensor, labels: Any) -> Tensor:
     """The mean over the batch of the softmax cross-entropy of `logits` (batch, classes) against
-    integer class indices `labels` (batch,), computed stably; PyTorch's F.cross_entropy."""
-    return ops.mean(ops.cross_entropy(logits, labels))
+    integer class indices `labels` (batch,), computed stably; PyTorch's F.cross_entropy.
+    Inside `amp.autocast`, two-byte logits are cast to float32 first."""
+    return ops.mean(ops.cross_entropy(_autocast_float32(logits), labels))
 
 
 def mse(prediction: Tensor, target: Any) -> Tensor:
-    """The mean squared error, mean((prediction - target)**2); PyTorch's F.mse_loss."""
+    """The mean squared error, mean((prediction - target)**2); PyTorch's F.mse_loss. Inside
+    `amp.autocast`, a two-byte prediction is cast to float32 first."""
+    prediction = _autocast_float32(prediction)
     if not isinstance(target, Tensor):
         target = tensor(host_array(target, prediction.dtype, "target"), device=prediction.device,
                         allocator=prediction.block.allocator)
+    elif target.dtype != prediction.dtype and amp.autocast_dtype() is not None:
+        target = ops.cast(target, prediction.dtype)
     if target.shape != prediction.shape:
         raise ValueError(f"mse: target has shape {target.shape}, prediction {prediction.shape}")
     diff = ops.sub(prediction, target)
     return ops.mean(ops.mul(diff, diff))
 
 
-def train_step(model: Module, optimizer: Optimizer,
-               loss: Any = softmax_cross_entropy) -> Any:
+def train_step(model: Module, optimizer: Optimizer, loss: Any = softmax_cross_entropy, *,
+               precision: Any = "float32", scaler: amp.GradScaler | None = None) -> Any:
     """A training step `step(x, target) -> loss tensor`: forward, loss, backward, update, then
     `optimizer.zero_grad()`. The optimizer's memory is prepared first and backward stores the
     gradients only once all are computed, so an OutOfMemoryError anywhere in the step leaves
@@ -293,20 +318,49 @@ def train_step(model: Module, optimizer: Optimizer,
     gradients die inside the step, so a `runtime.graph` capture of it plans their memory (each
     is freed after its update).
 
+    Mixed precision (runtime/amp.py): `precision="float16"` or `"bfloat16"` runs the forward
+    pass and the loss under `amp.autocast(precision)` (Dense layers in the half dtype from
+    their float32 masters, the loss in float32), and the update through `scaler`: by default a
+    new `amp.GradScaler()` for float16 and none for bfloat16 (which needs no scaling). The
+    scaler in use is `step.scaler` (None without one), e.g. for `step.scaler.skipped_steps`.
+
     Example:
         >>> import runtime
         >>> from runtime import nn
         >>> model = nn.Sequential(nn.Dense(4, 2))
         >>> step = runtime.graph(nn.train_step(model, nn.SGD(model.parameters(), lr=0.1)))
+        >>> mixed = nn.train_step(model, nn.Adam(model.parameters()), precision="float16")
+        >>> mixed.scaler
+        GradScaler(init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000)
     """
+    half = None
+    if precision is not None and as_dtype(precision, "train_step: precision") != np.float32:
+        half = amp._half(precision, "train_step: precision (or float32)")
+    if scaler is None and half == np.float16:
+        scaler = amp.GradScaler()
+    if scaler is not None and not isinstance(scaler, amp.GradScaler):
+        raise TypeError(f"train_step: scaler must be an amp.GradScaler, got {_brief(scaler)}")
+
     def step(x: Tensor, target: Any) -> Tensor:
         optimizer.prepare()  # NOTE: every allocation first: Note [the commit point]
-        value = loss(model(x), target)
-        value.backward()
-        optimizer.step()
+        if scaler is not None:
+            scaler.prepare(optimizer)
+        if half is None:
+            value = loss(model(x), target)
+        else:
+            with amp.autocast(half):
+                value = loss(model(x), target)
+        if scaler is None:
+            value.backward()
+            optimizer.step()
+        else:
+            scaler.scale(value).backward()
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad()
         return value
 
+    step.scaler = scaler  # type: ignore[attr-defined]
     return step
 
 
@@ -340,6 +394,10 @@ class Optimizer:
     """Base of the optimizers: holds the parameters and per-parameter state; `step()` runs
     `_update(param, grad, state)` under no_grad for each parameter that has a gradient."""
 
+    #: True where every write of `_update`, `_begin` and `_end` to a parameter or to state goes
+    #: through `_target` and `_commit`, so that amp.GradScaler can skip a step on the device
+    gated_updates = False
+
     def __init__(self, params: Iterable[Tensor], lr: float) -> None:
         self.params: list[Tensor] = []
         name = type(self).__name__
@@ -359,6 +417,8 @@ class Optimizer:
         self.lr = _check_number(f"{name}: lr", lr, 0.0)
         self.state: dict[int, dict[str, Any]] = {id(p): {} for p in self.params}
         self._scratch_pool: dict[tuple, Tensor] = {}
+        #: during a step gated by amp.GradScaler: -0.0 (take it) or NaN (skip it), by dtype
+        self._gates: dict[Any, Tensor] | None = None
 
     def zero_grad(self) -> None:
         """Forget the parameters' gradients (set them to None)."""
@@ -372,15 +432,55 @@ class Optimizer:
         OutOfMemoryError leaves the parameters and the optimizer state as they were
         (Note [the commit point]).
         """
+        self._step(None)
+
+    def _step(self, gates: dict[Any, Tensor] | None) -> None:
+        """`step()`, each write to a parameter or to state a select by `gates` where given
+        (`amp.GradScaler.step`: Note [a skipped step is a select on the device] in
+        runtime/amp.py)."""
         with no_grad(), tape.phase("update"):
             todo = [p for p in self.params if p.grad is not None]
-            self._prepare_shared()
-            for p in todo:
-                self._prepare(p, self.state[id(p)])
-            self._begin()
-            for p in todo:
-                self._update(p, p.grad, self.state[id(p)])
-            self._end()
+            self._gates = gates
+            try:
+                self._prepare_shared()
+                for p in todo:
+                    self._prepare(p, self.state[id(p)])
+                if gates is not None:
+                    self.prepare_gate()
+                self._begin()
+                for p in todo:
+                    self._update(p, p.grad, self.state[id(p)])
+                self._end()
+            finally:
+                self._gates = None
+
+    def prepare_gate(self) -> None:
+        """Allocate now the state and the further scratch a gated step needs (amp.GradScaler
+        calls it, as `nn.train_step` calls `prepare()`; see `gated_updates`)."""
+        self.prepare()
+        gates, self._gates = self._gates, {}  # NOTE: _target makes scratch only when gated
+        try:
+            with no_grad(), tape.phase("update"):
+                for p in self.params:
+                    self._gated_scratch(p)
+        finally:
+            self._gates = gates
+
+    def _gated_scratch(self, p: Tensor) -> None:
+        """Make the scratch that gated updates of `p` (and the shared state) use."""
+
+    def _target(self, state: Tensor, index: int) -> Tensor | None:
+        """Where the new value of `state` goes: `state` itself, or in a gated step scratch
+        number `index` shaped like it (None while capturing: a temporary), for `_commit`."""
+        return state if self._gates is None else self._scratch(state, index)
+
+    def _commit(self, new: Tensor, state: Tensor) -> None:
+        """Write `new` (from `_target`) over `state`: nothing to do outside a gated step; in
+        one, state = where_finite(new + gate, state), new bit for bit or state unchanged."""
+        if self._gates is None:
+            return
+        ops.add(new, self._gates[new.dtype], out=new)
+        ops.where_finite(new, state, out=state)
 
     def prepare(self) -> None:
         """Allocate now the state and scratch of every parameter (`step()` would make them at
@@ -433,6 +533,8 @@ class SGD(Optimizer):
     """Stochastic gradient descent with momentum, dampening, Nesterov and weight decay, with
     PyTorch's update rule (momentum buffer = gradient at the first step)."""
 
+    gated_updates = True
+
     def __init__(self, params: Iterable[Tensor], lr: float, momentum: float = 0.0,
                  weight_decay: float = 0.0, dampening: float = 0.0,
                  nesterov: bool = False) -> None:
@@ -459,13 +561,23 @@ class SGD(Optimizer):
         if self.momentum and self.dampening:
             self._coefficient(p)
 
+    def _gated_scratch(self, p: Tensor) -> None:
+        self._scratch(p, 1)
+        if self.nesterov:
+            self._scratch(p, 2)
+        if self._dampened is not None:
+            self._scratch(self._dampened, 0)
+
     def _end(self) -> None:
         if self._dampened is not None:  # from now on d counts 1 - dampening
-            ops.mul(self._dampened, 0.0, out=self._dampened)
-            ops.add(self._dampened, 1 - self.dampening, out=self._dampened)
+            new = ops.mul(self._dampened, 0.0, out=self._target(self._dampened, 0))
+            new = ops.add(new, 1 - self.dampening, out=new)
+            self._commit(new, self._dampened)
 
     def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
-        scratch = self._scratch(p)  # NOTE: with out=None (capturing) each op makes a temporary
+        # NOTE: with out=None (capturing) each op makes a temporary; outside a gated step
+        # _target is the state itself and _commit does nothing
+        scratch = self._scratch(p)
         d = grad
         if self.weight_decay:
             decay = ops.mul(p, self.weight_decay, out=scratch)
@@ -475,16 +587,22 @@ class SGD(Optimizer):
             # later 1 - dampening), so the same ops run at every step: a captured graph
             # replays PyTorch's rule, where the buffer starts as the first d.
             buf = state["momentum"]
-            ops.mul(buf, self.momentum, out=buf)
+            new_buf = ops.mul(buf, self.momentum, out=self._target(buf, 1))
             if self.dampening:
                 d = ops.mul(d, self._coefficient(p), out=scratch)
-            ops.add(buf, d, out=buf)
+            new_buf = ops.add(new_buf, d, out=new_buf)
             if self.nesterov:  # p -= lr * (d + momentum * buf), in two subtractions
-                ops.sub(p, ops.mul(d, self.lr, out=scratch), out=p)
-                ops.sub(p, ops.mul(buf, self.lr * self.momentum, out=scratch), out=p)
+                new_p = ops.sub(p, ops.mul(d, self.lr, out=scratch), out=self._target(p, 2))
+                new_p = ops.sub(new_p, ops.mul(new_buf, self.lr * self.momentum, out=scratch),
+                                out=new_p)
+                self._commit(new_buf, buf)
+                self._commit(new_p, p)
                 return
-            d = buf
-        ops.sub(p, ops.mul(d, self.lr, out=scratch), out=p)
+            d = new_buf
+        new_p = ops.sub(p, ops.mul(d, self.lr, out=scratch), out=self._target(p, 0))
+        if self.momentum:
+            self._commit(d, state["momentum"])
+        self._commit(new_p, p)
 
     def _options(self) -> str:
         return (f"lr={self.lr}, momentum={self.momentum}, weight_decay={self.weight_decay}"
@@ -498,6 +616,8 @@ class Adam(Optimizer):
     The bias corrections live on the device (beta**t as 0-d tensors updated by ops at every
     step), so a captured graph replays later steps correctly, like PyTorch's capturable Adam.
     """
+
+    gated_updates = True
 
     def __init__(self, params: Iterable[Tensor], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -534,15 +654,23 @@ class Adam(Optimizer):
         self._scratch(p, 0)
         self._scratch(p, 1)
 
+    def _gated_scratch(self, p: Tensor) -> None:
+        self._scratch(p, 2)
+        for power in self._powers:
+            self._scratch(power, 0)
+            self._scratch(power, 1)
+
     def _begin(self) -> None:
         beta1, beta2 = self.betas
         power1, power2 = self._powers
-        ops.mul(power1, beta1, out=power1)
-        ops.mul(power2, beta2, out=power2)
-        ops.sub(1.0, power1, out=self._step_size)
+        new1 = ops.mul(power1, beta1, out=self._target(power1, 0))
+        new2 = ops.mul(power2, beta2, out=self._target(power2, 1))
+        ops.sub(1.0, new1, out=self._step_size)
         ops.div(self.lr, self._step_size, out=self._step_size)
-        ops.sub(1.0, power2, out=self._inverse_correction)
+        ops.sub(1.0, new2, out=self._inverse_correction)
         ops.div(1.0, self._inverse_correction, out=self._inverse_correction)
+        self._commit(new1, power1)
+        self._commit(new2, power2)
 
     def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
         beta1, beta2 = self.betas
@@ -551,16 +679,22 @@ class Adam(Optimizer):
         g = grad
         if self.weight_decay:
             g = ops.add(ops.mul(p, self.weight_decay, out=s1), grad, out=s1)
-        ops.mul(m, beta1, out=m)
-        ops.add(m, ops.mul(g, 1 - beta1, out=s2), out=m)
-        ops.mul(v, beta2, out=v)
+        # NOTE: outside a gated step _target is the state itself and _commit does nothing; in
+        # one, m and v are committed before p reads them (a skipped step discards p's new
+        # value whatever it read)
+        new_m = ops.mul(m, beta1, out=self._target(m, 2))
+        new_m = ops.add(new_m, ops.mul(g, 1 - beta1, out=s2), out=new_m)
+        self._commit(new_m, m)
+        new_v = ops.mul(v, beta2, out=self._target(v, 2))
         squared = ops.mul(g, g, out=s2)
-        ops.add(v, ops.mul(squared, 1 - beta2, out=s2), out=v)
+        new_v = ops.add(new_v, ops.mul(squared, 1 - beta2, out=s2), out=new_v)
+        self._commit(new_v, v)
         # p -= lr / (1 - beta1**t) * m / (sqrt(v / (1 - beta2**t)) + eps)
         denominator = ops.sqrt(ops.mul(v, self._inverse_correction, out=s2), out=s2)
         denominator = ops.add(denominator, self.eps, out=s2)
         step = ops.mul(m, self._step_size, out=s1)
-        ops.sub(p, ops.div(step, denominator, out=s1), out=p)
+        new_p = ops.sub(p, ops.div(step, denominator, out=s1), out=self._target(p, 0))
+        self._commit(new_p, p)
 
     def _options(self) -> str:
         return (f"lr={self.lr}, betas={self.betas}, eps={self.eps}, "

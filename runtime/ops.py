@@ -30,8 +30,8 @@ from runtime.errors import AliasingError, AutogradError, device_names
 from runtime.tensor import Tensor, _brief, as_axes, as_dtype, as_flag, empty, host_array, tensor
 
 __all__ = ["ALIASING_POLICY", "add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sigmoid",
-           "relu", "sqrt", "matmul", "linear", "cross_entropy", "sum", "mean", "copy", "cast",
-           "can_cast"]
+           "relu", "sqrt", "where_finite", "matmul", "linear", "cross_entropy", "sum", "mean",
+           "copy", "cast", "can_cast"]
 
 ELEMENTWISE = "elementwise"
 NEVER = "never"
@@ -39,7 +39,7 @@ NEVER = "never"
 #: What each op declares about its output sharing memory with its inputs (see the module docstring).
 ALIASING_POLICY: dict[str, str] = {
     **dict.fromkeys(("add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sigmoid", "relu",
-                     "sqrt", "copy"), ELEMENTWISE),
+                     "sqrt", "copy", "where_finite"), ELEMENTWISE),
     **dict.fromkeys(("matmul", "linear", "cross_entropy", "sum", "mean", "cast"), NEVER),
     # autograd's fused derivatives (not public ops): (gradient, the op's output) -> gradient
     **dict.fromkeys(("tanh_backward", "sigmoid_backward", "relu_backward"), ELEMENTWISE),
@@ -342,6 +342,15 @@ def _record_elementwise(op: str, out: Tensor, operands: Sequence[Operand]) -> No
     elif op == "copy":
         def fn(g):
             return (g,)
+    elif op == "where_finite":
+        save = [("a", a)]
+
+        def fn(g, a):  # g flows to a where a is finite, to b elsewhere
+            if isinstance(a, Tensor):
+                taken = where_finite(add(mul(a, 0.0), 1.0), 0.0)  # 1 where a is finite, else 0
+            else:
+                taken = 1.0 if math.isfinite(a) else 0.0
+            return (mul(g, taken) if na else None, mul(g, sub(1.0, taken)) if nb else None)
     elif op in ("exp", "sqrt", "tanh", "sigmoid", "relu"):
         save = [("the output", out)]  # each derivative is a function of the output
         fn = _OUTPUT_DERIVATIVES[op]
@@ -468,6 +477,24 @@ def relu(x: Tensor, out: Tensor | None = None) -> Tensor:
 def sqrt(x: Tensor, out: Tensor | None = None) -> Tensor:
     """The square root elementwise."""
     return _elementwise("sqrt", out, x)
+
+
+def where_finite(a: Operand, b: Operand, out: Tensor | None = None) -> Tensor:
+    """a where a is finite, else b, elementwise, with broadcasting (NumPy's
+    `np.where(np.isfinite(a), a, b)`); either may be a number. `out` may be a or b.
+
+    With b = 0 it replaces infinities and NaN by zeros (`np.nan_to_num` without the large
+    finite stand-ins). A mixed-precision step uses it to skip an update on the device: the new
+    value plus -0.0 (take the step) or NaN (skip it) is the first operand, the old value the
+    second (runtime/amp.py). The gradient goes to a where a is finite and to b elsewhere.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> x = runtime.tensor(np.float32([1.0, np.inf, np.nan, -2.0]))
+        >>> runtime.ops.where_finite(x, 0.0).numpy()
+        array([ 1.,  0.,  0., -2.], dtype=float32)
+    """
+    return _elementwise("where_finite", out, a, b)
 
 
 def copy(x: Tensor, out: Tensor | None = None) -> Tensor:

@@ -24,7 +24,8 @@ UNARY_REFERENCE: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 BINARY_REFERENCE = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
                     "tanh_backward": lambda g, y: g * (1 - y * y),
                     "sigmoid_backward": lambda g, y: g * y * (1 - y),
-                    "relu_backward": lambda g, y: np.where(y > 0, g, 0 * g)}
+                    "relu_backward": lambda g, y: np.where(y > 0, g, 0 * g),
+                    "where_finite": lambda a, b: np.where(np.isfinite(a), a, b)}
 
 
 def to_device(device: Any, host: np.ndarray) -> Any:

@@ -802,7 +802,8 @@ def test_every_op_declares_a_policy_and_keeps_it():
         x = runtime.tensor(np.linspace(0.5, 2.0, 9).reshape(3, 3))
         op = getattr(ops, name, None) or (lambda *a, name=name, **k: ops._elementwise(
             name, k["out"], *a))
-        args = (x, x) if name in ("add", "sub", "mul", "div", "matmul", "linear") else (x,)
+        args = ((x, x) if name in ("add", "sub", "mul", "div", "where_finite", "matmul", "linear")
+                else (x,))
         if name in backward_kernels:
             args = (x, x)
         kwargs = {"axis": 0, "keepdims": True} if name in ("sum", "mean") else {}

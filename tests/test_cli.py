@@ -377,6 +377,7 @@ DEMO_CASES = [
     (["--seed", "-1"], ["--seed", "-1", SEEDS]),
     (["--seed", str(2**32)], ["--seed", str(2**32), SEEDS]),
     (["--plan", "greedy"], ["--plan", "'greedy'", "'static'"]),
+    (["--precision", "float8"], ["--precision", "'float8'", "'bfloat16'"]),
     (["--plot", "/no/such/dir/t.png"], ["--plot", "/no/such/dir"]),
     (["--plot", "timeline.txt"], ["--plot", "'timeline.txt'", ".png"]),
 ]

@@ -21,7 +21,7 @@ LAYERS = {
     "config": 2,
     "tape": 3, "autograd": 3, "tensor": 3, "dlpack": 3, "fastpath": 3, "ops": 3,
     "constant": 4,
-    "nn": 5, "graph": 5,
+    "amp": 5, "nn": 5, "graph": 5,
     "summary": 6,
     "__init__": 7,
 }

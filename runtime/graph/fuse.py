@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime import dtypes
 from runtime.graph.program import Fused, _Step
 from runtime.graph.schedule import _positions
 from runtime.tape import Instruction, Operand
@@ -158,6 +159,8 @@ def _folding(step: _Step, head: Instruction, out: Operand,
             return form
     if any(o.block.id == out.block.id for i in step.instructions for o in i.inputs):
         return None
+    if len(head.inputs) > 2 and product.dtype in dtypes.HALVES:
+        return None  # NOTE: linear rounds x @ w.T + bias once; split, the product would round too
     return "into"
 
 

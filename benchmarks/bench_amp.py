@@ -1,0 +1,116 @@
+"""Mixed-precision training (issue 20, part 3): the MLP training step in float32 against the same
+step in mixed float16 (autocast, float32 masters, a GradScaler) and mixed bfloat16 (no scaler),
+eager and under a static graph plan: step time and the graph's memory report.
+
+The model is benchmarks/mlp_reference.py's (`depth` hidden Dense layers of `width` with ReLU, a
+Dense classifier to 10 classes, softmax cross-entropy, SGD lr 0.01), built by
+`nn.train_step(model, opt, precision=...)`. Contenders share one process and are timed in
+interleaved rounds (`timing.interleaved_best`), so that all see the same machine load; ratios
+are to float32 in the same mode. One BLAS thread unless OPENBLAS_NUM_THREADS is set.
+
+Memory: `activation_bytes` (the most bytes of forward results live at once) and
+`planned_bytes` (the static arena of every intermediate, gradients included), from the
+capture; they do not depend on the machine.
+
+Run: .venv/bin/python benchmarks/bench_amp.py [--configs S,M] [--memory M,L] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mlp_reference import LR, init_params, make_batch  # noqa: E402
+from timing import blas_name, cpu_name, interleaved_best, versions  # noqa: E402
+
+import runtime  # noqa: E402
+from allocators import format_bytes  # noqa: E402
+from blockrt.models import CONFIGS, MLPConfig  # noqa: E402
+from runtime import fastpath, nn  # noqa: E402
+
+PRECISIONS = ("float32", "float16", "bfloat16")
+
+
+def training_step(config: MLPConfig, precision: str, graph: bool) -> Callable[..., Any]:
+    """The reference MLP's SGD step in `precision` (the same weights for every contender)."""
+    layers: list[nn.Module] = []
+    for weight, bias in init_params(config):
+        dense = nn.Dense(weight.shape[1], weight.shape[0])
+        with runtime.no_grad():
+            dense.weight[...] = weight
+            dense.bias[...] = bias
+        layers += [dense, nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
+    step = nn.train_step(model, nn.SGD(model.parameters(), lr=LR), precision=precision)
+    return runtime.graph(step) if graph else step
+
+
+def time_table(keys: list[str], rounds: int) -> None:
+    print("| config | mode | float32 (ms) | float16 (ms) | bfloat16 (ms) | float16 / float32 | "
+          "bfloat16 / float32 |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for key in keys:
+        config = CONFIGS[key]
+        x, y = make_batch(config)
+        number = max(2, int(2e9 // (6 * config.batch * config.width ** 2 * (config.depth + 1)
+                                    * 50)))
+        for graph in (False, True):
+            steps = {p: training_step(config, p, graph) for p in PRECISIONS}
+            data = x if graph else runtime.tensor(x)
+            us = interleaved_best({p: (lambda s=s, d=data, t=y: s(d, t))
+                                   for p, s in steps.items()},
+                                  number, rounds)
+            ms = {p: us[p] / 1e3 for p in PRECISIONS}
+            print(f"| {key} | {'static graph' if graph else 'eager'} | {ms['float32']:.2f} | "
+                  f"{ms['float16']:.2f} | {ms['bfloat16']:.2f} | "
+                  f"{ms['float16'] / ms['float32']:.2f} | {ms['bfloat16'] / ms['float32']:.2f} |")
+
+
+def memory_table(keys: list[str]) -> None:
+    print("| config | precision | activation bytes | / float32 | planned bytes (arena) | "
+          "/ float32 |")
+    print("|---|---|---:|---:|---:|---:|")
+    for key in keys:
+        config = CONFIGS[key]
+        x, y = make_batch(config)
+        reports = {}
+        for precision in PRECISIONS:
+            graph = training_step(config, precision, True)
+            graph(x, y)
+            reports[precision] = graph.memory_report()
+            del graph
+        base = reports["float32"]
+        for precision, report in reports.items():
+            print(f"| {key} | {precision} | {format_bytes(report['activation_bytes'])} | "
+                  f"{report['activation_bytes'] / base['activation_bytes']:.3f} | "
+                  f"{format_bytes(report['planned_bytes'])} | "
+                  f"{report['planned_bytes'] / base['planned_bytes']:.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="S,M", help="timed configurations")
+    parser.add_argument("--memory", default="M,L", help="configurations of the memory table")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    print(f"Mixed precision on {cpu_name()}; {versions()}; products on {blas_name()}; "
+          f"{os.environ['OPENBLAS_NUM_THREADS']} BLAS thread(s); C fast path "
+          f"{'on' if fastpath.ACCELERATED else 'off'}; 1-minute load {os.getloadavg()[0]:.2f}")
+    print()
+    if args.memory:
+        memory_table(args.memory.split(","))
+        print()
+    if args.configs:
+        time_table(args.configs.split(","), args.rounds)
+
+
+if __name__ == "__main__":
+    main()

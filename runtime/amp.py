@@ -1,0 +1,492 @@
+"""Mixed-precision training: float16 or bfloat16 activations and gradients, float32 master
+weights and optimizer state, and dynamic loss scaling for float16 (torch.amp's model).
+
+Three parts, used together (`nn.train_step(model, opt, precision="float16")` wires them up):
+
+- `autocast(dtype)`: inside it, an `nn.Dense` whose parameters are float32 computes in `dtype`:
+  its input is cast to `dtype` (once, at the first layer), the product uses a `dtype` working
+  copy of the weight and bias, and the output is `dtype`, so activations, and the gradients of
+  activations, are two-byte. The losses (`nn.softmax_cross_entropy`, `nn.mse`) compute in
+  float32 inside it, as autocast runs them in PyTorch. Other ops follow their inputs' dtype.
+- Working copies: each Dense keeps one `dtype` copy of each parameter, cast from the float32
+  master when the master has changed since (its block's version moved on) and once in each graph
+  capture, so a training step casts each weight once, and the copy is neither an activation nor
+  saved anew by every layer call. The backward pass reads the copy and hands the master a
+  float32 gradient (the two-byte gradient, cast), so the optimizer updates the masters and keeps
+  its state in float32.
+- `GradScaler`: float16 holds magnitudes from about 6e-8 to 65504; small gradients flush to zero
+  unless the loss is multiplied by a scale first. `scale(loss)` multiplies; `step(opt)` divides
+  the gradients by the scale, checks them, and updates the parameters only if every one is
+  finite; `update()` halves the scale after a step with inf or NaN and doubles it after 2000
+  finite steps in a row (`torch.amp.GradScaler`'s defaults). A skipped step is counted
+  (`skipped_steps`) and logged (logger "runtime.amp", level WARNING).
+  bfloat16 has float32's range and needs no scaling: `GradScaler(enabled=False)`, or no scaler.
+
+Note [a skipped step is a select on the device]: the check and the skip involve no Python
+decision on a device value, so a `runtime.graph` capture replays them: the sum of the unscaled
+gradients is finite exactly when all of them are (a sum of finite float32 values this small
+cannot overflow), `sum - sum` is +0 or NaN, and its negation, -0.0 or NaN, is the gate. An
+optimizer that supports gating (`nn.SGD`, `nn.Adam`) computes each new value of a parameter or a
+state tensor into scratch and writes `where_finite(new + gate, old)` over the old one: the new
+value bit for bit (x + -0.0 is x) when the step is taken, the old one when it is skipped. The
+loss scale and the growth counter are updated by arithmetic on the 0/1 flag
+`where_finite(sum - sum + 1, 0)`. The eager path reads the flag back to log a skip at once; a
+graph's replays skip silently on the device, and `check()` logs the skips since the last check.
+
+Example:
+    >>> import numpy as np, runtime
+    >>> from runtime import amp, nn
+    >>> nn.manual_seed(0)
+    >>> model = nn.Sequential(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 3))
+    >>> opt = nn.Adam(model.parameters(), lr=1e-3)
+    >>> scaler = amp.GradScaler()
+    >>> x = runtime.tensor(np.ones((2, 4), np.float32))
+    >>> with amp.autocast("float16"):
+    ...     logits = model(x)
+    ...     loss = nn.softmax_cross_entropy(logits, np.array([0, 2]))
+    >>> logits.dtype, loss.dtype, model[0].weight.dtype
+    (dtype('float16'), dtype('float32'), dtype('float32'))
+    >>> scaler.scale(loss).backward()
+    >>> model[0].weight.grad.dtype
+    dtype('float32')
+    >>> scaler.step(opt)
+    >>> scaler.update()
+    >>> scaler.get_scale(), scaler.skipped_steps
+    (65536.0, 0)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from runtime import autograd, dtypes, ops, tape
+from runtime.autograd import no_grad
+from runtime.errors import GraphCaptureError
+from runtime.tensor import Tensor, _brief, as_dtype, as_flag, empty, tensor
+
+__all__ = ["GradScaler", "autocast", "autocast_dtype", "linear"]
+
+_log = logging.getLogger(__name__)
+_FLOAT32 = np.dtype("float32")
+
+
+# ---------------------------------------------------------------------- autocast
+class _Autocast(threading.local):
+    dtype: np.dtype | None = None
+
+
+_autocast = _Autocast()
+
+
+def _half(dtype: Any, what: str) -> np.dtype:
+    """`dtype` as float16 or bfloat16, or TypeError naming it."""
+    dtype = as_dtype(dtype, what)
+    if dtype not in dtypes.HALVES:
+        raise TypeError(f"{what}: mixed precision computes in float16 or bfloat16, got {dtype}")
+    return dtype
+
+
+@contextmanager
+def autocast(dtype: Any = "float16", enabled: bool = True) -> Iterator[None]:
+    """Run `nn.Dense` layers in `dtype` (float16 or bfloat16) and the losses in float32 inside
+    the block, per thread, as `torch.autocast` does for linear layers and losses. Nesting
+    replaces the dtype for the inner block; `enabled=False` turns it off inside.
+
+    Raises TypeError for a dtype other than float16 and bfloat16.
+    """
+    dtype = _half(dtype, "autocast")
+    enabled = as_flag(enabled, "autocast: enabled")
+    previous = _autocast.dtype
+    _autocast.dtype = dtype if enabled else None
+    try:
+        yield
+    finally:
+        _autocast.dtype = previous
+
+
+def autocast_dtype() -> np.dtype | None:
+    """The dtype `autocast` computes layers in on this thread, or None outside it."""
+    return _autocast.dtype
+
+
+# ---------------------------------------------------------------------- working copies
+class _Copy:
+    """A `dtype` working copy of a master parameter, and what it was cast from."""
+
+    __slots__ = ("copy", "version", "capture")
+
+    def __init__(self, copy: Tensor) -> None:
+        self.copy = copy
+        #: the master's block version the copy holds; -1: unknown (cast only on a tape)
+        self.version = -1
+        #: the capture (a weak reference to its tape) that recorded the last cast, if any
+        self.capture: Any = None
+
+
+def working_copy(master: Tensor, dtype: np.dtype, copies: dict[Any, _Copy]) -> Tensor:
+    """`master` in `dtype`, from `copies` (the owner's cache), cast again when the master has
+    been written since the last cast (its block's version moved on) or, inside a graph
+    capture, once per capture (so every replay casts the master its update wrote)."""
+    key = (id(master), dtype)
+    entry = copies.get(key)
+    if (entry is None or entry.copy.shape != master.shape
+            or entry.copy.device is not master.device):
+        made = empty(master.shape, dtype, device=master.device, allocator=master.block.allocator)
+        entry = copies[key] = _Copy(made)
+    recorder = tape.active()
+    if recorder is None:
+        stale = entry.version != master.block.version
+    else:
+        stale = entry.capture is None or entry.capture() is not recorder
+    if stale:
+        with no_grad():
+            ops.cast(master, dtype, out=entry.copy)
+        if recorder is None:
+            entry.version, entry.capture = master.block.version, None
+        else:  # NOTE: recorded, not run: the next eager use casts again
+            entry.version, entry.capture = -1, weakref.ref(recorder)
+    return entry.copy
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: Any,
+           copies: dict[Any, _Copy]) -> Tensor:
+    """x @ weight.T + bias computed in `dtype` from working copies of float32 (or any float)
+    master parameters: x is cast to `dtype` first (a differentiable cast) and the result is
+    `dtype`. The backward pass computes in `dtype` and gives the masters gradients of their own
+    dtype (cast once, as in torch.autocast); it reads the weight's working copy, so only x is
+    saved per call, and an x that had to be cast is saved as given and cast again in the
+    backward pass (a cheap pass, where keeping its cast would hold a copy of the input batch
+    from the forward pass to the backward one)."""
+    dtype = _half(dtype, "amp.linear")
+    given = x
+    recast = x.dtype != dtype
+    if recast:
+        x = ops.cast(x, dtype)
+    w = working_copy(weight, dtype, copies)
+    b = working_copy(bias, dtype, copies) if bias is not None else None
+    with no_grad():
+        out = ops.linear(x, w, b)
+    operands = [x, weight] if bias is None else [x, weight, bias]
+    if autograd.needs_grad(*operands):
+        nx, nw = x.requires_grad, weight.requires_grad
+        nb = bias is not None and bias.requires_grad
+        master, features, in_features = weight.dtype, weight.shape[0], weight.shape[1]
+        bias_dtype = bias.dtype if bias is not None else master
+
+        # NOTE: shapes and dtypes only: Note [closures hold no tensors] in runtime/autograd.py
+        def fn(g: Tensor, x: Tensor | None, w: Tensor | None) -> tuple:
+            g2 = g if g.ndim == 2 else g.reshape(-1, features)
+            gx = ops.matmul(g, w) if nx else None
+            gw = gb = None
+            if nw:
+                x = ops.cast(x, dtype) if recast else x
+                x2 = x if x.ndim == 2 else x.reshape(-1, in_features)
+                gw = ops.cast(ops._matmul_at(g2, x2), master)
+            if nb:
+                gb = ops.cast(ops.sum(g2, axis=0), bias_dtype)
+            return gx, gw, gb
+
+        autograd.record("linear", out, operands, ("x", "weight", "bias"), fn,
+                        [("x", given if nw else None), ("weight", w if nx else None)])
+    return out
+
+
+# ---------------------------------------------------------------------- loss scaling
+def _positive(what: str, value: Any, low: float, high: float = math.inf) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"GradScaler: {what} must be a number, got {_brief(value)}")
+    number = float(value)
+    if not low < number < high:
+        raise ValueError(f"GradScaler: {what} must lie in ({low}, {high}), got {_brief(value)}")
+    return number
+
+
+class GradScaler:
+    """Dynamic loss scaling for float16 training (`torch.amp.GradScaler`'s rule and defaults).
+
+    Use: `scaler.scale(loss).backward()`, then `scaler.step(optimizer)` (unscale, check, update
+    or skip), then `scaler.update()` (adjust the scale). A step whose gradients hold inf or NaN
+    leaves the parameters and the optimizer state bit for bit as they were, counts in
+    `skipped_steps` and is logged; the scale is multiplied by `backoff_factor` at the next
+    `update()`. After `growth_interval` finite steps in a row the scale is multiplied by
+    `growth_factor`. Everything runs on the device, so a `runtime.graph` capture of the step
+    replays the check and the skip (Note [a skipped step is a select on the device]); its
+    replays log nothing, and `check()` logs the steps skipped since it last looked.
+
+    Args:
+        init_scale: the first scale (2**16); growth_factor (> 1, 2.0), backoff_factor
+            (in (0, 1), 0.5), growth_interval (a positive int, 2000).
+        enabled: False makes every method a pass-through (`scale` returns the loss, `step`
+            calls `optimizer.step()`): bfloat16 needs no scaling.
+
+    The scale, the growth counter and the step counts are float32 0-d tensors on the
+    parameters' device (counts exact up to 2**24 steps), made at the first use.
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 enabled: bool = True) -> None:
+        self.enabled = as_flag(enabled, "GradScaler: enabled")
+        self.init_scale = _positive("init_scale", init_scale, 0.0)
+        self.growth_factor = _positive("growth_factor", growth_factor, 1.0)
+        self.backoff_factor = _positive("backoff_factor", backoff_factor, 0.0, 1.0)
+        if (isinstance(growth_interval, bool) or not isinstance(growth_interval, numbers.Integral)
+                or not 0 < growth_interval <= 2 ** 24):
+            raise ValueError(f"GradScaler: growth_interval must be an int in [1, {2 ** 24}], "
+                             f"got {_brief(growth_interval)}")
+        self.growth_interval = int(growth_interval)
+        #: scale, growth tracker, steps, skipped steps, finite since the last update: 0-d
+        self._state: dict[str, Tensor] = {}
+        #: 0-d scratch for one step, by name (eager only: a capture uses temporaries)
+        self._scratch: dict[str, Tensor] = {}
+        #: optimizer steps since the last update(), on the host (the same in every replay)
+        self._pending = 0
+        #: skipped steps already logged
+        self._reported = 0
+        #: the state `load_state_dict` gave before the device state was made
+        self._initial: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ state
+    def _make_state(self, like: Tensor) -> None:
+        if self._state:
+            return
+        device, allocator = like.device, like.block.allocator
+        values = {"scale": self.init_scale, "tracker": 0.0, "steps": 0.0, "skipped": 0.0,
+                  "finite": 1.0, **self._initial}
+        # NOTE: all made before any is kept: Note [the commit point] in runtime/nn.py
+        made = {name: tensor(np.array(value, _FLOAT32), device=device, allocator=allocator)
+                for name, value in values.items()}
+        self._state = made
+
+    def _buffer(self, name: str, dtype: np.dtype = _FLOAT32) -> Tensor | None:
+        """A 0-d scratch tensor made once (None while a graph captures: temporaries there)."""
+        if tape.active() is not None:
+            return None
+        key = f"{name}:{dtype.str}"
+        buffer = self._scratch.get(key)
+        if buffer is None:
+            scale = self._state["scale"]
+            buffer = empty((), dtype, device=scale.device, allocator=scale.block.allocator)
+            buffer.block.memory_for_write("loss scaler state")
+            self._scratch[key] = buffer
+        return buffer
+
+    def prepare(self, optimizer: Any) -> None:
+        """Make now the scaler's state and scratch, and the optimizer's scratch for gated
+        updates, so that `step` allocates nothing once the gradients are there
+        (Note [the commit point] in runtime/nn.py). `nn.train_step` calls it first thing."""
+        if not self.enabled:
+            return
+        self._make_state(optimizer.params[0])
+        with no_grad():
+            for name in ("inverse", "sum", "total", "zero_or_nan", "finite", "one", "grow",
+                         "factor", "term"):
+                self._buffer(name)
+            for p in optimizer.params:
+                self._buffer("inverse", p.dtype)
+                self._buffer("sum", p.dtype)
+                self._buffer("gate", p.dtype)
+            if getattr(optimizer, "gated_updates", False):
+                optimizer.prepare_gate()
+
+    # ------------------------------------------------------------------ the step
+    def scale(self, loss: Tensor) -> Tensor:
+        """`loss` times the current scale (a float32 tensor; a two-byte loss is cast to float32
+        first, since the scale alone would overflow float16). Disabled: `loss` itself."""
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"GradScaler.scale: expected a Tensor, got {_brief(loss)}")
+        if not self.enabled:
+            return loss
+        self._make_state(loss)
+        scale = self._state["scale"]
+        if loss.dtype != scale.dtype:
+            loss = ops.cast(loss, scale.dtype)
+        return ops.mul(loss, scale)
+
+    def step(self, optimizer: Any) -> None:
+        """Divide the gradients of `optimizer`'s parameters by the scale (in place), then update
+        the parameters if all are finite and leave them and the optimizer's state as they were
+        if not (Note [a skipped step is a select on the device]). Disabled: optimizer.step().
+
+        Raises GraphCaptureError inside a capture for an optimizer that cannot skip on the
+        device (`gated_updates` False: not nn.SGD or nn.Adam); eagerly, such an optimizer's
+        step is skipped in Python after reading the check back.
+        """
+        if not self.enabled:
+            optimizer.step()
+            return
+        grads = [p.grad for p in optimizer.params if p.grad is not None]
+        if not grads:
+            return
+        capturing = tape.active() is not None
+        gated = getattr(optimizer, "gated_updates", False)
+        if capturing and not gated:
+            raise GraphCaptureError(
+                f"GradScaler.step: {type(optimizer).__name__} cannot skip a step on the device "
+                f"(its gated_updates is False: only nn.SGD and nn.Adam write through "
+                f"_target / _commit), so a captured step could not skip an overflow; run it "
+                f"eagerly, where the scaler reads the check back and skips in Python")
+        self.prepare(optimizer)
+        with no_grad(), tape.phase("update"):
+            finite, gates = self._check(grads)
+            if gated:
+                optimizer._step(gates)
+            elif finite.item() == 1.0:
+                optimizer.step()
+            state = self._state
+            ops.add(state["steps"], 1.0, out=state["steps"])
+            missed = ops.sub(1.0, finite, out=self._buffer("term"))
+            ops.add(state["skipped"], missed, out=state["skipped"])
+            if self._pending:
+                ops.mul(state["finite"], finite, out=state["finite"])
+            else:
+                ops.copy(finite, out=state["finite"])
+            self._pending += 1
+
+    def _check(self, grads: list[Tensor]) -> tuple[Tensor, dict[np.dtype, Tensor]]:
+        """Unscale `grads` in place; return the 0/1 flag "all finite" and the gates, -0.0 or
+        NaN, one per gradient dtype."""
+        scale = self._state["scale"]
+        inverse = ops.div(1.0, scale, out=self._buffer("inverse"))
+        inverses = {_FLOAT32: inverse}
+        total = None
+        for g in grads:
+            dtype = g.dtype
+            if dtype not in inverses:
+                inverses[dtype] = ops.cast(inverse, dtype, out=self._buffer("inverse", dtype))
+            ops.mul(g, inverses[dtype], out=g)
+            s = ops.sum(g, out=self._buffer("sum", dtype))
+            if dtype != _FLOAT32:
+                s = ops.cast(s, _FLOAT32, out=self._buffer("sum"))
+            total = (ops.copy(s, out=self._buffer("total")) if total is None
+                     else ops.add(total, s, out=total))
+        zero_or_nan = ops.sub(total, total, out=self._buffer("zero_or_nan"))
+        finite = ops.add(zero_or_nan, 1.0, out=self._buffer("finite"))
+        finite = ops.where_finite(finite, 0.0, out=finite)
+        gate = ops.neg(zero_or_nan, out=self._buffer("gate"))
+        gates = {_FLOAT32: gate}
+        for g in grads:
+            if g.dtype not in gates:
+                gates[g.dtype] = ops.cast(gate, g.dtype, out=self._buffer("gate", g.dtype))
+        return finite, gates
+
+    def update(self) -> None:
+        """Adjust the scale after the steps since the last update: times backoff_factor if any
+        skipped (and the growth counter restarts), else count one more finite step and, at
+        growth_interval of them in a row, times growth_factor. All by arithmetic on the
+        device's 0/1 flag, the same ops at every call."""
+        if not self.enabled or not self._state:
+            return
+        state = self._state
+        f, tracker, scale = state["finite"], state["tracker"], state["scale"]
+        interval = float(self.growth_interval)
+        with no_grad(), tape.phase("update"):
+            ops.add(tracker, 1.0, out=tracker)
+            ops.mul(tracker, f, out=tracker)  # finite steps in a row, 0 after a skip
+            # NOTE: tracker is an integer in [0, interval]: relu(t - i + 1) - relu(t - i) is 1
+            # exactly when t == i
+            grow = ops.relu(ops.sub(tracker, interval - 1.0, out=self._buffer("grow")),
+                            out=self._buffer("grow"))
+            over = ops.relu(ops.sub(tracker, interval, out=self._buffer("term")),
+                            out=self._buffer("term"))
+            grow = ops.sub(grow, over, out=grow)
+            # factor = 1 + (1 - f) * (backoff - 1) + grow * (growth - 1): exactly 1 when the
+            # step was finite and the scale does not grow
+            factor = ops.sub(1.0, f, out=self._buffer("factor"))
+            factor = ops.mul(factor, self.backoff_factor - 1.0, out=factor)
+            factor = ops.add(factor, 1.0, out=factor)
+            term = ops.mul(grow, self.growth_factor - 1.0, out=self._buffer("term"))
+            factor = ops.add(factor, term, out=factor)
+            ops.mul(scale, factor, out=scale)
+            keep = ops.sub(1.0, grow, out=self._buffer("one"))
+            ops.mul(tracker, keep, out=tracker)
+        self._pending = 0
+        if tape.active() is None:
+            self.check()
+
+    # ------------------------------------------------------------------ what happened
+    def _read(self, name: str, default: float) -> float:
+        if not self.enabled or not self._state:
+            return self._initial.get(name, default) if self.enabled else default
+        return float(self._state[name].item())
+
+    def get_scale(self) -> float:
+        """The current scale (init_scale before the first step, 1.0 when disabled); reads the
+        device."""
+        return self._read("scale", self.init_scale) if self.enabled else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many optimizer steps were skipped for inf or NaN gradients; reads the device."""
+        return int(self._read("skipped", 0.0))
+
+    @property
+    def steps(self) -> int:
+        """How many optimizer steps `step()` ran or skipped; reads the device."""
+        return int(self._read("steps", 0.0))
+
+    def check(self) -> int:
+        """Log (WARNING, logger "runtime.amp") the steps skipped since the last check and
+        return the number skipped in all. An eager `update()` checks every time; a graph's
+        replays skip on the device without Python, so call it between them (each epoch, say)."""
+        skipped = self.skipped_steps
+        if skipped > self._reported:
+            new = skipped - self._reported
+            _log.warning("GradScaler: %d optimizer step%s skipped for inf or NaN gradients; "
+                         "loss scale now %g (%d of %d steps skipped so far)", new,
+                         "" if new == 1 else "s", self.get_scale(), skipped, self.steps)
+            self._reported = skipped
+        return skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's settings and state as plain numbers (torch.amp.GradScaler's keys, plus
+        the step counts), for a checkpoint; reads the device. Empty when disabled."""
+        if not self.enabled:
+            return {}
+        return {"scale": self.get_scale(), "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
+                "_growth_tracker": int(self._read("tracker", 0.0)), "steps": self.steps,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned: the settings now, the device state (scale,
+        growth counter, counts) at once if it exists, else when it is made.
+
+        Raises ValueError for a state of a disabled scaler or with a key missing."""
+        if not self.enabled:
+            return
+        missing = {"scale", "growth_factor", "backoff_factor", "growth_interval",
+                   "_growth_tracker"} - set(state)
+        if missing:
+            raise ValueError(f"GradScaler.load_state_dict: the state has no "
+                             f"{', '.join(sorted(missing))} (a disabled scaler's state is empty)")
+        self.growth_factor = _positive("growth_factor", state["growth_factor"], 1.0)
+        self.backoff_factor = _positive("backoff_factor", state["backoff_factor"], 0.0, 1.0)
+        self.growth_interval = int(state["growth_interval"])
+        self.init_scale = _positive("scale", state["scale"], 0.0)
+        values = {"scale": self.init_scale, "tracker": float(state["_growth_tracker"]),
+                  "steps": float(state.get("steps", 0)),
+                  "skipped": float(state.get("skipped_steps", 0))}
+        self._reported = int(values["skipped"])
+        if self._state:
+            with no_grad():
+                for name, value in values.items():
+                    ops.mul(self._state[name], 0.0, out=self._state[name])
+                    ops.add(self._state[name], value, out=self._state[name])
+        else:
+            self._initial = values
+
+    def __repr__(self) -> str:
+        if not self.enabled:
+            return "GradScaler(enabled=False)"
+        return (f"GradScaler(init_scale={self.init_scale}, growth_factor={self.growth_factor}, "
+                f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval})")

@@ -1,0 +1,554 @@
+"""Mixed-precision training (runtime/amp.py): autocast Dense layers on float32 masters, the
+loss scaler's skip as a select on the device, eager against captured bit for bit, gradients
+against finite differences, activation memory against float32, and `ops.where_finite`."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import backends
+import runtime
+from blockrt.models import MLPConfig
+from runtime import amp, dtypes, nn, ops
+
+HALF = ["float16", "bfloat16"]
+F16, BF16 = np.dtype("float16"), dtypes.BFLOAT16
+
+
+def _bits(t: Any) -> np.ndarray:
+    a = t.numpy() if isinstance(t, runtime.Tensor) else np.asarray(t)
+    return a.view(f"u{a.dtype.itemsize}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal bit for bit (NaN payloads and the sign of zero included)."""
+    a, b = _bits(a), _bits(b)
+    return a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
+
+
+def _model(seed: int = 0, widths: tuple[int, ...] = (8, 16, 16, 3)) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(len(widths) - 1):
+        layers.append(nn.Dense(widths[i], widths[i + 1], rng=seed * 100 + i))
+        if i < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def _optimizer(kind: str, params: list) -> nn.Optimizer:
+    return {"sgd": lambda: nn.SGD(params, lr=0.05),
+            "sgd-momentum": lambda: nn.SGD(params, lr=0.05, momentum=0.9, dampening=0.1,
+                                           weight_decay=1e-3),
+            "nesterov": lambda: nn.SGD(params, lr=0.05, momentum=0.9, nesterov=True),
+            "adam": lambda: nn.Adam(params, lr=1e-2, weight_decay=1e-3)}[kind]()
+
+
+def _state(model: nn.Module, opt: nn.Optimizer) -> list[np.ndarray]:
+    """Every value a step may write: parameters, optimizer state, Adam's powers and SGD's
+    dampening coefficient."""
+    tensors = list(model.parameters())
+    for p in opt.params:
+        tensors += list(opt.state[id(p)].values())
+    tensors += list(getattr(opt, "_powers", None) or ())
+    if getattr(opt, "_dampened", None) is not None:
+        tensors.append(opt._dampened)
+    # NOTE: None for state a failed capture made and never wrote (it has no value to keep)
+    return [t.numpy() if t.block.written else None for t in tensors]
+
+
+def _data(seed: int = 1, rows: int = 6, features: int = 8,
+          classes: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(rows, features)).astype(np.float32), rng.integers(0, classes, rows)
+
+
+# ---------------------------------------------------------------------- autocast
+@pytest.mark.parametrize("half", HALF)
+def test_autocast_runs_dense_in_half_from_float32_masters(half):
+    model = _model()
+    x, y = _data()
+    with amp.autocast(half):
+        logits = model(runtime.tensor(x))
+        loss = nn.softmax_cross_entropy(logits, y)
+    assert logits.dtype == np.dtype(half) and loss.dtype == np.float32
+    loss.backward()
+    for p in model.parameters():
+        assert p.dtype == np.float32 and p.grad.dtype == np.float32
+    # the half product equals the float32 one of the half-rounded operands, rounded once
+    dense = model[0]
+    rounded = [runtime.tensor(v.numpy().astype(half).astype(np.float32))
+               for v in (runtime.tensor(x), dense.weight, dense.bias)]
+    with amp.autocast(half):
+        got = dense(runtime.tensor(x))
+    assert _same(got, ops.cast(ops.linear(*rounded), half))
+    outside = model(runtime.tensor(x))  # outside autocast: float32 as before
+    assert outside.dtype == np.float32
+
+
+def test_the_working_copy_is_cast_once_per_change_of_its_master():
+    dense = nn.Dense(4, 3, rng=0)
+    x = runtime.tensor(np.ones((2, 4), np.float32))
+    with amp.autocast("float16"):
+        dense(x)
+        (entry,) = [e for key, e in dense._copies.items() if key[0] == id(dense.weight)]
+        version = entry.copy.block.version
+        dense(x)  # master unchanged: no new cast
+        assert entry.copy.block.version == version
+        with runtime.no_grad():
+            dense.weight[...] = np.full((3, 4), 0.5, np.float32)  # a write the user makes
+        out = dense(x)
+    assert entry.copy.block.version == version + 1
+    expected = 4 * 0.5 + dense.bias.numpy().astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(out.numpy(), np.tile(expected.astype(np.float16), (2, 1)))
+
+
+def test_a_layer_used_twice_in_one_forward_pass_keeps_one_copy_and_differentiates():
+    dense = nn.Dense(4, 4, rng=1)
+    x = runtime.tensor(np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32))
+    with amp.autocast("bfloat16"):
+        loss = nn.mse(dense(ops.relu(dense(x))), np.zeros((3, 4), np.float32))
+    loss.backward()  # would raise had the second call rewritten the saved copy
+    assert dense.weight.grad.dtype == np.float32 and np.isfinite(dense.weight.grad.numpy()).all()
+
+
+def test_bad_precision_arguments_are_refused_by_name():
+    with pytest.raises(TypeError, match="autocast: mixed precision computes in float16 or "
+                                        "bfloat16, got float32"):
+        with amp.autocast("float32"):
+            pass
+    model = _model()
+    with pytest.raises(TypeError, match="train_step: precision .* got int8"):
+        nn.train_step(model, nn.SGD(model.parameters(), lr=0.1), precision="int8")
+    with pytest.raises(TypeError, match="scaler must be an amp.GradScaler, got"):
+        nn.train_step(model, nn.SGD(model.parameters(), lr=0.1), scaler=object())
+    for kwargs, message in (({"growth_factor": 1.0}, "growth_factor must lie in"),
+                            ({"backoff_factor": 1.5}, "backoff_factor must lie in"),
+                            ({"init_scale": -1}, "init_scale must lie in"),
+                            ({"growth_interval": 0}, "growth_interval must be an int"),
+                            ({"init_scale": "big"}, "init_scale must be a number")):
+        with pytest.raises((TypeError, ValueError), match=message):
+            amp.GradScaler(**kwargs)
+
+
+# ---------------------------------------------------------------------- gradients
+@pytest.mark.parametrize("half", HALF)
+def test_mixed_gradients_match_float32_finite_differences(half):
+    """The float32 master gradients of a mixed step (scaled by 2**16 for float16, then
+    unscaled by the scaler; plain for bfloat16), against central differences in float64 of the
+    same function at the half-rounded parameters. Tolerance: relative to the largest gradient,
+    2e-2 for float16 and 8e-2 for bfloat16 (each layer rounds its result and its gradients to
+    the half dtype once: a few units of the half's roundoff, 2**-11 and 2**-8)."""
+    model = _model(seed=3, widths=(5, 7, 3))
+    x, y = _data(seed=4, rows=4, features=5)
+    opt = nn.SGD(model.parameters(), lr=0.0)  # the step only unscales
+    scaler = amp.GradScaler(enabled=half == "float16")
+    with amp.autocast(half):
+        loss = nn.softmax_cross_entropy(model(runtime.tensor(x)), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    assert scaler.skipped_steps == 0
+    params = [p.numpy().astype(half).astype(np.float64) for p in model.parameters()]
+    xs = x.astype(half).astype(np.float64)
+
+    def f(w1, b1, w2, b2):
+        h = np.maximum(xs @ w1.T + b1, 0)
+        z = h @ w2.T + b2
+        z = z - z.max(axis=1, keepdims=True)
+        return float(np.mean(np.log(np.exp(z).sum(axis=1)) - z[np.arange(len(y)), y]))
+
+    tol = {"float16": 2e-2, "bfloat16": 8e-2}[half]
+    eps = 1e-6
+    for i, p in enumerate(model.parameters()):
+        numeric = np.zeros_like(params[i])
+        for index in np.ndindex(params[i].shape):
+            up = [v.copy() for v in params]
+            down = [v.copy() for v in params]
+            up[i][index] += eps
+            down[i][index] -= eps
+            numeric[index] = (f(*up) - f(*down)) / (2 * eps)
+        got = p.grad.numpy().astype(np.float64)
+        scale = max(np.abs(numeric).max(), 1e-3)
+        assert np.abs(got - numeric).max() <= tol * scale, (i, got, numeric)
+
+
+# ---------------------------------------------------------------------- eager and captured
+def _pair(precision: str, kind: str, **scaler: Any) -> tuple:
+    """Two identical (model, optimizer, step) triples: one eager, one captured."""
+    made = []
+    for graphed in (False, True):
+        model = _model(seed=5)
+        opt = _optimizer(kind, model.parameters())
+        grad_scaler = amp.GradScaler(**scaler) if scaler else None
+        step = nn.train_step(model, opt, precision=precision, scaler=grad_scaler)
+        made.append((model, opt, step.scaler, runtime.graph(step) if graphed else step))
+    return made
+
+
+@pytest.mark.parametrize("kind", ["sgd", "sgd-momentum", "nesterov", "adam"])
+@pytest.mark.parametrize("precision", HALF)
+def test_a_captured_mixed_step_equals_the_eager_step_bit_for_bit(precision, kind):
+    (m1, o1, s1, eager), (m2, o2, s2, graph) = _pair(precision, kind)
+    assert (s1 is None) == (precision == "bfloat16")
+    for i in range(4):
+        x, y = _data(seed=10 + i)
+        assert _same(eager(runtime.tensor(x), y), graph(x, y))
+        for a, b in zip(_state(m1, o1), _state(m2, o2)):
+            assert _same(a, b)
+    if s1 is not None:
+        assert s1.get_scale() == s2.get_scale() == 2.0 ** 16
+        assert s1.steps == s2.steps == 4 and s1.skipped_steps == s2.skipped_steps == 0
+
+
+@pytest.mark.parametrize("kind", ["sgd-momentum", "nesterov", "adam"])
+def test_an_overflow_skips_the_step_and_backs_off_in_both_modes(kind, caplog):
+    """A scale of 2**40 overflows float16 at once: each step is skipped (parameters and
+    optimizer state unchanged bit for bit, in both modes), the scale halves, and once it is
+    small enough steps are taken again, the same in both modes."""
+    (m1, o1, s1, eager), (m2, o2, s2, graph) = _pair("float16", kind, init_scale=2.0 ** 40)
+    x, y = _data(seed=2)
+    skipped = 0
+    with caplog.at_level(logging.WARNING, logger="runtime.amp"):
+        for _ in range(30):
+            before = _state(m1, o1)
+            scale = s1.get_scale()
+            assert _same(eager(runtime.tensor(x), y), graph(x, y))
+            after1, after2 = _state(m1, o1), _state(m2, o2)
+            assert all(_same(a, b) for a, b in zip(after1, after2))
+            assert s1.get_scale() == s2.get_scale()
+            if s1.skipped_steps > skipped:  # this step was skipped
+                skipped += 1
+                assert all(_same(a, b) for a, b in zip(before, after1))
+                assert s1.get_scale() == scale / 2
+            else:
+                assert not all(_same(a, b) for a, b in zip(before, after1))
+                assert s1.get_scale() == scale
+    assert 10 < skipped < 30 and s1.steps == s2.steps == 30
+    assert s1.skipped_steps == s2.skipped_steps == skipped
+    eager_logs = [r.getMessage() for r in caplog.records]
+    assert len(eager_logs) == skipped  # the eager update() logs each skip at once
+    assert "1 optimizer step skipped for inf or NaN gradients" in eager_logs[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="runtime.amp"):
+        assert s2.check() == skipped  # the replays skipped silently; check() says so
+    assert [r.getMessage() for r in caplog.records] == [
+        f"GradScaler: {skipped} optimizer steps skipped for inf or NaN gradients; loss scale "
+        f"now {s2.get_scale():g} ({skipped} of 30 steps skipped so far)"]
+
+
+@pytest.mark.parametrize("kind", backends.available())
+@pytest.mark.parametrize("precision", HALF)
+def test_mixed_training_skips_and_replays_the_same_on_every_device(kind, precision):
+    """On each device here (PoCL's OpenCL included): 20 Adam steps from a scale of 2**30
+    (float16 skips the first ones), eager and captured, equal bit for bit."""
+    if kind == "cuda" and precision == "bfloat16":
+        pytest.skip("CUDA storage of bfloat16 is not covered (CuPy has no bfloat16)")
+    device = backends.get_device(kind)
+    x, y = _data(seed=8)
+    runs = []
+    for graphed in (False, True):
+        nn.manual_seed(0)
+        model = nn.Sequential(nn.Dense(8, 16, device=device), nn.ReLU(),
+                              nn.Dense(16, 3, device=device))
+        opt = nn.Adam(model.parameters(), lr=1e-2)
+        scaler = amp.GradScaler(init_scale=2.0 ** 30) if precision == "float16" else None
+        inner = nn.train_step(model, opt, precision=precision, scaler=scaler)
+        step = runtime.graph(inner, device=device) if graphed else inner
+        losses = [step(x if graphed else runtime.tensor(x, device=device), y).numpy()
+                  for _ in range(20)]
+        runs.append((losses, _state(model, opt), inner.scaler))
+    (l1, s1, c1), (l2, s2, c2) = runs
+    assert all(_same(a, b) for a, b in zip(l1 + s1, l2 + s2))
+    if precision == "float16":
+        assert 5 < c1.skipped_steps == c2.skipped_steps < 20
+        assert c1.get_scale() == c2.get_scale() == 2.0 ** (30 - c1.skipped_steps)
+
+
+def test_a_nan_in_the_data_skips_the_step_in_a_captured_graph():
+    (m1, o1, s1, _), (m2, o2, s2, graph) = _pair("float16", "adam")
+    x, y = _data(seed=3)
+    graph(x, y)
+    before = _state(m2, o2)
+    bad = x.copy()
+    bad[1, 2] = np.nan
+    graph(bad, y)
+    assert s2.skipped_steps == 1 and s2.get_scale() == 2.0 ** 15
+    assert all(_same(a, b) for a, b in zip(before, _state(m2, o2)))
+    graph(x, y)
+    assert s2.skipped_steps == 1 and not _same(before[0], m2[0].weight)
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_the_scale_grows_after_growth_interval_finite_steps_in_a_row(graphed):
+    model = _model()
+    scaler = amp.GradScaler(init_scale=4.0, growth_interval=3)
+    step = nn.train_step(model, nn.SGD(model.parameters(), lr=0.01), precision="float16",
+                         scaler=scaler)
+    step = runtime.graph(step) if graphed else step
+    x, y = _data()
+    scales = []
+    for _ in range(7):
+        step(x if graphed else runtime.tensor(x), y)
+        scales.append(scaler.get_scale())
+    assert scales == [4.0, 4.0, 8.0, 8.0, 8.0, 16.0, 16.0]
+    assert scaler._state["tracker"].item() == 1.0
+
+
+def test_the_scaler_state_round_trips_through_a_checkpoint():
+    (m1, o1, s1, eager), _ = _pair("float16", "sgd", init_scale=2.0 ** 40, growth_interval=5)
+    x, y = _data()
+    for _ in range(30):
+        eager(runtime.tensor(x), y)
+    saved = s1.state_dict()
+    assert saved["skipped_steps"] == s1.skipped_steps > 0 and saved["steps"] == 30
+    assert saved["scale"] == s1.get_scale() and 0 <= saved["_growth_tracker"] < 5
+    for made in (False, True):  # into a fresh scaler, and into one that has run
+        other = amp.GradScaler()
+        if made:
+            other.scale(runtime.tensor(np.float32(1.0)))
+        other.load_state_dict(saved)
+        assert other.state_dict() == saved
+    with pytest.raises(ValueError, match="the state has no _growth_tracker, scale"):
+        amp.GradScaler().load_state_dict({"growth_factor": 2.0, "backoff_factor": 0.5,
+                                          "growth_interval": 3})
+
+
+def test_bfloat16_needs_no_scaler_and_a_disabled_scaler_passes_through():
+    model = _model()
+    opt = nn.SGD(model.parameters(), lr=0.1)
+    assert nn.train_step(model, opt, precision="bfloat16").scaler is None
+    assert isinstance(nn.train_step(model, opt, precision="float16").scaler, amp.GradScaler)
+    off = amp.GradScaler(enabled=False)
+    loss = runtime.tensor(np.float32(2.0))
+    assert off.scale(loss) is loss and off.get_scale() == 1.0 and off.skipped_steps == 0
+    assert repr(off) == "GradScaler(enabled=False)"
+
+
+def test_an_optimizer_without_gated_updates_is_skipped_eagerly_and_refused_in_a_capture():
+    class Plain(nn.Optimizer):
+        def _update(self, p, grad, state):
+            ops.sub(p, ops.mul(grad, self.lr), out=p)
+
+    model = _model()
+    opt = Plain(model.parameters(), lr=0.1)
+    scaler = amp.GradScaler(init_scale=2.0 ** 40)
+    step = nn.train_step(model, opt, precision="float16", scaler=scaler)
+    x, y = _data()
+    before = [p.numpy() for p in model.parameters()]
+    step(runtime.tensor(x), y)
+    assert scaler.skipped_steps == 1
+    assert all(_same(a, p) for a, p in zip(before, model.parameters()))
+    with pytest.raises(runtime.GraphCaptureError, match="Plain cannot skip a step on the device"):
+        runtime.graph(step)(x, y)
+
+
+@pytest.mark.parametrize("mode", ["eager", "none", "recycle", "static"])
+@settings(max_examples=2, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_mixed_step_that_fails_for_memory_changes_nothing(mode, seed):
+    """Note [the commit point] in runtime/nn.py with mixed precision: under injected allocation
+    faults (probability 0.05, as tests/test_faults.py), a failed float16 step leaves the
+    parameters, the optimizer state and the scaler's state bit for bit as they were, and the
+    run ends with the parameters of a run without faults."""
+    import allocators
+    from allocators import FaultInjectionAdaptor, OutOfMemoryError
+
+    x, y = _data(seed=6)
+
+    def run(probability: float) -> tuple[list[np.ndarray], int]:
+        flaky = FaultInjectionAdaptor(allocators.create("caching", "cpu"), 0.0, seed)
+        nn.manual_seed(0)
+        model = nn.Sequential(nn.Dense(8, 12, allocator=flaky), nn.ReLU(),
+                              nn.Dense(12, 3, allocator=flaky))
+        opt = nn.Adam(model.parameters(), lr=1e-2)
+        scaler = amp.GradScaler(init_scale=2.0 ** 20, growth_interval=2)  # skips, then grows
+        inner = nn.train_step(model, opt, precision="float16", scaler=scaler)
+        if mode == "eager":
+            def step():
+                return inner(runtime.tensor(x, allocator=flaky), y)
+        else:
+            graph = runtime.graph(inner, plan=mode, allocator=flaky)
+
+            def step():
+                return graph(x, y)
+
+        def snapshot() -> list[np.ndarray]:
+            values = _state(model, opt)
+            values += [t.numpy() for t in scaler._state.values() if t.block.written]
+            return values
+
+        flaky.probability = probability
+        failures = 0
+        for _ in range(8):
+            before = snapshot()
+            try:
+                step()
+            except OutOfMemoryError:
+                failures += 1
+                assert all(a is None or _same(a, b) for a, b in zip(before, snapshot()))
+                flaky.probability = 0.0
+                step()
+                flaky.probability = probability
+        return [p.numpy() for p in model.parameters()], failures
+
+    reference, none = run(0.0)
+    final, failures = run(0.05)
+    assert none == 0
+    assert all(_same(a, b) for a, b in zip(reference, final))
+
+
+# ---------------------------------------------------------------------- the gate itself
+GATED = st.sampled_from(["sgd", "sgd-momentum", "nesterov", "adam"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=GATED, seed=st.integers(0, 2**16), bad=st.sampled_from([None, np.inf, -np.inf,
+                                                                     np.nan]),
+       steps=st.integers(1, 3))
+def test_a_gated_step_is_the_plain_step_or_no_step(kind, seed, bad, steps):
+    """Invariant of Note [a skipped step is a select on the device]: with finite gradients a
+    gated step writes what the plain step writes, bit for bit; with one non-finite gradient
+    element it writes nothing."""
+    rng = np.random.default_rng(seed)
+    shapes = [(3, 4), (4,), (2, 3)]
+    values = [rng.normal(size=s).astype(np.float32) for s in shapes]
+
+    def make() -> tuple[list, nn.Optimizer]:
+        params = [runtime.tensor(v, requires_grad=True) for v in values]
+        return params, _optimizer(kind, params)
+
+    plain, plain_opt = make()
+    gated, gated_opt = make()
+    for _ in range(steps):
+        grads = [rng.normal(size=s).astype(np.float32) for s in shapes]
+        for params in (plain, gated):
+            for p, g in zip(params, grads):
+                p.grad = runtime.tensor(g)
+        plain_opt.step()
+        gated_opt._step({np.dtype("float32"): runtime.tensor(np.float32(-0.0))})
+        assert all(_same(a, b) for a, b in zip(plain, gated))
+    if bad is not None:
+        before = _state_of(gated, gated_opt)
+        grads = [rng.normal(size=s).astype(np.float32) for s in shapes]
+        grads[seed % 3].flat[seed % grads[seed % 3].size] = bad
+        scaler = amp.GradScaler(init_scale=1.0)
+        for p, g in zip(gated, grads):
+            p.grad = runtime.tensor(g)
+        scaler.step(gated_opt)
+        assert scaler.skipped_steps == 1
+        assert all(_same(a, b) for a, b in zip(before, _state_of(gated, gated_opt)))
+
+
+def _state_of(params: list, opt: nn.Optimizer) -> list[np.ndarray]:
+    values = [p.numpy() for p in params]
+    for p in params:
+        values += [t.numpy() for t in opt.state[id(p)].values()]
+    values += [t.numpy() for t in getattr(opt, "_powers", None) or ()]
+    return values
+
+
+FLOATS = st.floats(allow_nan=True, allow_infinity=True, width=32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(a=st.lists(FLOATS, min_size=1, max_size=12), data=st.data(),
+       kind=st.sampled_from(backends.available()), dtype=st.sampled_from(
+           ["float32", "float16", "bfloat16"]))
+def test_where_finite_is_numpys_select_on_every_device(a, data, kind, dtype):
+    if kind == "cuda" and dtype == "bfloat16":
+        return
+    b = data.draw(st.lists(FLOATS, min_size=len(a), max_size=len(a)))
+    device = backends.get_device(kind)
+    with np.errstate(over="ignore"):
+        ha, hb = np.array(a, np.float32).astype(dtype), np.array(b, np.float32).astype(dtype)
+    ta, tb = runtime.tensor(ha, device=device), runtime.tensor(hb, device=device)
+    expected = np.where(np.isfinite(ha.astype(np.float32)), ha, hb)
+    assert _same_or_nan(ops.where_finite(ta, tb), expected)
+    assert _same_or_nan(ops.where_finite(ta, 0.0), np.where(np.isfinite(ha.astype(np.float32)),
+                                                            ha, np.zeros_like(ha)))
+    ops.where_finite(ta, tb, out=ta)  # out may be either input itself
+    assert _same_or_nan(ta, expected)
+
+
+def _same_or_nan(t: runtime.Tensor, expected: np.ndarray) -> bool:
+    """Equal bit for bit where not NaN, NaN where NaN (a device's half conversions may change
+    a NaN's payload: OpenCL's vload_half / vstore_half)."""
+    got = t.numpy()
+    nan = np.isnan(expected.astype(np.float32))
+    return bool(np.array_equal(np.isnan(got.astype(np.float32)), nan)
+                and _same(np.where(nan, 0, got).astype(got.dtype),
+                          np.where(nan, 0, expected).astype(expected.dtype)))
+
+
+# ---------------------------------------------------------------------- memory and the demo
+def _graph(config: MLPConfig, precision: str) -> runtime.Graph:
+    widths = [config.width] * (config.depth + 1) + [10]
+    layers: list[nn.Module] = []
+    for i in range(config.depth + 1):
+        layers += [nn.Dense(widths[i], widths[i + 1], rng=i), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
+    return runtime.graph(nn.train_step(model, nn.SGD(model.parameters(), lr=0.01),
+                                       precision=precision))
+
+
+@pytest.mark.parametrize("config", [MLPConfig(256, 1024, 4), MLPConfig(64, 128, 4)],
+                         ids=["M", "L-shaped"])
+def test_mixed_activation_memory_is_at_most_055_of_float32(config):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(config.batch, config.width)).astype(np.float32)
+    y = rng.integers(0, 10, config.batch)
+    activation = {}
+    for precision in ("float32", "float16", "bfloat16"):
+        graph = _graph(config, precision)
+        graph(x, y)
+        activation[precision] = graph.memory_report()["activation_bytes"]
+    for half in HALF:
+        assert activation[half] <= 0.55 * activation["float32"], activation
+
+
+@pytest.fixture(scope="module")
+def demo() -> Any:
+    """examples/train_mlp.py as a module (it needs the demo extra)."""
+    import importlib.util
+    import pathlib
+
+    for module in ("sklearn", "tqdm"):
+        pytest.importorskip(module, reason=f"the demo needs {module} (the demo extra)")
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_mlp.py"
+    spec = importlib.util.spec_from_file_location("train_mlp_amp", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("precision", HALF)
+def test_the_demo_reaches_97_percent_in_mixed_precision(demo, precision, seed):
+    """The demo's training (5 epochs, batch 16, Adam falling linearly, a static graph) in
+    mixed precision reaches 97% (seeds 0-79 measured: examples/train_mlp.py's docstring)."""
+    x_train, x_test, y_train, y_test = demo.load()
+    nn.manual_seed(seed)
+    model = demo.make_model()
+    opt = nn.Adam(model.parameters(), lr=demo.LR)
+    train = nn.train_step(model, opt, precision=precision)
+    step = runtime.graph(train)
+    rng = np.random.default_rng(seed)
+    epochs, batch = 5, 16
+    for epoch in range(epochs):
+        opt.lr = demo.learning_rate(epoch, epochs)
+        step.recapture()
+        order = rng.permutation(len(x_train))
+        for start in range(0, len(x_train) // batch * batch, batch):
+            pick = order[start:start + batch]
+            step(x_train[pick], y_train[pick])
+    assert demo.accuracy(model, x_test, y_test, precision) >= 0.97
+    assert all(p.dtype == np.float32 for p in model.parameters())
+    if precision == "float16":
+        assert train.scaler.steps == epochs * (len(x_train) // batch)
+        assert math.isfinite(train.scaler.get_scale())
