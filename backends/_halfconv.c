@@ -18,6 +18,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -150,15 +151,6 @@ narrow_loop(const void *src, void *dst, Py_ssize_t n)
 
 /* bfloat16 is a float's upper 16 bits: widening shifts them back; narrowing rounds to nearest
  * even on bit 16, and a NaN keeps its sign and upper payload with the quiet bit set. */
-static void
-widen_bf16_loop(const void *src, void *dst, Py_ssize_t n)
-{
-    const uint16_t *s = src;
-    uint32_t *d = dst;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        d[i] = (uint32_t)s[i] << 16;
-    }
-}
 
 static inline uint16_t
 scalar_narrow_bf16(uint32_t u)
@@ -169,14 +161,63 @@ scalar_narrow_bf16(uint32_t u)
 }
 
 #if HAVE_X86
-__attribute__((target("avx2"), optimize("O3"))) static void
+/* scalar_narrow_bf16 on eight items at a time; the same bits. */
+__attribute__((target("avx2"))) static void
 narrow_bf16_avx2(const uint32_t *s, uint16_t *d, Py_ssize_t n)
 {
-    for (Py_ssize_t i = 0; i < n; i++) {  /* scalar_narrow_bf16, inlined and vectorised */
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i quiet = _mm256_set1_epi32(0x40);
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i u = _mm256_loadu_si256((const __m256i *)(s + i));
+        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+        __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias), lsb),
+                                            16);
+        __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet);
+        /* NaN: |u| > inf as signed integers (|u| < 2**31) */
+        __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
+        __m256i r = _mm256_blendv_epi8(rounded, nan, is_nan);
+        /* eight 32-bit items, each below 2**16, packed to 16 bits in order */
+        __m256i packed = _mm256_packus_epi32(r, r);
+        packed = _mm256_permute4x64_epi64(packed, 0x08);
+        _mm_storeu_si128((__m128i *)(d + i), _mm256_castsi256_si128(packed));
+    }
+    for (; i < n; i++) {
         d[i] = scalar_narrow_bf16(s[i]);
     }
 }
+
+/* bfloat16 -> float32 eight items at a time: zero-extend and shift. */
+__attribute__((target("avx2"))) static void
+widen_bf16_avx2(const uint16_t *s, uint32_t *d, Py_ssize_t n)
+{
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
+        _mm256_storeu_si256((__m256i *)(d + i), _mm256_slli_epi32(u, 16));
+    }
+    for (; i < n; i++) {
+        d[i] = (uint32_t)s[i] << 16;
+    }
+}
 #endif
+
+static void
+widen_bf16_loop(const void *src, void *dst, Py_ssize_t n)
+{
+    const uint16_t *s = src;
+    uint32_t *d = dst;
+#if HAVE_X86
+    if (use_avx2) {
+        widen_bf16_avx2(s, d, n);
+        return;
+    }
+#endif
+    for (Py_ssize_t i = 0; i < n; i++) {
+        d[i] = (uint32_t)s[i] << 16;
+    }
+}
 
 static void
 narrow_bf16_loop(const void *src, void *dst, Py_ssize_t n)
@@ -273,6 +314,327 @@ set_f16c(PyObject *self, PyObject *flag)
     return PyBool_FromLong(use_f16c);
 }
 
+/* ------------------------------------------------------------------ elementwise in float32
+ *
+ * apply(code, bf16, out, a[, b]): one elementwise op of the "compute in float32, round once"
+ * rule without float32 arrays in between. out and each array operand are buffers of one shape,
+ * any byte strides (a zero stride broadcasts), of two-byte items (float16, or bfloat16 where
+ * `bf16`) or float32 items; a number operand is a Python float or int, or a 0-d float32 buffer
+ * (a NumPy float32). Elements are taken in chunks: each operand's chunk is widened into a
+ * float32 block, the op runs on the blocks as NumPy's float32 kernels run it, one IEEE single
+ * operation per pass (so no compiler contracts a product and a sum into one rounding), and the
+ * result block is rounded to out's dtype once. The code `COPY` is a plain conversion (widen or
+ * narrow any layout). Returns False, having written nothing, when it cannot take the call (a
+ * layout or operand it does not handle: the caller computes another way); raises only for a
+ * wrong argument count or an unknown code. */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+
+enum { OP_COPY, OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_NEG, OP_RELU, OP_SQRT, OP_RELU_BACKWARD,
+       OP_TANH_BACKWARD, OP_SIGMOID_BACKWARD, OP_COUNT };
+static const int op_arity[OP_COUNT] = {1, 2, 2, 2, 2, 1, 1, 1, 2, 2, 2};
+
+#define CHUNK 512
+#define MAX_DIMS 32
+
+typedef struct {
+    Py_buffer view;
+    int held;            /* view holds a buffer to release */
+    int is_number;
+    float number;
+    Py_ssize_t itemsize;  /* 2 or 4 */
+    Py_ssize_t strides[MAX_DIMS];
+    char *ptr;
+} operand;
+
+/* Widen n items at p (stride in bytes) into dst. */
+static void
+load(const operand *o, const char *p, Py_ssize_t stride, Py_ssize_t n, int bf16, float *dst)
+{
+    if (o->itemsize == 4) {
+        if (stride == 4) {
+            memcpy(dst, p, (size_t)n * 4);
+        } else {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                memcpy(dst + i, p + i * stride, 4);
+            }
+        }
+        return;
+    }
+    if (stride == 2) {
+        (bf16 ? widen_bf16_loop : widen_loop)(p, dst, n);
+        return;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, p + i * stride, 2);
+        if (bf16) {
+            uint32_t bits = (uint32_t)h << 16;
+            memcpy(dst + i, &bits, 4);
+        } else {
+            dst[i] = scalar_widen(h);
+        }
+    }
+}
+
+/* Round n floats of src to out's item type into p (stride in bytes). */
+static void
+store(const float *src, char *p, Py_ssize_t stride, Py_ssize_t n, Py_ssize_t itemsize, int bf16)
+{
+    if (itemsize == 4) {
+        if (stride == 4) {
+            memcpy(p, src, (size_t)n * 4);
+        } else {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                memcpy(p + i * stride, src + i, 4);
+            }
+        }
+        return;
+    }
+    if (stride == 2) {
+        (bf16 ? narrow_bf16_loop : narrow_loop)(src, p, n);
+        return;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint16_t h;
+        if (bf16) {
+            uint32_t bits;
+            memcpy(&bits, src + i, 4);
+            h = scalar_narrow_bf16(bits);
+        } else {
+            h = scalar_narrow(src[i]);
+        }
+        memcpy(p + i * stride, &h, 2);
+    }
+}
+
+/* r = op(a, b) on float32 blocks, one IEEE operation per loop, in the order of the NumPy
+ * device's kernels (backends/numpy.py: Note [one formula on every backend]). t is scratch. */
+static void
+compute(int code, const float *a, const float *b, float *r, float *t, Py_ssize_t n)
+{
+    Py_ssize_t i;
+    switch (code) {
+    case OP_COPY:  /* done by the caller's load and store */
+        break;
+    case OP_ADD:
+        for (i = 0; i < n; i++) r[i] = a[i] + b[i];
+        break;
+    case OP_SUB:
+        for (i = 0; i < n; i++) r[i] = a[i] - b[i];
+        break;
+    case OP_MUL:
+        for (i = 0; i < n; i++) r[i] = a[i] * b[i];
+        break;
+    case OP_DIV:
+        for (i = 0; i < n; i++) r[i] = a[i] / b[i];
+        break;
+    case OP_NEG:  /* multiply(x, -1), as the NumPy device */
+        for (i = 0; i < n; i++) r[i] = a[i] * -1.0f;
+        break;
+    case OP_RELU:  /* np.maximum(x, 0): x where x > 0 or NaN, else +0 (-0 gives +0) */
+        for (i = 0; i < n; i++) r[i] = (a[i] > 0.0f || a[i] != a[i]) ? a[i] : 0.0f;
+        break;
+    case OP_SQRT:
+        for (i = 0; i < n; i++) r[i] = sqrtf(a[i]);
+        break;
+    case OP_RELU_BACKWARD:  /* g * (y > 0) */
+        for (i = 0; i < n; i++) t[i] = b[i] > 0.0f ? 1.0f : 0.0f;
+        for (i = 0; i < n; i++) r[i] = a[i] * t[i];
+        break;
+    case OP_TANH_BACKWARD:  /* g * (1 - y * y) */
+        for (i = 0; i < n; i++) t[i] = b[i] * b[i];
+        for (i = 0; i < n; i++) t[i] = 1.0f - t[i];
+        for (i = 0; i < n; i++) r[i] = a[i] * t[i];
+        break;
+    case OP_SIGMOID_BACKWARD:  /* g * ((1 - y) * y) */
+        for (i = 0; i < n; i++) t[i] = 1.0f - b[i];
+        for (i = 0; i < n; i++) t[i] = t[i] * b[i];
+        for (i = 0; i < n; i++) r[i] = a[i] * t[i];
+        break;
+    }
+}
+
+/* Take an operand: 0 on success, 1 when apply cannot take it (nothing raised); o->held says
+ * whether a buffer is to be released either way. */
+static int
+take(PyObject *obj, operand *o, Py_ssize_t ndim, const Py_ssize_t *shape)
+{
+    o->held = 0;
+    o->is_number = 0;
+    if (PyFloat_CheckExact(obj) || PyLong_CheckExact(obj)) {
+        double d = PyFloat_AsDouble(obj);
+        if (d == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 1;
+        }
+        o->is_number = 1;
+        o->number = (float)d;  /* NumPy casts a Python number to float32 the same way */
+        return 0;
+    }
+    if (PyObject_GetBuffer(obj, &o->view, PyBUF_STRIDES) < 0) {
+        PyErr_Clear();
+        return 1;
+    }
+    o->held = 1;
+    if (o->view.ndim == 0 && o->view.itemsize == 4 && ndim != 0) {
+        /* a float32 number (NumPy's scalar); a 0-d operand of a 0-d out is an array */
+        memcpy(&o->number, o->view.buf, 4);
+        o->is_number = 1;
+        return 0;
+    }
+    if ((o->view.itemsize != 2 && o->view.itemsize != 4) || o->view.ndim != ndim) {
+        return 1;
+    }
+    for (Py_ssize_t d = 0; d < ndim; d++) {
+        if (o->view.shape[d] != shape[d]) {
+            return 1;
+        }
+        o->strides[d] = o->view.strides[d];
+    }
+    o->itemsize = o->view.itemsize;
+    o->ptr = o->view.buf;
+    return 0;
+}
+
+static PyObject *
+apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 && nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "apply(code, bf16, out, a[, b]) takes 4 or 5 arguments, "
+                     "got %zd", nargs);
+        return NULL;
+    }
+    long code = PyLong_AsLong(args[0]);
+    if (code == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (code < 0 || code >= OP_COUNT || op_arity[code] != nargs - 3) {
+        PyErr_Format(PyExc_ValueError, "apply: code %ld with %zd operand(s) names no kernel",
+                     code, nargs - 3);
+        return NULL;
+    }
+    int bf16 = PyObject_IsTrue(args[1]);
+    if (bf16 < 0) {
+        return NULL;
+    }
+    Py_buffer outv;
+    if (PyObject_GetBuffer(args[2], &outv, PyBUF_STRIDES | PyBUF_WRITABLE) < 0) {
+        PyErr_Clear();  /* read-only or not an array: the caller's own path says why */
+        Py_RETURN_FALSE;
+    }
+    Py_ssize_t ndim = outv.ndim;
+    operand ops[2];
+    int nops = (int)(nargs - 3), refuse = ndim > MAX_DIMS
+        || (outv.itemsize != 2 && outv.itemsize != 4);
+    ops[0].held = ops[1].held = 0;
+    for (int k = 0; k < nops && !refuse; k++) {
+        refuse = take(args[3 + k], &ops[k], ndim, outv.shape) != 0;
+    }
+    Py_ssize_t total = 1;
+    for (Py_ssize_t d = 0; d < ndim && !refuse; d++) {
+        total *= outv.shape[d];
+        if (outv.strides[d] == 0 && outv.shape[d] > 1) {
+            refuse = 1;  /* a broadcast out would be written more than once */
+        }
+    }
+    if (!refuse) {
+        /* Merge adjacent dimensions every array walks as one; the last dimension is inner. */
+        Py_ssize_t shape[MAX_DIMS], ostr[MAX_DIMS], str[2][MAX_DIMS];
+        Py_ssize_t nd = 0;
+        for (Py_ssize_t d = 0; d < ndim; d++) {
+            int merge = nd > 0 && outv.strides[d] * outv.shape[d] == ostr[nd - 1];
+            for (int k = 0; k < nops && merge; k++) {
+                merge = ops[k].is_number
+                    || ops[k].strides[d] * outv.shape[d] == str[k][nd - 1];
+            }
+            if (merge) {
+                shape[nd - 1] *= outv.shape[d];
+                ostr[nd - 1] = outv.strides[d];
+                for (int k = 0; k < nops; k++) {
+                    str[k][nd - 1] = ops[k].is_number ? 0 : ops[k].strides[d];
+                }
+            } else {
+                shape[nd] = outv.shape[d];
+                ostr[nd] = outv.strides[d];
+                for (int k = 0; k < nops; k++) {
+                    str[k][nd] = ops[k].is_number ? 0 : ops[k].strides[d];
+                }
+                nd++;
+            }
+        }
+        Py_ssize_t inner = nd ? shape[nd - 1] : 1;
+        Py_ssize_t rows = total && inner ? total / inner : 0;
+        Py_BEGIN_ALLOW_THREADS
+        float blocks[4][CHUNK];
+        for (int k = 0; k < nops; k++) {
+            if (ops[k].is_number) {
+                for (int i = 0; i < CHUNK; i++) {
+                    blocks[k][i] = ops[k].number;
+                }
+            }
+        }
+        Py_ssize_t index[MAX_DIMS] = {0};
+        for (Py_ssize_t row = 0; row < rows; row++) {
+            /* the byte offset of this row in each array */
+            Py_ssize_t off_out = 0, off[2] = {0, 0};
+            for (Py_ssize_t d = 0; d + 1 < nd; d++) {
+                off_out += index[d] * ostr[d];
+                for (int k = 0; k < nops; k++) {
+                    off[k] += index[d] * str[k][d];
+                }
+            }
+            Py_ssize_t istr = nd ? ostr[nd - 1] : 0;
+            for (Py_ssize_t start = 0; start < inner; start += CHUNK) {
+                Py_ssize_t n = inner - start < CHUNK ? inner - start : CHUNK;
+                char *target = (char *)outv.buf + off_out + start * istr;
+                /* float32 items in place are read and written where they are */
+                float *result = outv.itemsize == 4 && istr == 4 ? (float *)target : blocks[2];
+                const float *src[2] = {blocks[0], blocks[1]};
+                for (int k = 0; k < nops; k++) {
+                    Py_ssize_t s = nd ? str[k][nd - 1] : 0;
+                    char *p = ops[k].ptr + off[k] + start * s;
+                    if (ops[k].is_number) {
+                        continue;
+                    } else if (ops[k].itemsize == 4 && s == 4) {
+                        src[k] = (const float *)p;
+                    } else {
+                        load(&ops[k], p, s, n, bf16, code == OP_COPY ? result : blocks[k]);
+                        src[k] = code == OP_COPY ? result : blocks[k];
+                    }
+                }
+                if (code != OP_COPY) {
+                    compute((int)code, src[0], src[1], result, blocks[3], n);
+                } else if (src[0] != result && result == (float *)target) {
+                    memcpy(result, src[0], (size_t)n * 4);  /* float32 to float32 */
+                }
+                if (result != (float *)target) {
+                    store(code == OP_COPY ? src[0] : result, target, istr, n, outv.itemsize,
+                          bf16);
+                }
+            }
+            for (Py_ssize_t d = nd - 2; d >= 0; d--) {  /* the next row's index */
+                if (++index[d] < shape[d]) {
+                    break;
+                }
+                index[d] = 0;
+            }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    for (int k = 0; k < nops; k++) {
+        if (ops[k].held) {
+            PyBuffer_Release(&ops[k].view);
+        }
+    }
+    PyBuffer_Release(&outv);
+    if (refuse) {
+        Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
     {"widen", (PyCFunction)(void (*)(void))widen, METH_FASTCALL,
      "widen(src, dst): float16 items of src as float32 into dst (contiguous buffers)."},
@@ -282,6 +644,9 @@ static PyMethodDef methods[] = {
      "widen_bf16(src, dst): bfloat16 items of src (as uint16) as float32 into dst."},
     {"narrow_bf16", (PyCFunction)(void (*)(void))narrow_bf16, METH_FASTCALL,
      "narrow_bf16(src, dst): float32 items of src rounded to nearest even bfloat16 into dst."},
+    {"apply", (PyCFunction)(void (*)(void))apply, METH_FASTCALL,
+     "apply(code, bf16, out, a[, b]): one elementwise kernel computed in float32 and rounded "
+     "once to out's item type; False when it cannot take the call."},
     {"set_f16c", set_f16c, METH_O,
      "set_f16c(flag): use the CPU's F16C instructions when flag and present; returns whether "
      "they are used."},

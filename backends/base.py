@@ -239,7 +239,9 @@ class Device:
         if name not in UNARY_KERNELS:
             raise ValueError(f"unknown unary kernel {name!r}; known: {', '.join(UNARY_KERNELS)}")
         if out.dtype in HALVES and name != "copy":  # NOTE: ops give x out's dtype
-            return self._in_float32(functools.partial(self._unary, name), (x,), (out,))
+            if not self._half_elementwise(name, (x,), out):
+                self._in_float32(functools.partial(self._unary, name), (x,), (out,))
+            return
         self._unary(name, x, out)
 
     def binary(self, name: str, a: Any, b: Any, out: Any) -> None:
@@ -247,7 +249,9 @@ class Device:
         if name not in BINARY_KERNELS:
             raise ValueError(f"unknown binary kernel {name!r}; known: {', '.join(BINARY_KERNELS)}")
         if out.dtype in HALVES:  # NOTE: ops give a and b out's dtype
-            return self._in_float32(functools.partial(self._binary, name), (a, b), (out,))
+            if not self._half_elementwise(name, (a, b), out):
+                self._in_float32(functools.partial(self._binary, name), (a, b), (out,))
+            return
         self._binary(name, a, b, out)
 
     def matmul(self, a: Any, b: Any, out: Any) -> None:
@@ -340,6 +344,13 @@ class Device:
         for t, o in zip(targets, outs):
             if t is not o:
                 self._cast(t, o)
+
+    def _half_elementwise(self, name: str, operands: Sequence[Any], out: Any) -> bool:
+        """Run the elementwise kernel `name` into the half view `out` under the rule of
+        `_in_float32` (its result bit for bit) without widened copies, if the backend can;
+        return False, having written nothing, to have `_in_float32` run the float32 kernel.
+        The default always returns False."""
+        return False
 
     def _widened(self, x: Any) -> Any:
         """A float32 array equal to the half view `x` (its shape; any strides). The default
