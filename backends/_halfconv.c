@@ -316,11 +316,11 @@ set_f16c(PyObject *self, PyObject *flag)
 
 /* ------------------------------------------------------------------ elementwise in float32
  *
- * apply(code, bf16, out, a[, b]): one elementwise op of the "compute in float32, round once"
- * rule without float32 arrays in between. out and each array operand are buffers of one shape,
- * any byte strides (a zero stride broadcasts), of two-byte items (float16, or bfloat16 where
- * `bf16`) or float32 items; a number operand is a Python float or int, or a 0-d float32 buffer
- * (a NumPy float32). Elements are taken in chunks: each operand's chunk is widened into a
+ * apply(code, bf16, out, a[, b]): one elementwise op under Note [two-byte floats compute in
+ * float32] in backends/base.py, without float32 arrays in between. out and each array operand are buffers of any byte
+ * strides, of two-byte items (float16, or bfloat16 where `bf16`) or float32 items; an operand
+ * broadcasts to out's shape as in NumPy (a zero stride, a missing or length-1 dimension); a
+ * number operand is a Python float, or a 0-d float32 buffer (a NumPy float32). Elements are taken in chunks: each operand's chunk is widened into a
  * float32 block, the op runs on the blocks as NumPy's float32 kernels run it, one IEEE single
  * operation per pass (so no compiler contracts a product and a sum into one rounding), and the
  * result block is rounded to out's dtype once. The code `COPY` is a plain conversion (widen or
@@ -463,7 +463,7 @@ take(PyObject *obj, operand *o, Py_ssize_t ndim, const Py_ssize_t *shape)
 {
     o->held = 0;
     o->is_number = 0;
-    if (PyFloat_CheckExact(obj) || PyLong_CheckExact(obj)) {
+    if (PyFloat_CheckExact(obj)) {
         double d = PyFloat_AsDouble(obj);
         if (d == -1.0 && PyErr_Occurred()) {
             PyErr_Clear();
@@ -484,14 +484,16 @@ take(PyObject *obj, operand *o, Py_ssize_t ndim, const Py_ssize_t *shape)
         o->is_number = 1;
         return 0;
     }
-    if ((o->view.itemsize != 2 && o->view.itemsize != 4) || o->view.ndim != ndim) {
+    Py_ssize_t lead = ndim - o->view.ndim;  /* NumPy's broadcasting: aligned on the right */
+    if ((o->view.itemsize != 2 && o->view.itemsize != 4) || lead < 0) {
         return 1;
     }
     for (Py_ssize_t d = 0; d < ndim; d++) {
-        if (o->view.shape[d] != shape[d]) {
+        Py_ssize_t n = d < lead ? 1 : o->view.shape[d - lead];
+        if (n != shape[d] && n != 1) {
             return 1;
         }
-        o->strides[d] = o->view.strides[d];
+        o->strides[d] = n == shape[d] && d >= lead ? o->view.strides[d - lead] : 0;
     }
     o->itemsize = o->view.itemsize;
     o->ptr = o->view.buf;

@@ -216,7 +216,7 @@ class NumpyDevice(Device):
         return np.empty(tuple(shape), dtype)
 
     def _half_elementwise(self, name, operands, out) -> bool:
-        # NOTE: one C pass over half operands: Note [half ops in C] below
+        # NOTE: one C pass: Note [two-byte floats compute in float32] in backends/base.py
         code = _APPLY.get(name)
         if code is None or _halfconv is None:
             return False
