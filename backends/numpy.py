@@ -140,6 +140,58 @@ def _rows(count: int) -> np.ndarray:
     return rows
 
 
+def _convert(x: np.ndarray, out: np.ndarray) -> None:
+    """out = x converted to out's dtype: float16 and bfloat16 to and from float32 in C
+    (`backends/_halfconv.c`, any layout), anything else by NumPy."""
+    if _halfconv is not None and x.shape == out.shape:
+        if out.dtype == _F32 and x.dtype in _WIDEN:
+            if x.flags.c_contiguous and out.flags.c_contiguous:
+                return _WIDEN[x.dtype](x.view(np.uint16), out)  # NumPy: one at a time
+            if _halfconv.apply(0, x.dtype == _BF16, out, x):
+                return
+        elif x.dtype == _F32 and out.dtype in _NARROW:
+            if x.flags.c_contiguous and out.flags.c_contiguous:
+                return _NARROW[out.dtype](x, out.view(np.uint16))
+            if _halfconv.apply(0, out.dtype == _BF16, out, x):
+                return
+    np.copyto(out, x, casting="unsafe")  # NOTE: runtime.ops.cast allowed only exact or IEEE
+
+
+def _widen(x: np.ndarray) -> np.ndarray:
+    """A new float32 array equal to the half array x (`Device._widened`)."""
+    # NOTE: a transposed operand (a weight in a product) is widened as its contiguous self,
+    # on the vector path; any other layout (a broadcast bias) in one strided C pass
+    if not x.flags.c_contiguous and x.T.flags.c_contiguous:
+        return _widen(x.T).T
+    w = np.empty(x.shape, _F32)
+    _convert(x, w)
+    return w
+
+
+def _compute_in_float32(kernel, inputs, outs, read=False) -> None:
+    """`Device._in_float32` with its scratch as np.empty and its tests inline (a product of
+    64x256 halves spent as long in that Python as in its three conversions)."""
+    wide = []
+    for x in inputs:
+        dtype = getattr(x, "dtype", None)
+        if dtype in _HALF_KINDS:
+            x = _widen(x) if type(x) is np.ndarray else np.float32(x)
+        wide.append(x)
+    targets = []
+    for o in outs:
+        if o.dtype in _HALF_KINDS:
+            t = np.empty(o.shape, _F32)
+            if read:
+                _convert(o, t)
+            targets.append(t)
+        else:
+            targets.append(o)
+    kernel(*wide, *targets)
+    for t, o in zip(targets, outs):
+        if t is not o:
+            _convert(t, o)
+
+
 class NumpyDevice(Device):
     """Host memory and NumPy kernels. There is one CPU device: index 0."""
 
@@ -226,51 +278,10 @@ class NumpyDevice(Device):
                 return False
         return _halfconv.apply(code, dtype == _BF16, out, *operands)
 
-    def _in_float32(self, kernel, inputs, outs, read=False) -> None:
-        # NOTE: Device._in_float32 with its scratch as np.empty and its tests inline (a product
-        # of 64x256 halves spends as long in that Python as in its three conversions)
-        wide = []
-        for x in inputs:
-            dtype = getattr(x, "dtype", None)
-            if dtype in _HALF_KINDS:
-                x = self._widened(x) if type(x) is np.ndarray else np.float32(x)
-            wide.append(x)
-        targets = []
-        for o in outs:
-            if o.dtype in _HALF_KINDS:
-                t = np.empty(o.shape, _F32)
-                if read:
-                    self._cast(o, t)
-                targets.append(t)
-            else:
-                targets.append(o)
-        kernel(*wide, *targets)
-        for t, o in zip(targets, outs):
-            if t is not o:
-                self._cast(t, o)
-
-    def _widened(self, x) -> np.ndarray:
-        # NOTE: a transposed operand (a weight in a product) is widened as its contiguous self,
-        # on the vector path; any other layout (a broadcast bias) in one strided C pass
-        if not x.flags.c_contiguous and x.T.flags.c_contiguous:
-            return self._widened(x.T).T
-        w = np.empty(x.shape, _F32)
-        self._cast(x, w)
-        return w
-
-    def _cast(self, x, out) -> None:
-        if _halfconv is not None and x.shape == out.shape:
-            if out.dtype == _F32 and x.dtype in _WIDEN:
-                if x.flags.c_contiguous and out.flags.c_contiguous:
-                    return _WIDEN[x.dtype](x.view(np.uint16), out)  # NumPy: one at a time
-                if _halfconv.apply(0, x.dtype == _BF16, out, x):
-                    return
-            elif x.dtype == _F32 and out.dtype in _NARROW:
-                if x.flags.c_contiguous and out.flags.c_contiguous:
-                    return _NARROW[out.dtype](x, out.view(np.uint16))
-                if _halfconv.apply(0, out.dtype == _BF16, out, x):
-                    return
-        np.copyto(out, x, casting="unsafe")  # NOTE: runtime.ops.cast allowed only exact or IEEE
+    # NOTE: functions of the module (the conversions need no device state), set as methods
+    _in_float32 = staticmethod(_compute_in_float32)
+    _widened = staticmethod(_widen)
+    _cast = staticmethod(_convert)
 
     def _matmul(self, a, b, out) -> None:
         blas = _blas.find()
