@@ -146,12 +146,12 @@ def _convert(x: np.ndarray, out: np.ndarray) -> None:
     if _halfconv is not None and x.shape == out.shape:
         if out.dtype == _F32 and x.dtype in _WIDEN:
             if x.flags.c_contiguous and out.flags.c_contiguous:
-                return _WIDEN[x.dtype](x.view(np.uint16), out)  # NumPy: one at a time
+                return _WIDEN[x.dtype](x, out)  # NOTE: NumPy converts one item at a time
             if _halfconv.apply(0, x.dtype == _BF16, out, x):
                 return
         elif x.dtype == _F32 and out.dtype in _NARROW:
             if x.flags.c_contiguous and out.flags.c_contiguous:
-                return _NARROW[out.dtype](x, out.view(np.uint16))
+                return _NARROW[out.dtype](x, out)
             if _halfconv.apply(0, out.dtype == _BF16, out, x):
                 return
     np.copyto(out, x, casting="unsafe")  # NOTE: runtime.ops.cast allowed only exact or IEEE
@@ -159,11 +159,17 @@ def _convert(x: np.ndarray, out: np.ndarray) -> None:
 
 def _widen(x: np.ndarray) -> np.ndarray:
     """A new float32 array equal to the half array x (`Device._widened`)."""
-    # NOTE: a transposed operand (a weight in a product) is widened as its contiguous self,
-    # on the vector path; any other layout (a broadcast bias) in one strided C pass
-    if not x.flags.c_contiguous and x.T.flags.c_contiguous:
-        return _widen(x.T).T
-    w = np.empty(x.shape, _F32)
+    if _halfconv is not None:
+        flags = x.flags
+        if flags.c_contiguous:
+            w = np.empty(x.shape, _F32)
+            _WIDEN[x.dtype](x, w)
+            return w
+        if flags.f_contiguous:  # NOTE: a transposed weight, widened as its contiguous self
+            w = np.empty(x.shape[::-1], _F32)
+            _WIDEN[x.dtype](x.T, w)
+            return w.T
+    w = np.empty(x.shape, _F32)  # NOTE: any other layout (a broadcast bias): one strided pass
     _convert(x, w)
     return w
 
