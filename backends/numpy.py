@@ -158,18 +158,22 @@ def _convert(x: np.ndarray, out: np.ndarray) -> None:
 
 
 def _widen(x: np.ndarray) -> np.ndarray:
-    """A new float32 array equal to the half array x (`Device._widened`)."""
-    if _halfconv is not None:
-        flags = x.flags
-        if flags.c_contiguous:
-            w = np.empty(x.shape, _F32)
-            _WIDEN[x.dtype](x, w)
-            return w
+    """A float32 array equal to the half array x (`Device._widened`): new, or a broadcast
+    view of a new one."""
+    flags = x.flags
+    if flags.c_contiguous and _halfconv is not None:
+        w = np.empty(x.shape, _F32)
+        _WIDEN[x.dtype](x, w)
+        return w
+    if not flags.c_contiguous:
         if flags.f_contiguous:  # NOTE: a transposed weight, widened as its contiguous self
-            w = np.empty(x.shape[::-1], _F32)
-            _WIDEN[x.dtype](x.T, w)
-            return w.T
-    w = np.empty(x.shape, _F32)  # NOTE: any other layout (a broadcast bias): one strided pass
+            return _widen(x.T).T
+        strides = x.strides
+        if 0 in strides:  # NOTE: a broadcast operand is widened once, not at every repeat
+            compact = x[tuple(0 if s == 0 else slice(None) for s in strides)]
+            return np.broadcast_to(np.expand_dims(_widen(compact), tuple(
+                i for i, s in enumerate(strides) if s == 0)), x.shape)
+    w = np.empty(x.shape, _F32)
     _convert(x, w)
     return w
 
