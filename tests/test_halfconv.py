@@ -5,6 +5,8 @@ opened, so `make asan` runs this file under the sanitizers."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -139,22 +141,44 @@ def test_apply_computes_in_float32_and_rounds_once(seed, name, dtype, layouts, s
     operands = [_layout(rng, kind, dtype, shape) for kind in layouts[:arity]]
     if all(not isinstance(x, np.ndarray) for x in operands):
         operands[0] = _bits(rng, shape, dtype)
-    wide = [x.astype(np.float32) if isinstance(x, np.ndarray) else np.float32(x)
-            for x in operands]
     out_dtype = np.dtype(np.float32) if out_kind == "float32" else dtype
-    with np.errstate(all="ignore"):
-        want = np.broadcast_to(FLOAT32[name](*wide), shape).astype(out_dtype)
     if out_kind == "half, every other row":
         out = np.zeros((2 * shape[0], shape[1]), out_dtype)[::2]
     else:
         out = np.zeros(shape, out_dtype)
     module.set_f16c(flag)
     try:
-        taken = module.apply(CODES[name], dtype == HALVES[1], out, *operands)
+        assert _applied_as_float32(module, name, dtype, operands, out)
     finally:
         module.set_f16c(True)
-    assert taken
-    assert _equal_or_both_nan(out, want)
+
+
+def _applied_as_float32(module: Any, name: str, dtype: np.dtype, operands: list,
+                        out: np.ndarray) -> bool:
+    """Whether apply takes the call and writes what NumPy's float32 kernel gives on the
+    widened operands, rounded once to out's dtype (NaN only as NaN)."""
+    wide = [x.astype(np.float32) if isinstance(x, np.ndarray) else np.float32(x)
+            for x in operands]
+    with np.errstate(all="ignore"):
+        want = np.broadcast_to(FLOAT32[name](*wide), out.shape).astype(out.dtype)
+    return bool(module.apply(CODES[name], dtype == HALVES[1], out, *operands)
+                and _equal_or_both_nan(out, want))
+
+
+@pytest.mark.parametrize("second", ["contiguous", "broadcast row", "number"])
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+@pytest.mark.parametrize("name", sorted(set(CODES) - {"copy"}))
+def test_apply_on_rows_of_contiguous_halves(conv, name, dtype, second):
+    """Every kernel on the layouts of the vector path (contiguous rows of halves, numbers),
+    with rows of a multiple of eight and with a tail: as NumPy's float32 kernel, rounded once."""
+    rng = np.random.default_rng(len(name) * 31 + len(second))
+    for shape in ((5, 304), (3, 21)):
+        operands = [_bits(rng, shape, dtype), _layout(rng, second, dtype, shape)]
+        if name in ("neg", "relu", "sqrt"):
+            operands = operands[:1]
+        assert _applied_as_float32(conv, name, dtype, operands, np.zeros(shape, dtype))
+        if len(operands) == 2:  # the number first: sub(1, y)
+            assert _applied_as_float32(conv, name, dtype, operands[::-1], np.zeros(shape, dtype))
 
 
 @pytest.mark.parametrize("dtype", HALVES, ids=str)
