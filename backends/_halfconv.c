@@ -326,19 +326,19 @@ set_f16c(PyObject *self, PyObject *flag)
 /* ------------------------------------------------------------------ elementwise in float32
  *
  * apply(code, bf16, out, a[, b]): one elementwise op under Note [two-byte floats compute in
- * float32] in backends/base.py, without float32 arrays in between. out and each array operand
- * are buffers of any byte strides, of two-byte items (float16, or bfloat16 where `bf16`) or
- * float32 items; an operand broadcasts to out's shape as in NumPy (a zero stride, a missing or
- * length-1 dimension); a number operand is a Python float, or a 0-d float32 buffer (a NumPy
- * float32). A row of contiguous halves (numbers and broadcast rows too) takes the vector path
- * where the CPU has one: eight elements widened into registers, the formula's operations one intrinsic each, the
+ * float32] in backends/base.py, without float32 arrays in between. out and each array operand are
+ * buffers of any byte strides, of two-byte items (float16, or bfloat16 where `bf16`) or float32
+ * items; an operand broadcasts to out's shape as in NumPy (a zero stride, a missing or length-1
+ * dimension); a number operand is a Python float, or a 0-d float32 buffer (a NumPy float32). A row
+ * of contiguous halves (numbers and broadcast rows too) takes the vector path where the CPU has
+ * one: eight elements widened into registers, the formula's operations one intrinsic each, the
  * result rounded into out. Any other layout is taken in chunks: each operand's chunk is widened
  * into a float32 block, the op runs on the blocks as NumPy's float32 kernels run it, one IEEE
- * single operation per pass (so no compiler contracts a product and a sum into one rounding),
- * and the result block is rounded to out's dtype once. The code `COPY` is a plain conversion
- * (widen or narrow any layout). Returns False, having written nothing, when it cannot take the
- * call (a layout or operand it does not handle: the caller computes another way); raises only
- * for a wrong argument count or an unknown code. */
+ * single operation per pass (so no compiler contracts a product and a sum into one rounding), and
+ * the result block is rounded to out's dtype once. The code `COPY` is a plain conversion (widen or
+ * narrow any layout). Returns False, having written nothing, when it cannot take the call (a
+ * layout or operand it does not handle: the caller computes another way); raises only for a wrong
+ * argument count or an unknown code. */
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #endif
