@@ -269,6 +269,39 @@ def test_every_half_kernel_of_the_cpu_computes_in_float32_and_rounds_once(seed, 
 
 
 @pytest.mark.parametrize("half", HALF, ids=str)
+def test_the_cpu_runs_a_training_step_s_half_kernels_in_one_pass(half, monkeypatch):
+    """Guards the speed of the rule, not its bits (the tests above): the elementwise kernels a
+    training step makes on half tensors (a broadcast bias, relu and its backward, a number,
+    in place) never go through float32 copies on the CPU where the C conversions are built."""
+    pytest.importorskip("backends._halfconv", reason="the C conversions are not built")
+    from backends import numpy as cpu
+
+    if cpu._halfconv is None:
+        pytest.skip("BLOCKRT_PURE_PYTHON: the conversions run in NumPy")
+    device = backends.get_device("cpu")
+    copied = []
+    real = cpu.NumpyDevice._in_float32
+
+    def counting(kernel: Any, *args: Any, **kwargs: Any) -> None:
+        copied.append(kernel)
+        real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(cpu.NumpyDevice, "_in_float32", staticmethod(counting))
+    rng = np.random.default_rng(2)
+    x, g = (rng.normal(0, 1, (64, 256)).astype(half) for _ in range(2))
+    bias = np.broadcast_to(rng.normal(0, 1, 256).astype(half), (64, 256))
+    out = np.empty_like(x)
+    device.binary("add", x, bias, out)
+    device.unary("relu", out, out)
+    device.binary("relu_backward", g, out, out)
+    device.binary("mul", out, np.float32(0.01), out)
+    device.binary("sub", x, out, out)
+    assert copied == []
+    device.unary("tanh", out, out)  # NumPy's float32 loop: through copies
+    assert len(copied) == 1
+
+
+@pytest.mark.parametrize("half", HALF, ids=str)
 def test_a_fused_half_chain_rounds_once_per_link_as_the_unfused_ops(half):
     """A fused chain (the graph's, and the CPU device's blocked one) rounds each link's result
     to the half dtype, as the ops it replaces would: bit for bit the same as running them one
