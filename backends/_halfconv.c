@@ -1,4 +1,5 @@
-/* float16 <-> float32 conversion of contiguous arrays for the CPU device's casts.
+/* float16 and bfloat16 <-> float32 conversion for the CPU device's casts, and its arithmetic
+ * kernels on half operands (`apply`, below).
  *
  * NumPy converts float16 one element at a time here (about 2-3 ns an element, 15-20x a float32
  * add of the same array, measured on an AMD EPYC); the "compute in float32, store in half" rule
@@ -12,12 +13,14 @@
  * narrow_bf16 the same for bfloat16 (ml_dtypes converts at 2.5 and 8.7 us for 16K items here,
  * these at about 1). Each argument is a C-contiguous buffer (a NumPy array), dst writable,
  * both of the same number of elements; anything else is a TypeError or ValueError, before
- * anything is written.
+ * anything is written. apply(code, bf16, out, a[, b]) runs one elementwise kernel on any
+ * layout, computing in float32 and rounding once (it says below how).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -150,15 +153,6 @@ narrow_loop(const void *src, void *dst, Py_ssize_t n)
 
 /* bfloat16 is a float's upper 16 bits: widening shifts them back; narrowing rounds to nearest
  * even on bit 16, and a NaN keeps its sign and upper payload with the quiet bit set. */
-static void
-widen_bf16_loop(const void *src, void *dst, Py_ssize_t n)
-{
-    const uint16_t *s = src;
-    uint32_t *d = dst;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        d[i] = (uint32_t)s[i] << 16;
-    }
-}
 
 static inline uint16_t
 scalar_narrow_bf16(uint32_t u)
@@ -169,14 +163,70 @@ scalar_narrow_bf16(uint32_t u)
 }
 
 #if HAVE_X86
-__attribute__((target("avx2"), optimize("O3"))) static void
+/* scalar_narrow_bf16 on sixteen items at a time; the same bits. A NaN is rare: the quiet
+ * NaNs are blended in only where a block holds one. */
+__attribute__((target("avx2"))) static void
 narrow_bf16_avx2(const uint32_t *s, uint16_t *d, Py_ssize_t n)
 {
-    for (Py_ssize_t i = 0; i < n; i++) {  /* scalar_narrow_bf16, inlined and vectorised */
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i quiet = _mm256_set1_epi32(0x400000);
+    Py_ssize_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256i u0 = _mm256_loadu_si256((const __m256i *)(s + i));
+        __m256i u1 = _mm256_loadu_si256((const __m256i *)(s + i + 8));
+        /* NaN: |u| > inf as signed integers (|u| < 2**31) */
+        __m256i nan0 = _mm256_cmpgt_epi32(_mm256_and_si256(u0, abs_mask), inf);
+        __m256i nan1 = _mm256_cmpgt_epi32(_mm256_and_si256(u1, abs_mask), inf);
+        __m256i r0 = _mm256_add_epi32(_mm256_add_epi32(u0, bias),
+                                      _mm256_and_si256(_mm256_srli_epi32(u0, 16), one));
+        __m256i r1 = _mm256_add_epi32(_mm256_add_epi32(u1, bias),
+                                      _mm256_and_si256(_mm256_srli_epi32(u1, 16), one));
+        __m256i any = _mm256_or_si256(nan0, nan1);
+        if (!_mm256_testz_si256(any, any)) {
+            r0 = _mm256_blendv_epi8(r0, _mm256_or_si256(u0, quiet), nan0);
+            r1 = _mm256_blendv_epi8(r1, _mm256_or_si256(u1, quiet), nan1);
+        }
+        /* the upper halves, each below 2**16, packed in order */
+        __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(r0, 16),
+                                             _mm256_srli_epi32(r1, 16));
+        _mm256_storeu_si256((__m256i *)(d + i), _mm256_permute4x64_epi64(packed, 0xd8));
+    }
+    for (; i < n; i++) {
         d[i] = scalar_narrow_bf16(s[i]);
     }
 }
+
+/* bfloat16 -> float32 eight items at a time: zero-extend and shift. */
+__attribute__((target("avx2"))) static void
+widen_bf16_avx2(const uint16_t *s, uint32_t *d, Py_ssize_t n)
+{
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
+        _mm256_storeu_si256((__m256i *)(d + i), _mm256_slli_epi32(u, 16));
+    }
+    for (; i < n; i++) {
+        d[i] = (uint32_t)s[i] << 16;
+    }
+}
 #endif
+
+static void
+widen_bf16_loop(const void *src, void *dst, Py_ssize_t n)
+{
+    const uint16_t *s = src;
+    uint32_t *d = dst;
+#if HAVE_X86
+    if (use_avx2) {
+        widen_bf16_avx2(s, d, n);
+        return;
+    }
+#endif
+    for (Py_ssize_t i = 0; i < n; i++) {
+        d[i] = (uint32_t)s[i] << 16;
+    }
+}
 
 static void
 narrow_bf16_loop(const void *src, void *dst, Py_ssize_t n)
@@ -273,6 +323,448 @@ set_f16c(PyObject *self, PyObject *flag)
     return PyBool_FromLong(use_f16c);
 }
 
+/* ------------------------------------------------------------------ elementwise in float32
+ *
+ * apply(code, bf16, out, a[, b]): one elementwise op under Note [two-byte floats compute in
+ * float32] in backends/base.py, without float32 arrays in between. out and each array operand are
+ * buffers of any byte strides, of two-byte items (float16, or bfloat16 where `bf16`) or float32
+ * items; an operand broadcasts to out's shape as in NumPy (a zero stride, a missing or length-1
+ * dimension); a number operand is a Python float, or a 0-d float32 buffer (a NumPy float32). A row
+ * of contiguous halves (numbers and broadcast rows too) takes the vector path where the CPU has
+ * one: eight elements widened into registers, the formula's operations one intrinsic each, the
+ * result rounded into out. Any other layout is taken in chunks: each operand's chunk is widened
+ * into a float32 block, the op runs on the blocks as NumPy's float32 kernels run it, one IEEE
+ * single operation per pass (so no compiler contracts a product and a sum into one rounding), and
+ * the result block is rounded to out's dtype once. The code `COPY` is a plain conversion (widen or
+ * narrow any layout). Returns False, having written nothing, when it cannot take the call (a
+ * layout or operand it does not handle: the caller computes another way); raises only for a wrong
+ * argument count or an unknown code. */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+
+enum { OP_COPY, OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_NEG, OP_RELU, OP_SQRT, OP_RELU_BACKWARD,
+       OP_TANH_BACKWARD, OP_SIGMOID_BACKWARD, OP_COUNT };
+static const int op_arity[OP_COUNT] = {1, 2, 2, 2, 2, 1, 1, 1, 2, 2, 2};
+
+#define CHUNK 512
+#define MAX_DIMS 32
+
+typedef struct {
+    Py_buffer view;
+    int held;            /* view holds a buffer to release */
+    int is_number;
+    float number;
+    Py_ssize_t itemsize;  /* 2 or 4 */
+    Py_ssize_t strides[MAX_DIMS];
+    char *ptr;
+} operand;
+
+/* Widen n items at p (stride in bytes) into dst. */
+static void
+load(const operand *o, const char *p, Py_ssize_t stride, Py_ssize_t n, int bf16, float *dst)
+{
+    if (o->itemsize == 4) {
+        if (stride == 4) {
+            memcpy(dst, p, (size_t)n * 4);
+        } else {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                memcpy(dst + i, p + i * stride, 4);
+            }
+        }
+        return;
+    }
+    if (stride == 2) {
+        (bf16 ? widen_bf16_loop : widen_loop)(p, dst, n);
+        return;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, p + i * stride, 2);
+        if (bf16) {
+            uint32_t bits = (uint32_t)h << 16;
+            memcpy(dst + i, &bits, 4);
+        } else {
+            dst[i] = scalar_widen(h);
+        }
+    }
+}
+
+/* Round n floats of src to out's item type into p (stride in bytes). */
+static void
+store(const float *src, char *p, Py_ssize_t stride, Py_ssize_t n, Py_ssize_t itemsize, int bf16)
+{
+    if (itemsize == 4) {
+        if (stride == 4) {
+            memcpy(p, src, (size_t)n * 4);
+        } else {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                memcpy(p + i * stride, src + i, 4);
+            }
+        }
+        return;
+    }
+    if (stride == 2) {
+        (bf16 ? narrow_bf16_loop : narrow_loop)(src, p, n);
+        return;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint16_t h;
+        if (bf16) {
+            uint32_t bits;
+            memcpy(&bits, src + i, 4);
+            h = scalar_narrow_bf16(bits);
+        } else {
+            h = scalar_narrow(src[i]);
+        }
+        memcpy(p + i * stride, &h, 2);
+    }
+}
+
+/* r = op(a, b) on float32 blocks, one IEEE operation per loop, in the order of the NumPy
+ * device's kernels (backends/numpy.py: Note [one formula on every backend]). t is scratch. */
+static void
+compute(int code, const float *a, const float *b, float *r, float *t, Py_ssize_t n)
+{
+    Py_ssize_t i;
+    switch (code) {
+    case OP_COPY:  /* done by the caller's load and store */
+        break;
+    case OP_ADD:
+        for (i = 0; i < n; i++) r[i] = a[i] + b[i];
+        break;
+    case OP_SUB:
+        for (i = 0; i < n; i++) r[i] = a[i] - b[i];
+        break;
+    case OP_MUL:
+        for (i = 0; i < n; i++) r[i] = a[i] * b[i];
+        break;
+    case OP_DIV:
+        for (i = 0; i < n; i++) r[i] = a[i] / b[i];
+        break;
+    case OP_NEG:  /* multiply(x, -1), as the NumPy device */
+        for (i = 0; i < n; i++) r[i] = a[i] * -1.0f;
+        break;
+    case OP_RELU:  /* np.maximum(x, 0): x where x > 0 or NaN, else +0 (-0 gives +0) */
+        for (i = 0; i < n; i++) r[i] = (a[i] > 0.0f || a[i] != a[i]) ? a[i] : 0.0f;
+        break;
+    case OP_SQRT:
+        for (i = 0; i < n; i++) r[i] = sqrtf(a[i]);
+        break;
+    case OP_RELU_BACKWARD:  /* g * (y > 0) */
+        for (i = 0; i < n; i++) t[i] = b[i] > 0.0f ? 1.0f : 0.0f;
+        for (i = 0; i < n; i++) r[i] = a[i] * t[i];
+        break;
+    case OP_TANH_BACKWARD:  /* g * (1 - y * y) */
+        for (i = 0; i < n; i++) t[i] = b[i] * b[i];
+        for (i = 0; i < n; i++) t[i] = 1.0f - t[i];
+        for (i = 0; i < n; i++) r[i] = a[i] * t[i];
+        break;
+    case OP_SIGMOID_BACKWARD:  /* g * ((1 - y) * y) */
+        for (i = 0; i < n; i++) t[i] = 1.0f - b[i];
+        for (i = 0; i < n; i++) t[i] = t[i] * b[i];
+        for (i = 0; i < n; i++) r[i] = a[i] * t[i];
+        break;
+    }
+}
+
+#if HAVE_X86
+/* The vector path of a row whose half operands and out are contiguous: eight elements widened
+ * into registers, the same IEEE operations as `compute` (one intrinsic each: no target here
+ * has FMA, so none is contracted), rounded into out. Operands are pointers, or NULL for the
+ * number in `num`. Returns how many leading elements it did (a multiple of eight). */
+#define ROW_BODY(LOAD, STORE)                                                                \
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);                     \
+    const __m256 minus = _mm256_set1_ps(-1.0f);                                              \
+    const __m256 na = _mm256_set1_ps(num[0]), nb = _mm256_set1_ps(num[1]);                  \
+    Py_ssize_t i = 0;                                                                        \
+    for (; i + 8 <= n; i += 8) {                                                             \
+        __m256 va = a ? LOAD(a + i) : na, vb = b ? LOAD(b + i) : nb, r, t;                   \
+        switch (code) {                                                                      \
+        case OP_ADD: r = _mm256_add_ps(va, vb); break;                                       \
+        case OP_SUB: r = _mm256_sub_ps(va, vb); break;                                       \
+        case OP_MUL: r = _mm256_mul_ps(va, vb); break;                                       \
+        case OP_DIV: r = _mm256_div_ps(va, vb); break;                                       \
+        case OP_NEG: r = _mm256_mul_ps(va, minus); break;                                    \
+        case OP_RELU:  /* a where a > 0 or NaN, else +0 */                                   \
+            t = _mm256_or_ps(_mm256_cmp_ps(va, zero, _CMP_GT_OQ),                            \
+                             _mm256_cmp_ps(va, va, _CMP_UNORD_Q));                           \
+            r = _mm256_and_ps(t, va);                                                        \
+            break;                                                                           \
+        case OP_SQRT: r = _mm256_sqrt_ps(va); break;                                         \
+        case OP_RELU_BACKWARD:                                                               \
+            t = _mm256_and_ps(_mm256_cmp_ps(vb, zero, _CMP_GT_OQ), one);                     \
+            r = _mm256_mul_ps(va, t);                                                        \
+            break;                                                                           \
+        case OP_TANH_BACKWARD:                                                               \
+            t = _mm256_sub_ps(one, _mm256_mul_ps(vb, vb));                                   \
+            r = _mm256_mul_ps(va, t);                                                        \
+            break;                                                                           \
+        case OP_SIGMOID_BACKWARD:                                                            \
+            t = _mm256_mul_ps(_mm256_sub_ps(one, vb), vb);                                   \
+            r = _mm256_mul_ps(va, t);                                                        \
+            break;                                                                           \
+        default: return 0;                                                                   \
+        }                                                                                    \
+        STORE(out + i, r);                                                                   \
+    }                                                                                        \
+    return i;
+
+__attribute__((target("avx,f16c"))) static inline __m256
+load_f16(const uint16_t *p)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+__attribute__((target("avx,f16c"))) static inline void
+store_f16(uint16_t *p, __m256 r)
+{
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT));
+}
+
+__attribute__((target("avx2"))) static inline __m256
+load_bf16(const uint16_t *p)
+{
+    __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+
+__attribute__((target("avx2"))) static inline void
+store_bf16(uint16_t *p, __m256 r)  /* scalar_narrow_bf16 on eight items */
+{
+    __m256i u = _mm256_castps_si256(r);
+    __m256i rounded = _mm256_add_epi32(
+        _mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+        _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                     _mm256_set1_epi32(0x7f800000));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(rounded, 16), _mm256_setzero_si256());
+    packed = _mm256_permute4x64_epi64(packed, 0x08);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+
+__attribute__((target("avx,f16c"))) static Py_ssize_t
+row_f16(int code, const uint16_t *a, const uint16_t *b, const float *num, uint16_t *out,
+        Py_ssize_t n)
+{
+    ROW_BODY(load_f16, store_f16)
+}
+
+__attribute__((target("avx2"))) static Py_ssize_t
+row_bf16(int code, const uint16_t *a, const uint16_t *b, const float *num, uint16_t *out,
+         Py_ssize_t n)
+{
+    ROW_BODY(load_bf16, store_bf16)
+}
+#undef ROW_BODY
+#endif
+
+/* Take an operand: 0 on success, 1 when apply cannot take it (nothing raised); o->held says
+ * whether a buffer is to be released either way. */
+static int
+take(PyObject *obj, operand *o, Py_ssize_t ndim, const Py_ssize_t *shape)
+{
+    o->held = 0;
+    o->is_number = 0;
+    if (PyFloat_CheckExact(obj)) {
+        double d = PyFloat_AsDouble(obj);
+        if (d == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 1;
+        }
+        o->is_number = 1;
+        o->number = (float)d;  /* NumPy casts a Python number to float32 the same way */
+        return 0;
+    }
+    if (PyObject_GetBuffer(obj, &o->view, PyBUF_STRIDES) < 0) {
+        PyErr_Clear();
+        return 1;
+    }
+    o->held = 1;
+    if (o->view.ndim == 0 && o->view.itemsize == 4 && ndim != 0) {
+        /* a float32 number (NumPy's scalar); a 0-d operand of a 0-d out is an array */
+        memcpy(&o->number, o->view.buf, 4);
+        o->is_number = 1;
+        return 0;
+    }
+    Py_ssize_t lead = ndim - o->view.ndim;  /* NumPy's broadcasting: aligned on the right */
+    if ((o->view.itemsize != 2 && o->view.itemsize != 4) || lead < 0) {
+        return 1;
+    }
+    for (Py_ssize_t d = 0; d < ndim; d++) {
+        Py_ssize_t n = d < lead ? 1 : o->view.shape[d - lead];
+        if (n != shape[d] && n != 1) {
+            return 1;
+        }
+        o->strides[d] = n == shape[d] && d >= lead ? o->view.strides[d - lead] : 0;
+    }
+    o->itemsize = o->view.itemsize;
+    o->ptr = o->view.buf;
+    return 0;
+}
+
+static PyObject *
+apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 && nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "apply(code, bf16, out, a[, b]) takes 4 or 5 arguments, "
+                     "got %zd", nargs);
+        return NULL;
+    }
+    long code = PyLong_AsLong(args[0]);
+    if (code == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (code < 0 || code >= OP_COUNT || op_arity[code] != nargs - 3) {
+        PyErr_Format(PyExc_ValueError, "apply: code %ld with %zd operand(s) names no kernel",
+                     code, nargs - 3);
+        return NULL;
+    }
+    int bf16 = PyObject_IsTrue(args[1]);
+    if (bf16 < 0) {
+        return NULL;
+    }
+    Py_buffer outv;
+    if (PyObject_GetBuffer(args[2], &outv, PyBUF_STRIDES | PyBUF_WRITABLE) < 0) {
+        PyErr_Clear();  /* read-only or not an array: the caller's own path says why */
+        Py_RETURN_FALSE;
+    }
+    Py_ssize_t ndim = outv.ndim;
+    operand ops[2];
+    int nops = (int)(nargs - 3), refuse = ndim > MAX_DIMS
+        || (outv.itemsize != 2 && outv.itemsize != 4);
+    ops[0].held = ops[1].held = 0;
+    for (int k = 0; k < nops && !refuse; k++) {
+        refuse = take(args[3 + k], &ops[k], ndim, outv.shape) != 0;
+    }
+    Py_ssize_t total = 1;
+    for (Py_ssize_t d = 0; d < ndim && !refuse; d++) {
+        total *= outv.shape[d];
+        if (outv.strides[d] == 0 && outv.shape[d] > 1) {
+            refuse = 1;  /* a broadcast out would be written more than once */
+        }
+    }
+    if (!refuse) {
+        /* Merge adjacent dimensions every array walks as one; the last dimension is inner. */
+        Py_ssize_t shape[MAX_DIMS], ostr[MAX_DIMS], str[2][MAX_DIMS];
+        Py_ssize_t nd = 0;
+        for (Py_ssize_t d = 0; d < ndim; d++) {
+            int merge = nd > 0 && outv.strides[d] * outv.shape[d] == ostr[nd - 1];
+            for (int k = 0; k < nops && merge; k++) {
+                merge = ops[k].is_number
+                    || ops[k].strides[d] * outv.shape[d] == str[k][nd - 1];
+            }
+            if (merge) {
+                shape[nd - 1] *= outv.shape[d];
+                ostr[nd - 1] = outv.strides[d];
+                for (int k = 0; k < nops; k++) {
+                    str[k][nd - 1] = ops[k].is_number ? 0 : ops[k].strides[d];
+                }
+            } else {
+                shape[nd] = outv.shape[d];
+                ostr[nd] = outv.strides[d];
+                for (int k = 0; k < nops; k++) {
+                    str[k][nd] = ops[k].is_number ? 0 : ops[k].strides[d];
+                }
+                nd++;
+            }
+        }
+        Py_ssize_t inner = nd ? shape[nd - 1] : 1;
+        Py_ssize_t rows = total && inner ? total / inner : 0;
+        /* rows of contiguous halves (numbers aside) take the vector path where the CPU has it */
+        int vector = code != OP_COPY && nd > 0 && outv.itemsize == 2 && ostr[nd - 1] == 2
+            && (bf16 ? use_avx2 : use_f16c);
+        float numbers[2] = {0.0f, 0.0f};
+        for (int k = 0; k < nops; k++) {
+            if (ops[k].is_number) {
+                numbers[k] = ops[k].number;
+            } else {
+                vector = vector && ops[k].itemsize == 2 && str[k][nd - 1] == 2;
+            }
+        }
+        (void)numbers;
+        Py_BEGIN_ALLOW_THREADS
+        float blocks[4][CHUNK];
+        for (int k = 0; k < nops; k++) {
+            if (ops[k].is_number) {
+                for (int i = 0; i < CHUNK; i++) {
+                    blocks[k][i] = ops[k].number;
+                }
+            }
+        }
+        Py_ssize_t index[MAX_DIMS] = {0};
+        for (Py_ssize_t row = 0; row < rows; row++) {
+            /* the byte offset of this row in each array */
+            Py_ssize_t off_out = 0, off[2] = {0, 0};
+            for (Py_ssize_t d = 0; d + 1 < nd; d++) {
+                off_out += index[d] * ostr[d];
+                for (int k = 0; k < nops; k++) {
+                    off[k] += index[d] * str[k][d];
+                }
+            }
+            Py_ssize_t istr = nd ? ostr[nd - 1] : 0;
+            Py_ssize_t done = 0;
+#if HAVE_X86
+            if (vector) {
+                const uint16_t *p[2] = {NULL, NULL};
+                for (int k = 0; k < nops; k++) {
+                    p[k] = ops[k].is_number ? NULL : (const uint16_t *)(ops[k].ptr + off[k]);
+                }
+                done = (bf16 ? row_bf16 : row_f16)((int)code, p[0], p[1], numbers,
+                                                   (uint16_t *)((char *)outv.buf + off_out),
+                                                   inner);
+            }
+#endif
+            for (Py_ssize_t start = done; start < inner; start += CHUNK) {
+                Py_ssize_t n = inner - start < CHUNK ? inner - start : CHUNK;
+                char *target = (char *)outv.buf + off_out + start * istr;
+                /* float32 items in place are read and written where they are */
+                float *result = outv.itemsize == 4 && istr == 4 ? (float *)target : blocks[2];
+                const float *src[2] = {blocks[0], blocks[1]};
+                for (int k = 0; k < nops; k++) {
+                    Py_ssize_t s = nd ? str[k][nd - 1] : 0;
+                    char *p = ops[k].ptr + off[k] + start * s;
+                    if (ops[k].is_number) {
+                        continue;
+                    } else if (ops[k].itemsize == 4 && s == 4) {
+                        src[k] = (const float *)p;
+                    } else {
+                        load(&ops[k], p, s, n, bf16, code == OP_COPY ? result : blocks[k]);
+                        src[k] = code == OP_COPY ? result : blocks[k];
+                    }
+                }
+                if (code != OP_COPY) {
+                    compute((int)code, src[0], src[1], result, blocks[3], n);
+                } else if (src[0] != result && result == (float *)target) {
+                    memcpy(result, src[0], (size_t)n * 4);  /* float32 to float32 */
+                }
+                if (result != (float *)target) {
+                    store(code == OP_COPY ? src[0] : result, target, istr, n, outv.itemsize,
+                          bf16);
+                }
+            }
+            for (Py_ssize_t d = nd - 2; d >= 0; d--) {  /* the next row's index */
+                if (++index[d] < shape[d]) {
+                    break;
+                }
+                index[d] = 0;
+            }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    for (int k = 0; k < nops; k++) {
+        if (ops[k].held) {
+            PyBuffer_Release(&ops[k].view);
+        }
+    }
+    PyBuffer_Release(&outv);
+    if (refuse) {
+        Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
     {"widen", (PyCFunction)(void (*)(void))widen, METH_FASTCALL,
      "widen(src, dst): float16 items of src as float32 into dst (contiguous buffers)."},
@@ -282,6 +774,9 @@ static PyMethodDef methods[] = {
      "widen_bf16(src, dst): bfloat16 items of src (as uint16) as float32 into dst."},
     {"narrow_bf16", (PyCFunction)(void (*)(void))narrow_bf16, METH_FASTCALL,
      "narrow_bf16(src, dst): float32 items of src rounded to nearest even bfloat16 into dst."},
+    {"apply", (PyCFunction)(void (*)(void))apply, METH_FASTCALL,
+     "apply(code, bf16, out, a[, b]): one elementwise kernel computed in float32 and rounded "
+     "once to out's item type; False when it cannot take the call."},
     {"set_f16c", set_f16c, METH_O,
      "set_f16c(flag): use the CPU's F16C instructions when flag and present; returns whether "
      "they are used."},
@@ -290,7 +785,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_halfconv",
-    "float16 <-> float32 conversion of contiguous buffers (F16C where the CPU has it).", -1,
+    "float16 and bfloat16 <-> float32 conversion (F16C and AVX2 where the CPU has them), and "
+    "elementwise kernels on half operands computed in float32.", -1,
     methods,
 };
 

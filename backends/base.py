@@ -34,6 +34,16 @@ on overflow and NaN, and up to their own exp and tanh, on rounding: sigmoid is
 through, as np.maximum does; relu_backward is g * (y > 0), so a NaN gradient stays NaN where
 y <= 0 too; tanh_backward and sigmoid_backward are g * (1 - y * y) and g * ((1 - y) * y) of the
 op's output y. A new or changed formula goes into the NumPy device first, then into the others.
+
+Note [two-byte floats compute in float32]: a kernel whose output is float16 or bfloat16
+(HALVES) gives, bit for bit, what its float32 kernel gives on the exactly widened operands,
+rounded once (to nearest even) to the output's dtype; a number meets it as float32. The
+reference way is `Device._in_float32` (widened scratch copies, the float32 kernel, one
+narrowing); a backend may take an elementwise kernel itself in `_half_elementwise` where it
+gets the same bits (the CPU's `backends/_halfconv.c` `apply`: one pass over the half operands
+in float32 chunks, one IEEE single operation per step of the formula, so no product and sum
+are contracted into one rounding). A fused chain is a chain of such kernels: each link's
+result is rounded to its dtype, as the ops it replaces were, never the chain once.
 """
 
 from __future__ import annotations
@@ -58,8 +68,8 @@ REDUCE_KERNELS = ("sum", "mean")
 #: The default `Device.fused` runs a chain in blocks of about this many bytes per operand (L2).
 FUSED_BLOCK_BYTES = 64 << 10
 #: The two-byte floats: every kernel computes them in float32 and rounds each result to the
-#: output's dtype once (`Device._in_float32`), as PyTorch's CPU kernels do for half and
-#: bfloat16 (their "opmath" type) and NumPy's float16 loops do op by op.
+#: output's dtype once (Note [two-byte floats compute in float32]), as PyTorch's CPU kernels do
+#: for half and bfloat16 (their "opmath" type) and NumPy's float16 loops do op by op.
 HALVES = (np.dtype("float16"), np.dtype(ml_dtypes.bfloat16))
 _FLOAT32 = np.dtype("float32")
 
@@ -240,7 +250,9 @@ class Device:
         if name not in UNARY_KERNELS:
             raise ValueError(f"unknown unary kernel {name!r}; known: {', '.join(UNARY_KERNELS)}")
         if out.dtype in HALVES and name != "copy":  # NOTE: ops give x out's dtype
-            return self._in_float32(functools.partial(self._unary, name), (x,), (out,))
+            if not self._half_elementwise(name, (x,), out):
+                self._in_float32(functools.partial(self._unary, name), (x,), (out,))
+            return
         self._unary(name, x, out)
 
     def binary(self, name: str, a: Any, b: Any, out: Any) -> None:
@@ -248,7 +260,9 @@ class Device:
         if name not in BINARY_KERNELS:
             raise ValueError(f"unknown binary kernel {name!r}; known: {', '.join(BINARY_KERNELS)}")
         if out.dtype in HALVES:  # NOTE: ops give a and b out's dtype
-            return self._in_float32(functools.partial(self._binary, name), (a, b), (out,))
+            if not self._half_elementwise(name, (a, b), out):
+                self._in_float32(functools.partial(self._binary, name), (a, b), (out,))
+            return
         self._binary(name, a, b, out)
 
     def matmul(self, a: Any, b: Any, out: Any) -> None:
@@ -342,6 +356,13 @@ class Device:
             if t is not o:
                 self._cast(t, o)
 
+    def _half_elementwise(self, name: str, operands: Sequence[Any], out: Any) -> bool:
+        """Run the elementwise kernel `name` into the half view `out` under Note [two-byte
+        floats compute in float32] (`_in_float32`'s result bit for bit) without widened
+        copies, if the backend can; return False, having written nothing, to have
+        `_in_float32` run the float32 kernel. The default always returns False."""
+        return False
+
     def _widened(self, x: Any) -> Any:
         """A float32 array equal to the half view `x` (its shape; any strides). The default
         converts into a scratch copy; a backend may widen less (a broadcast view's one row)."""
@@ -408,7 +429,7 @@ class Device:
                     target = out[start:stop] if shape else out
                 else:
                     target = scratch[i][:stop - start] if shape else scratch[i]
-                # NOTE: the public kernels: two-byte floats compute in float32 (HALVES)
+                # NOTE: the public kernels: a half link is rounded once, as its op would be
                 kernel = self.unary if len(operands) == 1 else self.binary
                 calls.append((kernel, (name, *operands, target)))
                 results.append(target)

@@ -30,6 +30,11 @@ if PURE_PYTHON:
 _F16, _F32, _BF16 = np.dtype("float16"), np.dtype("float32"), np.dtype(ml_dtypes.bfloat16)
 _WIDEN = {} if _halfconv is None else {_F16: _halfconv.widen, _BF16: _halfconv.widen_bf16}
 _NARROW = {} if _halfconv is None else {_F16: _halfconv.narrow, _BF16: _halfconv.narrow_bf16}
+#: The kernels `_halfconv.apply` runs on half operands itself, by its code for them (the
+#: transcendental ones are left to NumPy's float32 loops, whose bits C's libm need not give).
+_APPLY = {"add": 1, "sub": 2, "mul": 3, "div": 4, "neg": 5, "relu": 6, "sqrt": 7,
+          "relu_backward": 8, "tanh_backward": 9, "sigmoid_backward": 10}
+_HALF_KINDS = (_F16, _BF16)
 
 
 def _sigmoid(x: np.ndarray, out: np.ndarray) -> None:
@@ -144,6 +149,68 @@ def _rows(count: int) -> np.ndarray:
     return rows
 
 
+def _convert(x: np.ndarray, out: np.ndarray) -> None:
+    """out = x converted to out's dtype: float16 and bfloat16 to and from float32 in C
+    (`backends/_halfconv.c`, any layout), anything else by NumPy."""
+    if _halfconv is not None and x.shape == out.shape:
+        if out.dtype == _F32 and x.dtype in _WIDEN:
+            if x.flags.c_contiguous and out.flags.c_contiguous:
+                return _WIDEN[x.dtype](x, out)  # NOTE: NumPy converts one item at a time
+            if _halfconv.apply(0, x.dtype == _BF16, out, x):
+                return
+        elif x.dtype == _F32 and out.dtype in _NARROW:
+            if x.flags.c_contiguous and out.flags.c_contiguous:
+                return _NARROW[out.dtype](x, out)
+            if _halfconv.apply(0, out.dtype == _BF16, out, x):
+                return
+    np.copyto(out, x, casting="unsafe")  # NOTE: runtime.ops.cast allowed only exact or IEEE
+
+
+def _widen(x: np.ndarray) -> np.ndarray:
+    """A float32 array equal to the half array x (`Device._widened`): new, or a broadcast
+    view of a new one."""
+    flags = x.flags
+    if flags.c_contiguous and _halfconv is not None:
+        w = np.empty(x.shape, _F32)
+        _WIDEN[x.dtype](x, w)
+        return w
+    if not flags.c_contiguous:
+        if flags.f_contiguous:  # NOTE: a transposed weight, widened as its contiguous self
+            return _widen(x.T).T
+        strides = x.strides
+        if 0 in strides:  # NOTE: a broadcast operand is widened once, not at every repeat
+            compact = x[tuple(0 if s == 0 else slice(None) for s in strides)]
+            return np.broadcast_to(np.expand_dims(_widen(compact), tuple(
+                i for i, s in enumerate(strides) if s == 0)), x.shape)
+    w = np.empty(x.shape, _F32)
+    _convert(x, w)
+    return w
+
+
+def _compute_in_float32(kernel, inputs, outs, read=False) -> None:
+    """`Device._in_float32` with its scratch as np.empty and its tests inline (a product of
+    64x256 halves spent as long in that Python as in its three conversions)."""
+    wide = []
+    for x in inputs:
+        dtype = getattr(x, "dtype", None)
+        if dtype in _HALF_KINDS:
+            x = _widen(x) if type(x) is np.ndarray else np.float32(x)
+        wide.append(x)
+    targets = []
+    for o in outs:
+        if o.dtype in _HALF_KINDS:
+            t = np.empty(o.shape, _F32)
+            if read:
+                _convert(o, t)
+            targets.append(t)
+        else:
+            targets.append(o)
+    kernel(*wide, *targets)
+    for t, o in zip(targets, outs):
+        if t is not o:
+            _convert(t, o)
+
+
 class NumpyDevice(Device):
     """Host memory and NumPy kernels. There is one CPU device: index 0."""
 
@@ -219,28 +286,21 @@ class NumpyDevice(Device):
     def scratch(self, shape, dtype) -> np.ndarray:  # NOTE: a host array is its own memory
         return np.empty(tuple(shape), dtype)
 
-    def _widened(self, x) -> np.ndarray:
-        # NOTE: a broadcast operand (a bias) is widened once, not at every row it is seen
-        # again, and a transposed one (a weight in a product) as its contiguous self
-        strides = x.strides
-        if 0 in strides and x.ndim:
-            compact = x[tuple(0 if s == 0 else slice(None) for s in strides)]
-            return np.broadcast_to(np.expand_dims(self._widened(compact), tuple(
-                i for i, s in enumerate(strides) if s == 0)), x.shape)
-        if not x.flags.c_contiguous and x.T.flags.c_contiguous:
-            return self._widened(x.T).T
-        w = np.empty(x.shape, _F32)
-        self._cast(x, w)
-        return w
+    def _half_elementwise(self, name, operands, out) -> bool:
+        # NOTE: one C pass: Note [two-byte floats compute in float32] in backends/base.py
+        code = _APPLY.get(name)
+        if code is None or _halfconv is None:
+            return False
+        dtype = out.dtype
+        for x in operands:  # NOTE: ops give them out's dtype; a float32 one is read as such
+            if getattr(x, "dtype", dtype) != dtype and x.dtype != _F32:
+                return False
+        return _halfconv.apply(code, dtype == _BF16, out, *operands)
 
-    def _cast(self, x, out) -> None:
-        if (_halfconv is not None and x.flags.c_contiguous and out.flags.c_contiguous
-                and x.shape == out.shape):
-            if out.dtype == _F32 and x.dtype in _WIDEN:
-                return _WIDEN[x.dtype](x.view(np.uint16), out)  # NumPy: one item at a time
-            if x.dtype == _F32 and out.dtype in _NARROW:
-                return _NARROW[out.dtype](x, out.view(np.uint16))
-        np.copyto(out, x, casting="unsafe")  # NOTE: runtime.ops.cast allowed only exact or IEEE
+    # NOTE: functions of the module (the conversions need no device state), set as methods
+    _in_float32 = staticmethod(_compute_in_float32)
+    _widened = staticmethod(_widen)
+    _cast = staticmethod(_convert)
 
     def _matmul(self, a, b, out) -> None:
         blas = _blas.find()

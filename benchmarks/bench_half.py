@@ -8,12 +8,18 @@ so that all see the same machine load; the ratio is to float32 in the same mode.
 thread unless OPENBLAS_NUM_THREADS is set (the step's overhead, not the product's threads, is
 what the rule adds).
 
-Run: .venv/bin/python benchmarks/bench_half.py [--configs S,M] [--rounds 7]
+With --split, eager mode also times float32 with the elementwise ops on their Python path
+(`ops._fast` off; products and reductions keep the C one): the path every half elementwise op
+takes, since the C fast path (runtime/_dispatch.c) takes float32 and float64 only. Its ratio to
+float32 is the part of the half step's cost that is the runtime's dispatch, not the rule.
+
+Run: .venv/bin/python benchmarks/bench_half.py [--configs S,M] [--rounds 7] [--split]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -29,7 +35,7 @@ from timing import blas_name, cpu_name, interleaved_best, versions  # noqa: E402
 
 import runtime  # noqa: E402
 from blockrt.models import CLASSES, CONFIGS, MLPConfig  # noqa: E402
-from runtime import fastpath, nn  # noqa: E402
+from runtime import fastpath, nn, ops  # noqa: E402
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -59,10 +65,31 @@ def training_step(config: MLPConfig, dtype: str, graph: bool) -> Callable[[], An
     return lambda: run(x, y)
 
 
+@contextlib.contextmanager
+def python_elementwise() -> Any:
+    """The elementwise ops' C fast path off inside the block (products and reductions keep
+    theirs): the dispatch a half elementwise op gets."""
+    saved = ops._fast
+    ops._fast = None
+    try:
+        yield
+    finally:
+        ops._fast = saved
+
+
+def on_python_path(step: Callable[[], Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        with python_elementwise():
+            return step()
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="S,M")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--split", action="store_true",
+                        help="also time eager float32 with elementwise ops on the Python path")
     args = parser.parse_args()
     print(f"Half-precision storage on {cpu_name()}; {versions()}; products on {blas_name()}; "
           f"{os.environ['OPENBLAS_NUM_THREADS']} BLAS thread(s); C fast path "
@@ -71,17 +98,34 @@ def main() -> None:
     print("| config | mode | float32 (ms) | float16 (ms) | bfloat16 (ms) | float16 / float32 | "
           "bfloat16 / float32 |")
     print("|---|---|---:|---:|---:|---:|---:|")
+    split = []
     for key in args.configs.split(","):
         config = CONFIGS[key]
         number = max(2, int(2e9 // (6 * config.batch * config.width ** 2 * (config.depth + 1)
                                     * 50)))
         for graph in (False, True):
             steps = {dtype: training_step(config, dtype, graph) for dtype in DTYPES}
+            if args.split and not graph:
+                steps["python"] = on_python_path(training_step(config, "float32", graph))
             us = interleaved_best(steps, number, args.rounds)
-            ms = {dtype: us[dtype] / 1e3 for dtype in DTYPES}
+            ms = {dtype: us[dtype] / 1e3 for dtype in steps}
             print(f"| {key} | {'static graph' if graph else 'eager'} | {ms['float32']:.2f} | "
                   f"{ms['float16']:.2f} | {ms['bfloat16']:.2f} | "
                   f"{ms['float16'] / ms['float32']:.2f} | {ms['bfloat16'] / ms['float32']:.2f} |")
+            if "python" in ms:
+                split.append(f"| {key} | {ms['float32']:.2f} | {ms['python']:.2f} | "
+                             f"{ms['python'] / ms['float32']:.2f} | "
+                             f"{ms['float16'] / ms['python']:.2f} | "
+                             f"{ms['bfloat16'] / ms['python']:.2f} |")
+    if split:
+        print()
+        print("Eager, split: float32 with its elementwise ops on the Python path (as halves' are)")
+        print()
+        print("| config | float32 (ms) | float32, Python path (ms) | Python path / float32 | "
+              "float16 / Python path | bfloat16 / Python path |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for row in split:
+            print(row)
 
 
 if __name__ == "__main__":

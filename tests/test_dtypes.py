@@ -237,6 +237,99 @@ def test_half_ops_compute_in_float32_and_round_once(data, half, kind, name):
     assert _same(got.numpy(), ops.cast(wide, half).numpy())
 
 
+KERNELS = [*(k for k in backends.base.UNARY_KERNELS if k != "copy"), *backends.base.BINARY_KERNELS]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), half=st.sampled_from(HALF), name=st.sampled_from(KERNELS),
+       second=st.sampled_from(["array", "broadcast row", "number"]))
+def test_every_half_kernel_of_the_cpu_computes_in_float32_and_rounds_once(seed, half, name,
+                                                                          second):
+    """The CPU device's kernels on half views (the C pass where it takes them, NumPy's float32
+    loops where not) against the same kernel on float32 views of the widened values, rounded
+    once: the autograd kernels, broadcast rows and numbers included; random bit patterns (NaN,
+    inf, subnormals) as operands."""
+    device = backends.get_device("cpu")
+    rng = np.random.default_rng(seed)
+
+    def bits(shape):
+        return rng.integers(0, 2**16, shape, dtype=np.uint32).astype(np.uint16).view(half)
+
+    a = bits((70, 300))
+    b = {"array": bits((70, 300)), "broadcast row": np.broadcast_to(bits((300,)), (70, 300)),
+         "number": np.float32(rng.normal(0, 2))}[second]
+    operands = (a,) if name in backends.base.UNARY_KERNELS else (a, b)
+    wide = [x.astype(np.float32) if isinstance(x, np.ndarray) else x for x in operands]
+    got = np.zeros(a.shape, half)
+    want = np.zeros(a.shape, np.float32)
+    run = device.unary if len(operands) == 1 else device.binary
+    backends.base.ieee(run, name, *operands, got)
+    backends.base.ieee(run, name, *wide, want)
+    with np.errstate(all="ignore"):
+        assert _same(got, want.astype(half))
+
+
+@pytest.mark.parametrize("half", HALF, ids=str)
+def test_the_cpu_runs_a_training_step_s_half_kernels_in_one_pass(half, monkeypatch):
+    """Guards the speed of the rule, not its bits (the tests above): the elementwise kernels a
+    training step makes on half tensors (a broadcast bias, relu and its backward, a number,
+    in place) never go through float32 copies on the CPU where the C conversions are built."""
+    pytest.importorskip("backends._halfconv", reason="the C conversions are not built")
+    from backends import numpy as cpu
+
+    if cpu._halfconv is None:
+        pytest.skip("BLOCKRT_PURE_PYTHON: the conversions run in NumPy")
+    device = backends.get_device("cpu")
+    copied = []
+    real = cpu.NumpyDevice._in_float32
+
+    def counting(kernel: Any, *args: Any, **kwargs: Any) -> None:
+        copied.append(kernel)
+        real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(cpu.NumpyDevice, "_in_float32", staticmethod(counting))
+    rng = np.random.default_rng(2)
+    x, g = (rng.normal(0, 1, (64, 256)).astype(half) for _ in range(2))
+    bias = np.broadcast_to(rng.normal(0, 1, 256).astype(half), (64, 256))
+    out = np.empty_like(x)
+    device.binary("add", x, bias, out)
+    device.unary("relu", out, out)
+    device.binary("relu_backward", g, out, out)
+    device.binary("mul", out, np.float32(0.01), out)
+    device.binary("sub", x, out, out)
+    assert copied == []
+    device.unary("tanh", out, out)  # NumPy's float32 loop: through copies
+    assert len(copied) == 1
+
+
+@pytest.mark.parametrize("half", HALF, ids=str)
+def test_a_fused_half_chain_rounds_once_per_link_as_the_unfused_ops(half):
+    """A fused chain (the graph's, and the CPU device's blocked one) rounds each link's result
+    to the half dtype, as the ops it replaces would: bit for bit the same as running them one
+    by one, over more rows than one block holds."""
+    device = backends.get_device("cpu")
+    rng = np.random.default_rng(11)
+    w = rng.normal(0, 1, (300, 256)).astype(half)
+    g = rng.normal(0, 1, (300, 256)).astype(half)
+    y = rng.normal(0, 1, (300, 256)).astype(half)
+    program = [("mul", (("input", 0), ("number", np.float32(0.01))), half),
+               ("tanh_backward", (("link", 0), ("input", 2)), half),
+               ("sub", (("input", 1), ("link", 1)), half)]
+    fused = w.copy()
+    device.fused(program, [g, fused, y], fused)
+    prepared = w.copy()
+    device.prepare_fused(program, [g, prepared, y], prepared)()
+    step = ops.mul(runtime.tensor(g), 0.01).numpy()  # each link as its own op, whole
+    factor = np.empty_like(step)
+    device.binary("tanh_backward", step, y, factor)  # one kernel: one rounding
+    unfused = ops.sub(runtime.tensor(w), runtime.tensor(factor)).numpy()
+    assert _same(fused, unfused)
+    assert _same(prepared, unfused)
+    wide = w.astype(np.float32) - (g.astype(np.float32) * np.float32(0.01)) * (
+        1 - y.astype(np.float32) ** 2)
+    assert not _same(fused, wide.astype(half))  # NOTE: one rounding for the chain differs
+
+
 @pytest.mark.parametrize("half", HALF, ids=str)
 def test_half_gradients_match_float32_finite_differences(half):
     """d mean(sigmoid(relu(x @ w.T + b))) / d(x, w, b) in half precision, against central

@@ -5,6 +5,8 @@ opened, so `make asan` runs this file under the sanitizers."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -68,3 +70,151 @@ def test_the_conversions_refuse_buffers_that_do_not_match(conv):
         conv.widen(np.zeros(4, np.uint16), frozen)
     with pytest.raises(TypeError):
         conv.widen(np.zeros(4, np.uint16))
+
+
+# ---------------------------------------------------------------------- apply
+#: apply's codes, and each kernel as the NumPy device computes it in float32 (Note [one formula
+#: on every backend] in backends/base.py), written out here so that no device is opened.
+CODES = {"copy": 0, "add": 1, "sub": 2, "mul": 3, "div": 4, "neg": 5, "relu": 6, "sqrt": 7,
+         "relu_backward": 8, "tanh_backward": 9, "sigmoid_backward": 10}
+FLOAT32 = {
+    "copy": lambda a: a.copy(),
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+    "neg": lambda a: np.multiply(a, -1),
+    "relu": lambda a: np.maximum(a, np.zeros_like(a)),
+    "sqrt": np.sqrt,
+    "relu_backward": lambda g, y: np.multiply(g, np.greater(y, 0)),
+    "tanh_backward": lambda g, y: np.multiply(g, np.subtract(1, np.multiply(y, y))),
+    "sigmoid_backward": lambda g, y: np.multiply(g, np.multiply(np.subtract(1, y), y)),
+}
+HALVES = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+
+
+def _bits(rng: np.random.Generator, shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """Random two-byte patterns of `dtype` (NaN, inf and subnormals included), with edges."""
+    bits = rng.integers(0, 2**16, shape, dtype=np.uint32).astype(np.uint16)
+    edges = np.array([0, 0x8000, 0x7C00, 0xFC00, 0x7F80, 0xFF80, 0x0001, 0x3C00], np.uint16)
+    flat = bits.reshape(-1)
+    flat[:min(flat.size, edges.size)] = edges[:flat.size]
+    return bits.view(dtype)
+
+
+def _layout(rng: np.random.Generator, kind: str, dtype: np.dtype, shape: tuple) -> object:
+    """An operand for out of `shape`, laid out as `kind` says."""
+    rows, cols = shape
+    if kind == "contiguous":
+        return _bits(rng, shape, dtype)
+    if kind == "transposed":
+        return np.ascontiguousarray(_bits(rng, (cols, rows), dtype)).T
+    if kind == "every other column":
+        return _bits(rng, (rows, 2 * cols), dtype)[:, ::2]
+    if kind == "broadcast row":
+        return np.broadcast_to(_bits(rng, (cols,), dtype), shape)
+    if kind == "row, unbroadcast":
+        return _bits(rng, (cols,), dtype)
+    if kind == "column":
+        return _bits(rng, (rows, 1), dtype)
+    if kind == "float32":
+        return _bits(rng, shape, dtype).astype(np.float32)
+    if kind == "number":
+        return np.float32(rng.normal(0, 3))
+    return float(rng.normal(0, 3))  # a Python float
+
+
+LAYOUTS = ["contiguous", "transposed", "every other column", "broadcast row", "row, unbroadcast",
+           "column", "float32", "number", "python float"]
+
+
+@settings(max_examples=120, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), name=st.sampled_from(sorted(CODES)),
+       dtype=st.sampled_from(HALVES), layouts=st.tuples(*[st.sampled_from(LAYOUTS)] * 2),
+       shape=st.sampled_from([(3, 5), (17, 600), (1, 1), (2, 1030)]),
+       out_kind=st.sampled_from(["half", "half, every other row", "float32"]),
+       flag=st.booleans())
+def test_apply_computes_in_float32_and_rounds_once(seed, name, dtype, layouts, shape, out_kind,
+                                                    flag):
+    """Each kernel on every layout apply takes equals NumPy's float32 kernel on the widened
+    operands, rounded once to out's dtype: bit for bit, NaN only as NaN; both CPU paths."""
+    module = pytest.importorskip("backends._halfconv", reason="the C conversions are not built")
+    rng = np.random.default_rng(seed)
+    arity = 1 if name in ("copy", "neg", "relu", "sqrt") else 2
+    operands = [_layout(rng, kind, dtype, shape) for kind in layouts[:arity]]
+    if all(not isinstance(x, np.ndarray) for x in operands):
+        operands[0] = _bits(rng, shape, dtype)
+    out_dtype = np.dtype(np.float32) if out_kind == "float32" else dtype
+    if out_kind == "half, every other row":
+        out = np.zeros((2 * shape[0], shape[1]), out_dtype)[::2]
+    else:
+        out = np.zeros(shape, out_dtype)
+    module.set_f16c(flag)
+    try:
+        assert _applied_as_float32(module, name, dtype, operands, out)
+    finally:
+        module.set_f16c(True)
+
+
+def _applied_as_float32(module: Any, name: str, dtype: np.dtype, operands: list,
+                        out: np.ndarray) -> bool:
+    """Whether apply takes the call and writes what NumPy's float32 kernel gives on the
+    widened operands, rounded once to out's dtype (NaN only as NaN)."""
+    wide = [x.astype(np.float32) if isinstance(x, np.ndarray) else np.float32(x)
+            for x in operands]
+    with np.errstate(all="ignore"):
+        want = np.broadcast_to(FLOAT32[name](*wide), out.shape).astype(out.dtype)
+    return bool(module.apply(CODES[name], dtype == HALVES[1], out, *operands)
+                and _equal_or_both_nan(out, want))
+
+
+@pytest.mark.parametrize("second", ["contiguous", "broadcast row", "number"])
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+@pytest.mark.parametrize("name", sorted(set(CODES) - {"copy"}))
+def test_apply_on_rows_of_contiguous_halves(conv, name, dtype, second):
+    """Every kernel on the layouts of the vector path (contiguous rows of halves, numbers),
+    with rows of a multiple of eight and with a tail: as NumPy's float32 kernel, rounded once."""
+    rng = np.random.default_rng(len(name) * 31 + len(second))
+    for shape in ((5, 304), (3, 21)):
+        operands = [_bits(rng, shape, dtype), _layout(rng, second, dtype, shape)]
+        if name in ("neg", "relu", "sqrt"):
+            operands = operands[:1]
+        assert _applied_as_float32(conv, name, dtype, operands, np.zeros(shape, dtype))
+        if len(operands) == 2:  # the number first: sub(1, y)
+            assert _applied_as_float32(conv, name, dtype, operands[::-1], np.zeros(shape, dtype))
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+def test_apply_in_place_reads_each_chunk_before_writing_it(conv, dtype):
+    rng = np.random.default_rng(5)
+    a = _bits(rng, (3, 1500), dtype)
+    b = _bits(rng, (3, 1500), dtype)
+    with np.errstate(all="ignore"):
+        want = np.add(a.astype(np.float32), b.astype(np.float32)).astype(dtype)
+    assert conv.apply(CODES["add"], dtype == HALVES[1], a, a, b)
+    assert _equal_or_both_nan(a, want)
+
+
+def test_apply_declines_what_it_cannot_take_and_writes_nothing(conv):
+    """False, out untouched, for layouts and operands apply does not handle; the caller then
+    computes another way. A wrong code or argument count is an error."""
+    a = np.ones((2, 3), np.float16)
+    frozen = np.full((2, 3), 7, np.float16)
+    frozen.flags.writeable = False
+    cases = [
+        (frozen, a, a),                                        # a read-only out
+        (np.full((2, 3), 7, np.float16), np.ones((3, 3), np.float16), a),  # shapes differ
+        (np.full((2, 3), 7, np.float16), a, np.float64(2.0)),  # a float64 number
+        (np.full((2, 3), 7, np.float16), a, 2),                # an int (NumPy's rules differ)
+        (np.full((2, 3), 7, np.float16), a, np.ones((2, 3), np.float64)),  # 8-byte items
+        (np.full((2, 3), 7, np.float16), a, "2"),
+        (np.lib.stride_tricks.as_strided(np.full(3, 7, np.float16), (2, 3), (0, 2),
+                                         writeable=True), a, a),  # a broadcast out
+    ]
+    for out, x, y in cases:
+        before = out.copy()
+        assert conv.apply(CODES["add"], False, out, x, y) is False
+        assert np.array_equal(out.view(np.uint16), before.view(np.uint16))
+    with pytest.raises(ValueError, match="code 11 with 2 operand"):
+        conv.apply(11, False, a.copy(), a, a)
+    with pytest.raises(ValueError, match="code 1 with 1 operand"):
+        conv.apply(1, False, a.copy(), a)
+    with pytest.raises(TypeError, match="takes 4 or 5 arguments"):
+        conv.apply(1, False, a.copy())
