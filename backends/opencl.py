@@ -294,21 +294,14 @@ class OpenCLDevice(Device):
         return {"kernels": len(self._kernels), "hits": self._hits, "misses": self._misses}
 
     # ----------------------------------------------------------------- two-byte floats
-    # NOTE: the rule of HALVES in backends/base.py, with no widened copies: these kernels load
-    # float16 / bfloat16 straight into float and round once as they store (bit for bit what
-    # `Device._in_float32` gives), so the half case skips it; linear and cross_entropy go
-    # through this device's `_in_float32`, which widens no input.
-    def unary(self, name: str, x: Any, out: Any) -> None:
-        if out.dtype in HALVES and name in _UNARY:
-            self._unary(name, x, out)
-        else:
-            super().unary(name, x, out)
-
-    def binary(self, name: str, a: Any, b: Any, out: Any) -> None:
-        if out.dtype in HALVES and name in _BINARY:
-            self._binary(name, a, b, out)
-        else:
-            super().binary(name, a, b, out)
+    # NOTE: Note [two-byte floats compute in float32] in backends/base.py, with no widened
+    # copies: these kernels load float16 / bfloat16 straight into float and round once as they
+    # store (`Device._in_float32`'s bits), so the half case skips it; linear and cross_entropy
+    # go through this device's `_in_float32`, which widens no input.
+    def _half_elementwise(self, name: str, operands: Sequence[Any], out: Any) -> bool:
+        expr = (_UNARY if len(operands) == 1 else _BINARY)[name]
+        self._elementwise(name, expr, list(operands), out, "float")
+        return True
 
     def matmul(self, a: Any, b: Any, out: Any) -> None:
         self._product(a, b, out, 1.0, 0.0)
