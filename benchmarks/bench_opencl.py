@@ -170,6 +170,7 @@ def widened_halves() -> backends.Device:
     class Widened(OpenCLDevice):
         unary, binary, reduce = Device.unary, Device.binary, Device.reduce
         matmul, gemm, _in_float32 = Device.matmul, Device.gemm, Device._in_float32
+        _half_elementwise = Device._half_elementwise
 
         def _fused(self, program, inputs, out) -> None:
             if out.dtype in HALVES:

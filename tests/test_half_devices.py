@@ -48,6 +48,7 @@ class Widened(OpenCLDevice):
 
     unary, binary, reduce = Device.unary, Device.binary, Device.reduce
     matmul, gemm, _in_float32 = Device.matmul, Device.gemm, Device._in_float32
+    _half_elementwise = Device._half_elementwise
 
 
 def widened(device: OpenCLDevice) -> Widened:
@@ -333,3 +334,19 @@ def test_half_cross_entropy_reads_its_operands_as_they_are(dev, half, where):
     dev.cross_entropy_backward(probs_wide, labels, grad_wide, wide[2])
     for got, expected in zip((losses, probs, dlogits), wide):
         assert _same(dev.to_host(got), dev.to_host(expected).astype(half))
+
+
+def test_the_widened_reference_really_widens(dev, monkeypatch):
+    """`Widened`, the reference of these tests, copies each half operand and output into float32
+    scratch (were it to reach a half kernel, the tests above would compare it with itself)."""
+    wide = widened(dev)
+    allocated: list[int] = []
+    original = wide._raw_alloc
+    monkeypatch.setattr(wide, "_raw_alloc", lambda n: allocated.append(n) or original(n))
+    x = _placed(dev, np.ones((3, 4), np.float16), "contiguous")
+    out = dev.scratch((3, 4), np.float16)
+    wide.unary("exp", x, out)  # x, out
+    wide.binary("add", x, x, out)  # x, x, out
+    wide.reduce("sum", x, None, False, out[0, 0])  # x, the sum
+    wide.matmul(x, x.T, dev.scratch((3, 3), np.float16))  # x, x.T, out
+    assert allocated == [48] * 6 + [4] + [48, 48, 36]
