@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,8 +49,8 @@ from typing import Any
 import numpy as np
 
 from allocators import OutOfMemoryError, format_bytes
-from runtime.graph.checkpoint import _recompute_sweep
-from runtime.graph.move import _move
+from runtime.graph.checkpoint import _checkpoint, _recompute_sweep
+from runtime.graph.move import Stored, _halve, _move
 from runtime.graph.program import Recorded
 from runtime.tape import Instruction
 
@@ -107,8 +108,12 @@ class Choice:
     room: int | None
     #: nesting of the recomputes (0: none)
     depth: int
-    #: why nothing is moved to host memory
+    #: what is moved to host memory, or why nothing is
     moves: str
+    #: the choice in words
+    schedule: str = "everything kept"
+    #: the results stored lossy (`runtime.graph(..., lossy=...)`), each with its dtype
+    lossy: tuple[Stored, ...] = ()
 
 
 @functools.lru_cache(maxsize=16)
@@ -210,37 +215,55 @@ def _apply(recorded: Recorded, units: list[list[Instruction]], sweep: _Sweep) ->
                                intermediate=frozenset(intermediate), recomputed=clones)
 
 
-# ---------------------------------------------------------------------- moves
-def _fit_moves(recorded: Recorded, units: list[list[Instruction]], wanted: set[int],
-               budget: int, plan_of: Callable[[Recorded], tuple[object, int]], device: Any
-               ) -> tuple[tuple[Recorded, object, int, int] | None, int]:
-    """The fewest units, from the first on (their results wait longest for the backward pass),
-    whose results moved to host memory and back make the plan fit (None when moving all but
-    the last unit's does not), and the least peak seen."""
+# ---------------------------------------------------------------------- rates
+#: id(device) -> (device, seconds per byte moved, seconds per flop): measured once a process
+_RATES: dict[int, tuple[Any, float, float]] = {}
+#: the probes' sizes: bytes copied each way, and the side of the square product
+_PROBE_BYTES = 1 << 22
+_PROBE_SIDE = 256
 
-    def moved(count: int) -> tuple[Recorded, list[int], int]:
-        blocks = sorted({o.block.id for unit in units[:count] for i in unit
-                         for o in i.outputs if o.block.id in wanted})
-        intermediate = set(recorded.intermediate)
-        program, copied = _move(list(recorded.program), intermediate, blocks, device)
-        tape = dataclasses.replace(recorded, program=program, intermediate=frozenset(
-            intermediate), blocks={**recorded.blocks, **{
-                o.block.id: o.block for i in program for o in (*i.inputs, *i.outputs)}})
-        return tape, blocks, copied
 
-    best, least = None, None
-    low, high = 1, len(units) - 1
-    while low <= high:  # NOTE: the fewest units that fit
-        middle = (low + high) // 2
-        tape, blocks, copied = moved(middle)
-        made, peak = plan_of(tape)
-        least = peak if least is None else min(least, peak)
-        if peak <= budget:
-            best = (tape, made, len(blocks), copied)
-            high = middle - 1
-        else:
-            low = middle + 1
-    return best, least if least is not None else budget + 1
+def rates(device: Any) -> tuple[float, float]:
+    """(seconds per byte moved to host memory and back, seconds per floating-point operation of
+    recompute) on `device`, measured at the first call for it in this process by a short probe
+    (a 4 MiB copy out and in, a 256 x 256 x 256 product; the best of three, about 10 ms on a
+    CPU) and cached: the exchange rate of moves against recompute, never a constant."""
+    known = _RATES.get(id(device))
+    if known is None or known[0] is not device:
+        known = (device, *_probe(device))
+        _RATES[id(device)] = known
+    return known[1], known[2]
+
+
+def _probe(device: Any) -> tuple[float, float]:
+    host = np.arange(_PROBE_BYTES, dtype=np.uint32).astype(np.uint8)
+    side = _PROBE_SIDE
+    raws = [device.raw_alloc(n) for n in (_PROBE_BYTES, *[side * side * 4] * 3)]
+    try:
+        views = [device.array_view(raw, 0, (side, side), np.float32, (side * 4, 4))
+                 for raw in raws[1:]]
+        for raw in raws[1:3]:
+            device.copyin(raw, 0, np.full((side, side), 0.5, np.float32))
+
+        def best(run: Callable[[], Any]) -> float:
+            run()
+            device.synchronize()
+            seconds = math.inf
+            for _ in range(3):
+                start = time.perf_counter()
+                run()
+                device.synchronize()
+                seconds = min(seconds, time.perf_counter() - start)
+            return max(seconds, 1e-9)
+
+        copy = best(lambda: (device.copyin(raws[0], 0, host),
+                             device.copyout(raws[0], 0, _PROBE_BYTES)))
+        product = best(lambda: device.matmul(views[0], views[1], views[2]))
+    finally:
+        for raw in raws:
+            device.raw_free(raw)
+    # NOTE: a move costs its bytes once each way; `moved_bytes` counts both ways
+    return copy / (2 * _PROBE_BYTES), product / (2 * side**3)
 
 
 # ---------------------------------------------------------------------- the search
@@ -254,68 +277,222 @@ class Fitted:
     choice: Choice
 
 
-def _fit(recorded: Recorded, budget: int, source: str,
-         plan_of: Callable[[Recorded], tuple[object, int]], *, device: Any,
-         name: str) -> Fitted:
-    """The least recompute work whose planned peak fits `budget` bytes; on a device whose
-    memory is not the host's, first the fewest moves to host memory that fit.
+@dataclass(frozen=True)
+class _Candidate:
+    """A rewritten tape that fits, its cost in seconds (flops when no rates were measured) and
+    how it was made."""
 
-    `plan_of(recorded)` schedules, fuses and plans a tape and returns (what it made, its peak in
-    bytes). Raises BudgetError when nothing fits, naming the least peak reached."""
-    program, intermediate = recorded.program, recorded.intermediate
-    wanted = _wanted(program, intermediate)
-    units = _units(program, wanted)
-    moves = (f"none: the {device.name} device's memory is the host's" if device.host_memory
-             else "none: everything fits without")
+    cost: float
+    recorded: Recorded
+    planned: object
+    room: int | None
+    depth: int
+    schedule: str
+    moves: str
+    lossy: tuple[Stored, ...] = ()
 
-    def choice(room: int | None, depth: int, why: str = moves) -> Choice:
-        return Choice(budget=budget, source=source, units=len(units), room=room, depth=depth,
-                      moves=why)
 
-    planned, peak = plan_of(recorded)
-    if peak <= budget:
-        return Fitted(recorded, planned, choice(None, 0))
-    peaks = {len(units): peak}
-    if not device.host_memory and len(units) > 1:
-        # NOTE: room -1 stands for the moves in `peaks`
-        found, peaks[-1] = _fit_moves(recorded, units, wanted, budget, plan_of, device)
-        if found is not None:
-            candidate, made, count, copied = found
-            why = (f"{count} forward results of the first units moved to host memory and back "
-                   f"({copied} bytes a step): on {device.name} that frees device memory at "
-                   f"no recompute")
-            return Fitted(candidate, made, choice(None, 0, why))
-        moves = (f"none: moving every forward result but the last unit's to host memory does "
-                 f"not fit on {device.name}; recomputed instead")
-    fits: dict[int, tuple[Recorded, object]] = {}
-    if len(units) > 2:
-        _, split = _table(len(units))
+class _Search:
+    """The candidates of one `_fit`, each planned for real: rewrites of the tape by the dynamic
+    programme (the largest room that fits), checkpoint="sqrt"'s segments, moves of the first
+    units' results to host memory with the programme on the rest, and lossy stores."""
 
-        def probe(room: int) -> bool:
-            sweep = _sweep(0, len(units), room, split)
-            candidate = _apply(recorded, units, sweep)
-            made, peaks[room] = plan_of(candidate)
-            if peaks[room] <= budget:
-                fits[room] = (candidate, made)
-            return room in fits
+    def __init__(self, recorded: Recorded, budget: int, plan_of: Callable[[Recorded], tuple],
+                 device: Any, lossy: np.dtype | None) -> None:
+        self.recorded, self.budget, self.plan_of, self.device = recorded, budget, plan_of, device
+        self.lossy = lossy
+        self.wanted = _wanted(recorded.program, recorded.intermediate)
+        self.units = _units(recorded.program, self.wanted)
+        self.split = _table(len(self.units))[1] if len(self.units) > 2 else None
+        self.peaks: list[int] = []
+        self.found: list[_Candidate] = []
+        self.can_move = not device.host_memory and len(self.units) > 1
+        # NOTE: rates are measured only where a move competes with recompute
+        self.per_byte, self.per_flop = rates(device) if self.can_move else (0.0, 1.0)
 
-        low, high = 2, len(units) - 1
-        while low <= high:  # NOTE: the largest room that fits: the least work
+    # ------------------------------------------------------------------ one candidate
+    def _results(self, count: int) -> list[int]:
+        return sorted({o.block.id for unit in self.units[:count] for i in unit
+                       for o in i.outputs if o.block.id in self.wanted})
+
+    def rewrite(self, room: int | None, *, first: int = 0, moved: int = 0, halved: int = 0
+                ) -> tuple[Recorded, int, int, tuple[Stored, ...]]:
+        """The tape with the programme's sweep over units `first`.. at `room` (None: keep
+        them), the results of the first `moved` units moved and of the first `halved` stored
+        lossy; its sweep's depth, the bytes moved and what is stored lossy."""
+        recorded, depth, copied, stored = self.recorded, 0, 0, ()
+        if room is not None:
+            sweep = _sweep(first, len(self.units) - first, room, self.split)
+            recorded, depth = _apply(recorded, self.units, sweep), _depth(sweep)
+        if moved or halved:
+            intermediate = set(recorded.intermediate)
+            program = list(recorded.program)
+            if moved:
+                program, copied = _move(program, intermediate, self._results(moved),
+                                        self.device)
+            if halved:
+                # NOTE: with recomputes, what they keep for the backward pass waits too
+                again = [o.block.id for i in program if i.phase == "recompute"
+                         for o in i.outputs] if room is not None else []
+                program, made = _halve(program, intermediate, self._results(halved) + again,
+                                       self.lossy, self.device)
+                stored = tuple(made)
+            recorded = dataclasses.replace(recorded, program=program, intermediate=frozenset(
+                intermediate), blocks={**recorded.blocks, **{
+                    o.block.id: o.block for i in program for o in (*i.inputs, *i.outputs)}})
+        return recorded, depth, copied, stored
+
+    def offer(self, recorded: Recorded, *, room: int | None, depth: int, schedule: str,
+              moves: str, copied: int = 0, stored: tuple[Stored, ...] = ()) -> bool:
+        """Plan `recorded`; file it as a candidate when it fits. Returns whether it fits."""
+        planned, peak = self.plan_of(recorded)
+        self.peaks.append(peak)
+        if peak > self.budget:
+            return False
+        work = sum(flops(i) for i in recorded.program if i.phase in ("recompute", "store"))
+        self.found.append(_Candidate(work * self.per_flop + copied * self.per_byte, recorded,
+                                     planned, room, depth, schedule, moves, stored))
+        return True
+
+    def largest(self, low: int, high: int, fits: Callable[[int], bool]) -> None:
+        """Bisection for the largest value in low..high that fits (more room: less work)."""
+        while low <= high:
             middle = (low + high) // 2
-            if probe(middle):
+            if fits(middle):
                 low = middle + 1
             else:
                 high = middle - 1
-    if not fits:
-        least = min(peaks.values())
+
+    def fewest(self, low: int, high: int, fits: Callable[[int], bool]) -> bool:
+        """Bisection for the fewest in low..high that fits (the most first); whether any
+        did."""
+        if low > high or not fits(high):
+            return False
+        any_fit, high = True, high - 1
+        while low <= high:
+            middle = (low + high) // 2
+            if fits(middle):
+                any_fit, high = True, middle - 1
+            else:
+                low = middle + 1
+        return any_fit
+
+    # ------------------------------------------------------------------ the families
+    def recompute(self, why: str, first: int = 0, moved: int = 0, halved: int = 0) -> None:
+        """The largest room that fits for the units from `first` on (with the moves or lossy
+        stores asked)."""
+        n = len(self.units) - first
+        if self.split is None or n < 3:
+            return
+
+        def fits(room: int) -> bool:
+            recorded, depth, copied, stored = self.rewrite(room, first=first, moved=moved,
+                                                           halved=halved)
+            what = f"at most {room} of {n} units kept at once, recomputes nested {depth} deep"
+            if moved:
+                what = f"{moved} units moved, then " + what
+            if stored:
+                what = f"{len(stored)} results stored lossy, " + what
+            return self.offer(recorded, room=room, depth=depth, schedule=what, moves=why,
+                              copied=copied, stored=stored)
+
+        self.largest(2, n - 1, fits)
+
+    def sqrt(self, why: str) -> None:
+        """checkpoint="sqrt"'s segments, as one more candidate (a cut by instructions, not
+        units, which sometimes fits the same bytes with less work)."""
+        recorded = _checkpoint(self.recorded)
+        if recorded.recomputed:
+            self.offer(recorded, room=None, depth=1, moves=why,
+                       schedule='checkpoint="sqrt" segments')
+
+    def moves(self) -> None:
+        """The fewest first units moved that fit with nothing recomputed; then mixes: a share
+        of the units moved, the programme on the rest."""
+        n = len(self.units)
+
+        def only(count: int) -> bool:
+            recorded, _, copied, _ = self.rewrite(None, moved=count)
+            return self.offer(recorded, room=None, depth=0, copied=copied,
+                              schedule=f"the first {count} of {n} units' results moved",
+                              moves=self._moved(count, copied))
+
+        self.fewest(1, n - 1, only)
+        for count in sorted({n // 4, n // 2, 3 * n // 4}):
+            if 1 <= count <= n - 3:
+                self.recompute(self._moved(count, None), first=count, moved=count)
+
+    def _moved(self, count: int, copied: int | None) -> str:
+        per = f"{copied} bytes a step; " if copied is not None else ""
+        return (f"the results of the first {count} units moved to host memory and back "
+                f"({per}chosen by cost: {self.per_byte:.3g} s per byte moved against "
+                f"{self.per_flop:.3g} s per flop recomputed, measured on {self.device.name})")
+
+    def halves(self, why: str) -> None:
+        """Lossy stores: the fewest first units stored lossy that fit with nothing recomputed;
+        when none does, every unit's kept results stored lossy and the programme's largest
+        room."""
+        n = len(self.units)
+
+        def only(count: int) -> bool:
+            recorded, _, _, stored = self.rewrite(None, halved=count)
+            return self.offer(recorded, room=None, depth=0, stored=stored, moves=why,
+                              schedule=f"the results of the first {count} of {n} units "
+                                       f"stored lossy")
+
+        if not self.fewest(1, n - 1, only):
+            self.recompute(why, halved=n - 1)
+
+    def best(self) -> _Candidate | None:
+        """The cheapest candidate (the first filed among equals: lossless before lossy)."""
+        return min(self.found, key=lambda c: c.cost, default=None)
+
+
+def _fit(recorded: Recorded, budget: int, source: str,
+         plan_of: Callable[[Recorded], tuple[object, int]], *, device: Any,
+         name: str, lossy: Any = None) -> Fitted:
+    """The cheapest rewrite whose planned peak fits `budget` bytes, among: the least recompute
+    work of the dynamic programme, checkpoint="sqrt"'s segments, (on a device whose memory is
+    not the host's) moves to host memory alone or mixed with recompute, and (with `lossy`, a
+    half dtype) lossy stores alone or with recompute. Cost: recompute flops (and the lossy
+    casts' flops) times the seconds per flop, plus bytes moved times the seconds per byte,
+    both measured on the device (`rates`) when a move competes; flops alone otherwise.
+
+    `plan_of(recorded)` schedules, fuses and plans a tape and returns (what it made, its peak in
+    bytes). Raises BudgetError when nothing fits, naming the least peak reached."""
+    search = _Search(recorded, budget, plan_of, device, lossy)
+    units = search.units
+    why = (f"none: the {device.name} device's memory is the host's" if device.host_memory
+           else "none: recompute costs less")
+
+    def choice(found: _Candidate | None) -> Choice:
+        if found is None:
+            return Choice(budget=budget, source=source, units=len(units), room=None, depth=0,
+                          moves=why, schedule="everything kept")
+        return Choice(budget=budget, source=source, units=len(units), room=found.room,
+                      depth=found.depth, moves=found.moves, schedule=found.schedule,
+                      lossy=found.lossy)
+
+    planned, peak = plan_of(recorded)
+    if peak <= budget:
+        return Fitted(recorded, planned, choice(None))
+    search.peaks.append(peak)
+    search.recompute(why)
+    search.sqrt(why)
+    if search.can_move:
+        search.moves()
+    if lossy is not None and len(units) > 1:
+        search.halves(why)
+    found = search.best()
+    if found is None:
+        least = min(search.peaks)
+        also = " or moving them to host memory" if search.can_move else ""
+        also += " or storing them lossy" if lossy is not None else ""
         raise BudgetError(
             f"{name}: a memory budget of {budget} bytes ({format_bytes(budget)}, {source}) is "
             f"below the least any choice reaches: {least} bytes ({format_bytes(least)}) of "
             f"intermediates, recomputing every forward result the backward pass reads down "
-            f"to two units kept at once{' or moving them to host memory' if -1 in peaks else ''}"
-            f" ({len(units)} units; {peak} bytes keeping everything); nothing has run",
+            f"to two units kept at once{also} ({len(units)} units; {peak} bytes keeping "
+            f"everything); nothing has run",
             budget_bytes=budget, least_bytes=least)
-    room = max(fits)
-    candidate, made = fits[room]
-    sweep = _sweep(0, len(units), room, _table(len(units))[1])
-    return Fitted(candidate, made, choice(room, _depth(sweep)))
+    return Fitted(found.recorded, found.planned, choice(found))

@@ -143,6 +143,8 @@ class Options:
     fuse: bool
     #: bytes the intermediates may take at most; None: the allocator's limit, if it has one
     memory_budget: int | None = None
+    #: the half dtype a budget may store kept forward results in (lossy), or None
+    lossy: np.dtype | None = None
 
 
 def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[Tensor],
@@ -171,7 +173,7 @@ def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[T
     else:
         try:
             fitted = _fit(recorded, budget, source, plan_of,
-                          device=allocator.device, name=name)
+                          device=allocator.device, name=name, lossy=options.lossy)
         except BudgetError as error:
             if options.memory_budget is not None:
                 raise
