@@ -379,8 +379,9 @@ class _Search:
 
     # ------------------------------------------------------------------ the families
     def recompute(self, why: str, first: int = 0, moved: int = 0, halved: int = 0) -> None:
-        """The largest room that fits for the units from `first` on (with the moves or lossy
-        stores asked)."""
+        """The largest room that fits for the units from `first` on (with the results of the
+        first `moved` or `halved` units that wait for the backward pass moved or stored
+        lossy)."""
         n = len(self.units) - first
         if self.split is None or n < 3:
             return
@@ -389,8 +390,8 @@ class _Search:
             recorded, depth, copied, stored = self.rewrite(room, first=first, moved=moved,
                                                            halved=halved)
             what = f"at most {room} of {n} units kept at once, recomputes nested {depth} deep"
-            if moved:
-                what = f"{moved} units moved, then " + what
+            if copied:
+                what = f"the waiting results of the first {moved} units moved, " + what
             if stored:
                 what = f"{len(stored)} results stored lossy, " + what
             return self.offer(recorded, room=room, depth=depth, schedule=what, moves=why,
@@ -407,8 +408,10 @@ class _Search:
                        schedule='checkpoint="sqrt" segments')
 
     def moves(self) -> None:
-        """The fewest first units moved that fit with nothing recomputed; then mixes: a share
-        of the units moved, the programme on the rest."""
+        """The fewest first units moved that fit with nothing recomputed; then mixes: the
+        programme's largest room that fits with every forward result it keeps for the backward
+        pass moved out while it waits, or with a quarter, half or three quarters of the units,
+        from the first, moved and the programme on the rest."""
         n = len(self.units)
 
         def only(count: int) -> bool:
@@ -418,14 +421,15 @@ class _Search:
                               moves=self._moved(count, copied))
 
         self.fewest(1, n - 1, only)
+        self.recompute(self._moved(n - 1, None), moved=n - 1)
         for count in sorted({n // 4, n // 2, 3 * n // 4}):
-            if 1 <= count <= n - 3:
+            if 1 <= count <= n - 3:  # NOTE: the first units moved, the programme on the rest
                 self.recompute(self._moved(count, None), first=count, moved=count)
 
     def _moved(self, count: int, copied: int | None) -> str:
         per = f"{copied} bytes a step; " if copied is not None else ""
-        return (f"the results of the first {count} units moved to host memory and back "
-                f"({per}chosen by cost: {self.per_byte:.3g} s per byte moved against "
+        return (f"the waiting results of the first {count} units moved to host memory and "
+                f"back ({per}chosen by cost: {self.per_byte:.3g} s per byte moved against "
                 f"{self.per_flop:.3g} s per flop recomputed, measured on {self.device.name})")
 
     def halves(self, why: str) -> None:
