@@ -125,7 +125,7 @@ def least_forwards(n: int, most: int, gradients: bool) -> float:
     return math.inf
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def activation_table(n: int, room: int) -> float:
     """The programme with a recompute's room counting only results (its boundary result, read
     first by the backward pass, already gone): T(L-k, s-1) + (k-1) + T(k-1, s)."""
