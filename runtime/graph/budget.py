@@ -1,5 +1,6 @@
 """Fitting a memory budget (`runtime.graph(..., memory_budget=N)`): for every forward result the
-backward pass reads, keep it or recompute it, chosen by cost; then plan what is kept.
+backward pass reads, keep it, recompute it, move it to host memory or (only with `lossy`) store
+it in a half dtype while it waits, chosen by cost; then plan what is kept.
 
 The model of cost (docs/graph.md, "Memory budgets"):
 
@@ -20,17 +21,28 @@ The model of cost (docs/graph.md, "Memory budgets"):
   sqrt(n) is one point of it, Checkmate solves the general graph with an integer programme):
       T(L, s) = 0 if L <= s, else min over k of T(L - k, s - 1) + cost(k - 1 units) + T(k, s).
   Room for 2 reaches any depth (at quadratic work); more room costs less work.
+  Room counts results plus the gradient the backward pass holds while a recompute runs:
+  over every schedule of a chain, not only nested splits, T(L, s) is the least work with s + 1
+  buffers counting that gradient (tests/test_budget.py checks it exhaustively for small
+  chains). Counting results alone, a recompute need not hold its boundary result (the
+  backward pass has read it first): T(k - 1, s) in place of T(k, s), less work for the same
+  activations but one buffer more in all, so never the cheaper fit of a byte budget.
 - **Search.** The budget is bytes, the DP counts units: the largest room whose real planned
   peak fits is found by bisection (each probe is one rewrite and plan, tens of milliseconds on
-  config D), so the choice is the least recompute work among the plans that fit. Deterministic:
-  no clocks, no random numbers.
-- **Moves** to host memory and back (`move.py`) are chosen only on devices whose memory is not
-  the host's (`Device.host_memory` False: OpenCL, CUDA), and there before any recompute: the
-  fewest units, from the first (whose results wait longest for the backward pass), whose
-  results moved out after their last forward use and back before their first backward use make
-  the plan fit, found by bisection; they cost bytes copied (`moved_bytes`), no device work.
-  When moving all but the last unit's results does not fit, the graph recomputes instead (no
-  mix of the two yet). On the CPU device a move would free nothing: the report says so.
+  config D). Other candidates are planned for real too: checkpoint="sqrt"'s segments (a cut by
+  instructions, which sometimes fits the same bytes with less work); on devices whose memory
+  is not the host's (`Device.host_memory` False: OpenCL, CUDA), moves to host memory
+  (`move.py`): the fewest first units whose waiting results moved out and back make the plan
+  fit, and mixes (the DP's largest room with every waiting forward result moved; a quarter,
+  half or three quarters of the units moved and the DP on the rest); with `lossy`, the fewest
+  first units whose waiting results stored in a half dtype make it fit, else the DP's largest
+  room with every waiting result, recomputed ones too, stored so.
+- **Cost.** The cheapest candidate that fits wins (the first tried among equals: lossless
+  before lossy): recompute flops (and a lossy store's casts, one flop an element) times the
+  seconds per flop, plus bytes moved (`moved_bytes`, both ways) times the seconds per byte.
+  The two rates are measured on the device once a process (`rates`: a 4 MiB copy each way, a
+  256-cubed product) and only where a move competes; on the CPU device flops alone decide,
+  with no clock read, so the choice is deterministic there.
 
 A budget below the least peak any room reaches is refused when planned, naming both (a
 `BudgetError`, an `OutOfMemoryError`), before anything runs.
