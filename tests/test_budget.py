@@ -150,6 +150,20 @@ def test_the_table_is_the_least_work_of_any_schedule_in_the_bytes_a_budget_count
     assert least_forwards(n, room, gradients=False) == activation_table(n, room) <= cost[room, n]
 
 
+def test_the_table_is_griewank_and_walthers_binomial_optimum():
+    """With room s, the table's extra work for L units is the binomial optimum of Griewank and
+    Walther (Algorithm 799, revolve) with s - 1 checkpoints: p(L, c) = t L - C(c + t, t - 1),
+    t the least with C(c + t, t) >= L, less the L - 1 forward steps of one sweep."""
+    cost, _ = _table(130)
+    for length in range(3, 131):
+        for room in range(2, min(length, 24)):
+            checkpoints, t = room - 1, 0
+            while math.comb(checkpoints + t, t) < length:
+                t += 1
+            least = t * length - math.comb(checkpoints + t, t - 1)
+            assert cost[room, length] == least - (length - 1), (length, room)
+
+
 @pytest.mark.parametrize("plan", ["static", "recycle"])
 def test_a_budget_is_met_by_the_allocators_own_peak_and_results_are_bit_exact(plan: str):
     x, y = batch()
