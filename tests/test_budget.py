@@ -25,7 +25,7 @@ import backends
 import runtime
 from allocators import LimitAdaptor, OutOfMemoryError, StatisticsAdaptor
 from runtime import BudgetError, nn
-from runtime.graph.budget import _RATES, _sweep, _table, rates
+from runtime.graph.budget import _RATES, Rates, _sweep, _table, rates
 
 
 def deep_step(depth: int = 12, width: int = 32, seed: int = 0) -> tuple[nn.Module, Any]:
@@ -397,9 +397,10 @@ def test_moves_and_recompute_are_chosen_by_measured_cost_and_may_mix(kind: str):
     Whatever the choice, results equal the unconstrained graph's bit for bit under the
     allocator's own peak."""
     device = separate_memory_device(kind)
-    per_byte, per_flop = rates(device)
-    assert 0 < per_byte < 1e-3 and 0 < per_flop < 1e-3
-    assert rates(device) == (per_byte, per_flop)  # NOTE: measured once, then cached
+    measured = rates(device)
+    assert all(0 < r < 1e-3 for r in (measured.per_byte, measured.per_flop,
+                                      measured.per_element, measured.per_call))
+    assert rates(device) is measured  # NOTE: measured once, then cached
     x, y = batch(rows=8, width=16)
 
     def on_device(seed: int = 0) -> tuple[nn.Module, Any]:
@@ -414,12 +415,12 @@ def test_moves_and_recompute_are_chosen_by_measured_cost_and_may_mix(kind: str):
     reference = runtime.graph(reference_step, device=device)
     expected = [reference(x, y).item() for _ in range(2)]
     need = reference.memory_report()["planned_bytes"]
-    measured = _RATES[id(device)]
     seen = {}
     try:
         # NOTE: seconds per byte moved, per flop recomputed (a unit: 1 KiB moved, 4.2 kflop)
         for bytes_per_flop, budget in ((1e5, need // 4), (1e-3, need // 4), (7.0, need // 5)):
-            _RATES[id(device)] = (device, bytes_per_flop * 1e-10, 1e-10)
+            _RATES[id(device)] = (device, Rates(per_byte=bytes_per_flop * 1e-10,
+                                                per_flop=1e-10, per_element=0.0, per_call=0.0))
             stats = StatisticsAdaptor(allocators.create("direct", device))
             model, step = on_device()
             graph = runtime.graph(step, device=device, allocator=stats, memory_budget=budget)
@@ -435,7 +436,7 @@ def test_moves_and_recompute_are_chosen_by_measured_cost_and_may_mix(kind: str):
             assert (report["moved_bytes"] > 0) == (report["moved"] > 0)
             assert (report["recompute_flops"] > 0) == (report["recomputed"] > 0)
     finally:
-        _RATES[id(device)] = measured
+        _RATES[id(device)] = (device, measured)
     assert seen[1e5][0] == 0 and seen[1e5][1] > 0
     assert seen[1e-3][0] > 0 and seen[1e-3][1] == 0
     assert seen[7.0][0] > 0 and seen[7.0][1] > 0
@@ -484,16 +485,16 @@ def test_lossy_stores_fit_with_less_recompute_within_a_stated_tolerance(lossy, d
     its dtype, the allocator's peak stays in the budget, and after three SGD steps the loss
     and every parameter are within `tolerance` (relative to the largest magnitude) of the
     float32 graph's. bfloat16 keeps 8 bits of precision, float16 11."""
-    x, y = batch()
-    reference_model, reference_step = deep_step(depth=24)
+    x, y = batch(width=128)
+    reference_model, reference_step = deep_step(depth=24, width=128)
     reference = runtime.graph(reference_step)
     expected = [reference(x, y).item() for _ in range(3)]
     need = reference.memory_report()["planned_bytes"]
     budget = need // 4
-    lossless = runtime.graph(deep_step(depth=24)[1], memory_budget=budget)
+    lossless = runtime.graph(deep_step(depth=24, width=128)[1], memory_budget=budget)
     lossless(x, y)
     stats = StatisticsAdaptor(allocators.create("direct", "cpu"))
-    model, step = deep_step(depth=24)
+    model, step = deep_step(depth=24, width=128)
     graph = runtime.graph(step, memory_budget=budget, lossy=lossy, allocator=stats)
     got = []
     for _ in range(3):
@@ -535,8 +536,10 @@ def test_rates_are_measured_per_device_object():
     try:
         _RATES.clear()
         first = rates(device)
-        assert all(0 < r < 1e-3 for r in first) and _RATES[id(device)][0] is device
-        assert rates(device) == first and module._RATES is _RATES
+        assert all(0 < r < 1e-3 for r in (first.per_byte, first.per_flop, first.per_element,
+                                          first.per_call))
+        assert _RATES[id(device)][0] is device
+        assert rates(device) is first and module._RATES is _RATES
     finally:
         _RATES.clear()
         _RATES.update(before)

@@ -38,11 +38,13 @@ The model of cost (docs/graph.md, "Memory budgets"):
   first units whose waiting results stored in a half dtype make it fit, else the DP's largest
   room with every waiting result, recomputed ones too, stored so.
 - **Cost.** The cheapest candidate that fits wins (the first tried among equals: lossless
-  before lossy): recompute flops (and a lossy store's casts, one flop an element) times the
-  seconds per flop, plus bytes moved (`moved_bytes`, both ways) times the seconds per byte.
-  The two rates are measured on the device once a process (`rates`: a 4 MiB copy each way, a
-  256-cubed product) and only where a move competes; on the CPU device flops alone decide,
-  with no clock read, so the choice is deterministic there.
+  before lossy), in seconds added to a step: recompute flops times the seconds per flop,
+  elements cast by lossy stores times the seconds per element, bytes moved (`moved_bytes`,
+  both ways) times the seconds per byte, and a kernel call for every added instruction. The
+  rates are measured on the device once a process (`rates`: a 1 MiB copy each way, a
+  256-cubed product, a cast, a one-element call) and only where a move or a lossy store
+  competes; otherwise (the CPU device without `lossy`) flops alone decide, with no clock
+  read, so the choice is deterministic.
 
 A budget below the least peak any room reaches is refused when planned, naming both (a
 `BudgetError`, an `OutOfMemoryError`), before anything runs.
@@ -228,40 +230,61 @@ def _apply(recorded: Recorded, units: list[list[Instruction]], sweep: _Sweep) ->
 
 
 # ---------------------------------------------------------------------- rates
-#: id(device) -> (device, seconds per byte moved, seconds per flop): measured once a process
-_RATES: dict[int, tuple[Any, float, float]] = {}
-#: the probes' sizes: bytes copied each way, and the side of the square product
-_PROBE_BYTES = 1 << 22
+@dataclass(frozen=True)
+class Rates:
+    """What a device's work costs, in seconds, measured (`rates`)."""
+
+    #: a byte moved to host memory and back, per byte each way (`moved_bytes` counts both)
+    per_byte: float
+    #: a floating-point operation of a matrix product
+    per_flop: float
+    #: an element cast between float32 and a half dtype
+    per_element: float
+    #: a kernel call on one element: what any added instruction costs besides its work
+    per_call: float
+
+
+#: id(device) -> (device, its rates): measured once a process
+_RATES: dict[int, tuple[Any, Rates]] = {}
+#: the probes' sizes: bytes copied each way, and the side of the square product and cast;
+#: and the tries each takes the best of (a shared machine stalls some of them)
+_PROBE_BYTES = 1 << 20
 _PROBE_SIDE = 256
+_PROBE_TRIES = 7
 
 
-def rates(device: Any) -> tuple[float, float]:
-    """(seconds per byte moved to host memory and back, seconds per floating-point operation of
-    recompute) on `device`, measured at the first call for it in this process by a short probe
-    (a 4 MiB copy out and in, a 256 x 256 x 256 product; the best of three, about 10 ms on a
-    CPU) and cached: the exchange rate of moves against recompute, never a constant."""
+def rates(device: Any) -> Rates:
+    """The seconds `device` takes to move bytes, multiply, cast and call a kernel, measured at
+    the first call for it in this process by short probes (a 1 MiB copy out and in, a
+    256 x 256 x 256 product, a 256 x 256 cast to float16 and back, a one-element cast; the best
+    of seven each, about 20 ms on a CPU) and cached: the exchange rates of moves and lossy
+    stores against recompute, never constants."""
     known = _RATES.get(id(device))
     if known is None or known[0] is not device:
-        known = (device, *_probe(device))
+        known = (device, _probe(device))
         _RATES[id(device)] = known
-    return known[1], known[2]
+    return known[1]
 
 
-def _probe(device: Any) -> tuple[float, float]:
-    host = np.arange(_PROBE_BYTES, dtype=np.uint32).astype(np.uint8)
-    side = _PROBE_SIDE
-    raws = [device.raw_alloc(n) for n in (_PROBE_BYTES, *[side * side * 4] * 3)]
+def _probe(device: Any) -> Rates:
+    side, half = _PROBE_SIDE, np.dtype(np.float16)
+    sizes = (_PROBE_BYTES, *[side * side * 4] * 3, side * side * 2, 4, 2)
+    raws = [device.raw_alloc(n) for n in sizes]
     try:
-        views = [device.array_view(raw, 0, (side, side), np.float32, (side * 4, 4))
-                 for raw in raws[1:]]
-        for raw in raws[1:3]:
-            device.copyin(raw, 0, np.full((side, side), 0.5, np.float32))
+        square = [device.array_view(raw, 0, (side, side), np.float32, (side * 4, 4))
+                  for raw in raws[1:4]]
+        narrow = device.array_view(raws[4], 0, (side, side), half, (side * 2, 2))
+        one = device.array_view(raws[5], 0, (1,), np.float32, (4,))
+        one_half = device.array_view(raws[6], 0, (1,), half, (2,))
+        for raw in (*raws[1:3], raws[5]):
+            device.copyin(raw, 0, np.full(device.nbytes_of(raw) // 4, 0.5, np.float32))
+        host = np.arange(_PROBE_BYTES, dtype=np.uint32).astype(np.uint8)
 
         def best(run: Callable[[], Any]) -> float:
             run()
             device.synchronize()
             seconds = math.inf
-            for _ in range(3):
+            for _ in range(_PROBE_TRIES):
                 start = time.perf_counter()
                 run()
                 device.synchronize()
@@ -270,12 +293,14 @@ def _probe(device: Any) -> tuple[float, float]:
 
         copy = best(lambda: (device.copyin(raws[0], 0, host),
                              device.copyout(raws[0], 0, _PROBE_BYTES)))
-        product = best(lambda: device.matmul(views[0], views[1], views[2]))
+        product = best(lambda: device.matmul(square[0], square[1], square[2]))
+        cast = best(lambda: (device.cast(square[0], narrow), device.cast(narrow, square[2])))
+        call = best(lambda: [device.cast(one, one_half) for _ in range(10)]) / 10
     finally:
         for raw in raws:
             device.raw_free(raw)
-    # NOTE: a move costs its bytes once each way; `moved_bytes` counts both ways
-    return copy / (2 * _PROBE_BYTES), product / (2 * side**3)
+    return Rates(per_byte=copy / (2 * _PROBE_BYTES), per_flop=product / (2 * side**3),
+                 per_element=max(cast - 2 * call, 1e-12) / (2 * side * side), per_call=call)
 
 
 # ---------------------------------------------------------------------- the search
@@ -319,8 +344,10 @@ class _Search:
         self.peaks: list[int] = []
         self.found: list[_Candidate] = []
         self.can_move = not device.host_memory and len(self.units) > 1
-        # NOTE: rates are measured only where a move competes with recompute
-        self.per_byte, self.per_flop = rates(device) if self.can_move else (0.0, 1.0)
+        # NOTE: rates are measured only where a move or a lossy store competes with recompute;
+        # else flops alone decide, and no clock is read
+        self.rates = (rates(device) if self.can_move or lossy is not None
+                      else Rates(per_byte=0.0, per_flop=1.0, per_element=0.0, per_call=0.0))
 
     # ------------------------------------------------------------------ one candidate
     def _results(self, count: int) -> list[int]:
@@ -361,10 +388,22 @@ class _Search:
         self.peaks.append(peak)
         if peak > self.budget:
             return False
-        work = sum(flops(i) for i in recorded.program if i.phase in ("recompute", "store"))
-        self.found.append(_Candidate(work * self.per_flop + copied * self.per_byte, recorded,
-                                     planned, room, depth, schedule, moves, stored))
+        self.found.append(_Candidate(self.cost(recorded, copied), recorded, planned, room, depth,
+                                     schedule, moves, stored))
         return True
+
+    def cost(self, recorded: Recorded, copied: int) -> float:
+        """Seconds the rewrite adds to a step: each added instruction's call, recompute flops,
+        elements cast and bytes moved, at the device's rates."""
+        rates, seconds = self.rates, copied * self.rates.per_byte
+        for instr in recorded.program:
+            if instr.phase == "recompute":
+                seconds += rates.per_call + flops(instr) * rates.per_flop
+            elif instr.phase == "store":
+                seconds += rates.per_call + flops(instr) * rates.per_element
+            elif instr.phase == "move":
+                seconds += rates.per_call
+        return seconds
 
     def largest(self, low: int, high: int, fits: Callable[[int], bool]) -> None:
         """Bisection for the largest value in low..high that fits (more room: less work)."""
@@ -441,8 +480,9 @@ class _Search:
     def _moved(self, count: int, copied: int | None) -> str:
         per = f"{copied} bytes a step; " if copied is not None else ""
         return (f"the waiting results of the first {count} units moved to host memory and "
-                f"back ({per}chosen by cost: {self.per_byte:.3g} s per byte moved against "
-                f"{self.per_flop:.3g} s per flop recomputed, measured on {self.device.name})")
+                f"back ({per}chosen by cost: {self.rates.per_byte:.3g} s per byte moved against "
+                f"{self.rates.per_flop:.3g} s per flop recomputed, measured on "
+                f"{self.device.name})")
 
     def halves(self, why: str) -> None:
         """Lossy stores: the fewest first units stored lossy that fit with nothing recomputed;

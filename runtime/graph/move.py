@@ -10,11 +10,12 @@ live elsewhere, or smaller, while they wait. Chosen by `budget._fit`.
   it after the offload.
 - **Lossy stores** (only with `runtime.graph(..., lossy=...)`): a float32 result cast to
   float16 or bfloat16 after its last forward use (`Device.cast`, rounding to nearest even) and
-  widened back to float32, into a fresh block, before its first backward use: half the bytes
-  while it waits, and the backward pass reads the rounded values.
+  widened back to float32, into a fresh block, before each later run of readers (a recompute,
+  a stretch of the backward pass): half the bytes while it waits, and the backward pass reads
+  the rounded values.
 
 Either way the later reads are pointed at the fresh block (a lossy store widens a fresh one for
-each later reader); the result's lifetime ends at the offload or cast, and the fresh block's
+each later run of readers); the result's lifetime ends at the offload or cast, and the fresh block's
 begins at the reload or widening.
 """
 
@@ -57,12 +58,12 @@ _Pair = Callable[[Block, Operand],
 def _stored(program: list[Instruction], intermediate: set[int], chosen: Iterable[int],
             pair: _Pair, *, each_read: bool = False
             ) -> tuple[list[Instruction], list[tuple[Block, Operand]]]:
-    """`program` with each block of `chosen` given the instructions `pair` makes for it: one
-    after its last read in the run of instructions of its writer's phase (the forward pass, or
-    one recompute), and one before its first read after that run (`each_read`: before every
-    such reader, each reader getting a block of its own that dies there). Blocks read only
-    within the run are left alone. `intermediate` gains the new blocks. Returns the program
-    and the (block, operand) of each one rewritten."""
+    """`program` with each block of `chosen` given the instructions `pair` makes for it: one after
+    its last read in the run of instructions of its writer's phase (the forward pass, or one
+    recompute), and one before its first read after that run (`each_read`: before its first read
+    in each later run of one phase, the readers of each run sharing a block of their own that
+    dies there). Blocks read only within the run are left alone. `intermediate` gains the new
+    blocks. Returns the program and the (block, operand) of each one rewritten."""
     run_end = [0] * len(program)
     for i in range(len(program) - 1, -1, -1):
         same = i + 1 < len(program) and program[i + 1].phase == program[i].phase
@@ -93,9 +94,10 @@ def _stored(program: list[Instruction], intermediate: set[int], chosen: Iterable
         out, back = made
         after.setdefault(max([at, *near]), []).append(out)
         intermediate.update(o.block.id for o in out.outputs)
-        fresh = None
+        fresh, run = None, None
         for position in far:
-            if fresh is None or each_read:
+            if fresh is None or (each_read and run_end[position] != run):
+                run = run_end[position]
                 load, fresh = back()
                 before.setdefault(position, []).append(load)
                 intermediate.update(o.block.id for o in load.outputs)
@@ -158,8 +160,8 @@ def _halve(program: list[Instruction], intermediate: set[int], chosen: Iterable[
         return Instruction("cast", "never", [operand], [narrow], run=_cast(device),
                            phase="store"), widen
 
-    # NOTE: each later reader widens a copy of its own, which dies there: between its reads
-    # (a recompute's, then the backward's) the result waits at half its bytes
+    # NOTE: each later run of readers (a recompute, a stretch of the backward pass) widens a
+    # copy of its own, which dies there: between the runs the result waits at half its bytes
     program, done = _stored(program, intermediate, chosen, pair, each_read=True)
     return program, [Stored(block.id, makers[block.id].op, makers[block.id].phase, operand.shape,
                             np.dtype(dtype).name, block.nbytes // 2) for block, operand in done]
