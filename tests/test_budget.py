@@ -543,3 +543,50 @@ def test_rates_are_measured_per_device_object():
     finally:
         _RATES.clear()
         _RATES.update(before)
+
+
+@settings(max_examples=25, deadline=None)
+@given(program=training_programs(), plan=st.sampled_from(["static", "recycle"]),
+       where=st.floats(0, 0.8), dtype=st.sampled_from(["bfloat16", "float16"]))
+def test_random_programs_with_lossy_stores_fit_and_are_exact_where_nothing_is_lossy(
+        program, plan, where, dtype):
+    """With lossy allowed, any budget between the least and the unconstrained peak is met by
+    the allocator's own peak; a choice that stores nothing lossy gives the unconstrained
+    results bit for bit, and one that does names only tensors of the asked dtype. (The CPU's
+    rates are set so that a cast costs little against a flop, as on large layers, so that
+    the tiny programs here do choose lossy stores.)"""
+    cpu = backends.get_device("cpu")
+    before = _RATES.get(id(cpu))
+    _RATES[id(cpu)] = (cpu, Rates(per_byte=1e-10, per_flop=1e-10, per_element=1e-12,
+                                  per_call=0.0))
+    try:
+        lossy_program_under_budget(program, plan, where, dtype)
+    finally:
+        if before is None:
+            del _RATES[id(cpu)]
+        else:
+            _RATES[id(cpu)] = before
+
+
+def lossy_program_under_budget(program: Any, plan: str, where: float, dtype: str) -> None:
+    batches = data(program)
+    reference = runtime.graph(build(program)[1], plan=plan)
+    expected = [reference(x, t).item() for x, t in batches]
+    unconstrained = max(reference.timeline())
+    with pytest.raises(BudgetError) as caught:
+        runtime.graph(build(program)[1], plan=plan, memory_budget=0, lossy=dtype)(*batches[0])
+    least = caught.value.least_bytes
+    budget = least + int(where * (unconstrained - least))
+    stats = StatisticsAdaptor(allocators.create("direct", "cpu"))
+    graph = runtime.graph(build(program)[1], plan=plan, allocator=stats, memory_budget=budget,
+                          lossy=dtype)
+    got = []
+    for x, t in batches:
+        got.append(graph(x, t).item())
+        assert stats.stats()["peak_allocated_bytes"] - not_planned(graph, stats) <= budget
+    stored = graph.memory_report()["lossy"]
+    assert all(s["dtype"] == dtype for s in stored)
+    if not stored:
+        assert got == expected
+    else:
+        assert all(np.isfinite(got)) or not all(np.isfinite(expected))
