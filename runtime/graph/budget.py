@@ -510,9 +510,9 @@ def _fit(recorded: Recorded, budget: int, source: str,
     """The cheapest rewrite whose planned peak fits `budget` bytes, among: the least recompute
     work of the dynamic programme, checkpoint="sqrt"'s segments, (on a device whose memory is
     not the host's) moves to host memory alone or mixed with recompute, and (with `lossy`, a
-    half dtype) lossy stores alone or with recompute. Cost: recompute flops (and the lossy
-    casts' flops) times the seconds per flop, plus bytes moved times the seconds per byte,
-    both measured on the device (`rates`) when a move competes; flops alone otherwise.
+    half dtype) lossy stores alone or with recompute. Cost: the seconds a candidate adds to a
+    step at the device's measured `rates` (`_Search.cost`) where a move or a lossy store
+    competes; recompute flops alone otherwise.
 
     `plan_of(recorded)` schedules, fuses and plans a tape and returns (what it made, its peak in
     bytes). Raises BudgetError when nothing fits, naming the least peak reached."""
