@@ -485,6 +485,22 @@ def test_lossy_stores_fit_with_less_recompute_within_a_stated_tolerance(lossy, d
     its dtype, the allocator's peak stays in the budget, and after three SGD steps the loss
     and every parameter are within `tolerance` (relative to the largest magnitude) of the
     float32 graph's. bfloat16 keeps 8 bits of precision, float16 11."""
+    cpu = backends.get_device("cpu")
+    before = _RATES.get(id(cpu))
+    # NOTE: rates as measured on a quiet machine (7e-12 s a flop, 1e-10 s a cast element,
+    # 1.2e-6 s a call): on a loaded one the product probe may stall and lean to lossy stores
+    _RATES[id(cpu)] = (cpu, Rates(per_byte=4e-11, per_flop=7e-12, per_element=1e-10,
+                                  per_call=1.2e-6))
+    try:
+        lossy_stores_within(lossy, dtype, tolerance)
+    finally:
+        if before is None:
+            del _RATES[id(cpu)]
+        else:
+            _RATES[id(cpu)] = before
+
+
+def lossy_stores_within(lossy: Any, dtype: str, tolerance: float) -> None:
     x, y = batch(width=128)
     reference_model, reference_step = deep_step(depth=24, width=128)
     reference = runtime.graph(reference_step)

@@ -27,16 +27,18 @@ The model of cost (docs/graph.md, "Memory budgets"):
   chains). Counting results alone, a recompute need not hold its boundary result (the
   backward pass has read it first): T(k - 1, s) in place of T(k, s), less work for the same
   activations but one buffer more in all, so never the cheaper fit of a byte budget.
-- **Search.** The budget is bytes, the DP counts units: the largest room whose real planned
-  peak fits is found by bisection (each probe is one rewrite and plan, tens of milliseconds on
-  config D). Other candidates are planned for real too: checkpoint="sqrt"'s segments (a cut by
-  instructions, which sometimes fits the same bytes with less work); on devices whose memory
-  is not the host's (`Device.host_memory` False: OpenCL, CUDA), moves to host memory
-  (`move.py`): the fewest first units whose waiting results moved out and back make the plan
-  fit, and mixes (the DP's largest room with every waiting forward result moved; a quarter,
-  half or three quarters of the units moved and the DP on the rest); with `lossy`, the fewest
-  first units whose waiting results stored in a half dtype make it fit, else the DP's largest
-  room with every waiting result, recomputed ones too, stored so.
+- **Search.** The budget is bytes, the DP counts units: the largest room whose real planned peak
+  fits is found by a search that steps by the bytes a unit is worth, as a secant between the
+  nearest probes, bisecting when that stalls (each probe is one rewrite and plan, tens of
+  milliseconds on config D; two to four probes where a bisection takes six or seven). Other
+  candidates are planned for real too: checkpoint="sqrt"'s segments (a cut by instructions,
+  which sometimes fits the same bytes with less work); on devices whose memory is not the host's
+  (`Device.host_memory` False: OpenCL, CUDA), moves to host memory (`move.py`): the fewest first
+  units whose waiting results moved out and back make the plan fit, and mixes (the DP's largest
+  room with every waiting forward result moved; a quarter, half or three quarters of the units
+  moved and the DP on the rest); with `lossy`, the fewest first units whose waiting results
+  stored in a half dtype make it fit, else the DP's largest room with every waiting result,
+  recomputed ones too, stored so.
 - **Cost.** The cheapest candidate that fits wins (the first tried among equals: lossless
   before lossy), in seconds added to a step: recompute flops times the seconds per flop,
   elements cast by lossy stores times the seconds per element, bytes moved (`moved_bytes`,
@@ -247,17 +249,18 @@ class Rates:
 #: id(device) -> (device, its rates): measured once a process
 _RATES: dict[int, tuple[Any, Rates]] = {}
 #: the probes' sizes: bytes copied each way, and the side of the square product and cast;
-#: and the tries each takes the best of (a shared machine stalls some of them)
+#: and the tries each takes the best of: at least 7, and up to 25 until 30 ms have passed (on
+#: a shared machine a product's threads stall some tries, by up to a hundred times)
 _PROBE_BYTES = 1 << 20
 _PROBE_SIDE = 256
-_PROBE_TRIES = 7
+_PROBE_TRIES = (7, 25)
 
 
 def rates(device: Any) -> Rates:
     """The seconds `device` takes to move bytes, multiply, cast and call a kernel, measured at
     the first call for it in this process by short probes (a 1 MiB copy out and in, a
     256 x 256 x 256 product, a 256 x 256 cast to float16 and back, a one-element cast; the best
-    of seven each, about 20 ms on a CPU) and cached: the exchange rates of moves and lossy
+    of 7 to 25 tries each, 20 to 120 ms on a CPU) and cached: the exchange rates of moves and lossy
     stores against recompute, never constants."""
     known = _RATES.get(id(device))
     if known is None or known[0] is not device:
@@ -283,8 +286,10 @@ def _probe(device: Any) -> Rates:
         def best(run: Callable[[], Any]) -> float:
             run()
             device.synchronize()
-            seconds = math.inf
-            for _ in range(_PROBE_TRIES):
+            seconds, began = math.inf, time.perf_counter()
+            for tried in range(_PROBE_TRIES[1]):
+                if tried >= _PROBE_TRIES[0] and time.perf_counter() - began > 0.03:
+                    break
                 start = time.perf_counter()
                 run()
                 device.synchronize()
@@ -335,14 +340,17 @@ class _Search:
     units' results to host memory with the programme on the rest, and lossy stores."""
 
     def __init__(self, recorded: Recorded, budget: int, plan_of: Callable[[Recorded], tuple],
-                 device: Any, lossy: np.dtype | None) -> None:
+                 device: Any, lossy: np.dtype | None, peak: int) -> None:
         self.recorded, self.budget, self.plan_of, self.device = recorded, budget, plan_of, device
         self.lossy = lossy
         self.wanted = _wanted(recorded.program, recorded.intermediate)
         self.units = _units(recorded.program, self.wanted)
         self.split = _table(len(self.units))[1] if len(self.units) > 2 else None
-        self.peaks: list[int] = []
+        self.peaks: list[int] = [peak]
         self.found: list[_Candidate] = []
+        #: bytes over the budget keeping everything, and the bytes a unit is worth there
+        self.over = peak - budget
+        self.slope = max(1.0, peak / len(self.units))
         self.can_move = not device.host_memory and len(self.units) > 1
         # NOTE: rates are measured only where a move or a lossy store competes with recompute;
         # else flops alone decide, and no clock is read
@@ -405,28 +413,46 @@ class _Search:
                 seconds += rates.per_call
         return seconds
 
-    def largest(self, low: int, high: int, fits: Callable[[int], bool]) -> None:
-        """Bisection for the largest value in low..high that fits (more room: less work)."""
-        while low <= high:
-            middle = (low + high) // 2
-            if fits(middle):
-                low = middle + 1
+    def boundary(self, low: int, high: int, fits: Callable[[int], bool], *, guess: float,
+                 slope: float, rising: bool) -> bool:
+        """Probe values in low..high for the edge of what fits: with `rising` the peak grows
+        with the value (room) and the largest that fits is wanted, else it falls (units moved
+        or stored lossy), the most is tried first (nothing less fits if it does not) and the
+        fewest that fits is wanted. Steps from `guess` by the bytes a value is worth (`slope`)
+        until a probe on each side is known, then as a secant between them, bisecting after two
+        secant steps in a row that did not halve the interval: two to five plans where a
+        bisection takes six or seven.
+        Assumes, as a bisection does, that the peak is monotone. Returns whether any fit."""
+        toward = 1 if rising else -1  # NOTE: the direction of more bytes
+        good, bad = (low - 1, high + 1) if rising else (high + 1, low - 1)
+        nothing = good
+        good_peak = bad_peak = None
+        value, span, stalled = round(guess), abs(bad - good), 0
+        if not rising and low <= high:
+            if not fits(high):
+                return False
+            good, good_peak = high, self.peaks[-1]
+        while abs(bad - good) > 1:
+            lower, upper = sorted((good, bad))
+            if not lower < value < upper:
+                value = (lower + upper) // 2
+            if fits(value):
+                good, good_peak = value, self.peaks[-1]
             else:
-                high = middle - 1
-
-    def fewest(self, low: int, high: int, fits: Callable[[int], bool]) -> bool:
-        """Bisection for the fewest in low..high that fits (the most first); whether any
-        did."""
-        if low > high or not fits(high):
-            return False
-        any_fit, high = True, high - 1
-        while low <= high:
-            middle = (low + high) // 2
-            if fits(middle):
-                any_fit, high = True, middle - 1
+                bad, bad_peak = value, self.peaks[-1]
+            bracketed = good_peak is not None and bad_peak is not None
+            stalled = stalled + 1 if bracketed and abs(bad - good) * 2 > span else 0
+            span = abs(bad - good)
+            if stalled >= 2:
+                value, stalled = (good + bad) // 2, 0
+            elif bracketed and bad_peak > good_peak:
+                value = good + int((self.budget - good_peak) / (bad_peak - good_peak)
+                                   * (bad - good))
+            elif good_peak is not None:  # NOTE: past the estimate by up to one: a bracket
+                value = good + toward * max(1, math.ceil((self.budget - good_peak) / slope))
             else:
-                low = middle + 1
-        return any_fit
+                value = bad - toward * max(1, math.ceil((bad_peak - self.budget) / slope))
+        return good != nothing
 
     # ------------------------------------------------------------------ the families
     def recompute(self, why: str, first: int = 0, moved: int = 0, halved: int = 0) -> None:
@@ -448,7 +474,8 @@ class _Search:
             return self.offer(recorded, room=room, depth=depth, schedule=what, moves=why,
                               copied=copied, stored=stored)
 
-        self.largest(2, n - 1, fits)
+        slope = self.slope / 2 if halved else self.slope
+        self.boundary(2, n - 1, fits, guess=self.budget / slope - 1, slope=slope, rising=True)
 
     def sqrt(self, why: str) -> None:
         """checkpoint="sqrt"'s segments, as one more candidate (a cut by instructions, not
@@ -471,7 +498,8 @@ class _Search:
                               schedule=f"the first {count} of {n} units' results moved",
                               moves=self._moved(count, copied))
 
-        self.fewest(1, n - 1, only)
+        self.boundary(1, n - 1, only, guess=self.over / self.slope + 1, slope=self.slope,
+                      rising=False)
         self.recompute(self._moved(n - 1, None), moved=n - 1)
         for count in sorted({n // 4, n // 2, 3 * n // 4}):
             if 1 <= count <= n - 3:  # NOTE: the first units moved, the programme on the rest
@@ -496,7 +524,8 @@ class _Search:
                               schedule=f"the results of the first {count} of {n} units "
                                        f"stored lossy")
 
-        if not self.fewest(1, n - 1, only):
+        if not self.boundary(1, n - 1, only, guess=2 * self.over / self.slope + 1,
+                             slope=self.slope / 2, rising=False):
             self.recompute(why, halved=n - 1)
 
     def best(self) -> _Candidate | None:
@@ -516,7 +545,8 @@ def _fit(recorded: Recorded, budget: int, source: str,
 
     `plan_of(recorded)` schedules, fuses and plans a tape and returns (what it made, its peak in
     bytes). Raises BudgetError when nothing fits, naming the least peak reached."""
-    search = _Search(recorded, budget, plan_of, device, lossy)
+    planned, peak = plan_of(recorded)
+    search = _Search(recorded, budget, plan_of, device, lossy, peak)
     units = search.units
     why = (f"none: the {device.name} device's memory is the host's" if device.host_memory
            else "none: recompute costs less")
@@ -529,10 +559,8 @@ def _fit(recorded: Recorded, budget: int, source: str,
                       depth=found.depth, moves=found.moves, schedule=found.schedule,
                       lossy=found.lossy)
 
-    planned, peak = plan_of(recorded)
     if peak <= budget:
         return Fitted(recorded, planned, choice(None))
-    search.peaks.append(peak)
     search.recompute(why)
     search.sqrt(why)
     if search.can_move:
