@@ -267,15 +267,16 @@ class Graph:
         device outside any allocator), plan, and counts: instructions, steps, fused, products,
         in_place, recompute_instructions (instructions cloned to recompute).
 
-        What stays for the backward pass (with or without a budget): kept (forward results the
-        backward pass reads that stay live until then), recomputed (those recomputed instead),
-        moved (those moved to host memory and back, see `moves`), recompute_flops (the
-        extra work), moved_bytes, step_flops (the step's work without recomputation), lossy
-        (each result stored in a half dtype while it waits: its block, the op and phase that
-        made it, shape, dtype and bytes; empty unless the graph was made with `lossy`). Under a budget also: memory_budget
-        (bytes), budget_source, units, room (the most units kept at once; None: all or not
-        the programme's choice), depth (nesting of the recomputes), moves (what moved, or why
-        nothing did), schedule (the choice in words).
+        What stays for the backward pass (with or without a budget): kept (forward results
+        the backward pass reads that stay live until then), recomputed (those recomputed
+        instead), moved (those moved to host memory and back, see `moves`), recompute_flops
+        (the extra work), moved_bytes, step_flops (the step's work without recomputation),
+        lossy (each result stored in a half dtype while it waits: its block, the op and
+        phase that made it, shape, dtype and bytes; empty unless the graph was made with
+        `lossy`). Under a budget also: memory_budget (bytes), budget_source, units, room
+        (the most units kept at once; None: all or not the programme's choice), depth
+        (nesting of the recomputes), moves (what moved, or why nothing did), schedule (the
+        choice in words).
         """
         capture = self._require_capture()
         static = capture.memory.static_plan
