@@ -606,3 +606,29 @@ def lossy_program_under_budget(program: Any, plan: str, where: float, dtype: str
         assert got == expected
     else:
         assert all(np.isfinite(got)) or not all(np.isfinite(expected))
+
+
+def test_blockrt_plan_budget_lossy_names_what_it_stored(capsys):
+    """`blockrt plan --budget B --lossy DTYPE` prints the choice and, when it stored results
+    lossy, how many and in which dtype; --lossy without --budget is refused."""
+    from blockrt import cli
+
+    cpu = backends.get_device("cpu")
+    before = _RATES.get(id(cpu))
+    _RATES[id(cpu)] = (cpu, Rates(per_byte=4e-11, per_flop=7e-12, per_element=1e-10,
+                                  per_call=0.0))
+    argv = ["plan", "--config", "D", "--batch", "16", "--width", "64", "--depth", "12"]
+    try:
+        assert cli.main([*argv, "--budget", "40000", "--lossy", "float16"]) in (0, None)
+    finally:
+        if before is None:
+            del _RATES[id(cpu)]
+        else:
+            _RATES[id(cpu)] = before
+    out = capsys.readouterr().out
+    choice = next(line for line in out.splitlines() if line.startswith("choice: "))
+    assert "stored lossy" in choice, out
+    assert re.search(r"^stored lossy: \d+ results \(float16, ", out, re.M), out
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--lossy", "float16"])
+    assert "--lossy" in capsys.readouterr().err
