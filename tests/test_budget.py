@@ -443,11 +443,26 @@ def test_moves_and_recompute_are_chosen_by_measured_cost_and_may_mix(kind: str):
 
 
 def test_the_cpu_device_needs_no_rates_and_moves_nothing():
+    """Without lossy, the CPU device's choice reads no clock (no probe runs); with lossy and
+    a budget that everything fits, no probe runs either."""
     x, y = batch()
-    graph = runtime.graph(deep_step()[1], memory_budget=20_000)
-    graph(x, y)
-    assert not any(d.name == "cpu" for d, *_ in _RATES.values())
-    assert graph.memory_report()["moved"] == 0
+    cpu = backends.get_device("cpu")
+    before = _RATES.pop(id(cpu), None)
+    try:
+        graph = runtime.graph(deep_step()[1], memory_budget=20_000)
+        graph(x, y)
+        report = graph.memory_report()
+        assert report["recomputed"] > 0 and report["moved"] == 0
+        graph = runtime.graph(deep_step()[1], memory_budget=1 << 30, lossy=True)
+        graph(x, y)
+        assert id(cpu) not in _RATES
+        graph = runtime.graph(deep_step()[1], memory_budget=20_000, lossy=True)
+        graph(x, y)
+        assert _RATES[id(cpu)][0] is cpu  # NOTE: the one that competes measures
+    finally:
+        _RATES.pop(id(cpu), None)
+        if before is not None:
+            _RATES[id(cpu)] = before
 
 
 @pytest.mark.parametrize(("depth", "width"), [(24, 32), (40, 16), (12, 64)])

@@ -352,10 +352,17 @@ class _Search:
         self.over = peak - budget
         self.slope = max(1.0, peak / len(self.units))
         self.can_move = not device.host_memory and len(self.units) > 1
-        # NOTE: rates are measured only where a move or a lossy store competes with recompute;
-        # else flops alone decide, and no clock is read
-        self.rates = (rates(device) if self.can_move or lossy is not None
-                      else Rates(per_byte=0.0, per_flop=1.0, per_element=0.0, per_call=0.0))
+        self._rates: Rates | None = None
+
+    @property
+    def rates(self) -> Rates:
+        """The device's measured rates where a move or a lossy store competes with recompute
+        (probed at the first candidate that fits); else flops alone, and no clock is read."""
+        if self._rates is None:
+            self._rates = (rates(self.device) if self.can_move or self.lossy is not None
+                           else Rates(per_byte=0.0, per_flop=1.0, per_element=0.0,
+                                      per_call=0.0))
+        return self._rates
 
     # ------------------------------------------------------------------ one candidate
     def _results(self, count: int) -> list[int]:
