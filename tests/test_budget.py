@@ -498,8 +498,9 @@ def test_lossy_stores_fit_with_less_recompute_within_a_stated_tolerance(lossy, d
     """With lossy allowed, kept float32 results may wait in a half dtype: at a tight budget
     the choice recomputes less than the lossless one, every tensor stored so is named with
     its dtype, the allocator's peak stays in the budget, and after three SGD steps the loss
-    and every parameter are within `tolerance` (relative to the largest magnitude) of the
-    float32 graph's. bfloat16 keeps 8 bits of precision, float16 11."""
+    is within `tolerance` of the float32 graph's and every parameter within `tolerance` of
+    the largest change three float32 steps made to any parameter. bfloat16 keeps 8 bits of
+    precision, float16 11."""
     cpu = backends.get_device("cpu")
     before = _RATES.get(id(cpu))
     # NOTE: rates as measured on a quiet machine (7e-12 s a flop, 1e-10 s a cast element,
@@ -516,16 +517,16 @@ def test_lossy_stores_fit_with_less_recompute_within_a_stated_tolerance(lossy, d
 
 
 def lossy_stores_within(lossy: Any, dtype: str, tolerance: float) -> None:
-    x, y = batch(width=128)
-    reference_model, reference_step = deep_step(depth=24, width=128)
+    x, y = batch(width=256)
+    reference_model, reference_step = deep_step(depth=24, width=256)
     reference = runtime.graph(reference_step)
     expected = [reference(x, y).item() for _ in range(3)]
     need = reference.memory_report()["planned_bytes"]
     budget = need // 4
-    lossless = runtime.graph(deep_step(depth=24, width=128)[1], memory_budget=budget)
+    lossless = runtime.graph(deep_step(depth=24, width=256)[1], memory_budget=budget)
     lossless(x, y)
     stats = StatisticsAdaptor(allocators.create("direct", "cpu"))
-    model, step = deep_step(depth=24, width=128)
+    model, step = deep_step(depth=24, width=256)
     graph = runtime.graph(step, memory_budget=budget, lossy=lossy, allocator=stats)
     got = []
     for _ in range(3):
@@ -538,10 +539,12 @@ def lossy_stores_within(lossy: Any, dtype: str, tolerance: float) -> None:
     assert {str(i.outputs[0].dtype) for i in casts} == {dtype, "float32"}
     assert report["recompute_flops"] < lossless.memory_report()["recompute_flops"]
     assert np.allclose(got, expected, rtol=tolerance, atol=0)
-    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
-        a, b = mine.numpy(), theirs.numpy()
-        assert np.max(np.abs(a - b)) <= tolerance * np.max(np.abs(b))
-    assert got != expected or dtype == "float16"  # NOTE: bfloat16 rounding shows in the loss
+    initial = [p.numpy() for p in deep_step(depth=24, width=256)[0].parameters()]
+    update = max(np.max(np.abs(b.numpy() - a)) for a, b in zip(initial,
+                                                                reference_model.parameters()))
+    off = max(np.max(np.abs(a.numpy() - b.numpy()))
+              for a, b in zip(model.parameters(), reference_model.parameters()))
+    assert 0 < off <= tolerance * update  # NOTE: rounded, but within the tolerance
 
 
 def test_lossy_with_nothing_to_fit_changes_nothing():
