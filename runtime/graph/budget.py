@@ -6,7 +6,8 @@ The model of cost (docs/graph.md, "Memory budgets"):
 
 - **Units.** The forward instructions are cut after each one whose result the backward pass
   reads: a unit is a run of forward instructions ending with such a result (for an MLP, one
-  Dense layer and its activation). The instructions after the last one join the last unit.
+  Dense layer and its activation). The instructions after the last one join the last unit,
+  and so does a unit whose results fit in one 64-byte alignment unit (`_units`).
 - **Work** is counted in floating-point operations per instruction (`flops`): 2mnk for a matrix
   product, one per element for the rest. Recomputing a unit costs its forward work again.
 - **Memory** is counted in units held at once, then checked in bytes: a choice is rewritten
