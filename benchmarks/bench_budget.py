@@ -7,6 +7,8 @@ step) on config D (64x256x64) and on a deeper, wider one, DW (64x512x128). Conte
 - blockrt `runtime.graph(step, memory_budget=B)` (static plan) for budgets from the
   unconstrained arena down to the least any choice reaches, geometrically spaced;
 - blockrt `checkpoint="sqrt"` (static plan), and the unconstrained static plan;
+- blockrt with `lossy="bfloat16"` (issue 20) at half and a quarter of the unconstrained arena
+  and at the 8x goal's budget: a family of its own, never part of blockrt's lossless curve;
 - PyTorch CPU eager, and eager with `torch.utils.checkpoint.checkpoint_sequential` over several
   segment counts (the best of them is PyTorch's curve);
 - PyTorch's activation memory budget: the model under `torch.compile` (Inductor) with
@@ -25,6 +27,7 @@ Output: a Markdown table per configuration, the peers each blockrt point beats o
 PNG of the curves (`--plot`, default benchmarks/budget_pareto.png; matplotlib).
 
 Run: python benchmarks/bench_budget.py [--quick] [--configs D,DW] [--rounds N] [--plot PATH]
+[--blockrt-only]
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ COMPILE_BUDGETS = (1.0, 0.5, 0.3, 0.2, 0.1, 0.05, 0.0)
 MIB = 2**20
 #: the legend of each family in the plot
 LABELS = {"blockrt": "blockrt memory_budget", "blockrt sqrt": 'blockrt checkpoint="sqrt"',
+          "blockrt lossy": "blockrt memory_budget, lossy bfloat16",
           "torch": "PyTorch eager", "torch checkpoint": "PyTorch checkpoint_sequential",
           "torch.compile budget": "torch.compile activation_memory_budget"}
 
@@ -89,7 +93,8 @@ def measured_peak(graph: runtime.Graph, stats: StatisticsAdaptor) -> int:
     return stats.stats()["peak_allocated_bytes"] - inputs
 
 
-def plan_seconds(config: MLPConfig, budget: int | None, x: np.ndarray, y: np.ndarray) -> float:
+def plan_seconds(config: MLPConfig, budget: int | None, x: np.ndarray, y: np.ndarray,
+                 **options: Any) -> float:
     """Seconds `_build` (capture's phases: rewrite, schedule, fuse, plan) takes for `budget`."""
     module = sys.modules["runtime.graph"]
     build, spent = module._build, []
@@ -103,7 +108,7 @@ def plan_seconds(config: MLPConfig, budget: int | None, x: np.ndarray, y: np.nda
 
     module._build = timed
     try:
-        graph, _ = blockrt_graph(config, memory_budget=budget)
+        graph, _ = blockrt_graph(config, memory_budget=budget, **options)
         graph(x, y)
         graph.release()
     finally:
@@ -111,13 +116,16 @@ def plan_seconds(config: MLPConfig, budget: int | None, x: np.ndarray, y: np.nda
     return spent[0]
 
 
-def budget_point(config: MLPConfig, budget: int, x: np.ndarray, y: np.ndarray) -> Point:
-    graph, stats = blockrt_graph(config, memory_budget=budget)
+def budget_point(config: MLPConfig, budget: int, x: np.ndarray, y: np.ndarray,
+                 lossy: str | None = None) -> Point:
+    options = {"lossy": lossy} if lossy else {}
+    graph, stats = blockrt_graph(config, memory_budget=budget, **options)
     graph(x, y)
-    point = Point("blockrt", f"budget {format_bytes(budget)}", lambda g=graph: g(x, y).item(),
-                  measured_peak(graph, stats))
+    point = Point("blockrt lossy" if lossy else "blockrt",
+                  f"budget {format_bytes(budget)}" + (f", lossy {lossy}" if lossy else ""),
+                  lambda g=graph: g(x, y).item(), measured_peak(graph, stats))
     point.report, point.budget = graph.memory_report(), budget
-    point.plan_s = plan_seconds(config, budget, x, y)
+    point.plan_s = plan_seconds(config, budget, x, y, **options)
     return point
 
 
@@ -155,9 +163,13 @@ def blockrt_points(config: MLPConfig, x: np.ndarray, y: np.ndarray) -> list[Poin
     top = full["planned_bytes"]
     budgets = sorted({int(top * (least / top) ** (i / (POINTS - 1))) for i in range(POINTS)},
                      reverse=True)
-    budgets.append(eightfold(config, full["activation_bytes"], least, top, x, y))
+    goal = eightfold(config, full["activation_bytes"], least, top, x, y)
+    budgets.append(goal)
     points += [budget_point(config, budget, x, y) for budget in sorted(set(budgets),
                                                                        reverse=True)]
+    # NOTE: issue 20: lossy stores (bfloat16) at three of the budgets, a family of their own
+    points += [budget_point(config, budget, x, y, lossy="bfloat16")
+               for budget in sorted({top // 2, top // 4, goal}, reverse=True)]
     graph, stats = blockrt_graph(config, checkpoint="sqrt")
     graph(x, y)
     point = Point("blockrt sqrt", 'checkpoint="sqrt"', lambda g=graph: g(x, y).item(),
@@ -359,8 +371,9 @@ def report(name: str, config: MLPConfig, points: list[Point]) -> None:
             extra = f"+{flops / r['step_flops']:.0%}" if flops else "0" if flops == 0 else ""
             act = (f"{format_bytes(r['activation_bytes'])} "
                    f"({full['activation_bytes'] / r['activation_bytes']:.2f}x less)")
-            kept = f"{r['kept']} / {r['recomputed']}"
-            plan = (f"room {r.get('room')}, depth {r.get('depth', 0)}, planned in "
+            kept = f"{r['kept']} / {r['recomputed']}" + (
+                f" (+{len(r['lossy'])} lossy)" if r.get("lossy") else "")
+            plan = (f"{r.get('schedule', 'everything kept')}, planned in "
                     f"{point.plan_s * 1e3:.0f} ms" if hasattr(point, "plan_s") else "")
         else:
             extra = kept = ""
@@ -400,6 +413,7 @@ def plot(results: dict[str, tuple[MLPConfig, list[Point]]], path: str) -> None:
     figure, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.8),
                                 squeeze=False)
     styles = {"blockrt": ("C0", "o", "-"), "blockrt sqrt": ("C4", "*", ""),
+              "blockrt lossy": ("C5", "v", ""),
               "torch": ("C3", "s", ""), "torch checkpoint": ("C1", "^", "--"),
               "torch.compile budget": ("C2", "D", ":")}
     for axis, (name, (config, points)) in zip(axes[0], results.items()):
@@ -427,6 +441,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke runs)")
     parser.add_argument("--configs", default="D,DW")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--blockrt-only", action="store_true",
+                        help="leave out the PyTorch peers (a quick run of blockrt's points)")
     parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__),
                                                         "budget_pareto.png"))
     args = parser.parse_args()
@@ -440,10 +456,11 @@ def main() -> None:
         x, y = make_batch(config)
         points = blockrt_points(config, x, y)
         least = min(p.budget for p in points if hasattr(p, "budget"))
-        peers = [p for p in points if p.family != "blockrt"] + torch_points(config, x, y,
-                                                                         args.quick)
+        peers = [p for p in points if p.family != "blockrt"] + (
+            [] if args.blockrt_only else torch_points(config, x, y, args.quick))
         # NOTE: blockrt also runs at each peer's measured peak, so the curves compare there
-        extra = sorted({p.peak for p in peers if least <= p.peak < points[0].peak}, reverse=True)
+        extra = sorted({p.peak for p in peers if least <= p.peak < points[0].peak
+                        and p.family != "blockrt lossy"}, reverse=True)
         points += [budget_point(config, budget, x, y) for budget in extra]
         points = sorted((p for p in points if p.family == "blockrt"),
                         key=lambda p: -p.peak) + peers

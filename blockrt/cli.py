@@ -71,13 +71,14 @@ class CommandError(Exception):
 
 
 def training_step(cfg: MLPConfig, plan: str, checkpoint: str | None,
-                  seed: int = 0, memory_budget: int | None = None) -> runtime.Graph:
+                  seed: int = 0, memory_budget: int | None = None,
+                  lossy: bool | str = False) -> runtime.Graph:
     """The MLP training step of benchmarks/bench_graph.py captured by `runtime.graph`.
 
     `cfg.depth` hidden Dense(width, width) layers with ReLU, a Dense(width, 10) classifier,
     softmax cross-entropy, SGD lr 0.01, `zero_grad()` at the end of the step (so gradients are
     intermediates). Weights come from `seed`; the caller runs the step. `memory_budget`:
-    bytes the intermediates may take (`runtime.graph`'s option).
+    bytes the intermediates may take, and `lossy` (`runtime.graph`'s options).
     """
     rng = np.random.default_rng(seed)
     layers: list[nn.Module] = []
@@ -86,7 +87,7 @@ def training_step(cfg: MLPConfig, plan: str, checkpoint: str | None,
     model = nn.Sequential(*layers, nn.Dense(cfg.width, CLASSES, rng=rng))
     opt = nn.SGD(model.parameters(), lr=0.01)
     return runtime.graph(nn.train_step(model, opt), plan=plan, checkpoint=checkpoint,
-                         memory_budget=memory_budget)
+                         memory_budget=memory_budget, lossy=lossy)
 
 
 #: Characters of a text timeline, from empty to full.
@@ -118,19 +119,21 @@ def budget_lines(step: runtime.Graph) -> list[str]:
     report = step.memory_report()
     live = step.timeline(live=True)
     fmt = allocators.format_bytes
-    room = report["room"]
-    kept = ("everything kept" if room is None else
-            f"at most {room} of {report['units']} units kept at once, recomputes nested "
-            f"{report['depth']} deep")
     extra = report["recompute_flops"] / max(1, report["step_flops"])
+    stored = report["lossy"]
+    lossy = ([f"stored lossy: {len(stored)} results "
+              f"({', '.join(sorted({s['dtype'] for s in stored}))}, "
+              f"{fmt(sum(s['nbytes'] for s in stored))} while they wait)"] if stored else [])
     return [
         f"budget {report['memory_budget']} B ({fmt(report['memory_budget'])}, "
         f"{report['budget_source']}): planned {fmt(report['planned_bytes'])}",
-        f"choice: {kept}; forward results the backward pass reads: {report['kept']} kept, "
+        f"choice: {report['schedule']}; forward results the backward pass reads: "
+        f"{report['kept']} kept, "
         f"{report['recomputed']} recomputed, {report['moved']} moved ({report['moves']})",
         f"extra work: {report['recompute_flops'] / 1e6:.1f} MFLOP recomputed "
         f"(+{extra:.1%} of the step's {report['step_flops'] / 1e6:.1f} MFLOP), "
         f"{report['moved_bytes']} B moved",
+        *lossy,
         f"timeline (live intermediates, {len(live)} steps, peak {fmt(max(live, default=0))}):",
         f"|{text_timeline(live)}|",
     ]
@@ -424,6 +427,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if budget is not None and (checkpoint is not None or args.plan == "none"):
         args.parser.error("argument --budget: the budget chooses what to recompute itself and "
                           "needs --plan static or recycle (not --checkpoint, not --plan none)")
+    if args.lossy and budget is None:
+        args.parser.error("argument --lossy: lossy stores are a way to fit a budget: give "
+                          "--budget BYTES too")
     print(f"config {label}: batch {cfg.batch}, width {cfg.width}, depth {cfg.depth}; "
           f"plan {args.plan}, checkpoint {checkpoint or 'none'}"
           + (f", memory budget {budget} B" if budget is not None else ""))
@@ -434,7 +440,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         x, y = _batch(cfg, args.seed)
         for plan, step in each_plan(lambda p: training_step(cfg, p, checkpoint, args.seed,
-                                                            budget), x, y, plans=plans):
+                                                            budget, args.lossy or False),
+                                    x, y, plans=plans):
             timelines[plan] = step.timeline()
             if plan == args.plan:
                 print(runtime.format_report(step.memory_report()))
@@ -525,6 +532,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fit the intermediates in BYTES: keep or recompute each forward result "
                    "the backward pass reads, chosen by cost (docs/graph.md); shows the choice "
                    "and the timeline")
+    p.add_argument("--lossy", choices=["bfloat16", "float16"], default=None,
+                   help="with --budget: the budget may also store waiting forward results in "
+                   "this half dtype (lossy; default: never)")
     p.add_argument("--plot", metavar="PATH", type=png_path,
                    help="also write a PNG of the memory timeline of all three plans "
                    "(needs matplotlib: the `plot` extra)")

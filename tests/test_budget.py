@@ -6,6 +6,10 @@ the budget by default."""
 
 from __future__ import annotations
 
+import functools
+import heapq
+import importlib
+import math
 import re
 import time
 from typing import Any
@@ -21,7 +25,7 @@ import backends
 import runtime
 from allocators import LimitAdaptor, OutOfMemoryError, StatisticsAdaptor
 from runtime import BudgetError, nn
-from runtime.graph.budget import _sweep, _table
+from runtime.graph.budget import _RATES, Rates, _sweep, _table, rates
 
 
 def deep_step(depth: int = 12, width: int = 32, seed: int = 0) -> tuple[nn.Module, Any]:
@@ -81,6 +85,83 @@ def test_the_table_is_the_least_work_over_every_split():
     _, split = _table(30)
     for room in range(2, 30):
         assert most_kept(_sweep(0, 30, room, split), room) <= room
+
+
+def least_forwards(n: int, most: int, gradients: bool) -> float:
+    """The fewest unit forwards beyond the first sweep over every schedule (Dijkstra over
+    states) that reverses a chain of n units with at most `most` unit-sized buffers live at
+    once. A unit's forward needs its input live and a fresh buffer; its backward reads its own
+    result (ReLU's mask), then its input (the weight gradient). With `gradients`, the backward
+    pass also holds its gradient: one buffer from the loss on, two while a weight-gradient
+    step writes the input's gradient (what the budget's bytes count); without, only results
+    count (activation memory)."""
+    start = (0, False, n, False)  # held results (bit i: unit i's), backward begun, unit, A done
+    best = {start: 0}
+    queue = [(0, start)]
+    while queue:
+        cost, state = heapq.heappop(queue)
+        if best.get(state, math.inf) < cost:
+            continue
+        held, begun, unit, mask_done = state
+        if unit == 0:
+            return cost - n
+        live = bin(held).count("1") + (int(begun) if gradients else 0)
+        moves = [(cost + 1, (held | 1 << (i + 1), begun, unit, mask_done)) for i in range(n)
+                 if (i == 0 or held >> i & 1) and not held >> (i + 1) & 1 and live < most]
+        moves += [(cost, (held & ~(1 << i), begun, unit, mask_done)) for i in range(1, n + 1)
+                  if held >> i & 1]
+        if not begun:
+            if held >> n & 1 and live + gradients <= most:
+                moves.append((cost, (held, True, n, False)))
+        elif not mask_done:
+            if held >> unit & 1:
+                moves.append((cost, (held, True, unit, True)))
+        elif (unit == 1 or held >> (unit - 1) & 1) and live + gradients <= most:
+            moves.append((cost, (held, True, unit - 1, False)))
+        for cost_after, after in moves:
+            if cost_after < best.get(after, math.inf):
+                best[after] = cost_after
+                heapq.heappush(queue, (cost_after, after))
+    return math.inf
+
+
+@functools.cache
+def activation_table(n: int, room: int) -> float:
+    """The programme with a recompute's room counting only results (its boundary result, read
+    first by the backward pass, already gone): T(L-k, s-1) + (k-1) + T(k-1, s)."""
+    if n <= room:
+        return 0
+    if room < 2:
+        return math.inf
+    return min(activation_table(n - k, room - 1) + (k - 1) + activation_table(k - 1, room)
+               for k in range(1, n))
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(3, 9), room=st.integers(2, 6))
+def test_the_table_is_the_least_work_of_any_schedule_in_the_bytes_a_budget_counts(n, room):
+    """Room for s units is s results plus the backward pass's gradient: over every schedule of
+    a chain (not only the programme's nested splits), the least extra work with s + 1 buffers
+    counting gradients is the table's. Counting results alone (activation memory), a recompute
+    need not hold its boundary result and the least is the activation programme's, never more
+    than the table's: the table's extra room is the gradient's buffer (docs/graph.md)."""
+    cost, _ = _table(max(n, room))
+    assert least_forwards(n, room + 1, gradients=True) == cost[room, n]
+    assert least_forwards(n, room, gradients=False) == activation_table(n, room) <= cost[room, n]
+
+
+def test_the_table_is_griewank_and_walthers_binomial_optimum():
+    """With room s, the table's extra work for L units is the binomial optimum of Griewank and
+    Walther (Algorithm 799, revolve) with s - 1 checkpoints: p(L, c) = t L - C(c + t, t - 1),
+    t the least with C(c + t, t) >= L, less the L - 1 forward steps of one sweep."""
+    cost, _ = _table(130)
+    for length in range(3, 131):
+        for room in range(2, min(length, 24)):
+            checkpoints, t = room - 1, 0
+            while math.comb(checkpoints + t, t) < length:
+                t += 1
+            least = t * length - math.comb(checkpoints + t, t - 1)
+            assert cost[room, length] == least - (length - 1), (length, room)
 
 
 @pytest.mark.parametrize("plan", ["static", "recycle"])
@@ -306,3 +387,266 @@ def test_moves_to_host_memory_fit_the_budget_bit_for_bit(kind: str):
         assert report["moved"] > 0 and report["recomputed"] == 0
         assert report["moved_bytes"] > 0 and "moved to host memory" in report["moves"]
         assert report["kept"] + report["moved"] == reference.memory_report()["kept"]
+
+
+@pytest.mark.parametrize("kind", sorted(NEEDS))
+def test_moves_and_recompute_are_chosen_by_measured_cost_and_may_mix(kind: str):
+    """The exchange rate of moves against recompute is measured on the device (a copy and a
+    product, once a process); it decides: bytes dear, recompute only; bytes cheap, moves
+    only; in between, on a deep chain at a tight budget, some units moved and some recomputed.
+    Whatever the choice, results equal the unconstrained graph's bit for bit under the
+    allocator's own peak."""
+    device = separate_memory_device(kind)
+    measured = rates(device)
+    assert all(0 < r < 1e-3 for r in (measured.per_byte, measured.per_flop,
+                                      measured.per_element, measured.per_call))
+    assert rates(device) is measured  # NOTE: measured once, then cached
+    x, y = batch(rows=8, width=16)
+
+    def on_device(seed: int = 0) -> tuple[nn.Module, Any]:
+        rng = np.random.default_rng(seed)
+        layers: list[nn.Module] = []
+        for _ in range(32):
+            layers += [nn.Dense(16, 16, rng=rng, device=device), nn.ReLU()]
+        model = nn.Sequential(*layers, nn.Dense(16, 10, rng=rng, device=device))
+        return model, nn.train_step(model, nn.SGD(model.parameters(), lr=0.05))
+
+    reference_model, reference_step = on_device()
+    reference = runtime.graph(reference_step, device=device)
+    expected = [reference(x, y).item() for _ in range(2)]
+    need = reference.memory_report()["planned_bytes"]
+    seen = {}
+    try:
+        # NOTE: seconds per byte moved, per flop recomputed (a unit: 1 KiB moved, 4.2 kflop)
+        for bytes_per_flop, budget in ((1e5, need // 4), (1e-3, need // 4), (7.0, need // 5)):
+            _RATES[id(device)] = (device, Rates(per_byte=bytes_per_flop * 1e-10,
+                                                per_flop=1e-10, per_element=0.0, per_call=0.0))
+            stats = StatisticsAdaptor(allocators.create("direct", device))
+            model, step = on_device()
+            graph = runtime.graph(step, device=device, allocator=stats, memory_budget=budget)
+            got = []
+            for _ in range(2):
+                got.append(graph(x, y).item())
+                assert stats.stats()["peak_allocated_bytes"] - not_planned(graph, stats) <= budget
+            assert got == expected
+            for mine, theirs in zip(model.parameters(), reference_model.parameters()):
+                assert np.array_equal(mine.numpy(), theirs.numpy())
+            report = graph.memory_report()
+            seen[bytes_per_flop] = (report["moved"], report["recomputed"])
+            assert (report["moved_bytes"] > 0) == (report["moved"] > 0)
+            assert (report["recompute_flops"] > 0) == (report["recomputed"] > 0)
+    finally:
+        _RATES[id(device)] = (device, measured)
+    assert seen[1e5][0] == 0 and seen[1e5][1] > 0
+    assert seen[1e-3][0] > 0 and seen[1e-3][1] == 0
+    assert seen[7.0][0] > 0 and seen[7.0][1] > 0
+
+
+def test_the_cpu_device_needs_no_rates_and_moves_nothing():
+    """Without lossy, the CPU device's choice reads no clock (no probe runs); with lossy and
+    a budget that everything fits, no probe runs either."""
+    x, y = batch()
+    cpu = backends.get_device("cpu")
+    before = _RATES.pop(id(cpu), None)
+    try:
+        graph = runtime.graph(deep_step()[1], memory_budget=20_000)
+        graph(x, y)
+        report = graph.memory_report()
+        assert report["recomputed"] > 0 and report["moved"] == 0
+        graph = runtime.graph(deep_step()[1], memory_budget=1 << 30, lossy=True)
+        graph(x, y)
+        assert id(cpu) not in _RATES
+        graph = runtime.graph(deep_step()[1], memory_budget=20_000, lossy=True)
+        graph(x, y)
+        assert _RATES[id(cpu)][0] is cpu  # NOTE: the one that competes measures
+    finally:
+        _RATES.pop(id(cpu), None)
+        if before is not None:
+            _RATES[id(cpu)] = before
+
+
+@pytest.mark.parametrize(("depth", "width"), [(24, 32), (40, 16), (12, 64)])
+def test_at_sqrts_own_peak_the_budget_does_no_more_work_than_sqrt(depth: int, width: int):
+    """checkpoint="sqrt"'s segmentation is one of the budget's candidates: at sqrt's planned
+    peak the budget's choice recomputes no more than sqrt does, and fits."""
+    x, y = batch(width=width)
+    sqrt = runtime.graph(deep_step(depth, width)[1], checkpoint="sqrt")
+    sqrt(x, y)
+    theirs = sqrt.memory_report()
+    graph = runtime.graph(deep_step(depth, width)[1], memory_budget=theirs["planned_bytes"])
+    graph(x, y)
+    mine = graph.memory_report()
+    assert mine["planned_bytes"] <= theirs["planned_bytes"]
+    assert 0 < mine["recompute_flops"] <= theirs["recompute_flops"]
+
+
+# ---------------------------------------------------------------------- lossy stores (issue 20)
+def test_without_lossy_nothing_is_stored_lossy():
+    x, y = batch()
+    for budget in (None, 30_000, 12_000):
+        graph = runtime.graph(deep_step()[1], memory_budget=budget)
+        graph(x, y)
+        assert graph.memory_report()["lossy"] == []
+        assert not any(i.phase == "store" or i.op == "cast"
+                       for s in graph._last.steps for i in s.instructions)
+
+
+@pytest.mark.parametrize(("lossy", "dtype", "tolerance"), [
+    (True, "bfloat16", 1e-3), ("bfloat16", "bfloat16", 1e-3), ("float16", "float16", 2e-4)])
+def test_lossy_stores_fit_with_less_recompute_within_a_stated_tolerance(lossy, dtype,
+                                                                        tolerance):
+    """With lossy allowed, kept float32 results may wait in a half dtype: at a tight budget
+    the choice recomputes less than the lossless one, every tensor stored so is named with
+    its dtype, the allocator's peak stays in the budget, and after three SGD steps the loss
+    is within `tolerance` of the float32 graph's and every parameter within `tolerance` of
+    the largest change three float32 steps made to any parameter. bfloat16 keeps 8 bits of
+    precision, float16 11."""
+    cpu = backends.get_device("cpu")
+    before = _RATES.get(id(cpu))
+    # NOTE: rates as measured on a quiet machine (7e-12 s a flop, 1e-10 s a cast element,
+    # 1.2e-6 s a call): on a loaded one the product probe may stall and lean to lossy stores
+    _RATES[id(cpu)] = (cpu, Rates(per_byte=4e-11, per_flop=7e-12, per_element=1e-10,
+                                  per_call=1.2e-6))
+    try:
+        lossy_stores_within(lossy, dtype, tolerance)
+    finally:
+        if before is None:
+            del _RATES[id(cpu)]
+        else:
+            _RATES[id(cpu)] = before
+
+
+def lossy_stores_within(lossy: Any, dtype: str, tolerance: float) -> None:
+    x, y = batch(width=256)
+    reference_model, reference_step = deep_step(depth=24, width=256)
+    reference = runtime.graph(reference_step)
+    expected = [reference(x, y).item() for _ in range(3)]
+    need = reference.memory_report()["planned_bytes"]
+    budget = need // 4
+    lossless = runtime.graph(deep_step(depth=24, width=256)[1], memory_budget=budget)
+    lossless(x, y)
+    stats = StatisticsAdaptor(allocators.create("direct", "cpu"))
+    model, step = deep_step(depth=24, width=256)
+    graph = runtime.graph(step, memory_budget=budget, lossy=lossy, allocator=stats)
+    got = []
+    for _ in range(3):
+        got.append(graph(x, y).item())
+        assert stats.stats()["peak_allocated_bytes"] - not_planned(graph, stats) <= budget
+    report = graph.memory_report()
+    assert report["lossy"] and all(s["dtype"] == dtype for s in report["lossy"])
+    assert all(s["nbytes"] * 2 == math.prod(s["shape"]) * 4 for s in report["lossy"])
+    casts = [i for s in graph._last.steps for i in s.instructions if i.phase == "store"]
+    assert {str(i.outputs[0].dtype) for i in casts} == {dtype, "float32"}
+    assert report["recompute_flops"] < lossless.memory_report()["recompute_flops"]
+    assert np.allclose(got, expected, rtol=tolerance, atol=0)
+    initial = [p.numpy() for p in deep_step(depth=24, width=256)[0].parameters()]
+    update = max(np.max(np.abs(b.numpy() - a)) for a, b in zip(initial,
+                                                                reference_model.parameters()))
+    off = max(np.max(np.abs(a.numpy() - b.numpy()))
+              for a, b in zip(model.parameters(), reference_model.parameters()))
+    assert 0 < off <= tolerance * update  # NOTE: rounded, but within the tolerance
+
+
+def test_lossy_with_nothing_to_fit_changes_nothing():
+    x, y = batch()
+    reference = runtime.graph(deep_step()[1])
+    expected = reference(x, y).item()
+    graph = runtime.graph(deep_step()[1], memory_budget=1 << 30, lossy=True)
+    assert graph(x, y).item() == expected
+    assert graph.memory_report()["lossy"] == []
+
+
+@pytest.mark.parametrize("lossy", ["half", 16, None, "float32"])
+def test_bad_lossy_is_refused(lossy):
+    with pytest.raises(ValueError, match=re.escape(f"lossy must be False, True, 'float16' or "
+                                                   f"'bfloat16', got {lossy!r}")):
+        runtime.graph(lambda x: x, memory_budget=1 << 20, lossy=lossy)
+
+
+def test_rates_are_measured_per_device_object():
+    module = importlib.import_module("runtime.graph.budget")
+    device = backends.get_device("cpu")
+    before = dict(_RATES)
+    try:
+        _RATES.clear()
+        first = rates(device)
+        assert all(0 < r < 1e-3 for r in (first.per_byte, first.per_flop, first.per_element,
+                                          first.per_call))
+        assert _RATES[id(device)][0] is device
+        assert rates(device) is first and module._RATES is _RATES
+    finally:
+        _RATES.clear()
+        _RATES.update(before)
+
+
+@settings(max_examples=25, deadline=None)
+@given(program=training_programs(), plan=st.sampled_from(["static", "recycle"]),
+       where=st.floats(0, 0.8), dtype=st.sampled_from(["bfloat16", "float16"]))
+def test_random_programs_with_lossy_stores_fit_and_are_exact_where_nothing_is_lossy(
+        program, plan, where, dtype):
+    """With lossy allowed, any budget between the least and the unconstrained peak is met by
+    the allocator's own peak; a choice that stores nothing lossy gives the unconstrained
+    results bit for bit, and one that does names only tensors of the asked dtype. (The CPU's
+    rates are set so that a cast costs little against a flop, as on large layers, so that
+    the tiny programs here do choose lossy stores.)"""
+    cpu = backends.get_device("cpu")
+    before = _RATES.get(id(cpu))
+    _RATES[id(cpu)] = (cpu, Rates(per_byte=1e-10, per_flop=1e-10, per_element=1e-12,
+                                  per_call=0.0))
+    try:
+        lossy_program_under_budget(program, plan, where, dtype)
+    finally:
+        if before is None:
+            del _RATES[id(cpu)]
+        else:
+            _RATES[id(cpu)] = before
+
+
+def lossy_program_under_budget(program: Any, plan: str, where: float, dtype: str) -> None:
+    batches = data(program)
+    reference = runtime.graph(build(program)[1], plan=plan)
+    expected = [reference(x, t).item() for x, t in batches]
+    unconstrained = max(reference.timeline())
+    with pytest.raises(BudgetError) as caught:
+        runtime.graph(build(program)[1], plan=plan, memory_budget=0, lossy=dtype)(*batches[0])
+    least = caught.value.least_bytes
+    budget = least + int(where * (unconstrained - least))
+    stats = StatisticsAdaptor(allocators.create("direct", "cpu"))
+    graph = runtime.graph(build(program)[1], plan=plan, allocator=stats, memory_budget=budget,
+                          lossy=dtype)
+    got = []
+    for x, t in batches:
+        got.append(graph(x, t).item())
+        assert stats.stats()["peak_allocated_bytes"] - not_planned(graph, stats) <= budget
+    stored = graph.memory_report()["lossy"]
+    assert all(s["dtype"] == dtype for s in stored)
+    if not stored:
+        assert got == expected
+    else:
+        assert all(np.isfinite(got)) or not all(np.isfinite(expected))
+
+
+def test_blockrt_plan_budget_lossy_names_what_it_stored(capsys):
+    """`blockrt plan --budget B --lossy DTYPE` prints the choice and, when it stored results
+    lossy, how many and in which dtype; --lossy without --budget is refused."""
+    from blockrt import cli
+
+    cpu = backends.get_device("cpu")
+    before = _RATES.get(id(cpu))
+    _RATES[id(cpu)] = (cpu, Rates(per_byte=4e-11, per_flop=7e-12, per_element=1e-10,
+                                  per_call=0.0))
+    argv = ["plan", "--config", "D", "--batch", "16", "--width", "64", "--depth", "12"]
+    try:
+        assert cli.main([*argv, "--budget", "40000", "--lossy", "float16"]) in (0, None)
+    finally:
+        if before is None:
+            del _RATES[id(cpu)]
+        else:
+            _RATES[id(cpu)] = before
+    out = capsys.readouterr().out
+    choice = next(line for line in out.splitlines() if line.startswith("choice: "))
+    assert "stored lossy" in choice, out
+    assert re.search(r"^stored lossy: \d+ results \(float16, ", out, re.M), out
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--lossy", "float16"])
+    assert "--lossy" in capsys.readouterr().err

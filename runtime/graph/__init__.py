@@ -67,6 +67,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from collections import OrderedDict
@@ -79,6 +80,7 @@ from allocators import Allocator, OutOfMemoryError, format_bytes
 from backends.base import ieee
 from runtime import config, planner, tape
 from runtime.block import Block
+from runtime.dtypes import BFLOAT16
 from runtime.errors import GraphCaptureError
 from runtime.graph.budget import BudgetError
 from runtime.graph.capture import (
@@ -112,7 +114,8 @@ MAX_CAPTURES = 32
 
 def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None = None,
           fuse: bool = True, device: Any = None, allocator: Allocator | None = None,
-          max_captures: int = MAX_CAPTURES, memory_budget: int | None = None) -> Graph:
+          max_captures: int = MAX_CAPTURES, memory_budget: int | None = None,
+          lossy: bool | str = False) -> Graph:
     """Wrap `fn` (a training or inference step) as a captured, planned, replayable graph.
 
     Args:
@@ -131,17 +134,24 @@ def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None =
             keep or recompute it, by cost, so that the plan's peak fits (`budget.py`,
             docs/graph.md). None: under an allocator with a limit of its own (a LimitAdaptor),
             a plan that would not fit in what the limit leaves is fitted to it the same way.
+        lossy: False (the default): results equal the unconstrained graph's bit for bit.
+            True, "bfloat16" or "float16": fitting a budget may also store float32 forward
+            results in that half dtype while they wait for the backward pass (True is
+            bfloat16: float32's range, 8 bits of precision), where that costs less than
+            recomputing; `memory_report()["lossy"]` names each one stored so.
 
     Raises:
         ValueError: an unknown plan or checkpoint, max_captures below 1, a negative budget,
-            or a budget with plan "none" or checkpoint="sqrt".
+            a budget with plan "none" or checkpoint="sqrt", or a lossy other than a bool,
+            "float16" or "bfloat16".
         BudgetError: (at the first call, before anything runs) a budget below the least peak
             any choice reaches; an OutOfMemoryError naming both.
 
     Example:
         >>> step = runtime.graph(train_step, memory_budget=8 << 20)  # doctest: +SKIP
     """
-    return Graph(fn, plan, checkpoint, fuse, device, allocator, max_captures, memory_budget)
+    return Graph(fn, plan, checkpoint, fuse, device, allocator, max_captures, memory_budget,
+                 lossy)
 
 
 class Graph:
@@ -158,7 +168,7 @@ class Graph:
     def __init__(self, fn: Callable[..., Any], plan: str = "static",
                  checkpoint: str | None = None, fuse: bool = True, device: Any = None,
                  allocator: Allocator | None = None, max_captures: int = MAX_CAPTURES,
-                 memory_budget: int | None = None) -> None:
+                 memory_budget: int | None = None, lossy: bool | str = False) -> None:
         if plan not in PLANS:
             raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
         if checkpoint not in CHECKPOINTS:
@@ -181,6 +191,7 @@ class Graph:
                                  f"checkpoint None (got {checkpoint!r})")
             memory_budget = int(memory_budget)
         self.memory_budget = memory_budget
+        self.lossy = _lossy_dtype(lossy)
         self.fn = fn
         self.plan = plan
         self.checkpoint = checkpoint
@@ -256,21 +267,26 @@ class Graph:
         device outside any allocator), plan, and counts: instructions, steps, fused, products,
         in_place, recompute_instructions (instructions cloned to recompute).
 
-        What stays for the backward pass (with or without a budget): kept (forward results the
-        backward pass reads that stay live until then), recomputed (those recomputed instead),
-        moved (those moved to host memory and back: 0, see `moves`), recompute_flops (the
-        extra work), moved_bytes, step_flops (the step's work without recomputation). Under a
-        budget also: memory_budget (bytes), budget_source, units, room (the most units kept at
-        once; None: all), depth (nesting of the recomputes), moves (why nothing moved).
+        What stays for the backward pass (with or without a budget): kept (forward results
+        the backward pass reads that stay live until then), recomputed (those recomputed
+        instead), moved (those moved to host memory and back, see `moves`), recompute_flops
+        (the extra work), moved_bytes, step_flops (the step's work without recomputation),
+        lossy (each result stored in a half dtype while it waits: its block, the op and
+        phase that made it, shape, dtype and bytes; empty unless the graph was made with
+        `lossy`). Under a budget also: memory_budget (bytes), budget_source, units, room
+        (the most units kept at once; None: all or not the programme's choice), depth
+        (nesting of the recomputes), moves (what moved, or why nothing did), schedule (the
+        choice in words).
         """
         capture = self._require_capture()
         static = capture.memory.static_plan
         choice = capture.choice
-        budget: dict[str, Any] = {"memory_budget": None}
+        budget: dict[str, Any] = {"memory_budget": None, "lossy": []}
         if choice is not None:
             budget.update(memory_budget=choice.budget, budget_source=choice.source,
                           units=choice.units, room=choice.room, depth=choice.depth,
-                          moves=choice.moves)
+                          moves=choice.moves, schedule=choice.schedule,
+                          lossy=[dataclasses.asdict(s) for s in choice.lossy])
         return {"plan": self.plan, "checkpoint": self.checkpoint, **budget,
                 "planned_bytes": static.planned_bytes,
                 "lower_bound_bytes": static.lower_bound_bytes,
@@ -322,7 +338,8 @@ class Graph:
         capture = _build(recorder, placeholders=placeholders, outputs=outputs,
                          output_kind=kind, allocator=allocator,
                          options=Options(plan=self.plan, checkpoint=self.checkpoint,
-                                         fuse=self.fuse, memory_budget=self.memory_budget),
+                                         fuse=self.fuse, memory_budget=self.memory_budget,
+                                         lossy=self.lossy),
                          name=getattr(self.fn, "__name__", type(self.fn).__name__))
         self._refuse(capture, _argument_writes(capture))
         self._check_fits(capture)
@@ -380,3 +397,18 @@ class Graph:
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
         return (f"<Graph {name} plan={self.plan} checkpoint={self.checkpoint} fuse={self.fuse} "
                 f"captures={len(self._captures)}>")
+
+
+#: what `lossy` may name, and what True stands for
+LOSSY = {"bfloat16": BFLOAT16, "float16": np.dtype(np.float16)}
+
+
+def _lossy_dtype(lossy: Any) -> np.dtype | None:
+    """The half dtype `runtime.graph(..., lossy=...)` allows, or None (lossless)."""
+    if lossy is False:
+        return None
+    if lossy is True:
+        return LOSSY["bfloat16"]
+    if isinstance(lossy, str) and lossy in LOSSY:
+        return LOSSY[lossy]
+    raise ValueError(f"lossy must be False, True, 'float16' or 'bfloat16', got {lossy!r}")

@@ -1,11 +1,13 @@
 """Fitting a memory budget (`runtime.graph(..., memory_budget=N)`): for every forward result the
-backward pass reads, keep it or recompute it, chosen by cost; then plan what is kept.
+backward pass reads, keep it, recompute it, move it to host memory or (only with `lossy`) store
+it in a half dtype while it waits, chosen by cost; then plan what is kept.
 
 The model of cost (docs/graph.md, "Memory budgets"):
 
 - **Units.** The forward instructions are cut after each one whose result the backward pass
   reads: a unit is a run of forward instructions ending with such a result (for an MLP, one
-  Dense layer and its activation). The instructions after the last one join the last unit.
+  Dense layer and its activation). The instructions after the last one join the last unit,
+  and so does a unit whose results fit in one 64-byte alignment unit (`_units`).
 - **Work** is counted in floating-point operations per instruction (`flops`): 2mnk for a matrix
   product, one per element for the rest. Recomputing a unit costs its forward work again.
 - **Memory** is counted in units held at once, then checked in bytes: a choice is rewritten
@@ -20,17 +22,32 @@ The model of cost (docs/graph.md, "Memory budgets"):
   sqrt(n) is one point of it, Checkmate solves the general graph with an integer programme):
       T(L, s) = 0 if L <= s, else min over k of T(L - k, s - 1) + cost(k - 1 units) + T(k, s).
   Room for 2 reaches any depth (at quadratic work); more room costs less work.
-- **Search.** The budget is bytes, the DP counts units: the largest room whose real planned
-  peak fits is found by bisection (each probe is one rewrite and plan, tens of milliseconds on
-  config D), so the choice is the least recompute work among the plans that fit. Deterministic:
-  no clocks, no random numbers.
-- **Moves** to host memory and back (`move.py`) are chosen only on devices whose memory is not
-  the host's (`Device.host_memory` False: OpenCL, CUDA), and there before any recompute: the
-  fewest units, from the first (whose results wait longest for the backward pass), whose
-  results moved out after their last forward use and back before their first backward use make
-  the plan fit, found by bisection; they cost bytes copied (`moved_bytes`), no device work.
-  When moving all but the last unit's results does not fit, the graph recomputes instead (no
-  mix of the two yet). On the CPU device a move would free nothing: the report says so.
+  Room counts results plus the gradient the backward pass holds while a recompute runs:
+  over every schedule of a chain, not only nested splits, T(L, s) is the least work with s + 1
+  buffers counting that gradient (tests/test_budget.py checks it exhaustively for small
+  chains). Counting results alone, a recompute need not hold its boundary result (the
+  backward pass has read it first): T(k - 1, s) in place of T(k, s), less work for the same
+  activations but one buffer more in all, so never the cheaper fit of a byte budget.
+- **Search.** The budget is bytes, the DP counts units: the largest room whose real planned peak
+  fits is found by a search that steps by the bytes a unit is worth, as a secant between the
+  nearest probes, bisecting when that stalls (each probe is one rewrite and plan, tens of
+  milliseconds on config D; two to four probes where a bisection takes six or seven). Other
+  candidates are planned for real too: checkpoint="sqrt"'s segments (a cut by instructions,
+  which sometimes fits the same bytes with less work); on devices whose memory is not the host's
+  (`Device.host_memory` False: OpenCL, CUDA), moves to host memory (`move.py`): the fewest first
+  units whose waiting results moved out and back make the plan fit, and mixes (the DP's largest
+  room with every waiting forward result moved; a quarter, half or three quarters of the units
+  moved and the DP on the rest); with `lossy`, the fewest first units whose waiting results
+  stored in a half dtype make it fit, else the DP's largest room with every waiting result,
+  recomputed ones too, stored so.
+- **Cost.** The cheapest candidate that fits wins (the first tried among equals: lossless
+  before lossy), in seconds added to a step: recompute flops times the seconds per flop,
+  elements cast by lossy stores times the seconds per element, bytes moved (`moved_bytes`,
+  both ways) times the seconds per byte, and a kernel call for every added instruction. The
+  rates are measured on the device once a process (`rates`: a 1 MiB copy each way, a
+  256-cubed product, a cast, a one-element call) and only where a move or a lossy store
+  competes; otherwise (the CPU device without `lossy`) flops alone decide, with no clock
+  read, so the choice is deterministic.
 
 A budget below the least peak any room reaches is refused when planned, naming both (a
 `BudgetError`, an `OutOfMemoryError`), before anything runs.
@@ -41,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,8 +66,8 @@ from typing import Any
 import numpy as np
 
 from allocators import OutOfMemoryError, format_bytes
-from runtime.graph.checkpoint import _recompute_sweep
-from runtime.graph.move import _move
+from runtime.graph.checkpoint import _checkpoint, _recompute_sweep
+from runtime.graph.move import Stored, _halve, _move
 from runtime.graph.program import Recorded
 from runtime.tape import Instruction
 
@@ -57,6 +75,8 @@ __all__ = ["BudgetError"]
 
 #: At most this many units: `_table` takes about units**2 NumPy calls (65 units: 20 ms).
 _MAX_UNITS = 256
+#: Bytes below which a result costs one alignment unit of every plan (64 at least).
+_ALIGNED = 64
 #: Ops whose work is a matrix product: 2 * rows * columns * inner.
 _PRODUCTS = frozenset({"matmul", "linear"})
 
@@ -107,8 +127,12 @@ class Choice:
     room: int | None
     #: nesting of the recomputes (0: none)
     depth: int
-    #: why nothing is moved to host memory
+    #: what is moved to host memory, or why nothing is
     moves: str
+    #: the choice in words
+    schedule: str = "everything kept"
+    #: the results stored lossy (`runtime.graph(..., lossy=...)`), each with its dtype
+    lossy: tuple[Stored, ...] = ()
 
 
 @functools.lru_cache(maxsize=16)
@@ -158,7 +182,14 @@ def _wanted(program: Sequence[Instruction], intermediate: frozenset[int]) -> set
 
 
 def _units(program: Sequence[Instruction], wanted: set[int]) -> list[list[Instruction]]:
-    """The forward instructions cut after each one writing a result the backward pass reads."""
+    """The forward instructions cut after each one writing a result the backward pass reads;
+    a unit whose results fit in one alignment unit joins the one before it.
+
+    The programme counts room in units, each as if it held a layer's result. A unit whose
+    results take at most the plans' 64-byte alignment (a loss's mean, a scalar) costs no room
+    worth a unit, and counting it as one costs work: config D's 4-byte loss unit made 66 units
+    where 65 count, 88 extra unit forwards at room 8 where 86 do. Such a unit joins the unit
+    before it (recomputed with it, if at all)."""
     units: list[list[Instruction]] = [[]]
     for instr in program:
         if instr.phase != "forward":
@@ -170,6 +201,14 @@ def _units(program: Sequence[Instruction], wanted: set[int]) -> list[list[Instru
         units.pop()
     elif len(units) > 1:
         units[-2].extend(units.pop())  # NOTE: the tail (the loss) joins the last unit
+    merged: list[list[Instruction]] = []
+    for unit in units:
+        size = sum(o.block.nbytes for i in unit for o in i.outputs if o.block.id in wanted)
+        if merged and size <= _ALIGNED:  # NOTE: it costs no room worth a unit
+            merged[-1].extend(unit)
+        else:
+            merged.append(unit)
+    units = merged
     if len(units) > _MAX_UNITS:  # NOTE: neighbours merged, so the table stays small
         per = -(-len(units) // _MAX_UNITS)
         units = [[i for unit in units[k:k + per] for i in unit]
@@ -210,37 +249,81 @@ def _apply(recorded: Recorded, units: list[list[Instruction]], sweep: _Sweep) ->
                                intermediate=frozenset(intermediate), recomputed=clones)
 
 
-# ---------------------------------------------------------------------- moves
-def _fit_moves(recorded: Recorded, units: list[list[Instruction]], wanted: set[int],
-               budget: int, plan_of: Callable[[Recorded], tuple[object, int]], device: Any
-               ) -> tuple[tuple[Recorded, object, int, int] | None, int]:
-    """The fewest units, from the first on (their results wait longest for the backward pass),
-    whose results moved to host memory and back make the plan fit (None when moving all but
-    the last unit's does not), and the least peak seen."""
+# ---------------------------------------------------------------------- rates
+@dataclass(frozen=True)
+class Rates:
+    """What a device's work costs, in seconds, measured (`rates`)."""
 
-    def moved(count: int) -> tuple[Recorded, list[int], int]:
-        blocks = sorted({o.block.id for unit in units[:count] for i in unit
-                         for o in i.outputs if o.block.id in wanted})
-        intermediate = set(recorded.intermediate)
-        program, copied = _move(list(recorded.program), intermediate, blocks, device)
-        tape = dataclasses.replace(recorded, program=program, intermediate=frozenset(
-            intermediate), blocks={**recorded.blocks, **{
-                o.block.id: o.block for i in program for o in (*i.inputs, *i.outputs)}})
-        return tape, blocks, copied
+    #: a byte moved to host memory and back, per byte each way (`moved_bytes` counts both)
+    per_byte: float
+    #: a floating-point operation of a matrix product
+    per_flop: float
+    #: an element cast between float32 and a half dtype
+    per_element: float
+    #: a kernel call on one element: what any added instruction costs besides its work
+    per_call: float
 
-    best, least = None, None
-    low, high = 1, len(units) - 1
-    while low <= high:  # NOTE: the fewest units that fit
-        middle = (low + high) // 2
-        tape, blocks, copied = moved(middle)
-        made, peak = plan_of(tape)
-        least = peak if least is None else min(least, peak)
-        if peak <= budget:
-            best = (tape, made, len(blocks), copied)
-            high = middle - 1
-        else:
-            low = middle + 1
-    return best, least if least is not None else budget + 1
+
+#: id(device) -> (device, its rates): measured once a process
+_RATES: dict[int, tuple[Any, Rates]] = {}
+#: the probes' sizes: bytes copied each way, and the side of the square product and cast;
+#: and the tries each takes the best of: at least 7, and up to 25 until 30 ms have passed (on
+#: a shared machine a product's threads stall some tries, by up to a hundred times)
+_PROBE_BYTES = 1 << 20
+_PROBE_SIDE = 256
+_PROBE_TRIES = (7, 25)
+
+
+def rates(device: Any) -> Rates:
+    """The seconds `device` takes to move bytes, multiply, cast and call a kernel, measured at
+    the first call for it in this process by short probes (a 1 MiB copy out and in, a
+    256 x 256 x 256 product, a 256 x 256 cast to float16 and back, a one-element cast; the best
+    of 7 to 25 tries each, 20 to 120 ms on a CPU) and cached: the exchange rates of moves and lossy
+    stores against recompute, never constants."""
+    known = _RATES.get(id(device))
+    if known is None or known[0] is not device:
+        known = (device, _probe(device))
+        _RATES[id(device)] = known
+    return known[1]
+
+
+def _probe(device: Any) -> Rates:
+    side, half = _PROBE_SIDE, np.dtype(np.float16)
+    sizes = (_PROBE_BYTES, *[side * side * 4] * 3, side * side * 2, 4, 2)
+    raws = [device.raw_alloc(n) for n in sizes]
+    try:
+        square = [device.array_view(raw, 0, (side, side), np.float32, (side * 4, 4))
+                  for raw in raws[1:4]]
+        narrow = device.array_view(raws[4], 0, (side, side), half, (side * 2, 2))
+        one = device.array_view(raws[5], 0, (1,), np.float32, (4,))
+        one_half = device.array_view(raws[6], 0, (1,), half, (2,))
+        for raw in (*raws[1:3], raws[5]):
+            device.copyin(raw, 0, np.full(device.nbytes_of(raw) // 4, 0.5, np.float32))
+        host = np.arange(_PROBE_BYTES, dtype=np.uint32).astype(np.uint8)
+
+        def best(run: Callable[[], Any]) -> float:
+            run()
+            device.synchronize()
+            seconds, began = math.inf, time.perf_counter()
+            for tried in range(_PROBE_TRIES[1]):
+                if tried >= _PROBE_TRIES[0] and time.perf_counter() - began > 0.03:
+                    break
+                start = time.perf_counter()
+                run()
+                device.synchronize()
+                seconds = min(seconds, time.perf_counter() - start)
+            return max(seconds, 1e-9)
+
+        copy = best(lambda: (device.copyin(raws[0], 0, host),
+                             device.copyout(raws[0], 0, _PROBE_BYTES)))
+        product = best(lambda: device.matmul(square[0], square[1], square[2]))
+        cast = best(lambda: (device.cast(square[0], narrow), device.cast(narrow, square[2])))
+        call = best(lambda: [device.cast(one, one_half) for _ in range(10)]) / 10
+    finally:
+        for raw in raws:
+            device.raw_free(raw)
+    return Rates(per_byte=copy / (2 * _PROBE_BYTES), per_flop=product / (2 * side**3),
+                 per_element=max(cast - 2 * call, 1e-12) / (2 * side * side), per_call=call)
 
 
 # ---------------------------------------------------------------------- the search
@@ -254,68 +337,271 @@ class Fitted:
     choice: Choice
 
 
+@dataclass(frozen=True)
+class _Candidate:
+    """A rewritten tape that fits, its cost in seconds (flops when no rates were measured) and
+    how it was made."""
+
+    cost: float
+    recorded: Recorded
+    planned: object
+    room: int | None
+    depth: int
+    schedule: str
+    moves: str
+    lossy: tuple[Stored, ...] = ()
+
+
+class _Search:
+    """The candidates of one `_fit`, each planned for real: rewrites of the tape by the dynamic
+    programme (the largest room that fits), checkpoint="sqrt"'s segments, moves of the first
+    units' results to host memory with the programme on the rest, and lossy stores."""
+
+    def __init__(self, recorded: Recorded, budget: int, plan_of: Callable[[Recorded], tuple],
+                 device: Any, lossy: np.dtype | None, peak: int) -> None:
+        self.recorded, self.budget, self.plan_of, self.device = recorded, budget, plan_of, device
+        self.lossy = lossy
+        self.wanted = _wanted(recorded.program, recorded.intermediate)
+        self.units = _units(recorded.program, self.wanted)
+        self.split = _table(len(self.units))[1] if len(self.units) > 2 else None
+        self.peaks: list[int] = [peak]
+        self.found: list[_Candidate] = []
+        #: bytes over the budget keeping everything, and the bytes a unit is worth there
+        self.over = peak - budget
+        self.slope = max(1.0, peak / len(self.units))
+        self.can_move = not device.host_memory and len(self.units) > 1
+        self._rates: Rates | None = None
+
+    @property
+    def rates(self) -> Rates:
+        """The device's measured rates where a move or a lossy store competes with recompute
+        (probed at the first candidate that fits); else flops alone, and no clock is read."""
+        if self._rates is None:
+            self._rates = (rates(self.device) if self.can_move or self.lossy is not None
+                           else Rates(per_byte=0.0, per_flop=1.0, per_element=0.0,
+                                      per_call=0.0))
+        return self._rates
+
+    # ------------------------------------------------------------------ one candidate
+    def _results(self, count: int) -> list[int]:
+        return sorted({o.block.id for unit in self.units[:count] for i in unit
+                       for o in i.outputs if o.block.id in self.wanted})
+
+    def rewrite(self, room: int | None, *, first: int = 0, moved: int = 0, halved: int = 0
+                ) -> tuple[Recorded, int, int, tuple[Stored, ...]]:
+        """The tape with the programme's sweep over units `first`.. at `room` (None: keep
+        them), the results of the first `moved` units moved and of the first `halved` stored
+        lossy; its sweep's depth, the bytes moved and what is stored lossy."""
+        recorded, depth, copied, stored = self.recorded, 0, 0, ()
+        if room is not None:
+            sweep = _sweep(first, len(self.units) - first, room, self.split)
+            recorded, depth = _apply(recorded, self.units, sweep), _depth(sweep)
+        if moved or halved:
+            intermediate = set(recorded.intermediate)
+            program = list(recorded.program)
+            if moved:
+                program, copied = _move(program, intermediate, self._results(moved),
+                                        self.device)
+            if halved:
+                # NOTE: with recomputes, what they keep for the backward pass waits too
+                again = [o.block.id for i in program if i.phase == "recompute"
+                         for o in i.outputs] if room is not None else []
+                program, made = _halve(program, intermediate, self._results(halved) + again,
+                                       self.lossy, self.device)
+                stored = tuple(made)
+            recorded = dataclasses.replace(recorded, program=program, intermediate=frozenset(
+                intermediate), blocks={**recorded.blocks, **{
+                    o.block.id: o.block for i in program for o in (*i.inputs, *i.outputs)}})
+        return recorded, depth, copied, stored
+
+    def offer(self, recorded: Recorded, *, room: int | None, depth: int, schedule: str,
+              moves: str, copied: int = 0, stored: tuple[Stored, ...] = ()) -> bool:
+        """Plan `recorded`; file it as a candidate when it fits. Returns whether it fits."""
+        planned, peak = self.plan_of(recorded)
+        self.peaks.append(peak)
+        if peak > self.budget:
+            return False
+        self.found.append(_Candidate(self.cost(recorded, copied), recorded, planned, room, depth,
+                                     schedule, moves, stored))
+        return True
+
+    def cost(self, recorded: Recorded, copied: int) -> float:
+        """Seconds the rewrite adds to a step: each added instruction's call, recompute flops,
+        elements cast and bytes moved, at the device's rates."""
+        rates, seconds = self.rates, copied * self.rates.per_byte
+        for instr in recorded.program:
+            if instr.phase == "recompute":
+                seconds += rates.per_call + flops(instr) * rates.per_flop
+            elif instr.phase == "store":
+                seconds += rates.per_call + flops(instr) * rates.per_element
+            elif instr.phase == "move":
+                seconds += rates.per_call
+        return seconds
+
+    def boundary(self, low: int, high: int, fits: Callable[[int], bool], *, guess: float,
+                 slope: float, rising: bool) -> bool:
+        """Probe values in low..high for the edge of what fits: with `rising` the peak grows
+        with the value (room) and the largest that fits is wanted, else it falls (units moved
+        or stored lossy), the most is tried first (nothing less fits if it does not) and the
+        fewest that fits is wanted. Steps from `guess` by the bytes a value is worth (`slope`)
+        until a probe on each side is known, then as a secant between them, bisecting after two
+        secant steps in a row that did not halve the interval: two to five plans where a
+        bisection takes six or seven.
+        Assumes, as a bisection does, that the peak is monotone. Returns whether any fit."""
+        toward = 1 if rising else -1  # NOTE: the direction of more bytes
+        good, bad = (low - 1, high + 1) if rising else (high + 1, low - 1)
+        nothing = good
+        good_peak = bad_peak = None
+        value, span, stalled = round(guess), abs(bad - good), 0
+        if not rising and low <= high:
+            if not fits(high):
+                return False
+            good, good_peak = high, self.peaks[-1]
+        while abs(bad - good) > 1:
+            lower, upper = sorted((good, bad))
+            if not lower < value < upper:
+                value = (lower + upper) // 2
+            if fits(value):
+                good, good_peak = value, self.peaks[-1]
+            else:
+                bad, bad_peak = value, self.peaks[-1]
+            bracketed = good_peak is not None and bad_peak is not None
+            stalled = stalled + 1 if bracketed and abs(bad - good) * 2 > span else 0
+            span = abs(bad - good)
+            if stalled >= 2:
+                value, stalled = (good + bad) // 2, 0
+            elif bracketed and bad_peak > good_peak:
+                value = good + int((self.budget - good_peak) / (bad_peak - good_peak)
+                                   * (bad - good))
+            elif good_peak is not None:  # NOTE: past the estimate by up to one: a bracket
+                value = good + toward * max(1, math.ceil((self.budget - good_peak) / slope))
+            else:
+                value = bad - toward * max(1, math.ceil((bad_peak - self.budget) / slope))
+        return good != nothing
+
+    # ------------------------------------------------------------------ the families
+    def recompute(self, why: str, first: int = 0, moved: int = 0, halved: int = 0) -> None:
+        """The largest room that fits for the units from `first` on (with the results of the
+        first `moved` or `halved` units that wait for the backward pass moved or stored
+        lossy)."""
+        n = len(self.units) - first
+        if self.split is None or n < 3:
+            return
+
+        def fits(room: int) -> bool:
+            recorded, depth, copied, stored = self.rewrite(room, first=first, moved=moved,
+                                                           halved=halved)
+            what = f"at most {room} of {n} units kept at once, recomputes nested {depth} deep"
+            if copied:
+                what = f"the waiting results of the first {moved} units moved, " + what
+            if stored:
+                what = f"{len(stored)} results stored lossy, " + what
+            return self.offer(recorded, room=room, depth=depth, schedule=what, moves=why,
+                              copied=copied, stored=stored)
+
+        slope = self.slope / 2 if halved else self.slope
+        self.boundary(2, n - 1, fits, guess=self.budget / slope - 1, slope=slope, rising=True)
+
+    def sqrt(self, why: str) -> None:
+        """checkpoint="sqrt"'s segments, as one more candidate (a cut by instructions, not
+        units, which sometimes fits the same bytes with less work)."""
+        recorded = _checkpoint(self.recorded)
+        if recorded.recomputed:
+            self.offer(recorded, room=None, depth=1, moves=why,
+                       schedule='checkpoint="sqrt" segments')
+
+    def moves(self) -> None:
+        """The fewest first units moved that fit with nothing recomputed; then mixes: the
+        programme's largest room that fits with every forward result it keeps for the backward
+        pass moved out while it waits, or with a quarter, half or three quarters of the units,
+        from the first, moved and the programme on the rest."""
+        n = len(self.units)
+
+        def only(count: int) -> bool:
+            recorded, _, copied, _ = self.rewrite(None, moved=count)
+            return self.offer(recorded, room=None, depth=0, copied=copied,
+                              schedule=f"the first {count} of {n} units' results moved",
+                              moves=self._moved(count, copied))
+
+        self.boundary(1, n - 1, only, guess=self.over / self.slope + 1, slope=self.slope,
+                      rising=False)
+        self.recompute(self._moved(n - 1, None), moved=n - 1)
+        for count in sorted({n // 4, n // 2, 3 * n // 4}):
+            if 1 <= count <= n - 3:  # NOTE: the first units moved, the programme on the rest
+                self.recompute(self._moved(count, None), first=count, moved=count)
+
+    def _moved(self, count: int, copied: int | None) -> str:
+        per = f"{copied} bytes a step; " if copied is not None else ""
+        return (f"the waiting results of the first {count} units moved to host memory and "
+                f"back ({per}chosen by cost: {self.rates.per_byte:.3g} s per byte moved against "
+                f"{self.rates.per_flop:.3g} s per flop recomputed, measured on "
+                f"{self.device.name})")
+
+    def halves(self, why: str) -> None:
+        """Lossy stores: the fewest first units stored lossy that fit with nothing recomputed;
+        when none does, every unit's kept results stored lossy and the programme's largest
+        room."""
+        n = len(self.units)
+
+        def only(count: int) -> bool:
+            recorded, _, _, stored = self.rewrite(None, halved=count)
+            return self.offer(recorded, room=None, depth=0, stored=stored, moves=why,
+                              schedule=f"the results of the first {count} of {n} units "
+                                       f"stored lossy")
+
+        if not self.boundary(1, n - 1, only, guess=2 * self.over / self.slope + 1,
+                             slope=self.slope / 2, rising=False):
+            self.recompute(why, halved=n - 1)
+
+    def best(self) -> _Candidate | None:
+        """The cheapest candidate (the first filed among equals: lossless before lossy)."""
+        return min(self.found, key=lambda c: c.cost, default=None)
+
+
 def _fit(recorded: Recorded, budget: int, source: str,
          plan_of: Callable[[Recorded], tuple[object, int]], *, device: Any,
-         name: str) -> Fitted:
-    """The least recompute work whose planned peak fits `budget` bytes; on a device whose
-    memory is not the host's, first the fewest moves to host memory that fit.
+         name: str, lossy: Any = None) -> Fitted:
+    """The cheapest rewrite whose planned peak fits `budget` bytes, among: the least recompute
+    work of the dynamic programme, checkpoint="sqrt"'s segments, (on a device whose memory is
+    not the host's) moves to host memory alone or mixed with recompute, and (with `lossy`, a
+    half dtype) lossy stores alone or with recompute. Cost: the seconds a candidate adds to a
+    step at the device's measured `rates` (`_Search.cost`) where a move or a lossy store
+    competes; recompute flops alone otherwise.
 
     `plan_of(recorded)` schedules, fuses and plans a tape and returns (what it made, its peak in
     bytes). Raises BudgetError when nothing fits, naming the least peak reached."""
-    program, intermediate = recorded.program, recorded.intermediate
-    wanted = _wanted(program, intermediate)
-    units = _units(program, wanted)
-    moves = (f"none: the {device.name} device's memory is the host's" if device.host_memory
-             else "none: everything fits without")
-
-    def choice(room: int | None, depth: int, why: str = moves) -> Choice:
-        return Choice(budget=budget, source=source, units=len(units), room=room, depth=depth,
-                      moves=why)
-
     planned, peak = plan_of(recorded)
+    search = _Search(recorded, budget, plan_of, device, lossy, peak)
+    units = search.units
+    why = (f"none: the {device.name} device's memory is the host's" if device.host_memory
+           else "none: recompute costs less")
+
+    def choice(found: _Candidate | None) -> Choice:
+        if found is None:
+            return Choice(budget=budget, source=source, units=len(units), room=None, depth=0,
+                          moves=why, schedule="everything kept")
+        return Choice(budget=budget, source=source, units=len(units), room=found.room,
+                      depth=found.depth, moves=found.moves, schedule=found.schedule,
+                      lossy=found.lossy)
+
     if peak <= budget:
-        return Fitted(recorded, planned, choice(None, 0))
-    peaks = {len(units): peak}
-    if not device.host_memory and len(units) > 1:
-        # NOTE: room -1 stands for the moves in `peaks`
-        found, peaks[-1] = _fit_moves(recorded, units, wanted, budget, plan_of, device)
-        if found is not None:
-            candidate, made, count, copied = found
-            why = (f"{count} forward results of the first units moved to host memory and back "
-                   f"({copied} bytes a step): on {device.name} that frees device memory at "
-                   f"no recompute")
-            return Fitted(candidate, made, choice(None, 0, why))
-        moves = (f"none: moving every forward result but the last unit's to host memory does "
-                 f"not fit on {device.name}; recomputed instead")
-    fits: dict[int, tuple[Recorded, object]] = {}
-    if len(units) > 2:
-        _, split = _table(len(units))
-
-        def probe(room: int) -> bool:
-            sweep = _sweep(0, len(units), room, split)
-            candidate = _apply(recorded, units, sweep)
-            made, peaks[room] = plan_of(candidate)
-            if peaks[room] <= budget:
-                fits[room] = (candidate, made)
-            return room in fits
-
-        low, high = 2, len(units) - 1
-        while low <= high:  # NOTE: the largest room that fits: the least work
-            middle = (low + high) // 2
-            if probe(middle):
-                low = middle + 1
-            else:
-                high = middle - 1
-    if not fits:
-        least = min(peaks.values())
+        return Fitted(recorded, planned, choice(None))
+    search.recompute(why)
+    search.sqrt(why)
+    if search.can_move:
+        search.moves()
+    if lossy is not None and len(units) > 1:
+        search.halves(why)
+    found = search.best()
+    if found is None:
+        least = min(search.peaks)
+        also = " or moving them to host memory" if search.can_move else ""
+        also += " or storing them lossy" if lossy is not None else ""
         raise BudgetError(
             f"{name}: a memory budget of {budget} bytes ({format_bytes(budget)}, {source}) is "
             f"below the least any choice reaches: {least} bytes ({format_bytes(least)}) of "
             f"intermediates, recomputing every forward result the backward pass reads down "
-            f"to two units kept at once{' or moving them to host memory' if -1 in peaks else ''}"
-            f" ({len(units)} units; {peak} bytes keeping everything); nothing has run",
+            f"to two units kept at once{also} ({len(units)} units; {peak} bytes keeping "
+            f"everything); nothing has run",
             budget_bytes=budget, least_bytes=least)
-    room = max(fits)
-    candidate, made = fits[room]
-    sweep = _sweep(0, len(units), room, _table(len(units))[1])
-    return Fitted(candidate, made, choice(room, _depth(sweep)))
+    return Fitted(found.recorded, found.planned, choice(found))

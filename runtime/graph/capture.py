@@ -143,6 +143,8 @@ class Options:
     fuse: bool
     #: bytes the intermediates may take at most; None: the allocator's limit, if it has one
     memory_budget: int | None = None
+    #: the half dtype a budget may store kept forward results in (lossy), or None
+    lossy: np.dtype | None = None
 
 
 def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[Tensor],
@@ -171,7 +173,7 @@ def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[T
     else:
         try:
             fitted = _fit(recorded, budget, source, plan_of,
-                          device=allocator.device, name=name)
+                          device=allocator.device, name=name, lossy=options.lossy)
         except BudgetError as error:
             if options.memory_budget is not None:
                 raise
@@ -251,8 +253,11 @@ def _counts(recorded: Recorded, scheduled: list[Instruction], fused: Fused,
             memory: MemoryPlan) -> dict[str, int]:
     """What `Graph.memory_report` counts: instructions, steps, fusion, reuse, recomputation,
     and the most bytes of forward results live at once."""
+    # NOTE: results waiting for the backward pass count wherever they wait on the device:
+    # moved back ("move"), stored lossy or widened again ("store")
     forward = {fused.buffer_of.get(operand.block.id) for instr in scheduled
-               if instr.phase in ("forward", "recompute") for operand in instr.outputs}
+               if instr.phase in ("forward", "recompute", "move", "store")
+               for operand in instr.outputs}
     activation = [life for life in memory.lifetimes if life.key in forward]
     steps = fused.steps
     made = {o.block.id: instr.phase for instr in scheduled
