@@ -75,7 +75,7 @@ def learning_rate(epoch: int, epochs: int) -> float:
     return LR * (epochs - epoch) / epochs
 
 
-def timelines(x: np.ndarray, y: np.ndarray, precision: str) -> dict[str, list[int]]:
+def timelines(x: np.ndarray, y: np.ndarray, precision: str = "float32") -> dict[str, list[int]]:
     """Bytes held by intermediates at each scheduled step of one training step of this model
     and optimizer, under each plan (throwaway models)."""
     def make_step(plan: str) -> blockrt.Graph:
