@@ -41,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -141,9 +142,10 @@ class Node:
 
     def free(self) -> None:
         """Drop the saved tensors now (their memory may go back to the allocator)."""
+        release = sys.modules["runtime.tensor"]._release  # NOTE: the C one where it is on
         for _, value, version in self.saved:
             if version >= 0:
-                value.release()
+                release(value)
         self.saved = []
         self.freed = True
 
@@ -175,20 +177,21 @@ def record(op: str, out: Tensor, inputs: Sequence[Any], labels: Sequence[str],
     detached handle with its block's version, so a later in-place write is caught; pass `out`
     itself to save the op's output.
     """
-    from runtime.tensor import Tensor
+    tensor_type = sys.modules["runtime.tensor"].Tensor  # NOTE: an import statement costs more
 
     entries: list[Node | Tensor | None] = []
     shapes: list[tuple[int, ...] | None] = []
     for x in inputs:
-        if isinstance(x, Tensor) and x._requires_grad:
-            entries.append(x._node if x._node is not None else x)
+        if isinstance(x, tensor_type) and x._requires_grad:
+            node = x._node
+            entries.append(x if node is None else node)
             shapes.append(x.shape)
         else:
             entries.append(None)
             shapes.append(None)
     saved = []
     for label, value in save:
-        if isinstance(value, Tensor):
+        if isinstance(value, tensor_type):
             handle = value.detach()
             handle.name = value.name
             saved.append((label, handle, value.block.version))
@@ -236,7 +239,7 @@ def _unbroadcast(grad: Tensor, shape: tuple[int, ...]) -> Tensor:
 def _owned(grad: Tensor, handed: dict[int, Tensor]) -> Tensor:
     """`grad` if nothing else holds its memory, else a copy (so in-place accumulation into it
     can never change another gradient or a tensor the user holds)."""
-    if id(grad) in handed or grad.block.refcount > 1:
+    if id(grad) in handed or grad.block._refs > 1:
         from runtime import ops  # NOTE: only here: an import statement costs a microsecond
 
         return ops.copy(grad)
@@ -251,43 +254,52 @@ def backward(root: Tensor, gradient: Tensor | None = None, retain_graph: bool = 
             tensor modified in place; a second backward through a freed graph.
         TypeError: `gradient` is not a Tensor, or `retain_graph` not a bool.
     """
-    import numpy as np
-
-    from runtime import ops
-    from runtime.tensor import Tensor, _brief, as_flag
-    from runtime.tensor import tensor as make_tensor
-
-    retain_graph = as_flag(retain_graph, "backward(): retain_graph")
-    if gradient is not None and not isinstance(gradient, Tensor):
+    tensors = sys.modules["runtime.tensor"]  # NOTE: imported at its end; statements cost more
+    if retain_graph is not False:
+        retain_graph = tensors.as_flag(retain_graph, "backward(): retain_graph")
+    if gradient is not None and not isinstance(gradient, tensors.Tensor):
         raise TypeError(f"backward(): gradient must be a Tensor or None, got "
-                        f"{type(gradient).__name__} {_brief(gradient)}")
+                        f"{type(gradient).__name__} {tensors._brief(gradient)}")
     if not root._requires_grad:
         raise AutogradError(f"backward() on a tensor that does not require grad "
                             f"({_describe(root)}); set requires_grad=True on a leaf it uses")
-    with no_grad():
+    previous = _mode.enabled
+    _mode.enabled = False  # NOTE: no_grad(), without a generator's context manager
+    try:
         if gradient is None:
             if root.size != 1:
                 raise AutogradError(f"backward() without a gradient needs a scalar (one "
                                     f"element) output, this one has shape {root.shape}; pass "
                                     f"gradient=")
-            gradient = make_tensor(np.ones(root.shape, root.dtype), device=root.device,
-                                   allocator=root.block.allocator)
+            gradient = tensors._ones_like(root)
         elif gradient.shape != root.shape or gradient.dtype != root.dtype:
             raise AutogradError(f"backward(): gradient has shape {gradient.shape} and dtype "
                                 f"{gradient.dtype}; the output has shape {root.shape} and "
                                 f"dtype {root.dtype}")
         else:
+            from runtime import ops
+
             gradient = ops.copy(gradient)
-        with tape.phase("backward"):
-            if root._node is None:
-                _store_leaf(root, gradient)
-            else:
-                _run(root._node, gradient, retain_graph)
+        if tape._state.tape is None:
+            _start(root, gradient, retain_graph)
+        else:
+            with tape.phase("backward"):
+                _start(root, gradient, retain_graph)
+    finally:
+        _mode.enabled = previous
+
+
+def _start(root: Tensor, gradient: Tensor, retain_graph: bool) -> None:
+    if root._node is None:
+        _store_leaf(root, gradient)
+    else:
+        _run(root._node, gradient, retain_graph)
 
 
 def _run(root: Node, gradient: Tensor, retain_graph: bool) -> None:
     from runtime import ops
 
+    release = sys.modules["runtime.tensor"]._release  # NOTE: the C one where it is on
     grads: dict[Node, Tensor] = {root: gradient}
     handed: dict[int, Tensor] = {id(gradient): gradient}  # gradients stored, by id
     # NOTE: the leaves' gradients reach `.grad` only once all are computed, and that last part
@@ -302,15 +314,18 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> None:
         results = node.backward_fn(g, *node.unpack())
         if not retain_graph:
             node.free()
-        if not any(r is g for r in results):
-            g.release()  # NOTE: its memory may serve the gradients computed next
+        for r in results:
+            if r is g:
+                break
+        else:
+            release(g)  # NOTE: its memory may serve the gradients computed next
         del g
         for entry, shape, grad in zip(node.inputs, node.shapes, results):
             if entry is None or grad is None:
                 continue
             if grad.shape != shape:
                 grad = _unbroadcast(grad, shape)
-            if not isinstance(entry, Node):
+            if entry.__class__ is not Node:
                 held = leaves.get(id(entry))
                 if held is None:
                     grad = _owned(grad, handed)

@@ -27,7 +27,7 @@ from backends.base import ieee
 from runtime import aliasing, autograd, config, dtypes, fastpath, tape
 from runtime.block import Block
 from runtime.errors import AliasingError, AutogradError, device_names
-from runtime.tensor import Tensor, _brief, as_axes, as_dtype, as_flag, empty, host_array, tensor
+from runtime.tensor import Tensor, _brief, as_axes, as_dtype, as_flag, host_array, tensor
 
 __all__ = ["ALIASING_POLICY", "add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sigmoid",
            "relu", "sqrt", "matmul", "linear", "cross_entropy", "sum", "mean", "copy", "cast",
@@ -745,10 +745,13 @@ def _reduce(op: str, x: Tensor, axis: Any, keepdims: bool, out: Tensor | None) -
         scale = 1 / math.prod(x_shape[i] for i in reduced) if op == "mean" and x.size else None
 
         def fn(g: Tensor) -> tuple:
-            if scale is not None:
-                g = mul(g, scale)  # NOTE: on the small reduced tensor, before spreading it
-            result = empty(x_shape, g.dtype, allocator=g.block.allocator)
-            copy(g.reshape(kept), out=result)
+            result = Tensor._fresh(x_shape, g.dtype, g.block.allocator)
+            # NOTE: a 0-d gradient (a reduction over every axis) spreads as it is: no reshape
+            spread = g if g.ndim == 0 or g.shape == kept else g.reshape(kept)
+            if scale is None:
+                copy(spread, out=result)
+            else:  # NOTE: each element is g * scale, as when scaling first and then spreading
+                mul(spread, scale, out=result)
             return (result,)
 
         autograd.record(op, out, (x,), ("x",), fn)
