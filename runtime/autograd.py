@@ -292,11 +292,35 @@ def backward(root: Tensor, gradient: Tensor | None = None, retain_graph: bool = 
 def _start(root: Tensor, gradient: Tensor, retain_graph: bool) -> None:
     if root._node is None:
         _store_leaf(root, gradient)
-    else:
-        _run(root._node, gradient, retain_graph)
+        return
+    engine = _run if _engine is None else _engine
+    for leaf, grad in engine(root._node, gradient, retain_graph):
+        _store_leaf(leaf, grad)
 
 
-def _run(root: Node, gradient: Tensor, retain_graph: bool) -> None:
+#: The C engine (`runtime._dispatch.backward`, the same steps as `_run`), or None: set by
+#: `runtime.fastpath.load`; Note [the backward engine].
+_engine: Callable[[Node, Tensor, bool], list[tuple[Tensor, Tensor]]] | None = None
+
+
+def _run(root: Node, gradient: Tensor, retain_graph: bool) -> list[tuple[Tensor, Tensor]]:
+    """The backward pass from `root` with `gradient`: every node's backward function, in
+    reverse topological order. Returns each leaf with its gradient (owned: nothing else holds
+    its memory), for `_store_leaf`.
+
+    Note [the backward engine]: this function is the specification; the C engine
+    `runtime._dispatch.backward` takes the same steps in the same order (the same calls of
+    the backward functions, the same releases, copies and accumulations through `ops.copy`
+    and `ops.add`) and calls back into Python for what is rare (a freed node or a saved tensor
+    written since: `Node.unpack` raises; a gradient to sum back to its input's shape:
+    `_unbroadcast`). Neither keeps a gradient alive longer than the pass needs it: a partial
+    sum goes as soon as the next sum replaces it, and what a node's backward function returned
+    goes once it is delivered (so the two engines free, and peak, at the same points).
+    `backward()` runs the C one where the fast path is on
+    (Note [the eager fast path] in runtime/fastpath.py); tests/test_fastpath.py runs random
+    graphs through both and compares every gradient, error, block version and allocator
+    statistic.
+    """
     from runtime import ops
 
     release = sys.modules["runtime.tensor"]._release  # NOTE: the C one where it is on
@@ -325,13 +349,14 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> None:
                 continue
             if grad.shape != shape:
                 grad = _unbroadcast(grad, shape)
-            if entry.__class__ is not Node:
+            if not isinstance(entry, Node):
                 held = leaves.get(id(entry))
                 if held is None:
                     grad = _owned(grad, handed)
                 else:
                     del handed[id(held[1])]
                     grad = ops.add(held[1], grad)
+                    held = None  # NOTE: the sum replaces it: Note [the backward engine]
                 leaves[id(entry)] = (entry, grad)
                 handed[id(grad)] = grad
                 continue
@@ -341,10 +366,12 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> None:
             else:
                 del handed[id(previous)]
                 grad = ops.add(previous, grad)
+                previous = None
             grads[entry] = grad
             handed[id(grad)] = grad
-    for leaf, grad in leaves.values():
-        _store_leaf(leaf, grad)
+        # NOTE: nothing of this node outlives it: Note [the backward engine]
+        results = grad = r = None
+    return list(leaves.values())
 
 
 def _store_leaf(leaf: Tensor, grad: Tensor) -> None:
