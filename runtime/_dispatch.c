@@ -1043,23 +1043,25 @@ python:
  * its input (`autograd._unbroadcast`). */
 static PyTypeObject *node_type = NULL;
 static struct {
-    Py_ssize_t inputs, shapes, backward_fn, saved, freed;
+    Py_ssize_t op, inputs, shapes, labels, backward_fn, saved, freed;
 } NS;
-static PyObject *unbroadcast_fn = NULL, *add_fn = NULL, *copy_fn = NULL;
+static PyObject *unbroadcast_fn = NULL, *add_fn = NULL, *copy_fn = NULL, *record_py = NULL;
 static PyObject *s_unpack = NULL, *s_free_node = NULL, *s_shape = NULL, *s_block = NULL,
-    *s_refs = NULL;
+    *s_refs = NULL, *s_detach = NULL, *s_name = NULL, *s_version = NULL;
 static const char *node_slot_names[] = {
     "op", "inputs", "shapes", "labels", "backward_fn", "saved", "freed", NULL};
 
 static PyObject *
 configure_autograd(PyObject *self, PyObject *args)
 {
-    PyObject *node, *unbroadcast, *add, *copy;
-    if (!PyArg_ParseTuple(args, "O!OOO", &PyType_Type, &node, &unbroadcast, &add, &copy))
+    PyObject *node, *unbroadcast, *add, *copy, *python_record;
+    if (!PyArg_ParseTuple(args, "O!OOOO", &PyType_Type, &node, &unbroadcast, &add, &copy,
+                          &python_record))
         return NULL;
     if (check_slots(node, node_slot_names) < 0)
         return NULL;
-    if (slot_offset(node, "inputs", &NS.inputs) || slot_offset(node, "shapes", &NS.shapes)
+    if (slot_offset(node, "op", &NS.op) || slot_offset(node, "labels", &NS.labels)
+        || slot_offset(node, "inputs", &NS.inputs) || slot_offset(node, "shapes", &NS.shapes)
         || slot_offset(node, "backward_fn", &NS.backward_fn)
         || slot_offset(node, "saved", &NS.saved) || slot_offset(node, "freed", &NS.freed))
         return NULL;
@@ -1067,7 +1069,181 @@ configure_autograd(PyObject *self, PyObject *args)
     set_ref(&unbroadcast_fn, unbroadcast);
     set_ref(&add_fn, add);
     set_ref(&copy_fn, copy);
+    set_ref(&record_py, python_record);
     Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ the autograd record */
+/* `t.detach()` with `handle.name = t.name`, as `autograd.record` makes a saved handle: a new
+ * Tensor on t's block with t's layout and caches, one more reference on the block. NULL and
+ * no exception where Python must do it (a stale or released handle: Python raises; a block
+ * with a lock; anything unset); NULL and an exception on an error. */
+static PyObject *
+detached(PyObject *t)
+{
+    static const Py_ssize_t *copied[] = {&TS.block, &TS.shape, &TS.dtype, &TS.strides,
+                                         &TS.offset, &TS.layout, &TS.span, &TS.self_overlap,
+                                         &TS.native, &TS.name, NULL};
+    if (Py_TYPE(t) != tensor_type)
+        return NULL;
+    PyObject *block = SLOT(t, TS.block), *gen = SLOT(t, TS.gen);
+    if (block == NULL || gen == NULL || gen == released || Py_TYPE(block) != block_type
+        || SLOT(block, BS.lock) != Py_None)
+        return NULL;
+    PyObject *generation = SLOT(block, BS.generation), *refs = SLOT(block, BS.refs);
+    if (generation == NULL || refs == NULL || !PyLong_CheckExact(refs))
+        return NULL;
+    for (int i = 0; copied[i] != NULL; i++)
+        if (SLOT(t, *copied[i]) == NULL)
+            return NULL;
+    int same = PyObject_RichCompareBool(gen, generation, Py_EQ);
+    if (same <= 0)
+        return NULL;  /* NOTE: an error here (never, for ints) surfaces in Python's detach */
+    Py_ssize_t count = PyLong_AsSsize_t(refs);
+    if (count == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *more = PyLong_FromSsize_t(count + 1);
+    PyObject *handle = more == NULL ? NULL : tensor_type->tp_alloc(tensor_type, 0);
+    if (handle == NULL) {
+        Py_XDECREF(more);
+        return NULL;
+    }
+    for (int i = 0; copied[i] != NULL; i++)
+        set_ref(&SLOT(handle, *copied[i]), SLOT(t, *copied[i]));
+    set_ref(&SLOT(handle, TS.requires_grad), Py_False);
+    set_ref(&SLOT(handle, TS.node), Py_None);
+    set_ref(&SLOT(handle, TS.grad), Py_None);
+    set_ref(&SLOT(handle, TS.gen), generation);  /* Block.acquire: one more reference */
+    Py_XSETREF(SLOT(block, BS.refs), more);
+    return handle;
+}
+
+/* One (label, value, version) entry of `Node.saved`, as `autograd.record` makes it. */
+static PyObject *
+saved_entry(PyObject *label, PyObject *value)
+{
+    if (!PyObject_TypeCheck(value, tensor_type))
+        return Py_BuildValue("(OOi)", label, value, -1);
+    PyObject *handle = detached(value);
+    if (handle == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        handle = PyObject_CallMethodNoArgs(value, s_detach);
+        PyObject *name = handle == NULL ? NULL : PyObject_GetAttr(value, s_name);
+        if (name == NULL || PyObject_SetAttr(handle, s_name, name) < 0) {
+            Py_XDECREF(name);
+            Py_XDECREF(handle);
+            return NULL;
+        }
+        Py_DECREF(name);
+    }
+    PyObject *block = PyObject_GetAttr(value, s_block);
+    PyObject *version = block == NULL ? NULL : PyObject_GetAttr(block, s_version);
+    Py_XDECREF(block);
+    PyObject *entry = version == NULL ? NULL : PyTuple_Pack(3, label, handle, version);
+    Py_XDECREF(version);
+    Py_DECREF(handle);
+    return entry;
+}
+
+/* record(op, out, inputs, labels, backward_fn, save=()): `autograd.record` (its Python code is
+ * the specification, and runs what is not the common case: an out that is not an exact
+ * Tensor, inputs or save that are not lists or tuples). */
+static PyObject *
+record_node(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *inputs = NULL, *saves = NULL, *entries = NULL, *shapes = NULL, *labels = NULL,
+        *saved = NULL, *node = NULL;
+    if (nargs < 5 || nargs > 6 || node_type == NULL || Py_TYPE(args[1]) != tensor_type
+        || !(PyList_CheckExact(args[2]) || PyTuple_CheckExact(args[2]))
+        || (nargs == 6 && !(PyList_CheckExact(args[5]) || PyTuple_CheckExact(args[5]))))
+        goto python;
+    PyObject *out = args[1];
+    inputs = PySequence_Fast(args[2], "record: inputs");
+    saves = nargs == 6 ? PySequence_Fast(args[5], "record: save") : PyTuple_New(0);
+    if (inputs == NULL || saves == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(saves); i++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(saves, i);
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2)
+            goto python_clean;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(inputs);
+    entries = PyTuple_New(n);
+    shapes = PyTuple_New(n);
+    if (entries == NULL || shapes == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = PySequence_Fast_GET_ITEM(inputs, i), *entry = Py_None, *shape = Py_None;
+        if (PyObject_TypeCheck(x, tensor_type)) {
+            PyObject *flag = SLOT(x, TS.requires_grad), *made = SLOT(x, TS.node);
+            if (flag == NULL || made == NULL || SLOT(x, TS.shape) == NULL)
+                goto python_clean;
+            int wants = PyObject_IsTrue(flag);
+            if (wants < 0)
+                goto fail;
+            if (wants) {
+                entry = made == Py_None ? x : made;
+                shape = SLOT(x, TS.shape);
+            }
+        }
+        Py_INCREF(entry);
+        PyTuple_SET_ITEM(entries, i, entry);
+        Py_INCREF(shape);
+        PyTuple_SET_ITEM(shapes, i, shape);
+    }
+    saved = PyList_New(0);
+    labels = PySequence_Tuple(args[3]);
+    if (saved == NULL || labels == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(saves); i++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(saves, i);
+        PyObject *entry = saved_entry(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1));
+        if (entry == NULL || PyList_Append(saved, entry) < 0) {
+            Py_XDECREF(entry);
+            goto fail;
+        }
+        Py_DECREF(entry);
+    }
+    node = node_type->tp_alloc(node_type, 0);
+    if (node == NULL)
+        goto fail;
+    set_ref(&SLOT(node, NS.op), args[0]);
+    set_ref(&SLOT(node, NS.inputs), entries);
+    set_ref(&SLOT(node, NS.shapes), shapes);
+    set_ref(&SLOT(node, NS.labels), labels);
+    set_ref(&SLOT(node, NS.backward_fn), args[4]);
+    set_ref(&SLOT(node, NS.saved), saved);
+    set_ref(&SLOT(node, NS.freed), Py_False);
+    Py_XSETREF(SLOT(out, TS.node), node);
+    set_ref(&SLOT(out, TS.requires_grad), Py_True);
+    Py_DECREF(inputs);
+    Py_DECREF(saves);
+    Py_DECREF(entries);
+    Py_DECREF(shapes);
+    Py_DECREF(labels);
+    Py_DECREF(saved);
+    Py_INCREF(out);
+    return out;
+fail:
+    Py_XDECREF(inputs);
+    Py_XDECREF(saves);
+    Py_XDECREF(entries);
+    Py_XDECREF(shapes);
+    Py_XDECREF(labels);
+    Py_XDECREF(saved);
+    return NULL;
+python_clean:
+    Py_XDECREF(inputs);
+    Py_XDECREF(saves);
+    Py_XDECREF(entries);
+    Py_XDECREF(shapes);
+python:
+    if (record_py == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "record: configure_autograd was not called");
+        return NULL;
+    }
+    return PyObject_Vectorcall(record_py, args, nargs, NULL);
 }
 
 /* Every node `root` depends on, each after the nodes of its inputs (autograd._topological: an
@@ -1515,7 +1691,10 @@ static PyMethodDef methods[] = {
     {"release", release, METH_O,
      "release(tensor): Tensor.release, for Tensor.__del__"},
     {"configure_autograd", configure_autograd, METH_VARARGS,
-     "configure_autograd(Node, unbroadcast, add, copy): what the backward pass calls"},
+     "configure_autograd(Node, unbroadcast, add, copy, record): what the backward pass calls, "
+     "and the Python record"},
+    {"record", (PyCFunction)(void (*)(void))record_node, METH_FASTCALL,
+     "record(op, out, inputs, labels, backward_fn, save=()): autograd.record"},
     {"backward", (PyCFunction)(void (*)(void))backward, METH_FASTCALL,
      "backward(root, gradient, retain_graph): autograd._run, the (leaf, gradient) pairs"},
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
@@ -1554,9 +1733,13 @@ PyInit__dispatch(void)
     s_shape = PyUnicode_InternFromString("shape");
     s_block = PyUnicode_InternFromString("block");
     s_refs = PyUnicode_InternFromString("_refs");
+    s_detach = PyUnicode_InternFromString("detach");
+    s_name = PyUnicode_InternFromString("name");
+    s_version = PyUnicode_InternFromString("version");
     if (!one || !zero || !s_has_internal_overlap || !s_allocate || !s_free || !s_release
         || !s_itemsize || !s_raw || !s_offset || !s_array_view || !s_enabled || !s_tape || !s_fast_kernels || !s_native_on || !s_memory_for_write
-        || !copy_name || !s_unpack || !s_free_node || !s_shape || !s_block || !s_refs)
+        || !copy_name || !s_unpack || !s_free_node || !s_shape || !s_block || !s_refs
+        || !s_detach || !s_name || !s_version)
         return NULL;
     return PyModule_Create(&module);
 }

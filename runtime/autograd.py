@@ -202,6 +202,12 @@ def record(op: str, out: Tensor, inputs: Sequence[Any], labels: Sequence[str],
     return out
 
 
+#: The Python `record`, the specification: `runtime.fastpath.load` binds `record` to the C one,
+#: `runtime._dispatch.record` (the same Node, made without running Python), where the fast path
+#: is on; `fastpath.python_only` binds this one back.
+python_record = record
+
+
 # ---------------------------------------------------------------------- the backward pass
 def _topological(root: Node) -> list[Node]:
     """Every node `root` depends on, each after the nodes of its inputs (an iterative

@@ -60,7 +60,8 @@ def load(record: Callable[[str, Tensor, Any], None], add: Callable[..., Tensor],
     is the fast `ops._elementwise`; its `launch(op, never, out, shape, dtype, inputs, kernel,
     extra)` is the fast `_prepare_out` + `_launch` of an op whose operands Python checked; its
     `backward(root, gradient, retain_graph)` is the fast `autograd._run` (Note [the backward
-    engine] in runtime/autograd.py), which accumulates with `add` and copies with `copy`."""
+    engine] in runtime/autograd.py), which accumulates with `add` and copies with `copy`; its
+    `record` is the fast `autograd.record`, bound in its place."""
     if not ACCELERATED:
         return None
     dtypes = (np.dtype(np.float32), np.dtype(np.float64))
@@ -68,10 +69,12 @@ def load(record: Callable[[str, Tensor, Any], None], add: Callable[..., Tensor],
                         base._FP_IGNORE, dtypes, (np.float32, np.float64),
                         tuple(float(np.finfo(d).max) for d in dtypes), Tensor._fresh, record,
                         _ids, _UNSET, _RELEASED)
-    _dispatch.configure_autograd(autograd.Node, autograd._unbroadcast, add, copy)
+    _dispatch.configure_autograd(autograd.Node, autograd._unbroadcast, add, copy,
+                                 autograd.python_record)
     # NOTE: the module, not runtime.tensor (the package binds that name to the factory)
     sys.modules["runtime.tensor"]._release = _dispatch.release
     autograd._engine = _dispatch.backward
+    autograd.record = _dispatch.record
     return _dispatch
 
 
@@ -82,11 +85,13 @@ def python_only() -> Iterator[None]:
     from runtime import ops
 
     tensor = sys.modules["runtime.tensor"]
-    saved = ops._fast, ops._fast_launch, ops._fast_reduce, tensor._release, autograd._engine
+    saved = (ops._fast, ops._fast_launch, ops._fast_reduce, tensor._release, autograd._engine,
+             autograd.record)
     ops._fast, ops._fast_launch, ops._fast_reduce = None, ops._no_launch, ops._no_launch
     tensor._release, autograd._engine = Tensor.release, None
+    autograd.record = autograd.python_record
     try:
         yield
     finally:
-        (ops._fast, ops._fast_launch, ops._fast_reduce, tensor._release,
-         autograd._engine) = saved
+        (ops._fast, ops._fast_launch, ops._fast_reduce, tensor._release, autograd._engine,
+         autograd.record) = saved

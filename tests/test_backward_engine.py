@@ -1,11 +1,13 @@
-"""The C backward engine (`runtime._dispatch.backward`) against its specification, the Python
-engine `runtime.autograd._run` (Note [the backward engine] in runtime/autograd.py).
+"""The C autograd (`runtime._dispatch.backward` and `runtime._dispatch.record`) against its
+specification, the Python engine `runtime.autograd._run` and `autograd.python_record`
+(Note [the backward engine] in runtime/autograd.py).
 
 Random graphs of ops over leaves that share subexpressions, broadcast, view, get written in
-place after being saved, or released, run backward twice over worlds built alike: once with the
-C engine, once with `autograd._engine` set to None. Both must end the same way: the same
-gradient bytes in every leaf, the same errors with the same messages, the same block versions
-and the same allocator statistics, during the pass and after everything is dropped.
+place after being saved, or released, are recorded and run backward twice over worlds built
+alike: once in C, once with `autograd._engine` set to None and `autograd.record` to the Python
+one. Both must end the same way: the same gradient bytes in every leaf, the same errors with
+the same messages, the same block versions and the same allocator statistics, during the pass
+and after everything is dropped.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from runtime import autograd, fastpath, ops
 pytestmark = pytest.mark.skipif(not fastpath.ACCELERATED, reason=(
     "the C extension is not built (no C compiler at install) or BLOCKRT_PURE_PYTHON is set"))
 
-#: The C engine itself, whatever a test sets `autograd._engine` to.
+#: The C engine and record themselves, whatever a test sets in autograd.
 C_ENGINE = autograd._engine
+C_RECORD = autograd.record
 
 #: Each op with how many operands it takes from the pool.
 OPS = {"add": 2, "sub": 2, "mul": 2, "div": 2, "relu": 1, "tanh": 1, "exp": 1, "copy": 1,
@@ -94,14 +97,16 @@ def _bytes(t: runtime.Tensor | None) -> Any:
         return type(error).__name__
 
 
-def run(program: tuple, engine: Any) -> list[Any]:
-    """What the program did and what backward left, with `engine` as `autograd._engine`."""
+def run(program: tuple, fast: bool) -> list[Any]:
+    """What the program did and what backward left, with the C engine and record (`fast`) or
+    the Python ones."""
     steps, retain, again, seeded = program
     allocator = allocators.create("caching", "cpu")
     leaves, pool = build(allocator)
     log: list[Any] = []
-    saved = autograd._engine
-    autograd._engine = engine
+    saved = autograd._engine, autograd.record
+    autograd._engine = C_ENGINE if fast else None
+    autograd.record = C_RECORD if fast else autograd.python_record
     try:
         for op, picks in steps:
             args = [pool[i % len(pool)] for i in picks]
@@ -134,15 +139,15 @@ def run(program: tuple, engine: Any) -> list[Any]:
         stats = allocator.stats()
         log.append((stats["num_frees"], stats["allocated_bytes"]))
     finally:
-        autograd._engine = saved
+        autograd._engine, autograd.record = saved
     return log
 
 
 @given(programs)
 @settings(max_examples=200, deadline=None)
 def test_the_c_engine_does_what_the_python_engine_does(program):
-    c_log = run(program, C_ENGINE)
-    assert c_log == run(program, None)
+    c_log = run(program, True)
+    assert c_log == run(program, False)
     errors = [entry[1] for entry in c_log if isinstance(entry, tuple) and len(entry) == 3
               and isinstance(entry[1], str) and entry[1].endswith("Error")]
     event(f"errors: {sorted(set(errors))}")
@@ -186,3 +191,47 @@ def test_the_python_fallbacks_of_the_c_engine_raise_the_python_errors():
     loss.backward()
     with pytest.raises(runtime.AutogradError, match="a second time"):
         loss.backward()
+
+
+def _node_fields(t: runtime.Tensor) -> tuple:
+    """What a Node records, with saved handles as what they are (not which object)."""
+    node = t.grad_fn
+    saved = [(label, version, None if not isinstance(value, runtime.Tensor) else
+              (value.shape, value.strides, value.offset, value.name, value.requires_grad,
+               value.block is not None and value.block.refcount, value.is_leaf))
+             for label, value, version in node.saved]
+    inputs = [entry if entry is None or not isinstance(entry, autograd.Node) else entry.op
+              for entry in node.inputs]
+    return (node.op, inputs, node.shapes, node.labels, node.backward_fn, saved, node.freed,
+            t.requires_grad)
+
+
+def test_the_c_record_makes_the_node_the_python_record_makes():
+    """Every field of the Node, and the saved handles, alike; a saved tensor released before
+    it is saved raises the same error from both."""
+    allocator = allocators.create("caching", "cpu")
+    leaves, pool = build(allocator)
+    x, w, _, b, _, _ = leaves
+    x.name = "x"
+
+    def fn(g: Any, *saved: Any) -> tuple:
+        return (g,)
+
+    for save in ([], [("x", x), ("weight", None)], (("the output", w),), [("n", 2.0)]):
+        made = []
+        for record in (C_RECORD, autograd.python_record):
+            out = runtime.tensor(np.ones((3, 4), np.float32), allocator=allocator)
+            made.append(record("linear", out, [x, w, b, pool[6], 3.0], ("x", "w", "b", "c", "n"),
+                               fn, save))
+            assert made[-1] is out
+        assert _node_fields(made[0]) == _node_fields(made[1])
+    stale = runtime.tensor(np.ones(3, np.float32), allocator=allocator)
+    stale.release()
+    out = runtime.tensor(np.ones(3, np.float32), allocator=allocator)
+    errors = []
+    for record in (C_RECORD, autograd.python_record):
+        with pytest.raises(runtime.UseAfterFreeError) as caught:
+            record("mul", out, (x,), ("x",), fn, [("b", stale)])
+        errors.append(str(caught.value))
+        assert out.grad_fn is None  # NOTE: nothing recorded before the error
+    assert errors[0] == errors[1]
