@@ -48,6 +48,8 @@ ALIASING_POLICY: dict[str, str] = {
 
 #: The dtypes the arithmetic ops compute in (runtime/dtypes.py COMPUTE).
 FLOAT_DTYPES = dtypes.COMPUTE
+#: dtypes.FLOATS as a set: `in` hashes, where a tuple compares with each dtype before a match
+_FLOAT_SET = frozenset(dtypes.FLOATS)
 #: The largest finite value of each float dtype, as a Python float.
 _LARGEST = {dtype: float(np.finfo(dtype).max) for dtype in FLOAT_DTYPES}
 _FLOAT32 = np.dtype("float32")
@@ -63,20 +65,21 @@ def _common(op: str, tensors: Sequence[Tensor], floats_only: bool = True) -> tup
     for t in tensors:
         if not isinstance(t, Tensor):
             raise TypeError(f"{op}: expected a Tensor, got {type(t).__name__} {_brief(t)}")
+    device, dtype = first.block.device, first.dtype
     for t in tensors[1:]:
-        if t.device is not first.device:
-            a, b = device_names(first.device, t.device)
+        if t.block.device is not device:
+            a, b = device_names(device, t.device)
             raise ValueError(f"{op}: operands are on different devices: {a} and {b}; "
                              f"copy one over first")
-        if t.dtype != first.dtype:
-            raise TypeError(f"{op}: operands have different dtypes: {first.dtype} and {t.dtype}; "
+        if t.dtype is not dtype and t.dtype != dtype:  # NOTE: `is` first: == costs more
+            raise TypeError(f"{op}: operands have different dtypes: {dtype} and {t.dtype}; "
                             f"convert one first (runtime.ops.cast)")
-    if floats_only and first.dtype not in dtypes.FLOATS:
+    if floats_only and dtype not in _FLOAT_SET:
         raise TypeError(f"{op}: computes on float dtypes only (float32, float64, and float16 "
-                        f"and bfloat16 in float32), got {first.dtype}; {first.dtype} tensors "
+                        f"and bfloat16 in float32), got {dtype}; {dtype} tensors "
                         f"are stored, copied, viewed and cast: cast first "
                         f"(runtime.ops.cast(x, 'float32'))")
-    return first.device, first.dtype
+    return device, dtype
 
 
 def _broadcast_shapes(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
@@ -646,13 +649,27 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         # NOTE: x's shape, not x; x and w come saved, as arguments: Note [closures hold no tensors]
         # in runtime/autograd.py
         x_shape = x.shape
+        # NOTE: the products of a 2-D x go straight to the launch when g is what it must be (a
+        # gradient of out's shape, dtype and device, gradients off, as in backward()): the
+        # checks of matmul and _matmul_at hold already; anything else takes their full road
+        direct = len(x_shape) == 2 and device._fast_kernels is not None
+        weight_shape = weight.shape
 
         def fn(g: Tensor, x: Tensor | None, w: Tensor | None) -> tuple:
-            g2 = g if g.ndim == 2 else g.reshape(-1, features)
-            gx = matmul(g, w) if nx else None
-            gw = None
-            if nw:
-                gw = _matmul_at(g2, x if x.ndim == 2 else x.reshape(-1, x_shape[-1]))
+            gx = gw = None
+            if (direct and g.shape == shape and g.dtype is dtype and g.block.device is device
+                    and not autograd._mode.enabled):
+                if nx:
+                    gx = _fast_launch("matmul", True, None, x_shape, dtype, (g, w),
+                                      device.matmul, ())
+                if nw:
+                    gw = _fast_launch("matmul", True, None, weight_shape, dtype, (g, x),
+                                      _matmul_at_kernel, (device,))
+            g2 = g if len(g.shape) == 2 else g.reshape(-1, features)
+            if nx and gx is None:
+                gx = matmul(g, w)
+            if nw and gw is None:
+                gw = _matmul_at(g2, x if len(x.shape) == 2 else x.reshape(-1, x_shape[-1]))
             gb = sum(g2, axis=0) if nb else None
             return gx, gw, gb
 
