@@ -719,6 +719,11 @@ def cross_entropy(logits: Tensor, labels: Any, out: Tensor | None = None) -> Ten
         # NOTE: probs and labels come saved, as arguments:
         # Note [closures hold no tensors] in runtime/autograd.py
         def fn(g: Tensor, probs: Tensor, labels: Tensor) -> tuple:
+            # NOTE: every operand is known good (saved by this op, g of its output's shape)
+            done = _fast_launch("cross_entropy_backward", True, None, probs.shape, probs.dtype,
+                                (probs, labels, g), _cross_entropy_backward_kernel, (device,))
+            if done is not None:
+                return (done,)
             result = Tensor._fresh(probs.shape, probs.dtype, probs.block.allocator)
             _launch("cross_entropy_backward", result,
                     [("probs", probs, probs.shape), ("labels", labels, labels.shape),
@@ -803,6 +808,11 @@ def _linear_views(device: Any, x: Any, weight_t: Any, bias: Any, out: Any) -> No
     device.matmul(x, weight_t, out)
     if bias is not None:
         device.binary("add", out, bias, out)
+
+
+def _cross_entropy_backward_kernel(probs: Any, labels: Any, grad: Any, out: Any,
+                                   device: Any) -> None:
+    device.cross_entropy_backward(probs, labels, grad, out)
 
 
 def _reduce_kernel(x: Any, out: Any, device: Any, op: str, axes: Any, keepdims: bool) -> None:

@@ -4,14 +4,15 @@ specification, the Python engine `runtime.autograd._run` and `autograd.python_re
 
 Random graphs of ops over leaves that share subexpressions, broadcast, view, get written in
 place after being saved, or released, are recorded and run backward twice over worlds built
-alike: once in C, once with `autograd._engine` set to None and `autograd.record` to the Python
-one. Both must end the same way: the same gradient bytes in every leaf, the same errors with
-the same messages, the same block versions and the same allocator statistics, during the pass
-and after everything is dropped.
+alike: once in C, once on the Python path alone (`fastpath.python_only()`: the Python engine,
+record and ops). Both must end the same way: the same gradient bytes in every leaf, the same
+errors with the same messages, the same block versions and the same allocator statistics,
+during the pass and after everything is dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import re
 from typing import Any
@@ -35,7 +36,7 @@ C_RECORD = autograd.record
 #: Each op with how many operands it takes from the pool.
 OPS = {"add": 2, "sub": 2, "mul": 2, "div": 2, "relu": 1, "tanh": 1, "exp": 1, "copy": 1,
        "matmul": 2, "linear": 3, "sum0": 1, "sum": 1, "mean": 1, "transpose": 1, "row": 1,
-       "write": 1, "release": 1}
+       "cross_entropy": 1, "write": 1, "release": 1}
 
 step = st.tuples(st.sampled_from(sorted(OPS)), st.lists(st.integers(0, 63), min_size=3,
                                                          max_size=3))
@@ -74,6 +75,8 @@ def apply(op: str, args: list[runtime.Tensor]) -> runtime.Tensor | None:
         return ops.matmul(a, b)
     if op == "linear":
         return ops.linear(a, b, c)
+    if op == "cross_entropy":
+        return ops.cross_entropy(a, np.array([0, 3, 1]))
     if op == "sum0":
         return ops.sum(a, axis=0)
     if op in ("sum", "mean"):
@@ -107,7 +110,9 @@ def run(program: tuple, fast: bool) -> list[Any]:
     saved = autograd._engine, autograd.record
     autograd._engine = C_ENGINE if fast else None
     autograd.record = C_RECORD if fast else autograd.python_record
+    path = contextlib.nullcontext() if fast else fastpath.python_only()
     try:
+        path.__enter__()
         for op, picks in steps:
             args = [pool[i % len(pool)] for i in picks]
             try:
@@ -139,6 +144,7 @@ def run(program: tuple, fast: bool) -> list[Any]:
         stats = allocator.stats()
         log.append((stats["num_frees"], stats["allocated_bytes"]))
     finally:
+        path.__exit__(None, None, None)
         autograd._engine, autograd.record = saved
     return log
 
