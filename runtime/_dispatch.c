@@ -1032,6 +1032,653 @@ python:
     return PyObject_CallMethodNoArgs(t, s_release);
 }
 
+/* ------------------------------------------------------------------ the backward pass */
+/* backward(root, gradient, retain_graph): `autograd._run` (Note [the backward engine] in
+ * runtime/autograd.py), the same steps in the same order: the nodes in the same topological
+ * order, each node's backward function called on the same arguments, the same releases, the
+ * same copies and accumulations (through `ops.copy` and `ops.add`, given to
+ * configure_autograd). Returns the list of (leaf, gradient) pairs that `_run` returns. What is
+ * rare goes to Python: a freed node, a saved tensor whose version moved on, or saved entries of
+ * another form (`Node.unpack` raises the error or unpacks), a gradient of another shape than
+ * its input (`autograd._unbroadcast`). */
+static PyTypeObject *node_type = NULL;
+static struct {
+    Py_ssize_t op, inputs, shapes, labels, backward_fn, saved, freed;
+} NS;
+static PyObject *unbroadcast_fn = NULL, *add_fn = NULL, *copy_fn = NULL, *record_py = NULL;
+static PyObject *s_unpack = NULL, *s_free_node = NULL, *s_shape = NULL, *s_block = NULL,
+    *s_refs = NULL, *s_detach = NULL, *s_name = NULL, *s_version = NULL;
+static const char *node_slot_names[] = {
+    "op", "inputs", "shapes", "labels", "backward_fn", "saved", "freed", NULL};
+
+static PyObject *
+configure_autograd(PyObject *self, PyObject *args)
+{
+    PyObject *node, *unbroadcast, *add, *copy, *python_record;
+    if (!PyArg_ParseTuple(args, "O!OOOO", &PyType_Type, &node, &unbroadcast, &add, &copy,
+                          &python_record))
+        return NULL;
+    if (check_slots(node, node_slot_names) < 0)
+        return NULL;
+    if (slot_offset(node, "op", &NS.op) || slot_offset(node, "labels", &NS.labels)
+        || slot_offset(node, "inputs", &NS.inputs) || slot_offset(node, "shapes", &NS.shapes)
+        || slot_offset(node, "backward_fn", &NS.backward_fn)
+        || slot_offset(node, "saved", &NS.saved) || slot_offset(node, "freed", &NS.freed))
+        return NULL;
+    set_ref((PyObject **)&node_type, node);
+    set_ref(&unbroadcast_fn, unbroadcast);
+    set_ref(&add_fn, add);
+    set_ref(&copy_fn, copy);
+    set_ref(&record_py, python_record);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ the autograd record */
+/* `t.detach()` with `handle.name = t.name`, as `autograd.record` makes a saved handle: a new
+ * Tensor on t's block with t's layout and caches, one more reference on the block. NULL and
+ * no exception where Python must do it (a stale or released handle: Python raises; a block
+ * with a lock; anything unset); NULL and an exception on an error. */
+static PyObject *
+detached(PyObject *t)
+{
+    static const Py_ssize_t *copied[] = {&TS.block, &TS.shape, &TS.dtype, &TS.strides,
+                                         &TS.offset, &TS.layout, &TS.span, &TS.self_overlap,
+                                         &TS.native, &TS.name, NULL};
+    if (Py_TYPE(t) != tensor_type)
+        return NULL;
+    PyObject *block = SLOT(t, TS.block), *gen = SLOT(t, TS.gen);
+    if (block == NULL || gen == NULL || gen == released || Py_TYPE(block) != block_type
+        || SLOT(block, BS.lock) != Py_None)
+        return NULL;
+    PyObject *generation = SLOT(block, BS.generation), *refs = SLOT(block, BS.refs);
+    if (generation == NULL || refs == NULL || !PyLong_CheckExact(refs))
+        return NULL;
+    for (int i = 0; copied[i] != NULL; i++)
+        if (SLOT(t, *copied[i]) == NULL)
+            return NULL;
+    int same = PyObject_RichCompareBool(gen, generation, Py_EQ);
+    if (same <= 0)
+        return NULL;  /* NOTE: an error here (never, for ints) surfaces in Python's detach */
+    Py_ssize_t count = PyLong_AsSsize_t(refs);
+    if (count == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *more = PyLong_FromSsize_t(count + 1);
+    PyObject *handle = more == NULL ? NULL : tensor_type->tp_alloc(tensor_type, 0);
+    if (handle == NULL) {
+        Py_XDECREF(more);
+        return NULL;
+    }
+    for (int i = 0; copied[i] != NULL; i++)
+        set_ref(&SLOT(handle, *copied[i]), SLOT(t, *copied[i]));
+    set_ref(&SLOT(handle, TS.requires_grad), Py_False);
+    set_ref(&SLOT(handle, TS.node), Py_None);
+    set_ref(&SLOT(handle, TS.grad), Py_None);
+    set_ref(&SLOT(handle, TS.gen), generation);  /* Block.acquire: one more reference */
+    Py_XSETREF(SLOT(block, BS.refs), more);
+    return handle;
+}
+
+/* One (label, value, version) entry of `Node.saved`, as `autograd.record` makes it. */
+static PyObject *
+saved_entry(PyObject *label, PyObject *value)
+{
+    if (!PyObject_TypeCheck(value, tensor_type))
+        return Py_BuildValue("(OOi)", label, value, -1);
+    PyObject *handle = detached(value);
+    if (handle == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        handle = PyObject_CallMethodNoArgs(value, s_detach);
+        PyObject *name = handle == NULL ? NULL : PyObject_GetAttr(value, s_name);
+        if (name == NULL || PyObject_SetAttr(handle, s_name, name) < 0) {
+            Py_XDECREF(name);
+            Py_XDECREF(handle);
+            return NULL;
+        }
+        Py_DECREF(name);
+    }
+    PyObject *block = PyObject_GetAttr(value, s_block);
+    PyObject *version = block == NULL ? NULL : PyObject_GetAttr(block, s_version);
+    Py_XDECREF(block);
+    PyObject *entry = version == NULL ? NULL : PyTuple_Pack(3, label, handle, version);
+    Py_XDECREF(version);
+    Py_DECREF(handle);
+    return entry;
+}
+
+/* record(op, out, inputs, labels, backward_fn, save=()): `autograd.record` (its Python code is
+ * the specification, and runs what is not the common case: an out that is not an exact
+ * Tensor, inputs or save that are not lists or tuples). */
+static PyObject *
+record_node(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *inputs = NULL, *saves = NULL, *entries = NULL, *shapes = NULL, *labels = NULL,
+        *saved = NULL, *node = NULL;
+    if (nargs < 5 || nargs > 6 || node_type == NULL || Py_TYPE(args[1]) != tensor_type
+        || !(PyList_CheckExact(args[2]) || PyTuple_CheckExact(args[2]))
+        || (nargs == 6 && !(PyList_CheckExact(args[5]) || PyTuple_CheckExact(args[5]))))
+        goto python;
+    PyObject *out = args[1];
+    inputs = PySequence_Fast(args[2], "record: inputs");
+    saves = nargs == 6 ? PySequence_Fast(args[5], "record: save") : PyTuple_New(0);
+    if (inputs == NULL || saves == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(saves); i++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(saves, i);
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2)
+            goto python_clean;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(inputs);
+    entries = PyTuple_New(n);
+    shapes = PyTuple_New(n);
+    if (entries == NULL || shapes == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = PySequence_Fast_GET_ITEM(inputs, i), *entry = Py_None, *shape = Py_None;
+        if (PyObject_TypeCheck(x, tensor_type)) {
+            PyObject *flag = SLOT(x, TS.requires_grad), *made = SLOT(x, TS.node);
+            if (flag == NULL || made == NULL || SLOT(x, TS.shape) == NULL)
+                goto python_clean;
+            int wants = PyObject_IsTrue(flag);
+            if (wants < 0)
+                goto fail;
+            if (wants) {
+                entry = made == Py_None ? x : made;
+                shape = SLOT(x, TS.shape);
+            }
+        }
+        Py_INCREF(entry);
+        PyTuple_SET_ITEM(entries, i, entry);
+        Py_INCREF(shape);
+        PyTuple_SET_ITEM(shapes, i, shape);
+    }
+    saved = PyList_New(0);
+    labels = PySequence_Tuple(args[3]);
+    if (saved == NULL || labels == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(saves); i++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(saves, i);
+        PyObject *entry = saved_entry(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1));
+        if (entry == NULL || PyList_Append(saved, entry) < 0) {
+            Py_XDECREF(entry);
+            goto fail;
+        }
+        Py_DECREF(entry);
+    }
+    node = node_type->tp_alloc(node_type, 0);
+    if (node == NULL)
+        goto fail;
+    set_ref(&SLOT(node, NS.op), args[0]);
+    set_ref(&SLOT(node, NS.inputs), entries);
+    set_ref(&SLOT(node, NS.shapes), shapes);
+    set_ref(&SLOT(node, NS.labels), labels);
+    set_ref(&SLOT(node, NS.backward_fn), args[4]);
+    set_ref(&SLOT(node, NS.saved), saved);
+    set_ref(&SLOT(node, NS.freed), Py_False);
+    Py_XSETREF(SLOT(out, TS.node), node);
+    set_ref(&SLOT(out, TS.requires_grad), Py_True);
+    Py_DECREF(inputs);
+    Py_DECREF(saves);
+    Py_DECREF(entries);
+    Py_DECREF(shapes);
+    Py_DECREF(labels);
+    Py_DECREF(saved);
+    Py_INCREF(out);
+    return out;
+fail:
+    Py_XDECREF(inputs);
+    Py_XDECREF(saves);
+    Py_XDECREF(entries);
+    Py_XDECREF(shapes);
+    Py_XDECREF(labels);
+    Py_XDECREF(saved);
+    return NULL;
+python_clean:
+    Py_XDECREF(inputs);
+    Py_XDECREF(saves);
+    Py_XDECREF(entries);
+    Py_XDECREF(shapes);
+python:
+    if (record_py == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "record: configure_autograd was not called");
+        return NULL;
+    }
+    return PyObject_Vectorcall(record_py, args, nargs, NULL);
+}
+
+/* Every node `root` depends on, each after the nodes of its inputs (autograd._topological: an
+ * iterative depth-first search over `inputs`, children in order). A new list, or NULL. */
+static PyObject *
+topological(PyObject *root)
+{
+    PyObject *order = PyList_New(0), *seen = PySet_New(NULL);
+    Py_ssize_t size = 64, depth = 0;
+    PyObject **nodes = PyMem_Malloc(size * sizeof(PyObject *));
+    Py_ssize_t *next = PyMem_Malloc(size * sizeof(Py_ssize_t));
+    if (order == NULL || seen == NULL || nodes == NULL || next == NULL
+        || PySet_Add(seen, root) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto fail;
+    }
+    nodes[0] = root;  /* NOTE: borrowed: each node is held by its parent's inputs, or the caller */
+    next[0] = 0;
+    depth = 1;
+    while (depth > 0) {
+        PyObject *node = nodes[depth - 1];
+        PyObject *inputs = SLOT(node, NS.inputs);
+        if (inputs == NULL || !PyTuple_Check(inputs)) {
+            PyErr_SetString(PyExc_TypeError, "backward: a Node's inputs are not a tuple");
+            goto fail;
+        }
+        PyObject *child = NULL;
+        while (next[depth - 1] < PyTuple_GET_SIZE(inputs)) {
+            PyObject *candidate = PyTuple_GET_ITEM(inputs, next[depth - 1]);
+            next[depth - 1]++;
+            if (PyObject_TypeCheck(candidate, node_type)) {
+                int known = PySet_Contains(seen, candidate);
+                if (known < 0)
+                    goto fail;
+                if (!known) {
+                    child = candidate;
+                    break;
+                }
+            }
+        }
+        if (child == NULL) {
+            if (PyList_Append(order, node) < 0)
+                goto fail;
+            depth--;
+            continue;
+        }
+        if (PySet_Add(seen, child) < 0)
+            goto fail;
+        if (depth == size) {
+            size *= 2;
+            PyObject **more_nodes = PyMem_Realloc(nodes, size * sizeof(PyObject *));
+            if (more_nodes == NULL) {
+                PyErr_NoMemory();
+                goto fail;
+            }
+            nodes = more_nodes;
+            Py_ssize_t *more_next = PyMem_Realloc(next, size * sizeof(Py_ssize_t));
+            if (more_next == NULL) {
+                PyErr_NoMemory();
+                goto fail;
+            }
+            next = more_next;
+        }
+        nodes[depth] = child;
+        next[depth] = 0;
+        depth++;
+    }
+    PyMem_Free(nodes);
+    PyMem_Free(next);
+    Py_DECREF(seen);
+    return order;
+fail:
+    PyMem_Free(nodes);
+    PyMem_Free(next);
+    Py_XDECREF(seen);
+    Py_XDECREF(order);
+    return NULL;
+}
+
+/* The arguments of node's backward function, (g, *saved values), after the version checks of
+ * `Node.unpack`; anything but the common case calls `node.unpack()` itself. */
+static PyObject *
+unpacked(PyObject *node, PyObject *g)
+{
+    PyObject *saved = SLOT(node, NS.saved);
+    if (SLOT(node, NS.freed) != Py_False || saved == NULL || !PyList_CheckExact(saved))
+        goto python;
+    Py_ssize_t n = PyList_GET_SIZE(saved);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *entry = PyList_GET_ITEM(saved, i);
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3)
+            goto python;
+        PyObject *value = PyTuple_GET_ITEM(entry, 1), *version = PyTuple_GET_ITEM(entry, 2);
+        if (!PyLong_CheckExact(version))
+            goto python;
+        long saved_version = PyLong_AsLong(version);
+        if (saved_version == -1 && PyErr_Occurred())
+            return NULL;
+        if (saved_version < 0)
+            continue;
+        if (Py_TYPE(value) != tensor_type)
+            goto python;
+        PyObject *block = SLOT(value, TS.block);
+        if (block == NULL || Py_TYPE(block) != block_type || SLOT(block, BS.version) == NULL)
+            goto python;
+        int same = PyObject_RichCompareBool(SLOT(block, BS.version), version, Py_EQ);
+        if (same < 0)
+            return NULL;
+        if (!same)
+            goto python;  /* written since it was saved: Node.unpack raises, naming it */
+    }
+    PyObject *args = PyTuple_New(n + 1);
+    if (args == NULL)
+        return NULL;
+    Py_INCREF(g);
+    PyTuple_SET_ITEM(args, 0, g);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *value = PyTuple_GET_ITEM(PyList_GET_ITEM(saved, i), 1);
+        Py_INCREF(value);
+        PyTuple_SET_ITEM(args, i + 1, value);
+    }
+    return args;
+python:;
+    PyObject *values = PyObject_CallMethodNoArgs(node, s_unpack);
+    if (values == NULL)
+        return NULL;
+    PyObject *rest = PySequence_Tuple(values);
+    Py_DECREF(values);
+    if (rest == NULL)
+        return NULL;
+    PyObject *head = PyTuple_Pack(1, g);
+    PyObject *joined = head == NULL ? NULL : PySequence_Concat(head, rest);
+    Py_XDECREF(head);
+    Py_DECREF(rest);
+    return joined;
+}
+
+/* `Node.free`: release every saved tensor, forget them; anything but the common case calls
+ * `node.free()` itself. 0, or -1 with an exception. */
+static int
+free_node(PyObject *node)
+{
+    PyObject *saved = SLOT(node, NS.saved);
+    if (saved == NULL || !PyList_CheckExact(saved))
+        goto python;
+    Py_ssize_t n = PyList_GET_SIZE(saved);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *entry = PyList_GET_ITEM(saved, i);
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3
+            || !PyLong_CheckExact(PyTuple_GET_ITEM(entry, 2)))
+            goto python;
+    }
+    Py_INCREF(saved);  /* NOTE: a release may run Python (a hook) that touches the node */
+    for (Py_ssize_t i = 0; i < n && i < PyList_GET_SIZE(saved); i++) {
+        PyObject *entry = PyList_GET_ITEM(saved, i);
+        PyObject *value = PyTuple_GET_ITEM(entry, 1);
+        long version = PyLong_AsLong(PyTuple_GET_ITEM(entry, 2));
+        if (version == -1 && PyErr_Occurred()) {
+            Py_DECREF(saved);
+            return -1;
+        }
+        if (version < 0)
+            continue;
+        Py_INCREF(entry);
+        PyObject *done = release(NULL, value);
+        Py_DECREF(entry);
+        if (done == NULL) {
+            Py_DECREF(saved);
+            return -1;
+        }
+        Py_DECREF(done);
+    }
+    Py_DECREF(saved);
+    PyObject *empty = PyList_New(0);
+    if (empty == NULL)
+        return -1;
+    Py_XSETREF(SLOT(node, NS.saved), empty);
+    set_ref(&SLOT(node, NS.freed), Py_True);
+    return 0;
+python:;
+    PyObject *done = PyObject_CallMethodNoArgs(node, s_free_node);
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 0;
+}
+
+/* A new reference to id(x) as a dict key. */
+static PyObject *
+key_of(PyObject *x)
+{
+    return PyLong_FromVoidPtr(x);
+}
+
+/* `autograd._owned`: grad itself (a new reference) unless it is handed on already or another
+ * handle holds its block; then `ops.copy(grad)`. Steals the reference to grad. */
+static PyObject *
+owned(PyObject *grad, PyObject *handed)
+{
+    PyObject *key = key_of(grad);
+    if (key == NULL)
+        goto fail;
+    int known = PyDict_Contains(handed, key);
+    Py_DECREF(key);
+    if (known < 0)
+        goto fail;
+    int shared = known;
+    if (!shared) {
+        PyObject *block = PyObject_GetAttr(grad, s_block);
+        PyObject *refs = block == NULL ? NULL : PyObject_GetAttr(block, s_refs);
+        Py_XDECREF(block);
+        if (refs == NULL)
+            goto fail;
+        shared = PyObject_RichCompareBool(refs, one, Py_GT);
+        Py_DECREF(refs);
+        if (shared < 0)
+            goto fail;
+    }
+    if (!shared)
+        return grad;
+    PyObject *copied = PyObject_CallOneArg(copy_fn, grad);
+    Py_DECREF(grad);
+    return copied;
+fail:
+    Py_DECREF(grad);
+    return NULL;
+}
+
+/* handed[id(x)] = x (set) or del handed[id(x)] (x == NULL: remove `of`). 0 or -1. */
+static int
+hand(PyObject *handed, PyObject *of, int add)
+{
+    PyObject *key = key_of(of);
+    if (key == NULL)
+        return -1;
+    int result = add ? PyDict_SetItem(handed, key, of) : PyDict_DelItem(handed, key);
+    Py_DECREF(key);
+    return result;
+}
+
+/* One gradient `grad` (a new reference, stolen) reaching `entry` (a Node or a leaf): stored
+ * where `_run` stores it, accumulated where one is there already. 0 or -1. */
+static int
+deliver(PyObject *entry, PyObject *grad, PyObject *grads, PyObject *handed, PyObject *leaves)
+{
+    PyObject *key = NULL, *held, *previous;
+    int leaf = !PyObject_TypeCheck(entry, node_type);
+    if (leaf) {
+        key = key_of(entry);
+        if (key == NULL)
+            goto fail;
+        held = PyDict_GetItemWithError(leaves, key);  /* borrowed: (leaf, gradient) */
+        if (held == NULL && PyErr_Occurred())
+            goto fail;
+        previous = held == NULL ? NULL : PyTuple_GET_ITEM(held, 1);
+    } else {
+        previous = PyDict_GetItemWithError(grads, entry);
+        if (previous == NULL && PyErr_Occurred())
+            goto fail;
+    }
+    if (previous == NULL) {
+        grad = owned(grad, handed);
+        if (grad == NULL)
+            goto fail_key;
+    } else {
+        Py_INCREF(previous);
+        if (hand(handed, previous, 0) < 0) {
+            Py_DECREF(previous);
+            goto fail;
+        }
+        PyObject *sum = PyObject_CallFunctionObjArgs(add_fn, previous, grad, NULL);
+        Py_DECREF(previous);
+        Py_DECREF(grad);
+        grad = sum;
+        if (grad == NULL)
+            goto fail_key;
+    }
+    int stored;
+    if (leaf) {
+        PyObject *pair = PyTuple_Pack(2, entry, grad);
+        stored = pair == NULL ? -1 : PyDict_SetItem(leaves, key, pair);
+        Py_XDECREF(pair);
+    } else {
+        stored = PyDict_SetItem(grads, entry, grad);
+    }
+    if (stored < 0 || hand(handed, grad, 1) < 0)
+        goto fail;
+    Py_DECREF(grad);
+    Py_XDECREF(key);
+    return 0;
+fail:
+    Py_DECREF(grad);
+fail_key:
+    Py_XDECREF(key);
+    return -1;
+}
+
+/* One node of the pass: its backward function on its gradient `g` (a new reference, stolen),
+ * then each input's gradient delivered. 0 or -1. */
+static int
+run_node(PyObject *node, PyObject *g, int retain, PyObject *grads, PyObject *handed,
+         PyObject *leaves)
+{
+    PyObject *args = NULL, *results = NULL, *fast = NULL;
+    if (hand(handed, g, 0) < 0)
+        goto fail;
+    args = unpacked(node, g);
+    if (args == NULL)
+        goto fail;
+    PyObject *fn = SLOT(node, NS.backward_fn);
+    if (fn == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "backward: a Node without backward_fn");
+        goto fail;
+    }
+    Py_INCREF(fn);
+    results = PyObject_Call(fn, args, NULL);
+    Py_DECREF(fn);
+    Py_CLEAR(args);
+    if (results == NULL)
+        goto fail;
+    if (!retain && free_node(node) < 0)
+        goto fail;
+    fast = PySequence_Fast(results, "backward: a backward function returns a sequence");
+    if (fast == NULL)
+        goto fail;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
+    int kept = 0;
+    for (Py_ssize_t i = 0; i < count && !kept; i++)
+        kept = PySequence_Fast_GET_ITEM(fast, i) == g;
+    if (!kept) {  /* NOTE: its memory may serve the gradients computed next */
+        PyObject *done = release(NULL, g);
+        if (done == NULL)
+            goto fail;
+        Py_DECREF(done);
+    }
+    Py_CLEAR(g);
+    PyObject *inputs = SLOT(node, NS.inputs), *shapes = SLOT(node, NS.shapes);
+    if (inputs == NULL || shapes == NULL || !PyTuple_Check(inputs) || !PyTuple_Check(shapes)) {
+        PyErr_SetString(PyExc_TypeError, "backward: a Node's inputs and shapes are tuples");
+        goto fail;
+    }
+    Py_INCREF(inputs);
+    Py_INCREF(shapes);
+    Py_ssize_t n = PyTuple_GET_SIZE(inputs);
+    if (PyTuple_GET_SIZE(shapes) < n)
+        n = PyTuple_GET_SIZE(shapes);
+    if (count < n)
+        n = count;
+    int status = 0;
+    for (Py_ssize_t i = 0; i < n && status == 0; i++) {
+        PyObject *entry = PyTuple_GET_ITEM(inputs, i), *shape = PyTuple_GET_ITEM(shapes, i);
+        PyObject *grad = PySequence_Fast_GET_ITEM(fast, i);
+        if (entry == Py_None || grad == Py_None)
+            continue;
+        Py_INCREF(grad);
+        PyObject *its = PyObject_GetAttr(grad, s_shape);
+        int same = its == NULL ? -1 : PyObject_RichCompareBool(its, shape, Py_EQ);
+        Py_XDECREF(its);
+        if (same == 0) {
+            PyObject *summed = PyObject_CallFunctionObjArgs(unbroadcast_fn, grad, shape, NULL);
+            Py_DECREF(grad);
+            grad = summed;
+            same = summed == NULL ? -1 : 1;
+        }
+        if (same < 0) {
+            Py_XDECREF(grad);
+            status = -1;
+            break;
+        }
+        status = deliver(entry, grad, grads, handed, leaves);
+    }
+    Py_DECREF(inputs);
+    Py_DECREF(shapes);
+    Py_DECREF(fast);
+    Py_DECREF(results);
+    return status;
+fail:
+    Py_XDECREF(g);
+    Py_XDECREF(args);
+    Py_XDECREF(fast);
+    Py_XDECREF(results);
+    return -1;
+}
+
+static PyObject *
+backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "backward(root, gradient, retain_graph)");
+        return NULL;
+    }
+    if (node_type == NULL || tensor_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "backward: configure_autograd was not called");
+        return NULL;
+    }
+    PyObject *root = args[0], *gradient = args[1];
+    int retain = PyObject_IsTrue(args[2]);
+    if (retain < 0)
+        return NULL;
+    if (!PyObject_TypeCheck(root, node_type)) {
+        PyErr_SetString(PyExc_TypeError, "backward: root is not a Node");
+        return NULL;
+    }
+    PyObject *grads = PyDict_New(), *handed = PyDict_New(), *leaves = PyDict_New();
+    PyObject *order = NULL, *result = NULL;
+    if (grads == NULL || handed == NULL || leaves == NULL
+        || PyDict_SetItem(grads, root, gradient) < 0 || hand(handed, gradient, 1) < 0)
+        goto out;
+    order = topological(root);
+    if (order == NULL)
+        goto out;
+    for (Py_ssize_t i = PyList_GET_SIZE(order) - 1; i >= 0; i--) {
+        PyObject *node = PyList_GET_ITEM(order, i);
+        PyObject *g = PyDict_GetItemWithError(grads, node);
+        if (g == NULL) {
+            if (PyErr_Occurred())
+                goto out;
+            continue;  /* nothing flowed here */
+        }
+        Py_INCREF(g);
+        if (PyDict_DelItem(grads, node) < 0) {
+            Py_DECREF(g);
+            goto out;
+        }
+        if (run_node(node, g, retain, grads, handed, leaves) < 0)
+            goto out;
+    }
+    result = PyDict_Values(leaves);
+out:
+    Py_XDECREF(order);
+    Py_XDECREF(grads);
+    Py_XDECREF(handed);
+    Py_XDECREF(leaves);
+    return result;
+}
+
 /* ------------------------------------------------------------------ module */
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
@@ -1043,6 +1690,13 @@ static PyMethodDef methods[] = {
      "reduce(op, x, axis, keepdims, out): a sum or mean recording nothing, or None"},
     {"release", release, METH_O,
      "release(tensor): Tensor.release, for Tensor.__del__"},
+    {"configure_autograd", configure_autograd, METH_VARARGS,
+     "configure_autograd(Node, unbroadcast, add, copy, record): what the backward pass calls, "
+     "and the Python record"},
+    {"record", (PyCFunction)(void (*)(void))record_node, METH_FASTCALL,
+     "record(op, out, inputs, labels, backward_fn, save=()): autograd.record"},
+    {"backward", (PyCFunction)(void (*)(void))backward, METH_FASTCALL,
+     "backward(root, gradient, retain_graph): autograd._run, the (leaf, gradient) pairs"},
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
      "launch(op, never, out, shape, dtype, inputs, kernel, extra): the second half of an op, "
      "or None for the Python path"},
@@ -1074,9 +1728,18 @@ PyInit__dispatch(void)
     s_raw = PyUnicode_InternFromString("raw");
     s_offset = PyUnicode_InternFromString("offset");
     s_array_view = PyUnicode_InternFromString("_array_view");
+    s_unpack = PyUnicode_InternFromString("unpack");
+    s_free_node = PyUnicode_InternFromString("free");
+    s_shape = PyUnicode_InternFromString("shape");
+    s_block = PyUnicode_InternFromString("block");
+    s_refs = PyUnicode_InternFromString("_refs");
+    s_detach = PyUnicode_InternFromString("detach");
+    s_name = PyUnicode_InternFromString("name");
+    s_version = PyUnicode_InternFromString("version");
     if (!one || !zero || !s_has_internal_overlap || !s_allocate || !s_free || !s_release
         || !s_itemsize || !s_raw || !s_offset || !s_array_view || !s_enabled || !s_tape || !s_fast_kernels || !s_native_on || !s_memory_for_write
-        || !copy_name)
+        || !copy_name || !s_unpack || !s_free_node || !s_shape || !s_block || !s_refs
+        || !s_detach || !s_name || !s_version)
         return NULL;
     return PyModule_Create(&module);
 }

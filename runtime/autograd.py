@@ -41,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -141,9 +142,10 @@ class Node:
 
     def free(self) -> None:
         """Drop the saved tensors now (their memory may go back to the allocator)."""
+        release = sys.modules["runtime.tensor"]._release  # NOTE: the C one where it is on
         for _, value, version in self.saved:
             if version >= 0:
-                value.release()
+                release(value)
         self.saved = []
         self.freed = True
 
@@ -175,20 +177,21 @@ def record(op: str, out: Tensor, inputs: Sequence[Any], labels: Sequence[str],
     detached handle with its block's version, so a later in-place write is caught; pass `out`
     itself to save the op's output.
     """
-    from runtime.tensor import Tensor
+    tensor_type = sys.modules["runtime.tensor"].Tensor  # NOTE: an import statement costs more
 
     entries: list[Node | Tensor | None] = []
     shapes: list[tuple[int, ...] | None] = []
     for x in inputs:
-        if isinstance(x, Tensor) and x._requires_grad:
-            entries.append(x._node if x._node is not None else x)
+        if isinstance(x, tensor_type) and x._requires_grad:
+            node = x._node
+            entries.append(x if node is None else node)
             shapes.append(x.shape)
         else:
             entries.append(None)
             shapes.append(None)
     saved = []
     for label, value in save:
-        if isinstance(value, Tensor):
+        if isinstance(value, tensor_type):
             handle = value.detach()
             handle.name = value.name
             saved.append((label, handle, value.block.version))
@@ -197,6 +200,12 @@ def record(op: str, out: Tensor, inputs: Sequence[Any], labels: Sequence[str],
     out._node = Node(op, entries, shapes, labels, backward_fn, saved)
     out._requires_grad = True
     return out
+
+
+#: The Python `record`, the specification: `runtime.fastpath.load` binds `record` to the C one,
+#: `runtime._dispatch.record` (the same Node, made without running Python), where the fast path
+#: is on; `fastpath.python_only` binds this one back.
+python_record = record
 
 
 # ---------------------------------------------------------------------- the backward pass
@@ -236,7 +245,7 @@ def _unbroadcast(grad: Tensor, shape: tuple[int, ...]) -> Tensor:
 def _owned(grad: Tensor, handed: dict[int, Tensor]) -> Tensor:
     """`grad` if nothing else holds its memory, else a copy (so in-place accumulation into it
     can never change another gradient or a tensor the user holds)."""
-    if id(grad) in handed or grad.block.refcount > 1:
+    if id(grad) in handed or grad.block._refs > 1:
         from runtime import ops  # NOTE: only here: an import statement costs a microsecond
 
         return ops.copy(grad)
@@ -251,43 +260,76 @@ def backward(root: Tensor, gradient: Tensor | None = None, retain_graph: bool = 
             tensor modified in place; a second backward through a freed graph.
         TypeError: `gradient` is not a Tensor, or `retain_graph` not a bool.
     """
-    import numpy as np
-
-    from runtime import ops
-    from runtime.tensor import Tensor, _brief, as_flag
-    from runtime.tensor import tensor as make_tensor
-
-    retain_graph = as_flag(retain_graph, "backward(): retain_graph")
-    if gradient is not None and not isinstance(gradient, Tensor):
+    tensors = sys.modules["runtime.tensor"]  # NOTE: imported at its end; statements cost more
+    if retain_graph is not False:
+        retain_graph = tensors.as_flag(retain_graph, "backward(): retain_graph")
+    if gradient is not None and not isinstance(gradient, tensors.Tensor):
         raise TypeError(f"backward(): gradient must be a Tensor or None, got "
-                        f"{type(gradient).__name__} {_brief(gradient)}")
+                        f"{type(gradient).__name__} {tensors._brief(gradient)}")
     if not root._requires_grad:
         raise AutogradError(f"backward() on a tensor that does not require grad "
                             f"({_describe(root)}); set requires_grad=True on a leaf it uses")
-    with no_grad():
+    previous = _mode.enabled
+    _mode.enabled = False  # NOTE: no_grad(), without a generator's context manager
+    try:
         if gradient is None:
             if root.size != 1:
                 raise AutogradError(f"backward() without a gradient needs a scalar (one "
                                     f"element) output, this one has shape {root.shape}; pass "
                                     f"gradient=")
-            gradient = make_tensor(np.ones(root.shape, root.dtype), device=root.device,
-                                   allocator=root.block.allocator)
+            gradient = tensors._ones_like(root)
         elif gradient.shape != root.shape or gradient.dtype != root.dtype:
             raise AutogradError(f"backward(): gradient has shape {gradient.shape} and dtype "
                                 f"{gradient.dtype}; the output has shape {root.shape} and "
                                 f"dtype {root.dtype}")
         else:
+            from runtime import ops
+
             gradient = ops.copy(gradient)
-        with tape.phase("backward"):
-            if root._node is None:
-                _store_leaf(root, gradient)
-            else:
-                _run(root._node, gradient, retain_graph)
+        if tape._state.tape is None:
+            _start(root, gradient, retain_graph)
+        else:
+            with tape.phase("backward"):
+                _start(root, gradient, retain_graph)
+    finally:
+        _mode.enabled = previous
 
 
-def _run(root: Node, gradient: Tensor, retain_graph: bool) -> None:
+def _start(root: Tensor, gradient: Tensor, retain_graph: bool) -> None:
+    if root._node is None:
+        _store_leaf(root, gradient)
+        return
+    engine = _run if _engine is None else _engine
+    for leaf, grad in engine(root._node, gradient, retain_graph):
+        _store_leaf(leaf, grad)
+
+
+#: The C engine (`runtime._dispatch.backward`, the same steps as `_run`), or None: set by
+#: `runtime.fastpath.load`; Note [the backward engine].
+_engine: Callable[[Node, Tensor, bool], list[tuple[Tensor, Tensor]]] | None = None
+
+
+def _run(root: Node, gradient: Tensor, retain_graph: bool) -> list[tuple[Tensor, Tensor]]:
+    """The backward pass from `root` with `gradient`: every node's backward function, in
+    reverse topological order. Returns each leaf with its gradient (owned: nothing else holds
+    its memory), for `_store_leaf`.
+
+    Note [the backward engine]: this function is the specification; the C engine
+    `runtime._dispatch.backward` takes the same steps in the same order (the same calls of
+    the backward functions, the same releases, copies and accumulations through `ops.copy`
+    and `ops.add`) and calls back into Python for what is rare (a freed node or a saved tensor
+    written since: `Node.unpack` raises; a gradient to sum back to its input's shape:
+    `_unbroadcast`). Neither keeps a gradient alive longer than the pass needs it: a partial
+    sum goes as soon as the next sum replaces it, and what a node's backward function returned
+    goes once it is delivered (so the two engines free, and peak, at the same points).
+    `backward()` runs the C one where the fast path is on
+    (Note [the eager fast path] in runtime/fastpath.py); tests/test_fastpath.py runs random
+    graphs through both and compares every gradient, error, block version and allocator
+    statistic.
+    """
     from runtime import ops
 
+    release = sys.modules["runtime.tensor"]._release  # NOTE: the C one where it is on
     grads: dict[Node, Tensor] = {root: gradient}
     handed: dict[int, Tensor] = {id(gradient): gradient}  # gradients stored, by id
     # NOTE: the leaves' gradients reach `.grad` only once all are computed, and that last part
@@ -302,8 +344,11 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> None:
         results = node.backward_fn(g, *node.unpack())
         if not retain_graph:
             node.free()
-        if not any(r is g for r in results):
-            g.release()  # NOTE: its memory may serve the gradients computed next
+        for r in results:
+            if r is g:
+                break
+        else:
+            release(g)  # NOTE: its memory may serve the gradients computed next
         del g
         for entry, shape, grad in zip(node.inputs, node.shapes, results):
             if entry is None or grad is None:
@@ -317,6 +362,7 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> None:
                 else:
                     del handed[id(held[1])]
                     grad = ops.add(held[1], grad)
+                    held = None  # NOTE: the sum replaces it: Note [the backward engine]
                 leaves[id(entry)] = (entry, grad)
                 handed[id(grad)] = grad
                 continue
@@ -326,17 +372,19 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> None:
             else:
                 del handed[id(previous)]
                 grad = ops.add(previous, grad)
+                previous = None
             grads[entry] = grad
             handed[id(grad)] = grad
-    for leaf, grad in leaves.values():
-        _store_leaf(leaf, grad)
+        # NOTE: nothing of this node outlives it: Note [the backward engine]
+        results = grad = r = None
+    return list(leaves.values())
 
 
 def _store_leaf(leaf: Tensor, grad: Tensor) -> None:
     """Set or accumulate (in place) an owned gradient into `leaf.grad`."""
-    from runtime import ops
-
     if leaf.grad is None:
         leaf.grad = grad
-    else:
-        ops.add(leaf.grad, grad, out=leaf.grad)
+        return
+    from runtime import ops  # NOTE: only here: an import statement costs a microsecond
+
+    ops.add(leaf.grad, grad, out=leaf.grad)

@@ -53,11 +53,15 @@ __all__ = ["ACCELERATED", "load", "python_only"]
 ACCELERATED = _dispatch is not None and not PURE_PYTHON and base._FP_STATE is not None
 
 
-def load(record: Callable[[str, Tensor, Any], None]) -> Any:
+def load(record: Callable[[str, Tensor, Any], None], add: Callable[..., Tensor],
+         copy: Callable[..., Tensor]) -> Any:
     """The C extension's module, configured with `record` (how an elementwise op's autograd
     record is made), or None when the fast path is off. Its `elementwise(op, out, operands)`
     is the fast `ops._elementwise`; its `launch(op, never, out, shape, dtype, inputs, kernel,
-    extra)` is the fast `_prepare_out` + `_launch` of an op whose operands Python checked."""
+    extra)` is the fast `_prepare_out` + `_launch` of an op whose operands Python checked; its
+    `backward(root, gradient, retain_graph)` is the fast `autograd._run` (Note [the backward
+    engine] in runtime/autograd.py), which accumulates with `add` and copies with `copy`; its
+    `record` is the fast `autograd.record`, bound in its place."""
     if not ACCELERATED:
         return None
     dtypes = (np.dtype(np.float32), np.dtype(np.float64))
@@ -65,8 +69,12 @@ def load(record: Callable[[str, Tensor, Any], None]) -> Any:
                         base._FP_IGNORE, dtypes, (np.float32, np.float64),
                         tuple(float(np.finfo(d).max) for d in dtypes), Tensor._fresh, record,
                         _ids, _UNSET, _RELEASED)
+    _dispatch.configure_autograd(autograd.Node, autograd._unbroadcast, add, copy,
+                                 autograd.python_record)
     # NOTE: the module, not runtime.tensor (the package binds that name to the factory)
     sys.modules["runtime.tensor"]._release = _dispatch.release
+    autograd._engine = _dispatch.backward
+    autograd.record = _dispatch.record
     return _dispatch
 
 
@@ -77,10 +85,13 @@ def python_only() -> Iterator[None]:
     from runtime import ops
 
     tensor = sys.modules["runtime.tensor"]
-    saved = ops._fast, ops._fast_launch, ops._fast_reduce, tensor._release
+    saved = (ops._fast, ops._fast_launch, ops._fast_reduce, tensor._release, autograd._engine,
+             autograd.record)
     ops._fast, ops._fast_launch, ops._fast_reduce = None, ops._no_launch, ops._no_launch
-    tensor._release = Tensor.release
+    tensor._release, autograd._engine = Tensor.release, None
+    autograd.record = autograd.python_record
     try:
         yield
     finally:
-        ops._fast, ops._fast_launch, ops._fast_reduce, tensor._release = saved
+        (ops._fast, ops._fast_launch, ops._fast_reduce, tensor._release, autograd._engine,
+         autograd.record) = saved

@@ -27,7 +27,7 @@ from backends.base import ieee
 from runtime import aliasing, autograd, config, dtypes, fastpath, tape
 from runtime.block import Block
 from runtime.errors import AliasingError, AutogradError, device_names
-from runtime.tensor import Tensor, _brief, as_axes, as_dtype, as_flag, empty, host_array, tensor
+from runtime.tensor import Tensor, _brief, as_axes, as_dtype, as_flag, host_array, tensor
 
 __all__ = ["ALIASING_POLICY", "add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sigmoid",
            "relu", "sqrt", "where_finite", "matmul", "linear", "cross_entropy", "sum", "mean",
@@ -48,6 +48,8 @@ ALIASING_POLICY: dict[str, str] = {
 
 #: The dtypes the arithmetic ops compute in (runtime/dtypes.py COMPUTE).
 FLOAT_DTYPES = dtypes.COMPUTE
+#: dtypes.FLOATS as a set: `in` hashes, where a tuple compares with each dtype before a match
+_FLOAT_SET = frozenset(dtypes.FLOATS)
 #: The largest finite value of each float dtype, as a Python float.
 _LARGEST = {dtype: float(np.finfo(dtype).max) for dtype in FLOAT_DTYPES}
 _FLOAT32 = np.dtype("float32")
@@ -63,20 +65,21 @@ def _common(op: str, tensors: Sequence[Tensor], floats_only: bool = True) -> tup
     for t in tensors:
         if not isinstance(t, Tensor):
             raise TypeError(f"{op}: expected a Tensor, got {type(t).__name__} {_brief(t)}")
+    device, dtype = first.block.device, first.dtype
     for t in tensors[1:]:
-        if t.device is not first.device:
-            a, b = device_names(first.device, t.device)
+        if t.block.device is not device:
+            a, b = device_names(device, t.device)
             raise ValueError(f"{op}: operands are on different devices: {a} and {b}; "
                              f"copy one over first")
-        if t.dtype != first.dtype:
-            raise TypeError(f"{op}: operands have different dtypes: {first.dtype} and {t.dtype}; "
+        if t.dtype is not dtype and t.dtype != dtype:  # NOTE: `is` first: == costs more
+            raise TypeError(f"{op}: operands have different dtypes: {dtype} and {t.dtype}; "
                             f"convert one first (runtime.ops.cast)")
-    if floats_only and first.dtype not in dtypes.FLOATS:
+    if floats_only and dtype not in _FLOAT_SET:
         raise TypeError(f"{op}: computes on float dtypes only (float32, float64, and float16 "
-                        f"and bfloat16 in float32), got {first.dtype}; {first.dtype} tensors "
+                        f"and bfloat16 in float32), got {dtype}; {dtype} tensors "
                         f"are stored, copied, viewed and cast: cast first "
                         f"(runtime.ops.cast(x, 'float32'))")
-    return first.device, first.dtype
+    return device, dtype
 
 
 def _broadcast_shapes(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
@@ -673,13 +676,27 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         # NOTE: x's shape, not x; x and w come saved, as arguments: Note [closures hold no tensors]
         # in runtime/autograd.py
         x_shape = x.shape
+        # NOTE: the products of a 2-D x go straight to the launch when g is what it must be (a
+        # gradient of out's shape, dtype and device, gradients off, as in backward()): the
+        # checks of matmul and _matmul_at hold already; anything else takes their full road
+        direct = len(x_shape) == 2 and device._fast_kernels is not None
+        weight_shape = weight.shape
 
         def fn(g: Tensor, x: Tensor | None, w: Tensor | None) -> tuple:
-            g2 = g if g.ndim == 2 else g.reshape(-1, features)
-            gx = matmul(g, w) if nx else None
-            gw = None
-            if nw:
-                gw = _matmul_at(g2, x if x.ndim == 2 else x.reshape(-1, x_shape[-1]))
+            gx = gw = None
+            if (direct and g.shape == shape and g.dtype is dtype and g.block.device is device
+                    and not autograd._mode.enabled):
+                if nx:
+                    gx = _fast_launch("matmul", True, None, x_shape, dtype, (g, w),
+                                      device.matmul, ())
+                if nw:
+                    gw = _fast_launch("matmul", True, None, weight_shape, dtype, (g, x),
+                                      _matmul_at_kernel, (device,))
+            g2 = g if len(g.shape) == 2 else g.reshape(-1, features)
+            if nx and gx is None:
+                gx = matmul(g, w)
+            if nw and gw is None:
+                gw = _matmul_at(g2, x if len(x.shape) == 2 else x.reshape(-1, x_shape[-1]))
             gb = sum(g2, axis=0) if nb else None
             return gx, gw, gb
 
@@ -729,6 +746,11 @@ def cross_entropy(logits: Tensor, labels: Any, out: Tensor | None = None) -> Ten
         # NOTE: probs and labels come saved, as arguments:
         # Note [closures hold no tensors] in runtime/autograd.py
         def fn(g: Tensor, probs: Tensor, labels: Tensor) -> tuple:
+            # NOTE: every operand is known good (saved by this op, g of its output's shape)
+            done = _fast_launch("cross_entropy_backward", True, None, probs.shape, probs.dtype,
+                                (probs, labels, g), _cross_entropy_backward_kernel, (device,))
+            if done is not None:
+                return (done,)
             result = Tensor._fresh(probs.shape, probs.dtype, probs.block.allocator)
             _launch("cross_entropy_backward", result,
                     [("probs", probs, probs.shape), ("labels", labels, labels.shape),
@@ -772,10 +794,13 @@ def _reduce(op: str, x: Tensor, axis: Any, keepdims: bool, out: Tensor | None) -
         scale = 1 / math.prod(x_shape[i] for i in reduced) if op == "mean" and x.size else None
 
         def fn(g: Tensor) -> tuple:
-            if scale is not None:
-                g = mul(g, scale)  # NOTE: on the small reduced tensor, before spreading it
-            result = empty(x_shape, g.dtype, allocator=g.block.allocator)
-            copy(g.reshape(kept), out=result)
+            result = Tensor._fresh(x_shape, g.dtype, g.block.allocator)
+            # NOTE: a 0-d gradient (a reduction over every axis) spreads as it is: no reshape
+            spread = g if g.ndim == 0 or g.shape == kept else g.reshape(kept)
+            if scale is None:
+                copy(spread, out=result)
+            else:  # NOTE: each element is g * scale, as when scaling first and then spreading
+                mul(spread, scale, out=result)
             return (result,)
 
         autograd.record(op, out, (x,), ("x",), fn)
@@ -812,6 +837,11 @@ def _linear_views(device: Any, x: Any, weight_t: Any, bias: Any, out: Any) -> No
         device.binary("add", out, bias, out)
 
 
+def _cross_entropy_backward_kernel(probs: Any, labels: Any, grad: Any, out: Any,
+                                   device: Any) -> None:
+    device.cross_entropy_backward(probs, labels, grad, out)
+
+
 def _reduce_kernel(x: Any, out: Any, device: Any, op: str, axes: Any, keepdims: bool) -> None:
     device.reduce(op, x, axes, keepdims, out)
 
@@ -821,7 +851,7 @@ def _no_launch(*args: Any) -> None:
 
 
 # NOTE: Note [the eager fast path] in runtime/fastpath.py
-_dispatch = fastpath.load(_record_elementwise)
+_dispatch = fastpath.load(_record_elementwise, add, copy)
 #: The C fast path of `_elementwise`, or None.
 _fast = _dispatch.elementwise if _dispatch is not None else None
 #: The C fast path of `_prepare_out` + `_launch` for matmul, linear and the reductions.

@@ -999,6 +999,13 @@ def tensor(data: Any, dtype: Any = None, device: Any = None,
     return _write(out, host, "runtime.tensor")
 
 
+def _ones_like(t: Tensor) -> Tensor:
+    """A new tensor of ones of t's shape and dtype on t's allocator: the gradient that
+    `backward()` starts from (`tensor(np.ones(...))`, without checking what is known good)."""
+    out = Tensor._fresh(t.shape, t.dtype, t.block.allocator)
+    return _write(out, np.ones(t.shape, t.dtype), "backward()")
+
+
 def _write(out: Tensor, host: np.ndarray, what: str) -> Tensor:
     """Copy `host` (of out's shape and dtype) into the new tensor `out`; return `out`."""
     recorder = tape.active()
