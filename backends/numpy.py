@@ -211,6 +211,23 @@ def _compute_in_float32(kernel, inputs, outs, read=False) -> None:
             _convert(t, o)
 
 
+def _half_kernel(name: str):
+    """The fast path's kernel `name` for float16 and bfloat16 (Note [the eager fast path] in
+    runtime/fastpath.py), called as kernel(*inputs, out) with inputs NumPy would broadcast:
+    one C pass where `_halfconv.apply` takes it, else NumPy's float32 kernel on widened copies
+    (Note [two-byte floats compute in float32] in backends/base.py)."""
+    code = _APPLY.get(name)
+    float32 = _UNARY.get(name) or _BINARY[name]
+
+    def kernel(*args):
+        out = args[-1]
+        if code is None or _halfconv is None or not _halfconv.apply(
+                code, out.dtype == _BF16, out, *args[:-1]):
+            _compute_in_float32(lambda *views: float32(*views[:-1], out=views[-1]), args[:-1],
+                                (out,))
+    return kernel
+
+
 class NumpyDevice(Device):
     """Host memory and NumPy kernels. There is one CPU device: index 0."""
 
@@ -223,6 +240,10 @@ class NumpyDevice(Device):
     _fast_kernels = {**_UNARY, **_BINARY, "sum": _sum,
                      "mean": lambda x, out, axes, keepdims: _reduce("mean", x, axes, keepdims,
                                                                    out)}
+
+    #: the same for float16 and bfloat16 (copy, which moves bits, is `_fast_kernels`' own)
+    _fast_half_kernels = {name: _half_kernel(name) for name in (*_UNARY, *_BINARY)
+                          if name != "copy"}
 
     def __init__(self, index: int = 0) -> None:
         self.name = "cpu"

@@ -8,14 +8,14 @@
  * `runtime.block.Block` at the offsets their member descriptors give (taken once, in
  * `configure`), so the Python classes stay the one definition of those fields.
  *
- * What falls back (None): anything but exact Tensors and plain numbers; a graph capture in
- * this thread; a device without fast kernels; different devices or dtypes; a non-float dtype
- * (copy excepted); shapes that do not broadcast; a released or unwritten input; an out= that
- * is not a writable, non-self-overlapping Tensor of the result's shape, dtype and device, or
- * that shares a block with an input in any way but the identical view or disjoint bytes; an
- * imported (non-plain) block; a number beyond the dtype; out= while recording gradients; a
- * result of a read-only (constant) block. The Python path then raises the error or takes the
- * slow road, so errors are always the Python path's own.
+ * What falls back (None): anything but exact Tensors and plain numbers; a graph capture in this
+ * thread; a device without fast kernels (for float16 and bfloat16: without `_fast_half_kernels`);
+ * different devices or dtypes; a non-float dtype (copy excepted); shapes that do not broadcast; a
+ * released or unwritten input; an out= that is not a writable, non-self-overlapping Tensor of the
+ * result's shape, dtype and device, or that shares a block with an input in any way but the
+ * identical view or disjoint bytes; an imported (non-plain) block; a number beyond the dtype;
+ * out= while recording gradients; a result of a read-only (constant) block. The Python path then
+ * raises the error or takes the slow road, so errors are always the Python path's own.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -55,9 +55,12 @@ static PyObject *grad_mode = NULL;    /* autograd._mode (threading.local): .enab
 static PyObject *tape_state = NULL;   /* tape._state (threading.local): .tape */
 static PyObject *fp_state = NULL;     /* NumPy's error-state context variable */
 static PyObject *fp_ignore = NULL;    /* the value that ignores every floating-point error */
-static PyObject *floats[2] = {NULL, NULL};    /* np.dtype("float32"), np.dtype("float64") */
-static double largest[2] = {0.0, 0.0};        /* their largest finite values */
-static PyObject *scalar_types[2] = {NULL, NULL};  /* np.float32, np.float64 */
+/* np.dtype("float32"), np.dtype("float64"), and where configured float16 and bfloat16, whose
+ * kernels are the device's `_fast_half_kernels` and whose numbers are float32 */
+static PyObject *floats[4] = {NULL, NULL, NULL, NULL};
+static int nfloats = 0;
+static double largest[4] = {0.0, 0.0, 0.0, 0.0};  /* the numbers' largest finite values */
+static PyObject *scalar_types[4] = {NULL, NULL, NULL, NULL};  /* np.float32, np.float64, ... */
 static PyObject *fresh = NULL;        /* Tensor._fresh(shape, dtype, allocator) */
 static PyObject *record = NULL;       /* ops._record_elementwise(op, out, operands) */
 static PyObject *copy_name = NULL;    /* "copy": the one op that takes any dtype */
@@ -67,6 +70,7 @@ static PyObject *released = NULL;     /* runtime.tensor._RELEASED */
 static PyObject *zero = NULL;
 
 static PyObject *s_enabled, *s_tape, *s_fast_kernels, *s_native_on, *s_memory_for_write;
+static PyObject *s_fast_half_kernels = NULL;
 static PyObject *one = NULL, *s_has_internal_overlap = NULL, *s_allocate = NULL, *s_free = NULL;
 static PyObject *s_release = NULL, *s_itemsize = NULL, *s_raw = NULL, *s_offset = NULL,
     *s_array_view = NULL;
@@ -137,9 +141,10 @@ configure(PyObject *self, PyObject *args)
         return NULL;
     if (check_slots(tensor, tensor_slot_names) < 0 || check_slots(block, block_slot_names) < 0)
         return NULL;
-    if (PyTuple_GET_SIZE(dtypes) != 2 || PyTuple_GET_SIZE(types) != 2
-        || PyTuple_GET_SIZE(maxima) != 2) {
-        PyErr_SetString(PyExc_ValueError, "configure: dtypes, types and maxima hold two each");
+    Py_ssize_t n = PyTuple_GET_SIZE(dtypes);
+    if ((n != 2 && n != 4) || PyTuple_GET_SIZE(types) != n || PyTuple_GET_SIZE(maxima) != n) {
+        PyErr_SetString(PyExc_ValueError, "configure: dtypes, types and maxima hold two (or "
+                        "four: float16 and bfloat16 last) each");
         return NULL;
     }
     TensorSlots ts;
@@ -164,8 +169,8 @@ configure(PyObject *self, PyObject *args)
         || slot_offset(block, "_allocation", &bs.allocation)
         || slot_offset(block, "_written", &bs.written) || slot_offset(block, "_refs", &bs.refs))
         return NULL;
-    double maxf[2];
-    for (int i = 0; i < 2; i++) {
+    double maxf[4];
+    for (int i = 0; i < n; i++) {
         maxf[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(maxima, i));
         if (maxf[i] == -1.0 && PyErr_Occurred())
             return NULL;
@@ -178,11 +183,12 @@ configure(PyObject *self, PyObject *args)
     set_ref(&tape_state, state);
     set_ref(&fp_state, fpvar);
     set_ref(&fp_ignore, fpvalue);
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < n; i++) {
         set_ref(&floats[i], PyTuple_GET_ITEM(dtypes, i));
         set_ref(&scalar_types[i], PyTuple_GET_ITEM(types, i));
         largest[i] = maxf[i];
     }
+    nfloats = (int)n;
     set_ref(&fresh, fresh_fn);
     set_ref(&record, record_fn);
     set_ref(&block_ids, ids);
@@ -657,7 +663,9 @@ elementwise(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (first == NULL)
         Py_RETURN_NONE;
     PyObject *dtype = SLOT(first, TS.dtype);
-    int kind = dtype == floats[0] ? 0 : dtype == floats[1] ? 1 : -1;
+    int kind = -1;
+    for (int i = 0; i < nfloats; i++)
+        kind = dtype == floats[i] ? i : kind;
     if (kind < 0 && (numbers || PyUnicode_Compare(op, copy_name) != 0)) {
         PyErr_Clear();
         Py_RETURN_NONE;
@@ -667,7 +675,9 @@ elementwise(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE;
     PyObject *block0 = SLOT(first, TS.block);
     PyObject *device = SLOT(block0, BS.device);
-    PyObject *kernels = PyObject_GetAttr(device, s_fast_kernels);
+    /* a two-byte float computes by its own kernels (copy moves bits: any dtype's) */
+    int half = kind >= 2 && PyUnicode_Compare(op, copy_name) != 0;
+    PyObject *kernels = PyObject_GetAttr(device, half ? s_fast_half_kernels : s_fast_kernels);
     if (kernels == NULL) {
         PyErr_Clear();
         Py_RETURN_NONE;
@@ -1715,6 +1725,7 @@ PyInit__dispatch(void)
     s_enabled = PyUnicode_InternFromString("enabled");
     s_tape = PyUnicode_InternFromString("tape");
     s_fast_kernels = PyUnicode_InternFromString("_fast_kernels");
+    s_fast_half_kernels = PyUnicode_InternFromString("_fast_half_kernels");
     s_native_on = PyUnicode_InternFromString("_native_on");
     s_memory_for_write = PyUnicode_InternFromString("memory_for_write");
     copy_name = PyUnicode_InternFromString("copy");
@@ -1737,7 +1748,8 @@ PyInit__dispatch(void)
     s_name = PyUnicode_InternFromString("name");
     s_version = PyUnicode_InternFromString("version");
     if (!one || !zero || !s_has_internal_overlap || !s_allocate || !s_free || !s_release
-        || !s_itemsize || !s_raw || !s_offset || !s_array_view || !s_enabled || !s_tape || !s_fast_kernels || !s_native_on || !s_memory_for_write
+        || !s_itemsize || !s_raw || !s_offset || !s_array_view || !s_enabled || !s_tape
+        || !s_fast_kernels || !s_fast_half_kernels || !s_native_on || !s_memory_for_write
         || !copy_name || !s_unpack || !s_free_node || !s_shape || !s_block || !s_refs
         || !s_detach || !s_name || !s_version)
         return NULL;

@@ -5,14 +5,17 @@ Note [the eager fast path]: `ops._elementwise` first offers the op to `_dispatch
 out, operands)`. The C code takes it only when every check of the Python path would pass without
 a side effect of its own: exact Tensors over plain Blocks of their generation that hold data
 (use after free and unwritten reads go to Python, which raises), plain numbers within the dtype,
-one device and dtype (float32 or float64; any dtype for copy), shapes that broadcast, and an
+one device and dtype (float32 or float64, float16 or bfloat16 where the device has
+`_fast_half_kernels`; any dtype for copy), shapes that broadcast, and an
 `out=` of the result's shape, dtype and device that is writable, does not overlap itself (as
 cached by `Tensor.has_internal_overlap`) and shares a block with an input only as the identical
 view or on disjoint cached byte spans (Note [blocks that may share memory] in
 docs/aliasing.md: any other overlap gets the exact test and its copy-or-raise policy in Python).
 It then does what the Python path does, in the same order: a fresh result from `Tensor._fresh`
-on the first input's allocator, numbers as `dtype.type(x)`, the kernel of the device's
-`_fast_kernels` table on the tensors' native views (NumPy broadcasts, so inputs are not
+on the first input's allocator, numbers as `dtype.type(x)` (as float32 for a two-byte float,
+ops._scalar), the kernel of the device's `_fast_kernels` table (`_fast_half_kernels` for a
+two-byte float, whose kernels keep Note [two-byte floats compute in float32] in
+backends/base.py) on the tensors' native views (NumPy broadcasts, so inputs are not
 broadcast first; the kernels give the same elements either way), under Note [IEEE results, no
 floating-point signals] in backends/base.py, then the out block's version and written flag, and
 the autograd record through `ops._record_elementwise`. Anything else (a graph capture, out=
@@ -64,11 +67,13 @@ def load(record: Callable[[str, Tensor, Any], None], add: Callable[..., Tensor],
     `record` is the fast `autograd.record`, bound in its place."""
     if not ACCELERATED:
         return None
-    dtypes = (np.dtype(np.float32), np.dtype(np.float64))
+    # NOTE: a number meets a two-byte float as float32 (ops._scalar), so its type and range
+    dtypes = (np.dtype(np.float32), np.dtype(np.float64), *base.HALVES)
+    largest = float(np.finfo(np.float32).max)
     _dispatch.configure(Tensor, Block, autograd._mode, tape._state, base._FP_STATE,
-                        base._FP_IGNORE, dtypes, (np.float32, np.float64),
-                        tuple(float(np.finfo(d).max) for d in dtypes), Tensor._fresh, record,
-                        _ids, _UNSET, _RELEASED)
+                        base._FP_IGNORE, dtypes, (np.float32, np.float64, np.float32, np.float32),
+                        (largest, float(np.finfo(np.float64).max), largest, largest),
+                        Tensor._fresh, record, _ids, _UNSET, _RELEASED)
     _dispatch.configure_autograd(autograd.Node, autograd._unbroadcast, add, copy,
                                  autograd.python_record)
     # NOTE: the module, not runtime.tensor (the package binds that name to the factory)

@@ -18,6 +18,7 @@ import re
 import sys
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import event, given, settings
@@ -74,16 +75,21 @@ def build_world(allocator: allocators.Allocator) -> list[runtime.Tensor]:
     constant = runtime.constant(rng.normal(size=(3, 4)).astype(np.float32), device=dev)
     leaf = make(rng.normal(size=(3, 4)).astype(np.float32), requires_grad=True)
     ints = make(np.arange(12, dtype=np.int32).reshape(3, 4))
+    a16 = make(rng.normal(size=(3, 4)).astype(np.float16))
+    bias16 = make(rng.normal(size=4).astype(np.float16))
+    abf = make(rng.normal(size=(3, 4)).astype(ml_dtypes.bfloat16))
+    colbf = make(rng.normal(size=(3, 1)).astype(ml_dtypes.bfloat16))
     weight = make(rng.normal(size=(4, 4)).astype(np.float32), requires_grad=True)
     square = runtime.view(buffer, (4, 4), offset=4)    # overlaps first and second
     return [a32, b32, bias32, a64, col64, first, second, shifted, again, strided, odd,
-            transposed, released, unwritten, constant, leaf, ints, weight, square]
+            transposed, released, unwritten, constant, leaf, ints, a16, bias16, abf, colbf,
+            weight, square]
 
 
-WORLD_SIZE = 19
+WORLD_SIZE = 23
 #: The world's views of one buffer (first, second, shifted, again, strided, odd, square): drawn
 #: half the time, so that outputs often share memory with inputs.
-SHARED = (5, 6, 7, 8, 9, 10, 18)
+SHARED = (5, 6, 7, 8, 9, 10, 22)
 
 index = st.one_of(st.sampled_from(SHARED), st.integers(0, WORLD_SIZE - 1))
 operand = st.one_of(index.map(lambda i: ("t", i)),
@@ -223,15 +229,19 @@ def test_the_common_cases_take_the_fast_path(monkeypatch):
     y = ops.tanh(ops.mul(leaf, a32))            # recorded for autograd
     ops.sum(y).backward()
     assert leaf.grad is not None
+    world = build_world(allocator)
+    for half, bias in ((world[17], world[18]), (world[19], world[20])):  # float16, bfloat16
+        ops.relu(ops.add(half, bias))           # the rule's own kernels
+        ops.tanh(ops.mul(half, 0.5))            # a number (float32) and a NumPy loop
     assert all(ok for _, ok in taken), f"fell back: {[op for op, ok in taken if not ok]}"
-    assert len(taken) >= 7
+    assert len(taken) >= 15
 
 
 def test_what_the_fast_path_hands_back(monkeypatch):
     """Each case the C code must not take returns None, so the Python path raises or copies."""
     allocator = allocators.create("caching", "cpu")
     (a32, b32, bias32, a64, _, first, _, shifted, _, strided, odd, transposed, released,
-     unwritten, constant, leaf, ints, weight, square) = build_world(allocator)
+     unwritten, constant, leaf, ints, _, _, _, _, weight, square) = build_world(allocator)
     fast = C_FAST
     with runtime.no_grad():
         cases = {
