@@ -561,6 +561,31 @@ class SGD(Optimizer):
         if self.momentum and self.dampening:
             self._coefficient(p)
 
+    def _step(self, gates: dict[Any, Tensor] | None) -> None:
+        """`Optimizer._step`, with the plain case (no momentum, no weight decay, not gated by
+        amp, not capturing) in one loop: the same two ops per parameter as `_update`, p - (grad
+        * lr) rounded twice, so the same bits; every scratch is looked up (made at the first
+        step) before the first write (Note [the commit point]). A gated or captured step, or
+        any other option, goes through `_update`: a capture records what that runs."""
+        if (gates is not None or self.momentum or self.weight_decay
+                or self._dampened is not None or tape.active() is not None or not self._plain):
+            super()._step(gates)
+            return
+        with no_grad():
+            todo = [(p, p.grad, self._scratch(p)) for p in self.params if p.grad is not None]
+            lr, mul, sub = self.lr, ops.mul, ops.sub
+            for p, grad, scratch in todo:
+                sub(p, mul(grad, lr, out=scratch), out=p)
+
+    @property
+    def _plain(self) -> bool:
+        """True where this class updates as SGD does (a subclass that overrides a step method
+        takes the general path)."""
+        cls = type(self)
+        return (cls._update is SGD._update and cls._prepare is SGD._prepare
+                and cls._prepare_shared is Optimizer._prepare_shared
+                and cls._begin is Optimizer._begin and cls._end is SGD._end)
+
     def _gated_scratch(self, p: Tensor) -> None:
         self._scratch(p, 1)
         if self.nesterov:

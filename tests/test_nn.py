@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import allocators
+import backends
 import runtime
 from runtime import nn, ops
 
@@ -256,6 +257,80 @@ def test_optimizer_errors_name_the_value():
         nn.SGD([w], lr="fast")
     assert repr(nn.SGD([w, w], lr=0.5, momentum=0.9)) == (
         "SGD(lr=0.5, momentum=0.9, weight_decay=0.0, 1 parameters)")
+
+
+@pytest.mark.parametrize("kind", ["cpu", "opencl"])
+@given(dtype=st.sampled_from(["float32", "float64"]), lr=st.sampled_from([0.1, 1e-3, 0.37]),
+       seed=st.integers(0, 2**16), missing=st.integers(0, 3))
+@settings(max_examples=20, deadline=None)
+def test_the_plain_sgd_step_gives_the_bits_of_the_general_path(kind, dtype, lr, seed, missing):
+    """SGD without momentum or weight decay updates in one loop (`SGD._step`); it must give the
+    bits of the general path (`Optimizer._step` through `_update`): p - (g * lr), rounded
+    twice, as NumPy computes it, on every device."""
+    if kind not in backends.available():
+        pytest.skip(f"no {kind} device here")
+    device = backends.get_device(kind)
+    rng = np.random.default_rng(seed)
+    shapes = [(3, 5), (5,), (3, 5), (1,)]
+    start = [rng.normal(size=s).astype(dtype) for s in shapes]
+    steps = [[rng.normal(size=s).astype(dtype) for s in shapes] for _ in range(3)]
+    calls = []
+
+    def train(plain: bool) -> tuple[list[np.ndarray], list[int]]:
+        params = [runtime.tensor(x, requires_grad=True, device=device) for x in start]
+        opt = nn.SGD(params, lr=lr)
+        for grads in steps:
+            for i, (p, g) in enumerate(zip(params, grads)):
+                p.grad = None if i == missing else runtime.tensor(g, device=device)
+            versions = [p.version for p in params]
+            opt.step() if plain else nn.Optimizer._step(opt, None)
+            assert [p.version > v for p, v in zip(params, versions)] == [
+                i != missing for i in range(len(params))]
+        return [p.numpy() for p in params], [p.version for p in params]
+
+    general = nn.SGD._update
+    nn.SGD._update = lambda self, *a: (calls.append(1), general(self, *a))[1]
+    try:
+        plain, plain_versions = train(True)
+        assert not calls, "the plain case went through _update"
+        general_result, general_versions = train(False)
+        assert calls, "the general path did not run _update"
+    finally:
+        nn.SGD._update = general
+    assert plain_versions == general_versions
+    expected = [x.copy() for x in start]
+    for grads in steps:
+        for i, g in enumerate(grads):
+            if i != missing:
+                expected[i] = expected[i] - g * np.dtype(dtype).type(lr)
+    for mine, theirs, numpy in zip(plain, general_result, expected):
+        assert mine.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(mine.view(np.uint8), theirs.view(np.uint8))
+        np.testing.assert_array_equal(mine.view(np.uint8), numpy.view(np.uint8))
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_captured_plain_sgd_step_replays_as_eager(fuse):
+    """A capture records the general path's ops (SGD._step leaves the plain loop while a graph
+    captures), so the replayed plain SGD step updates as eager does."""
+    def build():
+        nn.manual_seed(3)
+        model = nn.Sequential(nn.Dense(6, 8), nn.Tanh(), nn.Dense(8, 3))
+        return model, nn.train_step(model, nn.SGD(model.parameters(), lr=0.2))
+
+    rng = np.random.default_rng(5)
+    batches = [(rng.normal(size=(4, 6)).astype(np.float32), rng.integers(0, 3, 4))
+               for _ in range(3)]
+    model, step = build()
+    eager = [step(runtime.tensor(x), t).item() for x, t in batches]
+    replayed_model, replayed = build()
+    graph = runtime.graph(replayed, fuse=fuse)
+    got = [graph(x, t).item() for x, t in batches]
+    np.testing.assert_allclose(got, eager, rtol=1e-6)
+    untrained = build()[0].parameters()
+    for mine, theirs, first in zip(replayed_model.parameters(), model.parameters(), untrained):
+        assert not np.array_equal(mine.numpy(), first.numpy()), "the replay did not update"
+        np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=1e-6, atol=1e-7)
 
 
 def test_a_parameter_without_gradient_is_left_alone():
