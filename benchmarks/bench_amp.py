@@ -28,7 +28,7 @@ for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mlp_reference import LR, init_params, make_batch  # noqa: E402
+from mlp_reference import blockrt_model, init_params, make_batch  # noqa: E402
 from timing import blas_name, cpu_name, interleaved_best, versions  # noqa: E402
 
 import runtime  # noqa: E402
@@ -41,15 +41,8 @@ PRECISIONS = ("float32", "float16", "bfloat16")
 
 def training_step(config: MLPConfig, precision: str, graph: bool) -> Callable[..., Any]:
     """The reference MLP's SGD step in `precision` (the same weights for every contender)."""
-    layers: list[nn.Module] = []
-    for weight, bias in init_params(config):
-        dense = nn.Dense(weight.shape[1], weight.shape[0])
-        with runtime.no_grad():
-            dense.weight[...] = weight
-            dense.bias[...] = bias
-        layers += [dense, nn.ReLU()]
-    model = nn.Sequential(*layers[:-1])
-    step = nn.train_step(model, nn.SGD(model.parameters(), lr=LR), precision=precision)
+    model, opt, _ = blockrt_model(init_params(config))
+    step = nn.train_step(model, opt, precision=precision)
     return runtime.graph(step) if graph else step
 
 

@@ -37,7 +37,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mlp_reference import LR, MLPConfig, init_params, make_batch
+from mlp_reference import MLPConfig, blockrt_model, init_params, make_batch
 from timing import blas_name, cpu_name, versions
 
 import runtime
@@ -53,15 +53,7 @@ VARIANTS = (("none", None), ("recycle", None), ("static", None), ("static", "sqr
 def training_graph(config: MLPConfig, plan: str = "static", **options: Any) -> runtime.Graph:
     """blockrt's model with the reference weights, its SGD step captured under `plan` (and
     `runtime.graph`'s other `options`)."""
-    layers: list[nn.Module] = []
-    for weight, bias in init_params(config):
-        dense = nn.Dense(weight.shape[1], weight.shape[0])
-        with runtime.no_grad():
-            dense.weight[...] = weight
-            dense.bias[...] = bias
-        layers += [dense, nn.ReLU()]
-    model = nn.Sequential(*layers[:-1])
-    opt = nn.SGD(model.parameters(), lr=LR)
+    model, opt, _ = blockrt_model(init_params(config))
     return runtime.graph(nn.train_step(model, opt), plan=plan, **options)
 
 

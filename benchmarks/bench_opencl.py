@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mlp_reference import LR, MLPConfig, init_params, make_batch
+from mlp_reference import MLPConfig, blockrt_model, init_params, make_batch
 from timing import cpu_name, interleaved_best, interleaved_min, versions
 
 import allocators
@@ -95,19 +95,7 @@ def fusion_table(device: backends.Device, elements: int, rounds: int) -> None:
 
 def training_table(device: backends.Device, config: MLPConfig, rounds: int) -> None:
     x, labels = make_batch(config)
-
-    def model_and_opt():
-        layers: list[nn.Module] = []
-        for weight, bias in init_params(config):
-            dense = nn.Dense(weight.shape[1], weight.shape[0], device=device)
-            with runtime.no_grad():
-                dense.weight[...] = weight
-                dense.bias[...] = bias
-            layers += [dense, nn.ReLU()]
-        model = nn.Sequential(*layers[:-1])
-        return model, nn.SGD(model.parameters(), lr=LR)
-
-    model, opt = model_and_opt()
+    model, opt, _ = blockrt_model(init_params(config), device=device)
     tx, ty = runtime.tensor(x, device=device), runtime.tensor(labels, device=device)
 
     def eager() -> None:
@@ -117,7 +105,7 @@ def training_table(device: backends.Device, config: MLPConfig, rounds: int) -> N
         opt.step()
         loss.item()
 
-    g_model, g_opt = model_and_opt()
+    g_model, g_opt, _ = blockrt_model(init_params(config), device=device)
     graph = runtime.graph(nn.train_step(g_model, g_opt), plan="static", device=device)
 
     def static() -> None:

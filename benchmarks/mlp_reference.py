@@ -316,18 +316,26 @@ def _blockrt_model(params: Params, lr: float) -> tuple[Any, Any, list[Any]]:
     ContenderUnavailable where blockrt is not importable or BLOCKRT_BLAS names a library that
     is not here."""
     try:
-        import runtime
         from backends import _blas
-        from runtime import nn
+        from runtime import nn  # noqa: F401  (importable: blockrt_model needs it)
     except ImportError as e:
         raise ContenderUnavailable(f"blockrt's nn is not importable ({e})") from e
     try:
         _blas.find()
     except RuntimeError as e:  # e.g. BLOCKRT_BLAS=mkl without MKL
         raise ContenderUnavailable(str(e)) from e
+    return blockrt_model(params, lr)
+
+
+def blockrt_model(params: Params, lr: float = LR, device: Any = None) -> tuple[Any, Any, list[Any]]:
+    """blockrt's `nn.Sequential` of `nn.Dense` and `nn.ReLU` on `device` holding `params`
+    (a copy), plain SGD over it, and its Dense layers."""
+    import runtime
+    from runtime import nn
+
     layers = []
     for i, (weight, bias) in enumerate(params):
-        dense = nn.Dense(weight.shape[1], weight.shape[0])
+        dense = nn.Dense(weight.shape[1], weight.shape[0], device=device)
         with runtime.no_grad():
             dense.weight[...] = weight
             dense.bias[...] = bias

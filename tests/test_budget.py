@@ -28,13 +28,14 @@ from runtime import BudgetError, nn
 from runtime.graph.budget import _RATES, Rates, _sweep, _table, rates
 
 
-def deep_step(depth: int = 12, width: int = 32, seed: int = 0) -> tuple[nn.Module, Any]:
-    """A deep narrow MLP's SGD training step (config D in miniature)."""
+def deep_step(depth: int = 12, width: int = 32, seed: int = 0,
+              device: Any = None) -> tuple[nn.Module, Any]:
+    """A deep narrow MLP's SGD training step (config D in miniature) on `device`."""
     rng = np.random.default_rng(seed)
     layers: list[nn.Module] = []
     for _ in range(depth):
-        layers += [nn.Dense(width, width, rng=rng), nn.ReLU()]
-    model = nn.Sequential(*layers, nn.Dense(width, 10, rng=rng))
+        layers += [nn.Dense(width, width, rng=rng, device=device), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Dense(width, 10, rng=rng, device=device))
     return model, nn.train_step(model, nn.SGD(model.parameters(), lr=0.05))
 
 
@@ -360,13 +361,7 @@ def test_moves_to_host_memory_fit_the_budget_bit_for_bit(kind: str):
     assert not device.host_memory and backends.get_device("cpu").host_memory
     x, y = batch(rows=8, width=16)
 
-    def on_device(seed: int = 0) -> tuple[nn.Module, Any]:
-        rng = np.random.default_rng(seed)
-        layers: list[nn.Module] = []
-        for _ in range(8):
-            layers += [nn.Dense(16, 16, rng=rng, device=device), nn.ReLU()]
-        model = nn.Sequential(*layers, nn.Dense(16, 10, rng=rng, device=device))
-        return model, nn.train_step(model, nn.SGD(model.parameters(), lr=0.05))
+    on_device = functools.partial(deep_step, 8, 16, device=device)
 
     reference_model, reference_step = on_device()
     reference = runtime.graph(reference_step, device=device)
@@ -403,13 +398,7 @@ def test_moves_and_recompute_are_chosen_by_measured_cost_and_may_mix(kind: str):
     assert rates(device) is measured  # NOTE: measured once, then cached
     x, y = batch(rows=8, width=16)
 
-    def on_device(seed: int = 0) -> tuple[nn.Module, Any]:
-        rng = np.random.default_rng(seed)
-        layers: list[nn.Module] = []
-        for _ in range(32):
-            layers += [nn.Dense(16, 16, rng=rng, device=device), nn.ReLU()]
-        model = nn.Sequential(*layers, nn.Dense(16, 10, rng=rng, device=device))
-        return model, nn.train_step(model, nn.SGD(model.parameters(), lr=0.05))
+    on_device = functools.partial(deep_step, 32, 16, device=device)
 
     reference_model, reference_step = on_device()
     reference = runtime.graph(reference_step, device=device)
