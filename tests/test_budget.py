@@ -352,6 +352,24 @@ def separate_memory_device(kind: str) -> Any:
     return backends.get_device(kind)
 
 
+def equal_under_budget(make: Any, device: Any, budget: int, inputs: tuple, expected: list,
+                       reference_model: nn.Module) -> dict:
+    """Run a fresh `make()` step under `budget` on `device` once per expected loss; check each
+    loss and every parameter against the unconstrained graph's bit for bit, and the
+    allocator's own peak against the budget after every step. Its memory report."""
+    stats = StatisticsAdaptor(allocators.create("direct", device))
+    model, step = make()
+    graph = runtime.graph(step, device=device, allocator=stats, memory_budget=budget)
+    got = []
+    for _ in expected:
+        got.append(graph(*inputs).item())
+        assert stats.stats()["peak_allocated_bytes"] - not_planned(graph, stats) <= budget
+    assert got == expected
+    for mine, theirs in zip(model.parameters(), reference_model.parameters()):
+        assert np.array_equal(mine.numpy(), theirs.numpy())
+    return graph.memory_report()
+
+
 @pytest.mark.parametrize("kind", sorted(NEEDS))
 def test_moves_to_host_memory_fit_the_budget_bit_for_bit(kind: str):
     """On a device whose memory is not the host's the budget first moves forward results to
@@ -368,17 +386,8 @@ def test_moves_to_host_memory_fit_the_budget_bit_for_bit(kind: str):
     expected = [reference(x, y).item() for _ in range(3)]
     need = reference.memory_report()["planned_bytes"]
     for budget in (need * 8 // 10, need // 2, need // 3):
-        stats = StatisticsAdaptor(allocators.create("direct", device))
-        model, step = on_device()
-        graph = runtime.graph(step, device=device, allocator=stats, memory_budget=budget)
-        got = []
-        for _ in range(3):
-            got.append(graph(x, y).item())
-            assert stats.stats()["peak_allocated_bytes"] - not_planned(graph, stats) <= budget
-        assert got == expected
-        for mine, theirs in zip(model.parameters(), reference_model.parameters()):
-            assert np.array_equal(mine.numpy(), theirs.numpy())
-        report = graph.memory_report()
+        report = equal_under_budget(on_device, device, budget, (x, y), expected,
+                                    reference_model)
         assert report["moved"] > 0 and report["recomputed"] == 0
         assert report["moved_bytes"] > 0 and "moved to host memory" in report["moves"]
         assert report["kept"] + report["moved"] == reference.memory_report()["kept"]
@@ -410,17 +419,8 @@ def test_moves_and_recompute_are_chosen_by_measured_cost_and_may_mix(kind: str):
         for bytes_per_flop, budget in ((1e5, need // 4), (1e-3, need // 4), (7.0, need // 5)):
             _RATES[id(device)] = (device, Rates(per_byte=bytes_per_flop * 1e-10,
                                                 per_flop=1e-10, per_element=0.0, per_call=0.0))
-            stats = StatisticsAdaptor(allocators.create("direct", device))
-            model, step = on_device()
-            graph = runtime.graph(step, device=device, allocator=stats, memory_budget=budget)
-            got = []
-            for _ in range(2):
-                got.append(graph(x, y).item())
-                assert stats.stats()["peak_allocated_bytes"] - not_planned(graph, stats) <= budget
-            assert got == expected
-            for mine, theirs in zip(model.parameters(), reference_model.parameters()):
-                assert np.array_equal(mine.numpy(), theirs.numpy())
-            report = graph.memory_report()
+            report = equal_under_budget(on_device, device, budget, (x, y), expected,
+                                        reference_model)
             seen[bytes_per_flop] = (report["moved"], report["recomputed"])
             assert (report["moved_bytes"] > 0) == (report["moved"] > 0)
             assert (report["recompute_flops"] > 0) == (report["recomputed"] > 0)
