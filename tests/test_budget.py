@@ -6,6 +6,7 @@ the budget by default."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import heapq
 import importlib
@@ -470,6 +471,21 @@ def test_at_sqrts_own_peak_the_budget_does_no_more_work_than_sqrt(depth: int, wi
 
 
 # ---------------------------------------------------------------------- lossy stores (issue 20)
+@contextlib.contextmanager
+def cpu_rates(**rates_given: float) -> Any:
+    """The CPU device's measured rates set to `rates_given` for the block, then put back."""
+    cpu = backends.get_device("cpu")
+    before = _RATES.get(id(cpu))
+    _RATES[id(cpu)] = (cpu, Rates(**rates_given))
+    try:
+        yield
+    finally:
+        if before is None:
+            del _RATES[id(cpu)]
+        else:
+            _RATES[id(cpu)] = before
+
+
 def test_without_lossy_nothing_is_stored_lossy():
     x, y = batch()
     for budget in (None, 30_000, 12_000):
@@ -490,37 +506,23 @@ def test_lossy_stores_fit_with_less_recompute_within_a_stated_tolerance(lossy, d
     is within `tolerance` of the float32 graph's and every parameter within `tolerance` of
     the largest change three float32 steps made to any parameter. bfloat16 keeps 8 bits of
     precision, float16 11."""
-    cpu = backends.get_device("cpu")
-    before = _RATES.get(id(cpu))
-    # NOTE: rates as measured on a quiet machine (7e-12 s a flop, 1e-10 s a cast element,
-    # 1.2e-6 s a call): on a loaded one the product probe may stall and lean to lossy stores
-    _RATES[id(cpu)] = (cpu, Rates(per_byte=4e-11, per_flop=7e-12, per_element=1e-10,
-                                  per_call=1.2e-6))
-    try:
-        lossy_stores_within(lossy, dtype, tolerance)
-    finally:
-        if before is None:
-            del _RATES[id(cpu)]
-        else:
-            _RATES[id(cpu)] = before
-
-
-def lossy_stores_within(lossy: Any, dtype: str, tolerance: float) -> None:
     x, y = batch(width=256)
     reference_model, reference_step = deep_step(depth=24, width=256)
     reference = runtime.graph(reference_step)
     expected = [reference(x, y).item() for _ in range(3)]
-    need = reference.memory_report()["planned_bytes"]
-    budget = need // 4
-    lossless = runtime.graph(deep_step(depth=24, width=256)[1], memory_budget=budget)
-    lossless(x, y)
+    budget = reference.memory_report()["planned_bytes"] // 4
     stats = StatisticsAdaptor(allocators.create("direct", "cpu"))
     model, step = deep_step(depth=24, width=256)
-    graph = runtime.graph(step, memory_budget=budget, lossy=lossy, allocator=stats)
-    got = []
-    for _ in range(3):
-        got.append(graph(x, y).item())
-        assert stats.stats()["peak_allocated_bytes"] - not_planned(graph, stats) <= budget
+    # NOTE: rates as measured on a quiet machine (7e-12 s a flop, 1e-10 s a cast element,
+    # 1.2e-6 s a call): on a loaded one the product probe may stall and lean to lossy stores
+    with cpu_rates(per_byte=4e-11, per_flop=7e-12, per_element=1e-10, per_call=1.2e-6):
+        lossless = runtime.graph(deep_step(depth=24, width=256)[1], memory_budget=budget)
+        lossless(x, y)
+        graph = runtime.graph(step, memory_budget=budget, lossy=lossy, allocator=stats)
+        got = []
+        for _ in range(3):
+            got.append(graph(x, y).item())
+            assert stats.stats()["peak_allocated_bytes"] - not_planned(graph, stats) <= budget
     report = graph.memory_report()
     assert report["lossy"] and all(s["dtype"] == dtype for s in report["lossy"])
     assert all(s["nbytes"] * 2 == math.prod(s["shape"]) * 4 for s in report["lossy"])
@@ -529,8 +531,8 @@ def lossy_stores_within(lossy: Any, dtype: str, tolerance: float) -> None:
     assert report["recompute_flops"] < lossless.memory_report()["recompute_flops"]
     assert np.allclose(got, expected, rtol=tolerance, atol=0)
     initial = [p.numpy() for p in deep_step(depth=24, width=256)[0].parameters()]
-    update = max(np.max(np.abs(b.numpy() - a)) for a, b in zip(initial,
-                                                                reference_model.parameters()))
+    update = max(np.max(np.abs(b.numpy() - a))
+                 for a, b in zip(initial, reference_model.parameters()))
     off = max(np.max(np.abs(a.numpy() - b.numpy()))
               for a, b in zip(model.parameters(), reference_model.parameters()))
     assert 0 < off <= tolerance * update  # NOTE: rounded, but within the tolerance
@@ -575,44 +577,34 @@ def test_random_programs_with_lossy_stores_fit_and_are_exact_where_nothing_is_lo
         program, plan, where, dtype):
     """With lossy allowed, any budget between the least and the unconstrained peak is met by
     the allocator's own peak; a choice that stores nothing lossy gives the unconstrained
-    results bit for bit, and one that does names only tensors of the asked dtype. (The CPU's
+    results bit for bit, and one that does names only tensors of the asked dtype and gives
+    losses within a stated tolerance (5% for bfloat16, 1% for float16). (The CPU's
     rates are set so that a cast costs little against a flop, as on large layers, so that
     the tiny programs here do choose lossy stores.)"""
-    cpu = backends.get_device("cpu")
-    before = _RATES.get(id(cpu))
-    _RATES[id(cpu)] = (cpu, Rates(per_byte=1e-10, per_flop=1e-10, per_element=1e-12,
-                                  per_call=0.0))
-    try:
-        lossy_program_under_budget(program, plan, where, dtype)
-    finally:
-        if before is None:
-            del _RATES[id(cpu)]
-        else:
-            _RATES[id(cpu)] = before
-
-
-def lossy_program_under_budget(program: Any, plan: str, where: float, dtype: str) -> None:
     batches = data(program)
     reference = runtime.graph(build(program)[1], plan=plan)
     expected = [reference(x, t).item() for x, t in batches]
     unconstrained = max(reference.timeline())
-    with pytest.raises(BudgetError) as caught:
-        runtime.graph(build(program)[1], plan=plan, memory_budget=0, lossy=dtype)(*batches[0])
-    least = caught.value.least_bytes
-    budget = least + int(where * (unconstrained - least))
     stats = StatisticsAdaptor(allocators.create("direct", "cpu"))
-    graph = runtime.graph(build(program)[1], plan=plan, allocator=stats, memory_budget=budget,
-                          lossy=dtype)
-    got = []
-    for x, t in batches:
-        got.append(graph(x, t).item())
-        assert stats.stats()["peak_allocated_bytes"] - not_planned(graph, stats) <= budget
+    with cpu_rates(per_byte=1e-10, per_flop=1e-10, per_element=1e-12, per_call=0.0):
+        with pytest.raises(BudgetError) as caught:
+            runtime.graph(build(program)[1], plan=plan, memory_budget=0,
+                          lossy=dtype)(*batches[0])
+        least = caught.value.least_bytes
+        budget = least + int(where * (unconstrained - least))
+        graph = runtime.graph(build(program)[1], plan=plan, allocator=stats,
+                              memory_budget=budget, lossy=dtype)
+        got = []
+        for x, t in batches:
+            got.append(graph(x, t).item())
+            assert stats.stats()["peak_allocated_bytes"] - not_planned(graph, stats) <= budget
     stored = graph.memory_report()["lossy"]
     assert all(s["dtype"] == dtype for s in stored)
     if not stored:
         assert got == expected
-    else:
-        assert all(np.isfinite(got)) or not all(np.isfinite(expected))
+    else:  # NOTE: a stored value keeps 8 (bfloat16) or 11 (float16) bits of precision
+        tolerance = 0.05 if dtype == "bfloat16" else 0.01
+        assert np.allclose(got, expected, rtol=tolerance, atol=tolerance, equal_nan=True)
 
 
 def test_blockrt_plan_budget_lossy_names_what_it_stored(capsys):
@@ -620,18 +612,9 @@ def test_blockrt_plan_budget_lossy_names_what_it_stored(capsys):
     lossy, how many and in which dtype; --lossy without --budget is refused."""
     from blockrt import cli
 
-    cpu = backends.get_device("cpu")
-    before = _RATES.get(id(cpu))
-    _RATES[id(cpu)] = (cpu, Rates(per_byte=4e-11, per_flop=7e-12, per_element=1e-10,
-                                  per_call=0.0))
     argv = ["plan", "--config", "D", "--batch", "16", "--width", "64", "--depth", "12"]
-    try:
+    with cpu_rates(per_byte=4e-11, per_flop=7e-12, per_element=1e-10, per_call=0.0):
         assert cli.main([*argv, "--budget", "40000", "--lossy", "float16"]) in (0, None)
-    finally:
-        if before is None:
-            del _RATES[id(cpu)]
-        else:
-            _RATES[id(cpu)] = before
     out = capsys.readouterr().out
     choice = next(line for line in out.splitlines() if line.startswith("choice: "))
     assert "stored lossy" in choice, out
