@@ -29,14 +29,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mlp_reference import blockrt_model, init_params, make_batch  # noqa: E402
-from timing import blas_name, cpu_name, interleaved_best, versions  # noqa: E402
+from timing import (  # noqa: E402
+    PRECISIONS,
+    blas_name,
+    cpu_name,
+    interleaved_best,
+    print_precision_header,
+    print_precision_row,
+    steps_per_round,
+    versions,
+)
 
 import runtime  # noqa: E402
 from allocators import format_bytes  # noqa: E402
 from blockrt.models import CONFIGS, MLPConfig  # noqa: E402
 from runtime import fastpath, nn  # noqa: E402
-
-PRECISIONS = ("float32", "float16", "bfloat16")
 
 
 def training_step(config: MLPConfig, precision: str, graph: bool) -> Callable[..., Any]:
@@ -47,14 +54,11 @@ def training_step(config: MLPConfig, precision: str, graph: bool) -> Callable[..
 
 
 def time_table(keys: list[str], rounds: int) -> None:
-    print("| config | mode | float32 (ms) | float16 (ms) | bfloat16 (ms) | float16 / float32 | "
-          "bfloat16 / float32 |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print_precision_header()
     for key in keys:
         config = CONFIGS[key]
         x, y = make_batch(config)
-        number = max(2, int(2e9 // (6 * config.batch * config.width ** 2 * (config.depth + 1)
-                                    * 50)))
+        number = steps_per_round(config)
         for graph in (False, True):
             steps = {p: training_step(config, p, graph) for p in PRECISIONS}
             data = x if graph else runtime.tensor(x)
@@ -62,9 +66,7 @@ def time_table(keys: list[str], rounds: int) -> None:
                                    for p, s in steps.items()},
                                   number, rounds)
             ms = {p: us[p] / 1e3 for p in PRECISIONS}
-            print(f"| {key} | {'static graph' if graph else 'eager'} | {ms['float32']:.2f} | "
-                  f"{ms['float16']:.2f} | {ms['bfloat16']:.2f} | "
-                  f"{ms['float16'] / ms['float32']:.2f} | {ms['bfloat16'] / ms['float32']:.2f} |")
+            print_precision_row(key, graph, ms)
 
 
 def memory_table(keys: list[str]) -> None:

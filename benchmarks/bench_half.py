@@ -31,13 +31,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
-from timing import blas_name, cpu_name, interleaved_best, versions  # noqa: E402
+from timing import (  # noqa: E402
+    PRECISIONS,
+    blas_name,
+    cpu_name,
+    interleaved_best,
+    print_precision_header,
+    print_precision_row,
+    steps_per_round,
+    versions,
+)
 
 import runtime  # noqa: E402
 from blockrt.models import CLASSES, CONFIGS, MLPConfig  # noqa: E402
 from runtime import fastpath, nn, ops  # noqa: E402
-
-DTYPES = ("float32", "float16", "bfloat16")
 
 
 def training_step(config: MLPConfig, dtype: str, graph: bool) -> Callable[[], Any]:
@@ -95,23 +102,18 @@ def main() -> None:
           f"{os.environ['OPENBLAS_NUM_THREADS']} BLAS thread(s); C fast path "
           f"{'on' if fastpath.ACCELERATED else 'off'}; 1-minute load {os.getloadavg()[0]:.2f}")
     print()
-    print("| config | mode | float32 (ms) | float16 (ms) | bfloat16 (ms) | float16 / float32 | "
-          "bfloat16 / float32 |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print_precision_header()
     split = []
     for key in args.configs.split(","):
         config = CONFIGS[key]
-        number = max(2, int(2e9 // (6 * config.batch * config.width ** 2 * (config.depth + 1)
-                                    * 50)))
+        number = steps_per_round(config)
         for graph in (False, True):
-            steps = {dtype: training_step(config, dtype, graph) for dtype in DTYPES}
+            steps = {dtype: training_step(config, dtype, graph) for dtype in PRECISIONS}
             if args.split and not graph:
                 steps["python"] = on_python_path(training_step(config, "float32", graph))
             us = interleaved_best(steps, number, args.rounds)
             ms = {dtype: us[dtype] / 1e3 for dtype in steps}
-            print(f"| {key} | {'static graph' if graph else 'eager'} | {ms['float32']:.2f} | "
-                  f"{ms['float16']:.2f} | {ms['bfloat16']:.2f} | "
-                  f"{ms['float16'] / ms['float32']:.2f} | {ms['bfloat16'] / ms['float32']:.2f} |")
+            print_precision_row(key, graph, ms)
             if "python" in ms:
                 split.append(f"| {key} | {ms['float32']:.2f} | {ms['python']:.2f} | "
                              f"{ms['python'] / ms['float32']:.2f} | "
@@ -119,7 +121,8 @@ def main() -> None:
                              f"{ms['bfloat16'] / ms['python']:.2f} |")
     if split:
         print()
-        print("Eager, split: float32 with its elementwise ops on the Python path (as halves' are)")
+        print("Eager, split: float32 with its elementwise ops on the Python path (where half ops "
+              "went before the C fast path took them)")
         print()
         print("| config | float32 (ms) | float32, Python path (ms) | Python path / float32 | "
               "float16 / Python path | bfloat16 / Python path |")

@@ -104,3 +104,25 @@ def interleaved_best(contenders: dict[str, Callable[[], object]], number: int,
         return lambda: timeit.timeit(fn, number=number) / number * 1e6
 
     return interleaved_min({name: per_call(fn) for name, fn in contenders.items()}, rounds)
+
+
+# --- the float32 / float16 / bfloat16 step table (bench_half, bench_amp) ------------------------
+PRECISIONS = ("float32", "float16", "bfloat16")
+
+
+def steps_per_round(config: Any) -> int:
+    """Steps of an MLP config in one timed round: about 40 ms of work at 50 GFLOP/s, at least 2."""
+    return max(2, int(2e9 // (6 * config.batch * config.width ** 2 * (config.depth + 1) * 50)))
+
+
+def print_precision_header() -> None:
+    print("| config | mode | float32 (ms) | float16 (ms) | bfloat16 (ms) | float16 / float32 | "
+          "bfloat16 / float32 |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+
+
+def print_precision_row(key: str, graph: bool, ms: dict[str, float]) -> None:
+    """One row: the step in each of `PRECISIONS` (ms) and the halves' ratios to float32."""
+    print(f"| {key} | {'static graph' if graph else 'eager'} | {ms['float32']:.2f} | "
+          f"{ms['float16']:.2f} | {ms['bfloat16']:.2f} | "
+          f"{ms['float16'] / ms['float32']:.2f} | {ms['bfloat16'] / ms['float32']:.2f} |")
