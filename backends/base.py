@@ -148,6 +148,7 @@ class Device:
             itself marks read-only for kernels; False when it gives ordinary memory.
         gemm_accumulates: True when `gemm(a, b, out, alpha, beta)` runs as one product
             (BLAS-style), False when it is emulated with scratch.
+        half_kernels: True when the kernels take float16 / bfloat16 views themselves.
 
     Example:
         >>> import backends
@@ -167,6 +168,11 @@ class Device:
     #: True where `gemm` accumulates into its output in the product itself (BLAS's beta), so a
     #: graph can fold an update such as w -= lr * (a @ b) into the product and save a pass.
     gemm_accumulates: bool = False
+    #: True where every kernel loads two-byte operands (HALVES) itself, computes in float32 and
+    #: rounds a two-byte output once as it stores (Note [two-byte floats compute in float32]):
+    #: products and reductions then run on the halves directly, and `_in_float32` widens no
+    #: input (only a two-byte output of a float32-only kernel goes through float32 scratch).
+    half_kernels: bool = False
     #: Kernels by name for the runtime's eager fast path (Note [the eager fast path] in
     #: runtime/fastpath.py): each elementwise one called as kernel(*input_views, out_view) with
     #: inputs that it broadcasts itself, "sum" and "mean" as kernel(x, out, axes, keepdims);
@@ -267,7 +273,7 @@ class Device:
 
     def matmul(self, a: Any, b: Any, out: Any) -> None:
         """out = a @ b for 2-D (or batched N-D) views; out never overlaps a or b."""
-        if out.dtype in HALVES:
+        if out.dtype in HALVES and not self.half_kernels:
             return self._in_float32(self._matmul, (a, b), (out,))
         self._matmul(a, b, out)
 
@@ -281,7 +287,7 @@ class Device:
         beta 0 the old contents of out are not read. Where `gemm_accumulates` is True this is
         one BLAS-style product that rounds once; otherwise a product into scratch and a fused
         elementwise pass (the same result up to rounding)."""
-        if out.dtype in HALVES:
+        if out.dtype in HALVES and not self.half_kernels:
             return self._in_float32(lambda a, b, o: self._gemm(a, b, o, float(alpha),
                                                                float(beta)),
                                     (a, b), (out,), read=beta != 0)
@@ -299,7 +305,7 @@ class Device:
         """out = sum or mean of x over `axis` (None: all axes); out never overlaps x."""
         if name not in REDUCE_KERNELS:
             raise ValueError(f"unknown reduction {name!r}; known: {', '.join(REDUCE_KERNELS)}")
-        if out.dtype in HALVES:
+        if out.dtype in HALVES and not self.half_kernels:
             return self._in_float32(lambda x, o: self._reduce(name, x, axis, keepdims, o), (x,),
                                     (out,))
         self._reduce(name, x, axis, keepdims, out)
@@ -338,7 +344,7 @@ class Device:
         other operands (None, integer labels) as they are."""
         wide = []
         for x in inputs:
-            if _half(x):
+            if _half(x) and not self.half_kernels:
                 x = self._widened(x)
             elif isinstance(x, np.generic) and x.dtype in HALVES:
                 x = np.float32(x)

@@ -52,7 +52,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from backends.base import HALVES, REDUCE_KERNELS, BackendUnavailableError, Device
+from backends.base import HALVES, BackendUnavailableError, Device
 
 try:
     import pyopencl as cl
@@ -295,43 +295,15 @@ class OpenCLDevice(Device):
 
     # ----------------------------------------------------------------- two-byte floats
     # NOTE: Note [two-byte floats compute in float32] in backends/base.py, with no widened
-    # copies: these kernels load float16 / bfloat16 straight into float and round once as they
-    # store (`Device._in_float32`'s bits), so the half case skips it; linear and cross_entropy
-    # go through this device's `_in_float32`, which widens no input.
+    # copies (`half_kernels`): these kernels load float16 / bfloat16 straight into float and
+    # round once as they store (`Device._in_float32`'s bits); linear and cross_entropy's
+    # two-byte outputs go through float32 scratch, their inputs are read as they are.
+    half_kernels = True
+
     def _half_elementwise(self, name: str, operands: Sequence[Any], out: Any) -> bool:
         expr = (_UNARY if len(operands) == 1 else _BINARY)[name]
         self._elementwise(name, expr, list(operands), out, "float")
         return True
-
-    def matmul(self, a: Any, b: Any, out: Any) -> None:
-        self._product(a, b, out, 1.0, 0.0)
-
-    def gemm(self, a: Any, b: Any, out: Any, alpha: float = 1.0, beta: float = 0.0) -> None:
-        self._product(a, b, out, float(alpha), float(beta))
-
-    def reduce(self, name: str, x: Any, axis: tuple[int, ...] | None, keepdims: bool,
-               out: Any) -> None:
-        if out.dtype in HALVES and name in REDUCE_KERNELS:
-            self._reduce(name, x, axis, keepdims, out)
-        else:
-            super().reduce(name, x, axis, keepdims, out)
-
-    def _in_float32(self, kernel, inputs, outs, read: bool = False) -> None:
-        """`Device._in_float32` with no widened inputs (every kernel here loads a half operand
-        itself): only a half output is computed in float32 scratch and rounded once, as
-        linear's product-and-bias and cross_entropy's outputs need; `read`: its old contents
-        are widened into the scratch first."""
-        inputs = [np.float32(x) if isinstance(x, np.generic) and x.dtype in HALVES else x
-                  for x in inputs]
-        targets = [self.scratch(tuple(o.shape), np.float32) if o.dtype in HALVES else o
-                   for o in outs]
-        for target, o in zip(targets, outs):
-            if read and target is not o:
-                self._cast(o, target)
-        kernel(*inputs, *targets)
-        for target, o in zip(targets, outs):
-            if target is not o:
-                self._cast(target, o)
 
     # ----------------------------------------------------------------- memory
     def _raw_alloc(self, nbytes: int) -> _Raw:

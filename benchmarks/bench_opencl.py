@@ -150,14 +150,13 @@ def allocation_table(device: backends.Device, rounds: int, number: int) -> None:
 
 def widened_halves() -> backends.Device:
     """A new OpenCL device that computes float16 and bfloat16 as before the native half
-    kernels: `Device`'s own public kernels and `_in_float32` (each half operand widened into
+    kernels: `half_kernels` off and `Device`'s `_half_elementwise` (each half operand widened into
     float32 scratch, the float32 kernel, the result narrowed), fused half chains in the blocked
     default (those kernels again, block by block)."""
     from backends.opencl import OpenCLDevice
 
     class Widened(OpenCLDevice):
-        unary, binary, reduce = Device.unary, Device.binary, Device.reduce
-        matmul, gemm, _in_float32 = Device.matmul, Device.gemm, Device._in_float32
+        half_kernels = False
         _half_elementwise = Device._half_elementwise
 
         def _fused(self, program, inputs, out) -> None:

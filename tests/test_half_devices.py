@@ -42,12 +42,11 @@ def dev() -> OpenCLDevice:
 
 
 class Widened(OpenCLDevice):
-    """The device as it computed the two-byte floats before its half kernels: `Device`'s own
-    public kernels and `_in_float32` (each half operand widened into float32 scratch by a cast
-    kernel, the float32 kernel, the result narrowed by another)."""
+    """The device as it computed the two-byte floats before its half kernels: `half_kernels`
+    off and `Device`'s `_half_elementwise` (each half operand widened into float32 scratch by
+    a cast kernel, the float32 kernel, the result narrowed by another)."""
 
-    unary, binary, reduce = Device.unary, Device.binary, Device.reduce
-    matmul, gemm, _in_float32 = Device.matmul, Device.gemm, Device._in_float32
+    half_kernels = False
     _half_elementwise = Device._half_elementwise
 
 
