@@ -273,10 +273,14 @@ class Allocator(AllocatorState):
         Bytes (current and peak): allocated (handed out, after rounding), requested (as asked),
         reserved (held from the device), cached (reserved but free). Counts: num_allocs,
         num_frees, cache_hits (allocations served without new device memory), cache_misses,
-        num_ooms, active_allocations. Ratios: hit_rate = cache_hits / num_allocs, and
-        fragmentation = 1 - largest free block / cached bytes (0 when nothing is cached).
+        num_ooms, active_allocations (a free pending on other queues counts as active until
+        their events complete; the snapshot first takes back those that have). Ratios:
+        hit_rate = cache_hits / num_allocs, and fragmentation = 1 - largest free block / cached
+        bytes (0 when nothing is cached).
         """
         with self._lock:
+            if self._pending:  # NOTE: a free whose queues have finished is done, not active
+                self._collect_pending(wait=False)
             snapshot: dict[str, int | float] = self._counters
             largest = self._largest_free_block()
         snapshot["cache_hits"] = snapshot["num_allocs"] - snapshot["cache_misses"]

@@ -186,6 +186,9 @@ class CudaDevice(Device):
         try:
             with self.cuda_device:
                 return cp.cuda.Memory(nbytes)
+        except OverflowError as exc:  # NOTE: CuPy takes a size_t: 2**64 bytes cannot be asked
+            raise MemoryError(f"cudaMalloc of {nbytes} bytes is impossible on {self.name}: more "
+                              f"than a size_t holds") from exc
         except cp.cuda.runtime.CUDARuntimeError as exc:
             if getattr(exc, "status", None) != _ERROR_MEMORY_ALLOCATION:
                 raise
