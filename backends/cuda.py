@@ -28,15 +28,20 @@ current stream for the memory it lends.
 from __future__ import annotations
 
 import functools
+import re
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from backends.base import BackendUnavailableError, Device
 
 _ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_F32 = np.dtype("float32")
+_F64 = np.dtype("float64")
 
 
 def _cupy() -> Any:
@@ -49,11 +54,18 @@ def _cupy() -> Any:
     return cupy
 
 
+#: NVRTC options of blockrt's own kernels: no contraction of a product and a sum into one
+#: rounding (an FMA), so each step of a formula rounds as an IEEE operation, as on the CPU, and
+#: a fused chain gives its links' own bits (Note [one formula on every backend] in
+#: backends/base.py)
+_NO_FMA = ("--fmad=false",)
+
+
 @functools.cache
 def _kernels() -> dict[str, Any]:
     """The fused elementwise kernels, compiled by CuPy on first use."""
     cp = _cupy()
-    kernel = cp.ElementwiseKernel
+    kernel = functools.partial(cp.ElementwiseKernel, options=_NO_FMA)
     # NOTE: the NumPy device's formulas: Note [one formula on every backend] in backends/base.py
     return {
         "sigmoid": kernel("T x", "T y", "y = (T)0.5 * tanh((T)0.5 * x) + (T)0.5",
@@ -64,12 +76,77 @@ def _kernels() -> dict[str, Any]:
                                    "blockrt_sigmoid_backward"),
         "relu_backward": kernel("T g, T y", "T out", "out = g * (T)(y > (T)0)",
                                 "blockrt_relu_backward"),
+        # NOTE: np.maximum(x, 0): NaN passes with its bits, -0.0 stays -0.0 (CuPy's maximum
+        # gives a canonical NaN)
+        "relu": kernel("T x", "T y", "y = (x >= (T)0 || isnan(x)) ? x : (T)0", "blockrt_relu"),
         "where_finite": kernel("T a, T b", "T out", "out = isfinite(a) ? a : b",
                                "blockrt_where_finite"),
         "cross_entropy_backward": kernel(
             "T p, L label, T g, L col", "T out", "out = (p - (T)(col == label)) * g",
             "blockrt_cross_entropy_backward"),
     }
+
+
+@functools.cache
+def has_bfloat16() -> bool:
+    """Whether this CuPy stores ml_dtypes' bfloat16 (CuPy 14 and newer, with ml_dtypes
+    installed): arrays, casts and kernels of it. Older CuPy refuses the dtype."""
+    cp = _cupy()
+    try:
+        cp.ndarray((0,), _BF16)
+    except (TypeError, ValueError, NotImplementedError):
+        return False
+    return True
+
+
+#: Each elementwise formula on float operands `a` and `b` (Note [one formula on every backend] in
+#: backends/base.py), for the half kernels: the float32 kernel's own expression, so the two
+#: compile alike (NVRTC's contraction of `a * b + c` included)
+_FLOAT_FORMULAS = {
+    "neg": "-a", "exp": "exp(a)", "log": "log(a)", "tanh": "tanh(a)",
+    "sigmoid": "0.5f * tanh(0.5f * a) + 0.5f", "relu": "(a >= 0.0f || isnan(a)) ? a : 0.0f",
+    "sqrt": "sqrt(a)",
+    "add": "a + b", "sub": "a - b", "mul": "a * b", "div": "a / b",
+    "tanh_backward": "a * (1.0f - b * b)", "sigmoid_backward": "a * ((1.0f - b) * b)",
+    "relu_backward": "a * (float)(b > 0.0f)", "where_finite": "isfinite(a) ? a : b",
+}
+
+
+@functools.cache
+def _half_kernel(name: str, numbers: tuple[bool, ...]) -> Any:
+    """The elementwise kernel `name` for a float16 or bfloat16 output: operands (half or float32
+    arrays; a number where `numbers` says so, typed float32, since a number cannot decide a
+    type placeholder) loaded into float, the float32 formula, one rounding as it stores
+    (Note [two-byte floats compute in float32] in backends/base.py)."""
+    names, types = ("a", "b")[:len(numbers)], ("A", "B")
+    params = ", ".join(f"{'float32' if number else kind} {n}_"
+                       for n, kind, number in zip(names, types, numbers))
+    load = " ".join(f"float {n} = (float){n}_;" for n in names)
+    return _cupy().ElementwiseKernel(params, "H out", f"{load} out = (H)({_FLOAT_FORMULAS[name]})",
+                                     f"blockrt_half_{name}", options=_NO_FMA)
+
+
+@functools.cache
+def _chain_kernel(program: tuple) -> tuple[Any, list[str]]:
+    """One kernel for a fused chain whose inputs, links and output share one dtype T (float32
+    or float64), and the names of its parameters in order: link i is `T v<i> = <its formula>`
+    in registers; input k is `i<k>`, number k `n<k>` (typed T, as the ops pass numbers);
+    compiled without contraction, so each link rounds as its own kernel does. `program`:
+    ((name, ((kind, ref), ...)), ...), numbers' refs being their positions."""
+    params: list[str] = []
+    body = []
+    for i, (name, args) in enumerate(program):
+        formula = _FLOAT_FORMULAS[name]
+        for letter, (kind, ref) in zip("ab", args):
+            operand = f"v{ref}" if kind == "link" else f"{kind[0]}{ref}"
+            if kind != "link" and operand not in params:
+                params.append(operand)
+            formula = re.sub(rf"\b{letter}\b", operand, formula)
+        body.append(f"T v{i} = {formula};")
+    body.append(f"out = v{len(program) - 1};")
+    kernel = _cupy().ElementwiseKernel(", ".join(f"T {p}" for p in params), "T out",
+                                       " ".join(body), "blockrt_chain", options=_NO_FMA)
+    return kernel, params
 
 
 def _on_stream(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -214,7 +291,11 @@ class CudaDevice(Device):
         return host
 
     def _array_view(self, raw, offset, shape, dtype, strides) -> Any:
-        return _cupy().ndarray(shape, dtype, memptr=self._pointer(raw, offset), strides=strides)
+        cp = _cupy()
+        if np.dtype(dtype) == _BF16 and not has_bfloat16():
+            raise TypeError(f"{self.name}: CuPy {cp.__version__} has no bfloat16 (CuPy 14 or "
+                            f"newer with ml_dtypes stores it); use float16 or float32 on CUDA")
+        return cp.ndarray(shape, dtype, memptr=self._pointer(raw, offset), strides=strides)
 
     def _address(self, raw: Any) -> int:
         return int(raw.ptr)
@@ -226,10 +307,8 @@ class CudaDevice(Device):
     @_on_stream
     def _unary(self, name, x, out) -> None:
         cp = _cupy()
-        if name == "sigmoid":
-            _kernels()["sigmoid"](x, out)
-        elif name == "relu":
-            cp.maximum(x, 0, out=out)
+        if name in ("sigmoid", "relu"):
+            _kernels()[name](x, out)
         elif name == "copy":
             cp.copyto(out, x)
         else:
@@ -245,8 +324,59 @@ class CudaDevice(Device):
             ufunc[name](a, b, out=out)
 
     @_on_stream
+    def _half_elementwise(self, name, operands, out) -> bool:
+        # NOTE: one kernel, no widened copies: Note [two-byte floats compute in float32] in
+        # backends/base.py
+        if name not in _FLOAT_FORMULAS:
+            return False
+        cp = _cupy()
+        args = []
+        for x in operands:  # NOTE: ops give them out's dtype; a float32 one is read as such
+            if isinstance(x, cp.ndarray):
+                if x.dtype not in (out.dtype, _F32):
+                    return False
+            elif isinstance(x, (int, float, np.floating, np.integer)):
+                x = np.float32(x)  # NOTE: a number meets the formula as float32
+            else:
+                return False
+            args.append(x)
+        numbers = tuple(isinstance(x, np.float32) for x in args)
+        _half_kernel(name, numbers)(*args, out)
+        return True
+
+    def _fused(self, program, inputs, out) -> None:
+        """A chain of one float dtype (float32 or float64) as one kernel (`_chain_kernel`),
+        so nothing but the inputs and `out` touches memory: the default's row blocks are
+        64 KiB, a launch each per link, far too small for a GPU. Other chains (two-byte floats,
+        mixed dtypes) run the default."""
+        dtypes = {np.dtype(d) for _, _, d in program} | {x.dtype for x in inputs} | {out.dtype}
+        if (len(dtypes) != 1 or out.dtype not in (_F32, _F64)
+                or any(name not in _FLOAT_FORMULAS for name, _, _ in program)):
+            super()._fused(program, inputs, out)
+            return
+        values: dict[str, Any] = {}
+        shape, numbers = [], 0
+        for name, args, _ in program:
+            refs = []
+            for kind, ref in args:
+                if kind == "number":
+                    values[f"n{numbers}"] = out.dtype.type(ref)
+                    ref, numbers = numbers, numbers + 1
+                elif kind == "input":
+                    values[f"i{ref}"] = inputs[ref]
+                refs.append((kind, ref))
+            shape.append((name, tuple(refs)))
+        kernel, params = _chain_kernel(tuple(shape))
+        with self.cuda_device, self.stream:
+            kernel(*(values[p] for p in params), out)
+
+    @_on_stream
     def _cast(self, x, out) -> None:
-        out[...] = x  # NOTE: runtime.ops.cast allowed only exact or IEEE conversions
+        # NOTE: runtime.ops.cast allowed only exact or IEEE conversions; float64 goes to
+        # bfloat16 through float32, as ml_dtypes does (one rounding each)
+        if out.dtype == _BF16 and x.dtype == _F64:
+            x = x.astype(_F32)
+        out[...] = x
 
     @_on_stream
     def _matmul(self, a, b, out) -> None:

@@ -156,9 +156,11 @@ def _share_host(native: np.ndarray, handle: Any) -> np.ndarray:
 def _share_cuda(native: Any, handle: Any) -> Any:
     from backends.cuda import _cupy
 
-    interface = dict(native.__cuda_array_interface__)
+    bfloat16 = native.dtype == BFLOAT16  # NOTE: the interface's typestr has no bfloat16: "<V2"
+    interface = dict((native.view(np.uint16) if bfloat16 else native).__cuda_array_interface__)
     interface.pop("stream", None)  # NOTE: the export runs on the device's stream already
-    return _cupy().asarray(_Export("__cuda_array_interface__", interface, handle, handle.block))
+    shared = _cupy().asarray(_Export("__cuda_array_interface__", interface, handle, handle.block))
+    return shared.view(BFLOAT16) if bfloat16 else shared
 
 
 def _check_exportable(tensor: Any, max_version: Any, copy: Any) -> bool | None:
@@ -226,11 +228,16 @@ def export(tensor: Any, stream: Any = None, max_version: tuple[int, int] | None 
                "copy": copy}
     options = {key: value for key, value in options.items() if value is not None}
     if device_type == KDL_CUDA:
-        if native.dtype == BFLOAT16:
-            raise BufferError("__dlpack__: bfloat16 tensors on CUDA cannot be exported: CuPy "
-                              "has no bfloat16; export ops.cast(t, 'float32')")
         with tensor.device.cuda_device, tensor.device.stream:
-            return _share_cuda(native, tensor.detach()).__dlpack__(**options)
+            shared = _share_cuda(native, tensor.detach())
+            try:
+                return shared.__dlpack__(**options)
+            except (TypeError, ValueError, NotImplementedError) as exc:
+                if native.dtype != BFLOAT16:
+                    raise
+                # NOTE: CuPy exports bfloat16 from version 14 (with ml_dtypes)
+                raise BufferError(f"__dlpack__: bfloat16 tensors on CUDA cannot be exported "
+                                  f"by this CuPy ({exc}); export ops.cast(t, 'float32')") from exc
     if native.dtype == BFLOAT16:  # Note [bfloat16 through DLPack]
         shared = _share_host(native.view(np.uint16), tensor.detach())
         return _retyped(shared.__dlpack__(**options), (_KDL_UINT, 16), (_KDL_BFLOAT, 16))

@@ -407,7 +407,10 @@ def test_moves_to_host_memory_fit_the_budget_bit_for_bit(kind: str):
     reference = runtime.graph(reference_step, device=device)
     expected = [reference(x, y).item() for _ in range(3)]
     need = reference.memory_report()["planned_bytes"]
-    for budget in (need * 8 // 10, need // 2, need // 3):
+    with forced_rates(device, per_byte=1e-12, per_flop=1e-9, per_element=0.0, per_call=0.0):
+        with pytest.raises(runtime.BudgetError) as refused:  # NOTE: the least, alignment's
+            runtime.graph(on_device()[1], device=device, memory_budget=1)(x, y)
+    for budget in (need * 8 // 10, need // 2, max(need // 3, refused.value.least_bytes)):
         with forced_rates(device, per_byte=1e-12, per_flop=1e-9, per_element=0.0,
                           per_call=0.0):
             report = equal_under_budget(on_device, device, budget, (x, y), expected,

@@ -278,6 +278,108 @@ def test_float16_computes_in_float32_and_rounds_once(gpu, name):
         np.testing.assert_array_equal(on_cpu.view(np.uint16), got.view(np.uint16))
 
 
+HALF_NAMES = [n for n in UNARY_KERNELS if n != "copy"] + list(BINARY_KERNELS)
+EDGES = [0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65520.0, 6e-8, 1e-40, 3.3e38, -2.5]
+
+
+@needs_cuda
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", HALF_NAMES)
+def test_half_kernels_equal_the_widened_path_bit_for_bit(gpu, name, half):
+    """CUDA's half kernels (`_half_elementwise`: halves loaded into float, the float32 formula,
+    one rounding) give what `Device._in_float32` gives on the same GPU (widened float32 copies,
+    the float32 kernel, a rounding cast), bit for bit: edge values, a transposed operand, a
+    broadcast one, a float32 one and a number."""
+    from backends.cuda import has_bfloat16
+
+    if half == "bfloat16" and not has_bfloat16():
+        pytest.skip("this CuPy has no bfloat16 (CuPy 14 or newer with ml_dtypes stores it)")
+    dtype = np.dtype(runtime.dtypes.BFLOAT16 if half == "bfloat16" else half)
+    rng = np.random.default_rng(11)
+    a = rng.normal(0, 3, (7, 33)).astype(np.float32)
+    a.flat[:len(EDGES)] = EDGES
+    b = rng.normal(0, 3, (33, 7)).astype(np.float32).T  # transposed
+    b.flat[-len(EDGES):] = EDGES[::-1]
+    if name in ("log", "sqrt"):
+        a = np.abs(a)
+    with np.errstate(over="ignore"):  # NOTE: 3.3e38 is an infinity in float16
+        a16, b16 = a.astype(dtype), np.ascontiguousarray(b.T).astype(dtype)
+    x, y = _on(gpu, a16), _on(gpu, b16).T
+    broadcast = gpu.array_view(_raw_on(gpu, a16[:1].copy()), 0, a.shape, dtype,
+                               (0, dtype.itemsize))
+    unary = name in UNARY_KERNELS
+    cases = [(x,)] if unary else [(x, y), (x, broadcast), (x, _on(gpu, b)), (x, np.float32(0.3))]
+    for operands in cases:
+        got, want = _empty(gpu, a.shape, dtype), _empty(gpu, a.shape, dtype)
+        kernel = gpu.unary if unary else gpu.binary
+        kernel(name, *operands, got)
+        hook = gpu._unary if unary else gpu._binary
+        gpu._in_float32(lambda *args, hook=hook: hook(name, *args), operands, (want,))
+        np.testing.assert_array_equal(gpu.to_host(got).view(np.uint16),
+                                      gpu.to_host(want).view(np.uint16))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_a_fused_chain_is_one_kernel_with_its_links_own_bits(gpu, dtype):
+    """A float32 / float64 chain compiles into one kernel (`_chain_kernel`), without contracting
+    a link's product into the next link's sum, so it gives the kernels' own results one by one
+    bit for bit: products then sums, the activations and their derivatives, numbers."""
+    rng = np.random.default_rng(3)
+    a, b = (rng.normal(0, 2, (257, 129)).astype(dtype) for _ in range(2))
+    program = [("mul", (("input", 0), ("input", 1)), dtype),
+               ("add", (("link", 0), ("number", 0.1)), dtype),
+               ("sigmoid", (("link", 1),), dtype),
+               ("tanh_backward", (("input", 0), ("link", 2)), dtype),
+               ("sub", (("link", 3), ("link", 0)), dtype),
+               ("relu", (("link", 4),), dtype),
+               ("mul", (("link", 5), ("number", 3.0)), dtype)]
+    x, y = _on(gpu, a), _on(gpu, b)
+    got = _empty(gpu, a.shape, dtype)
+    gpu.fused(program, [x, y], got)
+    links = []
+    for name, args, _ in program:
+        operands = [x if (kind, ref) == ("input", 0) else y if kind == "input" else
+                    links[ref] if kind == "link" else np.dtype(dtype).type(ref)
+                    for kind, ref in args]
+        result = _empty(gpu, a.shape, dtype)
+        (gpu.unary if len(operands) == 1 else gpu.binary)(name, *operands, result)
+        links.append(result)
+    bits = np.uint32 if dtype == np.float32 else np.uint64
+    np.testing.assert_array_equal(gpu.to_host(got).view(bits), gpu.to_host(links[-1]).view(bits))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", runtime.dtypes.DTYPES, ids=str)
+def test_every_dtype_round_trips_through_pytorch_on_cuda(gpu, dtype):
+    """DLPack both ways with PyTorch's CUDA tensors, every storage dtype (bfloat16 included
+    where this CuPy stores it): no copy, writes seen on both sides."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("this PyTorch has no CUDA")
+    from backends.cuda import has_bfloat16
+
+    dtype = np.dtype(dtype)
+    if dtype == runtime.dtypes.BFLOAT16 and not has_bfloat16():
+        pytest.skip("this CuPy has no bfloat16 (CuPy 14 or newer with ml_dtypes stores it)")
+    host = (np.arange(12).reshape(3, 4) % 7).astype(dtype)
+    t = runtime.tensor(host, device=gpu)
+    theirs = torch.from_dlpack(t)
+    assert theirs.is_cuda and theirs.data_ptr() == t.block.memory_for_read().ptr
+    assert str(theirs.dtype).removeprefix("torch.") == (
+        "bool" if dtype == np.bool_ else str(dtype))
+    np.testing.assert_array_equal(theirs.cpu().float().numpy(), host.astype(np.float32))
+    back = runtime.from_dlpack(theirs)
+    assert back.dtype == dtype and back.device.name.startswith("cuda")
+    # NOTE: written as bytes: PyTorch's CUDA kernels do not fill every dtype (uint32, uint64)
+    value = np.array([1 if dtype != np.bool_ else not bool(host[0, 1])], dtype)
+    size = dtype.itemsize
+    theirs.view(torch.uint8)[0, size:2 * size] = torch.as_tensor(value.view(np.uint8),
+                                                                 device=theirs.device)
+    torch.cuda.synchronize()
+    assert t.numpy()[0, 1] == back.numpy()[0, 1] == value[0]
+
+
 # ---------------------------------------------------------------------- queue-ordered reuse
 #: Waits until the host sets *flag (managed memory), then writes v into x[0:n] (one block).
 LATE = r"""
