@@ -53,9 +53,11 @@ from mlp_reference import LR, MLPConfig, init_params, make_batch, make_torch
 from timing import blas_name, cpu_name, interleaved_min, versions
 
 import allocators
+import backends
 import runtime
 from allocators import StatisticsAdaptor, format_bytes
 from blockrt.models import CONFIGS as MODELS
+from runtime.graph.budget import rates
 
 CONFIGS = {"D": MODELS["D"], "DW": MLPConfig(batch=64, width=512, depth=128)}
 QUICK = {"D": MLPConfig(16, 32, 16), "DW": MLPConfig(16, 64, 24)}
@@ -81,10 +83,14 @@ class Point:
 
 
 # ---------------------------------------------------------------------- blockrt
+#: where blockrt's graphs run (--device); the PyTorch peers run on the CPU
+DEVICE = "cpu"
+
+
 def blockrt_graph(config: MLPConfig, **options: Any) -> tuple[runtime.Graph, StatisticsAdaptor]:
-    """bench_graph's static training graph, on an allocator that measures its peak."""
-    stats = StatisticsAdaptor(allocators.create("direct", "cpu"))
-    return training_graph(config, allocator=stats, **options), stats
+    """bench_graph's static training graph on DEVICE, on an allocator that measures its peak."""
+    stats = StatisticsAdaptor(allocators.create("direct", DEVICE))
+    return training_graph(config, device=stats.device, allocator=stats, **options), stats
 
 
 def measured_peak(graph: runtime.Graph, stats: StatisticsAdaptor) -> int:
@@ -161,8 +167,8 @@ def blockrt_points(config: MLPConfig, x: np.ndarray, y: np.ndarray) -> list[Poin
     except runtime.BudgetError as error:
         least = error.least_bytes
     top = full["planned_bytes"]
-    budgets = sorted({int(top * (least / top) ** (i / (POINTS - 1))) for i in range(POINTS)},
-                     reverse=True)
+    budgets = sorted({max(least, round(top * (least / top) ** (i / (POINTS - 1))))
+                      for i in range(POINTS)}, reverse=True)
     goal = eightfold(config, full["activation_bytes"], least, top, x, y)
     budgets.append(goal)
     points += [budget_point(config, budget, x, y) for budget in sorted(set(budgets),
@@ -445,11 +451,23 @@ def main() -> None:
                         help="leave out the PyTorch peers (a quick run of blockrt's points)")
     parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__),
                                                         "budget_pareto.png"))
+    parser.add_argument("--device", default="cpu",
+                        help="where blockrt's graphs run (a GPU: with --blockrt-only)")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
     table = QUICK if args.quick else CONFIGS
     rounds = args.rounds or (2 if args.quick else 7)
-    print(f"memory budgets on {cpu_name()}; {versions()}; products on {blas_name()}; 1-minute "
-          f"load average {os.getloadavg()[0]:.2f} at the start")
+    device = backends.get_device(DEVICE)
+    where = f"{device.name}" if DEVICE != "cpu" else f"{cpu_name()}; products on {blas_name()}"
+    print(f"memory budgets on {where}; {versions()}; 1-minute load average "
+          f"{os.getloadavg()[0]:.2f} at the start")
+    if not device.host_memory:
+        measured = rates(device)
+        print(f"measured rates on {device.name}: {measured.per_byte * 1e12:.3g} ps per byte "
+              f"moved, {measured.per_flop * 1e12:.3g} ps per flop, "
+              f"{measured.per_element * 1e12:.3g} ps per element cast, "
+              f"{measured.per_call * 1e6:.3g} us per call")
     results = {}
     for name in args.configs.split(","):
         config = table[name]

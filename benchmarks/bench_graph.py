@@ -50,10 +50,11 @@ QUICK = {"S": MLPConfig(16, 32, 8), "M": MLPConfig(32, 64, 4), "L": MLPConfig(64
 VARIANTS = (("none", None), ("recycle", None), ("static", None), ("static", "sqrt"))
 
 
-def training_graph(config: MLPConfig, plan: str = "static", **options: Any) -> runtime.Graph:
-    """blockrt's model with the reference weights, its SGD step captured under `plan` (and
-    `runtime.graph`'s other `options`)."""
-    model, opt, _ = blockrt_model(init_params(config))
+def training_graph(config: MLPConfig, plan: str = "static", device: Any = None,
+                   **options: Any) -> runtime.Graph:
+    """blockrt's model with the reference weights on `device`, its SGD step captured under
+    `plan` (and `runtime.graph`'s other `options`)."""
+    model, opt, _ = blockrt_model(init_params(config), device=device)
     return runtime.graph(nn.train_step(model, opt), plan=plan, **options)
 
 

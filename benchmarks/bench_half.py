@@ -13,7 +13,10 @@ With --split, eager mode also times float32 with the elementwise ops on their Py
 takes, since the C fast path (runtime/_dispatch.c) takes float32 and float64 only. Its ratio to
 float32 is the part of the half step's cost that is the runtime's dispatch, not the rule.
 
+On a device with a queue (--device cuda) each round ends with the device's synchronize.
+
 Run: .venv/bin/python benchmarks/bench_half.py [--configs S,M] [--rounds 7] [--split]
+     [--device cuda]
 """
 
 from __future__ import annotations
@@ -42,24 +45,27 @@ from timing import (  # noqa: E402
     versions,
 )
 
+import backends  # noqa: E402
 import runtime  # noqa: E402
 from blockrt.models import CLASSES, CONFIGS, MLPConfig  # noqa: E402
 from runtime import fastpath, nn, ops  # noqa: E402
 
 
-def training_step(config: MLPConfig, dtype: str, graph: bool) -> Callable[[], Any]:
+def training_step(config: MLPConfig, dtype: str, graph: bool,
+                  device: Any = None) -> Callable[[], Any]:
     """One SGD step of the config's MLP with every tensor in `dtype` (the same seeds)."""
     rng = np.random.default_rng(0)
     widths = [config.width] * (config.depth + 1) + [CLASSES]
     layers: list[Any] = []
     for i in range(config.depth + 1):
-        layers.append(nn.Dense(widths[i], widths[i + 1], dtype=dtype, rng=i))
+        layers.append(nn.Dense(widths[i], widths[i + 1], dtype=dtype, rng=i, device=device))
         if i < config.depth:
             layers.append(nn.ReLU())
     model = nn.Sequential(*layers)
     opt = nn.SGD(model.parameters(), lr=0.01)
-    x = runtime.tensor(rng.normal(0, 1, (config.batch, config.width)), dtype=dtype)
-    y = runtime.tensor(rng.integers(0, CLASSES, config.batch))
+    x = runtime.tensor(rng.normal(0, 1, (config.batch, config.width)), dtype=dtype,
+                       device=device)
+    y = runtime.tensor(rng.integers(0, CLASSES, config.batch), device=device)
 
     def step(x: Any, y: Any) -> Any:
         opt.zero_grad()
@@ -97,8 +103,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--split", action="store_true",
                         help="also time eager float32 with elementwise ops on the Python path")
+    parser.add_argument("--device", default="cpu",
+                        help="where the steps run (e.g. cuda: each round ends with a sync)")
     args = parser.parse_args()
-    print(f"Half-precision storage on {cpu_name()}; {versions()}; products on {blas_name()}; "
+    device = backends.get_device(args.device)
+    sync = None if device.home_queue is None else device.synchronize
+    on = device.name if sync else f"{cpu_name()}; products on {blas_name()}"
+    print(f"Half-precision storage on {on}; {versions()}; "
           f"{os.environ['OPENBLAS_NUM_THREADS']} BLAS thread(s); C fast path "
           f"{'on' if fastpath.ACCELERATED else 'off'}; 1-minute load {os.getloadavg()[0]:.2f}")
     print()
@@ -106,12 +117,12 @@ def main() -> None:
     split = []
     for key in args.configs.split(","):
         config = CONFIGS[key]
-        number = steps_per_round(config)
+        number = steps_per_round(config) if sync is None else 20
         for graph in (False, True):
-            steps = {dtype: training_step(config, dtype, graph) for dtype in PRECISIONS}
+            steps = {dtype: training_step(config, dtype, graph, device) for dtype in PRECISIONS}
             if args.split and not graph:
-                steps["python"] = on_python_path(training_step(config, "float32", graph))
-            us = interleaved_best(steps, number, args.rounds)
+                steps["python"] = on_python_path(training_step(config, "float32", graph, device))
+            us = interleaved_best(steps, number, args.rounds, sync)
             ms = {dtype: us[dtype] / 1e3 for dtype in steps}
             print_precision_row(key, graph, ms)
             if "python" in ms:

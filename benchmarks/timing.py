@@ -92,16 +92,25 @@ def interleaved_min(measures: dict[str, Callable[[], float]], rounds: int) -> di
 
 
 def interleaved_best(contenders: dict[str, Callable[[], object]], number: int,
-                     rounds: int) -> dict[str, float]:
+                     rounds: int, sync: Callable[[], object] | None = None) -> dict[str, float]:
     """Microseconds per call of each contender: the best round of `number` calls.
 
-    Each contender is called once first to warm up (first-touch allocation, caches).
+    Each contender is called once first to warm up (first-touch allocation, caches). `sync`
+    (a device's synchronize) ends each round: the time of work queued on a device, not only
+    of queueing it.
     """
     for fn in contenders.values():
         fn()
 
     def per_call(fn: Callable[[], object]) -> Callable[[], float]:
-        return lambda: timeit.timeit(fn, number=number) / number * 1e6
+        if sync is None:
+            return lambda: timeit.timeit(fn, number=number) / number * 1e6
+
+        def batch() -> None:
+            for _ in range(number):
+                fn()
+            sync()
+        return lambda: timeit.timeit(batch, number=1) / number * 1e6
 
     return interleaved_min({name: per_call(fn) for name, fn in contenders.items()}, rounds)
 
