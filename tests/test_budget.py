@@ -633,3 +633,65 @@ def test_blockrt_plan_budget_lossy_names_what_it_stored(capsys):
     with pytest.raises(SystemExit):
         cli.main([*argv, "--lossy", "float16"])
     assert "--lossy" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- the schedule's speed-up
+def _reference_schedule(program: Any, intermediate: frozenset[int]) -> list[int]:
+    """The scheduler's rule written plainly: among ready instructions, the earliest that adds
+    no live bytes (frees at least what it allocates), else the earliest."""
+    from runtime.graph.schedule import _dependencies
+
+    preds = _dependencies(program, intermediate)
+    waiting = [len(p) for p in preds]
+    uses: dict[int, int] = {}
+    sizes: dict[int, int] = {}
+    for instr in program:
+        for operand in {o.block.id: o for o in (*instr.inputs, *instr.outputs)}.values():
+            if operand.block.id in intermediate:
+                uses[operand.block.id] = uses.get(operand.block.id, 0) + 1
+                sizes[operand.block.id] = operand.block.nbytes
+    born: set[int] = set()
+    order: list[int] = []
+    while len(order) < len(program):
+        ready = [j for j, n in enumerate(waiting) if n == 0 and j not in order]
+
+        def growth(j: int) -> int:
+            ids = {o.block.id for o in (*program[j].inputs, *program[j].outputs)}
+            return sum((sizes[b] if b not in born else 0) - (sizes[b] if uses[b] == 1 else 0)
+                       for b in ids & intermediate)
+
+        pick = min(ready, key=lambda j: (growth(j) > 0, j))
+        order.append(pick)
+        for b in {o.block.id for o in (*program[pick].inputs, *program[pick].outputs)}:
+            if b in intermediate:
+                born.add(b)
+                uses[b] -= 1
+        for j, before in enumerate(preds):
+            if pick in before:
+                waiting[j] -= 1
+    return order
+
+
+def test_the_scheduler_gives_its_plain_rules_order_on_every_rewrite(monkeypatch):
+    """`_schedule` (each instruction's blocks looked up once, the ready list kept in order and
+    scanned to the first that does not grow) orders every program the budget plans, recompute,
+    moves and sqrt alike, exactly as the rule written plainly does."""
+    from runtime.graph import schedule
+
+    fast, seen = schedule._schedule, []
+
+    def checked(program: Any, intermediate: frozenset[int]) -> list[int]:
+        order = fast(program, intermediate)
+        seen.append(len(program))
+        assert order == _reference_schedule(program, intermediate)
+        return order
+
+    monkeypatch.setattr(schedule, "_schedule", checked)
+    x, y = batch(rows=8, width=16)
+    need = runtime.graph(deep_step(10, 16)[1])
+    need(x, y)
+    planned = need.memory_report()["planned_bytes"]
+    for budget in (planned // 2, planned // 3):
+        runtime.graph(deep_step(10, 16)[1], memory_budget=budget)(x, y)
+    runtime.graph(deep_step(10, 16)[1], checkpoint="sqrt")(x, y)
+    assert len(seen) >= 5 and max(seen) > 100

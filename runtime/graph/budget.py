@@ -446,13 +446,15 @@ class _Search:
         fewest that fits is wanted. Steps from `guess` by the bytes a value is worth (`slope`)
         until a probe on each side is known, then as a secant between them, bisecting after two
         secant steps in a row that did not halve the interval: two to five plans where a
-        bisection takes six or seven.
+        bisection takes six or seven. Unbracketed, the steps at least double (galloping): a
+        family whose peak barely moves with the value (every result moved, where keeping more
+        recomputes less and holds little more) needs a handful of plans, not one per value.
         Assumes, as a bisection does, that the peak is monotone. Returns whether any fit."""
         toward = 1 if rising else -1  # NOTE: the direction of more bytes
         good, bad = (low - 1, high + 1) if rising else (high + 1, low - 1)
         nothing = good
         good_peak = bad_peak = None
-        value, span, stalled = round(guess), abs(bad - good), 0
+        value, span, stalled, jump = round(guess), abs(bad - good), 0, 1
         if not rising and low <= high:
             if not fits(high):
                 return False
@@ -474,9 +476,11 @@ class _Search:
                 value = good + int((self.budget - good_peak) / (bad_peak - good_peak)
                                    * (bad - good))
             elif good_peak is not None:  # NOTE: past the estimate by up to one: a bracket
-                value = good + toward * max(1, math.ceil((self.budget - good_peak) / slope))
+                value = good + toward * max(jump, math.ceil((self.budget - good_peak) / slope))
+                jump *= 2  # NOTE: galloping, where the peak falls short of its estimate
             else:
-                value = bad - toward * max(1, math.ceil((bad_peak - self.budget) / slope))
+                value = bad - toward * max(jump, math.ceil((bad_peak - self.budget) / slope))
+                jump *= 2
         return good != nothing
 
     # ------------------------------------------------------------------ the families

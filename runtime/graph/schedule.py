@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 from runtime.graph.program import Recorded
@@ -65,38 +66,40 @@ def _schedule(program: Sequence[Instruction], intermediate: frozenset[int]) -> l
             succs[i].append(j)
     uses: dict[int, int] = {}
     sizes: dict[int, int] = {}
+    touched: list[tuple[int, ...]] = []  # NOTE: each instruction's intermediate blocks, once
     for instr in program:
-        for operand in {o.block.id: o for o in (*instr.inputs, *instr.outputs)}.values():
-            bid = operand.block.id
-            if bid in intermediate:
-                uses[bid] = uses.get(bid, 0) + 1
-                sizes[bid] = operand.block.nbytes
+        mine = {o.block.id: o for o in (*instr.inputs, *instr.outputs)
+                if o.block.id in intermediate}
+        touched.append(tuple(mine))
+        for bid, operand in mine.items():
+            uses[bid] = uses.get(bid, 0) + 1
+            sizes[bid] = operand.block.nbytes
     born: set[int] = set()
-    ready = [j for j, n in enumerate(waiting) if n == 0]
+    ready = [j for j, n in enumerate(waiting) if n == 0]  # NOTE: kept in program order
     order: list[int] = []
 
-    def growth(j: int) -> int:
-        touched = {o.block.id for o in (*program[j].inputs, *program[j].outputs)}
+    def grows(j: int) -> bool:
         delta = 0
-        for bid in touched & intermediate:
+        for bid in touched[j]:
             if bid not in born:
                 delta += sizes[bid]
             if uses[bid] == 1:
                 delta -= sizes[bid]
-        return delta
+        return delta > 0
 
     while ready:
-        pick = min(ready, key=lambda j: (growth(j) > 0, j))
-        ready.remove(pick)
+        # NOTE: the earliest that does not grow, else the earliest: min by (grows, j), with
+        # the scan stopping at the first that does not grow
+        at = next((k for k, j in enumerate(ready) if not grows(j)), 0)
+        pick = ready.pop(at)
         order.append(pick)
-        for bid in {o.block.id for o in (*program[pick].inputs, *program[pick].outputs)}:
-            if bid in intermediate:
-                born.add(bid)
-                uses[bid] -= 1
+        for bid in touched[pick]:
+            born.add(bid)
+            uses[bid] -= 1
         for j in succs[pick]:
             waiting[j] -= 1
             if waiting[j] == 0:
-                ready.append(j)
+                bisect.insort(ready, j)
     if len(order) != len(program):
         raise AssertionError("the dependency graph has a cycle")  # program order is a witness
     return order
