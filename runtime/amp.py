@@ -18,7 +18,8 @@ Three parts, used together (`nn.train_step(model, opt, precision="float16")` wir
   unless the loss is multiplied by a scale first. `scale(loss)` multiplies; `step(opt)` divides
   the gradients by the scale, checks them, and updates the parameters only if every one is
   finite; `update()` halves the scale after a step with inf or NaN and doubles it after 2000
-  finite steps in a row (`torch.amp.GradScaler`'s defaults). A skipped step is counted
+  finite steps in a row (`torch.amp.GradScaler`'s defaults); `unscale_(opt)` does the
+  division and the check before `step`, for `nn.clip_grad_norm_`. A skipped step is counted
   (`skipped_steps`) and logged (logger "runtime.amp", level WARNING).
   bfloat16 has float32's range and needs no scaling: `GradScaler(enabled=False)`, or no scaler.
 
@@ -201,6 +202,20 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: Any,
 
 
 # ---------------------------------------------------------------------- loss scaling
+class _Stage:
+    """What a GradScaler did to one optimizer's gradients since its last update()."""
+
+    __slots__ = ("optimizer", "unscaled", "stepped", "found")
+
+    def __init__(self, optimizer: Any) -> None:
+        #: a weak reference to the optimizer (its id alone could be reused)
+        self.optimizer = weakref.ref(optimizer)
+        self.unscaled = False
+        self.stepped = False
+        #: from unscale_ until step(): +0.0 if its gradients were all finite, NaN if not
+        self.found: Tensor | None = None
+
+
 def _positive(what: str, value: Any, low: float, high: float = math.inf) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"GradScaler: {what} must be a number, got {_brief(value)}")
@@ -214,7 +229,9 @@ class GradScaler:
     """Dynamic loss scaling for float16 training (`torch.amp.GradScaler`'s rule and defaults).
 
     Use: `scaler.scale(loss).backward()`, then `scaler.step(optimizer)` (unscale, check, update
-    or skip), then `scaler.update()` (adjust the scale). A step whose gradients hold inf or NaN
+    or skip), then `scaler.update()` (adjust the scale); to clip or read the gradients at their
+    true size, `scaler.unscale_(optimizer)` before `step` (unscale and check there, once).
+    A step whose gradients hold inf or NaN
     leaves the parameters and the optimizer state bit for bit as they were, counts in
     `skipped_steps` and is logged; the scale is multiplied by `backoff_factor` at the next
     `update()`. After `growth_interval` finite steps in a row the scale is multiplied by
@@ -254,6 +271,8 @@ class GradScaler:
         self._reported = 0
         #: the state `load_state_dict` gave before the device state was made
         self._initial: dict[str, float] = {}
+        #: id(optimizer) -> what unscale_ and step did to its gradients since the last update()
+        self._stages: dict[int, _Stage] = {}
 
     # ------------------------------------------------------------------ state
     def _make_state(self, like: Tensor) -> None:
@@ -312,10 +331,67 @@ class GradScaler:
             loss = ops.cast(loss, scale.dtype)
         return ops.mul(loss, scale)
 
+    def _stage(self, optimizer: Any) -> _Stage:
+        """What this scaler did to `optimizer`'s gradients since the last update()."""
+        stage = self._stages.get(id(optimizer))
+        if stage is None or stage.optimizer() is not optimizer:
+            stage = self._stages[id(optimizer)] = _Stage(optimizer)
+        return stage
+
+    def unscale_(self, optimizer: Any) -> None:
+        """Divide the gradients of `optimizer`'s parameters by the scale, in place, and keep on
+        the device whether all of them are finite, so that they can be clipped
+        (`nn.clip_grad_norm_`) or read at their true size before `step(optimizer)`, which then
+        skips or takes the step by that check and does not divide again (torch.amp's
+        `unscale_`). At most once per optimizer between two `update()` calls; a graph capture
+        records it like the rest of the step. Disabled: does nothing.
+
+        Raises RuntimeError naming the optimizer when called again for it before `update()`,
+        or after `step(optimizer)` (which has unscaled its gradients already).
+
+        Example:
+            >>> import numpy as np, runtime
+            >>> from runtime import amp, nn
+            >>> w = runtime.tensor(np.ones(3, np.float32), requires_grad=True)
+            >>> opt, scaler = nn.SGD([w], lr=0.1), amp.GradScaler(init_scale=4.0)
+            >>> scaler.scale(runtime.ops.sum(runtime.ops.mul(w, w))).backward()
+            >>> w.grad.numpy().tolist()
+            [8.0, 8.0, 8.0]
+            >>> scaler.unscale_(opt)
+            >>> w.grad.numpy().tolist()
+            [2.0, 2.0, 2.0]
+            >>> round(nn.clip_grad_norm_([w], max_norm=1.0).item(), 4)   # 2 * sqrt(3)
+            3.4641
+            >>> scaler.step(opt)                                        # no second division
+            >>> scaler.update()
+        """
+        if not self.enabled:
+            return
+        stage = self._stage(optimizer)
+        name = type(optimizer).__name__
+        if stage.stepped:
+            raise RuntimeError(f"GradScaler.unscale_: step() already ran for this optimizer "
+                               f"({name}) since the last update(), and its gradients are "
+                               f"unscaled; call unscale_ before step()")
+        if stage.unscaled:
+            raise RuntimeError(f"GradScaler.unscale_: already called for this optimizer ({name}) "
+                               f"since the last update(); the gradients are unscaled once per "
+                               f"step: call unscale_ once, then step(), then update()")
+        grads = [p.grad for p in optimizer.params if p.grad is not None]
+        if grads:
+            self.prepare(optimizer)
+            with no_grad(), tape.phase("update"):
+                # NOTE: one buffer per optimizer unscaled before the next update(): another
+                # optimizer's unscale_ must not overwrite this one's check before its step()
+                found = self._buffer(f"found{sum(s.unscaled for s in self._stages.values())}")
+                stage.found = self._unscale(grads, found)
+        stage.unscaled = True
+
     def step(self, optimizer: Any) -> None:
-        """Divide the gradients of `optimizer`'s parameters by the scale (in place), then update
-        the parameters if all are finite and leave them and the optimizer's state as they were
-        if not (Note [a skipped step is a select on the device]). Disabled: optimizer.step().
+        """Divide the gradients of `optimizer`'s parameters by the scale (in place; not again
+        after `unscale_(optimizer)`), then update the parameters if all are finite and leave
+        them and the optimizer's state as they were if not (Note [a skipped step is a select
+        on the device]). Disabled: optimizer.step().
 
         Raises GraphCaptureError inside a capture for an optimizer that cannot skip on the
         device (`gated_updates` False: not nn.SGD or nn.Adam); eagerly, such an optimizer's
@@ -324,6 +400,7 @@ class GradScaler:
         if not self.enabled:
             optimizer.step()
             return
+        stage = self._stage(optimizer)
         grads = [p.grad for p in optimizer.params if p.grad is not None]
         if not grads:
             return
@@ -337,7 +414,12 @@ class GradScaler:
                 f"eagerly, where the scaler reads the check back and skips in Python")
         self.prepare(optimizer)
         with no_grad(), tape.phase("update"):
-            finite, gates = self._check(grads)
+            found = stage.found if stage.unscaled else None
+            if found is None:
+                found = self._unscale(grads, self._buffer("zero_or_nan"))
+            # NOTE: the scaler keeps no tensor of the step past it (a capture's temporaries die)
+            stage.found, stage.stepped = None, True
+            finite, gates = self._flags(found, grads)
             if gated:
                 optimizer._step(gates)
             elif finite.item() == 1.0:
@@ -352,9 +434,9 @@ class GradScaler:
                 ops.copy(finite, out=state["finite"])
             self._pending += 1
 
-    def _check(self, grads: list[Tensor]) -> tuple[Tensor, dict[np.dtype, Tensor]]:
-        """Unscale `grads` in place; return the 0/1 flag "all finite" and the gates, -0.0 or
-        NaN, one per gradient dtype."""
+    def _unscale(self, grads: list[Tensor], out: Tensor | None) -> Tensor:
+        """Unscale `grads` in place; return (in `out`) +0.0 when all are finite, NaN if not:
+        `sum - sum` for the float32 sum of all of them."""
         scale = self._state["scale"]
         inverse = ops.div(1.0, scale, out=self._buffer("inverse"))
         inverses = {_FLOAT32: inverse}
@@ -369,7 +451,12 @@ class GradScaler:
                 s = ops.cast(s, _FLOAT32, out=self._buffer("sum"))
             total = (ops.copy(s, out=self._buffer("total")) if total is None
                      else ops.add(total, s, out=total))
-        zero_or_nan = ops.sub(total, total, out=self._buffer("zero_or_nan"))
+        return ops.sub(total, total, out=out)
+
+    def _flags(self, zero_or_nan: Tensor,
+               grads: list[Tensor]) -> tuple[Tensor, dict[np.dtype, Tensor]]:
+        """From `_unscale`'s +0.0 or NaN: the 0/1 flag "all finite" and the gates, -0.0 or NaN,
+        one per dtype of `grads`."""
         finite = ops.add(zero_or_nan, 1.0, out=self._buffer("finite"))
         finite = ops.where_finite(finite, 0.0, out=finite)
         gate = ops.neg(zero_or_nan, out=self._buffer("gate"))
@@ -410,6 +497,7 @@ class GradScaler:
             keep = ops.sub(1.0, grow, out=self._buffer("one"))
             ops.mul(tracker, keep, out=tracker)
         self._pending = 0
+        self._stages.clear()
         if tape.active() is None:
             self.check()
 

@@ -63,7 +63,7 @@ from runtime.tensor import (
 )
 
 __all__ = ["SGD", "Adam", "Dense", "Module", "Optimizer", "ReLU", "Sequential", "Sigmoid", "Tanh",
-           "manual_seed", "mse", "softmax_cross_entropy", "train_step"]
+           "clip_grad_norm_", "manual_seed", "mse", "softmax_cross_entropy", "train_step"]
 
 _rng = np.random.default_rng()
 
@@ -362,6 +362,129 @@ def train_step(model: Module, optimizer: Optimizer, loss: Any = softmax_cross_en
 
     step.scaler = scaler  # type: ignore[attr-defined]
     return step
+
+
+# ---------------------------------------------------------------------- gradient clipping
+def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float,
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+    """Scale the gradients of `parameters` in place so that their total norm (the norm of all
+    of them as one vector) is at most `max_norm`, and return that total norm, before clipping,
+    as a 0-d tensor on their device (torch.nn.utils.clip_grad_norm_).
+
+    Every gradient is multiplied by min(max_norm / (total + 1e-6), 1), always, on the device:
+    there is no Python decision on a value, so it runs eagerly and in a `runtime.graph` capture
+    alike (and needs no read back). With loss scaling, call `GradScaler.unscale_(optimizer)`
+    first, so that the norm is the true one.
+
+    The norm is computed in float32 (float64 when a gradient is float64; two-byte gradients
+    are cast to float32 first, so the result is float32 where PyTorch's would be two-byte):
+    norm_type 2 as the square root of the sum of squares (a dot product per gradient), 1 as
+    the sum of magnitudes, any other p > 0 as exp(log(sum(exp(p * log|g|))) / p). A norm above
+    float32's largest square root (about 1.8e19) comes out inf, as PyTorch's does.
+
+    Non-finite norms (PyTorch's default, error_if_nonfinite=False): a gradient holding inf or
+    NaN gives an inf or NaN norm, which is returned; the gradients are multiplied by 0 (inf)
+    or NaN (NaN), so they come out zero or NaN where they were finite (and NaN where inf).
+    Under a `GradScaler` such a step is skipped anyway (its check ran at `unscale_`).
+    `error_if_nonfinite=True` reads the norm back and raises RuntimeError before any gradient
+    is changed; it cannot run in a capture (GraphCaptureError).
+
+    Args:
+        parameters: an iterable of tensors (or one tensor); those whose `.grad` is None are
+            left out. No gradient at all: returns 0.0 (float32) and changes nothing.
+        max_norm: a number >= 0 (inf: compute the norm, change nothing).
+        norm_type: a finite number > 0 (the largest magnitude, norm_type inf, needs a max
+            reduction that the devices do not have: ValueError).
+
+    Raises TypeError / ValueError naming a bad argument.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> from runtime import nn
+        >>> w = runtime.tensor(np.zeros(2, np.float32), requires_grad=True)
+        >>> w.grad = runtime.tensor(np.array([3.0, 4.0], np.float32))
+        >>> nn.clip_grad_norm_([w], max_norm=1.0).item()
+        5.0
+        >>> [round(v, 6) for v in w.grad.numpy().tolist()]
+        [0.6, 0.8]
+    """
+    what = "clip_grad_norm_"
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    elif isinstance(parameters, (str, bytes)) or not isinstance(parameters, Iterable):
+        raise TypeError(f"{what}: parameters must be a Tensor or an iterable of Tensors, got "
+                        f"{_brief(parameters)}")
+    params = list(parameters)
+    for index, p in enumerate(params):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"{what}: parameter {index} is a {type(p).__name__}, not a Tensor")
+    if isinstance(max_norm, (bool, np.bool_)) or not isinstance(max_norm, numbers.Real) \
+            or math.isnan(max_norm) or max_norm < 0:
+        raise ValueError(f"{what}: max_norm must be a number >= 0, got {_brief(max_norm)}")
+    if isinstance(norm_type, (bool, np.bool_)) or not isinstance(norm_type, numbers.Real) \
+            or not norm_type > 0:
+        raise ValueError(f"{what}: norm_type must be a number > 0, got {_brief(norm_type)}")
+    if math.isinf(norm_type):
+        raise ValueError(f"{what}: norm_type inf (the largest magnitude) needs a max reduction, "
+                         f"which the devices do not have; use a finite norm_type (2.0, 1.0, ...)")
+    error_if_nonfinite = as_flag(error_if_nonfinite, f"{what}: error_if_nonfinite")
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        device = params[0].device if params else None
+        return tensor(np.zeros((), np.float32), device=device)
+    if error_if_nonfinite:
+        tape.refuse_read(f"{what}(error_if_nonfinite=True)")
+    p, max_norm = float(norm_type), float(max_norm)
+    wide = np.dtype(np.float64 if any(g.dtype == np.float64 for g in grads) else np.float32)
+    with no_grad(), tape.phase("update"):
+        total = None
+        for g in grads:
+            part = _norm_part(g if g.dtype == wide else ops.cast(g, wide), p)
+            total = part if total is None else ops.add(total, part, out=total)
+        if p == 2.0:
+            total = ops.sqrt(total, out=total)
+        elif p != 1.0:
+            total = ops.exp(ops.mul(ops.log(total, out=total), 1.0 / p, out=total), out=total)
+        if error_if_nonfinite and not math.isfinite(float(total.item())):
+            raise RuntimeError(f"{what}: the total norm of order {p} of the gradients of "
+                               f"{len(grads)} parameters is {float(total.item())}, so it cannot "
+                               f"be clipped; the gradients are unchanged (error_if_nonfinite="
+                               f"False multiplies them by the resulting 0 or NaN instead)")
+        coefficient = _at_most_one(ops.div(max_norm, ops.add(total, 1e-6)))
+        coefficients = {wide: coefficient}
+        for g in grads:
+            if g.dtype not in coefficients:
+                coefficients[g.dtype] = ops.cast(coefficient, g.dtype)
+        for g in grads:
+            ops.mul(g, coefficients[g.dtype], out=g)
+    return total
+
+
+def _norm_part(x: Tensor, p: float) -> Tensor:
+    """sum(|x| ** p) of a float32 or float64 tensor, as a new 0-d tensor."""
+    if p == 2.0:
+        if x.is_contiguous():  # NOTE: a dot product: no temporary of x's size
+            flat = x.reshape(-1)
+            return ops.matmul(flat, flat)
+        return ops.sum(ops.mul(x, x))
+    # NOTE: |x| = relu(x) + relu(-x) exactly (one term is 0), and NaN stays NaN
+    magnitude = ops.relu(ops.neg(x))
+    magnitude = ops.add(ops.relu(x), magnitude, out=magnitude)
+    if p != 1.0:
+        magnitude = ops.log(magnitude, out=magnitude)
+        magnitude = ops.exp(ops.mul(magnitude, p, out=magnitude), out=magnitude)
+    return ops.sum(magnitude)
+
+
+def _at_most_one(c: Tensor) -> Tensor:
+    """min(c, 1) of a 0-d c >= 0 (or NaN), exactly, from the ops there are: relu(c - 1) is
+    > 0 exactly where c > 1, so 1 / relu(c - 1) is finite exactly there (inf at 0, NaN for
+    NaN), and (1 / relu(c - 1)) * 0 + 1 is 1 there and NaN elsewhere, which where_finite
+    takes where it is finite and c where not. (1 - relu(1 - c) would round c.)"""
+    pick = ops.relu(ops.sub(c, 1.0))
+    pick = ops.div(1.0, pick, out=pick)
+    pick = ops.add(ops.mul(pick, 0.0, out=pick), 1.0, out=pick)
+    return ops.where_finite(pick, c, out=pick)
 
 
 # ---------------------------------------------------------------------- optimizers
