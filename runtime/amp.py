@@ -33,6 +33,11 @@ value bit for bit (x + -0.0 is x) when the step is taken, the old one when it is
 loss scale and the growth counter are updated by arithmetic on the 0/1 flag
 `where_finite(sum - sum + 1, 0)`. The eager path reads the flag back to log a skip at once; a
 graph's replays skip silently on the device, and `check()` logs the skips since the last check.
+In a capture the gated update also reads `grad + gate` (the gradient bit for bit, or NaN), so
+it is ordered after the check, and writes each new value once into a temporary
+(`Optimizer._again`), so that each parameter's update fuses into one elementwise chain ending in
+the select: no full-size new value waits beside the gradients, which the check keeps alive until
+it has read them all (float32 unscaled gradients: every one is live at the first update).
 
 Example:
     >>> import numpy as np, runtime

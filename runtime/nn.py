@@ -571,8 +571,15 @@ class Optimizer:
                 if gates is not None:
                     self.prepare_gate()
                 self._begin()
+                # NOTE: while capturing, a gated update reads grad + gate (-0.0: grad bit for
+                # bit; NaN: a skipped step, whose values _commit discards anyway), so that it
+                # cannot be scheduled before the check: the graph then runs each update as
+                # one elementwise chain into the state, where run early its new value would
+                # wait at full size beside every gradient (runtime/graph/schedule.py)
+                capturing = gates is not None and tape.active() is not None
                 for p in todo:
-                    self._update(p, p.grad, self.state[id(p)])
+                    grad = ops.add(p.grad, gates[p.grad.dtype]) if capturing else p.grad
+                    self._update(p, grad, self.state[id(p)])
                 self._end()
             finally:
                 self._gates = None
@@ -597,13 +604,21 @@ class Optimizer:
         number `index` shaped like it (None while capturing: a temporary), for `_commit`."""
         return state if self._gates is None else self._scratch(state, index)
 
+    def _again(self, new: Tensor) -> Tensor | None:
+        """Where the next op on `new` (from `_target`) writes: over `new` itself (the state,
+        outside a gated step; its scratch, eagerly), or a temporary in a gated step that a
+        graph captures. A block a capture writes once can be fused through or written over
+        when it dies (runtime/graph/fuse.py); one written twice is a full-size buffer."""
+        return None if self._gates is not None and tape.active() is not None else new
+
     def _commit(self, new: Tensor, state: Tensor) -> None:
         """Write `new` (from `_target`) over `state`: nothing to do outside a gated step; in
         one, state = where_finite(new + gate, state), new bit for bit or state unchanged."""
         if self._gates is None:
             return
-        ops.add(new, self._gates[new.dtype], out=new)
-        ops.where_finite(new, state, out=state)
+        # NOTE: _again: the update's chain fuses through the gate into state while capturing
+        gated = ops.add(new, self._gates[new.dtype], out=self._again(new))
+        ops.where_finite(gated, state, out=state)
 
     def prepare(self) -> None:
         """Allocate now the state and scratch of every parameter (`step()` would make them at
@@ -719,7 +734,7 @@ class SGD(Optimizer):
     def _end(self) -> None:
         if self._dampened is not None:  # from now on d counts 1 - dampening
             new = ops.mul(self._dampened, 0.0, out=self._target(self._dampened, 0))
-            new = ops.add(new, 1 - self.dampening, out=new)
+            new = ops.add(new, 1 - self.dampening, out=self._again(new))
             self._commit(new, self._dampened)
 
     def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
@@ -738,19 +753,22 @@ class SGD(Optimizer):
             new_buf = ops.mul(buf, self.momentum, out=self._target(buf, 1))
             if self.dampening:
                 d = ops.mul(d, self._coefficient(p), out=scratch)
-            new_buf = ops.add(new_buf, d, out=new_buf)
+            new_buf = ops.add(new_buf, d, out=self._again(new_buf))
             if self.nesterov:  # p -= lr * (d + momentum * buf), in two subtractions
                 new_p = ops.sub(p, ops.mul(d, self.lr, out=scratch), out=self._target(p, 2))
                 new_p = ops.sub(new_p, ops.mul(new_buf, self.lr * self.momentum, out=scratch),
-                                out=new_p)
-                self._commit(new_buf, buf)
+                                out=self._again(new_p))
                 self._commit(new_p, p)
+                self._commit(new_buf, buf)
                 return
             d = new_buf
+        # NOTE: p's commit first: in a capture it then follows the ops that make new_p, and
+        # they fuse into one chain (new_p never at full size) where the buffer's commit would
+        # sit between them
         new_p = ops.sub(p, ops.mul(d, self.lr, out=scratch), out=self._target(p, 0))
+        self._commit(new_p, p)
         if self.momentum:
             self._commit(d, state["momentum"])
-        self._commit(new_p, p)
 
     def _options(self) -> str:
         return (f"lr={self.lr}, momentum={self.momentum}, weight_decay={self.weight_decay}"
@@ -831,11 +849,11 @@ class Adam(Optimizer):
         # one, m and v are committed before p reads them (a skipped step discards p's new
         # value whatever it read)
         new_m = ops.mul(m, beta1, out=self._target(m, 2))
-        new_m = ops.add(new_m, ops.mul(g, 1 - beta1, out=s2), out=new_m)
+        new_m = ops.add(new_m, ops.mul(g, 1 - beta1, out=s2), out=self._again(new_m))
         self._commit(new_m, m)
         new_v = ops.mul(v, beta2, out=self._target(v, 2))
         squared = ops.mul(g, g, out=s2)
-        new_v = ops.add(new_v, ops.mul(squared, 1 - beta2, out=s2), out=new_v)
+        new_v = ops.add(new_v, ops.mul(squared, 1 - beta2, out=s2), out=self._again(new_v))
         self._commit(new_v, v)
         # p -= lr / (1 - beta1**t) * m / (sqrt(v / (1 - beta2**t)) + eps)
         denominator = ops.sqrt(ops.mul(v, self._inverse_correction, out=s2), out=s2)
