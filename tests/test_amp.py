@@ -714,3 +714,28 @@ def test_unscale_and_clip_replay_the_same_on_every_device(kind):
         assert _same(l1, l2) and _same(n1, n2)
     assert all(_same(a, b) for a, b in zip(_state(m1, o1), _state(m2, o2)))
     assert 5 < s1.skipped_steps == s2.skipped_steps < 20
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_captured_float16_step_holds_the_gradients_and_nothing_full_size_beside(momentum):
+    """The check of loss scaling reads every float32 gradient before the first update, so all
+    of them are live at once: the float16 arena cannot be less than their bytes plus the half
+    gradient whose cast makes the last of them. SGD's gated updates, with and without momentum,
+    reach that floor (each update fuses into one chain through the select: no new value at
+    full size beside the gradients); before, one float32 buffer more. (Nesterov, weight decay,
+    dampening and Adam combine two full-size values in one op, which a linear chain cannot
+    fuse: one float32 buffer more, as in float32.)"""
+    widths = [128] * 5 + [10]
+    layers: list[nn.Module] = []
+    for i in range(len(widths) - 1):
+        layers += [nn.Dense(widths[i], widths[i + 1], rng=i), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
+    graph = runtime.graph(nn.train_step(model, nn.SGD(model.parameters(), lr=0.05,
+                                                      momentum=momentum),
+                                        precision="float16"))
+    rng = np.random.default_rng(0)
+    graph(rng.normal(size=(64, 128)).astype(np.float32), rng.integers(0, 10, 64))
+    gradients = sum(p.nbytes for p in model.parameters())
+    last_cast = max(p.nbytes for p in model.parameters()) // 2
+    planned = graph.memory_report()["planned_bytes"]
+    assert gradients <= planned <= gradients + last_cast, (planned, gradients, last_cast)
