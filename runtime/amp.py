@@ -37,7 +37,26 @@ In a capture the gated update also reads `grad + gate` (the gradient bit for bit
 it is ordered after the check, and writes each new value once into a temporary
 (`Optimizer._again`), so that each parameter's update fuses into one elementwise chain ending in
 the select: no full-size new value waits beside the gradients, which the check keeps alive until
-it has read them all (float32 unscaled gradients: every one is live at the first update).
+it has read them all.
+
+Note [half gradients through the check]: the check needs every gradient before the first
+update, so all of them are live at once; a capture holds them as the half gradients they were
+cast from, half the bytes of the float32 ones. While a graph captures, `scale()` makes 1 / scale
+before the backward pass and opens a collection: `linear`'s backward pass (`_remember`) notes,
+for each master's float32 gradient, the half gradient it is the cast of and its block's version.
+`step()` then takes every gradient still exactly that (the same block at the same version: not
+a sum, as the gradient of a weight used twice is, not accumulated into by a second backward
+pass, not unscaled by `unscale_` and clipped) as a cast of its half source: it unscales `.grad`
+in place and sums it for the check as always, but the optimizer gets `cast(half) * (1 / scale)`,
+made again just before that parameter's update (`Optimizer._step`'s `remade`): the float32
+gradient's value exactly (the same ops on the same values), so the step equals the eager one bit
+for bit. Nothing reads `.grad` after the check's sum (unless the function keeps or returns
+it), and 1 / scale is there from the start, so the schedule unscales and sums each float32
+gradient right after its cast (each op frees it or adds no bytes) and it dies there, while its
+half source lives on to the update. The cost: one cast and one multiplication more per
+parameter, so only gradients of at least 64 KiB (`_REMAKE_BYTES`) are made again (a bias's are
+held as they are). Eagerly nothing changes: `.grad` is the float32 gradient, and PyTorch's
+eager step holds every one as well.
 
 Example:
     >>> import numpy as np, runtime
@@ -63,6 +82,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
@@ -83,11 +103,20 @@ __all__ = ["GradScaler", "autocast", "autocast_dtype", "linear"]
 
 _log = logging.getLogger(__name__)
 _FLOAT32 = np.dtype("float32")
+#: The smallest float32 gradient a capture makes again from its half source rather than hold
+#: through the check (Note [half gradients through the check]): below it, the bytes saved
+#: are not worth two more kernel calls (a bias's gradient)
+_REMAKE_BYTES = 1 << 16
 
 
 # ---------------------------------------------------------------------- autocast
 class _Autocast(threading.local):
     dtype: np.dtype | None = None
+    #: while a graph captures a scaled backward pass (GradScaler.scale opens it): the capture
+    #: (a weak reference to its tape), and by block id of a master's float32 gradient, the
+    #: half gradient it was cast from and its block's version right after the cast
+    #: (Note [half gradients through the check])
+    sources: tuple[Any, dict[int, tuple[Tensor, int]]] | None = None
 
 
 _autocast = _Autocast()
@@ -196,9 +225,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: Any,
             if nw:
                 x = ops.cast(x, dtype) if recast else x
                 x2 = x if x.ndim == 2 else x.reshape(-1, in_features)
-                gw = ops.cast(ops._matmul_at(g2, x2), master)
+                gw = _remember(ops._matmul_at(g2, x2), master)
             if nb:
-                gb = ops.cast(ops.sum(g2, axis=0), bias_dtype)
+                gb = _remember(ops.sum(g2, axis=0), bias_dtype)
             return gx, gw, gb
 
         autograd.record("linear", out, operands, ("x", "weight", "bias"), fn,
@@ -206,7 +235,26 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: Any,
     return out
 
 
+def _remember(half: Tensor, master: np.dtype) -> Tensor:
+    """`half` cast to `master` (a master's gradient); while a capture of a scaled backward
+    pass collects them, remember `half` as its source (Note [half gradients through the
+    check])."""
+    made = ops.cast(half, master)
+    opened = _autocast.sources
+    if opened is not None and opened[0]() is tape.active() is not None:
+        opened[1][made.block.id] = (half, made.block.version)
+    return made
+
+
 # ---------------------------------------------------------------------- loss scaling
+def _unscaled(half: Tensor, dtype: np.dtype, inverse: Tensor) -> Tensor:
+    """cast(half, dtype) * inverse, while capturing: a master's unscaled gradient made again
+    from its half source (Note [half gradients through the check]). In place: the update's
+    first op, which reads it last, may then write over it (runtime/graph/fuse.py)."""
+    made = ops.cast(half, dtype)
+    return ops.mul(made, inverse, out=made)
+
+
 class _Stage:
     """What a GradScaler did to one optimizer's gradients since its last update()."""
 
@@ -278,6 +326,9 @@ class GradScaler:
         self._initial: dict[str, float] = {}
         #: id(optimizer) -> what unscale_ and step did to its gradients since the last update()
         self._stages: dict[int, _Stage] = {}
+        #: while capturing, from scale() to update(): the capture (a weak reference to its
+        #: tape) and 1 / scale (Note [half gradients through the check])
+        self._early: tuple[Any, Tensor] | None = None
 
     # ------------------------------------------------------------------ state
     def _make_state(self, like: Tensor) -> None:
@@ -332,6 +383,13 @@ class GradScaler:
             return loss
         self._make_state(loss)
         scale = self._state["scale"]
+        recorder = tape.active()
+        if recorder is not None and (self._early is None or self._early[0]() is not recorder):
+            # NOTE: Note [half gradients through the check]: the inverse before the backward
+            # pass, and the half gradients collected during it
+            with no_grad(), tape.phase("update"):
+                self._early = (weakref.ref(recorder), ops.div(1.0, scale))
+            _autocast.sources = (weakref.ref(recorder), {})
         if loss.dtype != scale.dtype:
             loss = ops.cast(loss, scale.dtype)
         return ops.mul(loss, scale)
@@ -389,7 +447,7 @@ class GradScaler:
                 # NOTE: one buffer per optimizer unscaled before the next update(): another
                 # optimizer's unscale_ must not overwrite this one's check before its step()
                 found = self._buffer(f"found{sum(s.unscaled for s in self._stages.values())}")
-                stage.found = self._unscale(grads, found)
+                stage.found, _ = self._unscale(grads, found)
         stage.unscaled = True
 
     def step(self, optimizer: Any) -> None:
@@ -420,12 +478,19 @@ class GradScaler:
         self.prepare(optimizer)
         with no_grad(), tape.phase("update"):
             found = stage.found if stage.unscaled else None
+            sources: dict[int, Tensor] = {}
+            inverses: dict[np.dtype, Tensor] = {}
             if found is None:
-                found = self._unscale(grads, self._buffer("zero_or_nan"))
+                sources = self._sources(grads)
+                found, inverses = self._unscale(grads, self._buffer("zero_or_nan"))
             # NOTE: the scaler keeps no tensor of the step past it (a capture's temporaries die)
             stage.found, stage.stepped = None, True
             finite, gates = self._flags(found, grads)
-            if gated:
+            if gated and sources:
+                optimizer._step(gates, {id(p): functools.partial(
+                    _unscaled, sources[id(p.grad)], p.grad.dtype, inverses[p.grad.dtype])
+                    for p in optimizer.params if p.grad is not None and id(p.grad) in sources})
+            elif gated:
                 optimizer._step(gates)
             elif finite.item() == 1.0:
                 optimizer.step()
@@ -439,11 +504,31 @@ class GradScaler:
                 ops.copy(finite, out=state["finite"])
             self._pending += 1
 
-    def _unscale(self, grads: list[Tensor], out: Tensor | None) -> Tensor:
-        """Unscale `grads` in place; return (in `out`) +0.0 when all are finite, NaN if not:
-        `sum - sum` for the float32 sum of all of them."""
-        scale = self._state["scale"]
-        inverse = ops.div(1.0, scale, out=self._buffer("inverse"))
+    def _inverse(self) -> Tensor:
+        """1 / scale: made by scale() while capturing, else now."""
+        early = self._early
+        if early is not None and early[0]() is tape.active() is not None:
+            return early[1]
+        return ops.div(1.0, self._state["scale"], out=self._buffer("inverse"))
+
+    def _sources(self, grads: list[Tensor]) -> dict[int, Tensor]:
+        """While capturing: by id, the gradients of `grads` that are a cast of a half gradient
+        and unchanged since, and that half gradient (Note [half gradients through the
+        check]); empty otherwise. Forgets those (update() forgets the rest)."""
+        opened = _autocast.sources
+        if opened is None or opened[0]() is not tape.active():
+            return {}
+        found = {}
+        for g in grads:
+            entry = opened[1].pop(g.block.id, None)
+            if entry is not None and entry[1] == g.block.version and g.nbytes >= _REMAKE_BYTES:
+                found[id(g)] = entry[0]
+        return found
+
+    def _unscale(self, grads: list[Tensor], out: Tensor | None) -> tuple[Tensor, dict]:
+        """Unscale `grads` in place; return (in `out`) +0.0 when all are finite, NaN if not
+        (`sum - sum` for the float32 sum of all of them), and 1 / scale by dtype."""
+        inverse = self._inverse()
         inverses = {_FLOAT32: inverse}
         total = None
         for g in grads:
@@ -456,7 +541,7 @@ class GradScaler:
                 s = ops.cast(s, _FLOAT32, out=self._buffer("sum"))
             total = (ops.copy(s, out=self._buffer("total")) if total is None
                      else ops.add(total, s, out=total))
-        return ops.sub(total, total, out=out)
+        return ops.sub(total, total, out=out), inverses
 
     def _flags(self, zero_or_nan: Tensor,
                grads: list[Tensor]) -> tuple[Tensor, dict[np.dtype, Tensor]]:
@@ -503,6 +588,8 @@ class GradScaler:
             ops.mul(tracker, keep, out=tracker)
         self._pending = 0
         self._stages.clear()
+        self._early = None
+        _autocast.sources = None
         if tape.active() is None:
             self.check()
 

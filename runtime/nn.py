@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -557,10 +557,13 @@ class Optimizer:
         """
         self._step(None)
 
-    def _step(self, gates: dict[Any, Tensor] | None) -> None:
+    def _step(self, gates: dict[Any, Tensor] | None,
+              remade: dict[int, Callable[[], Tensor]] | None = None) -> None:
         """`step()`, each write to a parameter or to state a select by `gates` where given
         (`amp.GradScaler.step`: Note [a skipped step is a select on the device] in
-        runtime/amp.py)."""
+        runtime/amp.py). While capturing, `remade` may give, by parameter id, a function
+        that makes the parameter's gradient again (the same values) just before its update
+        (Note [half gradients through the check] in runtime/amp.py)."""
         with no_grad(), tape.phase("update"):
             todo = [p for p in self.params if p.grad is not None]
             self._gates = gates
@@ -578,7 +581,10 @@ class Optimizer:
                 # wait at full size beside every gradient (runtime/graph/schedule.py)
                 capturing = gates is not None and tape.active() is not None
                 for p in todo:
-                    grad = ops.add(p.grad, gates[p.grad.dtype]) if capturing else p.grad
+                    grad = p.grad
+                    if capturing:
+                        again = (remade or {}).get(id(p))
+                        grad = ops.add(grad if again is None else again(), gates[grad.dtype])
                     self._update(p, grad, self.state[id(p)])
                 self._end()
             finally:
@@ -699,7 +705,8 @@ class SGD(Optimizer):
         if self.momentum and self.dampening:
             self._coefficient(p)
 
-    def _step(self, gates: dict[Any, Tensor] | None) -> None:
+    def _step(self, gates: dict[Any, Tensor] | None,
+              remade: dict[int, Callable[[], Tensor]] | None = None) -> None:
         """`Optimizer._step`, with the plain case (no momentum, no weight decay, not gated by
         amp, not capturing) in one loop: the same two ops per parameter as `_update`, p - (grad
         * lr) rounded twice, so the same bits; every scratch is looked up (made at the first
@@ -707,7 +714,7 @@ class SGD(Optimizer):
         any other option, goes through `_update`: a capture records what that runs."""
         if (gates is not None or self.momentum or self.weight_decay
                 or self._dampened is not None or tape.active() is not None or not self._plain):
-            super()._step(gates)
+            super()._step(gates, remade)
             return
         with no_grad():
             todo = [(p, p.grad, self._scratch(p)) for p in self.params if p.grad is not None]
