@@ -283,14 +283,14 @@ class GradScaler:
 
     Use: `scaler.scale(loss).backward()`, then `scaler.step(optimizer)` (unscale, check, update
     or skip), then `scaler.update()` (adjust the scale); to clip or read the gradients at their
-    true size, `scaler.unscale_(optimizer)` before `step` (unscale and check there, once).
-    A step whose gradients hold inf or NaN
-    leaves the parameters and the optimizer state bit for bit as they were, counts in
-    `skipped_steps` and is logged; the scale is multiplied by `backoff_factor` at the next
-    `update()`. After `growth_interval` finite steps in a row the scale is multiplied by
-    `growth_factor`. Everything runs on the device, so a `runtime.graph` capture of the step
-    replays the check and the skip (Note [a skipped step is a select on the device]); its
-    replays log nothing, and `check()` logs the steps skipped since it last looked.
+    true size, `scaler.unscale_(optimizer)` before `step` (unscale and check there, once). A
+    step whose gradients hold inf or NaN leaves the parameters and the optimizer state bit for
+    bit as they were, counts in `skipped_steps` and is logged; the scale is multiplied by
+    `backoff_factor` at the next `update()`. After `growth_interval` finite steps in a row the
+    scale is multiplied by `growth_factor`. Everything runs on the device, so a
+    `runtime.graph` capture of the step replays the check and the skip (Note [a skipped step
+    is a select on the device]); its replays log nothing, and `check()` logs the steps skipped
+    since it last looked.
 
     Args:
         init_scale: the first scale (2**16); growth_factor (> 1, 2.0), backoff_factor
@@ -515,8 +515,8 @@ class GradScaler:
         """While capturing: by id, the gradients of `grads` that are a cast of a half gradient
         and unchanged since, and that half gradient (Note [half gradients through the
         check]); empty otherwise. Forgets those (update() forgets the rest)."""
-        opened = _autocast.sources
-        if opened is None or opened[0]() is not tape.active():
+        opened, recorder = _autocast.sources, tape.active()
+        if opened is None or recorder is None or opened[0]() is not recorder:
             return {}
         found = {}
         for g in grads:

@@ -418,11 +418,12 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float,
     for index, p in enumerate(params):
         if not isinstance(p, Tensor):
             raise TypeError(f"{what}: parameter {index} is a {type(p).__name__}, not a Tensor")
-    if isinstance(max_norm, (bool, np.bool_)) or not isinstance(max_norm, numbers.Real) \
-            or math.isnan(max_norm) or max_norm < 0:
+    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{what}: {name} must be a number, got {_brief(value)}")
+    if math.isnan(max_norm) or max_norm < 0:
         raise ValueError(f"{what}: max_norm must be a number >= 0, got {_brief(max_norm)}")
-    if isinstance(norm_type, (bool, np.bool_)) or not isinstance(norm_type, numbers.Real) \
-            or not norm_type > 0:
+    if not norm_type > 0:
         raise ValueError(f"{what}: norm_type must be a number > 0, got {_brief(norm_type)}")
     if math.isinf(norm_type):
         raise ValueError(f"{what}: norm_type inf (the largest magnitude) needs a max reduction, "
@@ -468,7 +469,8 @@ def _norm_part(x: Tensor, p: float) -> Tensor:
             return ops.matmul(flat, flat)
         return ops.sum(ops.mul(x, x))
     # NOTE: |x| = relu(x) + relu(-x) exactly (one term is 0), and NaN stays NaN
-    magnitude = ops.relu(ops.neg(x))
+    magnitude = ops.neg(x)
+    magnitude = ops.relu(magnitude, out=magnitude)
     magnitude = ops.add(ops.relu(x), magnitude, out=magnitude)
     if p != 1.0:
         magnitude = ops.log(magnitude, out=magnitude)

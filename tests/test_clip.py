@@ -198,7 +198,8 @@ def test_bad_arguments_are_refused_by_name_and_no_gradient_is_a_zero_norm():
     for kwargs, error, message in (
             ({"max_norm": -1.0}, ValueError, "max_norm must be a number >= 0, got -1.0"),
             ({"max_norm": float("nan")}, ValueError, "max_norm must be a number >= 0"),
-            ({"max_norm": "1"}, ValueError, "max_norm must be a number >= 0, got '1'"),
+            ({"max_norm": "1"}, TypeError, "max_norm must be a number, got '1'"),
+            ({"max_norm": 1.0, "norm_type": True}, TypeError, "norm_type must be a number"),
             ({"max_norm": 1.0, "norm_type": 0}, ValueError, "norm_type must be a number > 0"),
             ({"max_norm": 1.0, "norm_type": float("inf")}, ValueError,
              "norm_type inf .* needs a max reduction")):
