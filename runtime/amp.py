@@ -43,20 +43,20 @@ Note [half gradients through the check]: the check needs every gradient before t
 update, so all of them are live at once; a capture holds them as the half gradients they were
 cast from, half the bytes of the float32 ones. While a graph captures, `scale()` makes 1 / scale
 before the backward pass and opens a collection: `linear`'s backward pass (`_remember`) notes,
-for each master's float32 gradient, the half gradient it is the cast of and its block's version.
-`step()` then takes every gradient still exactly that (the same block at the same version: not
-a sum, as the gradient of a weight used twice is, not accumulated into by a second backward
-pass, not unscaled by `unscale_` and clipped) as a cast of its half source: it unscales `.grad`
-in place and sums it for the check as always, but the optimizer gets `cast(half) * (1 / scale)`,
-made again just before that parameter's update (`Optimizer._step`'s `remade`): the float32
-gradient's value exactly (the same ops on the same values), so the step equals the eager one bit
-for bit. Nothing reads `.grad` after the check's sum (unless the function keeps or returns
-it), and 1 / scale is there from the start, so the schedule unscales and sums each float32
-gradient right after its cast (each op frees it or adds no bytes) and it dies there, while its
-half source lives on to the update. The cost: one cast and one multiplication more per
-parameter, so only gradients of at least 64 KiB (`_REMAKE_BYTES`) are made again (a bias's are
-held as they are). Eagerly nothing changes: `.grad` is the float32 gradient, and PyTorch's
-eager step holds every one as well.
+for each master's float32 gradient, the half gradient it is the cast of and both blocks'
+versions. `step()` then takes every gradient still exactly that (both blocks at those
+versions: not a sum, as the gradient of a weight used twice is, not accumulated into by a second
+backward pass, not unscaled by `unscale_` and clipped) as a cast of its half source: it
+unscales `.grad` in place and sums it for the check as always, but the optimizer gets
+`cast(half) * (1 / scale)`, made again just before that parameter's update
+(`Optimizer._step`'s `remade`): the float32 gradient's value exactly (the same ops on the same
+values), so the step equals the eager one bit for bit. Nothing reads `.grad` after the check's
+sum (unless the function keeps or returns it), and 1 / scale is there from the start, so the
+schedule unscales and sums each float32 gradient right after its cast (each op frees it or adds
+no bytes) and it dies there, while its half source lives on to the update. The cost: one cast
+and one multiplication more per parameter, so only gradients of at least 64 KiB
+(`_REMAKE_BYTES`) are made again (a bias's are held as they are). Eagerly nothing changes:
+`.grad` is the float32 gradient, and PyTorch's eager step holds every one as well.
 
 Example:
     >>> import numpy as np, runtime
@@ -114,9 +114,9 @@ class _Autocast(threading.local):
     dtype: np.dtype | None = None
     #: while a graph captures a scaled backward pass (GradScaler.scale opens it): the capture
     #: (a weak reference to its tape), and by block id of a master's float32 gradient, the
-    #: half gradient it was cast from and its block's version right after the cast
+    #: half gradient it was cast from and the versions of both blocks right after the cast
     #: (Note [half gradients through the check])
-    sources: tuple[Any, dict[int, tuple[Tensor, int]]] | None = None
+    sources: tuple[Any, dict[int, tuple[Tensor, int, int]]] | None = None
 
 
 _autocast = _Autocast()
@@ -242,7 +242,7 @@ def _remember(half: Tensor, master: np.dtype) -> Tensor:
     made = ops.cast(half, master)
     opened = _autocast.sources
     if opened is not None and opened[0]() is tape.active() is not None:
-        opened[1][made.block.id] = (half, made.block.version)
+        opened[1][made.block.id] = (half, half.block.version, made.block.version)
     return made
 
 
@@ -521,7 +521,8 @@ class GradScaler:
         found = {}
         for g in grads:
             entry = opened[1].pop(g.block.id, None)
-            if entry is not None and entry[1] == g.block.version and g.nbytes >= _REMAKE_BYTES:
+            if (entry is not None and g.nbytes >= _REMAKE_BYTES
+                    and (entry[0].block.version, g.block.version) == entry[1:]):
                 found[id(g)] = entry[0]
         return found
 
