@@ -18,7 +18,8 @@ Three parts, used together (`nn.train_step(model, opt, precision="float16")` wir
   unless the loss is multiplied by a scale first. `scale(loss)` multiplies; `step(opt)` divides
   the gradients by the scale, checks them, and updates the parameters only if every one is
   finite; `update()` halves the scale after a step with inf or NaN and doubles it after 2000
-  finite steps in a row (`torch.amp.GradScaler`'s defaults). A skipped step is counted
+  finite steps in a row (`torch.amp.GradScaler`'s defaults); `unscale_(opt)` does the
+  division and the check before `step`, for `nn.clip_grad_norm_`. A skipped step is counted
   (`skipped_steps`) and logged (logger "runtime.amp", level WARNING).
   bfloat16 has float32's range and needs no scaling: `GradScaler(enabled=False)`, or no scaler.
 
@@ -32,6 +33,30 @@ value bit for bit (x + -0.0 is x) when the step is taken, the old one when it is
 loss scale and the growth counter are updated by arithmetic on the 0/1 flag
 `where_finite(sum - sum + 1, 0)`. The eager path reads the flag back to log a skip at once; a
 graph's replays skip silently on the device, and `check()` logs the skips since the last check.
+In a capture the gated update also reads `grad + gate` (the gradient bit for bit, or NaN), so
+it is ordered after the check, and writes each new value once into a temporary
+(`Optimizer._again`), so that each parameter's update fuses into one elementwise chain ending in
+the select: no full-size new value waits beside the gradients, which the check keeps alive until
+it has read them all.
+
+Note [half gradients through the check]: the check needs every gradient before the first
+update, so all of them are live at once; a capture holds them as the half gradients they were
+cast from, half the bytes of the float32 ones. While a graph captures, `scale()` makes 1 / scale
+before the backward pass and opens a collection: `linear`'s backward pass (`_remember`) notes,
+for each master's float32 gradient, the half gradient it is the cast of and both blocks'
+versions. `step()` then takes every gradient still exactly that (both blocks at those
+versions: not a sum, as the gradient of a weight used twice is, not accumulated into by a second
+backward pass, not unscaled by `unscale_` and clipped) as a cast of its half source: it
+unscales `.grad` in place and sums it for the check as always, but the optimizer gets
+`cast(half) * (1 / scale)`, made again just before that parameter's update
+(`Optimizer._step`'s `remade`): the float32 gradient's value exactly (the same ops on the same
+values), so the step equals the eager one bit for bit. Nothing reads `.grad` after the check's
+sum (unless the function keeps or returns it), and 1 / scale is there from the start, so the
+schedule unscales and sums each float32 gradient right after its cast (each op frees it or adds
+no bytes) and it dies there, while its half source lives on to the update. The cost: one cast
+and one multiplication more per parameter, so only gradients of at least 64 KiB
+(`_REMAKE_BYTES`) are made again (a bias's are held as they are). Eagerly nothing changes:
+`.grad` is the float32 gradient, and PyTorch's eager step holds every one as well.
 
 Example:
     >>> import numpy as np, runtime
@@ -57,6 +82,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
@@ -77,11 +103,20 @@ __all__ = ["GradScaler", "autocast", "autocast_dtype", "linear"]
 
 _log = logging.getLogger(__name__)
 _FLOAT32 = np.dtype("float32")
+#: The smallest float32 gradient a capture makes again from its half source rather than hold
+#: through the check (Note [half gradients through the check]): below it, the bytes saved
+#: are not worth two more kernel calls (a bias's gradient)
+_REMAKE_BYTES = 1 << 16
 
 
 # ---------------------------------------------------------------------- autocast
 class _Autocast(threading.local):
     dtype: np.dtype | None = None
+    #: while a graph captures a scaled backward pass (GradScaler.scale opens it): the capture
+    #: (a weak reference to its tape), and by block id of a master's float32 gradient, the
+    #: half gradient it was cast from and the versions of both blocks right after the cast
+    #: (Note [half gradients through the check])
+    sources: tuple[Any, dict[int, tuple[Tensor, int, int]]] | None = None
 
 
 _autocast = _Autocast()
@@ -190,9 +225,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: Any,
             if nw:
                 x = ops.cast(x, dtype) if recast else x
                 x2 = x if x.ndim == 2 else x.reshape(-1, in_features)
-                gw = ops.cast(ops._matmul_at(g2, x2), master)
+                gw = _remember(ops._matmul_at(g2, x2), master)
             if nb:
-                gb = ops.cast(ops.sum(g2, axis=0), bias_dtype)
+                gb = _remember(ops.sum(g2, axis=0), bias_dtype)
             return gx, gw, gb
 
         autograd.record("linear", out, operands, ("x", "weight", "bias"), fn,
@@ -200,7 +235,40 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: Any,
     return out
 
 
+def _remember(half: Tensor, master: np.dtype) -> Tensor:
+    """`half` cast to `master` (a master's gradient); while a capture of a scaled backward
+    pass collects them, remember `half` as its source (Note [half gradients through the
+    check])."""
+    made = ops.cast(half, master)
+    opened = _autocast.sources
+    if opened is not None and opened[0]() is tape.active() is not None:
+        opened[1][made.block.id] = (half, half.block.version, made.block.version)
+    return made
+
+
 # ---------------------------------------------------------------------- loss scaling
+def _unscaled(half: Tensor, dtype: np.dtype, inverse: Tensor) -> Tensor:
+    """cast(half, dtype) * inverse, while capturing: a master's unscaled gradient made again
+    from its half source (Note [half gradients through the check]). In place: the update's
+    first op, which reads it last, may then write over it (runtime/graph/fuse.py)."""
+    made = ops.cast(half, dtype)
+    return ops.mul(made, inverse, out=made)
+
+
+class _Stage:
+    """What a GradScaler did to one optimizer's gradients since its last update()."""
+
+    __slots__ = ("optimizer", "unscaled", "stepped", "found")
+
+    def __init__(self, optimizer: Any) -> None:
+        #: a weak reference to the optimizer (its id alone could be reused)
+        self.optimizer = weakref.ref(optimizer)
+        self.unscaled = False
+        self.stepped = False
+        #: from unscale_ until step(): +0.0 if its gradients were all finite, NaN if not
+        self.found: Tensor | None = None
+
+
 def _positive(what: str, value: Any, low: float, high: float = math.inf) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"GradScaler: {what} must be a number, got {_brief(value)}")
@@ -214,13 +282,15 @@ class GradScaler:
     """Dynamic loss scaling for float16 training (`torch.amp.GradScaler`'s rule and defaults).
 
     Use: `scaler.scale(loss).backward()`, then `scaler.step(optimizer)` (unscale, check, update
-    or skip), then `scaler.update()` (adjust the scale). A step whose gradients hold inf or NaN
-    leaves the parameters and the optimizer state bit for bit as they were, counts in
-    `skipped_steps` and is logged; the scale is multiplied by `backoff_factor` at the next
-    `update()`. After `growth_interval` finite steps in a row the scale is multiplied by
-    `growth_factor`. Everything runs on the device, so a `runtime.graph` capture of the step
-    replays the check and the skip (Note [a skipped step is a select on the device]); its
-    replays log nothing, and `check()` logs the steps skipped since it last looked.
+    or skip), then `scaler.update()` (adjust the scale); to clip or read the gradients at their
+    true size, `scaler.unscale_(optimizer)` before `step` (unscale and check there, once). A
+    step whose gradients hold inf or NaN leaves the parameters and the optimizer state bit for
+    bit as they were, counts in `skipped_steps` and is logged; the scale is multiplied by
+    `backoff_factor` at the next `update()`. After `growth_interval` finite steps in a row the
+    scale is multiplied by `growth_factor`. Everything runs on the device, so a
+    `runtime.graph` capture of the step replays the check and the skip (Note [a skipped step
+    is a select on the device]); its replays log nothing, and `check()` logs the steps skipped
+    since it last looked.
 
     Args:
         init_scale: the first scale (2**16); growth_factor (> 1, 2.0), backoff_factor
@@ -254,6 +324,11 @@ class GradScaler:
         self._reported = 0
         #: the state `load_state_dict` gave before the device state was made
         self._initial: dict[str, float] = {}
+        #: id(optimizer) -> what unscale_ and step did to its gradients since the last update()
+        self._stages: dict[int, _Stage] = {}
+        #: while capturing, from scale() to update(): the capture (a weak reference to its
+        #: tape) and 1 / scale (Note [half gradients through the check])
+        self._early: tuple[Any, Tensor] | None = None
 
     # ------------------------------------------------------------------ state
     def _make_state(self, like: Tensor) -> None:
@@ -308,14 +383,78 @@ class GradScaler:
             return loss
         self._make_state(loss)
         scale = self._state["scale"]
+        recorder = tape.active()
+        if recorder is not None and (self._early is None or self._early[0]() is not recorder):
+            # NOTE: Note [half gradients through the check]: the inverse before the backward
+            # pass, and the half gradients collected during it
+            with no_grad(), tape.phase("update"):
+                self._early = (weakref.ref(recorder), ops.div(1.0, scale))
+            _autocast.sources = (weakref.ref(recorder), {})
         if loss.dtype != scale.dtype:
             loss = ops.cast(loss, scale.dtype)
         return ops.mul(loss, scale)
 
+    def _stage(self, optimizer: Any) -> _Stage:
+        """What this scaler did to `optimizer`'s gradients since the last update()."""
+        stage = self._stages.get(id(optimizer))
+        if stage is None or stage.optimizer() is not optimizer:
+            stage = self._stages[id(optimizer)] = _Stage(optimizer)
+        return stage
+
+    def unscale_(self, optimizer: Any) -> None:
+        """Divide the gradients of `optimizer`'s parameters by the scale, in place, and keep on
+        the device whether all of them are finite, so that they can be clipped
+        (`nn.clip_grad_norm_`) or read at their true size before `step(optimizer)`, which then
+        skips or takes the step by that check and does not divide again (torch.amp's
+        `unscale_`). At most once per optimizer between two `update()` calls; a graph capture
+        records it like the rest of the step. Disabled: does nothing.
+
+        Raises RuntimeError naming the optimizer when called again for it before `update()`,
+        or after `step(optimizer)` (which has unscaled its gradients already).
+
+        Example:
+            >>> import numpy as np, runtime
+            >>> from runtime import amp, nn
+            >>> w = runtime.tensor(np.ones(3, np.float32), requires_grad=True)
+            >>> opt, scaler = nn.SGD([w], lr=0.1), amp.GradScaler(init_scale=4.0)
+            >>> scaler.scale(runtime.ops.sum(runtime.ops.mul(w, w))).backward()
+            >>> w.grad.numpy().tolist()
+            [8.0, 8.0, 8.0]
+            >>> scaler.unscale_(opt)
+            >>> w.grad.numpy().tolist()
+            [2.0, 2.0, 2.0]
+            >>> round(nn.clip_grad_norm_([w], max_norm=1.0).item(), 4)   # 2 * sqrt(3)
+            3.4641
+            >>> scaler.step(opt)                                        # no second division
+            >>> scaler.update()
+        """
+        if not self.enabled:
+            return
+        stage = self._stage(optimizer)
+        name = type(optimizer).__name__
+        if stage.stepped:
+            raise RuntimeError(f"GradScaler.unscale_: step() already ran for this optimizer "
+                               f"({name}) since the last update(), and its gradients are "
+                               f"unscaled; call unscale_ before step()")
+        if stage.unscaled:
+            raise RuntimeError(f"GradScaler.unscale_: already called for this optimizer ({name}) "
+                               f"since the last update(); the gradients are unscaled once per "
+                               f"step: call unscale_ once, then step(), then update()")
+        grads = [p.grad for p in optimizer.params if p.grad is not None]
+        if grads:
+            self.prepare(optimizer)
+            with no_grad(), tape.phase("update"):
+                # NOTE: one buffer per optimizer unscaled before the next update(): another
+                # optimizer's unscale_ must not overwrite this one's check before its step()
+                found = self._buffer(f"found{sum(s.unscaled for s in self._stages.values())}")
+                stage.found, _ = self._unscale(grads, found)
+        stage.unscaled = True
+
     def step(self, optimizer: Any) -> None:
-        """Divide the gradients of `optimizer`'s parameters by the scale (in place), then update
-        the parameters if all are finite and leave them and the optimizer's state as they were
-        if not (Note [a skipped step is a select on the device]). Disabled: optimizer.step().
+        """Divide the gradients of `optimizer`'s parameters by the scale (in place; not again
+        after `unscale_(optimizer)`), then update the parameters if all are finite and leave
+        them and the optimizer's state as they were if not (Note [a skipped step is a select
+        on the device]). Disabled: optimizer.step().
 
         Raises GraphCaptureError inside a capture for an optimizer that cannot skip on the
         device (`gated_updates` False: not nn.SGD or nn.Adam); eagerly, such an optimizer's
@@ -324,6 +463,7 @@ class GradScaler:
         if not self.enabled:
             optimizer.step()
             return
+        stage = self._stage(optimizer)
         grads = [p.grad for p in optimizer.params if p.grad is not None]
         if not grads:
             return
@@ -337,8 +477,20 @@ class GradScaler:
                 f"eagerly, where the scaler reads the check back and skips in Python")
         self.prepare(optimizer)
         with no_grad(), tape.phase("update"):
-            finite, gates = self._check(grads)
-            if gated:
+            found = stage.found if stage.unscaled else None
+            sources: dict[int, Tensor] = {}
+            inverses: dict[np.dtype, Tensor] = {}
+            if found is None:
+                sources = self._sources(grads)
+                found, inverses = self._unscale(grads, self._buffer("zero_or_nan"))
+            # NOTE: the scaler keeps no tensor of the step past it (a capture's temporaries die)
+            stage.found, stage.stepped = None, True
+            finite, gates = self._flags(found, grads)
+            if gated and sources:
+                optimizer._step(gates, {id(p): functools.partial(
+                    _unscaled, sources[id(p.grad)], p.grad.dtype, inverses[p.grad.dtype])
+                    for p in optimizer.params if p.grad is not None and id(p.grad) in sources})
+            elif gated:
                 optimizer._step(gates)
             elif finite.item() == 1.0:
                 optimizer.step()
@@ -352,11 +504,32 @@ class GradScaler:
                 ops.copy(finite, out=state["finite"])
             self._pending += 1
 
-    def _check(self, grads: list[Tensor]) -> tuple[Tensor, dict[np.dtype, Tensor]]:
-        """Unscale `grads` in place; return the 0/1 flag "all finite" and the gates, -0.0 or
-        NaN, one per gradient dtype."""
-        scale = self._state["scale"]
-        inverse = ops.div(1.0, scale, out=self._buffer("inverse"))
+    def _inverse(self) -> Tensor:
+        """1 / scale: made by scale() while capturing, else now."""
+        early = self._early
+        if early is not None and early[0]() is tape.active() is not None:
+            return early[1]
+        return ops.div(1.0, self._state["scale"], out=self._buffer("inverse"))
+
+    def _sources(self, grads: list[Tensor]) -> dict[int, Tensor]:
+        """While capturing: by id, the gradients of `grads` that are a cast of a half gradient
+        and unchanged since, and that half gradient (Note [half gradients through the
+        check]); empty otherwise. Forgets those (update() forgets the rest)."""
+        opened, recorder = _autocast.sources, tape.active()
+        if opened is None or recorder is None or opened[0]() is not recorder:
+            return {}
+        found = {}
+        for g in grads:
+            entry = opened[1].pop(g.block.id, None)
+            if (entry is not None and g.nbytes >= _REMAKE_BYTES
+                    and (entry[0].block.version, g.block.version) == entry[1:]):
+                found[id(g)] = entry[0]
+        return found
+
+    def _unscale(self, grads: list[Tensor], out: Tensor | None) -> tuple[Tensor, dict]:
+        """Unscale `grads` in place; return (in `out`) +0.0 when all are finite, NaN if not
+        (`sum - sum` for the float32 sum of all of them), and 1 / scale by dtype."""
+        inverse = self._inverse()
         inverses = {_FLOAT32: inverse}
         total = None
         for g in grads:
@@ -369,7 +542,12 @@ class GradScaler:
                 s = ops.cast(s, _FLOAT32, out=self._buffer("sum"))
             total = (ops.copy(s, out=self._buffer("total")) if total is None
                      else ops.add(total, s, out=total))
-        zero_or_nan = ops.sub(total, total, out=self._buffer("zero_or_nan"))
+        return ops.sub(total, total, out=out), inverses
+
+    def _flags(self, zero_or_nan: Tensor,
+               grads: list[Tensor]) -> tuple[Tensor, dict[np.dtype, Tensor]]:
+        """From `_unscale`'s +0.0 or NaN: the 0/1 flag "all finite" and the gates, -0.0 or NaN,
+        one per dtype of `grads`."""
         finite = ops.add(zero_or_nan, 1.0, out=self._buffer("finite"))
         finite = ops.where_finite(finite, 0.0, out=finite)
         gate = ops.neg(zero_or_nan, out=self._buffer("gate"))
@@ -410,6 +588,9 @@ class GradScaler:
             keep = ops.sub(1.0, grow, out=self._buffer("one"))
             ops.mul(tracker, keep, out=tracker)
         self._pending = 0
+        self._stages.clear()
+        self._early = None
+        _autocast.sources = None
         if tape.active() is None:
             self.check()
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -63,7 +63,7 @@ from runtime.tensor import (
 )
 
 __all__ = ["SGD", "Adam", "Dense", "Module", "Optimizer", "ReLU", "Sequential", "Sigmoid", "Tanh",
-           "manual_seed", "mse", "softmax_cross_entropy", "train_step"]
+           "clip_grad_norm_", "manual_seed", "mse", "softmax_cross_entropy", "train_step"]
 
 _rng = np.random.default_rng()
 
@@ -364,6 +364,131 @@ def train_step(model: Module, optimizer: Optimizer, loss: Any = softmax_cross_en
     return step
 
 
+# ---------------------------------------------------------------------- gradient clipping
+def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float,
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+    """Scale the gradients of `parameters` in place so that their total norm (the norm of all
+    of them as one vector) is at most `max_norm`, and return that total norm, before clipping,
+    as a 0-d tensor on their device (torch.nn.utils.clip_grad_norm_).
+
+    Every gradient is multiplied by min(max_norm / (total + 1e-6), 1), always, on the device:
+    there is no Python decision on a value, so it runs eagerly and in a `runtime.graph` capture
+    alike (and needs no read back). With loss scaling, call `GradScaler.unscale_(optimizer)`
+    first, so that the norm is the true one.
+
+    The norm is computed in float32 (float64 when a gradient is float64; two-byte gradients
+    are cast to float32 first, so the result is float32 where PyTorch's would be two-byte):
+    norm_type 2 as the square root of the sum of squares (a dot product per gradient), 1 as
+    the sum of magnitudes, any other p > 0 as exp(log(sum(exp(p * log|g|))) / p). A norm above
+    float32's largest square root (about 1.8e19) comes out inf, as PyTorch's does.
+
+    Non-finite norms (PyTorch's default, error_if_nonfinite=False): a gradient holding inf or
+    NaN gives an inf or NaN norm, which is returned; the gradients are multiplied by 0 (inf)
+    or NaN (NaN), so they come out zero or NaN where they were finite (and NaN where inf).
+    Under a `GradScaler` such a step is skipped anyway (its check ran at `unscale_`).
+    `error_if_nonfinite=True` reads the norm back and raises RuntimeError before any gradient
+    is changed; it cannot run in a capture (GraphCaptureError).
+
+    Args:
+        parameters: an iterable of tensors (or one tensor); those whose `.grad` is None are
+            left out. No gradient at all: returns 0.0 (float32) and changes nothing.
+        max_norm: a number >= 0 (inf: compute the norm, change nothing).
+        norm_type: a finite number > 0 (the largest magnitude, norm_type inf, needs a max
+            reduction that the devices do not have: ValueError).
+
+    Raises TypeError / ValueError naming a bad argument.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> from runtime import nn
+        >>> w = runtime.tensor(np.zeros(2, np.float32), requires_grad=True)
+        >>> w.grad = runtime.tensor(np.array([3.0, 4.0], np.float32))
+        >>> nn.clip_grad_norm_([w], max_norm=1.0).item()
+        5.0
+        >>> [round(v, 6) for v in w.grad.numpy().tolist()]
+        [0.6, 0.8]
+    """
+    what = "clip_grad_norm_"
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    elif isinstance(parameters, (str, bytes)) or not isinstance(parameters, Iterable):
+        raise TypeError(f"{what}: parameters must be a Tensor or an iterable of Tensors, got "
+                        f"{_brief(parameters)}")
+    params = list(parameters)
+    for index, p in enumerate(params):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"{what}: parameter {index} is a {type(p).__name__}, not a Tensor")
+    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{what}: {name} must be a number, got {_brief(value)}")
+    if math.isnan(max_norm) or max_norm < 0:
+        raise ValueError(f"{what}: max_norm must be a number >= 0, got {_brief(max_norm)}")
+    if not norm_type > 0:
+        raise ValueError(f"{what}: norm_type must be a number > 0, got {_brief(norm_type)}")
+    if math.isinf(norm_type):
+        raise ValueError(f"{what}: norm_type inf (the largest magnitude) needs a max reduction, "
+                         f"which the devices do not have; use a finite norm_type (2.0, 1.0, ...)")
+    error_if_nonfinite = as_flag(error_if_nonfinite, f"{what}: error_if_nonfinite")
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        device = params[0].device if params else None
+        return tensor(np.zeros((), np.float32), device=device)
+    if error_if_nonfinite:
+        tape.refuse_read(f"{what}(error_if_nonfinite=True)")
+    p, max_norm = float(norm_type), float(max_norm)
+    wide = np.dtype(np.float64 if any(g.dtype == np.float64 for g in grads) else np.float32)
+    with no_grad(), tape.phase("update"):
+        total = None
+        for g in grads:
+            part = _norm_part(g if g.dtype == wide else ops.cast(g, wide), p)
+            total = part if total is None else ops.add(total, part, out=total)
+        if p == 2.0:
+            total = ops.sqrt(total, out=total)
+        elif p != 1.0:
+            total = ops.exp(ops.mul(ops.log(total, out=total), 1.0 / p, out=total), out=total)
+        if error_if_nonfinite and not math.isfinite(float(total.item())):
+            raise RuntimeError(f"{what}: the total norm of order {p} of the gradients of "
+                               f"{len(grads)} parameters is {float(total.item())}, so it cannot "
+                               f"be clipped; the gradients are unchanged (error_if_nonfinite="
+                               f"False multiplies them by the resulting 0 or NaN instead)")
+        coefficient = _at_most_one(ops.div(max_norm, ops.add(total, 1e-6)))
+        coefficients = {wide: coefficient}
+        for g in grads:
+            if g.dtype not in coefficients:
+                coefficients[g.dtype] = ops.cast(coefficient, g.dtype)
+        for g in grads:
+            ops.mul(g, coefficients[g.dtype], out=g)
+    return total
+
+
+def _norm_part(x: Tensor, p: float) -> Tensor:
+    """sum(|x| ** p) of a float32 or float64 tensor, as a new 0-d tensor."""
+    if p == 2.0:
+        if x.is_contiguous():  # NOTE: a dot product: no temporary of x's size
+            flat = x.reshape(-1)
+            return ops.matmul(flat, flat)
+        return ops.sum(ops.mul(x, x))
+    # NOTE: |x| = relu(x) + relu(-x) exactly (one term is 0), and NaN stays NaN
+    magnitude = ops.neg(x)
+    magnitude = ops.relu(magnitude, out=magnitude)
+    magnitude = ops.add(ops.relu(x), magnitude, out=magnitude)
+    if p != 1.0:
+        magnitude = ops.log(magnitude, out=magnitude)
+        magnitude = ops.exp(ops.mul(magnitude, p, out=magnitude), out=magnitude)
+    return ops.sum(magnitude)
+
+
+def _at_most_one(c: Tensor) -> Tensor:
+    """min(c, 1) of a 0-d c >= 0 (or NaN), exactly, from the ops there are: relu(c - 1) is
+    > 0 exactly where c > 1, so 1 / relu(c - 1) is finite exactly there (inf at 0, NaN for
+    NaN), and (1 / relu(c - 1)) * 0 + 1 is 1 there and NaN elsewhere, which where_finite
+    takes where it is finite and c where not. (1 - relu(1 - c) would round c.)"""
+    pick = ops.relu(ops.sub(c, 1.0))
+    pick = ops.div(1.0, pick, out=pick)
+    pick = ops.add(ops.mul(pick, 0.0, out=pick), 1.0, out=pick)
+    return ops.where_finite(pick, c, out=pick)
+
+
 # ---------------------------------------------------------------------- optimizers
 def _check_number(what: str, value: Any, low: float, high: float = math.inf,
                   low_open: bool = False) -> float:
@@ -434,10 +559,13 @@ class Optimizer:
         """
         self._step(None)
 
-    def _step(self, gates: dict[Any, Tensor] | None) -> None:
+    def _step(self, gates: dict[Any, Tensor] | None,
+              remade: dict[int, Callable[[], Tensor]] | None = None) -> None:
         """`step()`, each write to a parameter or to state a select by `gates` where given
         (`amp.GradScaler.step`: Note [a skipped step is a select on the device] in
-        runtime/amp.py)."""
+        runtime/amp.py). While capturing, `remade` may give, by parameter id, a function
+        that makes the parameter's gradient again (the same values) just before its update
+        (Note [half gradients through the check] in runtime/amp.py)."""
         with no_grad(), tape.phase("update"):
             todo = [p for p in self.params if p.grad is not None]
             self._gates = gates
@@ -448,8 +576,18 @@ class Optimizer:
                 if gates is not None:
                     self.prepare_gate()
                 self._begin()
+                # NOTE: while capturing, a gated update reads grad + gate (-0.0: grad bit for
+                # bit; NaN: a skipped step, whose values _commit discards anyway), so that it
+                # cannot be scheduled before the check: the graph then runs each update as
+                # one elementwise chain into the state, where run early its new value would
+                # wait at full size beside every gradient (runtime/graph/schedule.py)
+                capturing = gates is not None and tape.active() is not None
                 for p in todo:
-                    self._update(p, p.grad, self.state[id(p)])
+                    grad = p.grad
+                    if capturing:
+                        again = (remade or {}).get(id(p))
+                        grad = ops.add(grad if again is None else again(), gates[grad.dtype])
+                    self._update(p, grad, self.state[id(p)])
                 self._end()
             finally:
                 self._gates = None
@@ -474,13 +612,21 @@ class Optimizer:
         number `index` shaped like it (None while capturing: a temporary), for `_commit`."""
         return state if self._gates is None else self._scratch(state, index)
 
+    def _again(self, new: Tensor) -> Tensor | None:
+        """Where the next op on `new` (from `_target`) writes: over `new` itself (the state,
+        outside a gated step; its scratch, eagerly), or a temporary in a gated step that a
+        graph captures. A block a capture writes once can be fused through or written over
+        when it dies (runtime/graph/fuse.py); one written twice is a full-size buffer."""
+        return None if self._gates is not None and tape.active() is not None else new
+
     def _commit(self, new: Tensor, state: Tensor) -> None:
         """Write `new` (from `_target`) over `state`: nothing to do outside a gated step; in
         one, state = where_finite(new + gate, state), new bit for bit or state unchanged."""
         if self._gates is None:
             return
-        ops.add(new, self._gates[new.dtype], out=new)
-        ops.where_finite(new, state, out=state)
+        # NOTE: _again: the update's chain fuses through the gate into state while capturing
+        gated = ops.add(new, self._gates[new.dtype], out=self._again(new))
+        ops.where_finite(gated, state, out=state)
 
     def prepare(self) -> None:
         """Allocate now the state and scratch of every parameter (`step()` would make them at
@@ -561,7 +707,8 @@ class SGD(Optimizer):
         if self.momentum and self.dampening:
             self._coefficient(p)
 
-    def _step(self, gates: dict[Any, Tensor] | None) -> None:
+    def _step(self, gates: dict[Any, Tensor] | None,
+              remade: dict[int, Callable[[], Tensor]] | None = None) -> None:
         """`Optimizer._step`, with the plain case (no momentum, no weight decay, not gated by
         amp, not capturing) in one loop: the same two ops per parameter as `_update`, p - (grad
         * lr) rounded twice, so the same bits; every scratch is looked up (made at the first
@@ -569,7 +716,7 @@ class SGD(Optimizer):
         any other option, goes through `_update`: a capture records what that runs."""
         if (gates is not None or self.momentum or self.weight_decay
                 or self._dampened is not None or tape.active() is not None or not self._plain):
-            super()._step(gates)
+            super()._step(gates, remade)
             return
         with no_grad():
             todo = [(p, p.grad, self._scratch(p)) for p in self.params if p.grad is not None]
@@ -596,7 +743,7 @@ class SGD(Optimizer):
     def _end(self) -> None:
         if self._dampened is not None:  # from now on d counts 1 - dampening
             new = ops.mul(self._dampened, 0.0, out=self._target(self._dampened, 0))
-            new = ops.add(new, 1 - self.dampening, out=new)
+            new = ops.add(new, 1 - self.dampening, out=self._again(new))
             self._commit(new, self._dampened)
 
     def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
@@ -615,19 +762,22 @@ class SGD(Optimizer):
             new_buf = ops.mul(buf, self.momentum, out=self._target(buf, 1))
             if self.dampening:
                 d = ops.mul(d, self._coefficient(p), out=scratch)
-            new_buf = ops.add(new_buf, d, out=new_buf)
+            new_buf = ops.add(new_buf, d, out=self._again(new_buf))
             if self.nesterov:  # p -= lr * (d + momentum * buf), in two subtractions
                 new_p = ops.sub(p, ops.mul(d, self.lr, out=scratch), out=self._target(p, 2))
                 new_p = ops.sub(new_p, ops.mul(new_buf, self.lr * self.momentum, out=scratch),
-                                out=new_p)
-                self._commit(new_buf, buf)
+                                out=self._again(new_p))
                 self._commit(new_p, p)
+                self._commit(new_buf, buf)
                 return
             d = new_buf
+        # NOTE: p's commit first: in a capture it then follows the ops that make new_p, and
+        # they fuse into one chain (new_p never at full size) where the buffer's commit would
+        # sit between them
         new_p = ops.sub(p, ops.mul(d, self.lr, out=scratch), out=self._target(p, 0))
+        self._commit(new_p, p)
         if self.momentum:
             self._commit(d, state["momentum"])
-        self._commit(new_p, p)
 
     def _options(self) -> str:
         return (f"lr={self.lr}, momentum={self.momentum}, weight_decay={self.weight_decay}"
@@ -708,11 +858,11 @@ class Adam(Optimizer):
         # one, m and v are committed before p reads them (a skipped step discards p's new
         # value whatever it read)
         new_m = ops.mul(m, beta1, out=self._target(m, 2))
-        new_m = ops.add(new_m, ops.mul(g, 1 - beta1, out=s2), out=new_m)
+        new_m = ops.add(new_m, ops.mul(g, 1 - beta1, out=s2), out=self._again(new_m))
         self._commit(new_m, m)
         new_v = ops.mul(v, beta2, out=self._target(v, 2))
         squared = ops.mul(g, g, out=s2)
-        new_v = ops.add(new_v, ops.mul(squared, 1 - beta2, out=s2), out=new_v)
+        new_v = ops.add(new_v, ops.mul(squared, 1 - beta2, out=s2), out=self._again(new_v))
         self._commit(new_v, v)
         # p -= lr / (1 - beta1**t) * m / (sqrt(v / (1 - beta2**t)) + eps)
         denominator = ops.sqrt(ops.mul(v, self._inverse_correction, out=s2), out=s2)

@@ -20,6 +20,15 @@ from runtime import amp, dtypes, nn, ops
 
 HALF = ["float16", "bfloat16"]
 F16, BF16 = np.dtype("float16"), dtypes.BFLOAT16
+DEFAULT_REMAKE_BYTES = amp._REMAKE_BYTES
+
+
+@pytest.fixture(autouse=True)
+def _remake_every_gradient(monkeypatch: Any) -> None:
+    """The layers here are small: a capture makes every gradient again from its half source
+    (Note [half gradients through the check]), not only those of 64 KiB and more, so that the
+    eager-against-captured tests cover that path."""
+    monkeypatch.setattr(amp, "_REMAKE_BYTES", 0)
 
 
 def _bits(t: Any) -> np.ndarray:
@@ -555,3 +564,261 @@ def test_the_demo_reaches_97_percent_in_mixed_precision(demo, precision, seed):
     if precision == "float16":
         assert train.scaler.steps == epochs * (len(x_train) // batch)
         assert math.isfinite(train.scaler.get_scale())
+
+
+# ---------------------------------------------------------------------- unscale_ and clipping
+def _clipped_pair(kind: str, max_norm: float, device: Any = None, **scaler: Any) -> list:
+    """Two identical float16 steps that unscale, clip and step: one eager, one captured."""
+    made = []
+    for graphed in (False, True):
+        nn.manual_seed(0)
+        model = nn.Sequential(nn.Dense(8, 16, device=device), nn.ReLU(),
+                              nn.Dense(16, 3, device=device))
+        opt = _optimizer(kind, model.parameters())
+        grad_scaler = amp.GradScaler(**scaler)
+
+        def step(x: Any, y: Any, model=model, opt=opt, grad_scaler=grad_scaler) -> tuple:
+            opt.prepare()
+            grad_scaler.prepare(opt)
+            with amp.autocast("float16"):
+                loss = nn.softmax_cross_entropy(model(x), y)
+            grad_scaler.scale(loss).backward()
+            grad_scaler.unscale_(opt)
+            norm = nn.clip_grad_norm_(model.parameters(), max_norm)
+            grad_scaler.step(opt)
+            grad_scaler.update()
+            opt.zero_grad()
+            return loss, norm
+
+        made.append((model, opt, grad_scaler,
+                     runtime.graph(step, device=device) if graphed else step))
+    return made
+
+
+@pytest.mark.parametrize("kind", ["sgd-momentum", "nesterov", "adam"])
+def test_unscale_clip_and_step_skip_and_replay_the_same_eagerly_and_captured(kind):
+    """unscale_, clip_grad_norm_ and step under float16 loss scaling from 2**40: the first
+    steps overflow (their norm is inf or NaN and the step is skipped: parameters and optimizer
+    state unchanged bit for bit), later ones are clipped and taken; eager and captured equal
+    bit for bit throughout: losses, norms, state, scale and counts."""
+    (m1, o1, s1, eager), (m2, o2, s2, graph) = _clipped_pair(kind, 0.25, init_scale=2.0 ** 40)
+    x, y = _data(seed=2)
+    skipped = 0
+    norms = []
+    for _ in range(30):
+        before = _state(m1, o1)
+        l1, n1 = eager(runtime.tensor(x), y)
+        l2, n2 = graph(x, y)
+        assert _same(l1, l2) and _same(n1, n2)
+        assert all(_same(a, b) for a, b in zip(_state(m1, o1), _state(m2, o2)))
+        assert s1.get_scale() == s2.get_scale()
+        if s1.skipped_steps > skipped:
+            skipped += 1
+            assert not math.isfinite(n1.item())
+            assert all(_same(a, b) for a, b in zip(before, _state(m1, o1)))
+        else:
+            assert math.isfinite(n1.item())
+            norms.append(n1.item())
+    assert 10 < skipped < 30 and s1.skipped_steps == s2.skipped_steps == skipped
+    assert max(norms) > 0.25  # some taken steps were clipped
+
+
+def test_unscale_then_step_is_step_alone_and_divides_once():
+    """unscale_ divides the gradients by the scale in place; the step after it takes them as
+    they are, so the run equals one where step() unscales, bit for bit."""
+    runs = []
+    x, y = _data(seed=4)
+    for early in (False, True):
+        model = _model(seed=2)
+        opt = _optimizer("adam", model.parameters())
+        scaler = amp.GradScaler(init_scale=2.0 ** 10)
+        for _ in range(3):
+            with amp.autocast("float16"):
+                loss = nn.softmax_cross_entropy(model(runtime.tensor(x)), y)
+            scaler.scale(loss).backward()
+            if early:
+                scaled = [p.grad.numpy() for p in model.parameters()]
+                scaler.unscale_(opt)
+                for p, g in zip(model.parameters(), scaled):
+                    assert _same(p.grad, g * np.float32(2.0 ** -10))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        runs.append(_state(model, opt))
+    assert all(_same(a, b) for a, b in zip(*runs))
+
+
+def test_a_second_unscale_before_update_is_refused_by_name():
+    model = _model()
+    opt = nn.SGD(model.parameters(), lr=0.1)
+    scaler = amp.GradScaler()
+    x, y = _data()
+
+    def backward() -> None:
+        with amp.autocast("float16"):
+            loss = nn.softmax_cross_entropy(model(runtime.tensor(x)), y)
+        scaler.scale(loss).backward()
+
+    backward()
+    scaler.unscale_(opt)
+    grads = [p.grad.numpy() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"unscale_: already called for this optimizer "
+                                           r"\(SGD\) since the last update\(\)"):
+        scaler.unscale_(opt)
+    assert all(_same(p.grad, g) for p, g in zip(model.parameters(), grads))  # not twice
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match=r"step\(\) already ran for this optimizer \(SGD\)"):
+        scaler.unscale_(opt)
+    scaler.update()
+    opt.zero_grad()
+    backward()
+    scaler.unscale_(opt)  # a new step: allowed again
+    fresh = amp.GradScaler()
+    with pytest.raises(RuntimeError, match=r"step\(\) already ran"):
+        fresh.step(opt)
+        fresh.unscale_(opt)
+    off = amp.GradScaler(enabled=False)
+    off.unscale_(opt)
+    off.unscale_(opt)  # disabled: nothing to do, nothing refused
+
+
+def test_each_optimizer_keeps_its_own_check_between_unscale_and_step():
+    """Two optimizers unscaled before either steps: one with an inf gradient skips, the other
+    takes its step (torch.amp keeps found_inf per optimizer)."""
+    a = runtime.tensor(np.ones(3, np.float32), requires_grad=True)
+    b = runtime.tensor(np.ones(2, np.float32), requires_grad=True)
+    opt_a, opt_b = nn.SGD([a], lr=0.5), nn.SGD([b], lr=0.5)
+    for graphed in (False, True):
+        scaler = amp.GradScaler(init_scale=2.0)
+
+        def step(bad: Any, scaler=scaler) -> None:
+            a.grad = ops.mul(runtime.tensor(np.ones(3, np.float32)), bad)
+            b.grad = runtime.tensor(np.full(2, 4.0, np.float32))
+            scaler.unscale_(opt_a)
+            scaler.unscale_(opt_b)
+            scaler.step(opt_a)
+            scaler.step(opt_b)
+            scaler.update()
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+
+        run = runtime.graph(step) if graphed else step
+        with runtime.no_grad():
+            a[...] = np.ones(3, np.float32)
+            b[...] = np.ones(2, np.float32)
+        run(np.array(np.inf, np.float32) if graphed else runtime.tensor(np.float32(np.inf)))
+        assert np.array_equal(a.numpy(), np.ones(3, np.float32))  # skipped
+        assert np.array_equal(b.numpy(), np.full(2, 0.0, np.float32))  # 1 - 0.5 * 4 / 2
+        assert scaler.skipped_steps == 1 and scaler.steps == 2 and scaler.get_scale() == 1.0
+
+
+@pytest.mark.parametrize("kind", backends.available())
+def test_unscale_and_clip_replay_the_same_on_every_device(kind):
+    """On each device here (PoCL's OpenCL included): unscale_, clip and Adam from 2**30,
+    eager and captured, equal bit for bit, with skips."""
+    device = backends.get_device(kind)
+    (m1, o1, s1, eager), (m2, o2, s2, graph) = _clipped_pair("adam", 0.5, device=device,
+                                                             init_scale=2.0 ** 30)
+    x, y = _data(seed=8)
+    for _ in range(20):
+        l1, n1 = eager(runtime.tensor(x, device=device), y)
+        l2, n2 = graph(x, y)
+        assert _same(l1, l2) and _same(n1, n2)
+    assert all(_same(a, b) for a, b in zip(_state(m1, o1), _state(m2, o2)))
+    assert 5 < s1.skipped_steps == s2.skipped_steps < 20
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_captured_float16_step_holds_half_gradients_through_the_check(momentum,
+                                                                        monkeypatch):
+    """Note [half gradients through the check] in runtime/amp.py: the check of loss scaling
+    needs every gradient before the first update, so all are live at once; a capture holds
+    them as the half gradients they were cast from (2 bytes an element, not float32's 4) and
+    makes each float32 gradient again for its update. The most bytes live at once: every half
+    gradient plus one float32 gradient being made (the chain of each update fuses through the
+    select, so no new value waits at full size). Before: every float32 gradient plus one half
+    gradient being cast, which the static arena exceeded too. With the default threshold,
+    the small gradients held as float32, and the step still the eager one bit for bit."""
+    monkeypatch.setattr(amp, "_REMAKE_BYTES", DEFAULT_REMAKE_BYTES)
+    widths = [128] * 5 + [10]
+    models, steps = [], []
+    for graphed in (False, True):
+        layers: list[nn.Module] = []
+        for i in range(len(widths) - 1):
+            layers += [nn.Dense(widths[i], widths[i + 1], rng=i), nn.ReLU()]
+        model = nn.Sequential(*layers[:-1])
+        step = nn.train_step(model, nn.SGD(model.parameters(), lr=0.05, momentum=momentum),
+                             precision="float16", scaler=amp.GradScaler(init_scale=2.0 ** 20))
+        models.append(model)
+        steps.append(runtime.graph(step) if graphed else step)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        x, y = rng.normal(size=(64, 128)).astype(np.float32), rng.integers(0, 10, 64)
+        assert _same(steps[0](runtime.tensor(x), y), steps[1](x, y))
+    assert all(_same(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    model, graph = models[1], steps[1]
+    float32 = sum(p.nbytes for p in model.parameters())
+    # NOTE: gradients under amp._REMAKE_BYTES (the biases, the last layer's weight) are held
+    held = sum(p.nbytes // 2 if p.nbytes >= amp._REMAKE_BYTES else p.nbytes
+               for p in model.parameters())
+    largest = max(p.nbytes for p in model.parameters())
+    report = graph.memory_report()
+    assert held <= report["lower_bound_bytes"] <= held + largest + 1024, report
+    assert report["planned_bytes"] < float32, report
+
+
+def _graph_pair(make_step: Any) -> list:
+    """Two identical float16 setups whose step function `make_step(model, opt, scaler)` makes;
+    the first run eagerly, the second captured."""
+    made = []
+    for graphed in (False, True):
+        nn.manual_seed(0)
+        shared = nn.Dense(8, 8)
+        model = nn.Sequential(shared, nn.ReLU(), shared, nn.ReLU(), nn.Dense(8, 3))
+        opt = nn.Adam(model.parameters(), lr=1e-2)
+        scaler = amp.GradScaler(init_scale=2.0 ** 24)
+        step = make_step(model, opt, scaler)
+        made.append((model, opt, scaler, runtime.graph(step) if graphed else step))
+    return made
+
+
+@pytest.mark.parametrize("shape", ["shared weight", "two backward passes", "grads kept"])
+def test_gradients_not_made_by_one_cast_take_the_plain_path_and_equal_eager(shape):
+    """Note [half gradients through the check]: only a gradient that is a cast of a half
+    gradient, unchanged since, is made again from it. A weight used twice (its gradient is a
+    sum), two scaled backward passes before the step (accumulated in place), and a step that
+    keeps and returns the gradients (so they must hold the unscaled values eager gives) all
+    give, captured, what they give eagerly, bit for bit, skips included."""
+
+    def make_step(model: Any, opt: Any, scaler: Any) -> Any:
+        def step(x: Any, y: Any) -> Any:
+            opt.prepare()
+            scaler.prepare(opt)
+            passes = 2 if shape == "two backward passes" else 1
+            for _ in range(passes):
+                with amp.autocast("float16"):
+                    loss = nn.softmax_cross_entropy(model(x), y)
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            if shape == "grads kept":
+                return (loss, *[p.grad for p in model.parameters()])
+            opt.zero_grad()
+            return loss
+        return step
+
+    (m1, o1, s1, eager), (m2, o2, s2, graph) = _graph_pair(make_step)
+    x, y = _data(seed=5)
+    for _ in range(12):
+        if shape == "grads kept":
+            o1.zero_grad()
+            o2.zero_grad()
+        got1 = eager(runtime.tensor(x), y)
+        got2 = graph(x, y)
+        if shape == "grads kept":
+            assert len(got1) == len(got2) == 1 + len(list(m1.parameters()))
+            assert all(_same(a, b) for a, b in zip(got1, got2))
+        else:
+            assert _same(got1, got2)
+        assert all(_same(a, b) for a, b in zip(_state(m1, o1), _state(m2, o2)))
+    assert 0 < s1.skipped_steps == s2.skipped_steps < 12
