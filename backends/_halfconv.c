@@ -14,7 +14,8 @@
  * these at about 1). Each argument is a C-contiguous buffer (a NumPy array), dst writable,
  * both of the same number of elements; anything else is a TypeError or ValueError, before
  * anything is written. apply(code, bf16, out, a[, b]) runs one elementwise kernel on any
- * layout, computing in float32 and rounding once (it says below how).
+ * layout, computing in float32 and rounding once (it says below how). sub_scaled(kind, out, a,
+ * b, scale), an optimizer's update out = a - scale * b in one pass, takes every float dtype.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -765,6 +766,151 @@ apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
+/* ------------------------------------------------------------------ the scaled subtraction
+ *
+ * sub_scaled(kind, out, a, b, scale): out = a - (scale * b), the product rounded to out's dtype
+ * before the subtraction, in one pass: bit for bit what the NumPy device's two kernels give,
+ * multiply(b, scale) into scratch then subtract(a, scratch) (an optimizer's update p -= lr * g,
+ * `Device.sub_scaled`). kind: 0 float32, 1 float64, 2 float16, 3 bfloat16 (two-byte floats in
+ * float32, each of the two results rounded to the dtype once: Note [two-byte floats compute in
+ * float32] in backends/base.py); scale a number (float32 for every kind but float64). out, a and
+ * b are C-contiguous buffers of the kind's item size and of one length; out may be a or b itself
+ * (each chunk is read before it is written). Returns False, having written nothing, for any
+ * other layout. Each IEEE operation is a loop of its own over a chunk that stays in L1: no
+ * compiler contracts the product and the difference into one fused multiply-add, whatever the
+ * target (a vfmadd would round once, not twice). */
+#define SUB_CHUNK 256
+
+#define SUB_BODY(T)                                                                          \
+    T t[SUB_CHUNK];                                                                          \
+    for (Py_ssize_t start = 0; start < n; start += SUB_CHUNK) {                              \
+        Py_ssize_t m = n - start < SUB_CHUNK ? n - start : SUB_CHUNK;                        \
+        const T *bs = b + start;                                                             \
+        for (Py_ssize_t i = 0; i < m; i++) t[i] = bs[i] * s;                                 \
+        const T *as = a + start;                                                             \
+        T *os = out + start;                                                                 \
+        for (Py_ssize_t i = 0; i < m; i++) os[i] = as[i] - t[i];                             \
+    }
+
+static void
+sub_scaled_f32(float *out, const float *a, const float *b, float s, Py_ssize_t n)
+{
+    SUB_BODY(float)
+}
+
+static void
+sub_scaled_f64(double *out, const double *a, const double *b, double s, Py_ssize_t n)
+{
+    SUB_BODY(double)
+}
+
+#if HAVE_X86
+/* the same loops in AVX2 registers (the target has no FMA, and the loops are apart anyway) */
+__attribute__((target("avx2"))) static void
+sub_scaled_f32_avx2(float *out, const float *a, const float *b, float s, Py_ssize_t n)
+{
+    SUB_BODY(float)
+}
+
+__attribute__((target("avx2"))) static void
+sub_scaled_f64_avx2(double *out, const double *a, const double *b, double s, Py_ssize_t n)
+{
+    SUB_BODY(double)
+}
+#endif
+#undef SUB_BODY
+
+/* Two-byte items: the chunk of b widened, multiplied, rounded to the dtype and widened back
+ * (the scratch of the two-kernel path, in registers' stead); a's chunk widened; the difference
+ * rounded into out. */
+static void
+sub_scaled_half(uint16_t *out, const uint16_t *a, const uint16_t *b, float s, Py_ssize_t n,
+                int bf16)
+{
+    float ta[SUB_CHUNK], tb[SUB_CHUNK];
+    uint16_t rounded[SUB_CHUNK];
+    loop_fn widen_fn = bf16 ? widen_bf16_loop : widen_loop;
+    loop_fn narrow_fn = bf16 ? narrow_bf16_loop : narrow_loop;
+    for (Py_ssize_t start = 0; start < n; start += SUB_CHUNK) {
+        Py_ssize_t m = n - start < SUB_CHUNK ? n - start : SUB_CHUNK;
+        widen_fn(b + start, tb, m);
+        for (Py_ssize_t i = 0; i < m; i++) tb[i] = tb[i] * s;
+        narrow_fn(tb, rounded, m);
+        widen_fn(rounded, tb, m);
+        widen_fn(a + start, ta, m);
+        for (Py_ssize_t i = 0; i < m; i++) ta[i] = ta[i] - tb[i];
+        narrow_fn(ta, out + start, m);
+    }
+}
+
+static PyObject *
+sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "sub_scaled(kind, out, a, b, scale) takes 5 arguments, "
+                     "got %zd", nargs);
+        return NULL;
+    }
+    long kind = PyLong_AsLong(args[0]);
+    if (kind == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (kind < 0 || kind > 3) {
+        PyErr_Format(PyExc_ValueError, "sub_scaled: kind %ld names no dtype (0 float32, "
+                     "1 float64, 2 float16, 3 bfloat16)", kind);
+        return NULL;
+    }
+    double scale = PyFloat_AsDouble(args[4]);
+    if (scale == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    static const Py_ssize_t itemsizes[4] = {4, 8, 2, 2};
+    Py_ssize_t itemsize = itemsizes[kind];
+    Py_buffer views[3];
+    int held = 0, refuse = 0;
+    while (held < 3 && !refuse) {
+        int flags = held == 0 ? PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE : PyBUF_C_CONTIGUOUS;
+        if (PyObject_GetBuffer(args[1 + held], &views[held], flags) < 0) {
+            PyErr_Clear();  /* not contiguous, read-only, not an array: the caller's own path */
+            refuse = 1;
+            break;
+        }
+        refuse = views[held].itemsize != itemsize || views[held].len != views[0].len;
+        held++;
+    }
+    if (!refuse) {
+        Py_ssize_t n = views[0].len / itemsize;
+        void *o = views[0].buf;
+        const void *x = views[1].buf, *y = views[2].buf;
+        Py_BEGIN_ALLOW_THREADS
+        if (kind == 0) {
+#if HAVE_X86
+            if (use_avx2) {
+                sub_scaled_f32_avx2(o, x, y, (float)scale, n);
+            } else
+#endif
+            sub_scaled_f32(o, x, y, (float)scale, n);
+        } else if (kind == 1) {
+#if HAVE_X86
+            if (use_avx2) {
+                sub_scaled_f64_avx2(o, x, y, scale, n);
+            } else
+#endif
+            sub_scaled_f64(o, x, y, scale, n);
+        } else {
+            sub_scaled_half(o, x, y, (float)scale, n, kind == 3);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    for (int k = 0; k < held; k++) {
+        PyBuffer_Release(&views[k]);
+    }
+    if (refuse) {
+        Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
     {"widen", (PyCFunction)(void (*)(void))widen, METH_FASTCALL,
      "widen(src, dst): float16 items of src as float32 into dst (contiguous buffers)."},
@@ -777,6 +923,10 @@ static PyMethodDef methods[] = {
     {"apply", (PyCFunction)(void (*)(void))apply, METH_FASTCALL,
      "apply(code, bf16, out, a[, b]): one elementwise kernel computed in float32 and rounded "
      "once to out's item type; False when it cannot take the call."},
+    {"sub_scaled", (PyCFunction)(void (*)(void))sub_scaled, METH_FASTCALL,
+     "sub_scaled(kind, out, a, b, scale): out = a - scale * b with the product rounded to the "
+     "dtype first (kind 0 float32, 1 float64, 2 float16, 3 bfloat16; C-contiguous buffers of "
+     "one length); False when it cannot take the call."},
     {"set_f16c", set_f16c, METH_O,
      "set_f16c(flag): use the CPU's F16C instructions when flag and present; returns whether "
      "they are used."},

@@ -35,6 +35,8 @@ _NARROW = {} if _halfconv is None else {_F16: _halfconv.narrow, _BF16: _halfconv
 _APPLY = {"add": 1, "sub": 2, "mul": 3, "div": 4, "neg": 5, "relu": 6, "sqrt": 7,
           "relu_backward": 8, "tanh_backward": 9, "sigmoid_backward": 10}
 _HALF_KINDS = (_F16, _BF16)
+#: `_halfconv.sub_scaled`'s code for each dtype it takes
+_SUB_SCALED = {_F32: 0, np.dtype(np.float64): 1, _F16: 2, _BF16: 3}
 
 
 def _sigmoid(x: np.ndarray, out: np.ndarray) -> None:
@@ -317,6 +319,12 @@ class NumpyDevice(Device):
             if getattr(x, "dtype", dtype) != dtype and x.dtype != _F32:
                 return False
         return _halfconv.apply(code, dtype == _BF16, out, *operands)
+
+    def _sub_scaled(self, a, b, scale, out, scratch) -> None:
+        # NOTE: one C pass over contiguous operands (the product rounded first, no FMA)
+        kind = _SUB_SCALED.get(out.dtype)
+        if kind is None or _halfconv is None or not _halfconv.sub_scaled(kind, out, a, b, scale):
+            super()._sub_scaled(a, b, scale, out, scratch)
 
     # NOTE: functions of the module (the conversions need no device state), set as methods
     _in_float32 = staticmethod(_compute_in_float32)

@@ -563,19 +563,20 @@ class SGD(Optimizer):
 
     def _step(self, gates: dict[Any, Tensor] | None) -> None:
         """`Optimizer._step`, with the plain case (no momentum, no weight decay, not gated by
-        amp, not capturing) in one loop: the same two ops per parameter as `_update`, p - (grad
-        * lr) rounded twice, so the same bits; every scratch is looked up (made at the first
-        step) before the first write (Note [the commit point]). A gated or captured step, or
-        any other option, goes through `_update`: a capture records what that runs."""
+        amp, not capturing) in one loop of one-pass updates (`ops._sub_scaled`): p - (grad *
+        lr) rounded twice, the bits of `_update`'s two ops; every scratch is looked up (made at
+        the first step) before the first write (Note [the commit point]), for a device that
+        runs the two kernels. A gated or captured step, or any other option, goes through
+        `_update`: a capture records its two ops, which a graph may fold into a product."""
         if (gates is not None or self.momentum or self.weight_decay
                 or self._dampened is not None or tape.active() is not None or not self._plain):
             super()._step(gates)
             return
         with no_grad():
             todo = [(p, p.grad, self._scratch(p)) for p in self.params if p.grad is not None]
-            lr, mul, sub = self.lr, ops.mul, ops.sub
+            lr, sub_scaled = self.lr, ops._sub_scaled
             for p, grad, scratch in todo:
-                sub(p, mul(grad, lr, out=scratch), out=p)
+                sub_scaled(p, grad, lr, p, scratch)
 
     @property
     def _plain(self) -> bool:

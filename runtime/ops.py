@@ -44,6 +44,8 @@ ALIASING_POLICY: dict[str, str] = {
     # autograd's fused derivatives (not public ops): (gradient, the op's output) -> gradient
     **dict.fromkeys(("tanh_backward", "sigmoid_backward", "relu_backward"), ELEMENTWISE),
     "cross_entropy_backward": NEVER,
+    # an optimizer's update, p - lr * g in one pass (not a public op: `_sub_scaled`)
+    "sub_scaled": ELEMENTWISE,
 }
 
 #: The dtypes the arithmetic ops compute in (runtime/dtypes.py COMPUTE).
@@ -573,6 +575,46 @@ def cast(x: Tensor, dtype: Any, out: Tensor | None = None) -> Tensor:
 
         autograd.record("cast", out, (x,), ("x",), fn)
     return out
+
+
+def _sub_scaled(a: Tensor, b: Tensor, scale: Any, out: Tensor | None = None,
+                scratch: Tensor | None = None) -> Tensor:
+    """a - scale * b with the product rounded to the dtype first: bit for bit
+    `sub(a, mul(b, scale, out=scratch), out=out)`, in one pass where the device can
+    (`Device.sub_scaled`); plain SGD's update. a and b have one shape (no broadcasting), dtype
+    and device; `out` may be a itself (the policy of sub). `scratch` (out's shape and dtype,
+    sharing memory with nothing) is where a device without the one-pass kernel puts the
+    product, so that the update allocates nothing (Note [the commit point] in runtime/nn.py).
+    Records no gradient: an input that requires one, with gradients on, is an AutogradError."""
+    device, dtype = _common("sub_scaled", [a, b])
+    shape = a.shape
+    if b.shape != shape:
+        raise ValueError(f"sub_scaled: a has shape {shape} and b {b.shape}; they must be equal")
+    if autograd.needs_grad(a, b):
+        raise AutogradError("sub_scaled has no derivative: run it under runtime.no_grad() or on "
+                            "tensors that do not require grad")
+    value = _scalar("sub_scaled", scale, _FLOAT32 if dtype in dtypes.HALVES else dtype)
+    if device._fast_kernels is not None:  # NOTE: a host device: its own scratch costs nothing
+        done = _fast_launch("sub_scaled", False, out, shape, dtype, (a, b), _sub_scaled_kernel,
+                            (device, value))
+        if done is not None:
+            return done
+    out = _prepare_out("sub_scaled", out, shape, dtype, a, (a, b))
+    also: tuple[Tensor, ...] = ()
+    if scratch is not None:
+        if (not isinstance(scratch, Tensor) or scratch.shape != shape or scratch.dtype != dtype
+                or scratch.device is not device):
+            raise ValueError(f"sub_scaled: scratch must be a {dtype} Tensor of shape {shape} on "
+                             f"{device.name}, got {_brief(scratch)}")
+        also = (scratch,)
+    _launch("sub_scaled", out, [("a", a, shape), ("b", b, shape)],
+            lambda v, o, *t: device.sub_scaled(v[0], v[1], value, o, t[0] if t else None),
+            also=also)
+    return out
+
+
+def _sub_scaled_kernel(a: Any, b: Any, out: Any, device: Any, scale: Any) -> None:
+    device.sub_scaled(a, b, scale, out)
 
 
 # ---------------------------------------------------------------------- matmul
