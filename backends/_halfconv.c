@@ -774,7 +774,7 @@ apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
  * `Device.sub_scaled`). kind: 0 float32, 1 float64, 2 float16, 3 bfloat16 (two-byte floats in
  * float32, each of the two results rounded to the dtype once: Note [two-byte floats compute in
  * float32] in backends/base.py); scale a number (float32 for every kind but float64). out, a and
- * b are C-contiguous buffers of the kind's item size and of one length; out may be a or b itself
+ * b are C-contiguous buffers of the kind's item size and of one shape; out may be a or b itself
  * (each chunk is read before it is written). Returns False, having written nothing, for any
  * other layout. Each IEEE operation is a loop of its own over a chunk that stays in L1: no
  * compiler contracts the product and the difference into one fused multiply-add, whatever the
@@ -875,7 +875,10 @@ sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             refuse = 1;
             break;
         }
-        refuse = views[held].itemsize != itemsize || views[held].len != views[0].len;
+        refuse = views[held].itemsize != itemsize || views[held].ndim != views[0].ndim;
+        for (int d = 0; d < views[0].ndim && !refuse; d++) {
+            refuse = views[held].shape[d] != views[0].shape[d];
+        }
         held++;
     }
     if (!refuse) {
@@ -926,7 +929,7 @@ static PyMethodDef methods[] = {
     {"sub_scaled", (PyCFunction)(void (*)(void))sub_scaled, METH_FASTCALL,
      "sub_scaled(kind, out, a, b, scale): out = a - scale * b with the product rounded to the "
      "dtype first (kind 0 float32, 1 float64, 2 float16, 3 bfloat16; C-contiguous buffers of "
-     "one length); False when it cannot take the call."},
+     "one shape); False when it cannot take the call."},
     {"set_f16c", set_f16c, METH_O,
      "set_f16c(flag): use the CPU's F16C instructions when flag and present; returns whether "
      "they are used."},

@@ -213,6 +213,20 @@ def _compute_in_float32(kernel, inputs, outs, read=False) -> None:
             _convert(t, o)
 
 
+def _sub_scaled_kernel(a: np.ndarray, b: np.ndarray, scale, out: np.ndarray) -> None:
+    """The fast path's `Device.sub_scaled` (inputs that NumPy broadcasts, `scale` of the compute
+    dtype): one C pass over contiguous operands of out's shape, else the product into a
+    temporary and the difference, by the device's own kernels (the same bits either way)."""
+    kind = _SUB_SCALED.get(out.dtype)
+    if kind is not None and _halfconv is not None and _halfconv.sub_scaled(kind, out, a, b,
+                                                                           scale):
+        return
+    kernels = NumpyDevice._fast_half_kernels if out.dtype in _HALF_KINDS else _BINARY
+    product = np.empty(b.shape, out.dtype)
+    kernels["mul"](b, scale, product)
+    kernels["sub"](a, product, out)
+
+
 def _half_kernel(name: str):
     """The fast path's kernel `name` for float16 and bfloat16 (Note [the eager fast path] in
     runtime/fastpath.py), called as kernel(*inputs, out) with inputs NumPy would broadcast:
@@ -241,11 +255,12 @@ class NumpyDevice(Device):
     #: and the reductions, as kernel(x, out, axes, keepdims)
     _fast_kernels = {**_UNARY, **_BINARY, "sum": _sum,
                      "mean": lambda x, out, axes, keepdims: _reduce("mean", x, axes, keepdims,
-                                                                   out)}
+                                                                   out),
+                     "sub_scaled": _sub_scaled_kernel}
 
     #: the same for float16 and bfloat16 (copy, which moves bits, is `_fast_kernels`' own)
-    _fast_half_kernels = {name: _half_kernel(name) for name in (*_UNARY, *_BINARY)
-                          if name != "copy"}
+    _fast_half_kernels = {**{name: _half_kernel(name) for name in (*_UNARY, *_BINARY)
+                             if name != "copy"}, "sub_scaled": _sub_scaled_kernel}
 
     def __init__(self, index: int = 0) -> None:
         self.name = "cpu"

@@ -2,7 +2,8 @@
 `runtime._dispatch`.
 
 Note [the eager fast path]: `ops._elementwise` first offers the op to `_dispatch.elementwise(op,
-out, operands)`. The C code takes it only when every check of the Python path would pass without
+out, operands)` (as does `ops._sub_scaled`, an optimizer's update, with its three operands a, b
+and the number, once it has refused an input that records gradients). The C code takes it only when every check of the Python path would pass without
 a side effect of its own: exact Tensors over plain Blocks of their generation that hold data
 (use after free and unwritten reads go to Python, which raises), plain numbers within the dtype,
 one device and dtype (float32 or float64, float16 or bfloat16 where the device has

@@ -581,24 +581,27 @@ def _sub_scaled(a: Tensor, b: Tensor, scale: Any, out: Tensor | None = None,
                 scratch: Tensor | None = None) -> Tensor:
     """a - scale * b with the product rounded to the dtype first: bit for bit
     `sub(a, mul(b, scale, out=scratch), out=out)`, in one pass where the device can
-    (`Device.sub_scaled`); plain SGD's update. a and b have one shape (no broadcasting), dtype
-    and device; `out` may be a itself (the policy of sub). `scratch` (out's shape and dtype,
-    sharing memory with nothing) is where a device without the one-pass kernel puts the
-    product, so that the update allocates nothing (Note [the commit point] in runtime/nn.py).
-    Records no gradient: an input that requires one, with gradients on, is an AutogradError."""
-    device, dtype = _common("sub_scaled", [a, b])
-    shape = a.shape
-    if b.shape != shape:
-        raise ValueError(f"sub_scaled: a has shape {shape} and b {b.shape}; they must be equal")
+    (`Device.sub_scaled`); plain SGD's update. a and b broadcast to one shape (and out's, as in
+    sub) and have one dtype and device; `out` may be a itself (the policy of sub). `scratch`
+    (the result's shape and dtype, sharing memory with nothing) is where a device without the
+    one-pass kernel puts the product, so that the update allocates nothing (Note [the commit
+    point] in runtime/nn.py). Records no gradient: an input that requires one, with gradients
+    on, is an AutogradError before anything is written."""
     if autograd.needs_grad(a, b):
         raise AutogradError("sub_scaled has no derivative: run it under runtime.no_grad() or on "
                             "tensors that do not require grad")
+    if _fast is not None:  # NOTE: Note [the eager fast path] in runtime/fastpath.py
+        result = _fast("sub_scaled", out, (a, b, scale))
+        if result is not None:
+            return result
+    device, dtype = _common("sub_scaled", [a, b])
+    shapes = [a.shape, b.shape] + ([out.shape] if isinstance(out, Tensor) else [])
+    try:
+        shape = _broadcast_shapes(shapes)
+    except ValueError:
+        raise ValueError(f"sub_scaled: shapes {' and '.join(map(str, shapes))} cannot be "
+                         f"broadcast together") from None
     value = _scalar("sub_scaled", scale, _FLOAT32 if dtype in dtypes.HALVES else dtype)
-    if device._fast_kernels is not None:  # NOTE: a host device: its own scratch costs nothing
-        done = _fast_launch("sub_scaled", False, out, shape, dtype, (a, b), _sub_scaled_kernel,
-                            (device, value))
-        if done is not None:
-            return done
     out = _prepare_out("sub_scaled", out, shape, dtype, a, (a, b))
     also: tuple[Tensor, ...] = ()
     if scratch is not None:
@@ -611,10 +614,6 @@ def _sub_scaled(a: Tensor, b: Tensor, scale: Any, out: Tensor | None = None,
             lambda v, o, *t: device.sub_scaled(v[0], v[1], value, o, t[0] if t else None),
             also=also)
     return out
-
-
-def _sub_scaled_kernel(a: Any, b: Any, out: Any, device: Any, scale: Any) -> None:
-    device.sub_scaled(a, b, scale, out)
 
 
 # ---------------------------------------------------------------------- matmul
