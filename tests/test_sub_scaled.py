@@ -208,9 +208,11 @@ def test_the_c_kernel_declines_what_it_cannot_take_and_writes_nothing():
 
 @pytest.mark.parametrize("device", sorted(DEVICES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_plain_sgd_steps_as_the_two_ops_do(device, dtype):
-    """Three steps of nn.SGD (the one-pass update) against the same steps written with mul and
-    sub, on the parameters' bits."""
+@pytest.mark.parametrize(("momentum", "decay"), [(0.0, 0.0), (0.9, 0.0), (0.9, 0.01)])
+def test_sgd_steps_as_the_two_ops_do(device, dtype, momentum, decay):
+    """Three steps of nn.SGD (the one-pass update, plain or with momentum; with weight decay
+    the two ops) against the same steps written with mul, add and sub, on the bits of the
+    parameters."""
     if not usable(device, dtype):
         pytest.skip(f"{device} has no {dtype}")
     rng = np.random.default_rng(7)
@@ -218,15 +220,21 @@ def test_plain_sgd_steps_as_the_two_ops_do(device, dtype):
     grads = [rng.standard_normal(h.shape).astype(dtype) for h in hosts]
     params = [on(device, h) for h in hosts]
     mirror = [on(device, h) for h in hosts]
+    buffers = [on(device, np.zeros_like(h)) for h in hosts]
     for p in params:
         p.requires_grad = True
-    opt = nn.SGD(params, lr=0.0173)
+    opt = nn.SGD(params, lr=0.0173, momentum=momentum, weight_decay=decay)
     for _ in range(3):
         for p, g in zip(params, grads):
             p.grad = on(device, g)
         opt.step()
         with runtime.no_grad():
-            for m, g in zip(mirror, grads):
-                ops.sub(m, ops.mul(on(device, g), 0.0173), out=m)
+            for m, g, buf in zip(mirror, grads, buffers):
+                d = on(device, g)
+                if decay:
+                    d = ops.add(ops.mul(m, decay), d)
+                if momentum:
+                    d = ops.add(ops.mul(buf, momentum, out=buf), d, out=buf)
+                ops.sub(m, ops.mul(d, 0.0173), out=m)
     for p, m in zip(params, mirror):
         np.testing.assert_array_equal(bits(p), bits(m))
