@@ -15,7 +15,9 @@
  * both of the same number of elements; anything else is a TypeError or ValueError, before
  * anything is written. apply(code, bf16, out, a[, b]) runs one elementwise kernel on any
  * layout, computing in float32 and rounding once (it says below how). sub_scaled(kind, out, a,
- * b, scale), an optimizer's update out = a - scale * b in one pass, takes every float dtype.
+ * b, scale), an optimizer's update out = a - scale * b in one pass, takes every float dtype;
+ * float_op(code, kind, out, a[, b]) runs relu, relu_backward and add (a bias row too) on
+ * contiguous float32 and float64 arrays, one vectorised loop each, with NumPy's bits.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -914,6 +916,136 @@ sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
+/* ------------------------------------------------------------------ float32 and float64 loops
+ *
+ * float_op(code, kind, out, a[, b]): three of the NumPy device's kernels on contiguous float32
+ * (kind 0) or float64 (kind 1) operands, each one loop the compiler vectorises (NumPy runs relu
+ * against an array of zeros, relu_backward through a boolean temporary and a casting multiply,
+ * and an add of a bias row through its broadcasting iterator): code 0 relu(a), a where a > 0 or
+ * NaN, else +0, np.maximum(a, 0)'s bits; code 1 relu_backward(a, b), a * (b > 0), the
+ * gradient times 1 or 0, so a NaN or infinite gradient stays NaN and a negative one gives -0;
+ * code 2 add(a, b), b of out's shape or one row of its last dimension. One IEEE operation per
+ * element (a product or a sum, never both), so the bits are NumPy's. out and a are C-contiguous
+ * of one shape, b likewise or the row; out may be a or b itself (each element is read before it
+ * is written). Returns False, having written nothing, for anything else. */
+#define FLOAT_LOOPS(T, SUFFIX, ATTR)                                                          \
+    ATTR static void relu_##SUFFIX(T *o, const T *a, Py_ssize_t n)                          \
+    {                                                                                        \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                 \
+            T x = a[i];                                                                      \
+            o[i] = (x > (T)0 || x != x) ? x : (T)0;                                          \
+        }                                                                                    \
+    }                                                                                        \
+    ATTR static void relu_backward_##SUFFIX(T *o, const T *g, const T *y, Py_ssize_t n)     \
+    {   /* the factor in a block of its own: a real product, even by 1 (a signalling NaN     \
+           comes out quiet, as from NumPy), not a select the compiler would make of g * 1 */  \
+        T t[SUB_CHUNK];                                                                      \
+        for (Py_ssize_t start = 0; start < n; start += SUB_CHUNK) {                          \
+            Py_ssize_t m = n - start < SUB_CHUNK ? n - start : SUB_CHUNK;                    \
+            for (Py_ssize_t i = 0; i < m; i++) t[i] = y[start + i] > (T)0 ? (T)1 : (T)0;     \
+            for (Py_ssize_t i = 0; i < m; i++) o[start + i] = g[start + i] * t[i];           \
+        }                                                                                    \
+    }                                                                                        \
+    ATTR static void add_##SUFFIX(T *o, const T *a, const T *b, Py_ssize_t rows,            \
+                                  Py_ssize_t cols, int row)                                 \
+    {                                                                                        \
+        for (Py_ssize_t r = 0; r < rows; r++) {                                              \
+            const T *x = a + r * cols, *y = row ? b : b + r * cols;                          \
+            T *z = o + r * cols;                                                             \
+            for (Py_ssize_t i = 0; i < cols; i++) z[i] = x[i] + y[i];                        \
+        }                                                                                    \
+    }
+
+FLOAT_LOOPS(float, f32, )
+FLOAT_LOOPS(double, f64, )
+#if HAVE_X86
+FLOAT_LOOPS(float, f32_avx2, __attribute__((target("avx2"))))
+FLOAT_LOOPS(double, f64_avx2, __attribute__((target("avx2"))))
+#endif
+#undef FLOAT_LOOPS
+
+/* float_op's loop NAME for T (SUFFIX f32 or f64): the AVX2 variant where the CPU has it. */
+#if HAVE_X86
+#define PICK(NAME, SUFFIX) (use_avx2 ? NAME##_##SUFFIX##_avx2 : NAME##_##SUFFIX)
+#else
+#define PICK(NAME, SUFFIX) NAME##_##SUFFIX
+#endif
+
+static PyObject *
+float_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 && nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "float_op(code, kind, out, a[, b]) takes 4 or 5 "
+                     "arguments, got %zd", nargs);
+        return NULL;
+    }
+    long code = PyLong_AsLong(args[0]), kind = PyLong_AsLong(args[1]);
+    if ((code == -1 || kind == -1) && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (code < 0 || code > 2 || kind < 0 || kind > 1 || (code == 0) != (nargs == 4)) {
+        PyErr_Format(PyExc_ValueError, "float_op: code %ld of kind %ld with %zd operand(s) "
+                     "names no kernel", code, kind, nargs - 3);
+        return NULL;
+    }
+    Py_ssize_t itemsize = kind ? 8 : 4;
+    Py_buffer views[3];
+    int nviews = (int)nargs - 2, held = 0, refuse = 0, row = 0;
+    while (held < nviews && !refuse) {
+        int flags = held == 0 ? PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE : PyBUF_C_CONTIGUOUS;
+        if (PyObject_GetBuffer(args[2 + held], &views[held], flags) < 0) {
+            PyErr_Clear();  /* not contiguous, read-only, not an array: NumPy's own kernel */
+            refuse = 1;
+            break;
+        }
+        Py_buffer *v = &views[held];
+        int same = v->itemsize == itemsize && v->ndim == views[0].ndim;
+        for (int d = 0; d < views[0].ndim && same; d++) {
+            same = v->shape[d] == views[0].shape[d];
+        }
+        if (held == 2 && !same && code == 2) {  /* a row of out's last dimension */
+            row = same = v->itemsize == itemsize && v->ndim == 1 && views[0].ndim >= 1
+                && v->shape[0] == views[0].shape[views[0].ndim - 1];
+        }
+        refuse = !same;
+        held++;
+    }
+    if (!refuse) {
+        Py_ssize_t n = views[0].len / itemsize;
+        Py_ssize_t cols = views[0].ndim ? views[0].shape[views[0].ndim - 1] : 1;
+        Py_ssize_t rows = cols ? n / cols : 0;
+        void *o = views[0].buf;
+        const void *a = views[1].buf, *b = nviews == 3 ? views[2].buf : NULL;
+        Py_BEGIN_ALLOW_THREADS
+        if (!row) {  /* b (where given) of out's shape: one row of n */
+            rows = 1;
+            cols = n;
+        }
+        if (code == 0 && kind) {
+            PICK(relu, f64)(o, a, n);
+        } else if (code == 0) {
+            PICK(relu, f32)(o, a, n);
+        } else if (code == 1 && kind) {
+            PICK(relu_backward, f64)(o, a, b, n);
+        } else if (code == 1) {
+            PICK(relu_backward, f32)(o, a, b, n);
+        } else if (kind) {
+            PICK(add, f64)(o, a, b, rows, cols, row);
+        } else {
+            PICK(add, f32)(o, a, b, rows, cols, row);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    for (int k = 0; k < held; k++) {
+        PyBuffer_Release(&views[k]);
+    }
+    if (refuse) {
+        Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+#undef PICK
+
 static PyMethodDef methods[] = {
     {"widen", (PyCFunction)(void (*)(void))widen, METH_FASTCALL,
      "widen(src, dst): float16 items of src as float32 into dst (contiguous buffers)."},
@@ -930,6 +1062,10 @@ static PyMethodDef methods[] = {
      "sub_scaled(kind, out, a, b, scale): out = a - scale * b with the product rounded to the "
      "dtype first (kind 0 float32, 1 float64, 2 float16, 3 bfloat16; C-contiguous buffers of "
      "one shape); False when it cannot take the call."},
+    {"float_op", (PyCFunction)(void (*)(void))float_op, METH_FASTCALL,
+     "float_op(code, kind, out, a[, b]): relu (0), relu_backward (1) or add (2, b possibly a "
+     "row) on contiguous float32 (kind 0) or float64 (kind 1) operands; False when it cannot "
+     "take the call."},
     {"set_f16c", set_f16c, METH_O,
      "set_f16c(flag): use the CPU's F16C instructions when flag and present; returns whether "
      "they are used."},
