@@ -16,8 +16,8 @@
  * anything is written. apply(code, bf16, out, a[, b]) runs one elementwise kernel on any
  * layout, computing in float32 and rounding once (it says below how). sub_scaled(kind, out, a,
  * b, scale), an optimizer's update out = a - scale * b in one pass, takes every float dtype;
- * float_op(code, kind, out, a[, b]) runs relu, relu_backward and add (a bias row too) on
- * contiguous float32 and float64 arrays, one vectorised loop each, with NumPy's bits.
+ * float_op(code, kind, out, a[, b]) runs relu, relu_backward, add (a bias row too) and the
+ * sum over rows on contiguous float32 and float64 arrays, vectorised loops, with NumPy's bits.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -924,10 +924,16 @@ sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
  * and an add of a bias row through its broadcasting iterator): code 0 relu(a), a where a > 0 or
  * NaN, else +0, np.maximum(a, 0)'s bits; code 1 relu_backward(a, b), a * (b > 0), the
  * gradient times 1 or 0, so a NaN or infinite gradient stays NaN and a negative one gives -0;
- * code 2 add(a, b), b of out's shape or one row of its last dimension. One IEEE operation per
- * element (a product or a sum, never both), so the bits are NumPy's. out and a are C-contiguous
- * of one shape, b likewise or the row; out may be a or b itself (each element is read before it
- * is written). Returns False, having written nothing, for anything else. */
+ * code 2 add(a, b), b of out's shape or one row of its last dimension; code 3 the sum of a
+ * (rows, cols) over its rows, rows added one after another in order as np.add.reduce(a, 0)
+ * adds them for cols > 1 (for one column NumPy sums pairwise: refused), into out of cols
+ * elements (shape (cols,) or (1, cols)). One IEEE operation per element and step (a product
+ * or a sum, never both), so the bits are NumPy's, but for the sum of two NaNs: a NaN, whose
+ * payload is one of theirs (C's + commutes, and x86 keeps the first operand's payload; NumPy's
+ * own loops are compiled the same way). out and a are C-contiguous of one shape (but
+ * for the sum), b likewise or the row; out may be a or b itself in codes 0-2 (each element is
+ * read before it is written), never in the sum. Returns False, having written nothing, for
+ * anything else. */
 #define FLOAT_LOOPS(T, SUFFIX, ATTR)                                                          \
     ATTR static void relu_##SUFFIX(T *o, const T *a, Py_ssize_t n)                          \
     {                                                                                        \
@@ -944,6 +950,14 @@ sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             Py_ssize_t m = n - start < SUB_CHUNK ? n - start : SUB_CHUNK;                    \
             for (Py_ssize_t i = 0; i < m; i++) t[i] = y[start + i] > (T)0 ? (T)1 : (T)0;     \
             for (Py_ssize_t i = 0; i < m; i++) o[start + i] = g[start + i] * t[i];           \
+        }                                                                                    \
+    }                                                                                        \
+    ATTR static void sum_rows_##SUFFIX(T *o, const T *x, Py_ssize_t rows, Py_ssize_t cols)   \
+    {                                                                                        \
+        for (Py_ssize_t i = 0; i < cols; i++) o[i] = x[i];                                   \
+        for (Py_ssize_t r = 1; r < rows; r++) {                                              \
+            const T *y = x + r * cols;                                                       \
+            for (Py_ssize_t i = 0; i < cols; i++) o[i] = o[i] + y[i];                        \
         }                                                                                    \
     }                                                                                        \
     ATTR static void add_##SUFFIX(T *o, const T *a, const T *b, Py_ssize_t rows,            \
@@ -983,7 +997,8 @@ float_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if ((code == -1 || kind == -1) && PyErr_Occurred()) {
         return NULL;
     }
-    if (code < 0 || code > 2 || kind < 0 || kind > 1 || (code == 0) != (nargs == 4)) {
+    int unary = code == 0 || code == 3;
+    if (code < 0 || code > 3 || kind < 0 || kind > 1 || unary != (nargs == 4)) {
         PyErr_Format(PyExc_ValueError, "float_op: code %ld of kind %ld with %zd operand(s) "
                      "names no kernel", code, kind, nargs - 3);
         return NULL;
@@ -1007,6 +1022,16 @@ float_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             row = same = v->itemsize == itemsize && v->ndim == 1 && views[0].ndim >= 1
                 && v->shape[0] == views[0].shape[views[0].ndim - 1];
         }
+        if (held == 1 && code == 3) {  /* (rows, cols) into cols: (cols,) or (1, cols) */
+            Py_buffer *o = &views[0];
+            Py_ssize_t cols = v->ndim == 2 ? v->shape[1] : 0;
+            same = v->itemsize == itemsize && v->ndim == 2 && v->shape[0] >= 1 && cols > 1
+                && o->len == cols * itemsize && o->ndim >= 1 && o->ndim <= 2
+                && o->shape[o->ndim - 1] == cols;
+            /* the sum's out shares no memory with a: ops' policy NEVER; checked anyway */
+            uintptr_t ob = (uintptr_t)o->buf, vb = (uintptr_t)v->buf;
+            same = same && (ob + (uintptr_t)o->len <= vb || vb + (uintptr_t)v->len <= ob);
+        }
         refuse = !same;
         held++;
     }
@@ -1017,11 +1042,18 @@ float_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         void *o = views[0].buf;
         const void *a = views[1].buf, *b = nviews == 3 ? views[2].buf : NULL;
         Py_BEGIN_ALLOW_THREADS
-        if (!row) {  /* b (where given) of out's shape: one row of n */
+        if (code == 3) {
+            cols = views[1].shape[1];
+            rows = views[1].shape[0];
+        } else if (!row) {  /* b (where given) of out's shape: one row of n */
             rows = 1;
             cols = n;
         }
-        if (code == 0 && kind) {
+        if (code == 3 && kind) {
+            PICK(sum_rows, f64)(o, a, rows, cols);
+        } else if (code == 3) {
+            PICK(sum_rows, f32)(o, a, rows, cols);
+        } else if (code == 0 && kind) {
             PICK(relu, f64)(o, a, n);
         } else if (code == 0) {
             PICK(relu, f32)(o, a, n);
@@ -1063,9 +1095,9 @@ static PyMethodDef methods[] = {
      "dtype first (kind 0 float32, 1 float64, 2 float16, 3 bfloat16; C-contiguous buffers of "
      "one shape); False when it cannot take the call."},
     {"float_op", (PyCFunction)(void (*)(void))float_op, METH_FASTCALL,
-     "float_op(code, kind, out, a[, b]): relu (0), relu_backward (1) or add (2, b possibly a "
-     "row) on contiguous float32 (kind 0) or float64 (kind 1) operands; False when it cannot "
-     "take the call."},
+     "float_op(code, kind, out, a[, b]): relu (0), relu_backward (1), add (2, b possibly a "
+     "row) or the sum over rows (3) on contiguous float32 (kind 0) or float64 (kind 1) "
+     "operands; False when it cannot take the call."},
     {"set_f16c", set_f16c, METH_O,
      "set_f16c(flag): use the CPU's F16C instructions when flag and present; returns whether "
      "they are used."},
