@@ -14,7 +14,10 @@
  * these at about 1). Each argument is a C-contiguous buffer (a NumPy array), dst writable,
  * both of the same number of elements; anything else is a TypeError or ValueError, before
  * anything is written. apply(code, bf16, out, a[, b]) runs one elementwise kernel on any
- * layout, computing in float32 and rounding once (it says below how).
+ * layout, computing in float32 and rounding once (it says below how). sub_scaled(kind, out, a,
+ * b, scale), an optimizer's update out = a - scale * b in one pass, takes every float dtype;
+ * float_op(code, kind, out, a[, b]) runs relu, relu_backward, add (a bias row too) and the
+ * sum over rows on contiguous float32 and float64 arrays, vectorised loops, with NumPy's bits.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -765,6 +768,316 @@ apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
+/* ------------------------------------------------------------------ the scaled subtraction
+ *
+ * sub_scaled(kind, out, a, b, scale): out = a - (scale * b), the product rounded to out's dtype
+ * before the subtraction, in one pass: bit for bit what the NumPy device's two kernels give,
+ * multiply(b, scale) into scratch then subtract(a, scratch) (an optimizer's update p -= lr * g,
+ * `Device.sub_scaled`). kind: 0 float32, 1 float64, 2 float16, 3 bfloat16 (two-byte floats in
+ * float32, each of the two results rounded to the dtype once: Note [two-byte floats compute in
+ * float32] in backends/base.py); scale a number (float32 for every kind but float64). out, a and
+ * b are C-contiguous buffers of the kind's item size and of one shape; out may be a or b itself
+ * (each chunk is read before it is written). Returns False, having written nothing, for any
+ * other layout. Each IEEE operation is a loop of its own over a chunk that stays in L1: no
+ * compiler contracts the product and the difference into one fused multiply-add, whatever the
+ * target (a vfmadd would round once, not twice). */
+#define SUB_CHUNK 256
+
+#define SUB_BODY(T)                                                                          \
+    T t[SUB_CHUNK];                                                                          \
+    for (Py_ssize_t start = 0; start < n; start += SUB_CHUNK) {                              \
+        Py_ssize_t m = n - start < SUB_CHUNK ? n - start : SUB_CHUNK;                        \
+        const T *bs = b + start;                                                             \
+        for (Py_ssize_t i = 0; i < m; i++) t[i] = bs[i] * s;                                 \
+        const T *as = a + start;                                                             \
+        T *os = out + start;                                                                 \
+        for (Py_ssize_t i = 0; i < m; i++) os[i] = as[i] - t[i];                             \
+    }
+
+static void
+sub_scaled_f32(float *out, const float *a, const float *b, float s, Py_ssize_t n)
+{
+    SUB_BODY(float)
+}
+
+static void
+sub_scaled_f64(double *out, const double *a, const double *b, double s, Py_ssize_t n)
+{
+    SUB_BODY(double)
+}
+
+#if HAVE_X86
+/* the same loops in AVX2 registers (the target has no FMA, and the loops are apart anyway) */
+__attribute__((target("avx2"))) static void
+sub_scaled_f32_avx2(float *out, const float *a, const float *b, float s, Py_ssize_t n)
+{
+    SUB_BODY(float)
+}
+
+__attribute__((target("avx2"))) static void
+sub_scaled_f64_avx2(double *out, const double *a, const double *b, double s, Py_ssize_t n)
+{
+    SUB_BODY(double)
+}
+#endif
+#undef SUB_BODY
+
+/* Two-byte items: the chunk of b widened, multiplied, rounded to the dtype and widened back
+ * (the scratch of the two-kernel path, in registers' stead); a's chunk widened; the difference
+ * rounded into out. */
+static void
+sub_scaled_half(uint16_t *out, const uint16_t *a, const uint16_t *b, float s, Py_ssize_t n,
+                int bf16)
+{
+    float ta[SUB_CHUNK], tb[SUB_CHUNK];
+    uint16_t rounded[SUB_CHUNK];
+    loop_fn widen_fn = bf16 ? widen_bf16_loop : widen_loop;
+    loop_fn narrow_fn = bf16 ? narrow_bf16_loop : narrow_loop;
+    for (Py_ssize_t start = 0; start < n; start += SUB_CHUNK) {
+        Py_ssize_t m = n - start < SUB_CHUNK ? n - start : SUB_CHUNK;
+        widen_fn(b + start, tb, m);
+        for (Py_ssize_t i = 0; i < m; i++) tb[i] = tb[i] * s;
+        narrow_fn(tb, rounded, m);
+        widen_fn(rounded, tb, m);
+        widen_fn(a + start, ta, m);
+        for (Py_ssize_t i = 0; i < m; i++) ta[i] = ta[i] - tb[i];
+        narrow_fn(ta, out + start, m);
+    }
+}
+
+static PyObject *
+sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "sub_scaled(kind, out, a, b, scale) takes 5 arguments, "
+                     "got %zd", nargs);
+        return NULL;
+    }
+    long kind = PyLong_AsLong(args[0]);
+    if (kind == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (kind < 0 || kind > 3) {
+        PyErr_Format(PyExc_ValueError, "sub_scaled: kind %ld names no dtype (0 float32, "
+                     "1 float64, 2 float16, 3 bfloat16)", kind);
+        return NULL;
+    }
+    double scale = PyFloat_AsDouble(args[4]);
+    if (scale == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    static const Py_ssize_t itemsizes[4] = {4, 8, 2, 2};
+    Py_ssize_t itemsize = itemsizes[kind];
+    Py_buffer views[3];
+    int held = 0, refuse = 0;
+    while (held < 3 && !refuse) {
+        int flags = held == 0 ? PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE : PyBUF_C_CONTIGUOUS;
+        if (PyObject_GetBuffer(args[1 + held], &views[held], flags) < 0) {
+            PyErr_Clear();  /* not contiguous, read-only, not an array: the caller's own path */
+            refuse = 1;
+            break;
+        }
+        refuse = views[held].itemsize != itemsize || views[held].ndim != views[0].ndim;
+        for (int d = 0; d < views[0].ndim && !refuse; d++) {
+            refuse = views[held].shape[d] != views[0].shape[d];
+        }
+        held++;
+    }
+    if (!refuse) {
+        Py_ssize_t n = views[0].len / itemsize;
+        void *o = views[0].buf;
+        const void *x = views[1].buf, *y = views[2].buf;
+        Py_BEGIN_ALLOW_THREADS
+        if (kind == 0) {
+#if HAVE_X86
+            if (use_avx2) {
+                sub_scaled_f32_avx2(o, x, y, (float)scale, n);
+            } else
+#endif
+            sub_scaled_f32(o, x, y, (float)scale, n);
+        } else if (kind == 1) {
+#if HAVE_X86
+            if (use_avx2) {
+                sub_scaled_f64_avx2(o, x, y, scale, n);
+            } else
+#endif
+            sub_scaled_f64(o, x, y, scale, n);
+        } else {
+            sub_scaled_half(o, x, y, (float)scale, n, kind == 3);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    for (int k = 0; k < held; k++) {
+        PyBuffer_Release(&views[k]);
+    }
+    if (refuse) {
+        Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+/* ------------------------------------------------------------------ float32 and float64 loops
+ *
+ * float_op(code, kind, out, a[, b]): three of the NumPy device's kernels on contiguous float32
+ * (kind 0) or float64 (kind 1) operands, each one loop the compiler vectorises (NumPy runs relu
+ * against an array of zeros, relu_backward through a boolean temporary and a casting multiply,
+ * and an add of a bias row through its broadcasting iterator): code 0 relu(a), a where a > 0 or
+ * NaN, else +0, np.maximum(a, 0)'s bits; code 1 relu_backward(a, b), a * (b > 0), the
+ * gradient times 1 or 0, so a NaN or infinite gradient stays NaN and a negative one gives -0;
+ * code 2 add(a, b), b of out's shape or one row of its last dimension; code 3 the sum of a
+ * (rows, cols) over its rows, rows added one after another in order as np.add.reduce(a, 0)
+ * adds them for cols > 1 (for one column NumPy sums pairwise: refused), into out of cols
+ * elements (shape (cols,) or (1, cols)). One IEEE operation per element and step (a product
+ * or a sum, never both), so the bits are NumPy's, but for the sum of two NaNs: a NaN, whose
+ * payload is one of theirs (C's + commutes, and x86 keeps the first operand's payload; NumPy's
+ * own loops are compiled the same way). out and a are C-contiguous of one shape (but
+ * for the sum), b likewise or the row; out may be a or b itself in codes 0-2 (each element is
+ * read before it is written), never in the sum. Returns False, having written nothing, for
+ * anything else. */
+#define FLOAT_LOOPS(T, SUFFIX, ATTR)                                                          \
+    ATTR static void relu_##SUFFIX(T *o, const T *a, Py_ssize_t n)                          \
+    {                                                                                        \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                 \
+            T x = a[i];                                                                      \
+            o[i] = (x > (T)0 || x != x) ? x : (T)0;                                          \
+        }                                                                                    \
+    }                                                                                        \
+    ATTR static void relu_backward_##SUFFIX(T *o, const T *g, const T *y, Py_ssize_t n)     \
+    {   /* the factor in a block of its own: a real product, even by 1 (a signalling NaN     \
+           comes out quiet, as from NumPy), not a select the compiler would make of g * 1 */  \
+        T t[SUB_CHUNK];                                                                      \
+        for (Py_ssize_t start = 0; start < n; start += SUB_CHUNK) {                          \
+            Py_ssize_t m = n - start < SUB_CHUNK ? n - start : SUB_CHUNK;                    \
+            for (Py_ssize_t i = 0; i < m; i++) t[i] = y[start + i] > (T)0 ? (T)1 : (T)0;     \
+            for (Py_ssize_t i = 0; i < m; i++) o[start + i] = g[start + i] * t[i];           \
+        }                                                                                    \
+    }                                                                                        \
+    ATTR static void sum_rows_##SUFFIX(T *o, const T *x, Py_ssize_t rows, Py_ssize_t cols)   \
+    {                                                                                        \
+        for (Py_ssize_t i = 0; i < cols; i++) o[i] = x[i];                                   \
+        for (Py_ssize_t r = 1; r < rows; r++) {                                              \
+            const T *y = x + r * cols;                                                       \
+            for (Py_ssize_t i = 0; i < cols; i++) o[i] = o[i] + y[i];                        \
+        }                                                                                    \
+    }                                                                                        \
+    ATTR static void add_##SUFFIX(T *o, const T *a, const T *b, Py_ssize_t rows,            \
+                                  Py_ssize_t cols, int row)                                 \
+    {                                                                                        \
+        for (Py_ssize_t r = 0; r < rows; r++) {                                              \
+            const T *x = a + r * cols, *y = row ? b : b + r * cols;                          \
+            T *z = o + r * cols;                                                             \
+            for (Py_ssize_t i = 0; i < cols; i++) z[i] = x[i] + y[i];                        \
+        }                                                                                    \
+    }
+
+FLOAT_LOOPS(float, f32, )
+FLOAT_LOOPS(double, f64, )
+#if HAVE_X86
+FLOAT_LOOPS(float, f32_avx2, __attribute__((target("avx2"))))
+FLOAT_LOOPS(double, f64_avx2, __attribute__((target("avx2"))))
+#endif
+#undef FLOAT_LOOPS
+
+/* float_op's loop NAME for T (SUFFIX f32 or f64): the AVX2 variant where the CPU has it. */
+#if HAVE_X86
+#define PICK(NAME, SUFFIX) (use_avx2 ? NAME##_##SUFFIX##_avx2 : NAME##_##SUFFIX)
+#else
+#define PICK(NAME, SUFFIX) NAME##_##SUFFIX
+#endif
+
+static PyObject *
+float_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 && nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "float_op(code, kind, out, a[, b]) takes 4 or 5 "
+                     "arguments, got %zd", nargs);
+        return NULL;
+    }
+    long code = PyLong_AsLong(args[0]), kind = PyLong_AsLong(args[1]);
+    if ((code == -1 || kind == -1) && PyErr_Occurred()) {
+        return NULL;
+    }
+    int unary = code == 0 || code == 3;
+    if (code < 0 || code > 3 || kind < 0 || kind > 1 || unary != (nargs == 4)) {
+        PyErr_Format(PyExc_ValueError, "float_op: code %ld of kind %ld with %zd operand(s) "
+                     "names no kernel", code, kind, nargs - 3);
+        return NULL;
+    }
+    Py_ssize_t itemsize = kind ? 8 : 4;
+    Py_buffer views[3];
+    int nviews = (int)nargs - 2, held = 0, refuse = 0, row = 0;
+    while (held < nviews && !refuse) {
+        int flags = held == 0 ? PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE : PyBUF_C_CONTIGUOUS;
+        if (PyObject_GetBuffer(args[2 + held], &views[held], flags) < 0) {
+            PyErr_Clear();  /* not contiguous, read-only, not an array: NumPy's own kernel */
+            refuse = 1;
+            break;
+        }
+        Py_buffer *v = &views[held];
+        int same = v->itemsize == itemsize && v->ndim == views[0].ndim;
+        for (int d = 0; d < views[0].ndim && same; d++) {
+            same = v->shape[d] == views[0].shape[d];
+        }
+        if (held == 2 && !same && code == 2) {  /* a row of out's last dimension */
+            row = same = v->itemsize == itemsize && v->ndim == 1 && views[0].ndim >= 1
+                && v->shape[0] == views[0].shape[views[0].ndim - 1];
+        }
+        if (held == 1 && code == 3) {  /* (rows, cols) into cols: (cols,) or (1, cols) */
+            Py_buffer *o = &views[0];
+            Py_ssize_t cols = v->ndim == 2 ? v->shape[1] : 0;
+            same = v->itemsize == itemsize && v->ndim == 2 && v->shape[0] >= 1 && cols > 1
+                && o->len == cols * itemsize && o->ndim >= 1 && o->ndim <= 2
+                && o->shape[o->ndim - 1] == cols;
+            /* the sum's out shares no memory with a: ops' policy NEVER; checked anyway */
+            uintptr_t ob = (uintptr_t)o->buf, vb = (uintptr_t)v->buf;
+            same = same && (ob + (uintptr_t)o->len <= vb || vb + (uintptr_t)v->len <= ob);
+        }
+        refuse = !same;
+        held++;
+    }
+    if (!refuse) {
+        Py_ssize_t n = views[0].len / itemsize;
+        Py_ssize_t cols = views[0].ndim ? views[0].shape[views[0].ndim - 1] : 1;
+        Py_ssize_t rows = cols ? n / cols : 0;
+        void *o = views[0].buf;
+        const void *a = views[1].buf, *b = nviews == 3 ? views[2].buf : NULL;
+        Py_BEGIN_ALLOW_THREADS
+        if (code == 3) {
+            cols = views[1].shape[1];
+            rows = views[1].shape[0];
+        } else if (!row) {  /* b (where given) of out's shape: one row of n */
+            rows = 1;
+            cols = n;
+        }
+        if (code == 3 && kind) {
+            PICK(sum_rows, f64)(o, a, rows, cols);
+        } else if (code == 3) {
+            PICK(sum_rows, f32)(o, a, rows, cols);
+        } else if (code == 0 && kind) {
+            PICK(relu, f64)(o, a, n);
+        } else if (code == 0) {
+            PICK(relu, f32)(o, a, n);
+        } else if (code == 1 && kind) {
+            PICK(relu_backward, f64)(o, a, b, n);
+        } else if (code == 1) {
+            PICK(relu_backward, f32)(o, a, b, n);
+        } else if (kind) {
+            PICK(add, f64)(o, a, b, rows, cols, row);
+        } else {
+            PICK(add, f32)(o, a, b, rows, cols, row);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    for (int k = 0; k < held; k++) {
+        PyBuffer_Release(&views[k]);
+    }
+    if (refuse) {
+        Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+#undef PICK
+
 static PyMethodDef methods[] = {
     {"widen", (PyCFunction)(void (*)(void))widen, METH_FASTCALL,
      "widen(src, dst): float16 items of src as float32 into dst (contiguous buffers)."},
@@ -777,6 +1090,14 @@ static PyMethodDef methods[] = {
     {"apply", (PyCFunction)(void (*)(void))apply, METH_FASTCALL,
      "apply(code, bf16, out, a[, b]): one elementwise kernel computed in float32 and rounded "
      "once to out's item type; False when it cannot take the call."},
+    {"sub_scaled", (PyCFunction)(void (*)(void))sub_scaled, METH_FASTCALL,
+     "sub_scaled(kind, out, a, b, scale): out = a - scale * b with the product rounded to the "
+     "dtype first (kind 0 float32, 1 float64, 2 float16, 3 bfloat16; C-contiguous buffers of "
+     "one shape); False when it cannot take the call."},
+    {"float_op", (PyCFunction)(void (*)(void))float_op, METH_FASTCALL,
+     "float_op(code, kind, out, a[, b]): relu (0), relu_backward (1), add (2, b possibly a "
+     "row) or the sum over rows (3) on contiguous float32 (kind 0) or float64 (kind 1) "
+     "operands; False when it cannot take the call."},
     {"set_f16c", set_f16c, METH_O,
      "set_f16c(flag): use the CPU's F16C instructions when flag and present; returns whether "
      "they are used."},

@@ -271,6 +271,18 @@ class Device:
             return
         self._binary(name, a, b, out)
 
+    def sub_scaled(self, a: Any, b: Any, scale: Any, out: Any, scratch: Any = None) -> None:
+        """out = a - scale * b elementwise with the product rounded to out's dtype before the
+        subtraction (never one fused multiply-add): bit for bit `binary("mul", b, scale, t)`
+        then `binary("sub", a, t, out)`, in one pass where the backend can. It is plain SGD's
+        update p -= lr * grad. a and b have out's shape and dtype; out may be a or b itself and
+        overlaps them in no other way; `scale` is a number of out's compute dtype (float32 for
+        a two-byte float). `scratch`: None, or a view of out's shape and dtype that overlaps
+        nothing, where a backend that runs the two kernels puts the product (an optimizer
+        passes its own, so its step allocates nothing: Note [the commit point] in
+        runtime/nn.py)."""
+        self._sub_scaled(a, b, scale, out, scratch)
+
     def matmul(self, a: Any, b: Any, out: Any) -> None:
         """out = a @ b for 2-D (or batched N-D) views; out never overlaps a or b."""
         if out.dtype in HALVES and not self.half_kernels:
@@ -559,6 +571,20 @@ class Device:
         else:
             self.fused([scaled, ("mul", (("input", 1), ("number", beta)), dtype),
                         ("add", (("link", 0), ("link", 1)), dtype)], [product, out], out)
+
+    def _sub_scaled(self, a: Any, b: Any, scale: Any, out: Any, scratch: Any) -> None:
+        """One pass where the backend compiles a fused chain itself (`_fused`: each link
+        rounded to its dtype, as its own kernel would round it); else the two kernels, the
+        product in `scratch` (made here when None)."""
+        dtype = out.dtype
+        product = ("mul", (("input", 1), ("number", scale)), dtype)
+        if type(self)._fused is not Device._fused:
+            self.fused([product, ("sub", (("input", 0), ("link", 0)), dtype)], [a, b], out)
+            return
+        if scratch is None:
+            scratch = self.scratch(tuple(out.shape), dtype)
+        self.binary("mul", b, scale, scratch)
+        self.binary("sub", a, scratch, out)
 
     def _reduce(self, name: str, x: Any, axis: tuple[int, ...] | None, keepdims: bool,
                 out: Any) -> None:

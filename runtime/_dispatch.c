@@ -22,7 +22,7 @@
 #include <structmember.h>
 #include <math.h>
 
-#define MAX_OPERANDS 2   /* of an elementwise op */
+#define MAX_OPERANDS 3   /* of an elementwise op (ops._sub_scaled: a, b, scale) */
 #define MAX_INPUTS 3     /* of a launch: linear's x, weight, bias */
 #define MAX_DIMS 32
 #define MAX_EXTRA 4
@@ -627,8 +627,8 @@ elementwise(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *op = args[0], *out = args[1], *operands = args[2];
-    PyObject *values[MAX_OPERANDS] = {NULL, NULL};  /* the numbers, as dtype scalars */
-    PyObject *tensors[MAX_OPERANDS] = {NULL, NULL};
+    PyObject *values[MAX_OPERANDS] = {NULL};  /* the numbers, as dtype scalars */
+    PyObject *tensors[MAX_OPERANDS] = {NULL};
     PyObject *kernel = NULL, *result = NULL;
     Py_ssize_t count = PyTuple_GET_SIZE(operands);
     if (count < 1 || count > MAX_OPERANDS || capturing())

@@ -2,25 +2,27 @@
 `runtime._dispatch`.
 
 Note [the eager fast path]: `ops._elementwise` first offers the op to `_dispatch.elementwise(op,
-out, operands)`. The C code takes it only when every check of the Python path would pass without
-a side effect of its own: exact Tensors over plain Blocks of their generation that hold data
-(use after free and unwritten reads go to Python, which raises), plain numbers within the dtype,
-one device and dtype (float32 or float64, float16 or bfloat16 where the device has
-`_fast_half_kernels`; any dtype for copy), shapes that broadcast, and an
-`out=` of the result's shape, dtype and device that is writable, does not overlap itself (as
-cached by `Tensor.has_internal_overlap`) and shares a block with an input only as the identical
-view or on disjoint cached byte spans (Note [blocks that may share memory] in
-docs/aliasing.md: any other overlap gets the exact test and its copy-or-raise policy in Python).
-It then does what the Python path does, in the same order: a fresh result from `Tensor._fresh`
-on the first input's allocator, numbers as `dtype.type(x)` (as float32 for a two-byte float,
-ops._scalar), the kernel of the device's `_fast_kernels` table (`_fast_half_kernels` for a
-two-byte float, whose kernels keep Note [two-byte floats compute in float32] in
-backends/base.py) on the tensors' native views (NumPy broadcasts, so inputs are not
-broadcast first; the kernels give the same elements either way), under Note [IEEE results, no
-floating-point signals] in backends/base.py, then the out block's version and written flag, and
-the autograd record through `ops._record_elementwise`. Anything else (a graph capture, out=
-while recording gradients, imported memory, a constant's result, a device without a table)
-returns None before anything changed, and the Python path runs.
+out, operands)` (as does `ops._sub_scaled`, an optimizer's update, with its three operands a, b
+and the number, once it has refused an input that records gradients). The C code takes it only
+when every check of the Python path would pass without a side effect of its own: exact Tensors
+over plain Blocks of their generation that hold data (use after free and unwritten reads go to
+Python, which raises), plain numbers within the dtype, one device and dtype (float32 or float64,
+float16 or bfloat16 where the device has `_fast_half_kernels`; any dtype for copy), shapes that
+broadcast, and an `out=` of the result's shape, dtype and device that is writable, does not
+overlap itself (as cached by `Tensor.has_internal_overlap`) and shares a block with an input
+only as the identical view or on disjoint cached byte spans (Note [blocks that may share memory]
+in docs/aliasing.md: any other overlap gets the exact test and its copy-or-raise policy in
+Python). It then does what the Python path does, in the same order: a fresh result from
+`Tensor._fresh` on the first input's allocator, numbers as `dtype.type(x)` (as float32 for a
+two-byte float, ops._scalar), the kernel of the device's `_fast_kernels` table
+(`_fast_half_kernels` for a two-byte float, whose kernels keep
+Note [two-byte floats compute in float32] in backends/base.py) on the tensors' native views
+(NumPy broadcasts, so inputs are not broadcast first; the kernels give the same elements either
+way), under Note [IEEE results, no floating-point signals] in backends/base.py, then the out
+block's version and written flag, and the autograd record through `ops._record_elementwise`.
+Anything else (a graph capture, out= while recording gradients, imported memory, a constant's
+result, a device without a table) returns None before anything changed, and the Python path
+runs.
 
 So the Python path stays complete and is the specification: BLOCKRT_PURE_PYTHON=1 turns the
 fast path off with the allocator's, and tests/test_fastpath.py runs random programs of ops both

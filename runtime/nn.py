@@ -710,19 +710,23 @@ class SGD(Optimizer):
     def _step(self, gates: dict[Any, Tensor] | None,
               remade: dict[int, Callable[[], Tensor]] | None = None) -> None:
         """`Optimizer._step`, with the plain case (no momentum, no weight decay, not gated by
-        amp, not capturing) in one loop: the same two ops per parameter as `_update`, p - (grad
-        * lr) rounded twice, so the same bits; every scratch is looked up (made at the first
-        step) before the first write (Note [the commit point]). A gated or captured step, or
-        any other option, goes through `_update`: a capture records what that runs."""
+        amp, not capturing) in one loop of one-pass updates (`ops._sub_scaled`): p - (grad *
+        lr) rounded twice, the bits of `_update`'s two ops; every scratch is looked up (made at
+        the first step) before the first write (Note [the commit point]), for a device that
+        runs the two kernels. A gated or captured step, or any other option, goes through
+        `_update` (eager and not gated, also one pass: p - lr * buf with momentum); a capture
+        records its two ops, which a graph may fold into a product. NOTE: kept beside the
+        general loop because that costs 14-16 us more a step here (18 parameters: two scratch
+        lookups and five hook calls per parameter, against one lookup)."""
         if (gates is not None or self.momentum or self.weight_decay
                 or self._dampened is not None or tape.active() is not None or not self._plain):
             super()._step(gates, remade)
             return
         with no_grad():
             todo = [(p, p.grad, self._scratch(p)) for p in self.params if p.grad is not None]
-            lr, mul, sub = self.lr, ops.mul, ops.sub
+            lr, sub_scaled = self.lr, ops._sub_scaled
             for p, grad, scratch in todo:
-                sub(p, mul(grad, lr, out=scratch), out=p)
+                sub_scaled(p, grad, lr, p, scratch)
 
     @property
     def _plain(self) -> bool:
@@ -771,6 +775,11 @@ class SGD(Optimizer):
                 self._commit(new_buf, buf)
                 return
             d = new_buf
+        if self._gates is None and scratch is not None and d is not scratch:
+            # NOTE: eager, not gated: the two ops below in one pass, the same bits (the momentum
+            # buffer's new value is in place already)
+            ops._sub_scaled(p, d, self.lr, p, scratch)
+            return
         # NOTE: p's commit first: in a capture it then follows the ops that make new_p, and
         # they fuse into one chain (new_p never at full size) where the buffer's commit would
         # sit between them

@@ -44,6 +44,8 @@ ALIASING_POLICY: dict[str, str] = {
     # autograd's fused derivatives (not public ops): (gradient, the op's output) -> gradient
     **dict.fromkeys(("tanh_backward", "sigmoid_backward", "relu_backward"), ELEMENTWISE),
     "cross_entropy_backward": NEVER,
+    # an optimizer's update, p - lr * g in one pass (not a public op: `_sub_scaled`)
+    "sub_scaled": ELEMENTWISE,
 }
 
 #: The dtypes the arithmetic ops compute in (runtime/dtypes.py COMPUTE).
@@ -572,6 +574,45 @@ def cast(x: Tensor, dtype: Any, out: Tensor | None = None) -> Tensor:
             return (cast(g, source),)
 
         autograd.record("cast", out, (x,), ("x",), fn)
+    return out
+
+
+def _sub_scaled(a: Tensor, b: Tensor, scale: Any, out: Tensor | None = None,
+                scratch: Tensor | None = None) -> Tensor:
+    """a - scale * b with the product rounded to the dtype first: bit for bit
+    `sub(a, mul(b, scale, out=scratch), out=out)`, in one pass where the device can
+    (`Device.sub_scaled`); plain SGD's update. a and b broadcast to one shape (and out's, as in
+    sub) and have one dtype and device; `out` may be a itself (the policy of sub). `scratch`
+    (the result's shape and dtype, sharing memory with nothing) is where a device without the
+    one-pass kernel puts the product, so that the update allocates nothing (Note [the commit
+    point] in runtime/nn.py). Records no gradient: an input that requires one, with gradients
+    on, is an AutogradError before anything is written."""
+    if autograd.needs_grad(a, b):
+        raise AutogradError("sub_scaled has no derivative: run it under runtime.no_grad() or on "
+                            "tensors that do not require grad")
+    if _fast is not None:  # NOTE: Note [the eager fast path] in runtime/fastpath.py
+        result = _fast("sub_scaled", out, (a, b, scale))
+        if result is not None:
+            return result
+    device, dtype = _common("sub_scaled", [a, b])
+    shapes = [a.shape, b.shape] + ([out.shape] if isinstance(out, Tensor) else [])
+    try:
+        shape = _broadcast_shapes(shapes)
+    except ValueError:
+        raise ValueError(f"sub_scaled: shapes {' and '.join(map(str, shapes))} cannot be "
+                         f"broadcast together") from None
+    value = _scalar("sub_scaled", scale, _FLOAT32 if dtype in dtypes.HALVES else dtype)
+    out = _prepare_out("sub_scaled", out, shape, dtype, a, (a, b))
+    also: tuple[Tensor, ...] = ()
+    if scratch is not None:
+        if (not isinstance(scratch, Tensor) or scratch.shape != shape or scratch.dtype != dtype
+                or scratch.device is not device):
+            raise ValueError(f"sub_scaled: scratch must be a {dtype} Tensor of shape {shape} on "
+                             f"{device.name}, got {_brief(scratch)}")
+        also = (scratch,)
+    _launch("sub_scaled", out, [("a", a, shape), ("b", b, shape)],
+            lambda v, o, *t: device.sub_scaled(v[0], v[1], value, o, t[0] if t else None),
+            also=also)
     return out
 
 

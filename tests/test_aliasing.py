@@ -793,7 +793,8 @@ def test_same_elements_ignores_only_the_strides_of_size_one_dimensions():
 def test_every_op_declares_a_policy_and_keeps_it():
     public = set(ops.__all__) - {"ALIASING_POLICY", "can_cast"}  # can_cast: a rule, not an op
     backward_kernels = {"tanh_backward", "sigmoid_backward", "relu_backward"}
-    assert set(ops.ALIASING_POLICY) == public | backward_kernels | {"cross_entropy_backward"}
+    internal = {"cross_entropy_backward", "sub_scaled"}  # autograd's, an optimizer's update
+    assert set(ops.ALIASING_POLICY) == public | backward_kernels | internal
     assert ops.ALIASING_POLICY["cross_entropy_backward"] == ops.NEVER  # autograd's, fresh out
     runtime.set_aliasing("raise")
     for name, policy in ops.ALIASING_POLICY.items():
@@ -814,6 +815,8 @@ def test_every_op_declares_a_policy_and_keeps_it():
             args, out = (x, np.array([0, 1, 2])), x[0]
         elif name == "cast":
             args = (x, x.dtype)
+        elif name == "sub_scaled":
+            op, args = ops._sub_scaled, (x, x, 0.5)
         if policy == ops.ELEMENTWISE:
             assert op(*args, out=out, **kwargs) is out  # the identical view is allowed
         else:

@@ -218,3 +218,117 @@ def test_apply_declines_what_it_cannot_take_and_writes_nothing(conv):
         conv.apply(1, False, a.copy(), a)
     with pytest.raises(TypeError, match="takes 4 or 5 arguments"):
         conv.apply(1, False, a.copy())
+
+
+# ---------------------------------------------------------------------- float_op
+FLOAT_OPS = {"relu": (0, lambda x: np.maximum(x, 0)),
+             "relu_backward": (1, lambda g, y: np.multiply(g, np.greater(y, 0))),
+             "add": (2, np.add)}
+
+
+def _float_bits(rng: Any, shape: tuple, dtype: Any) -> np.ndarray:
+    """Random bit patterns of `dtype` (every class of value: NaN with payloads, signalling NaN
+    among them, infinities, subnormals, signed zeros), half of them ordinary numbers."""
+    dtype = np.dtype(dtype)
+    bits = rng.integers(0, 2**(8 * dtype.itemsize), size=shape, dtype=f"u{dtype.itemsize}",
+                        endpoint=False)
+    values = bits.view(dtype)
+    normal = rng.standard_normal(shape).astype(dtype)
+    return np.where(rng.random(shape) < 0.5, values, normal)
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), name=st.sampled_from(sorted(FLOAT_OPS)),
+       dtype=st.sampled_from([np.float32, np.float64]),
+       shape=st.sampled_from([(), (1,), (7,), (3, 300), (2, 3, 17), (64, 256)]),
+       where=st.sampled_from(["new", "into a", "into b", "b a row"]), vector=st.booleans())
+def test_float_op_gives_numpys_bits(seed, name, dtype, shape, where, vector):
+    """relu, relu_backward and add on contiguous float32 / float64 give NumPy's kernels' bits
+    for every value (NaN payloads, a signalling NaN quieted by the product, signed zeros; the
+    sum of two NaNs is a NaN), in place too and with b one row of out's last dimension."""
+    code, reference = FLOAT_OPS[name]
+    arity = 1 if name == "relu" else 2
+    rng = np.random.default_rng(seed)
+    a = _float_bits(rng, shape, dtype)
+    row = where == "b a row" and name == "add" and len(shape) >= 1
+    b = _float_bits(rng, shape[-1:] if row else shape, dtype)
+    with np.errstate(all="ignore"):
+        want = reference(a) if arity == 1 else reference(a, b)
+    out = {"into a": a, "into b": b if arity == 2 and not row else a}.get(where,
+                                                                           np.empty(shape, dtype))
+    args = (a,) if arity == 1 else (a, b)
+    conv = pytest.importorskip("backends._halfconv", reason="the C kernels are not built")
+    conv.set_f16c(vector)  # NOTE: AVX2 loops, or the portable ones
+    try:
+        assert conv.float_op(code, int(dtype == np.float64), out, *args) is True
+    finally:
+        conv.set_f16c(True)
+    _same_bits_nan_as_nan(out, np.asarray(want, dtype), exact=name != "add")
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), dtype=st.sampled_from([np.float32, np.float64]),
+       rows=st.integers(1, 300), cols=st.integers(2, 600), keepdims=st.booleans(),
+       vector=st.booleans())
+def test_float_op_sums_rows_as_numpy_does(seed, dtype, rows, cols, keepdims, vector):
+    """The sum over the first axis (a bias's gradient) gives np.add.reduce(x, 0)'s bits: the
+    rows added in order (signed zeros included; where NumPy gives a NaN, a NaN)."""
+    rng = np.random.default_rng(seed)
+    x = _float_bits(rng, (rows, cols), dtype)
+    with np.errstate(all="ignore"):
+        want = np.add.reduce(x, 0, keepdims=keepdims)
+    out = np.empty(want.shape, dtype)
+    conv = pytest.importorskip("backends._halfconv", reason="the C kernels are not built")
+    conv.set_f16c(vector)
+    try:
+        assert conv.float_op(3, int(dtype == np.float64), out, x) is True
+    finally:
+        conv.set_f16c(True)
+    _same_bits_nan_as_nan(out, want, exact=False)
+
+
+def _same_bits_nan_as_nan(got: np.ndarray, want: np.ndarray, exact: bool) -> None:
+    """The same bits, NaN payloads included where `exact`; else a NaN need only meet a NaN (the
+    sum of two NaNs carries one payload or the other, as compiled)."""
+    bits = f"u{want.dtype.itemsize}"
+    if exact:
+        assert np.array_equal(got.view(bits), want.view(bits))
+        return
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got.view(bits)[~nan], want.view(bits)[~nan])
+
+
+def test_float_op_declines_what_it_cannot_take_and_writes_nothing(conv):
+    a = np.ones((2, 3), np.float32)
+    frozen = a.copy()
+    frozen.flags.writeable = False
+    cases = [
+        (frozen, a, a),                                  # a read-only out
+        (np.zeros((2, 3), np.float32), a[:, ::2], None),  # strided: NumPy's own kernel
+        (np.zeros((2, 3), np.float32), np.ones((3, 2), np.float32), a),  # shapes differ
+        (np.zeros((2, 3), np.float32), a, np.ones((2, 1), np.float32)),  # a column, no row
+        (np.zeros((2, 3), np.float32), a, np.ones((2, 3))),  # float64 items in a float32 op
+        (np.zeros((2, 3), np.float32), a, 2.0),         # a number
+    ]
+    for out, x, y in cases:
+        if x.shape != out.shape and y is None:
+            continue
+        before = out.copy()
+        args = (x,) if y is None else (x, y)
+        assert conv.float_op(0 if y is None else 2, 0, out, *args) is False
+        assert np.array_equal(out, before)
+    rows = np.ones((4, 3), np.float32)
+    for out, x in [(np.zeros(1, np.float32), np.ones((4, 1), np.float32)),  # one column
+                   (np.zeros(4, np.float32), rows),                         # the wrong length
+                   (np.zeros(3, np.float32), np.ones((2, 4, 3), np.float32)),  # 3-D
+                   (rows[0], rows)]:                                        # out inside x
+        before = out.copy()
+        assert conv.float_op(3, 0, out, x) is False
+        assert np.array_equal(out, before)
+    with pytest.raises(ValueError, match="code 0 of kind 0 with 2 operand"):
+        conv.float_op(0, 0, a.copy(), a, a)
+    with pytest.raises(ValueError, match="code 4 of kind 0"):
+        conv.float_op(4, 0, a.copy(), a, a)
+    with pytest.raises(TypeError, match="takes 4 or 5 arguments"):
+        conv.float_op(1, 0, a.copy())
