@@ -845,6 +845,44 @@ sub_scaled_half(uint16_t *out, const uint16_t *a, const uint16_t *b, float s, Py
     }
 }
 
+/* A C-contiguous buffer of `obj` into `view` (writable for an output); 0, or 1 having cleared
+ * the error where it has none (not contiguous, read-only, not an array: the caller's own path
+ * takes it). */
+static int
+acquire(PyObject *obj, Py_buffer *view, int output)
+{
+    int flags = output ? PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE : PyBUF_C_CONTIGUOUS;
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        PyErr_Clear();
+        return 1;
+    }
+    return 0;
+}
+
+/* Whether `v` has `o`'s shape and items of `itemsize` bytes. */
+static int
+same_shape(const Py_buffer *v, const Py_buffer *o, Py_ssize_t itemsize)
+{
+    int same = v->itemsize == itemsize && v->ndim == o->ndim;
+    for (int d = 0; d < o->ndim && same; d++) {
+        same = v->shape[d] == o->shape[d];
+    }
+    return same;
+}
+
+/* The first `held` buffers released; True, or False where a layout was refused. */
+static PyObject *
+released(Py_buffer *views, int held, int refuse)
+{
+    for (int k = 0; k < held; k++) {
+        PyBuffer_Release(&views[k]);
+    }
+    if (refuse) {
+        Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyObject *
 sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -871,16 +909,10 @@ sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_buffer views[3];
     int held = 0, refuse = 0;
     while (held < 3 && !refuse) {
-        int flags = held == 0 ? PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE : PyBUF_C_CONTIGUOUS;
-        if (PyObject_GetBuffer(args[1 + held], &views[held], flags) < 0) {
-            PyErr_Clear();  /* not contiguous, read-only, not an array: the caller's own path */
-            refuse = 1;
+        if ((refuse = acquire(args[1 + held], &views[held], held == 0))) {
             break;
         }
-        refuse = views[held].itemsize != itemsize || views[held].ndim != views[0].ndim;
-        for (int d = 0; d < views[0].ndim && !refuse; d++) {
-            refuse = views[held].shape[d] != views[0].shape[d];
-        }
+        refuse = !same_shape(&views[held], &views[0], itemsize);
         held++;
     }
     if (!refuse) {
@@ -907,13 +939,7 @@ sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_END_ALLOW_THREADS
     }
-    for (int k = 0; k < held; k++) {
-        PyBuffer_Release(&views[k]);
-    }
-    if (refuse) {
-        Py_RETURN_FALSE;
-    }
-    Py_RETURN_TRUE;
+    return released(views, held, refuse);
 }
 
 /* ------------------------------------------------------------------ float32 and float64 loops
@@ -1007,17 +1033,11 @@ float_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_buffer views[3];
     int nviews = (int)nargs - 2, held = 0, refuse = 0, row = 0;
     while (held < nviews && !refuse) {
-        int flags = held == 0 ? PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE : PyBUF_C_CONTIGUOUS;
-        if (PyObject_GetBuffer(args[2 + held], &views[held], flags) < 0) {
-            PyErr_Clear();  /* not contiguous, read-only, not an array: NumPy's own kernel */
-            refuse = 1;
-            break;
+        if ((refuse = acquire(args[2 + held], &views[held], held == 0))) {
+            break;  /* NumPy's own kernel takes it */
         }
         Py_buffer *v = &views[held];
-        int same = v->itemsize == itemsize && v->ndim == views[0].ndim;
-        for (int d = 0; d < views[0].ndim && same; d++) {
-            same = v->shape[d] == views[0].shape[d];
-        }
+        int same = same_shape(v, &views[0], itemsize);
         if (held == 2 && !same && code == 2) {  /* a row of out's last dimension */
             row = same = v->itemsize == itemsize && v->ndim == 1 && views[0].ndim >= 1
                 && v->shape[0] == views[0].shape[views[0].ndim - 1];
@@ -1068,13 +1088,7 @@ float_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_END_ALLOW_THREADS
     }
-    for (int k = 0; k < held; k++) {
-        PyBuffer_Release(&views[k]);
-    }
-    if (refuse) {
-        Py_RETURN_FALSE;
-    }
-    Py_RETURN_TRUE;
+    return released(views, held, refuse);
 }
 #undef PICK
 
