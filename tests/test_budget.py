@@ -695,3 +695,46 @@ def test_the_scheduler_gives_its_plain_rules_order_on_every_rewrite(monkeypatch)
         runtime.graph(deep_step(10, 16)[1], memory_budget=budget)(x, y)
     runtime.graph(deep_step(10, 16)[1], checkpoint="sqrt")(x, y)
     assert len(seen) >= 5 and max(seen) > 100
+
+
+@pytest.mark.parametrize("bytes_per_flop", [1e5, 7.0, 1e-3])
+def test_the_recompute_floor_never_changes_the_choice(monkeypatch, bytes_per_flop: float):
+    """Where moves compete, a recompute family is skipped when a candidate already costs no
+    more than its floor (`_Search.floor`); the choice, at every budget down to the least, is
+    the one the full search makes, and the floor is never above a recompute candidate's cost."""
+    from runtime.graph import budget as budget_module
+
+    device = separate_memory_device("opencl")
+    x, y = batch(rows=8, width=16)
+    reference = runtime.graph(deep_step(16, 16, device=device)[1], device=device)
+    reference(x, y)
+    need = reference.memory_report()["planned_bytes"]
+    search = budget_module._Search
+    floor, offer = search.floor, search.offer
+    below = []
+
+    def checked_offer(self, recorded, **kwargs):
+        fits = offer(self, recorded, **kwargs)
+        if fits and kwargs.get("room") is not None and kwargs.get("copied", 0) == 0:
+            below.append(floor(self, 0) <= self.found[-1].cost * (1 + 1e-9))
+        return fits
+
+    def chosen(pruned: bool, budget: int) -> tuple:
+        monkeypatch.setattr(search, "floor", floor if pruned else lambda self, first: -math.inf)
+        monkeypatch.setattr(search, "offer", checked_offer)
+        graph = runtime.graph(deep_step(16, 16, device=device)[1], device=device,
+                              memory_budget=budget)
+        graph(x, y)
+        report = graph.memory_report()
+        return report["schedule"], report["moved"], report["recomputed"], report["planned_bytes"]
+
+    with forced_rates(device, per_byte=bytes_per_flop * 1e-10, per_flop=1e-10,
+                      per_element=0.0, per_call=1e-7):
+        with pytest.raises(runtime.BudgetError) as refused:
+            runtime.graph(deep_step(16, 16, device=device)[1], device=device,
+                          memory_budget=1)(x, y)
+        least = refused.value.least_bytes
+        for budget in sorted({need * 3 // 4, need // 2, need // 4, need // 8, least}):
+            if budget >= least:
+                assert chosen(True, budget) == chosen(False, budget)
+    assert below and all(below)

@@ -483,13 +483,33 @@ class _Search:
                 jump *= 2
         return good != nothing
 
+    def floor(self, first: int) -> float:
+        """A cost that no room that fits for the units from `first` on (their results kept on
+        the device) goes below. Room r holds r units' results at once, so no room whose r
+        smallest results exceed the budget fits; and of the units' results the backward pass
+        reads, the first forward keeps at most r, so at least all but r units are recomputed
+        once: the cheapest of them, at the device's rates."""
+        units = self.units[first:]
+        sizes = sorted(sum(o.block.nbytes for i in unit for o in i.outputs
+                           if o.block.id in self.wanted) for unit in units)
+        room = int(np.searchsorted(np.cumsum(sizes), self.budget, side="right"))
+        rates = self.rates
+        costs = sorted(sum(rates.per_call + flops(i) * rates.per_flop for i in unit)
+                       for unit in units)
+        return float(sum(costs[:max(0, len(units) - room)]))
+
     # ------------------------------------------------------------------ the families
     def recompute(self, why: str, first: int = 0, moved: int = 0, halved: int = 0) -> None:
         """The largest room that fits for the units from `first` on (with the results of the
         first `moved` or `halved` units that wait for the backward pass moved or stored
-        lossy)."""
+        lossy); skipped where moves compete and a candidate already costs no more than the
+        family's floor (`floor`: not with every waiting result moved or stored lossy, where
+        the room holds less than its units' results)."""
         n = len(self.units) - first
         if self.split is None or n < 3:
+            return
+        if (self.can_move and self.found and not halved and moved < len(self.units) - 1
+                and self.best().cost <= self.floor(first)):
             return
 
         def fits(room: int) -> bool:
@@ -515,10 +535,7 @@ class _Search:
                        schedule='checkpoint="sqrt" segments')
 
     def moves(self) -> None:
-        """The fewest first units moved that fit with nothing recomputed; then mixes: the
-        programme's largest room that fits with every forward result it keeps for the backward
-        pass moved out while it waits, or with a quarter, half or three quarters of the units,
-        from the first, moved and the programme on the rest."""
+        """The fewest first units moved that fit with nothing recomputed."""
         n = len(self.units)
 
         def only(count: int) -> bool:
@@ -529,6 +546,13 @@ class _Search:
 
         self.boundary(1, n - 1, only, guess=self.over / self.slope + 1, slope=self.slope,
                       rising=False)
+
+    def mixes(self) -> None:
+        """Mixes of moves and recompute: the programme's largest room that fits with every
+        forward result it keeps for the backward pass moved out while it waits, or with a
+        quarter, half or three quarters of the units, from the first, moved and the programme
+        on the rest."""
+        n = len(self.units)
         self.recompute(self._moved(n - 1, None), moved=n - 1)
         for count in sorted({n // 4, n // 2, 3 * n // 4}):
             if 1 <= count <= n - 3:  # NOTE: the first units moved, the programme on the rest
@@ -590,10 +614,12 @@ def _fit(recorded: Recorded, budget: int, source: str,
 
     if peak <= budget:
         return Fitted(recorded, planned, choice(None))
+    if search.can_move:  # NOTE: first: shallow plans, and a cost that may rule out recompute
+        search.moves()
     search.recompute(why)
     search.sqrt(why)
     if search.can_move:
-        search.moves()
+        search.mixes()
     if lossy is not None and len(units) > 1:
         search.halves(why)
     found = search.best()
