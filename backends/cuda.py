@@ -100,8 +100,8 @@ def has_bfloat16() -> bool:
 
 
 #: Each elementwise formula on float operands `a` and `b` (Note [one formula on every backend] in
-#: backends/base.py), for the half kernels: the float32 kernel's own expression, so the two
-#: compile alike (NVRTC's contraction of `a * b + c` included)
+#: backends/base.py), for the half kernels and the fused chains: the float32 kernel's own
+#: expression, compiled without contraction as it is (`_NO_FMA`), so each gives its bits
 _FLOAT_FORMULAS = {
     "neg": "-a", "exp": "exp(a)", "log": "log(a)", "tanh": "tanh(a)",
     "sigmoid": "0.5f * tanh(0.5f * a) + 0.5f", "relu": "(a >= 0.0f || isnan(a)) ? a : 0.0f",
