@@ -79,6 +79,10 @@ def _kernels() -> dict[str, Any]:
         # NOTE: np.maximum(x, 0): NaN passes with its bits, -0.0 stays -0.0 (CuPy's maximum
         # gives a canonical NaN)
         "relu": kernel("T x", "T y", "y = (x >= (T)0 || isnan(x)) ? x : (T)0", "blockrt_relu"),
+        # NOTE: compiled as the fused chains are (`_NO_FMA` reaches the math library's code
+        # too), so a chain's exp is the eager op's exp bit for bit
+        **{name: kernel("T x", "T y", f"y = {name}(x)", f"blockrt_{name}")
+           for name in ("exp", "log", "tanh", "sqrt")},
         "where_finite": kernel("T a, T b", "T out", "out = isfinite(a) ? a : b",
                                "blockrt_where_finite"),
         "cross_entropy_backward": kernel(
@@ -307,7 +311,7 @@ class CudaDevice(Device):
     @_on_stream
     def _unary(self, name, x, out) -> None:
         cp = _cupy()
-        if name in ("sigmoid", "relu"):
+        if name in ("sigmoid", "relu", "exp", "log", "tanh", "sqrt"):
             _kernels()[name](x, out)
         elif name == "copy":
             cp.copyto(out, x)

@@ -324,7 +324,8 @@ def test_half_kernels_equal_the_widened_path_bit_for_bit(gpu, name, half):
 def test_a_fused_chain_is_one_kernel_with_its_links_own_bits(gpu, dtype):
     """A float32 / float64 chain compiles into one kernel (`_chain_kernel`), without contracting
     a link's product into the next link's sum, so it gives the kernels' own results one by one
-    bit for bit: products then sums, the activations and their derivatives, numbers."""
+    bit for bit: products then sums, the activations and their derivatives, the math library's
+    functions (compiled with the same options eagerly), numbers."""
     rng = np.random.default_rng(3)
     a, b = (rng.normal(0, 2, (257, 129)).astype(dtype) for _ in range(2))
     program = [("mul", (("input", 0), ("input", 1)), dtype),
@@ -333,7 +334,9 @@ def test_a_fused_chain_is_one_kernel_with_its_links_own_bits(gpu, dtype):
                ("tanh_backward", (("input", 0), ("link", 2)), dtype),
                ("sub", (("link", 3), ("link", 0)), dtype),
                ("relu", (("link", 4),), dtype),
-               ("mul", (("link", 5), ("number", 3.0)), dtype)]
+               ("tanh", (("link", 5),), dtype),
+               ("exp", (("link", 6),), dtype),
+               ("mul", (("link", 7), ("number", 3.0)), dtype)]
     x, y = _on(gpu, a), _on(gpu, b)
     got = _empty(gpu, a.shape, dtype)
     gpu.fused(program, [x, y], got)
