@@ -34,7 +34,11 @@ class LeakyAllocator(DirectAllocator):
 
 def run_pytest(directory: pathlib.Path, *args: str, autoload: bool = True) -> tuple[int, str]:
     """Run pytest in a fresh interpreter in `directory`; return (exit code, output)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # NOTE: not an xdist worker itself, whatever ran this test (pytest-benchmark, for one,
+    # reads xdist's variables and refuses to start)
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith("PYTEST_XDIST")}
+    env["PYTHONPATH"] = str(ROOT)
     env.pop("PYTEST_ADDOPTS", None)
     if autoload:
         env.pop("PYTEST_DISABLE_PLUGIN_AUTOLOAD", None)
