@@ -822,6 +822,13 @@ sub_scaled_f64_avx2(double *out, const double *a, const double *b, double s, Py_
 #endif
 #undef SUB_BODY
 
+/* The loop NAME (sub_scaled's, float_op's) for T (SUFFIX f32 or f64): the AVX2 variant where the CPU has it. */
+#if HAVE_X86
+#define PICK(NAME, SUFFIX) (use_avx2 ? NAME##_##SUFFIX##_avx2 : NAME##_##SUFFIX)
+#else
+#define PICK(NAME, SUFFIX) NAME##_##SUFFIX
+#endif
+
 /* Two-byte items: the chunk of b widened, multiplied, rounded to the dtype and widened back
  * (the scratch of the two-kernel path, in registers' stead); a's chunk widened; the difference
  * rounded into out. */
@@ -921,19 +928,9 @@ sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         const void *x = views[1].buf, *y = views[2].buf;
         Py_BEGIN_ALLOW_THREADS
         if (kind == 0) {
-#if HAVE_X86
-            if (use_avx2) {
-                sub_scaled_f32_avx2(o, x, y, (float)scale, n);
-            } else
-#endif
-            sub_scaled_f32(o, x, y, (float)scale, n);
+            PICK(sub_scaled, f32)(o, x, y, (float)scale, n);
         } else if (kind == 1) {
-#if HAVE_X86
-            if (use_avx2) {
-                sub_scaled_f64_avx2(o, x, y, scale, n);
-            } else
-#endif
-            sub_scaled_f64(o, x, y, scale, n);
+            PICK(sub_scaled, f64)(o, x, y, scale, n);
         } else {
             sub_scaled_half(o, x, y, (float)scale, n, kind == 3);
         }
@@ -1003,13 +1000,6 @@ FLOAT_LOOPS(float, f32_avx2, __attribute__((target("avx2"))))
 FLOAT_LOOPS(double, f64_avx2, __attribute__((target("avx2"))))
 #endif
 #undef FLOAT_LOOPS
-
-/* float_op's loop NAME for T (SUFFIX f32 or f64): the AVX2 variant where the CPU has it. */
-#if HAVE_X86
-#define PICK(NAME, SUFFIX) (use_avx2 ? NAME##_##SUFFIX##_avx2 : NAME##_##SUFFIX)
-#else
-#define PICK(NAME, SUFFIX) NAME##_##SUFFIX
-#endif
 
 static PyObject *
 float_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)

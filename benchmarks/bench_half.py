@@ -33,7 +33,7 @@ for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+from mlp_reference import typed_step  # noqa: E402
 from timing import (  # noqa: E402
     PRECISIONS,
     blas_name,
@@ -46,36 +46,8 @@ from timing import (  # noqa: E402
 )
 
 import backends  # noqa: E402
-import runtime  # noqa: E402
-from blockrt.models import CLASSES, CONFIGS, MLPConfig  # noqa: E402
-from runtime import fastpath, nn, ops  # noqa: E402
-
-
-def training_step(config: MLPConfig, dtype: str, graph: bool,
-                  device: Any = None) -> Callable[[], Any]:
-    """One SGD step of the config's MLP with every tensor in `dtype` (the same seeds)."""
-    rng = np.random.default_rng(0)
-    widths = [config.width] * (config.depth + 1) + [CLASSES]
-    layers: list[Any] = []
-    for i in range(config.depth + 1):
-        layers.append(nn.Dense(widths[i], widths[i + 1], dtype=dtype, rng=i, device=device))
-        if i < config.depth:
-            layers.append(nn.ReLU())
-    model = nn.Sequential(*layers)
-    opt = nn.SGD(model.parameters(), lr=0.01)
-    x = runtime.tensor(rng.normal(0, 1, (config.batch, config.width)), dtype=dtype,
-                       device=device)
-    y = runtime.tensor(rng.integers(0, CLASSES, config.batch), device=device)
-
-    def step(x: Any, y: Any) -> Any:
-        opt.zero_grad()
-        loss = nn.softmax_cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    run = runtime.graph(step) if graph else step
-    return lambda: run(x, y)
+from blockrt.models import CONFIGS  # noqa: E402
+from runtime import fastpath, ops  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -119,9 +91,9 @@ def main() -> None:
         config = CONFIGS[key]
         number = steps_per_round(config) if sync is None else 20
         for graph in (False, True):
-            steps = {dtype: training_step(config, dtype, graph, device) for dtype in PRECISIONS}
+            steps = {dtype: typed_step(config, dtype, graph, device) for dtype in PRECISIONS}
             if args.split and not graph:
-                steps["python"] = on_python_path(training_step(config, "float32", graph, device))
+                steps["python"] = on_python_path(typed_step(config, "float32", graph, device))
             us = interleaved_best(steps, number, args.rounds, sync)
             ms = {dtype: us[dtype] / 1e3 for dtype in steps}
             print_precision_row(key, graph, ms)

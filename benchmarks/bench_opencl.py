@@ -31,14 +31,14 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mlp_reference import MLPConfig, blockrt_model, init_params, make_batch
+from mlp_reference import MLPConfig, blockrt_model, init_params, make_batch, typed_step
 from timing import cpu_name, interleaved_best, interleaved_min, versions
 
 import allocators
 import backends
 import runtime
 from backends.base import HALVES, Device
-from blockrt.models import CLASSES, CONFIGS
+from blockrt.models import CONFIGS
 from runtime import nn, ops
 
 
@@ -193,22 +193,8 @@ def half_chain(device: backends.Device, dtype: str, elements: int):
 
 def half_step(device: backends.Device, dtype: str, graph: bool):
     """One SGD step of the S MLP (blockrt.models) with every tensor in `dtype` on `device`."""
-    config = CONFIGS["S"]
-    rng = np.random.default_rng(0)
-    widths = [config.width] * (config.depth + 1) + [CLASSES]
-    layers: list[nn.Module] = []
-    for i in range(config.depth + 1):
-        layers.append(nn.Dense(widths[i], widths[i + 1], dtype=dtype, device=device, rng=i))
-        if i < config.depth:
-            layers.append(nn.ReLU())
-    model = nn.Sequential(*layers)
-    opt = nn.SGD(model.parameters(), lr=0.01)
-    x = runtime.tensor(rng.normal(0, 1, (config.batch, config.width)), dtype=dtype,
-                       device=device)
-    y = runtime.tensor(rng.integers(0, CLASSES, config.batch), device=device)
-    step = nn.train_step(model, opt)
-    run = runtime.graph(step, plan="static", device=device) if graph else step
-    return lambda: run(x, y).item()
+    step = typed_step(CONFIGS["S"], dtype, graph, device)
+    return lambda: step().item()
 
 
 def half_table(device: backends.Device, elements: int, rounds: int, step: bool) -> None:

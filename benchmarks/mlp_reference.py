@@ -346,6 +346,30 @@ def blockrt_model(params: Params, lr: float = LR, device: Any = None) -> tuple[A
     return model, nn.SGD(model.parameters(), lr=lr), layers[::2]
 
 
+def typed_step(config: MLPConfig, dtype: str, graph: bool = False,
+               device: Any = None) -> Callable[[], Any]:
+    """A call running one plain SGD step (`nn.train_step`) of the config's blockrt MLP with
+    every tensor in `dtype` on `device`, eager or captured by `runtime.graph`, returning the
+    loss tensor (the same seeds every time; bench_half's and bench_opencl's half steps)."""
+    import runtime
+    from runtime import nn
+
+    rng = np.random.default_rng(0)
+    widths = [config.width] * (config.depth + 1) + [CLASSES]
+    layers: list[Any] = []
+    for i in range(config.depth + 1):
+        layers.append(nn.Dense(widths[i], widths[i + 1], dtype=dtype, rng=i, device=device))
+        if i < config.depth:
+            layers.append(nn.ReLU())
+    model = nn.Sequential(*layers)
+    step = nn.train_step(model, nn.SGD(model.parameters(), lr=0.01))
+    x = runtime.tensor(rng.normal(0, 1, (config.batch, config.width)), dtype=dtype,
+                       device=device)
+    y = runtime.tensor(rng.integers(0, CLASSES, config.batch), device=device)
+    run = runtime.graph(step, device=device) if graph else step
+    return lambda: run(x, y)
+
+
 def _current(denses: list[Any]) -> Callable[[], Params]:
     return lambda: [(dense.weight.numpy().copy(), dense.bias.numpy().copy()) for dense in denses]
 

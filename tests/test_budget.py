@@ -353,6 +353,16 @@ def separate_memory_device(kind: str) -> Any:
     return backends.get_device(kind)
 
 
+def unconstrained_on(device: Any, depth: int, steps: int) -> tuple[Any, nn.Module, Any, list]:
+    """A deep_step of `depth` x 16 on `device` as a factory, and the unconstrained graph of
+    one: its model, the graph, and its losses over `steps` steps on batch(8, 16)."""
+    on_device = functools.partial(deep_step, depth, 16, device=device)
+    reference_model, reference_step = on_device()
+    reference = runtime.graph(reference_step, device=device)
+    x, y = batch(rows=8, width=16)
+    return on_device, reference_model, reference, [reference(x, y).item() for _ in range(steps)]
+
+
 def equal_under_budget(make: Any, device: Any, budget: int, inputs: tuple, expected: list,
                        reference_model: nn.Module) -> dict:
     """Run a fresh `make()` step under `budget` on `device` once per expected loss; check each
@@ -400,21 +410,16 @@ def test_moves_to_host_memory_fit_the_budget_bit_for_bit(kind: str):
     device = separate_memory_device(kind)
     assert not device.host_memory and backends.get_device("cpu").host_memory
     x, y = batch(rows=8, width=16)
-
-    on_device = functools.partial(deep_step, 8, 16, device=device)
-
-    reference_model, reference_step = on_device()
-    reference = runtime.graph(reference_step, device=device)
-    expected = [reference(x, y).item() for _ in range(3)]
+    on_device, reference_model, reference, expected = unconstrained_on(device, 8, 3)
     need = reference.memory_report()["planned_bytes"]
     with forced_rates(device, per_byte=1e-12, per_flop=1e-9, per_element=0.0, per_call=0.0):
         with pytest.raises(runtime.BudgetError) as refused:  # NOTE: the least, alignment's
             runtime.graph(on_device()[1], device=device, memory_budget=1)(x, y)
-    for budget in (need * 8 // 10, need // 2, max(need // 3, refused.value.least_bytes)):
-        with forced_rates(device, per_byte=1e-12, per_flop=1e-9, per_element=0.0,
-                          per_call=0.0):
-            report = equal_under_budget(on_device, device, budget, (x, y), expected,
-                                        reference_model)
+        reports = [equal_under_budget(on_device, device, budget, (x, y), expected,
+                                      reference_model)
+                   for budget in (need * 8 // 10, need // 2,
+                                  max(need // 3, refused.value.least_bytes))]
+    for report in reports:
         assert report["moved"] > 0 and report["recomputed"] == 0
         assert report["moved_bytes"] > 0 and "moved to host memory" in report["moves"]
         assert report["kept"] + report["moved"] == reference.memory_report()["kept"]
@@ -433,26 +438,19 @@ def test_moves_and_recompute_are_chosen_by_measured_cost_and_may_mix(kind: str):
                                       measured.per_element, measured.per_call))
     assert rates(device) is measured  # NOTE: measured once, then cached
     x, y = batch(rows=8, width=16)
-
-    on_device = functools.partial(deep_step, 32, 16, device=device)
-
-    reference_model, reference_step = on_device()
-    reference = runtime.graph(reference_step, device=device)
-    expected = [reference(x, y).item() for _ in range(2)]
+    on_device, reference_model, reference, expected = unconstrained_on(device, 32, 2)
     need = reference.memory_report()["planned_bytes"]
     seen = {}
-    try:
-        # NOTE: seconds per byte moved, per flop recomputed (a unit: 1 KiB moved, 4.2 kflop)
-        for bytes_per_flop, budget in ((1e5, need // 4), (1e-3, need // 4), (7.0, need // 5)):
-            _RATES[id(device)] = (device, Rates(per_byte=bytes_per_flop * 1e-10,
-                                                per_flop=1e-10, per_element=0.0, per_call=0.0))
+    # NOTE: seconds per byte moved, per flop recomputed (a unit: 1 KiB moved, 4.2 kflop)
+    for bytes_per_flop, budget in ((1e5, need // 4), (1e-3, need // 4), (7.0, need // 5)):
+        with forced_rates(device, per_byte=bytes_per_flop * 1e-10, per_flop=1e-10,
+                          per_element=0.0, per_call=0.0):
             report = equal_under_budget(on_device, device, budget, (x, y), expected,
                                         reference_model)
-            seen[bytes_per_flop] = (report["moved"], report["recomputed"])
-            assert (report["moved_bytes"] > 0) == (report["moved"] > 0)
-            assert (report["recompute_flops"] > 0) == (report["recomputed"] > 0)
-    finally:
-        _RATES[id(device)] = (device, measured)
+        seen[bytes_per_flop] = (report["moved"], report["recomputed"])
+        assert (report["moved_bytes"] > 0) == (report["moved"] > 0)
+        assert (report["recompute_flops"] > 0) == (report["recomputed"] > 0)
+    assert rates(device) is measured  # NOTE: the measured rates are back
     assert seen[1e5][0] == 0 and seen[1e5][1] > 0
     assert seen[1e-3][0] > 0 and seen[1e-3][1] == 0
     assert seen[7.0][0] > 0 and seen[7.0][1] > 0
@@ -706,8 +704,7 @@ def test_the_recompute_floor_never_changes_the_choice(monkeypatch, bytes_per_flo
 
     device = separate_memory_device("opencl")
     x, y = batch(rows=8, width=16)
-    reference = runtime.graph(deep_step(16, 16, device=device)[1], device=device)
-    reference(x, y)
+    _, _, reference, _ = unconstrained_on(device, 16, 1)
     need = reference.memory_report()["planned_bytes"]
     search = budget_module._Search
     floor, offer = search.floor, search.offer

@@ -39,7 +39,8 @@ The model of cost (docs/graph.md, "Memory budgets"):
   room with every waiting forward result moved; a quarter, half or three quarters of the units
   moved and the DP on the rest); with `lossy`, the fewest first units whose waiting results
   stored in a half dtype make it fit, else the DP's largest room with every waiting result,
-  recomputed ones too, stored so.
+  recomputed ones too, stored so. Where moves compete they are planned first, and a family of
+  rooms is skipped when a candidate already costs no more than its floor (`_Search.floor`).
 - **Cost.** The cheapest candidate that fits wins (the first tried among equals: lossless
   before lossy), in seconds added to a step: recompute flops times the seconds per flop,
   elements cast by lossy stores times the seconds per element, bytes moved (`moved_bytes`,
@@ -181,6 +182,11 @@ def _wanted(program: Sequence[Instruction], intermediate: frozenset[int]) -> set
             for o in instr.inputs if o.block.id in made and o.block.id in intermediate}
 
 
+def _result_bytes(unit: Sequence[Instruction], wanted: set[int]) -> int:
+    """Bytes of the results of `unit` that the backward pass reads."""
+    return sum(o.block.nbytes for i in unit for o in i.outputs if o.block.id in wanted)
+
+
 def _units(program: Sequence[Instruction], wanted: set[int]) -> list[list[Instruction]]:
     """The forward instructions cut after each one writing a result the backward pass reads;
     a unit whose results fit in one alignment unit joins the one before it.
@@ -203,8 +209,7 @@ def _units(program: Sequence[Instruction], wanted: set[int]) -> list[list[Instru
         units[-2].extend(units.pop())  # NOTE: the tail (the loss) joins the last unit
     merged: list[list[Instruction]] = []
     for unit in units:
-        size = sum(o.block.nbytes for i in unit for o in i.outputs if o.block.id in wanted)
-        if merged and size <= _ALIGNED:  # NOTE: it costs no room worth a unit
+        if merged and _result_bytes(unit, wanted) <= _ALIGNED:  # NOTE: no room worth a unit
             merged[-1].extend(unit)
         else:
             merged.append(unit)
@@ -431,12 +436,16 @@ class _Search:
         rates, seconds = self.rates, copied * self.rates.per_byte
         for instr in recorded.program:
             if instr.phase == "recompute":
-                seconds += rates.per_call + flops(instr) * rates.per_flop
+                seconds += self.recompute_cost(instr)
             elif instr.phase == "store":
                 seconds += rates.per_call + flops(instr) * rates.per_element
             elif instr.phase == "move":
                 seconds += rates.per_call
         return seconds
+
+    def recompute_cost(self, instr: Instruction) -> float:
+        """Seconds one recomputed instruction adds: its call and its flops."""
+        return self.rates.per_call + flops(instr) * self.rates.per_flop
 
     def boundary(self, low: int, high: int, fits: Callable[[int], bool], *, guess: float,
                  slope: float, rising: bool) -> bool:
@@ -490,12 +499,9 @@ class _Search:
         reads, the first forward keeps at most r, so at least all but r units are recomputed
         once: the cheapest of them, at the device's rates."""
         units = self.units[first:]
-        sizes = sorted(sum(o.block.nbytes for i in unit for o in i.outputs
-                           if o.block.id in self.wanted) for unit in units)
+        sizes = sorted(_result_bytes(unit, self.wanted) for unit in units)
         room = int(np.searchsorted(np.cumsum(sizes), self.budget, side="right"))
-        rates = self.rates
-        costs = sorted(sum(rates.per_call + flops(i) * rates.per_flop for i in unit)
-                       for unit in units)
+        costs = sorted(sum(map(self.recompute_cost, unit)) for unit in units)
         return float(sum(costs[:max(0, len(units) - room)]))
 
     # ------------------------------------------------------------------ the families
