@@ -170,8 +170,9 @@ class Device:
     gemm_accumulates: bool = False
     #: True where every kernel loads two-byte operands (HALVES) itself, computes in float32 and
     #: rounds a two-byte output once as it stores (Note [two-byte floats compute in float32]):
-    #: products and reductions then run on the halves directly, and `_in_float32` widens no
-    #: input (only a two-byte output of a float32-only kernel goes through float32 scratch).
+    #: elementwise kernels, products and reductions then run on the halves directly, and
+    #: `_in_float32` widens no input (only a two-byte output of a float32-only kernel goes
+    #: through float32 scratch).
     half_kernels: bool = False
     #: Kernels by name for the runtime's eager fast path (Note [the eager fast path] in
     #: runtime/fastpath.py): each elementwise one called as kernel(*input_views, out_view) with
@@ -255,7 +256,8 @@ class Device:
         """out = f(x) elementwise, f one of UNARY_KERNELS; x may be identical to out."""
         if name not in UNARY_KERNELS:
             raise ValueError(f"unknown unary kernel {name!r}; known: {', '.join(UNARY_KERNELS)}")
-        if out.dtype in HALVES and name != "copy":  # NOTE: ops give x out's dtype
+        if out.dtype in HALVES and name != "copy" and not self.half_kernels:
+            # NOTE: ops give x out's dtype
             if not self._half_elementwise(name, (x,), out):
                 self._in_float32(functools.partial(self._unary, name), (x,), (out,))
             return
@@ -265,7 +267,7 @@ class Device:
         """out = a (op) b elementwise; a and b already have out's shape (zero strides broadcast)."""
         if name not in BINARY_KERNELS:
             raise ValueError(f"unknown binary kernel {name!r}; known: {', '.join(BINARY_KERNELS)}")
-        if out.dtype in HALVES:  # NOTE: ops give a and b out's dtype
+        if out.dtype in HALVES and not self.half_kernels:  # NOTE: ops give a and b out's dtype
             if not self._half_elementwise(name, (a, b), out):
                 self._in_float32(functools.partial(self._binary, name), (a, b), (out,))
             return
@@ -350,7 +352,7 @@ class Device:
     def _in_float32(self, kernel: Callable[..., None], inputs: Sequence[Any],
                     outs: Sequence[Any], read: bool = False) -> None:
         """kernel(*inputs, *outs) with each half operand (HALVES) widened to a float32 scratch
-        copy, exactly, and each half output computed in float32 scratch and then rounded to its
+        copy, exactly (not where `half_kernels`: the kernel reads them as they are), and each half output computed in float32 scratch and then rounded to its
         dtype once (`_cast`, round to nearest even); `read`: the outputs' old contents are read
         too. Numbers pass as float32, as PyTorch keeps a Python number in its opmath type;
         other operands (None, integer labels) as they are."""

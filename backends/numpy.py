@@ -19,7 +19,7 @@ import numpy as np
 
 from allocators._core import PURE_PYTHON
 from backends import _blas
-from backends.base import Device
+from backends.base import HALVES, Device
 
 try:  # NOTE: optional, as the allocator's hot path: np.copyto converts the same bits
     from backends import _halfconv
@@ -32,11 +32,13 @@ _WIDEN = {} if _halfconv is None else {_F16: _halfconv.widen, _BF16: _halfconv.w
 _NARROW = {} if _halfconv is None else {_F16: _halfconv.narrow, _BF16: _halfconv.narrow_bf16}
 #: The kernels `_halfconv.apply` runs on half operands itself, by its code for them (the
 #: transcendental ones are left to NumPy's float32 loops, whose bits C's libm need not give).
-_APPLY = {"add": 1, "sub": 2, "mul": 3, "div": 4, "neg": 5, "relu": 6, "sqrt": 7,
-          "relu_backward": 8, "tanh_backward": 9, "sigmoid_backward": 10}
-_HALF_KINDS = (_F16, _BF16)
+#: Empty without the extension, as the two tables below.
+_APPLY = {} if _halfconv is None else {
+    "add": 1, "sub": 2, "mul": 3, "div": 4, "neg": 5, "relu": 6, "sqrt": 7, "relu_backward": 8,
+    "tanh_backward": 9, "sigmoid_backward": 10}
 #: `_halfconv.sub_scaled`'s code for each dtype it takes
-_SUB_SCALED = {_F32: 0, np.dtype(np.float64): 1, _F16: 2, _BF16: 3}
+_SUB_SCALED = {} if _halfconv is None else {_F32: 0, np.dtype(np.float64): 1, _F16: 2,
+                                            _BF16: 3}
 #: `_halfconv.float_op`'s kind for each dtype it takes (its relu, relu_backward, add and sum
 #: of rows: vectorised loops over contiguous operands, NumPy's bits but for the payload of a sum
 #: of two NaNs; NumPy takes 2-3x as long at 64x256)
@@ -224,12 +226,12 @@ def _compute_in_float32(kernel, inputs, outs, read=False) -> None:
     wide = []
     for x in inputs:
         dtype = getattr(x, "dtype", None)
-        if dtype in _HALF_KINDS:
+        if dtype in HALVES:
             x = _widen(x) if type(x) is np.ndarray else np.float32(x)
         wide.append(x)
     targets = []
     for o in outs:
-        if o.dtype in _HALF_KINDS:
+        if o.dtype in HALVES:
             t = np.empty(o.shape, _F32)
             if read:
                 _convert(o, t)
@@ -247,10 +249,9 @@ def _sub_scaled_kernel(a: np.ndarray, b: np.ndarray, scale, out: np.ndarray) -> 
     dtype): one C pass over contiguous operands of out's shape, else the product into a
     temporary and the difference, by the device's own kernels (the same bits either way)."""
     kind = _SUB_SCALED.get(out.dtype)
-    if kind is not None and _halfconv is not None and _halfconv.sub_scaled(kind, out, a, b,
-                                                                           scale):
+    if kind is not None and _halfconv.sub_scaled(kind, out, a, b, scale):
         return
-    kernels = NumpyDevice._fast_half_kernels if out.dtype in _HALF_KINDS else _BINARY
+    kernels = NumpyDevice._fast_half_kernels if out.dtype in HALVES else _BINARY
     product = np.empty(b.shape, out.dtype)
     kernels["mul"](b, scale, product)
     kernels["sub"](a, product, out)
@@ -266,10 +267,8 @@ def _half_kernel(name: str):
 
     def kernel(*args):
         out = args[-1]
-        if code is None or _halfconv is None or not _halfconv.apply(
-                code, out.dtype == _BF16, out, *args[:-1]):
-            _compute_in_float32(lambda *views: float32(*views[:-1], out=views[-1]), args[:-1],
-                                (out,))
+        if code is None or not _halfconv.apply(code, out.dtype == _BF16, out, *args[:-1]):
+            _compute_in_float32(float32, args[:-1], (out,))
     return kernel
 
 
@@ -356,7 +355,7 @@ class NumpyDevice(Device):
     def _half_elementwise(self, name, operands, out) -> bool:
         # NOTE: one C pass: Note [two-byte floats compute in float32] in backends/base.py
         code = _APPLY.get(name)
-        if code is None or _halfconv is None:
+        if code is None:
             return False
         dtype = out.dtype
         for x in operands:  # NOTE: ops give them out's dtype; a float32 one is read as such
@@ -367,7 +366,7 @@ class NumpyDevice(Device):
     def _sub_scaled(self, a, b, scale, out, scratch) -> None:
         # NOTE: one C pass over contiguous operands (the product rounded first, no FMA)
         kind = _SUB_SCALED.get(out.dtype)
-        if kind is None or _halfconv is None or not _halfconv.sub_scaled(kind, out, a, b, scale):
+        if kind is None or not _halfconv.sub_scaled(kind, out, a, b, scale):
             super()._sub_scaled(a, b, scale, out, scratch)
 
     # NOTE: functions of the module (the conversions need no device state), set as methods

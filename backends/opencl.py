@@ -42,6 +42,7 @@ backends/base.py). Non-blocking host copies would break this reasoning.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import threading
@@ -299,11 +300,6 @@ class OpenCLDevice(Device):
     # round once as they store (`Device._in_float32`'s bits); linear and cross_entropy's
     # two-byte outputs go through float32 scratch, their inputs are read as they are.
     half_kernels = True
-
-    def _half_elementwise(self, name: str, operands: Sequence[Any], out: Any) -> bool:
-        expr = (_UNARY if len(operands) == 1 else _BINARY)[name]
-        self._elementwise(name, expr, list(operands), out, "float")
-        return True
 
     # ----------------------------------------------------------------- memory
     def _raw_alloc(self, nbytes: int) -> _Raw:
@@ -697,6 +693,7 @@ inline float round_bf16(float v) { return as_float((uint)store_bf16(v) << 16); }
 _ROUND = {np.dtype("float16"): "round_f16", BFLOAT16: "round_bf16"}
 
 
+@functools.cache  # NOTE: asked once per operand of every launch
 def _storage(dtype: np.dtype, double: bool = False) -> tuple[str, str, str]:
     """(pointer type, load of element {i} of {p} as a value, store of value v there) of a dtype,
     {p} and {i} to be filled in: float16 and bfloat16 as their bits (`_HALF_IO`, core OpenCL,

@@ -171,7 +171,8 @@ def working_copy(master: Tensor, dtype: np.dtype, copies: dict[Any, _Copy]) -> T
     """`master` in `dtype`, from `copies` (the owner's cache), cast again when the master has
     been written since the last cast (its block's version moved on) or, inside a graph
     capture, once per capture (so every replay casts the master its update wrote)."""
-    key = (id(master), dtype)
+    # NOTE: the memory it views: a block's id is never reused, where a new master's id() may be
+    key = (master.block.id, master.offset, master.strides, dtype)
     entry = copies.get(key)
     if (entry is None or entry.copy.shape != master.shape
             or entry.copy.device is not master.device):
@@ -317,7 +318,7 @@ class GradScaler:
         #: scale, growth tracker, steps, skipped steps, finite since the last update: 0-d
         self._state: dict[str, Tensor] = {}
         #: 0-d scratch for one step, by name (eager only: a capture uses temporaries)
-        self._scratch: dict[str, Tensor] = {}
+        self._scratch: dict[tuple[str, np.dtype], Tensor] = {}
         #: optimizer steps since the last update(), on the host (the same in every replay)
         self._pending = 0
         #: skipped steps already logged
@@ -346,7 +347,7 @@ class GradScaler:
         """A 0-d scratch tensor made once (None while a graph captures: temporaries there)."""
         if tape.active() is not None:
             return None
-        key = f"{name}:{dtype.str}"
+        key = (name, dtype)
         buffer = self._scratch.get(key)
         if buffer is None:
             scale = self._state["scale"]
@@ -366,10 +367,10 @@ class GradScaler:
             for name in ("inverse", "sum", "total", "zero_or_nan", "finite", "one", "grow",
                          "factor", "term"):
                 self._buffer(name)
-            for p in optimizer.params:
-                self._buffer("inverse", p.dtype)
-                self._buffer("sum", p.dtype)
-                self._buffer("gate", p.dtype)
+            for dtype in {p.dtype for p in optimizer.params}:
+                self._buffer("inverse", dtype)
+                self._buffer("sum", dtype)
+                self._buffer("gate", dtype)
             if getattr(optimizer, "gated_updates", False):
                 optimizer.prepare_gate()
 

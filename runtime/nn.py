@@ -431,8 +431,10 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float,
     error_if_nonfinite = as_flag(error_if_nonfinite, f"{what}: error_if_nonfinite")
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        device = params[0].device if params else None
-        return tensor(np.zeros((), np.float32), device=device)
+        if not params:
+            return tensor(np.zeros((), np.float32))
+        return tensor(np.zeros((), np.float32), device=params[0].device,
+                      allocator=params[0].block.allocator)
     if error_if_nonfinite:
         tape.refuse_read(f"{what}(error_if_nonfinite=True)")
     p, max_norm = float(norm_type), float(max_norm)
@@ -574,7 +576,8 @@ class Optimizer:
                 for p in todo:
                     self._prepare(p, self.state[id(p)])
                 if gates is not None:
-                    self.prepare_gate()
+                    for p in todo:
+                        self._gated_scratch(p)
                 self._begin()
                 # NOTE: while capturing, a gated update reads grad + gate (-0.0: grad bit for
                 # bit; NaN: a skipped step, whose values _commit discards anyway), so that it
@@ -596,13 +599,9 @@ class Optimizer:
         """Allocate now the state and the further scratch a gated step needs (amp.GradScaler
         calls it, as `nn.train_step` calls `prepare()`; see `gated_updates`)."""
         self.prepare()
-        gates, self._gates = self._gates, {}  # NOTE: _target makes scratch only when gated
-        try:
-            with no_grad(), tape.phase("update"):
-                for p in self.params:
-                    self._gated_scratch(p)
-        finally:
-            self._gates = gates
+        with no_grad(), tape.phase("update"):
+            for p in self.params:
+                self._gated_scratch(p)
 
     def _gated_scratch(self, p: Tensor) -> None:
         """Make the scratch that gated updates of `p` (and the shared state) use."""
@@ -738,7 +737,8 @@ class SGD(Optimizer):
                 and cls._begin is Optimizer._begin and cls._end is SGD._end)
 
     def _gated_scratch(self, p: Tensor) -> None:
-        self._scratch(p, 1)
+        if self.momentum:  # NOTE: the momentum buffer's new value (`_target(buf, 1)`)
+            self._scratch(p, 1)
         if self.nesterov:
             self._scratch(p, 2)
         if self._dampened is not None:

@@ -258,6 +258,25 @@ def _scalar(op: str, x: Any, dtype: np.dtype) -> Any:
                      f"{' or a float64 tensor' if dtype.itemsize < 8 else ''}")
 
 
+def _result_shape(op: str, tensors: Sequence[Tensor], out: Any) -> tuple[int, ...]:
+    """The shape the inputs broadcast to, with out's as in NumPy; ValueError naming them."""
+    shapes = [t.shape for t in tensors]
+    if isinstance(out, Tensor):
+        shapes.append(out.shape)
+    try:
+        return _broadcast_shapes(shapes)
+    except ValueError:
+        raise ValueError(f"{op}: shapes {' and '.join(map(str, shapes))} cannot be broadcast "
+                         f"together{' (the last is out)' if isinstance(out, Tensor) else ''}"
+                         ) from None
+
+
+def _number_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype a number meets `dtype` in: float32 for a two-byte float (its compute dtype,
+    as in PyTorch), else `dtype` itself."""
+    return _FLOAT32 if dtype in dtypes.HALVES else dtype
+
+
 def _elementwise(op: str, out: Tensor | None, *operands: Operand) -> Tensor:
     """Run the elementwise kernel named `op` (the device's kernel has the op's name)."""
     if _fast is not None:  # NOTE: Note [the eager fast path] in runtime/fastpath.py
@@ -282,19 +301,10 @@ def _elementwise(op: str, out: Tensor | None, *operands: Operand) -> Tensor:
                         f"({', '.join(_brief(x) for x in operands)})")
     tensors = [t for _, t in named]
     device, dtype = _common(op, tensors, floats_only=op != "copy")
-    shapes = [t.shape for t in tensors]
-    if isinstance(out, Tensor):
-        shapes.append(out.shape)  # as in NumPy, the inputs broadcast to out's shape
-    try:
-        shape = _broadcast_shapes(shapes)
-    except ValueError:
-        raise ValueError(f"{op}: shapes {' and '.join(map(str, shapes))} cannot be broadcast "
-                         f"together{' (the last is out)' if isinstance(out, Tensor) else ''}"
-                         ) from None
+    shape = _result_shape(op, tensors, out)
     out = _prepare_out(op, out, shape, dtype, tensors[0], tensors)
     inputs = [(label, t, shape) for label, t in named]
-    # NOTE: a number meets a two-byte float in float32, its compute dtype (as in PyTorch)
-    wide = _FLOAT32 if dtype in dtypes.HALVES else dtype
+    wide = _number_dtype(dtype)
     scalars = {i: _scalar(op, x, wide) for i, x in numbers_at.items()}
     if len(operands) == 1:
         _launch(op, out, inputs, lambda v, o: device.unary(op, v[0], o))
@@ -595,13 +605,8 @@ def _sub_scaled(a: Tensor, b: Tensor, scale: Any, out: Tensor | None = None,
         if result is not None:
             return result
     device, dtype = _common("sub_scaled", [a, b])
-    shapes = [a.shape, b.shape] + ([out.shape] if isinstance(out, Tensor) else [])
-    try:
-        shape = _broadcast_shapes(shapes)
-    except ValueError:
-        raise ValueError(f"sub_scaled: shapes {' and '.join(map(str, shapes))} cannot be "
-                         f"broadcast together") from None
-    value = _scalar("sub_scaled", scale, _FLOAT32 if dtype in dtypes.HALVES else dtype)
+    shape = _result_shape("sub_scaled", [a, b], out)
+    value = _scalar("sub_scaled", scale, _number_dtype(dtype))
     out = _prepare_out("sub_scaled", out, shape, dtype, a, (a, b))
     also: tuple[Tensor, ...] = ()
     if scratch is not None:

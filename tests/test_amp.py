@@ -106,7 +106,7 @@ def test_the_working_copy_is_cast_once_per_change_of_its_master():
     x = runtime.tensor(np.ones((2, 4), np.float32))
     with amp.autocast("float16"):
         dense(x)
-        (entry,) = [e for key, e in dense._copies.items() if key[0] == id(dense.weight)]
+        (entry,) = [e for key, e in dense._copies.items() if key[0] == dense.weight.block.id]
         version = entry.copy.block.version
         dense(x)  # master unchanged: no new cast
         assert entry.copy.block.version == version
@@ -116,6 +116,21 @@ def test_the_working_copy_is_cast_once_per_change_of_its_master():
     assert entry.copy.block.version == version + 1
     expected = 4 * 0.5 + dense.bias.numpy().astype(np.float16).astype(np.float32)
     np.testing.assert_array_equal(out.numpy(), np.tile(expected.astype(np.float16), (2, 1)))
+
+
+def test_a_replaced_master_is_cast_again_even_where_its_id_is_reused():
+    """A new master tensor of the same shape (its Python id() free to be the old one's, its
+    block version alike) gets a new working copy: the cache goes by the memory it views."""
+    dense = nn.Dense(4, 2, bias=False, rng=0)
+    x = runtime.tensor(np.ones((1, 4), np.float32))
+    for value in (5.0, -1.5, 2.0):
+        with amp.autocast("float16"):
+            dense(x)
+        dense.weight = None  # NOTE: the old master goes, so that CPython may reuse its id()
+        dense.weight = runtime.tensor(np.full((2, 4), value, np.float32), requires_grad=True)
+        with amp.autocast("float16"):
+            out = dense(x)
+        np.testing.assert_array_equal(out.numpy(), np.full((1, 2), 4 * value, np.float16))
 
 
 def test_a_layer_used_twice_in_one_forward_pass_keeps_one_copy_and_differentiates():
