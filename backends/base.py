@@ -354,8 +354,9 @@ class Device:
         """kernel(*inputs, *outs) with each half operand (HALVES) widened to a float32 scratch
         copy, exactly (not where `half_kernels`: the kernel reads them as they are), and each
         half output computed in float32 scratch and then rounded to its dtype once (`_cast`,
-        round to nearest even); `read`: the outputs' old contents are read too. Numbers pass as float32, as PyTorch keeps a Python number in its opmath type;
-        other operands (None, integer labels) as they are."""
+        round to nearest even); `read`: the outputs' old contents are read too. Numbers pass
+        as float32, as PyTorch keeps a Python number in its opmath type; other operands (None,
+        integer labels) as they are."""
         wide = []
         for x in inputs:
             if _half(x) and not self.half_kernels:
