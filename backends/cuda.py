@@ -36,7 +36,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from backends.base import BackendUnavailableError, Device
+from backends.base import HALVES, BackendUnavailableError, Device
 
 _ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -130,26 +130,45 @@ def _half_kernel(name: str, numbers: tuple[bool, ...]) -> Any:
                                      f"blockrt_half_{name}", options=_NO_FMA)
 
 
+#: The type placeholder of each float dtype in a chain kernel's parameters (CuPy's placeholders
+#: are one letter): arrays of one dtype share one, and a two-byte link rounds through its
+#: dtype's placeholder type, as the half kernels' stores do
+_LETTERS = {np.dtype("float16"): "H", _BF16: "B", _F32: "F", _F64: "D"}
+
+
 @functools.cache
-def _chain_kernel(program: tuple) -> tuple[Any, list[str]]:
-    """One kernel for a fused chain whose inputs, links and output share one dtype T (float32
-    or float64), and the names of its parameters in order: link i is `T v<i> = <its formula>`
-    in registers; input k is `i<k>`, number k `n<k>` (typed T, as the ops pass numbers);
-    compiled without contraction, so each link rounds as its own kernel does. `program`:
-    ((name, ((kind, ref), ...)), ...), numbers' refs being their positions."""
+def _chain_kernel(program: tuple, inputs: tuple[str, ...], out: str) -> tuple[Any, list[str]]:
+    """One kernel for a fused chain, and the names of its parameters in order. A float64 chain
+    computes in double; a chain of float32, float16 and bfloat16 in float (Note [two-byte
+    floats compute in float32] in backends/base.py): link i is `v<i> = <its formula>` in
+    registers over its operands loaded into the compute type, and a two-byte link is then
+    rounded to its dtype and back, as its own kernel's store rounds it; the last link is
+    stored into `out`. Input k is `i<k>`, number k `n<k>` (float32, or float64 in a float64
+    chain, as the half kernels and the ops pass numbers). Compiled without contraction, so
+    each link gives its own kernel's bits. `program`: ((name, ((kind, ref), ...), letter),
+    ...), numbers' refs being their positions; `inputs` and `out`: the `_LETTERS` of the
+    inputs' and out's dtypes; every two-byte link's letter is one of the referenced inputs'
+    or out's, so its type is defined."""
+    ctype, number = ("double", "float64") if out == "D" else ("float", "float32")
     params: list[str] = []
     body = []
-    for i, (name, args) in enumerate(program):
+    for i, (name, args, letter) in enumerate(program):
         formula = _FLOAT_FORMULAS[name]
-        for letter, (kind, ref) in zip("ab", args):
+        for symbol, (kind, ref) in zip("ab", args):
             operand = f"v{ref}" if kind == "link" else f"{kind[0]}{ref}"
             if kind != "link" and operand not in params:
                 params.append(operand)
-            formula = re.sub(rf"\b{letter}\b", operand, formula)
-        body.append(f"T v{i} = {formula};")
-    body.append(f"out = v{len(program) - 1};")
-    kernel = _cupy().ElementwiseKernel(", ".join(f"T {p}" for p in params), "T out",
-                                       " ".join(body), "blockrt_chain", options=_NO_FMA)
+            if kind == "input":
+                operand = f"(({ctype}){operand})"
+            formula = re.sub(rf"\b{symbol}\b", operand, formula)
+        body.append(f"{ctype} v{i} = {formula};")
+        if letter in ("H", "B"):
+            body.append(f"v{i} = ({ctype})({letter})v{i};")
+    body.append(f"out = ({out})v{len(program) - 1};")
+    types = [number if p[0] == "n" else inputs[int(p[1:])] for p in params]
+    kernel = _cupy().ElementwiseKernel(", ".join(f"{t} {p}" for t, p in zip(types, params)),
+                                       f"{out} out", " ".join(body), "blockrt_chain",
+                                       options=_NO_FMA)
     return kernel, params
 
 
@@ -349,28 +368,35 @@ class CudaDevice(Device):
         return True
 
     def _fused(self, program, inputs, out) -> None:
-        """A chain of one float dtype (float32 or float64) as one kernel (`_chain_kernel`),
-        so nothing but the inputs and `out` touches memory: the default's row blocks are
-        64 KiB, a launch each per link, far too small for a GPU. Other chains (two-byte floats,
-        mixed dtypes) run the default."""
+        """A chain of float64, or of float32 and two-byte floats, as one kernel
+        (`_chain_kernel`), so nothing but the inputs and `out` touches memory: the default's
+        row blocks are 64 KiB, a launch each per link, far too small for a GPU. Other chains
+        (float64 mixed with another dtype, a link no formula covers) run the default."""
         dtypes = {np.dtype(d) for _, _, d in program} | {x.dtype for x in inputs} | {out.dtype}
-        if (len(dtypes) != 1 or out.dtype not in (_F32, _F64)
+        if (not (dtypes == {_F64} or dtypes <= _LETTERS.keys() - {_F64})
                 or any(name not in _FLOAT_FORMULAS for name, _, _ in program)):
             super()._fused(program, inputs, out)
             return
+        number = np.float64 if out.dtype == _F64 else np.float32
         values: dict[str, Any] = {}
         shape, numbers = [], 0
-        for name, args, _ in program:
+        for name, args, dtype in program:
             refs = []
             for kind, ref in args:
                 if kind == "number":
-                    values[f"n{numbers}"] = out.dtype.type(ref)
+                    values[f"n{numbers}"] = number(ref)
                     ref, numbers = numbers, numbers + 1
                 elif kind == "input":
                     values[f"i{ref}"] = inputs[ref]
                 refs.append((kind, ref))
-            shape.append((name, tuple(refs)))
-        kernel, params = _chain_kernel(tuple(shape))
+            shape.append((name, tuple(refs), _LETTERS[np.dtype(dtype)]))
+        letters = tuple(_LETTERS[x.dtype] for x in inputs)
+        defined = {letters[int(p[1:])] for p in values if p[0] == "i"} | {_LETTERS[out.dtype]}
+        if any(letter in "HB" and letter not in defined
+               for _, _, letter in shape):
+            super()._fused(program, inputs, out)  # NOTE: a two-byte link with no type to name
+            return
+        kernel, params = _chain_kernel(tuple(shape), letters, _LETTERS[out.dtype])
         with self.cuda_device, self.stream:
             kernel(*(values[p] for p in params), out)
 
@@ -381,6 +407,24 @@ class CudaDevice(Device):
         if out.dtype == _BF16 and x.dtype == _F64:
             x = x.astype(_F32)
         out[...] = x
+
+    def matmul(self, a, b, out) -> None:
+        """A two-byte product runs as one cuBLAS GemmEx: half operands, float32 accumulation
+        (CUBLAS_COMPUTE_32F, CuPy's default for them, on tensor cores where the GPU has them)
+        and one rounding as it stores. That is the rule of HALVES in substance (each product
+        of two halves is exact in float32, the sums are float32's, one rounding), but the
+        accumulation order is cuBLAS's own, so the bits may differ in the last place from the
+        widened float32 product that other dtypes' pairs take."""
+        if out.dtype in HALVES and a.dtype == b.dtype == out.dtype:
+            self._matmul(a, b, out)
+            return
+        super().matmul(a, b, out)
+
+    def gemm(self, a, b, out, alpha: float = 1.0, beta: float = 0.0) -> None:
+        if alpha == 1.0 and beta == 0.0:
+            self.matmul(a, b, out)  # NOTE: the half products' one GemmEx, above
+            return
+        super().gemm(a, b, out, alpha, beta)
 
     @_on_stream
     def _matmul(self, a, b, out) -> None:

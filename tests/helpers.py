@@ -83,3 +83,17 @@ def fresh_defaults(allocators: bool = True, pools: bool = True) -> Iterator[None
         for dev, attributes in saved.items():
             dev.__dict__.update(attributes)
             config._with_defaults.add(dev)
+
+
+def assert_rounded_product(got: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    """`got` (a two-byte float a @ b) is the exact product, summed in float32 in some order and
+    rounded once: within one step of `got`'s dtype plus twice float32's error bound for a sum
+    of k products (k roundings of at most 2**-24 of the running magnitudes; twice, since
+    tensor cores are reported to truncate as they add, and 2.02 covers the k**2 term). What a
+    GPU's half GEMM (float32 accumulation, its own order) must give."""
+    wide_a, wide_b = a.astype(np.float64), b.astype(np.float64)
+    exact = wide_a @ wide_b
+    sums = 2.02 * a.shape[-1] * 2.0**-24 * (np.abs(wide_a) @ np.abs(wide_b))
+    bound = np.abs(np.spacing(got)).astype(np.float64) + sums
+    error = np.abs(got.astype(np.float64) - exact)
+    assert np.all(error <= bound), f"largest error {error.max()} against bound {bound.max()}"

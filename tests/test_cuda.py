@@ -16,6 +16,7 @@ import allocators
 import backends
 import runtime
 from backends.base import BINARY_KERNELS, UNARY_KERNELS
+from helpers import assert_rounded_product
 
 NO_CUDA = "no CUDA device (cupy not installed or no GPU)"
 needs_cuda = pytest.mark.skipif("cuda" not in backends.available(), reason=NO_CUDA)
@@ -248,9 +249,10 @@ def test_training_steps_on_cuda_match_the_cpu(gpu):
                                   "matmul", "sum", "mean", "chain"])
 def test_float16_computes_in_float32_and_rounds_once(gpu, name):
     """The rule of HALVES in backends/base.py on CUDA: a float16 op gives its float32 result
-    (from the same values) rounded once, bit for bit, not CuPy's own float16 arithmetic; the
-    exactly rounded ones (add, mul, a chain of them, each op rounding) give the CPU's bits
-    too, and a captured graph the eager bits."""
+    (from the same values) rounded once, bit for bit, not CuPy's own float16 arithmetic; a
+    product (one GemmEx, float32 accumulation in cuBLAS's order) the exact product rounded to
+    a neighbour; the exactly rounded ones (add, mul, a chain of them, each op rounding) give
+    the CPU's bits too, and a captured graph the eager bits."""
     ops = runtime.ops
     rng = np.random.default_rng(5)
     hosts = [rng.normal(0, 2, (6, 70)).astype(np.float16) for _ in range(2)]
@@ -267,7 +269,9 @@ def test_float16_computes_in_float32_and_rounds_once(gpu, name):
     half = [runtime.tensor(h, device=gpu) for h in hosts]
     got = run(*half).numpy()
     assert got.dtype == np.float16
-    if name != "chain":  # each op of the chain rounds: against the CPU below
+    if name == "matmul":  # NOTE: one GemmEx, in cuBLAS's order: the exact product, rounded
+        assert_rounded_product(got, hosts[0], hosts[1].T)
+    elif name != "chain":  # each op of the chain rounds: against the CPU below
         wide = run(*(ops.cast(t, "float32") for t in half))
         np.testing.assert_array_equal(got.view(np.uint16),
                                       ops.cast(wide, "float16").numpy().view(np.uint16))
@@ -350,6 +354,69 @@ def test_a_fused_chain_is_one_kernel_with_its_links_own_bits(gpu, dtype):
         links.append(result)
     bits = np.uint32 if dtype == np.float32 else np.uint64
     np.testing.assert_array_equal(gpu.to_host(got).view(bits), gpu.to_host(links[-1]).view(bits))
+
+
+def _widened(gpu, view):
+    """A float32 copy of a half view (a broadcast one made whole), by an exact cast."""
+    wide = _empty(gpu, view.shape, np.float32)
+    gpu.cast(view, wide)
+    return wide
+
+
+@needs_cuda
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_a_half_chain_is_one_kernel_rounding_each_link_as_its_own_kernel(gpu, half,
+                                                                        monkeypatch):
+    """A chain of float16 or bfloat16 links, float32 links among them, compiles into one kernel
+    too (never the blocked default), rounds each two-byte link in registers as the link's own
+    kernel rounds its store, and so gives the links one by one bit for bit: edge values, a
+    transposed input, a broadcast one, numbers, every formula."""
+    from backends.base import Device
+    from backends.cuda import has_bfloat16
+
+    if half == "bfloat16" and not has_bfloat16():
+        pytest.skip("this CuPy has no bfloat16 (CuPy 14 or newer with ml_dtypes stores it)")
+    dtype, f32 = np.dtype(runtime.dtypes.BFLOAT16 if half == "bfloat16" else half), np.float32
+    rng = np.random.default_rng(5)
+    wide = rng.normal(0, 2, (65, 130)).astype(np.float32)
+    wide.flat[:len(EDGES)] = EDGES
+    with np.errstate(over="ignore"):
+        a = wide.astype(dtype)
+    x = _on(gpu, np.ascontiguousarray(a.T)).T  # transposed
+    row = gpu.array_view(_raw_on(gpu, a[1].copy()), 0, a.shape, dtype, (0, dtype.itemsize))
+    program = [("mul", (("input", 0), ("input", 1)), dtype),
+               ("add", (("link", 0), ("number", 0.1)), f32),
+               ("sigmoid", (("link", 1),), dtype),
+               ("tanh_backward", (("input", 0), ("link", 2)), dtype),
+               ("div", (("link", 3), ("link", 0)), f32),
+               ("relu", (("link", 4),), dtype),
+               ("where_finite", (("link", 5), ("input", 1)), dtype),
+               ("exp", (("link", 6),), f32),
+               ("log", (("link", 7),), dtype),
+               ("sub", (("link", 8), ("number", 3.0)), dtype),
+               ("sqrt", (("link", 9),), dtype),
+               ("relu_backward", (("input", 1), ("link", 10)), dtype),
+               ("neg", (("link", 11),), dtype)]
+    got = _empty(gpu, a.shape, dtype)
+
+    def blocked(*args):
+        raise AssertionError("the half chain ran the blocked default")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Device, "_blocked", blocked)
+        gpu.fused(program, [x, row], got)
+    links = []
+    for name, args, link_dtype in program:
+        operands = [x if (kind, ref) == ("input", 0) else row if kind == "input" else
+                    links[ref] if kind == "link" else np.float32(ref) for kind, ref in args]
+        if link_dtype == f32:  # NOTE: the rule: a float32 link reads its halves widened exactly
+            operands = [_widened(gpu, v) if getattr(v, "dtype", f32) == dtype else v
+                        for v in operands]
+        result = _empty(gpu, a.shape, link_dtype)
+        (gpu.unary if len(operands) == 1 else gpu.binary)(name, *operands, result)
+        links.append(result)
+    np.testing.assert_array_equal(gpu.to_host(got).view(np.uint16),
+                                  gpu.to_host(links[-1]).view(np.uint16))
 
 
 @needs_cuda

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import backends
 import runtime
 from backends.base import ieee
+from helpers import assert_rounded_product
 from runtime import dtypes, ops
 
 DEVICES = backends.available()
@@ -242,6 +243,9 @@ def test_half_ops_compute_in_float32_and_round_once(data, half, kind, name):
     }
     got, wide = calls[name]()
     assert got.dtype == half
+    if kind == "cuda" and name == "matmul":  # NOTE: one GemmEx, in cuBLAS's order
+        assert_rounded_product(got.numpy(), ha.numpy(), hb.numpy().T)
+        return
     assert _same(got.numpy(), ops.cast(wide, half).numpy())
 
 
@@ -481,3 +485,18 @@ def test_half_reductions_compute_in_float32_and_round_once(half, kind, seed, nam
     got = f(pick(h), axis=axis, keepdims=keepdims)
     assert got.dtype == half
     assert _same(got.numpy(), ops.cast(f(pick(w), axis=axis, keepdims=keepdims), half).numpy())
+
+
+@pytest.mark.parametrize("half", HALF, ids=str)
+def test_the_rounded_product_check_takes_a_rounding_and_refuses_two_steps_off(half):
+    """`assert_rounded_product`, which judges CUDA's half GEMM, passes the CPU's half product
+    (float32 sums, one rounding) and fails one whose largest value moved two steps of its dtype."""
+    rng = np.random.default_rng(2)
+    a, b = (rng.normal(0, 2, shape).astype(half) for shape in ((9, 70), (70, 5)))
+    got = ops.matmul(runtime.tensor(a), runtime.tensor(b)).numpy()
+    assert_rounded_product(got, a, b)
+    moved = got.copy()
+    largest = np.unravel_index(np.argmax(np.abs(got.astype(np.float32))), got.shape)
+    moved.view(np.uint16)[largest] += 2  # NOTE: two steps away from zero, either sign
+    with pytest.raises(AssertionError, match="largest error"):
+        assert_rounded_product(moved, a, b)
