@@ -7,7 +7,9 @@ Three parts, used together (`nn.train_step(model, opt, precision="float16")` wir
   its input is cast to `dtype` (once, at the first layer), the product uses a `dtype` working
   copy of the weight and bias, and the output is `dtype`, so activations, and the gradients of
   activations, are two-byte. The losses (`nn.softmax_cross_entropy`, `nn.mse`) compute in
-  float32 inside it, as autocast runs them in PyTorch. Other ops follow their inputs' dtype.
+  float32 inside it, as autocast runs them in PyTorch. Without layers, `ops.matmul` and
+  `ops.linear` compute in `dtype` and `ops.cross_entropy` in float32 (Note [autocast in ops]
+  in runtime/ops.py); other ops follow their inputs' dtype.
 - Working copies: each Dense keeps one `dtype` copy of each parameter, cast from the float32
   master when the master has changed since (its block's version moved on) and once in each graph
   capture, so a training step casts each weight once, and the copy is neither an activation nor
@@ -111,7 +113,7 @@ _REMAKE_BYTES = 1 << 16
 
 # ---------------------------------------------------------------------- autocast
 class _Autocast(threading.local):
-    dtype: np.dtype | None = None
+    # NOTE: the autocast dtype itself is autograd._mode.autocast, where ops reads it
     #: while a graph captures a scaled backward pass (GradScaler.scale opens it): the capture
     #: (a weak reference to its tape), and by block id of a master's float32 gradient, the
     #: half gradient it was cast from and the versions of both blocks right after the cast
@@ -132,25 +134,27 @@ def _half(dtype: Any, what: str) -> np.dtype:
 
 @contextmanager
 def autocast(dtype: Any = "float16", enabled: bool = True) -> Iterator[None]:
-    """Run `nn.Dense` layers in `dtype` (float16 or bfloat16) and the losses in float32 inside
-    the block, per thread, as `torch.autocast` does for linear layers and losses. Nesting
-    replaces the dtype for the inner block; `enabled=False` turns it off inside.
+    """Run `nn.Dense` layers, `ops.matmul` and `ops.linear` in `dtype` (float16 or bfloat16)
+    and the losses in float32 inside the block, per thread, as `torch.autocast` does for
+    products and losses (Note [autocast in ops] in runtime/ops.py). Nesting replaces the dtype
+    for the inner block; `enabled=False` turns it off inside; a backward pass runs without it.
 
     Raises TypeError for a dtype other than float16 and bfloat16.
     """
     dtype = _half(dtype, "autocast")
     enabled = as_flag(enabled, "autocast: enabled")
-    previous = _autocast.dtype
-    _autocast.dtype = dtype if enabled else None
+    previous = autograd._mode.autocast
+    autograd._mode.autocast = dtype if enabled else None
     try:
         yield
     finally:
-        _autocast.dtype = previous
+        autograd._mode.autocast = previous
 
 
 def autocast_dtype() -> np.dtype | None:
-    """The dtype `autocast` computes layers in on this thread, or None outside it."""
-    return _autocast.dtype
+    """The dtype `autocast` computes layers and products in on this thread, or None outside
+    it (and inside a backward pass)."""
+    return autograd._mode.autocast
 
 
 # ---------------------------------------------------------------------- working copies

@@ -61,6 +61,11 @@ BackwardFn = Callable[..., Sequence[Any]]
 
 class _GradMode(threading.local):
     enabled = True
+    #: the two-byte dtype `runtime.amp.autocast` runs products in on this thread, or None;
+    #: here, not in amp, so that ops reads it without importing amp (which imports ops), and
+    #: the backward pass turns it off (a backward op computes in the dtypes its forward op
+    #: chose, as in torch.autocast)
+    autocast: Any = None
 
 
 _mode = _GradMode()
@@ -269,8 +274,9 @@ def backward(root: Tensor, gradient: Tensor | None = None, retain_graph: bool = 
     if not root._requires_grad:
         raise AutogradError(f"backward() on a tensor that does not require grad "
                             f"({_describe(root)}); set requires_grad=True on a leaf it uses")
-    previous = _mode.enabled
+    previous, autocast = _mode.enabled, _mode.autocast
     _mode.enabled = False  # NOTE: no_grad(), without a generator's context manager
+    _mode.autocast = None
     try:
         if gradient is None:
             if root.size != 1:
@@ -292,7 +298,7 @@ def backward(root: Tensor, gradient: Tensor | None = None, retain_graph: bool = 
             with tape.phase("backward"):
                 _start(root, gradient, retain_graph)
     finally:
-        _mode.enabled = previous
+        _mode.enabled, _mode.autocast = previous, autocast
 
 
 def _start(root: Tensor, gradient: Tensor, retain_graph: bool) -> None:

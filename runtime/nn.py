@@ -291,7 +291,7 @@ def softmax_cross_entropy(logits: Tensor, labels: Any) -> Tensor:
     """The mean over the batch of the softmax cross-entropy of `logits` (batch, classes) against
     integer class indices `labels` (batch,), computed stably; PyTorch's F.cross_entropy.
     Inside `amp.autocast`, two-byte logits are cast to float32 first."""
-    return ops.mean(ops.cross_entropy(_autocast_float32(logits), labels))
+    return ops.mean(ops.cross_entropy(logits, labels))  # NOTE: it casts under autocast
 
 
 def mse(prediction: Tensor, target: Any) -> Tensor:

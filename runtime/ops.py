@@ -25,6 +25,7 @@ import numpy as np
 
 from backends.base import ieee
 from runtime import aliasing, autograd, config, dtypes, fastpath, tape
+from runtime.autograd import _mode
 from runtime.block import Block
 from runtime.errors import AliasingError, AutogradError, device_names
 from runtime.tensor import Tensor, _brief, as_axes, as_dtype, as_flag, host_array, tensor
@@ -55,6 +56,7 @@ _FLOAT_SET = frozenset(dtypes.FLOATS)
 #: The largest finite value of each float dtype, as a Python float.
 _LARGEST = {dtype: float(np.finfo(dtype).max) for dtype in FLOAT_DTYPES}
 _FLOAT32 = np.dtype("float32")
+_FLOAT64 = np.dtype("float64")
 
 #: a Tensor, or a Python/NumPy real number for binary ops
 Operand = Any
@@ -644,6 +646,26 @@ def _matmul_shape(a: Tensor, b: Tensor) -> tuple[int, ...]:
     return tuple(batch) + rows + cols
 
 
+def _autocast(*operands: Any) -> tuple[Any, ...]:
+    """The operands of a product inside `runtime.amp.autocast(half)`: each float32 (or other
+    two-byte) tensor cast to `half`, differentiably; float64 tensors, `half` ones, other
+    dtypes and None as they are.
+
+    Note [autocast in ops]: inside `amp.autocast(half)`, `matmul` and `linear` compute in
+    `half` and `cross_entropy` in float32, as torch.autocast runs its lower-precision and
+    float32 lists: a product's float32 operands are cast to `half`, and two-byte logits to
+    float32. As in PyTorch, float64 is left alone (a product of float64 and float32 then
+    refuses its mixed dtypes, by name), a call with `out=` is not autocast (it runs in its
+    inputs' dtype), and the backward pass runs without autocast (`backward()` turns it off), so
+    each backward op computes in the dtypes its forward op chose. Each call casts again:
+    `nn.Dense` keeps working copies of its parameters instead (`amp.linear`), so a training
+    step casts each of its weights once.
+    """
+    half = _mode.autocast
+    return tuple(cast(t, half) if isinstance(t, Tensor) and t.dtype != half
+                 and t.dtype != _FLOAT64 and dtypes.is_float(t.dtype) else t for t in operands)
+
+
 def matmul(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
     """The matrix product a @ b (NumPy's rules for 1-D and batched operands).
 
@@ -656,6 +678,8 @@ def matmul(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
         array([[1., 0.],
                [0., 1.]])
     """
+    if _mode.autocast is not None and out is None:
+        a, b = _autocast(a, b)
     device, dtype = _common("matmul", [a, b])
     shape = _matmul_shape(a, b)
     done = _fast_launch("matmul", True, out, shape, dtype, (a, b), device.matmul, ())
@@ -699,6 +723,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
 
     `out` may not share any memory with the inputs.
     """
+    if _mode.autocast is not None and out is None:
+        x, weight, bias = _autocast(x, weight, bias)
     operands = [x, weight] if bias is None else [x, weight, bias]
     device, dtype = _common("linear", operands)
     if weight.ndim != 2 or x.ndim < 1 or x.shape[-1] != weight.shape[1]:
@@ -759,6 +785,9 @@ def cross_entropy(logits: Tensor, labels: Any, out: Tensor | None = None) -> Ten
     (checked by the kernel). Raises ValueError for labels of the wrong shape or outside
     [0, classes), TypeError for non-integer labels. `out` may not share memory with the inputs.
     """
+    if (_mode.autocast is not None and out is None and isinstance(logits, Tensor)
+            and logits.dtype in dtypes.HALVES):
+        logits = cast(logits, _FLOAT32)  # NOTE: Note [autocast in ops]
     device, dtype = _common("cross_entropy", [logits])
     if logits.ndim != 2:
         raise ValueError(f"cross_entropy: logits must be (rows, classes), got shape "

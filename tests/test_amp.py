@@ -101,6 +101,137 @@ def test_autocast_runs_dense_in_half_from_float32_masters(half):
     assert outside.dtype == np.float32
 
 
+def _functional(x: Any, w: Any, b: Any, labels: Any) -> Any:
+    """A two-layer model written with ops, no layers: linear, relu, matmul, cross_entropy."""
+    hidden = ops.relu(ops.linear(x, w, b))
+    return ops.mean(ops.cross_entropy(ops.matmul(hidden, w.T), labels))
+
+
+@pytest.mark.parametrize("half", HALF)
+def test_autocast_runs_functional_products_in_half_and_their_backward_as_chosen(half):
+    """Note [autocast in ops]: inside autocast, ops.linear and ops.matmul cast their float32
+    operands to `half` (the result is the product of the casts, bit for bit) and
+    ops.cross_entropy casts half logits to float32; gradients reach the float32 leaves as
+    float32, and a backward pass run inside the block gives the bits of one run outside it."""
+    rng = np.random.default_rng(4)
+    x = runtime.tensor(rng.normal(0, 1, (6, 8)).astype(np.float32))
+    labels = np.array([0, 3, 1, 7, 2, 5])
+    grads = []
+    for backward_inside in (False, True):
+        w, b = (runtime.tensor(rng_values, requires_grad=True) for rng_values in
+                (np.random.default_rng(5).normal(0, 0.3, (8, 8)).astype(np.float32),
+                 np.random.default_rng(6).normal(0, 0.3, 8).astype(np.float32)))
+        with amp.autocast(half):
+            hidden = ops.linear(x, w, b)
+            product = ops.matmul(hidden, w.T)
+            loss = _functional(x, w, b, labels)
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+        assert hidden.dtype == product.dtype == np.dtype(half) and loss.dtype == np.float32
+        assert w.grad.dtype == b.grad.dtype == np.float32
+        grads.append((w.grad.numpy(), b.grad.numpy()))
+        casts = [ops.cast(t, half) for t in (x, w, b)]
+        assert _same(hidden, ops.linear(*casts))
+        assert _same(product, ops.matmul(ops.linear(*casts), casts[1].T))
+    assert all(_same(a, c) for a, c in zip(*grads))
+
+
+def test_a_backward_pass_inside_autocast_computes_as_its_forward_pass_chose():
+    """A float32 product made outside autocast and differentiated inside it keeps float32
+    gradients, bit for bit those of a backward pass outside: backward() turns autocast off
+    (otherwise its products of float32 gradients would run in half)."""
+    rng = np.random.default_rng(12)
+    x = runtime.tensor(rng.normal(0, 1, (5, 1, 7)).astype(np.float32))  # NOTE: batched
+    grads = []
+    for inside in (False, True):
+        w = runtime.tensor(np.random.default_rng(13).normal(0, 1, (7, 3)).astype(np.float32),
+                           requires_grad=True)
+        loss = ops.mean(ops.matmul(x, w))
+        with amp.autocast("float16", enabled=inside):
+            loss.backward()
+        assert w.grad.dtype == np.float32
+        grads.append(w.grad.numpy())
+    assert _same(*grads)
+
+
+def test_autocast_leaves_float64_out_calls_and_the_outside_alone():
+    """As torch.autocast: float64 operands are not cast (so float64 with float32 refuses its
+    mixed dtypes by name), a call with out= runs in its inputs' dtype, enabled=False and the
+    code outside the block are untouched."""
+    a = runtime.tensor(np.ones((2, 3), np.float32))
+    wide = runtime.tensor(np.ones((3, 2), np.float64))
+    with amp.autocast("float16"):
+        assert ops.matmul(wide, wide.T).dtype == np.float64
+        with pytest.raises(TypeError, match="different dtypes: float16 and float64"):
+            ops.matmul(a, wide)
+        out = runtime.empty((2, 2), "float32")
+        assert ops.matmul(a, a.T, out=out) is out and out.dtype == np.float32
+        logits = runtime.tensor(np.zeros((2, 3), np.float16))
+        assert ops.cross_entropy(logits, [0, 1]).dtype == np.float32
+        with amp.autocast("float16", enabled=False):
+            assert ops.matmul(a, a.T).dtype == np.float32
+            assert ops.cross_entropy(logits, [0, 1]).dtype == np.float16
+    assert ops.matmul(a, a.T).dtype == np.float32
+    assert amp.autocast_dtype() is None
+
+
+def test_autocast_is_per_thread_for_functional_products():
+    """One thread inside autocast, another outside, interleaved: each gets its own dtype."""
+    import threading
+
+    a = runtime.tensor(np.ones((4, 4), np.float32))
+    seen: dict[str, list] = {"inside": [], "outside": []}
+    barrier = threading.Barrier(2)
+
+    def run(name: str) -> None:
+        for _ in range(20):
+            if name == "inside":
+                with amp.autocast("bfloat16"):
+                    barrier.wait()
+                    seen[name].append(ops.matmul(a, a).dtype)
+            else:
+                barrier.wait()
+                seen[name].append(ops.matmul(a, a).dtype)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in seen]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen["inside"] == [dtypes.BFLOAT16] * 20 and seen["outside"] == [np.float32] * 20
+
+
+@pytest.mark.parametrize("half", HALF)
+def test_a_captured_functional_autocast_step_equals_the_eager_one(half):
+    """runtime.graph captures the casts autocast adds: its replays give the eager loss and
+    gradients bit for bit."""
+    rng = np.random.default_rng(8)
+    x = rng.normal(0, 1, (6, 8)).astype(np.float32)
+    labels = np.array([0, 3, 1, 7, 2, 5])
+    start = [np.random.default_rng(9).normal(0, 0.3, shape).astype(np.float32)
+             for shape in ((8, 8), (8,))]
+
+    results = []
+    for captured in (False, True):
+        w, b = (runtime.tensor(v, requires_grad=True) for v in start)
+
+        def step(x: Any, w: Any = w, b: Any = b) -> Any:
+            w.grad = b.grad = None
+            with amp.autocast(half):
+                loss = _functional(x, w, b, labels)
+            loss.backward()
+            return loss, w.grad, b.grad
+
+        run = runtime.graph(step) if captured else step
+        for _ in range(2):
+            loss, gw, gb = run(x if captured else runtime.tensor(x))
+        assert gw.dtype == np.float32
+        results.append((loss.numpy(), gw.numpy(), gb.numpy()))
+    assert all(_same(e, c) for e, c in zip(*results))
+
+
 def test_the_working_copy_is_cast_once_per_change_of_its_master():
     dense = nn.Dense(4, 3, rng=0)
     x = runtime.tensor(np.ones((2, 4), np.float32))
