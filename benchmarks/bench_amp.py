@@ -12,7 +12,15 @@ Memory: `activation_bytes` (the most bytes of forward results live at once) and
 `planned_bytes` (the static arena of every intermediate, gradients included), from the
 capture; they do not depend on the machine.
 
+With --torch, PyTorch's own mixed precision on the CPU runs in the same interleaved rounds as
+blockrt's eager steps: the same model and SGD step (mlp_reference.make_torch) in float32, under
+`torch.autocast("cpu", float16)` with `torch.amp.GradScaler("cpu")`, and under
+`torch.autocast("cpu", bfloat16)`; its ratios are to PyTorch's float32 step. A CPU without
+half arithmetic makes both frameworks pay for the casts; this says how much PyTorch pays on
+the same machine.
+
 Run: .venv/bin/python benchmarks/bench_amp.py [--configs S,M] [--memory M,L] [--rounds 7]
+     [--torch]
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mlp_reference import blockrt_model, init_params, make_batch  # noqa: E402
+from mlp_reference import blockrt_model, init_params, make_batch, make_torch  # noqa: E402
 from timing import (  # noqa: E402
     PRECISIONS,
     blas_name,
@@ -53,8 +61,37 @@ def training_step(config: MLPConfig, precision: str, graph: bool) -> Callable[..
     return runtime.graph(step) if graph else step
 
 
-def time_table(keys: list[str], rounds: int) -> None:
+def torch_step(config: MLPConfig, precision: str) -> Callable[[], Any]:
+    """PyTorch's step (`make_torch`'s model, loss and SGD update) in `precision`: float32, or
+    forward and loss under `torch.autocast("cpu", precision)`, float16 with
+    `torch.amp.GradScaler("cpu")` as torch.amp's recipe has it."""
+    import torch
+    import torch.nn.functional as F
+
+    x, y = make_batch(config)
+    trainer = make_torch(init_params(config), x, y)
+    if precision == "float32":
+        return trainer.step
+    model, parameters, tx, tlabels = trainer.state
+    half = getattr(torch, precision)
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "float16")
+    opt = torch.optim.SGD(parameters, lr=0.01)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=half):
+            loss = F.cross_entropy(model(tx), tlabels)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss.item()
+
+    return step
+
+
+def time_table(keys: list[str], rounds: int, torch: bool) -> None:
     print_precision_header()
+    torch_rows = []
     for key in keys:
         config = CONFIGS[key]
         x, y = make_batch(config)
@@ -62,11 +99,26 @@ def time_table(keys: list[str], rounds: int) -> None:
         for graph in (False, True):
             steps = {p: training_step(config, p, graph) for p in PRECISIONS}
             data = x if graph else runtime.tensor(x)
-            us = interleaved_best({p: (lambda s=s, d=data, t=y: s(d, t))
-                                   for p, s in steps.items()},
-                                  number, rounds)
+            contenders = {p: (lambda s=s, d=data, t=y: s(d, t)) for p, s in steps.items()}
+            if torch and not graph:  # NOTE: PyTorch's eager steps in the same rounds
+                contenders |= {f"torch {p}": torch_step(config, p) for p in PRECISIONS}
+            us = interleaved_best(contenders, number, rounds)
             ms = {p: us[p] / 1e3 for p in PRECISIONS}
             print_precision_row(key, graph, ms)
+            if torch and not graph:
+                torch_rows.append((key, ms, {p: us[f"torch {p}"] / 1e3 for p in PRECISIONS}))
+    if torch_rows:
+        print()
+        print("| config | PyTorch float32 (ms) | float16 (ms) | bfloat16 (ms) | PyTorch float16 "
+              "/ float32 | bfloat16 / float32 | blockrt eager float16 / float32 | bfloat16 / "
+              "float32 |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for key, mine, theirs in torch_rows:
+            print(f"| {key} | {theirs['float32']:.2f} | {theirs['float16']:.2f} | "
+                  f"{theirs['bfloat16']:.2f} | {theirs['float16'] / theirs['float32']:.2f} | "
+                  f"{theirs['bfloat16'] / theirs['float32']:.2f} | "
+                  f"{mine['float16'] / mine['float32']:.2f} | "
+                  f"{mine['bfloat16'] / mine['float32']:.2f} |")
 
 
 def memory_table(keys: list[str]) -> None:
@@ -95,6 +147,8 @@ def main() -> None:
     parser.add_argument("--configs", default="S,M", help="timed configurations")
     parser.add_argument("--memory", default="M,L", help="configurations of the memory table")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--torch", action="store_true",
+                        help="PyTorch's CPU autocast in the same rounds as blockrt's eager steps")
     args = parser.parse_args()
     print(f"Mixed precision on {cpu_name()}; {versions()}; products on {blas_name()}; "
           f"{os.environ['OPENBLAS_NUM_THREADS']} BLAS thread(s); C fast path "
@@ -104,7 +158,7 @@ def main() -> None:
         memory_table(args.memory.split(","))
         print()
     if args.configs:
-        time_table(args.configs.split(","), args.rounds)
+        time_table(args.configs.split(","), args.rounds, args.torch)
 
 
 if __name__ == "__main__":
