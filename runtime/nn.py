@@ -66,6 +66,7 @@ __all__ = ["SGD", "Adam", "Dense", "Module", "Optimizer", "ReLU", "Sequential", 
            "clip_grad_norm_", "manual_seed", "mse", "softmax_cross_entropy", "train_step"]
 
 _rng = np.random.default_rng()
+_FLOAT64 = np.dtype("float64")
 
 
 def manual_seed(seed: int) -> None:
@@ -182,9 +183,10 @@ class Dense(Module):
     `weight` is (out_features, in_features) and, like `bias`, starts uniform in
     [-1/sqrt(in_features), 1/sqrt(in_features)] (PyTorch's nn.Linear initialisation).
 
-    Inside `amp.autocast(half)` a layer with parameters of another float dtype computes in
-    `half` from working copies of its parameters, cast again only when a parameter changed
-    (runtime/amp.py); its input is cast to `half` and its output is `half`.
+    Inside `amp.autocast(half)` a layer with float32 (or the other two-byte) parameters
+    computes in `half` from working copies of its parameters, cast again only when a parameter
+    changed (runtime/amp.py); its input is cast to `half` and its output is `half`. float64
+    layers compute in float64, as torch.autocast leaves float64 alone.
 
     Args:
         in_features, out_features: positive sizes.
@@ -219,7 +221,7 @@ class Dense(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         half = amp.autocast_dtype()
-        if half is None:
+        if half is None or self.weight.dtype == _FLOAT64:  # NOTE: float64 is never autocast
             return ops.linear(x, self.weight, self.bias)
         if self.weight.dtype == half:  # NOTE: already two-byte: nothing to cast but x
             return ops.linear(x if x.dtype == half else ops.cast(x, half), self.weight,

@@ -157,9 +157,9 @@ def test_a_backward_pass_inside_autocast_computes_as_its_forward_pass_chose():
 
 
 def test_autocast_leaves_float64_out_calls_and_the_outside_alone():
-    """As torch.autocast: float64 operands are not cast (so float64 with float32 refuses its
-    mixed dtypes by name), a call with out= runs in its inputs' dtype, enabled=False and the
-    code outside the block are untouched."""
+    """As torch.autocast: float64 operands and float64 layers are not cast (so float64 with
+    float32 refuses its mixed dtypes by name), a call with out= runs in its inputs' dtype,
+    enabled=False and the code outside the block are untouched."""
     a = runtime.tensor(np.ones((2, 3), np.float32))
     wide = runtime.tensor(np.ones((3, 2), np.float64))
     with amp.autocast("float16"):
@@ -175,6 +175,9 @@ def test_autocast_leaves_float64_out_calls_and_the_outside_alone():
             assert ops.cross_entropy(logits, [0, 1]).dtype == np.float16
     assert ops.matmul(a, a.T).dtype == np.float32
     assert amp.autocast_dtype() is None
+    wide_layer = nn.Dense(2, 4, dtype="float64", rng=0)  # NOTE: a float64 layer as well
+    with amp.autocast("bfloat16"):
+        assert wide_layer(wide).dtype == np.float64
 
 
 def test_autocast_is_per_thread_for_functional_products():
