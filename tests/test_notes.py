@@ -42,7 +42,8 @@ def repository_texts() -> dict[str, str]:
     texts = {}
     for folder, folders, files in os.walk(ROOT):
         folders[:] = sorted(name for name in folders
-                            if name not in SKIPPED and not name.endswith(".egg-info"))
+                            if name not in SKIPPED and not name.endswith(".egg-info")
+                            and not name.startswith(".venv"))  # NOTE: .venv-cuda-compile too
         for name in sorted(files):
             path = pathlib.Path(folder, name)
             if path.suffix in SUFFIXES:
