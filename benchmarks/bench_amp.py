@@ -6,7 +6,8 @@ The model is benchmarks/mlp_reference.py's (`depth` hidden Dense layers of `widt
 Dense classifier to 10 classes, softmax cross-entropy, SGD lr 0.01), built by
 `nn.train_step(model, opt, precision=...)`. Contenders share one process and are timed in
 interleaved rounds (`timing.interleaved_best`), so that all see the same machine load; ratios
-are to float32 in the same mode. One BLAS thread unless OPENBLAS_NUM_THREADS is set.
+are to float32 in the same mode. One BLAS thread unless OPENBLAS_NUM_THREADS is set, on
+NumPy's OpenBLAS unless BLOCKRT_BLAS is set.
 
 Memory: `activation_bytes` (the most bytes of forward results live at once) and
 `planned_bytes` (the static arena of every intermediate, gradients included), from the
@@ -33,6 +34,8 @@ from typing import Any
 
 for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_name, "1")
+# NOTE: one CBLAS from the first step (BLOCKRT_BLAS=auto would measure both during the rounds)
+os.environ.setdefault("BLOCKRT_BLAS", "openblas")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -21,7 +21,9 @@ allocator, read after the step (its peak, less its input copies): the allocator'
 not the plan's. PyTorch: the CPU allocator's allocations and frees as `torch.profiler`
 (`profile_memory=True`) records them, summed in time order (op granularity: memory an op takes
 and gives back before it returns is not seen). Time: the best step of `--rounds` interleaved
-rounds of 3 steps each (2 cores, shared: every contender sees the same load).
+rounds of 3 steps each (2 cores, shared: every contender sees the same load). blockrt's
+products run on NumPy's OpenBLAS unless BLOCKRT_BLAS says otherwise (auto would measure both
+libraries during the first steps, and a short run's steps would alternate between them).
 
 Output: a Markdown table per configuration, the peers each blockrt point beats or not, and a
 PNG of the curves (`--plot`, default benchmarks/budget_pareto.png; matplotlib).
@@ -44,6 +46,9 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")
+# NOTE: one library from the first step: BLOCKRT_BLAS=auto measures both on the first ~30 s of
+# products, which a short run can fall inside, so its steps would alternate libraries
+os.environ.setdefault("BLOCKRT_BLAS", "openblas")
 
 import numpy as np
 

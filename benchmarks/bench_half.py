@@ -6,7 +6,7 @@ rounds each op's result once; goal at most 1.3x the float32 step on S and M).
 Contenders share one process and are timed in interleaved rounds (`timing.interleaved_best`),
 so that all see the same machine load; the ratio is to float32 in the same mode. One BLAS
 thread unless OPENBLAS_NUM_THREADS is set (the step's overhead, not the product's threads, is
-what the rule adds).
+what the rule adds), on NumPy's OpenBLAS unless BLOCKRT_BLAS is set.
 
 With --split, eager mode also times float32 with the elementwise ops on their Python path
 (`ops._fast` off; products and reductions keep the C one): the path every half elementwise op
@@ -30,6 +30,8 @@ from typing import Any
 
 for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_name, "1")
+# NOTE: one CBLAS from the first step (BLOCKRT_BLAS=auto would measure both during the rounds)
+os.environ.setdefault("BLOCKRT_BLAS", "openblas")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
