@@ -9,8 +9,10 @@ bit-for-bit tests.
 
 Kernels: each half kernel (`_half_kernel`) for every formula, both two-byte dtypes and every
 mix of operands (out's dtype, float32, a number); each float kernel of `_kernels()` for float32
-and float64; and the fused chains of tests/test_cuda.py, float and two-byte. All go into one
-translation unit, each in its own namespace under its own name, and nvcc compiles it once.
+and float64; the fused chains of tests/test_cuda.py, float and two-byte; and every chain the
+graph runtime emits for small training steps (`emitted`: float32, half storage and mixed
+precision, SGD and Adam), as `CudaDevice._fused` would compile it. All go into one translation
+unit, each in its own namespace under its own name, and nvcc compiles it once.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 import cupy
 import ml_dtypes
@@ -53,20 +56,57 @@ def source(kernel: cupy.ElementwiseKernel, args: list) -> str:
                                                     kernel.preamble)
 
 
-def chain(program: list, inputs: tuple, out: np.dtype) -> tuple[cupy.ElementwiseKernel, list]:
-    """`_chain_kernel` for a fused program as `CudaDevice._fused` shapes it, and its args."""
-    shape, numbers = [], 0
-    for name, args, dtype in program:
-        refs = []
-        for kind, ref in args:
-            if kind == "number":
-                ref, numbers = numbers, numbers + 1
-            refs.append((kind, ref))
-        shape.append((name, tuple(refs), cuda._LETTERS[np.dtype(dtype)]))
-    kernel, params = cuda._chain_kernel(tuple(shape), tuple(cuda._LETTERS[d] for d in inputs),
-                                        cuda._LETTERS[out])
-    number = ("number", F64 if out == F64 else F32)
-    return kernel, [number if p[0] == "n" else inputs[int(p[1:])] for p in params] + [out]
+def chain(program: list, inputs: tuple,
+          out: np.dtype) -> tuple[cupy.ElementwiseKernel, list] | None:
+    """The kernel `CudaDevice._fused` compiles for a program on arrays of these dtypes (through
+    its own `_chain_call`), and its args; None where the program runs the blocked default."""
+    call = cuda._chain_call(program, [np.empty(0, d) for d in inputs], np.empty(0, out))
+    if call is None:
+        return None
+    key, values = call
+    kernel, params = cuda._chain_kernel(*key)
+    return kernel, [("number", values[p].dtype) if p[0] == "n" else values[p].dtype
+                    for p in params] + [out]
+
+
+def emitted() -> list[tuple[str, list, tuple, np.dtype]]:
+    """Every fused program the graph runtime emits for small training steps, run on the CPU
+    device: an MLP in float32, float16 and bfloat16 storage and in mixed float16 (with its
+    loss scaler) and bfloat16, under SGD with momentum and under Adam, each captured by
+    `runtime.graph` (static plan, fused). As (label, program, input dtypes, out dtype)."""
+    import runtime
+    from backends.base import Device
+    from runtime import nn
+
+    seen: dict[str, tuple[str, list, tuple, np.dtype]] = {}
+    original = Device.prepare_fused
+
+    def record(self: Any, program: Any, inputs: Any, out: Any, *args: Any) -> Any:
+        program = list(program)
+        dtypes = tuple(x.dtype for x in inputs)
+        seen.setdefault(repr((program, dtypes, out.dtype)),
+                        (f"emitted chain {len(seen)}", program, dtypes, out.dtype))
+        return original(self, program, inputs, out, *args)
+
+    Device.prepare_fused = record
+    try:
+        x = np.random.default_rng(0).normal(0, 1, (8, 16)).astype(np.float32)
+        labels = np.arange(8) % 4
+        for storage, precision, optimizer in itertools.product(
+                ("float32", "float16", "bfloat16"), (None, "float16", "bfloat16"),
+                ("sgd", "adam")):
+            if precision is not None and storage != "float32":
+                continue  # NOTE: mixed precision keeps float32 masters
+            model = nn.Sequential(nn.Dense(16, 32, dtype=storage, rng=1), nn.ReLU(),
+                                  nn.Dense(32, 4, dtype=storage, rng=2))
+            opt = (nn.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+                   if optimizer == "sgd" else nn.Adam(model.parameters(), lr=1e-3))
+            step = runtime.graph(nn.train_step(model, opt, precision=precision))
+            for _ in range(2):
+                step(x.astype(storage) if precision is None else x, labels)
+    finally:
+        Device.prepare_fused = original
+    return list(seen.values())
 
 
 def chains() -> list[tuple[str, cupy.ElementwiseKernel, list]]:
@@ -119,7 +159,21 @@ def kernels() -> list[tuple[str, cupy.ElementwiseKernel, list]]:
         args = ([dtype, I64, dtype, I64, dtype] if name == "cross_entropy_backward"
                 else [dtype] * (kernel.nin + 1))
         found.append((f"{name} {dtype}", kernel, args))
-    return found + chains()
+    found += chains()
+    programs = emitted()
+    blocked = []
+    for label, program, inputs, out in programs:
+        made = chain(program, inputs, out)
+        if made is None:  # NOTE: runs the blocked default on CUDA
+            blocked.append(f"{label}: {[(n, str(d)) for n, _, d in program]} on "
+                           f"{[str(d) for d in inputs]} into {out}")
+        else:
+            found.append((label, *made))
+    print(f"{len(programs)} chains emitted by the training steps; {len(blocked)} of them run "
+          f"the blocked default on CUDA{':' if blocked else ''}")
+    for line in blocked:
+        print(f"  {line}")
+    return found
 
 
 def main() -> int:

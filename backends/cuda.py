@@ -172,6 +172,37 @@ def _chain_kernel(program: tuple, inputs: tuple[str, ...], out: str) -> tuple[An
     return kernel, params
 
 
+def _chain_call(program: Any, inputs: Any, out: Any) -> tuple[tuple, dict[str, Any]] | None:
+    """How `CudaDevice._fused` runs a fused program: the `_chain_kernel` arguments (the
+    program's shape, the inputs' and out's `_LETTERS`) and the value of each kernel parameter
+    by name (inputs, and numbers as float32 or float64 scalars); or None where the chain runs
+    the blocked default: float64 mixed with another dtype, a link no formula covers, or a
+    two-byte link whose dtype no array of the kernel names. Reads only the operands' dtypes
+    (`.ci/cuda_compile.py` passes NumPy arrays)."""
+    dtypes = {np.dtype(d) for _, _, d in program} | {x.dtype for x in inputs} | {out.dtype}
+    if (not (dtypes == {_F64} or dtypes <= _LETTERS.keys() - {_F64})
+            or any(name not in _FLOAT_FORMULAS for name, _, _ in program)):
+        return None
+    number = np.float64 if out.dtype == _F64 else np.float32
+    values: dict[str, Any] = {}
+    shape, numbers = [], 0
+    for name, args, dtype in program:
+        refs = []
+        for kind, ref in args:
+            if kind == "number":
+                values[f"n{numbers}"] = number(ref)
+                ref, numbers = numbers, numbers + 1
+            elif kind == "input":
+                values[f"i{ref}"] = inputs[ref]
+            refs.append((kind, ref))
+        shape.append((name, tuple(refs), _LETTERS[np.dtype(dtype)]))
+    letters = tuple(_LETTERS[x.dtype] for x in inputs)
+    defined = {letters[int(p[1:])] for p in values if p[0] == "i"} | {_LETTERS[out.dtype]}
+    if any(letter in "HB" and letter not in defined for _, _, letter in shape):
+        return None  # NOTE: a two-byte link with no type to name
+    return (tuple(shape), letters, _LETTERS[out.dtype]), values
+
+
 def _on_stream(hook: Callable[..., Any]) -> Callable[..., Any]:
     """Run a hook with this device current and its stream as CuPy's current stream."""
     @functools.wraps(hook)
@@ -372,31 +403,12 @@ class CudaDevice(Device):
         (`_chain_kernel`), so nothing but the inputs and `out` touches memory: the default's
         row blocks are 64 KiB, a launch each per link, far too small for a GPU. Other chains
         (float64 mixed with another dtype, a link no formula covers) run the default."""
-        dtypes = {np.dtype(d) for _, _, d in program} | {x.dtype for x in inputs} | {out.dtype}
-        if (not (dtypes == {_F64} or dtypes <= _LETTERS.keys() - {_F64})
-                or any(name not in _FLOAT_FORMULAS for name, _, _ in program)):
+        call = _chain_call(program, inputs, out)
+        if call is None:
             super()._fused(program, inputs, out)
             return
-        number = np.float64 if out.dtype == _F64 else np.float32
-        values: dict[str, Any] = {}
-        shape, numbers = [], 0
-        for name, args, dtype in program:
-            refs = []
-            for kind, ref in args:
-                if kind == "number":
-                    values[f"n{numbers}"] = number(ref)
-                    ref, numbers = numbers, numbers + 1
-                elif kind == "input":
-                    values[f"i{ref}"] = inputs[ref]
-                refs.append((kind, ref))
-            shape.append((name, tuple(refs), _LETTERS[np.dtype(dtype)]))
-        letters = tuple(_LETTERS[x.dtype] for x in inputs)
-        defined = {letters[int(p[1:])] for p in values if p[0] == "i"} | {_LETTERS[out.dtype]}
-        if any(letter in "HB" and letter not in defined
-               for _, _, letter in shape):
-            super()._fused(program, inputs, out)  # NOTE: a two-byte link with no type to name
-            return
-        kernel, params = _chain_kernel(tuple(shape), letters, _LETTERS[out.dtype])
+        key, values = call
+        kernel, params = _chain_kernel(*key)
         with self.cuda_device, self.stream:
             kernel(*(values[p] for p in params), out)
 
