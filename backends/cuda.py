@@ -426,11 +426,20 @@ class CudaDevice(Device):
         and one rounding as it stores. That is the rule of HALVES in substance (each product
         of two halves is exact in float32, the sums are float32's, one rounding), but the
         accumulation order is cuBLAS's own, so the bits may differ in the last place from the
-        widened float32 product that other dtypes' pairs take."""
-        if out.dtype in HALVES and a.dtype == b.dtype == out.dtype:
+        widened float32 product that other dtypes' pairs take. bfloat16 takes it only on a GPU
+        of compute capability 8.0 or more (cuBLAS has no bfloat16 GEMM before Ampere); older
+        ones, and float16 before 5.3, widen."""
+        if (out.dtype in HALVES and a.dtype == b.dtype == out.dtype
+                and self._half_gemm[out.dtype]):
             self._matmul(a, b, out)
             return
         super().matmul(a, b, out)
+
+    @functools.cached_property
+    def _half_gemm(self) -> dict[np.dtype, bool]:
+        """Whether cuBLAS multiplies each two-byte dtype on this GPU (`matmul`)."""
+        capability = int(self.cuda_device.compute_capability)
+        return {np.dtype("float16"): capability >= 53, _BF16: capability >= 80}
 
     def gemm(self, a, b, out, alpha: float = 1.0, beta: float = 0.0) -> None:
         if alpha == 1.0 and beta == 0.0:
