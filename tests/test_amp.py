@@ -206,16 +206,19 @@ def test_autocast_is_per_thread_for_functional_products():
     assert seen["inside"] == [dtypes.BFLOAT16] * 20 and seen["outside"] == [np.float32] * 20
 
 
+def _functional_data() -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """A batch, its labels and starting values of `_functional`'s weight and bias."""
+    x = np.random.default_rng(8).normal(0, 1, (6, 8)).astype(np.float32)
+    start = [np.random.default_rng(9).normal(0, 0.3, shape).astype(np.float32)
+             for shape in ((8, 8), (8,))]
+    return x, np.array([0, 3, 1, 7, 2, 5]), start
+
+
 @pytest.mark.parametrize("half", HALF)
 def test_a_captured_functional_autocast_step_equals_the_eager_one(half):
     """runtime.graph captures the casts autocast adds: its replays give the eager loss and
     gradients bit for bit."""
-    rng = np.random.default_rng(8)
-    x = rng.normal(0, 1, (6, 8)).astype(np.float32)
-    labels = np.array([0, 3, 1, 7, 2, 5])
-    start = [np.random.default_rng(9).normal(0, 0.3, shape).astype(np.float32)
-             for shape in ((8, 8), (8,))]
-
+    x, labels, start = _functional_data()
     results = []
     for captured in (False, True):
         w, b = (runtime.tensor(v, requires_grad=True) for v in start)
@@ -239,11 +242,7 @@ def test_a_captured_functional_scaled_step_equals_the_eager_one():
     """Functional autocast with a GradScaler and SGD with momentum: three captured steps give
     the eager loss and parameters bit for bit (the masters' gradients come through the casts'
     backward, not amp.linear's, so the scaler takes its plain path)."""
-    rng = np.random.default_rng(8)
-    x = rng.normal(0, 1, (6, 8)).astype(np.float32)
-    labels = np.array([0, 3, 1, 7, 2, 5])
-    start = [np.random.default_rng(9).normal(0, 0.3, shape).astype(np.float32)
-             for shape in ((8, 8), (8,))]
+    x, labels, start = _functional_data()
     results = []
     for captured in (False, True):
         w, b = (runtime.tensor(v, requires_grad=True) for v in start)
