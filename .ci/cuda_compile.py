@@ -32,7 +32,9 @@ from cupy._core import _carray, _scalar
 from cupy._core import _kernel as cupy_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from backends import cuda
+from helpers import float_chain, half_chain
 
 F16, BF16, F32, F64 = (np.dtype(d) for d in ("float16", ml_dtypes.bfloat16, "float32",
                                              "float64"))
@@ -110,32 +112,13 @@ def emitted() -> list[tuple[str, list, tuple, np.dtype]]:
 
 
 def chains() -> list[tuple[str, cupy.ElementwiseKernel, list]]:
-    """The chains of tests/test_cuda.py: a float one per float dtype, a two-byte one (float32
-    links among them) per two-byte dtype, and a two-byte chain stored as float32."""
-    found = []
-    for dtype in (F32, F64):
-        program = [("mul", (("input", 0), ("input", 1)), dtype),
-                   ("add", (("link", 0), ("number", 0.1)), dtype),
-                   ("sigmoid", (("link", 1),), dtype),
-                   ("tanh_backward", (("input", 0), ("link", 2)), dtype),
-                   ("sub", (("link", 3), ("link", 0)), dtype),
-                   ("relu", (("link", 4),), dtype), ("tanh", (("link", 5),), dtype),
-                   ("exp", (("link", 6),), dtype),
-                   ("mul", (("link", 7), ("number", 3.0)), dtype)]
-        found.append((f"chain {dtype}", *chain(program, (dtype, dtype), dtype)))
+    """The chains of tests/test_cuda.py (tests/helpers.py): a float one per float dtype, a
+    two-byte one (float32 links among them) per two-byte dtype, and a two-byte chain stored as
+    float32."""
+    found = [(f"chain {dtype}", *chain(float_chain(dtype), (dtype, dtype), dtype))
+             for dtype in (F32, F64)]
     for half in (F16, BF16):
-        program = [("mul", (("input", 0), ("input", 1)), half),
-                   ("add", (("link", 0), ("number", 0.1)), F32),
-                   ("sigmoid", (("link", 1),), half),
-                   ("tanh_backward", (("input", 0), ("link", 2)), half),
-                   ("div", (("link", 3), ("link", 0)), F32), ("relu", (("link", 4),), half),
-                   ("where_finite", (("link", 5), ("input", 1)), half),
-                   ("exp", (("link", 6),), F32), ("log", (("link", 7),), half),
-                   ("sub", (("link", 8), ("number", 3.0)), half),
-                   ("sqrt", (("link", 9),), half),
-                   ("relu_backward", (("input", 1), ("link", 10)), half),
-                   ("neg", (("link", 11),), half)]
-        found.append((f"chain {half}", *chain(program, (half, half), half)))
+        found.append((f"chain {half}", *chain(half_chain(half), (half, half), half)))
         program = [("mul", (("input", 0), ("input", 1)), half), ("exp", (("link", 0),), F32)]
         found.append((f"chain {half} into float32", *chain(program, (half, F32), F32)))
     return found

@@ -97,3 +97,33 @@ def assert_rounded_product(got: np.ndarray, a: np.ndarray, b: np.ndarray) -> Non
     bound = np.abs(np.spacing(got)).astype(np.float64) + sums
     error = np.abs(got.astype(np.float64) - exact)
     assert np.all(error <= bound), f"largest error {error.max()} against bound {bound.max()}"
+
+
+def float_chain(dtype: Any) -> list[tuple[str, tuple, Any]]:
+    """A fused program over inputs 0 and 1, every link of one float dtype: products then sums,
+    the activations and a derivative, the math library's functions, numbers (the CUDA chain
+    tests, and the chains `.ci/cuda_compile.py` compiles)."""
+    return [("mul", (("input", 0), ("input", 1)), dtype),
+            ("add", (("link", 0), ("number", 0.1)), dtype),
+            ("sigmoid", (("link", 1),), dtype),
+            ("tanh_backward", (("input", 0), ("link", 2)), dtype),
+            ("sub", (("link", 3), ("link", 0)), dtype),
+            ("relu", (("link", 4),), dtype), ("tanh", (("link", 5),), dtype),
+            ("exp", (("link", 6),), dtype),
+            ("mul", (("link", 7), ("number", 3.0)), dtype)]
+
+
+def half_chain(half: Any) -> list[tuple[str, tuple, Any]]:
+    """A fused program over two `half` inputs, ending in `half`: every formula, float32 links
+    among the two-byte ones, numbers (as `float_chain`)."""
+    f32 = np.dtype("float32")
+    return [("mul", (("input", 0), ("input", 1)), half),
+            ("add", (("link", 0), ("number", 0.1)), f32),
+            ("sigmoid", (("link", 1),), half),
+            ("tanh_backward", (("input", 0), ("link", 2)), half),
+            ("div", (("link", 3), ("link", 0)), f32), ("relu", (("link", 4),), half),
+            ("where_finite", (("link", 5), ("input", 1)), half),
+            ("exp", (("link", 6),), f32), ("log", (("link", 7),), half),
+            ("sub", (("link", 8), ("number", 3.0)), half), ("sqrt", (("link", 9),), half),
+            ("relu_backward", (("input", 1), ("link", 10)), half),
+            ("neg", (("link", 11),), half)]

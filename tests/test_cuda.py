@@ -16,7 +16,7 @@ import allocators
 import backends
 import runtime
 from backends.base import BINARY_KERNELS, UNARY_KERNELS
-from helpers import assert_rounded_product
+from helpers import assert_rounded_product, float_chain, half_chain
 
 NO_CUDA = "no CUDA device (cupy not installed or no GPU)"
 needs_cuda = pytest.mark.skipif("cuda" not in backends.available(), reason=NO_CUDA)
@@ -332,15 +332,7 @@ def test_a_fused_chain_is_one_kernel_with_its_links_own_bits(gpu, dtype):
     functions (compiled with the same options eagerly), numbers."""
     rng = np.random.default_rng(3)
     a, b = (rng.normal(0, 2, (257, 129)).astype(dtype) for _ in range(2))
-    program = [("mul", (("input", 0), ("input", 1)), dtype),
-               ("add", (("link", 0), ("number", 0.1)), dtype),
-               ("sigmoid", (("link", 1),), dtype),
-               ("tanh_backward", (("input", 0), ("link", 2)), dtype),
-               ("sub", (("link", 3), ("link", 0)), dtype),
-               ("relu", (("link", 4),), dtype),
-               ("tanh", (("link", 5),), dtype),
-               ("exp", (("link", 6),), dtype),
-               ("mul", (("link", 7), ("number", 3.0)), dtype)]
+    program = float_chain(dtype)
     x, y = _on(gpu, a), _on(gpu, b)
     got = _empty(gpu, a.shape, dtype)
     gpu.fused(program, [x, y], got)
@@ -384,19 +376,7 @@ def test_a_half_chain_is_one_kernel_rounding_each_link_as_its_own_kernel(gpu, ha
         a = wide.astype(dtype)
     x = _on(gpu, np.ascontiguousarray(a.T)).T  # transposed
     row = gpu.array_view(_raw_on(gpu, a[1].copy()), 0, a.shape, dtype, (0, dtype.itemsize))
-    program = [("mul", (("input", 0), ("input", 1)), dtype),
-               ("add", (("link", 0), ("number", 0.1)), f32),
-               ("sigmoid", (("link", 1),), dtype),
-               ("tanh_backward", (("input", 0), ("link", 2)), dtype),
-               ("div", (("link", 3), ("link", 0)), f32),
-               ("relu", (("link", 4),), dtype),
-               ("where_finite", (("link", 5), ("input", 1)), dtype),
-               ("exp", (("link", 6),), f32),
-               ("log", (("link", 7),), dtype),
-               ("sub", (("link", 8), ("number", 3.0)), dtype),
-               ("sqrt", (("link", 9),), dtype),
-               ("relu_backward", (("input", 1), ("link", 10)), dtype),
-               ("neg", (("link", 11),), dtype)]
+    program = half_chain(dtype)
     got = _empty(gpu, a.shape, dtype)
 
     def blocked(*args):
