@@ -7,11 +7,11 @@ run caught before: a formula or a two-byte link that does not compile with CuPy'
 bfloat16 types. It runs nothing; `.ci/cuda` on a GPU machine runs the kernels against their
 bit-for-bit tests.
 
-Kernels: each half kernel (`_half_kernel`) for every formula, both two-byte dtypes and every
-mix of operands (out's dtype, float32, a number); each float kernel of `_kernels()` for float32
-and float64; the fused chains of tests/test_cuda.py, float and two-byte; and every chain the
-graph runtime emits for small training steps (`emitted`: float32, half storage and mixed
-precision, SGD and Adam), as `CudaDevice._fused` would compile it. All go into one translation
+Kernels: each half kernel (`_half_kernel`) for every formula, both two-byte dtypes and every mix
+of operands (out's dtype, float32, a number); each float kernel of `_kernels()` for float32 and
+float64; the fused chains of tests/test_cuda.py, float and two-byte; and every chain the graph
+runtime emits for small training steps (`emitted`: float32, half storage and mixed precision,
+SGD and Adam), as `CudaDevice._compile_fused` would compile it. All go into one translation
 unit, each in its own namespace under its own name, and nvcc compiles it once.
 """
 
@@ -60,8 +60,9 @@ def source(kernel: cupy.ElementwiseKernel, args: list) -> str:
 
 def chain(program: list, inputs: tuple,
           out: np.dtype) -> tuple[cupy.ElementwiseKernel, list] | None:
-    """The kernel `CudaDevice._fused` compiles for a program on arrays of these dtypes (through
-    its own `_chain_call`), and its args; None where the program runs the blocked default."""
+    """The kernel `CudaDevice._compile_fused` compiles for a program on arrays of these dtypes
+    (through its own `_chain_call`), and its args; None where the program runs the blocked
+    default."""
     call = cuda._chain_call(program, [np.empty(0, d) for d in inputs], np.empty(0, out))
     if call is None:
         return None

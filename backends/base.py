@@ -399,25 +399,33 @@ class Device:
         `inputs[k]` (a native view already broadcast to out's shape), ("link", j) for the result
         of `program[j]` (j < i) or ("number", value). The last link's result goes to `out`.
         The default runs the kernels block by block over the leading axis with block-sized
-        scratch arrays; a backend may compile the chain into one kernel instead (`_fused`).
+        scratch arrays; a backend may compile the chain into one kernel instead
+        (`_compile_fused`).
         """
         _check_program(program)
-        self._fused(program, inputs, out)
+        self._prepared(program, inputs, out, {})()
 
     def prepare_fused(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
                       out: Any, scratch: dict | None = None) -> Callable[[], None]:
         """`fused(program, inputs, out)` checked and set up once, as a function that runs it:
         for a caller that runs the same chain on the same views many times (a graph's replay).
-        The default's scratch arrays and block views are made here, not at every run; pass the
-        same `scratch` dict to chains that never run at the same time and they share them."""
+        The backend's kernel is found and its arguments made here, as are the default's scratch
+        arrays and block views, not at every run; pass the same `scratch` dict to chains that
+        never run at the same time and they share them."""
         _check_program(program)
-        if type(self)._fused is not Device._fused:  # the backend compiles its own kernel
-            return functools.partial(self._fused, program, inputs, out)
-        return self._blocked(program, inputs, out, {} if scratch is None else scratch)
+        return self._prepared(program, inputs, out, {} if scratch is None else scratch)
 
-    def _fused(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
-               out: Any) -> None:
-        self._blocked(program, inputs, out, {})()
+    def _prepared(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
+                  out: Any, shared: dict) -> Callable[[], None]:
+        run = self._compile_fused(program, inputs, out)
+        return self._blocked(program, inputs, out, shared) if run is None else run
+
+    def _compile_fused(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
+                       out: Any) -> Callable[[], None] | None:
+        """The chain as one kernel of the backend's own, set up for these views: a function
+        that launches it with every argument made now; None where the backend has no kernel
+        for the chain (the default has none), and the blocked default runs it."""
+        return None
 
     def _blocked(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
                  out: Any, shared: dict) -> Callable[[], None]:
@@ -576,12 +584,12 @@ class Device:
                         ("add", (("link", 0), ("link", 1)), dtype)], [product, out], out)
 
     def _sub_scaled(self, a: Any, b: Any, scale: Any, out: Any, scratch: Any) -> None:
-        """One pass where the backend compiles a fused chain itself (`_fused`: each link
+        """One pass where the backend compiles fused chains itself (`_compile_fused`: each link
         rounded to its dtype, as its own kernel would round it); else the two kernels, the
         product in `scratch` (made here when None)."""
         dtype = out.dtype
         product = ("mul", (("input", 1), ("number", scale)), dtype)
-        if type(self)._fused is not Device._fused:
+        if type(self)._compile_fused is not Device._compile_fused:
             self.fused([product, ("sub", (("input", 0), ("link", 0)), dtype)], [a, b], out)
             return
         if scratch is None:

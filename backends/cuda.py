@@ -173,7 +173,7 @@ def _chain_kernel(program: tuple, inputs: tuple[str, ...], out: str) -> tuple[An
 
 
 def _chain_call(program: Any, inputs: Any, out: Any) -> tuple[tuple, dict[str, Any]] | None:
-    """How `CudaDevice._fused` runs a fused program: the `_chain_kernel` arguments (the
+    """How `CudaDevice._compile_fused` runs a fused program: the `_chain_kernel` arguments (the
     program's shape, the inputs' and out's `_LETTERS`) and the value of each kernel parameter
     by name (inputs, and numbers as float32 or float64 scalars); or None where the chain runs
     the blocked default: float64 mixed with another dtype, a link no formula covers, or a
@@ -398,19 +398,21 @@ class CudaDevice(Device):
         _half_kernel(name, numbers)(*args, out)
         return True
 
-    def _fused(self, program, inputs, out) -> None:
+    def _compile_fused(self, program, inputs, out) -> Callable[[], None] | None:
         """A chain of float64, or of float32 and two-byte floats, as one kernel
         (`_chain_kernel`), so nothing but the inputs and `out` touches memory: the default's
         row blocks are 64 KiB, a launch each per link, far too small for a GPU. Other chains
-        (float64 mixed with another dtype, a link no formula covers) run the default."""
+        (float64 mixed with another dtype, a link no formula covers) run the default (None)."""
         call = _chain_call(program, inputs, out)
         if call is None:
-            super()._fused(program, inputs, out)
-            return
+            return None
         key, values = call
         kernel, params = _chain_kernel(*key)
-        with self.cuda_device, self.stream:
-            kernel(*(values[p] for p in params), out)
+        return functools.partial(self._launch, kernel, *(values[p] for p in params), out)
+
+    @_on_stream
+    def _launch(self, kernel, *args) -> None:
+        kernel(*args)
 
     @_on_stream
     def _cast(self, x, out) -> None:

@@ -47,7 +47,7 @@ import math
 import re
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -407,8 +407,14 @@ class OpenCLDevice(Device):
         """out = expr(x0, x1, ...) computed in `ctype`, where each operand is a view (of any
         float dtype: `_storage` loads and stores it) or a NumPy scalar; `bits`: `ctype` is the
         unsigned type of out's item size, and every view is moved as such."""
+        self._elementwise_launch(op, expr, operands, out, ctype, bits)()
+
+    def _elementwise_launch(self, op: str, expr: str, operands: list, out: Any, ctype: str,
+                            bits: bool = False) -> Callable[[], None]:
+        """`_elementwise` set up: its kernel found or built and its arguments made, as a
+        function that enqueues it (a fused chain's replays run it again)."""
         if out.size == 0:
-            return
+            return _nothing
         views = [x for x in operands if isinstance(x, cla.Array)]
         if bits:
             io = [(ctype, "{p}[{i}]", "{p}[{i}] = v")] * (len(views) + 1)
@@ -441,7 +447,7 @@ class OpenCLDevice(Device):
                 args.append(x)
         n = math.prod(dims)
         args += [n, *dims, *(s for step, walk in zip(steps, walked) if walk for s in step)]
-        self._run(kernel, (-(-n // GROUP) * GROUP,), (GROUP,), *args)
+        return functools.partial(self._run, kernel, (-(-n // GROUP) * GROUP,), (GROUP,), *args)
 
     def _unary(self, name, x, out) -> None:
         if name == "copy":  # moves bits: any dtype of 1, 2, 4 or 8 bytes
@@ -473,16 +479,16 @@ class OpenCLDevice(Device):
         self._run(kernel, (-(-n // GROUP) * GROUP,), (GROUP,), out.base_data, offsets[0],
                   x.base_data, offsets[1], n, *dims, *(s for step in steps for s in step))
 
-    def _fused(self, program, inputs, out) -> None:
+    def _compile_fused(self, program, inputs, out) -> Callable[[], None] | None:
         """A fused elementwise chain as one generated kernel: each link's expression is inlined
         into the next, so nothing but the inputs and `out` touches memory. The program is
-        cached by its expression (kernel_cache_stats counts the hits). Two-byte floats compute
-        in float, each two-byte link rounded to its dtype in registers, as its own kernel would
-        round it; a chain that mixes float64 with another dtype runs the blocked default."""
+        cached by its expression (kernel_cache_stats counts the hits, once per preparation).
+        Two-byte floats compute in float, each two-byte link rounded to its dtype in registers,
+        as its own kernel would round it; a chain that mixes float64 with another dtype runs
+        the blocked default (None)."""
         ctype = self._fused_type(program, inputs, out)
         if ctype is None:
-            super()._fused(program, inputs, out)
-            return
+            return None
         number = np.float64 if ctype == "double" else np.float32
         operands: list[Any] = []
         links: list[str] = []
@@ -502,7 +508,7 @@ class OpenCLDevice(Device):
             if np.dtype(dtype) in _ROUND and not last:
                 link = f"{_ROUND[np.dtype(dtype)]}({link})"
             links.append(link)
-        self._elementwise(f"fused {links[-1]}", links[-1], operands, out, ctype)
+        return self._elementwise_launch(f"fused {links[-1]}", links[-1], operands, out, ctype)
 
     def _fused_type(self, program, inputs, out) -> str | None:
         """The C type a fused chain computes in, or None for the blocked default: one dtype
@@ -691,6 +697,10 @@ inline float round_f16(float v) { return load_f16(store_f16(v)); }
 inline float round_bf16(float v) { return as_float((uint)store_bf16(v) << 16); }
 """
 _ROUND = {np.dtype("float16"): "round_f16", BFLOAT16: "round_bf16"}
+
+
+def _nothing() -> None:
+    """The launch of a kernel over no elements."""
 
 
 @functools.cache  # NOTE: asked once per operand of every launch

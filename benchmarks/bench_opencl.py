@@ -159,11 +159,8 @@ def widened_halves() -> backends.Device:
         half_kernels = False
         _half_elementwise = Device._half_elementwise
 
-        def _fused(self, program, inputs, out) -> None:
-            if out.dtype in HALVES:
-                Device._fused(self, program, inputs, out)
-            else:
-                super()._fused(program, inputs, out)
+        def _compile_fused(self, program, inputs, out):
+            return None if out.dtype in HALVES else super()._compile_fused(program, inputs, out)
 
     return Widened(0)
 
