@@ -36,7 +36,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from backends.base import HALVES, BackendUnavailableError, Device
+from backends.base import BINARY_KERNELS, HALVES, BackendUnavailableError, Device
 
 _ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -62,36 +62,6 @@ _NO_FMA = ("--fmad=false",)
 
 
 @functools.cache
-def _kernels() -> dict[str, Any]:
-    """The fused elementwise kernels, compiled by CuPy on first use."""
-    cp = _cupy()
-    kernel = functools.partial(cp.ElementwiseKernel, options=_NO_FMA)
-    # NOTE: the NumPy device's formulas: Note [one formula on every backend] in backends/base.py
-    return {
-        "sigmoid": kernel("T x", "T y", "y = (T)0.5 * tanh((T)0.5 * x) + (T)0.5",
-                          "blockrt_sigmoid"),
-        "tanh_backward": kernel("T g, T y", "T out", "out = g * ((T)1 - y * y)",
-                                "blockrt_tanh_backward"),
-        "sigmoid_backward": kernel("T g, T y", "T out", "out = g * (((T)1 - y) * y)",
-                                   "blockrt_sigmoid_backward"),
-        "relu_backward": kernel("T g, T y", "T out", "out = g * (T)(y > (T)0)",
-                                "blockrt_relu_backward"),
-        # NOTE: np.maximum(x, 0): NaN passes with its bits, -0.0 stays -0.0 (CuPy's maximum
-        # gives a canonical NaN)
-        "relu": kernel("T x", "T y", "y = (x >= (T)0 || isnan(x)) ? x : (T)0", "blockrt_relu"),
-        # NOTE: compiled as the fused chains are (`_NO_FMA` reaches the math library's code
-        # too), so a chain's exp is the eager op's exp bit for bit
-        **{name: kernel("T x", "T y", f"y = {name}(x)", f"blockrt_{name}")
-           for name in ("exp", "log", "tanh", "sqrt")},
-        "where_finite": kernel("T a, T b", "T out", "out = isfinite(a) ? a : b",
-                               "blockrt_where_finite"),
-        "cross_entropy_backward": kernel(
-            "T p, L label, T g, L col", "T out", "out = (p - (T)(col == label)) * g",
-            "blockrt_cross_entropy_backward"),
-    }
-
-
-@functools.cache
 def has_bfloat16() -> bool:
     """Whether this CuPy stores ml_dtypes' bfloat16 (CuPy 14 and newer, with ml_dtypes
     installed): arrays, casts and kernels of it. Older CuPy refuses the dtype."""
@@ -104,8 +74,10 @@ def has_bfloat16() -> bool:
 
 
 #: Each elementwise formula on float operands `a` and `b` (Note [one formula on every backend] in
-#: backends/base.py), for the half kernels and the fused chains: the float32 kernel's own
-#: expression, compiled without contraction as it is (`_NO_FMA`), so each gives its bits
+#: backends/base.py), for the float kernels, the half kernels and the fused chains alike,
+#: compiled without contraction (`_NO_FMA`, which reaches the math library's code too), so a
+#: link gives its eager op's bits. relu is np.maximum(x, 0): a NaN passes with its bits and -0.0
+#: stays -0.0 (CuPy's maximum gives a canonical NaN).
 _FLOAT_FORMULAS = {
     "neg": "-a", "exp": "exp(a)", "log": "log(a)", "tanh": "tanh(a)",
     "sigmoid": "0.5f * tanh(0.5f * a) + 0.5f", "relu": "(a >= 0.0f || isnan(a)) ? a : 0.0f",
@@ -114,6 +86,26 @@ _FLOAT_FORMULAS = {
     "tanh_backward": "a * (1.0f - b * b)", "sigmoid_backward": "a * ((1.0f - b) * b)",
     "relu_backward": "a * (float)(b > 0.0f)", "where_finite": "isfinite(a) ? a : b",
 }
+
+
+#: The ops CuPy's own ufuncs run (one IEEE operation each, so no formula whose bits could
+#: differ), by CuPy's names
+_UFUNCS = {"neg": "negative", "add": "add", "sub": "subtract", "mul": "multiply", "div": "divide"}
+
+
+@functools.cache
+def _kernels() -> dict[str, Any]:
+    """The float32 and float64 kernels of the other formulas (`_FLOAT_FORMULAS`: the
+    expressions the half kernels and the chains compile too, so an eager op and a chain's link
+    give the same bits) and cross_entropy's backward, compiled by CuPy on first use."""
+    kernel = functools.partial(_cupy().ElementwiseKernel, options=_NO_FMA)
+    made = {name: kernel("T a, T b" if name in BINARY_KERNELS else "T a", "T out",
+                         f"out = {formula}", f"blockrt_{name}")
+            for name, formula in _FLOAT_FORMULAS.items() if name not in _UFUNCS}
+    made["cross_entropy_backward"] = kernel(
+        "T p, L label, T g, L col", "T out", "out = (p - (T)(col == label)) * g",
+        "blockrt_cross_entropy_backward")
+    return made
 
 
 @functools.cache
@@ -360,22 +352,19 @@ class CudaDevice(Device):
     # ----------------------------------------------------------------- kernels
     @_on_stream
     def _unary(self, name, x, out) -> None:
-        cp = _cupy()
-        if name in ("sigmoid", "relu", "exp", "log", "tanh", "sqrt"):
-            _kernels()[name](x, out)
-        elif name == "copy":
-            cp.copyto(out, x)
+        if name == "copy":
+            _cupy().copyto(out, x)
+        elif name in _UFUNCS:
+            getattr(_cupy(), _UFUNCS[name])(x, out=out)
         else:
-            getattr(cp, "negative" if name == "neg" else name)(x, out=out)
+            _kernels()[name](x, out)
 
     @_on_stream
     def _binary(self, name, a, b, out) -> None:
-        cp = _cupy()
-        if name.endswith("_backward") or name == "where_finite":
-            _kernels()[name](a, b, out)
+        if name in _UFUNCS:
+            getattr(_cupy(), _UFUNCS[name])(a, b, out=out)
         else:
-            ufunc = {"add": cp.add, "sub": cp.subtract, "mul": cp.multiply, "div": cp.divide}
-            ufunc[name](a, b, out=out)
+            _kernels()[name](a, b, out)
 
     @_on_stream
     def _half_elementwise(self, name, operands, out) -> bool:
