@@ -112,7 +112,7 @@ _REMAKE_BYTES = 1 << 16
 
 
 # ---------------------------------------------------------------------- autocast
-class _Autocast(threading.local):
+class _Collecting(threading.local):
     # NOTE: the autocast dtype itself is autograd._mode.autocast, where ops reads it
     #: while a graph captures a scaled backward pass (GradScaler.scale opens it): the capture
     #: (a weak reference to its tape), and by block id of a master's float32 gradient, the
@@ -121,7 +121,12 @@ class _Autocast(threading.local):
     sources: tuple[Any, dict[int, tuple[Tensor, int, int]]] | None = None
 
 
-_autocast = _Autocast()
+_collecting = _Collecting()
+
+
+def _capturing(capture: Any) -> bool:
+    """Whether `capture` (a weak reference to a tape) is the capture recording now."""
+    return capture() is tape.active() is not None
 
 
 def _half(dtype: Any, what: str) -> np.dtype:
@@ -186,7 +191,7 @@ def working_copy(master: Tensor, dtype: np.dtype, copies: dict[Any, _Copy]) -> T
     if recorder is None:
         stale = entry.version != master.block.version
     else:
-        stale = entry.capture is None or entry.capture() is not recorder
+        stale = entry.capture is None or not _capturing(entry.capture)
     if stale:
         with no_grad():
             ops.cast(master, dtype, out=entry.copy)
@@ -245,8 +250,8 @@ def _remember(half: Tensor, master: np.dtype) -> Tensor:
     pass collects them, remember `half` as its source (Note [half gradients through the
     check])."""
     made = ops.cast(half, master)
-    opened = _autocast.sources
-    if opened is not None and opened[0]() is tape.active() is not None:
+    opened = _collecting.sources
+    if opened is not None and _capturing(opened[0]):
         opened[1][made.block.id] = (half, half.block.version, made.block.version)
     return made
 
@@ -389,12 +394,12 @@ class GradScaler:
         self._make_state(loss)
         scale = self._state["scale"]
         recorder = tape.active()
-        if recorder is not None and (self._early is None or self._early[0]() is not recorder):
+        if recorder is not None and (self._early is None or not _capturing(self._early[0])):
             # NOTE: Note [half gradients through the check]: the inverse before the backward
             # pass, and the half gradients collected during it
             with no_grad(), tape.phase("update"):
                 self._early = (weakref.ref(recorder), ops.div(1.0, scale))
-            _autocast.sources = (weakref.ref(recorder), {})
+            _collecting.sources = (weakref.ref(recorder), {})
         if loss.dtype != scale.dtype:
             loss = ops.cast(loss, scale.dtype)
         return ops.mul(loss, scale)
@@ -512,7 +517,7 @@ class GradScaler:
     def _inverse(self) -> Tensor:
         """1 / scale: made by scale() while capturing, else now."""
         early = self._early
-        if early is not None and early[0]() is tape.active() is not None:
+        if early is not None and _capturing(early[0]):
             return early[1]
         return ops.div(1.0, self._state["scale"], out=self._buffer("inverse"))
 
@@ -520,8 +525,8 @@ class GradScaler:
         """While capturing: by id, the gradients of `grads` that are a cast of a half gradient
         and unchanged since, and that half gradient (Note [half gradients through the
         check]); empty otherwise. Forgets those (update() forgets the rest)."""
-        opened, recorder = _autocast.sources, tape.active()
-        if opened is None or recorder is None or opened[0]() is not recorder:
+        opened = _collecting.sources
+        if opened is None or not _capturing(opened[0]):
             return {}
         found = {}
         for g in grads:
@@ -595,7 +600,7 @@ class GradScaler:
         self._pending = 0
         self._stages.clear()
         self._early = None
-        _autocast.sources = None
+        _collecting.sources = None
         if tape.active() is None:
             self.check()
 

@@ -221,11 +221,9 @@ class Dense(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         half = amp.autocast_dtype()
-        if half is None or self.weight.dtype == _FLOAT64:  # NOTE: float64 is never autocast
+        if half is None or self.weight.dtype in (half, _FLOAT64):
+            # NOTE: nothing to copy: ops.linear casts x itself (Note [autocast in ops])
             return ops.linear(x, self.weight, self.bias)
-        if self.weight.dtype == half:  # NOTE: already two-byte: nothing to cast but x
-            return ops.linear(x if x.dtype == half else ops.cast(x, half), self.weight,
-                              self.bias)
         return amp.linear(x, self.weight, self.bias, half, self._copies)
 
     def extra_repr(self) -> str:
@@ -587,10 +585,11 @@ class Optimizer:
                 # one elementwise chain into the state, where run early its new value would
                 # wait at full size beside every gradient (runtime/graph/schedule.py)
                 capturing = gates is not None and tape.active() is not None
+                remade = remade or {}
                 for p in todo:
                     grad = p.grad
                     if capturing:
-                        again = (remade or {}).get(id(p))
+                        again = remade.get(id(p))
                         grad = ops.add(grad if again is None else again(), gates[grad.dtype])
                     self._update(p, grad, self.state[id(p)])
                 self._end()
