@@ -127,3 +127,13 @@ def half_chain(half: Any) -> list[tuple[str, tuple, Any]]:
             ("sub", (("link", 8), ("number", 3.0)), half), ("sqrt", (("link", 9),), half),
             ("relu_backward", (("input", 1), ("link", 10)), half),
             ("neg", (("link", 11),), half)]
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """`a` and `b` (Tensors or arrays) have one dtype and shape and equal bits: NaN payloads
+    and the sign of zero included."""
+    a, b = (np.asarray(x.numpy() if hasattr(x, "numpy") else x) for x in (a, b))
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    bits = f"u{a.dtype.itemsize}"
+    return bool(np.array_equal(a.reshape(-1).view(bits), b.reshape(-1).view(bits)))

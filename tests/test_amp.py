@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import backends
 import runtime
 from blockrt.models import MLPConfig
+from helpers import same_bits
 from runtime import amp, dtypes, nn, ops
 
 HALF = ["float16", "bfloat16"]
@@ -29,17 +30,6 @@ def _remake_every_gradient(monkeypatch: Any) -> None:
     (Note [half gradients through the check]), not only those of 64 KiB and more, so that the
     eager-against-captured tests cover that path."""
     monkeypatch.setattr(amp, "_REMAKE_BYTES", 0)
-
-
-def _bits(t: Any) -> np.ndarray:
-    a = t.numpy() if isinstance(t, runtime.Tensor) else np.asarray(t)
-    return a.view(f"u{a.dtype.itemsize}")
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal bit for bit (NaN payloads and the sign of zero included)."""
-    a, b = _bits(a), _bits(b)
-    return a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
 
 
 def _model(seed: int = 0, widths: tuple[int, ...] = (8, 16, 16, 3)) -> nn.Sequential:
@@ -96,7 +86,7 @@ def test_autocast_runs_dense_in_half_from_float32_masters(half):
                for v in (runtime.tensor(x), dense.weight, dense.bias)]
     with amp.autocast(half):
         got = dense(runtime.tensor(x))
-    assert _same(got, ops.cast(ops.linear(*rounded), half))
+    assert same_bits(got, ops.cast(ops.linear(*rounded), half))
     outside = model(runtime.tensor(x))  # outside autocast: float32 as before
     assert outside.dtype == np.float32
 
@@ -133,9 +123,9 @@ def test_autocast_runs_functional_products_in_half_and_their_backward_as_chosen(
         assert w.grad.dtype == b.grad.dtype == np.float32
         grads.append((w.grad.numpy(), b.grad.numpy()))
         casts = [ops.cast(t, half) for t in (x, w, b)]
-        assert _same(hidden, ops.linear(*casts))
-        assert _same(product, ops.matmul(ops.linear(*casts), casts[1].T))
-    assert all(_same(a, c) for a, c in zip(*grads))
+        assert same_bits(hidden, ops.linear(*casts))
+        assert same_bits(product, ops.matmul(ops.linear(*casts), casts[1].T))
+    assert all(same_bits(a, c) for a, c in zip(*grads))
 
 
 def test_a_backward_pass_inside_autocast_computes_as_its_forward_pass_chose():
@@ -153,7 +143,7 @@ def test_a_backward_pass_inside_autocast_computes_as_its_forward_pass_chose():
             loss.backward()
         assert w.grad.dtype == np.float32
         grads.append(w.grad.numpy())
-    assert _same(*grads)
+    assert same_bits(*grads)
 
 
 def test_autocast_leaves_float64_out_calls_and_the_outside_alone():
@@ -235,7 +225,7 @@ def test_a_captured_functional_autocast_step_equals_the_eager_one(half):
             loss, gw, gb = run(x if captured else runtime.tensor(x))
         assert gw.dtype == np.float32
         results.append((loss.numpy(), gw.numpy(), gb.numpy()))
-    assert all(_same(e, c) for e, c in zip(*results))
+    assert all(same_bits(e, c) for e, c in zip(*results))
 
 
 def test_a_captured_functional_scaled_step_equals_the_eager_one():
@@ -262,7 +252,7 @@ def test_a_captured_functional_scaled_step_equals_the_eager_one():
         for _ in range(3):
             loss = run(x if captured else runtime.tensor(x))
         results.append((loss, w.numpy().copy(), b.numpy().copy()))
-    assert all(_same(e, c) for e, c in zip(*results))
+    assert all(same_bits(e, c) for e, c in zip(*results))
 
 
 def test_the_working_copy_is_cast_once_per_change_of_its_master():
@@ -386,9 +376,9 @@ def test_a_captured_mixed_step_equals_the_eager_step_bit_for_bit(precision, kind
     assert (s1 is None) == (precision == "bfloat16")
     for i in range(4):
         x, y = _data(seed=10 + i)
-        assert _same(eager(runtime.tensor(x), y), graph(x, y))
+        assert same_bits(eager(runtime.tensor(x), y), graph(x, y))
         for a, b in zip(_state(m1, o1), _state(m2, o2)):
-            assert _same(a, b)
+            assert same_bits(a, b)
     if s1 is not None:
         assert s1.get_scale() == s2.get_scale() == 2.0 ** 16
         assert s1.steps == s2.steps == 4 and s1.skipped_steps == s2.skipped_steps == 0
@@ -406,16 +396,16 @@ def test_an_overflow_skips_the_step_and_backs_off_in_both_modes(kind, caplog):
         for _ in range(30):
             before = _state(m1, o1)
             scale = s1.get_scale()
-            assert _same(eager(runtime.tensor(x), y), graph(x, y))
+            assert same_bits(eager(runtime.tensor(x), y), graph(x, y))
             after1, after2 = _state(m1, o1), _state(m2, o2)
-            assert all(_same(a, b) for a, b in zip(after1, after2))
+            assert all(same_bits(a, b) for a, b in zip(after1, after2))
             assert s1.get_scale() == s2.get_scale()
             if s1.skipped_steps > skipped:  # this step was skipped
                 skipped += 1
-                assert all(_same(a, b) for a, b in zip(before, after1))
+                assert all(same_bits(a, b) for a, b in zip(before, after1))
                 assert s1.get_scale() == scale / 2
             else:
-                assert not all(_same(a, b) for a, b in zip(before, after1))
+                assert not all(same_bits(a, b) for a, b in zip(before, after1))
                 assert s1.get_scale() == scale
     assert 10 < skipped < 30 and s1.steps == s2.steps == 30
     assert s1.skipped_steps == s2.skipped_steps == skipped
@@ -455,7 +445,7 @@ def test_mixed_training_skips_and_replays_the_same_on_every_device(kind, precisi
                   for _ in range(20)]
         runs.append((losses, _state(model, opt), inner.scaler))
     (l1, s1, c1), (l2, s2, c2) = runs
-    assert all(_same(a, b) for a, b in zip(l1 + s1, l2 + s2))
+    assert all(same_bits(a, b) for a, b in zip(l1 + s1, l2 + s2))
     if precision == "float16":
         assert 5 < c1.skipped_steps == c2.skipped_steps < 20
         assert c1.get_scale() == c2.get_scale() == 2.0 ** (30 - c1.skipped_steps)
@@ -470,9 +460,9 @@ def test_a_nan_in_the_data_skips_the_step_in_a_captured_graph():
     bad[1, 2] = np.nan
     graph(bad, y)
     assert s2.skipped_steps == 1 and s2.get_scale() == 2.0 ** 15
-    assert all(_same(a, b) for a, b in zip(before, _state(m2, o2)))
+    assert all(same_bits(a, b) for a, b in zip(before, _state(m2, o2)))
     graph(x, y)
-    assert s2.skipped_steps == 1 and not _same(before[0], m2[0].weight)
+    assert s2.skipped_steps == 1 and not same_bits(before[0], m2[0].weight)
 
 
 @pytest.mark.parametrize("graphed", [False, True])
@@ -534,7 +524,7 @@ def test_an_optimizer_without_gated_updates_is_skipped_eagerly_and_refused_in_a_
     before = [p.numpy() for p in model.parameters()]
     step(runtime.tensor(x), y)
     assert scaler.skipped_steps == 1
-    assert all(_same(a, p) for a, p in zip(before, model.parameters()))
+    assert all(same_bits(a, p) for a, p in zip(before, model.parameters()))
     with pytest.raises(runtime.GraphCaptureError, match="Plain cannot skip a step on the device"):
         runtime.graph(step)(x, y)
 
@@ -582,7 +572,7 @@ def test_a_mixed_step_that_fails_for_memory_changes_nothing(mode, seed):
                 step()
             except OutOfMemoryError:
                 failures += 1
-                assert all(a is None or _same(a, b) for a, b in zip(before, snapshot()))
+                assert all(a is None or same_bits(a, b) for a, b in zip(before, snapshot()))
                 flaky.probability = 0.0
                 step()
                 flaky.probability = probability
@@ -591,7 +581,7 @@ def test_a_mixed_step_that_fails_for_memory_changes_nothing(mode, seed):
     reference, none = run(0.0)
     final, failures = run(0.05)
     assert none == 0
-    assert all(_same(a, b) for a, b in zip(reference, final))
+    assert all(same_bits(a, b) for a, b in zip(reference, final))
 
 
 # ---------------------------------------------------------------------- the gate itself
@@ -623,7 +613,7 @@ def test_a_gated_step_is_the_plain_step_or_no_step(kind, seed, bad, steps):
                 p.grad = runtime.tensor(g)
         plain_opt.step()
         gated_opt._step({np.dtype("float32"): runtime.tensor(np.float32(-0.0))})
-        assert all(_same(a, b) for a, b in zip(plain, gated))
+        assert all(same_bits(a, b) for a, b in zip(plain, gated))
     if bad is not None:
         before = _state_of(gated, gated_opt)
         grads = [rng.normal(size=s).astype(np.float32) for s in shapes]
@@ -633,7 +623,7 @@ def test_a_gated_step_is_the_plain_step_or_no_step(kind, seed, bad, steps):
             p.grad = runtime.tensor(g)
         scaler.step(gated_opt)
         assert scaler.skipped_steps == 1
-        assert all(_same(a, b) for a, b in zip(before, _state_of(gated, gated_opt)))
+        assert all(same_bits(a, b) for a, b in zip(before, _state_of(gated, gated_opt)))
 
 
 def _state_of(params: list, opt: nn.Optimizer) -> list[np.ndarray]:
@@ -673,7 +663,7 @@ def _same_or_nan(t: runtime.Tensor, expected: np.ndarray) -> bool:
     got = t.numpy()
     nan = np.isnan(expected.astype(np.float32))
     return bool(np.array_equal(np.isnan(got.astype(np.float32)), nan)
-                and _same(np.where(nan, 0, got).astype(got.dtype),
+                and same_bits(np.where(nan, 0, got).astype(got.dtype),
                           np.where(nan, 0, expected).astype(expected.dtype)))
 
 
@@ -788,13 +778,13 @@ def test_unscale_clip_and_step_skip_and_replay_the_same_eagerly_and_captured(kin
         before = _state(m1, o1)
         l1, n1 = eager(runtime.tensor(x), y)
         l2, n2 = graph(x, y)
-        assert _same(l1, l2) and _same(n1, n2)
-        assert all(_same(a, b) for a, b in zip(_state(m1, o1), _state(m2, o2)))
+        assert same_bits(l1, l2) and same_bits(n1, n2)
+        assert all(same_bits(a, b) for a, b in zip(_state(m1, o1), _state(m2, o2)))
         assert s1.get_scale() == s2.get_scale()
         if s1.skipped_steps > skipped:
             skipped += 1
             assert not math.isfinite(n1.item())
-            assert all(_same(a, b) for a, b in zip(before, _state(m1, o1)))
+            assert all(same_bits(a, b) for a, b in zip(before, _state(m1, o1)))
         else:
             assert math.isfinite(n1.item())
             norms.append(n1.item())
@@ -819,12 +809,12 @@ def test_unscale_then_step_is_step_alone_and_divides_once():
                 scaled = [p.grad.numpy() for p in model.parameters()]
                 scaler.unscale_(opt)
                 for p, g in zip(model.parameters(), scaled):
-                    assert _same(p.grad, g * np.float32(2.0 ** -10))
+                    assert same_bits(p.grad, g * np.float32(2.0 ** -10))
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
         runs.append(_state(model, opt))
-    assert all(_same(a, b) for a, b in zip(*runs))
+    assert all(same_bits(a, b) for a, b in zip(*runs))
 
 
 def test_a_second_unscale_before_update_is_refused_by_name():
@@ -844,7 +834,7 @@ def test_a_second_unscale_before_update_is_refused_by_name():
     with pytest.raises(RuntimeError, match=r"unscale_: already called for this optimizer "
                                            r"\(SGD\) since the last update\(\)"):
         scaler.unscale_(opt)
-    assert all(_same(p.grad, g) for p, g in zip(model.parameters(), grads))  # not twice
+    assert all(same_bits(p.grad, g) for p, g in zip(model.parameters(), grads))  # not twice
     scaler.step(opt)
     with pytest.raises(RuntimeError, match=r"step\(\) already ran for this optimizer \(SGD\)"):
         scaler.unscale_(opt)
@@ -902,8 +892,8 @@ def test_unscale_and_clip_replay_the_same_on_every_device(kind):
     for _ in range(20):
         l1, n1 = eager(runtime.tensor(x, device=device), y)
         l2, n2 = graph(x, y)
-        assert _same(l1, l2) and _same(n1, n2)
-    assert all(_same(a, b) for a, b in zip(_state(m1, o1), _state(m2, o2)))
+        assert same_bits(l1, l2) and same_bits(n1, n2)
+    assert all(same_bits(a, b) for a, b in zip(_state(m1, o1), _state(m2, o2)))
     assert 5 < s1.skipped_steps == s2.skipped_steps < 20
 
 
@@ -933,8 +923,8 @@ def test_a_captured_float16_step_holds_half_gradients_through_the_check(momentum
     rng = np.random.default_rng(0)
     for _ in range(3):
         x, y = rng.normal(size=(64, 128)).astype(np.float32), rng.integers(0, 10, 64)
-        assert _same(steps[0](runtime.tensor(x), y), steps[1](x, y))
-    assert all(_same(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+        assert same_bits(steps[0](runtime.tensor(x), y), steps[1](x, y))
+    assert all(same_bits(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
     model, graph = models[1], steps[1]
     float32 = sum(p.nbytes for p in model.parameters())
     # NOTE: gradients under amp._REMAKE_BYTES (the biases, the last layer's weight) are held
@@ -996,8 +986,8 @@ def test_gradients_not_made_by_one_cast_take_the_plain_path_and_equal_eager(shap
         got2 = graph(x, y)
         if shape == "grads kept":
             assert len(got1) == len(got2) == 1 + len(list(m1.parameters()))
-            assert all(_same(a, b) for a, b in zip(got1, got2))
+            assert all(same_bits(a, b) for a, b in zip(got1, got2))
         else:
-            assert _same(got1, got2)
-        assert all(_same(a, b) for a, b in zip(_state(m1, o1), _state(m2, o2)))
+            assert same_bits(got1, got2)
+        assert all(same_bits(a, b) for a, b in zip(_state(m1, o1), _state(m2, o2)))
     assert 0 < s1.skipped_steps == s2.skipped_steps < 12

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import backends
 import runtime
+from helpers import same_bits
 from runtime import nn, ops
 
 DEVICES = backends.available()
@@ -21,16 +22,6 @@ DEVICES = backends.available()
 NORMS = st.sampled_from([2.0, 1.0, 3.0, 0.5])
 SHAPES = st.lists(st.sampled_from([(1,), (7,), (3, 4), (2, 3, 2), (16, 5)]), min_size=1,
                   max_size=4)
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    return a.view(f"u{a.dtype.itemsize}")
-
-
-def _same(a: Any, b: Any) -> bool:
-    a = a.numpy() if isinstance(a, runtime.Tensor) else np.asarray(a)
-    b = b.numpy() if isinstance(b, runtime.Tensor) else np.asarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(_bits(a), _bits(b))
 
 
 def _params(grads: list[np.ndarray], device: Any = None) -> list[runtime.Tensor]:
@@ -127,7 +118,7 @@ def test_at_most_one_is_min_c_1_exactly(c, kind, dtype):
     if np.isnan(value):
         assert np.isnan(got.item())
     else:
-        assert _same(got, want), (value, got.item())
+        assert same_bits(got, want), (value, got.item())
 
 
 def test_two_byte_gradients_get_a_float32_norm_that_does_not_overflow():
@@ -172,7 +163,7 @@ def test_a_captured_clip_equals_the_eager_one_bit_for_bit():
             outs += [loss.numpy(), norm.numpy()]
         runs.append((outs, [p.numpy() for p in model.parameters()]))
     (o1, p1), (o2, p2) = runs
-    assert all(_same(a, b) for a, b in zip(o1 + p1, o2 + p2))
+    assert all(same_bits(a, b) for a, b in zip(o1 + p1, o2 + p2))
     norms = [float(v) for v in o1[1::2]]
     assert min(norms) < 1.0 < max(norms)  # some steps clipped, some not
 
@@ -183,7 +174,7 @@ def test_error_if_nonfinite_raises_before_changing_anything():
     with pytest.raises(RuntimeError, match=r"total norm of order 2.0 .* is inf, so it cannot "
                                            r"be clipped; the gradients are unchanged"):
         nn.clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
-    assert all(_same(p.grad, g) for p, g in zip(params, grads))
+    assert all(same_bits(p.grad, g) for p, g in zip(params, grads))
     finite = _params([np.array([3.0, 4.0], np.float32)])
     assert nn.clip_grad_norm_(finite, 1.0, error_if_nonfinite=True).item() == 5.0
 
@@ -215,6 +206,6 @@ def test_bad_arguments_are_refused_by_name_and_no_gradient_is_a_zero_norm():
     zero = nn.clip_grad_norm_(bare, 1.0)  # one tensor, no gradient
     assert zero.item() == 0.0 and zero.dtype == np.float32 and bare.grad is None
     half = nn.clip_grad_norm_(params, float("inf"))  # inf: compute, change nothing
-    assert half.item() == pytest.approx(3 ** 0.5) and _same(params[0].grad,
+    assert half.item() == pytest.approx(3 ** 0.5) and same_bits(params[0].grad,
                                                             np.ones(3, np.float32))
     assert ops.sum(params[0].grad).item() == 3.0

@@ -500,3 +500,18 @@ def test_the_rounded_product_check_takes_a_rounding_and_refuses_two_steps_off(ha
     moved.view(np.uint16)[largest] += 2  # NOTE: two steps away from zero, either sign
     with pytest.raises(AssertionError, match="largest error"):
         assert_rounded_product(moved, a, b)
+
+
+def test_same_bits_tells_signed_zeros_nan_payloads_and_dtypes_apart():
+    """`helpers.same_bits`, which the mixed-precision tests judge bit-for-bit claims by."""
+    from helpers import same_bits
+
+    zeros = np.array([0.0, -0.0], np.float32)
+    assert same_bits(zeros, zeros.copy()) and same_bits(runtime.tensor(zeros), zeros)
+    assert not same_bits(zeros, np.zeros(2, np.float32))
+    payloads = np.array([0x7FC00000, 0x7FC00001], np.uint32).view(np.float32)
+    assert not same_bits(payloads, payloads[::-1].copy())
+    halves = np.ones(3, np.float16)
+    assert not same_bits(halves, halves.view(dtypes.BFLOAT16))
+    assert not same_bits(halves, halves.reshape(3, 1))
+    assert same_bits(np.float32(2.5), np.array(2.5, np.float32))
