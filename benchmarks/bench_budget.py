@@ -55,7 +55,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_graph import training_graph
 from mlp_reference import LR, MLPConfig, init_params, make_batch, make_torch
-from timing import blas_name, cpu_name, interleaved_min, versions
+from timing import interleaved_min, machine, versions
 
 import allocators
 import backends
@@ -468,8 +468,7 @@ def main() -> None:
     table = QUICK if args.quick else CONFIGS
     rounds = args.rounds or (2 if args.quick else 7)
     device = backends.get_device(DEVICE)
-    where = f"{device.name}" if DEVICE != "cpu" else f"{cpu_name()}; products on {blas_name()}"
-    print(f"memory budgets on {where}; {versions()}; 1-minute load average "
+    print(f"memory budgets on {machine(device)}; {versions()}; 1-minute load average "
           f"{os.getloadavg()[0]:.2f} at the start")
     if not device.host_memory:
         measured = rates(device)

@@ -38,9 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mlp_reference import typed_step  # noqa: E402
 from timing import (  # noqa: E402
     PRECISIONS,
-    blas_name,
-    cpu_name,
     interleaved_best,
+    machine,
     print_precision_header,
     print_precision_row,
     steps_per_round,
@@ -82,8 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     device = backends.get_device(args.device)
     sync = None if device.home_queue is None else device.synchronize
-    on = device.name if sync else f"{cpu_name()}; products on {blas_name()}"
-    print(f"Half-precision storage on {on}; {versions()}; "
+    print(f"Half-precision storage on {machine(device)}; {versions()}; "
           f"{os.environ['OPENBLAS_NUM_THREADS']} BLAS thread(s); C fast path "
           f"{'on' if fastpath.ACCELERATED else 'off'}; 1-minute load {os.getloadavg()[0]:.2f}")
     print()

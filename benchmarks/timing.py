@@ -54,6 +54,14 @@ def blas_name() -> str:
     return _blas.report().summary
 
 
+def machine(device: Any) -> str:
+    """What a figure on `device` was measured on: the CPU and its CBLAS for the CPU device,
+    else the device's own name."""
+    if device.name == "cpu":
+        return f"{cpu_name()}; products on {blas_name()}"
+    return device.name
+
+
 @contextlib.contextmanager
 def baseline_checkout(ref: str) -> Iterator[pathlib.Path]:
     """A temporary git worktree of `ref` with its C extension built in place (with this
