@@ -822,7 +822,8 @@ sub_scaled_f64_avx2(double *out, const double *a, const double *b, double s, Py_
 #endif
 #undef SUB_BODY
 
-/* The loop NAME (sub_scaled's, float_op's) for T (SUFFIX f32 or f64): the AVX2 variant where the CPU has it. */
+/* The loop NAME (sub_scaled's, float_op's) for T (SUFFIX f32 or f64): the AVX2 variant where
+ * the CPU has it. */
 #if HAVE_X86
 #define PICK(NAME, SUFFIX) (use_avx2 ? NAME##_##SUFFIX##_avx2 : NAME##_##SUFFIX)
 #else
