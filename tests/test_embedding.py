@@ -1,5 +1,5 @@
 """Embedding hooks: blockrt allocators lent to pyopencl and CuPy, and the embedding examples
-(tests/test_docs.py runs the snippets of docs/embedding.md).
+(tests/test_docs.py runs the snippets of docs/embedding.md and docs/embedding-details.md).
 
 The pyopencl hook runs on blockrt's OpenCL backend when it is available, and otherwise on a
 minimal real pyopencl-backed Device defined here (PoCL runs it on the CPU): no mocks.
