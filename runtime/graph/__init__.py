@@ -68,6 +68,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import warnings
 from collections import OrderedDict
@@ -100,7 +101,7 @@ from runtime.graph.capture import (
 from runtime.graph.fuse import _products
 from runtime.graph.memory import _timeline
 from runtime.graph.program import _Capture
-from runtime.graph.replay import _release, _replay, _run_init
+from runtime.graph.replay import _check_live, _release, _replay, _run_init
 from runtime.tape import Tape
 from runtime.tensor import Tensor, tensor
 
@@ -110,6 +111,29 @@ PLANS = ("none", "recycle", "static")
 CHECKPOINTS = (None, "sqrt")
 #: How many captures (input signatures x calling threads) a graph keeps by default.
 MAX_CAPTURES = 32
+
+#: Each calling thread's `Caller`, made at its first call of any graph.
+_callers = threading.local()
+_serials = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    """A calling thread, as a graph files its captures: by a serial no other thread ever gets.
+    (`threading.get_ident()` is handed to a new thread once one ends, and with it the ended
+    thread's captures: the new thread's calls overwrote the results the old one gave out.)"""
+
+    serial: int
+    thread: threading.Thread
+
+
+def _caller() -> Caller:
+    """The calling thread's `Caller`."""
+    try:
+        return _callers.caller
+    except AttributeError:
+        caller = _callers.caller = Caller(next(_serials), threading.current_thread())
+        return caller
 
 
 def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None = None,
@@ -162,7 +186,12 @@ class Graph:
     Threads: a graph may be called from several threads. Calls run one at a time (a lock per
     graph), so the results and the state they update are those of the calls made one after
     another in some order; each calling thread has captures of its own, so the tensors a call
-    returns are overwritten only by the same thread's next call of the graph.
+    returns are overwritten only by the same thread's next call of the graph (a thread that
+    ends passes its captures to no other: they are dropped at the next capture).
+
+    Freed memory: a call whose replay would read or write a block that was freed since the
+    capture (`Block.free()` on a parameter, optimizer state, a constant, an argument or an
+    output) raises UseAfterFreeError before anything runs, as eager execution raises.
     """
 
     def __init__(self, fn: Callable[..., Any], plan: str = "static",
@@ -199,8 +228,10 @@ class Graph:
         self.max_captures = max_captures
         self._device = device
         self._allocator = allocator
-        #: (calling thread, input signature) -> capture, least recently used first
+        #: (calling thread's serial, input signature) -> capture, least recently used first
         self._captures: OrderedDict[tuple, _Capture] = OrderedDict()
+        #: serial -> the calling thread, for each thread with captures here
+        self._callers: dict[int, Caller] = {}
         self._last: _Capture | None = None
         self._lock = threading.Lock()
         self._warned = False
@@ -210,15 +241,19 @@ class Graph:
         if tape.active() is not None:
             raise GraphCaptureError("a graph was called while another graph is capturing; "
                                     "captures do not nest: call the inner function directly")
-        key = (threading.get_ident(), _signature(args))
+        caller = _caller()
+        key = (caller.serial, _signature(args))
         with self._lock:
             capture = self._captures.get(key)
             if capture is None:
+                self._forget_ended_threads()
                 capture = self._capture(args)
+                self._callers[caller.serial] = caller
                 self._keep(key, capture)
             else:
                 self._captures.move_to_end(key)
             self._last = capture
+            _check_live(capture)
             _copy_inputs(capture, args)
             # NOTE: Note [IEEE results, no floating-point signals] in backends/base.py
             ieee(_replay, capture, self.plan)
@@ -238,12 +273,25 @@ class Graph:
                     f"every call (a new object, a shape) captures again each time: pass it as "
                     f"an array, or raise max_captures", RuntimeWarning, stacklevel=3)
 
+    def _forget_ended_threads(self) -> None:
+        """Drop the captures of threads that have ended (they cannot call again); the results
+        those threads were given keep their own memory."""
+        ended = {serial for serial, caller in self._callers.items()
+                 if not caller.thread.is_alive()}
+        if not ended:
+            return
+        for key in [key for key in self._captures if key[0] in ended]:
+            _release(self._captures.pop(key))
+        for serial in ended:
+            del self._callers[serial]
+
     def recapture(self) -> None:
         """Forget every capture (and free their memory); the next call captures again."""
         with self._lock:
             for capture in self._captures.values():
                 _release(capture)
             self._captures.clear()
+            self._callers.clear()
             self._last = None
 
     release = recapture

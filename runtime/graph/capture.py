@@ -193,6 +193,7 @@ def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[T
                     device=allocator.device, allocator=allocator,
                     stats=_counts(recorded, scheduled, fused, memory), outside=outside,
                     outside_ids={block.id for block in outside},
+                    generations=[block.generation for block in outside],
                     init=[_Step([instr]) for instr in recorded.init], choice=choice,
                     least_bytes=least)
 

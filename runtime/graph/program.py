@@ -115,6 +115,9 @@ class _Capture:
     #: blocks outside the plan that the steps touch, and their ids
     outside: list[Block]
     outside_ids: set[int]
+    #: each outside block's generation when captured: one that moved on was freed since
+    #: (`replay._check_live`)
+    generations: list[int]
     #: loads that initialise state made in the capture: run at the first replay, then emptied
     init: list[_Step]
     #: "static": the arena, and the steps bound to views into it

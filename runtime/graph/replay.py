@@ -2,16 +2,51 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from allocators import Allocation
+from allocators import Allocation, format_bytes
 from runtime.block import Block
+from runtime.errors import UseAfterFreeError
 from runtime.graph.fuse import _arguments
 from runtime.graph.program import _Capture, _Step
 from runtime.tape import Instruction, Operand
 
 Memory = dict[int, tuple[Any, int]]  # buffer -> (raw memory, byte offset)
+
+
+_generation = operator.attrgetter("generation")
+
+
+def _check_live(capture: _Capture) -> None:
+    """Raise UseAfterFreeError, before anything runs, if a block outside the plan that the
+    steps read or write (a parameter, optimizer state, a constant, an argument's or an
+    output's block) was freed since the capture (`Block.free()` moves its generation on), as
+    eager execution raises on a freed tensor; else the replay would compute on memory handed
+    back to the allocator. The hot path of every call: one generation read per block."""
+    if list(map(_generation, capture.outside)) == capture.generations:
+        return
+    block = next(b for b, g in zip(capture.outside, capture.generations) if b.generation != g)
+    instr = next(i for step in (*capture.init, *capture.steps) for i in step.instructions
+                 if any(o.block is block for o in (*i.inputs, *i.outputs)))
+    does = "reads" if any(o.block is block for o in instr.inputs) else "writes"
+    outputs = [k for k, t in enumerate(capture.outputs) if t.block is block]
+    arguments = [k for k, t in enumerate(capture.placeholders) if t is not None
+                 and t.block is block]
+    if outputs:
+        what = (f"output {outputs[0]} of the step (memory the graph owns and writes at every "
+                f"call: copy a result to keep it, rather than free it)")
+    elif arguments:
+        what = f"the graph's copy of argument {arguments[0]}"
+    else:
+        what = "a tensor from outside the step (a parameter, optimizer state or a constant)"
+    raise UseAfterFreeError(
+        f"graph replay uses block #{block.id} ({format_bytes(block.nbytes)}), {what}, after "
+        f"its memory was freed (captured at generation "
+        f"{capture.generations[capture.outside.index(block)]}, now {block.generation}): the "
+        f"step {does} it ({instr.op}, {instr.phase}); nothing has run. The capture holds "
+        f"the freed block: call recapture() to capture the step again")
 
 
 def _replay(capture: _Capture, plan: str) -> None:
