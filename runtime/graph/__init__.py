@@ -89,11 +89,11 @@ from runtime.graph.capture import (
     _abandon,
     _argument_writes,
     _build,
-    _chain,
     _copy_inputs,
     _flatten,
     _host,
     _is_array,
+    _lazy_bytes,
     _limiter,
     _results,
     _signature,
@@ -153,11 +153,15 @@ def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None =
             its default allocator).
         max_captures: how many captures to keep; past it the least recently used one is
             dropped (its memory freed) with a RuntimeWarning, once per graph.
-        memory_budget: bytes the intermediates may take at most (plans "static" and
-            "recycle"): for every forward result the backward pass reads, the graph chooses to
-            keep or recompute it, by cost, so that the plan's peak fits (`budget.py`,
-            docs/graph.md). None: under an allocator with a limit of its own (a LimitAdaptor),
-            a plan that would not fit in what the limit leaves is fitted to it the same way.
+        memory_budget: bytes the graph's working memory may take at most (plans "static"
+            and "recycle"): its intermediates and the fused chains' scratch, each allocation
+            counted at the size the allocator hands out for it (`Allocator.allocation_size`:
+            a caching allocator's size classes, for one). For every forward result the
+            backward pass reads, the graph chooses to keep or recompute it, by cost, so that
+            the plan's peak fits (`budget.py`, docs/graph.md). None: under an allocator with a
+            limit of its own (a LimitAdaptor), a plan that would not fit in what the limit
+            leaves, once the step's input copies, outputs and new state are counted, is fitted
+            to it the same way.
         lossy: False (the default): results equal the unconstrained graph's bit for bit.
             True, "bfloat16" or "float16": fitting a budget may also store float32 forward
             results in that half dtype while they wait for the backward pass (True is
@@ -310,9 +314,10 @@ class Graph:
         Keys: planned_bytes (the static arena), lower_bound_bytes (the most bytes live at once
         over the schedule, after fusion and in-place reuse), naive_bytes (every intermediate
         block at full size, no reuse), peak_bytes (the most bytes this graph's plan held at
-        once in its last run), activation_bytes (the most bytes of forward results live at
-        once), scratch_bytes (the block-sized scratch arrays fused chains share, made by the
-        device outside any allocator), plan, and counts: instructions, steps, fused, products,
+        once in its last run, its scratch included, at the sizes the allocator handed out),
+        activation_bytes (the most bytes of forward results live at once), scratch_bytes (the
+        block-sized scratch arrays fused chains share: one allocation of the graph's
+        allocator, held by the capture), plan, and counts: instructions, steps, fused, products,
         in_place, recompute_instructions (instructions cloned to recompute).
 
         What stays for the backward pass (with or without a budget): kept (forward results
@@ -339,13 +344,15 @@ class Graph:
                 "planned_bytes": static.planned_bytes,
                 "lower_bound_bytes": static.lower_bound_bytes,
                 "naive_bytes": capture.naive_bytes, "peak_bytes": capture.peak_bytes,
-                "scratch_bytes": sum(int(a.nbytes) for a in capture.scratch.values()),
+                "scratch_bytes": capture.memory.scratch_bytes,
                 **capture.stats}
 
     def timeline(self, live: bool = False) -> list[int]:
-        """Bytes held at each scheduled step under this graph's plan (one value per step); with
-        `live`, the bytes of intermediates live at each step instead (what any placement must
-        hold there; its highest point is `lower_bound_bytes`)."""
+        """Bytes held at each scheduled step under this graph's plan (one value per step): its
+        allocations at the sizes the allocator hands out, the fused chains' scratch included;
+        its highest point is what a memory budget counts. With `live`, the bytes of
+        intermediates live at each step instead (what any placement must hold there; its
+        highest point is `lower_bound_bytes`)."""
         capture = self._require_capture()
         if live:
             return planner.live_bytes(capture.memory.lifetimes, len(capture.steps),
@@ -353,7 +360,8 @@ class Graph:
         return self._timeline_of(capture)
 
     def _timeline_of(self, capture: _Capture) -> list[int]:
-        return _timeline(capture.memory, self.plan, len(capture.steps))
+        return _timeline(capture.memory, self.plan, len(capture.steps),
+                         capture.allocator.allocation_size)
 
     def _require_capture(self) -> _Capture:
         if self._last is None:
@@ -410,10 +418,7 @@ class Graph:
         """Refuse, before anything runs, a plan whose memory cannot fit in what the allocator
         has left (e.g. under a LimitAdaptor). State the capture made (optimizer moments) is
         still initialised when it fits, so the tensors it belongs to stay usable."""
-        limiter = _limiter(capture.allocator)
-        lazy = sum(block.nbytes for block in capture.outside
-                   if block._allocation is None and not block.readonly
-                   and any(a is limiter for a in _chain(block.allocator)))
+        lazy = _lazy_bytes(capture.outside, _limiter(capture.allocator))
         planned = max(self._timeline_of(capture), default=0)
         available = capture.allocator.available_bytes()
         if available is None or planned + lazy <= available:

@@ -162,8 +162,9 @@ def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[T
         fused = _fuse_steps(scheduled, tape.intermediate, allocator.device, fuse=options.fuse,
                             in_place=options.fuse and options.plan != "none")
         memory = _plan_memory(fused, tape, recorder.made_here, plan=options.plan,
-                              alignment=alignment)
-        peak = max(_timeline(memory, options.plan, len(fused.steps)), default=0)
+                              alignment=alignment, device=allocator.device)
+        peak = max(_timeline(memory, options.plan, len(fused.steps), allocator.allocation_size),
+                   default=0)
         return (scheduled, fused, memory), peak
 
     budget, source = _budget(options, allocator, recorded)
@@ -217,8 +218,8 @@ def _budget(options: Options, allocator: Allocator, recorded: Recorded
 
 def _lazy_bytes(outside: list[Block], limiter: Allocator) -> int:
     """Bytes of the blocks outside the plan that a replay allocates (outputs and state made in
-    the step) and that count against `limiter`."""
-    return sum(block.nbytes for block in outside
+    the step) and that count against `limiter`, each at the size its allocator sets aside."""
+    return sum(block.allocator.allocation_size(block.nbytes) for block in outside
                if block._allocation is None and not block.readonly
                and any(a is limiter for a in _chain(block.allocator)))
 

@@ -76,6 +76,10 @@ class MemoryPlan:
     tail: list[planner.Lifetime]
     #: "recycle": `tail` placed in one arena
     tail_plan: planner.Plan | None
+    #: the fused chains' scratch arrays (`Device.fused_scratch` keys) -> byte offset in one
+    #: allocation of `scratch_bytes`, taken at the first replay and held by the capture
+    scratch: dict[tuple, int]
+    scratch_bytes: int
 
 
 # ---------------------------------------------------------------------- the captured program
@@ -125,10 +129,12 @@ class _Capture:
     views: list[Callable[[], None]] | None = None
     #: the outside blocks' allocations `views` were bound to
     view_key: tuple = ()
-    #: the most bytes the plan held at once in the last replay
+    #: the most bytes the plan held at once in the last replay (the scratch included)
     peak_bytes: int = 0
-    #: fused chains' block-sized scratch arrays, shared by the steps
+    #: fused chains' block-sized scratch arrays, shared by the steps: views of
+    #: `scratch_memory` by `Device.fused_scratch` key
     scratch: dict = field(default_factory=dict)
+    scratch_memory: Allocation | None = None
     #: what a memory budget chose (`budget.Choice`), or None without a budget
     choice: Any = None
     #: under an allocator's limit that no choice fits: the least peak of intermediates reached

@@ -9,9 +9,10 @@ from typing import Any
 from allocators import Allocation, format_bytes
 from runtime.block import Block
 from runtime.errors import UseAfterFreeError
-from runtime.graph.fuse import _arguments
+from runtime.graph.fuse import _arguments, _fused_program
 from runtime.graph.program import _Capture, _Step
 from runtime.tape import Instruction, Operand
+from runtime.tensor import contiguous_strides
 
 Memory = dict[int, tuple[Any, int]]  # buffer -> (raw memory, byte offset)
 
@@ -58,8 +59,9 @@ def _replay(capture: _Capture, plan: str) -> None:
     for block in capture.outside:
         if block._allocation is None and not block.readonly:
             block.memory_for_write("graph replay")
+    held = _take_scratch(capture)
     if plan == "static":
-        _replay_static(capture)
+        _replay_static(capture, held)
         return
     _run_init(capture)
     allocator, starts, ends = capture.allocator, capture.memory.starts, capture.memory.ends
@@ -85,7 +87,7 @@ def _replay(capture: _Capture, plan: str) -> None:
     finally:
         for allocation in allocations.values():
             allocator.free(allocation)
-    capture.peak_bytes = peak
+    capture.peak_bytes = held + peak
 
 
 #: the key of recycle's tail arena among a replay's allocations
@@ -115,7 +117,23 @@ def _run_init(capture: _Capture) -> None:
     capture.init = []
 
 
-def _replay_static(capture: _Capture) -> None:
+def _take_scratch(capture: _Capture) -> int:
+    """Allocate the fused chains' scratch (once a capture, from its allocator, so it counts
+    like every other byte the graph holds) and file a view of it under each key the device's
+    blocked chains look for (`Device.fused_scratch`); return the bytes held."""
+    scratch = capture.memory.scratch
+    if capture.scratch_memory is None and scratch:
+        allocation = capture.allocator.allocate(capture.memory.scratch_bytes)
+        capture.scratch_memory = allocation
+        for key, offset in scratch.items():
+            shape, dtype, _ = key
+            capture.scratch[key] = capture.device._array_view(
+                allocation.raw, allocation.offset + offset, shape, dtype,
+                tuple(s * dtype.itemsize for s in contiguous_strides(shape)))
+    return capture.scratch_memory.size if capture.scratch_memory is not None else 0
+
+
+def _replay_static(capture: _Capture, held: int) -> None:
     """Run the prebuilt steps; they are rebuilt only when an outside block's memory moved."""
     static_plan = capture.memory.static_plan
     if capture.arena is None and static_plan.offsets:
@@ -132,7 +150,7 @@ def _replay_static(capture: _Capture) -> None:
                 memory[buffer] = (arena.raw, arena.offset + offset)
         capture.views = [_bind(step, capture, memory) for step in capture.steps]
         capture.view_key = tuple(id(block._allocation) for block in capture.outside)
-        capture.peak_bytes = arena.size if arena is not None else 0
+        capture.peak_bytes = held + (arena.size if arena is not None else 0)
     for thunk in capture.views:
         thunk()
 
@@ -215,36 +233,12 @@ def _bind_product(step: _Step, capture: _Capture, memory: Memory) -> Callable[[]
 
 def _bind_fused(step: _Step, capture: _Capture, memory: Memory,
                 head: Instruction | None = None) -> Callable[[], None]:
-    """A chain of elementwise instructions as one `Device.fused` program: the chain's external
-    operands are its inputs, its inner results are links that never exist at full size. With
-    a product `head` already written into the chain's output, the program reads that output
-    (plus linear's bias, added first) where the chain read the product."""
+    """A chain of elementwise instructions as one `Device.fused` program (`_fused_program`),
+    on views bound now, with the capture's scratch arrays."""
+    program, operands = _fused_program(step.instructions, step.internal, head)
     out = _view(step.instructions[-1].outputs[0], capture, memory)
-    inputs: list[Any] = []
-    program: list[tuple[str, tuple, Any]] = []
-    source: dict[int, tuple[str, int]] = {}  # internal block id -> its argument
-    if head is not None:
-        product = head.outputs[0]
-        inputs.append(out)
-        source[product.block.id] = ("input", 0)
-        if len(head.inputs) > 2:  # linear's bias
-            inputs.append(_view(head.inputs[2], capture, memory))
-            program.append(("add", (("input", 0), ("input", 1)), product.dtype))
-            source[product.block.id] = ("link", 0)
-    for instr in step.instructions:
-        args = []
-        for operand in _arguments(instr):
-            if not isinstance(operand, Operand):
-                args.append(("number", operand))
-            elif operand.block.id in step.internal:
-                args.append(source[operand.block.id])
-            else:
-                args.append(("input", len(inputs)))
-                inputs.append(_view(operand, capture, memory))
-        output = instr.outputs[0]
-        program.append((instr.op, tuple(args), output.dtype))
-        source[output.block.id] = ("link", len(program) - 1)
-    return capture.device.prepare_fused(tuple(program), inputs, out, capture.scratch)
+    inputs = [_view(operand, capture, memory) for operand in operands]
+    return capture.device.prepare_fused(program, inputs, out, capture.scratch)
 
 
 def _release(capture: _Capture) -> None:
@@ -253,6 +247,9 @@ def _release(capture: _Capture) -> None:
         capture.arena = None
     capture.views = None
     capture.scratch.clear()
+    if capture.scratch_memory is not None:
+        capture.allocator.free(capture.scratch_memory)
+        capture.scratch_memory = None
     for t in capture.held:
         t.release()
     capture.held.clear()
