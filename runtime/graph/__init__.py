@@ -312,13 +312,20 @@ class Graph:
         """Bytes of the intermediates of the last capture used.
 
         Keys: planned_bytes (the static arena), lower_bound_bytes (the most bytes live at once
-        over the schedule, after fusion and in-place reuse), naive_bytes (every intermediate
-        block at full size, no reuse), peak_bytes (the most bytes this graph's plan held at
-        once in its last run, its scratch included, at the sizes the allocator handed out),
-        activation_bytes (the most bytes of forward results live at once), scratch_bytes (the
-        block-sized scratch arrays fused chains share: one allocation of the graph's
-        allocator, held by the capture), plan, and counts: instructions, steps, fused, products,
-        in_place, recompute_instructions (instructions cloned to recompute).
+        over the schedule, after fusion and in-place reuse), naive_bytes (the sum of every
+        intermediate block the capture recorded, each its own buffer for the whole step: no
+        reuse, no fusion, no product folded; a figure no run reaches, not a baseline to
+        measure savings against), eager_bytes (the most bytes of intermediates live at once
+        when the recorded ops run in their own order, unfused, each block freed after its last
+        use: what the step without a graph holds at least, blockrt's eager refcount recycling;
+        compare plans with it, or with a plan "none" graph's peak_bytes), peak_bytes (the most
+        bytes this graph's plan held at once in its last run, its scratch included, at the
+        sizes the allocator handed out), activation_bytes (the most bytes of forward results
+        live at once), scratch_bytes (the block-sized scratch arrays fused chains share: one
+        allocation of the graph's allocator, held by the capture), plan, and counts: instructions, steps, fused, products,
+        in_place, recompute_instructions (instructions cloned to recompute), commit_step (the
+        position of the first step that writes state: every allocation of a replay comes before
+        it, Note [the commit point] in runtime/nn.py).
 
         What stays for the backward pass (with or without a budget): kept (forward results
         the backward pass reads that stay live until then), recomputed (those recomputed
@@ -341,9 +348,11 @@ class Graph:
                           moves=choice.moves, schedule=choice.schedule,
                           lossy=[dataclasses.asdict(s) for s in choice.lossy])
         return {"plan": self.plan, "checkpoint": self.checkpoint, **budget,
+                "commit_step": capture.memory.commit,
                 "planned_bytes": static.planned_bytes,
                 "lower_bound_bytes": static.lower_bound_bytes,
-                "naive_bytes": capture.naive_bytes, "peak_bytes": capture.peak_bytes,
+                "naive_bytes": capture.naive_bytes, "eager_bytes": capture.eager_bytes,
+                "peak_bytes": capture.peak_bytes,
                 "scratch_bytes": capture.memory.scratch_bytes,
                 **capture.stats}
 
@@ -425,12 +434,13 @@ class Graph:
             return
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
         message = (f"the {self.plan} plan of {name} needs {format_bytes(planned + lazy)} "
-                   f"({format_bytes(planned)} of intermediates + {format_bytes(lazy)} of "
-                   f"outputs and state made in the step) but {capture.allocator!r} has "
-                   f"{format_bytes(available)} available; nothing has run")
+                   f"({format_bytes(planned)} of intermediates and scratch + "
+                   f"{format_bytes(lazy)} of outputs and state made in the step) but "
+                   f"{capture.allocator!r} has {format_bytes(available)} available; nothing "
+                   f"has run")
         if capture.least_bytes is not None:
             message += (f" (recomputing forward results during backward reaches at least "
-                        f"{format_bytes(capture.least_bytes)} of intermediates: no choice fits)")
+                        f"{format_bytes(capture.least_bytes)}: no choice fits)")
         try:
             _run_init(capture)
         except OutOfMemoryError as error:

@@ -153,6 +153,7 @@ def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[T
     """Run the phases on a recorded tape (the module docstring of `runtime.graph` says what
     each does)."""
     recorded = _sort_blocks(recorder, outputs)
+    eager = _eager_bytes(recorded)
     if options.checkpoint == "sqrt":
         recorded = _checkpoint(recorded)
     alignment = max(allocator.device.alignment, 64)
@@ -191,6 +192,7 @@ def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[T
                     held=recorded.held, buffer_of=fused.buffer_of, memory=memory,
                     naive_bytes=sum(recorded.blocks[bid].nbytes
                                     for bid in recorded.intermediate),
+                    eager_bytes=eager,
                     device=allocator.device, allocator=allocator,
                     stats=_counts(recorded, scheduled, fused, memory), outside=outside,
                     outside_ids={block.id for block in outside},
@@ -249,6 +251,23 @@ def _sort_blocks(recorder: Tape, outputs: list[Tensor]) -> Recorded:
             block._written = False  # NOTE: written on the tape only; a replay writes it for real
     return Recorded(program=[instr for instr in program if not any(instr is i for i in init)],
                     init=init, blocks=blocks, intermediate=intermediate, held=held)
+
+
+def _eager_bytes(recorded: Recorded) -> int:
+    """The most bytes of intermediates live at once when `fn` runs without a graph: the
+    recorded program in its own order, unfused, each block live from the instruction that
+    first touches it to the last (refcount recycling frees none sooner; a Python reference
+    may keep one longer): the least that running the step eagerly holds."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for position, instr in enumerate(recorded.program):
+        for operand in (*instr.inputs, *instr.outputs):
+            bid = operand.block.id
+            if bid in recorded.intermediate:
+                first.setdefault(bid, position)
+                last[bid] = position
+    return planner.lower_bound([planner.Lifetime(bid, first[bid], last[bid],
+                                                 recorded.blocks[bid].nbytes) for bid in first])
 
 
 def _counts(recorded: Recorded, scheduled: list[Instruction], fused: Fused,

@@ -111,7 +111,10 @@ class _Capture:
     #: planned block id -> buffer id
     buffer_of: dict[int, int]
     memory: MemoryPlan
+    #: every intermediate block its own buffer for the whole step (no reuse, no fusion)
     naive_bytes: int
+    #: the step run eagerly: program order, unfused, each block freed after its last use
+    eager_bytes: int
     device: Any
     allocator: Allocator
     #: the counts `Graph.memory_report` adds
