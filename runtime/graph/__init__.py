@@ -112,13 +112,13 @@ CHECKPOINTS = (None, "sqrt")
 #: How many captures (input signatures x calling threads) a graph keeps by default.
 MAX_CAPTURES = 32
 
-#: Each calling thread's `Caller`, made at its first call of any graph.
+#: Each calling thread's `_Caller`, made at its first call of any graph.
 _callers = threading.local()
 _serials = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
-class Caller:
+class _Caller:
     """A calling thread, as a graph files its captures: by a serial no other thread ever gets.
     (`threading.get_ident()` is handed to a new thread once one ends, and with it the ended
     thread's captures: the new thread's calls overwrote the results the old one gave out.)"""
@@ -127,12 +127,12 @@ class Caller:
     thread: threading.Thread
 
 
-def _caller() -> Caller:
-    """The calling thread's `Caller`."""
+def _caller() -> _Caller:
+    """The calling thread's `_Caller`."""
     try:
         return _callers.caller
     except AttributeError:
-        caller = _callers.caller = Caller(next(_serials), threading.current_thread())
+        caller = _callers.caller = _Caller(next(_serials), threading.current_thread())
         return caller
 
 
@@ -235,7 +235,7 @@ class Graph:
         #: (calling thread's serial, input signature) -> capture, least recently used first
         self._captures: OrderedDict[tuple, _Capture] = OrderedDict()
         #: serial -> the calling thread, for each thread with captures here
-        self._callers: dict[int, Caller] = {}
+        self._callers: dict[int, _Caller] = {}
         self._last: _Capture | None = None
         self._lock = threading.Lock()
         self._warned = False
@@ -314,18 +314,18 @@ class Graph:
         Keys: planned_bytes (the static arena), lower_bound_bytes (the most bytes live at once
         over the schedule, after fusion and in-place reuse), naive_bytes (the sum of every
         intermediate block the capture recorded, each its own buffer for the whole step: no
-        reuse, no fusion, no product folded; a figure no run reaches, not a baseline to
-        measure savings against), eager_bytes (the most bytes of intermediates live at once
-        when the recorded ops run in their own order, unfused, each block freed after its last
-        use: what the step without a graph holds at least, blockrt's eager refcount recycling;
-        compare plans with it, or with a plan "none" graph's peak_bytes), peak_bytes (the most
-        bytes this graph's plan held at once in its last run, its scratch included, at the
-        sizes the allocator handed out), activation_bytes (the most bytes of forward results
-        live at once), scratch_bytes (the block-sized scratch arrays fused chains share: one
-        allocation of the graph's allocator, held by the capture), plan, and counts: instructions, steps, fused, products,
-        in_place, recompute_instructions (instructions cloned to recompute), commit_step (the
-        position of the first step that writes state: every allocation of a replay comes before
-        it, Note [the commit point] in runtime/nn.py).
+        reuse, no fusion, no product folded; a figure no run reaches, not a baseline to measure
+        savings against), eager_bytes (the most bytes of intermediates live at once when the
+        recorded ops run in their own order, unfused, each block freed after its last use: what
+        the step without a graph holds at least, blockrt's eager refcount recycling; compare
+        plans with it, or with a plan "none" graph's peak_bytes), peak_bytes (the most bytes
+        this graph's plan held at once in its last run, its scratch included, at the sizes the
+        allocator handed out), activation_bytes (the most bytes of forward results live at
+        once), scratch_bytes (the block-sized scratch arrays fused chains share: one allocation
+        of the graph's allocator, held by the capture), plan, and counts: instructions, steps,
+        fused, products, in_place, recompute_instructions (instructions cloned to recompute),
+        commit_step (the position of the first step that writes state: every allocation of a
+        replay comes before it, Note [the commit point] in runtime/nn.py).
 
         What stays for the backward pass (with or without a budget): kept (forward results
         the backward pass reads that stay live until then), recomputed (those recomputed

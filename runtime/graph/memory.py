@@ -4,9 +4,9 @@
 A replay makes every allocator call before the first step that writes state
 (Note [the commit point] in runtime/nn.py): `_commit_point` finds that step; "static" takes its
 whole arena before the first step, "none" and "recycle" take the buffers first used from the
-commit on in one go just before it (`replay._take_tail`), and the blocks the graph keeps get
-memory before anything runs. A new kind of replay, or a phase that moves a write to state
-earlier, must keep this.
+commit on in one go just before it (`replay._take_tail`), and the blocks the graph keeps and the
+fused chains' scratch (once a capture, `replay._take_scratch`) get memory before anything runs.
+A new kind of replay, or a phase that moves a write to state earlier, must keep this.
 """
 
 from __future__ import annotations

@@ -52,10 +52,10 @@ def _check_live(capture: _Capture) -> None:
 
 def _replay(capture: _Capture, plan: str) -> None:
     """Run the schedule once. Every allocator call comes before the first write to state
-    (Note [the commit point] in runtime/nn.py): blocks the graph keeps get memory
-    first, "static" then takes its arena, and "none" and "recycle" take, just before the commit
-    step, all the memory the rest of the step uses ("recycle" as one arena planned over those
-    buffers' lifetimes)."""
+    (Note [the commit point] in runtime/nn.py): blocks the graph keeps and the fused chains'
+    scratch get memory first, "static" then takes its arena, and "none" and "recycle" take, just
+    before the commit step, all the memory the rest of the step uses ("recycle" as one arena
+    planned over those buffers' lifetimes)."""
     for block in capture.outside:
         if block._allocation is None and not block.readonly:
             block.memory_for_write("graph replay")
