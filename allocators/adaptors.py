@@ -136,6 +136,9 @@ class Adaptor(Allocator):
     def _limit(self) -> tuple[int | None, str]:
         return self.upstream._limit()
 
+    def _allocation_size(self, nbytes: int) -> int:
+        return self.upstream.allocation_size(nbytes)  # NOTE: an adaptor hands out the same
+
     def available_bytes(self) -> int | None:
         return self.upstream.available_bytes()
 

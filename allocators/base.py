@@ -84,7 +84,8 @@ class Allocator(AllocatorState):
     """Base of every allocator: validation, accounting, locking and errors live here.
 
     Subclasses implement `_allocate(nbytes) -> Allocation`, `_free(allocation)` and optionally
-    `_empty_cache()` and `_limit()`.
+    `_empty_cache()`, `_limit()` and `_allocation_size(nbytes)` (when an allocation may be
+    larger than asked).
 
     The state `allocate` and `free` keep (counters, serials, the live set, the lock) is in
     `AllocatorState` (allocators/_core.py), shared with the caching allocator's C hot path.
@@ -360,6 +361,10 @@ class Allocator(AllocatorState):
     def _empty_cache(self) -> None:
         """Nothing cached by default."""
 
+    def _allocation_size(self, nbytes: int) -> int:
+        """The request itself by default: an allocator that hands out more overrides it."""
+        return nbytes
+
     def _largest_free_block(self) -> int:
         """Bytes of the largest block that could serve one allocation without new device memory."""
         return 0
@@ -367,6 +372,25 @@ class Allocator(AllocatorState):
     def _limit(self) -> tuple[int | None, str]:
         """(bytes this allocator may use, where that limit comes from)."""
         return self.device.total_memory, "device memory"
+
+    def allocation_size(self, nbytes: int) -> int:
+        """The most bytes an allocation of `nbytes` can take from this allocator: the `size`
+        it may be handed (after rounding up to a size class, or a larger free block handed out
+        whole), which is what it adds to `allocated_bytes` and so counts against a limit. A
+        graph fits its memory plan and budget with it (docs/graph.md, "Memory budgets").
+
+        Raises:
+            TypeError: nbytes is not an integer.
+            ValueError: nbytes is negative.
+
+        Example:
+            >>> import allocators
+            >>> allocators.create("caching", "cpu").allocation_size(1000)
+            1024
+        """
+        if type(nbytes) is not int or nbytes < 0:
+            nbytes = check_nbytes(nbytes, "allocation size")
+        return self._allocation_size(nbytes)
 
     def available_bytes(self) -> int | None:
         """Bytes this allocator could still hand out before it reaches its limit (`_limit()`,

@@ -369,6 +369,15 @@ class CachingAllocator(Allocator):
     def _largest_free_block(self) -> int:
         return max(self._small.largest(), self._large.largest())
 
+    def _allocation_size(self, nbytes: int) -> int:
+        size = self._round(nbytes)
+        pool = self._small if size <= self._small_size else self._large
+        granule = self.size_classes.granule
+        # NOTE: `_allocate` hands out whole a free block whose leftover is below the pool's
+        # min_split: nothing more in the small pool (block sizes are granule multiples), up
+        # to small_size more in the large one
+        return size + (pool.min_split - 1) // granule * granule
+
     def _limit(self) -> tuple[int | None, str]:
         if self._limit_bytes is not None:
             return self._limit_bytes, "limit_bytes"

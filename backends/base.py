@@ -125,6 +125,13 @@ def _missing(device: Device, hook: str) -> NotImplementedError:
     return NotImplementedError(f"{name} does not implement the Device hook {hook}()")
 
 
+def _fused_rows(shape: tuple[int, ...], itemsize: int) -> int:
+    """Rows of a fused chain's output of `shape` per block of the blocked default: as many as
+    fit in FUSED_BLOCK_BYTES, at least one."""
+    row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * itemsize)
+    return max(1, FUSED_BLOCK_BYTES // row_bytes) if shape else 1
+
+
 def _check_program(program: Sequence[tuple[str, tuple, Any]]) -> None:
     """Raise ValueError unless every link of a fused program names an elementwise kernel and
     reads only inputs, numbers and links before it."""
@@ -427,17 +434,28 @@ class Device:
         for the chain (the default has none), and the blocked default runs it."""
         return None
 
+    def fused_scratch(self, program: Sequence[tuple[str, tuple, Any]], shape: Sequence[int],
+                      dtype: Any) -> list[tuple[tuple[int, ...], np.dtype, int]]:
+        """The scratch arrays the blocked default runs `program` with, for an output of `shape`
+        and `dtype`: one key (shape, dtype, link) per link but the last, in order. Chains
+        prepared with one `scratch` dict share the array of a key (`prepare_fused`); a caller
+        that puts arrays of its own under these keys first (a graph, from its allocator)
+        decides where the scratch lives, and no other is made. A backend that compiles the
+        chain (`_compile_fused`) uses none of them."""
+        shape = tuple(shape)
+        rows = min(_fused_rows(shape, np.dtype(dtype).itemsize), shape[0]) if shape else 1
+        return [((rows,) + shape[1:] if shape else (), np.dtype(link), i)
+                for i, (_, _, link) in enumerate(program[:-1])]
+
     def _blocked(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
                  out: Any, shared: dict) -> Callable[[], None]:
         """The chain as kernel calls over row blocks of at most FUSED_BLOCK_BYTES, inner
         results in block-sized scratch arrays: every view made now, a function runs them."""
         shape = tuple(out.shape)
-        row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * out.dtype.itemsize)
-        rows = max(1, FUSED_BLOCK_BYTES // row_bytes) if shape else 1
+        rows = _fused_rows(shape, out.dtype.itemsize)
         total = shape[0] if shape else 1
         scratch = []
-        for i, (_, _, dtype) in enumerate(program[:-1]):
-            key = ((min(rows, total),) + shape[1:] if shape else (), np.dtype(dtype), i)
+        for key in self.fused_scratch(program, shape, out.dtype):
             if key not in shared:
                 shared[key] = self.scratch(key[0], key[1])
             scratch.append(shared[key])

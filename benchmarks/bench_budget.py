@@ -5,9 +5,10 @@ Dense(width, 10) classifier, softmax cross-entropy, plain SGD lr 0.01, gradients
 step) on config D (64x256x64) and on a deeper, wider one, DW (64x512x128). Contenders:
 
 - blockrt `runtime.graph(step, memory_budget=B)` (static plan) for budgets from the
-  unconstrained arena down to the least any choice reaches, geometrically spaced;
+  unconstrained peak (what a budget counts: the arena and the fused chains' scratch, at the
+  allocator's sizes) down to the least any choice reaches, geometrically spaced;
 - blockrt `checkpoint="sqrt"` (static plan), and the unconstrained static plan;
-- blockrt with `lossy="bfloat16"` (issue 20) at half and a quarter of the unconstrained arena
+- blockrt with `lossy="bfloat16"` (issue 20) at half and a quarter of the unconstrained peak
   and at the 8x goal's budget: a family of its own, never part of blockrt's lossless curve;
 - PyTorch CPU eager, and eager with `torch.utils.checkpoint.checkpoint_sequential` over several
   segment counts (the best of them is PyTorch's curve);
@@ -15,15 +16,17 @@ step) on config D (64x256x64) and on a deeper, wider one, DW (64x512x128). Conte
   `torch._functorch.config.activation_memory_budget` from 1.0 down to 0.0 (AOTAutograd's
   partitioner chooses what to save; the loss, backward call and SGD update stay eager).
 
-Measured peak: the most bytes allocated at once during one step above what was allocated before
-it (parameters, inputs). blockrt: the graph's allocator is a StatisticsAdaptor over a direct
-allocator, read after the step (its peak, less its input copies): the allocator's own number,
-not the plan's. PyTorch: the CPU allocator's allocations and frees as `torch.profiler`
-(`profile_memory=True`) records them, summed in time order (op granularity: memory an op takes
-and gives back before it returns is not seen). Time: the best step of `--rounds` interleaved
-rounds of 3 steps each (2 cores, shared: every contender sees the same load). blockrt's
-products run on NumPy's OpenBLAS unless BLOCKRT_BLAS says otherwise (auto would measure both
-libraries during the first steps, and a short run's steps would alternate between them).
+Measured peak: the most bytes allocated at once during one step above what was allocated before it
+(parameters, inputs). blockrt: the graph's allocator is a StatisticsAdaptor over a direct
+allocator, read after the step (its peak, less its input copies and the loss: the plan's memory
+and the fused chains' scratch, which the device made outside any allocator before issue 27): the
+allocator's own number, not the plan's. PyTorch: the CPU allocator's allocations and frees as
+`torch.profiler` (`profile_memory=True`) records them, summed in time order (op granularity:
+memory an op takes and gives back before it returns is not seen). Time: the best step of
+`--rounds` interleaved rounds of 3 steps each (2 cores, shared: every contender sees the same
+load). blockrt's products run on NumPy's OpenBLAS unless BLOCKRT_BLAS says otherwise (auto would
+measure both libraries during the first steps, and a short run's steps would alternate between
+them).
 
 Output: a Markdown table per configuration, the peers each blockrt point beats or not, and a
 PNG of the curves (`--plot`, default benchmarks/budget_pareto.png; matplotlib).
@@ -66,7 +69,7 @@ from runtime.graph.budget import rates
 
 CONFIGS = {"D": MODELS["D"], "DW": MLPConfig(batch=64, width=512, depth=128)}
 QUICK = {"D": MLPConfig(16, 32, 16), "DW": MLPConfig(16, 64, 24)}
-#: blockrt budgets per configuration, from the unconstrained arena down to the least
+#: blockrt budgets per configuration, from the unconstrained peak down to the least
 POINTS = 10
 SEGMENTS = (2, 4, 8, 16, 32, 64)
 COMPILE_BUDGETS = (1.0, 0.5, 0.3, 0.2, 0.1, 0.05, 0.0)
@@ -99,9 +102,12 @@ def blockrt_graph(config: MLPConfig, **options: Any) -> tuple[runtime.Graph, Sta
 
 
 def measured_peak(graph: runtime.Graph, stats: StatisticsAdaptor) -> int:
-    """The allocator's own peak over the steps run so far, less the graph's input copies."""
-    inputs = sum(h.block._allocation.size for h in graph._last.placeholders if h is not None)
-    return stats.stats()["peak_allocated_bytes"] - inputs
+    """The allocator's own peak over the steps run so far, less what the graph holds outside
+    its plan (its input copies, the loss): what a budget bounds."""
+    capture = graph._last
+    held = {id(b): b for b in [h.block for h in capture.placeholders if h is not None]
+            + [b for b in capture.outside if b._allocation is not None and b.allocator is stats]}
+    return stats.stats()["peak_allocated_bytes"] - sum(b._allocation.size for b in held.values())
 
 
 def plan_seconds(config: MLPConfig, budget: int | None, x: np.ndarray, y: np.ndarray,
@@ -172,7 +178,7 @@ def blockrt_points(config: MLPConfig, x: np.ndarray, y: np.ndarray) -> list[Poin
         blockrt_graph(config, memory_budget=0)[0](x, y)
     except runtime.BudgetError as error:
         least = error.least_bytes
-    top = full["planned_bytes"]
+    top = max(graph.timeline())  # NOTE: what a budget counts: the arena and the scratch
     budgets = sorted({max(least, round(top * (least / top) ** (i / (POINTS - 1))))
                       for i in range(POINTS)}, reverse=True)
     goal = eightfold(config, full["activation_bytes"], least, top, x, y)

@@ -7,13 +7,21 @@ are intermediates. Configurations (batch, width, depth): S = 64, 256, 8; M = 256
 L = 1024, 4096, 4; D = 64, 256, 64.
 
 Tables:
-1. Bytes of intermediates per plan: naive (no reuse), peak under "none", "recycle", "static" and
-   "static" with checkpoint="sqrt"; the static plan's lower bound; static / naive (goal <= 0.5).
+1. Bytes one training step holds beyond the model and its inputs, against what a user would run
+   without blockrt's plans: PyTorch eager (when torch imports; its CPU allocator, as
+   bench_budget measures it) and blockrt eager (no graph; measured through a StatisticsAdaptor),
+   then the peak under each plan, "none" (the graph without reuse), "recycle", "static" and
+   "static" with checkpoint="sqrt"; the static plan's lower bound; naive_bytes (every
+   intermediate block its own buffer for the whole step, unfused: a figure no run reaches,
+   shown only as memory_report() defines it); static against "none" and against eager.
 2. Planned / lower bound over a suite: chains, these MLP training graphs with and without
    checkpointing, random DAG-shaped programs (goal <= 1.05).
 3. Checkpointing on D: activation bytes (the most bytes of forward results live at once) and step
    time, static against static + sqrt, 30 interleaved rounds, best step of each and the median of
    the rounds' ratios (goal: >= 4x less activation memory at <= 1.35x step time).
+4. The replay's check for freed blocks (issue 27): a replay first compares each block it reads
+   or writes outside its plan with the generation it was captured at; the step's time with and
+   without that check, interleaved, and the check alone.
 
 Memory figures do not depend on the machine; the header names the CPU, the software, the CBLAS
 the products run on and the load all the same, for the timings of table 3.
@@ -40,8 +48,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mlp_reference import MLPConfig, blockrt_model, init_params, make_batch
 from timing import blas_name, cpu_name, versions
 
+import allocators
 import runtime
-from allocators import format_bytes
+from allocators import StatisticsAdaptor, format_bytes
 from blockrt.models import CONFIGS
 from runtime import nn, ops
 
@@ -58,14 +67,49 @@ def training_graph(config: MLPConfig, plan: str = "static", device: Any = None,
     return runtime.graph(nn.train_step(model, opt), plan=plan, **options)
 
 
+def eager_peak(config: MLPConfig, x: np.ndarray, y: np.ndarray) -> int:
+    """blockrt without a graph: the most bytes one eager training step held at once above what
+    was held before it (the model, the inputs), through a StatisticsAdaptor over a direct
+    allocator (nothing cached) made the default for the step."""
+    stats = StatisticsAdaptor(allocators.create("direct"))
+    before = runtime.get_default_allocator()
+    runtime.set_default_allocator(stats)
+    try:
+        model, opt, _ = blockrt_model(init_params(config))
+        step = nn.train_step(model, opt)
+        inputs = runtime.tensor(x), runtime.tensor(y)
+        held = stats.stats()["allocated_bytes"]
+        step(*inputs)
+        return stats.stats()["peak_allocated_bytes"] - held
+    finally:
+        runtime.set_default_allocator(before)
+
+
+def torch_eager_peak(config: MLPConfig, x: np.ndarray, y: np.ndarray) -> int | None:
+    """PyTorch CPU eager's step (bench_budget's: update after backward) measured as
+    bench_budget measures it; None when torch does not import."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return None
+    from bench_budget import torch_model, torch_peak, torch_step
+
+    model = torch_model(config)
+    step = torch_step(model, model, x, y, in_backward=False)
+    step()
+    return torch_peak(step)
+
+
 def memory_table(configs: dict[str, MLPConfig]) -> list[tuple[str, float]]:
     """Table 1; returns (case, planned / lower bound) rows for table 2."""
-    print("| config | naive | none | recycle | static | static + sqrt | lower bound (static) "
-          "| static / naive |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| config | PyTorch eager | blockrt eager | none | recycle | static | static + sqrt "
+          "| lower bound (static) | naive | static / none | static / eager (PyTorch, "
+          "blockrt) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     ratios = []
     for name, config in configs.items():
         x, y = make_batch(config)
+        torch_eager, eager = torch_eager_peak(config, x, y), eager_peak(config, x, y)
         peaks = {}
         naive = lower = 0
         for plan, checkpoint in VARIANTS:
@@ -86,8 +130,11 @@ def memory_table(configs: dict[str, MLPConfig]) -> list[tuple[str, float]]:
             runtime.get_default_allocator().empty_cache()
         cells = [format_bytes(peaks[v]) for v in VARIANTS]
         static = peaks[("static", None)]
-        print(f"| {name} {config.batch}x{config.width}x{config.depth} | {format_bytes(naive)} | "
-              f"{' | '.join(cells)} | {format_bytes(lower)} | {static / naive:.3f} |")
+        against_torch = f"{static / torch_eager:.3f}" if torch_eager else "n/a"
+        print(f"| {name} {config.batch}x{config.width}x{config.depth} | "
+              f"{format_bytes(torch_eager) if torch_eager else 'n/a'} | {format_bytes(eager)} | "
+              f"{' | '.join(cells)} | {format_bytes(lower)} | {format_bytes(naive)} | "
+              f"{static / peaks[('none', None)]:.3f} | {against_torch}, {static / eager:.3f} |")
     return ratios
 
 
@@ -175,6 +222,37 @@ def checkpoint_table(config: MLPConfig, rounds: int) -> None:
           f"**{best['static + sqrt'] / best['static']:.2f}x time** |")
 
 
+def check_table(config: MLPConfig, rounds: int) -> None:
+    """Table 4: the step with the replay's freed-block check and without it (the check swapped
+    for a no-op), interleaved, best of each; and the check alone."""
+    module = sys.modules["runtime.graph"]
+    check = module._check_live
+    x, y = make_batch(config)
+    graph = training_graph(config)
+    graph(x, y)
+    capture = graph._last
+    calls = 10_000
+    start = time.perf_counter()
+    for _ in range(calls):
+        check(capture)
+    alone = (time.perf_counter() - start) / calls
+    best = {"with the check": float("inf"), "without": float("inf")}
+    try:
+        for _ in range(rounds):
+            for name in best:
+                module._check_live = check if name == "with the check" else (lambda c: None)
+                for _ in range(3):
+                    start = time.perf_counter()
+                    graph(x, y)
+                    best[name] = min(best[name], time.perf_counter() - start)
+    finally:
+        module._check_live = check
+    print(f"\nThe replay's freed-block check on {config.batch}x{config.width}x{config.depth} "
+          f"({len(capture.outside)} blocks outside the plan), best step of {rounds} interleaved "
+          f"rounds of 3 steps each: with the check {best['with the check'] * 1e3:.3f} ms, "
+          f"without {best['without'] * 1e3:.3f} ms; the check alone {alone * 1e6:.2f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke runs)")
@@ -188,6 +266,8 @@ def main() -> None:
     suite_table(ratios, args.quick)
     if "D" in configs:
         checkpoint_table(configs["D"], rounds=2 if args.quick else 30)
+    for config in configs.values():
+        check_table(config, rounds=2 if args.quick else 30)
 
 
 if __name__ == "__main__":

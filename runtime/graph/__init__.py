@@ -68,6 +68,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import warnings
 from collections import OrderedDict
@@ -88,11 +89,11 @@ from runtime.graph.capture import (
     _abandon,
     _argument_writes,
     _build,
-    _chain,
     _copy_inputs,
     _flatten,
     _host,
     _is_array,
+    _lazy_bytes,
     _limiter,
     _results,
     _signature,
@@ -100,7 +101,7 @@ from runtime.graph.capture import (
 from runtime.graph.fuse import _products
 from runtime.graph.memory import _timeline
 from runtime.graph.program import _Capture
-from runtime.graph.replay import _release, _replay, _run_init
+from runtime.graph.replay import _check_live, _release, _replay, _run_init
 from runtime.tape import Tape
 from runtime.tensor import Tensor, tensor
 
@@ -110,6 +111,29 @@ PLANS = ("none", "recycle", "static")
 CHECKPOINTS = (None, "sqrt")
 #: How many captures (input signatures x calling threads) a graph keeps by default.
 MAX_CAPTURES = 32
+
+#: Each calling thread's `_Caller`, made at its first call of any graph.
+_callers = threading.local()
+_serials = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Caller:
+    """A calling thread, as a graph files its captures: by a serial no other thread ever gets.
+    (`threading.get_ident()` is handed to a new thread once one ends, and with it the ended
+    thread's captures: the new thread's calls overwrote the results the old one gave out.)"""
+
+    serial: int
+    thread: threading.Thread
+
+
+def _caller() -> _Caller:
+    """The calling thread's `_Caller`."""
+    try:
+        return _callers.caller
+    except AttributeError:
+        caller = _callers.caller = _Caller(next(_serials), threading.current_thread())
+        return caller
 
 
 def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None = None,
@@ -129,11 +153,15 @@ def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None =
             its default allocator).
         max_captures: how many captures to keep; past it the least recently used one is
             dropped (its memory freed) with a RuntimeWarning, once per graph.
-        memory_budget: bytes the intermediates may take at most (plans "static" and
-            "recycle"): for every forward result the backward pass reads, the graph chooses to
-            keep or recompute it, by cost, so that the plan's peak fits (`budget.py`,
-            docs/graph.md). None: under an allocator with a limit of its own (a LimitAdaptor),
-            a plan that would not fit in what the limit leaves is fitted to it the same way.
+        memory_budget: bytes the graph's working memory may take at most (plans "static"
+            and "recycle"): its intermediates and the fused chains' scratch, each allocation
+            counted at the size the allocator hands out for it (`Allocator.allocation_size`:
+            a caching allocator's size classes, for one). For every forward result the
+            backward pass reads, the graph chooses to keep or recompute it, by cost, so that
+            the plan's peak fits (`budget.py`, docs/graph.md). None: under an allocator with a
+            limit of its own (a LimitAdaptor), a plan that would not fit in what the limit
+            leaves, once the step's input copies, outputs and new state are counted, is fitted
+            to it the same way.
         lossy: False (the default): results equal the unconstrained graph's bit for bit.
             True, "bfloat16" or "float16": fitting a budget may also store float32 forward
             results in that half dtype while they wait for the backward pass (True is
@@ -162,7 +190,12 @@ class Graph:
     Threads: a graph may be called from several threads. Calls run one at a time (a lock per
     graph), so the results and the state they update are those of the calls made one after
     another in some order; each calling thread has captures of its own, so the tensors a call
-    returns are overwritten only by the same thread's next call of the graph.
+    returns are overwritten only by the same thread's next call of the graph (a thread that
+    ends passes its captures to no other: they are dropped at the next capture).
+
+    Freed memory: a call whose replay would read or write a block that was freed since the
+    capture (`Block.free()` on a parameter, optimizer state, a constant, an argument or an
+    output) raises UseAfterFreeError before anything runs, as eager execution raises.
     """
 
     def __init__(self, fn: Callable[..., Any], plan: str = "static",
@@ -199,8 +232,10 @@ class Graph:
         self.max_captures = max_captures
         self._device = device
         self._allocator = allocator
-        #: (calling thread, input signature) -> capture, least recently used first
+        #: (calling thread's serial, input signature) -> capture, least recently used first
         self._captures: OrderedDict[tuple, _Capture] = OrderedDict()
+        #: serial -> the calling thread, for each thread with captures here
+        self._callers: dict[int, _Caller] = {}
         self._last: _Capture | None = None
         self._lock = threading.Lock()
         self._warned = False
@@ -210,15 +245,19 @@ class Graph:
         if tape.active() is not None:
             raise GraphCaptureError("a graph was called while another graph is capturing; "
                                     "captures do not nest: call the inner function directly")
-        key = (threading.get_ident(), _signature(args))
+        caller = _caller()
+        key = (caller.serial, _signature(args))
         with self._lock:
             capture = self._captures.get(key)
             if capture is None:
+                self._forget_ended_threads()
                 capture = self._capture(args)
+                self._callers[caller.serial] = caller
                 self._keep(key, capture)
             else:
                 self._captures.move_to_end(key)
             self._last = capture
+            _check_live(capture)
             _copy_inputs(capture, args)
             # NOTE: Note [IEEE results, no floating-point signals] in backends/base.py
             ieee(_replay, capture, self.plan)
@@ -238,12 +277,25 @@ class Graph:
                     f"every call (a new object, a shape) captures again each time: pass it as "
                     f"an array, or raise max_captures", RuntimeWarning, stacklevel=3)
 
+    def _forget_ended_threads(self) -> None:
+        """Drop the captures of threads that have ended (they cannot call again); the results
+        those threads were given keep their own memory."""
+        ended = {serial for serial, caller in self._callers.items()
+                 if not caller.thread.is_alive()}
+        if not ended:
+            return
+        for key in [key for key in self._captures if key[0] in ended]:
+            _release(self._captures.pop(key))
+        for serial in ended:
+            del self._callers[serial]
+
     def recapture(self) -> None:
         """Forget every capture (and free their memory); the next call captures again."""
         with self._lock:
             for capture in self._captures.values():
                 _release(capture)
             self._captures.clear()
+            self._callers.clear()
             self._last = None
 
     release = recapture
@@ -260,12 +312,20 @@ class Graph:
         """Bytes of the intermediates of the last capture used.
 
         Keys: planned_bytes (the static arena), lower_bound_bytes (the most bytes live at once
-        over the schedule, after fusion and in-place reuse), naive_bytes (every intermediate
-        block at full size, no reuse), peak_bytes (the most bytes this graph's plan held at
-        once in its last run), activation_bytes (the most bytes of forward results live at
-        once), scratch_bytes (the block-sized scratch arrays fused chains share, made by the
-        device outside any allocator), plan, and counts: instructions, steps, fused, products,
-        in_place, recompute_instructions (instructions cloned to recompute).
+        over the schedule, after fusion and in-place reuse), naive_bytes (the sum of every
+        intermediate block the capture recorded, each its own buffer for the whole step: no
+        reuse, no fusion, no product folded; a figure no run reaches, not a baseline to measure
+        savings against), eager_bytes (the most bytes of intermediates live at once when the
+        recorded ops run in their own order, unfused, each block freed after its last use: what
+        the step without a graph holds at least, blockrt's eager refcount recycling; compare
+        plans with it, or with a plan "none" graph's peak_bytes), peak_bytes (the most bytes
+        this graph's plan held at once in its last run, its scratch included, at the sizes the
+        allocator handed out), activation_bytes (the most bytes of forward results live at
+        once), scratch_bytes (the block-sized scratch arrays fused chains share: one allocation
+        of the graph's allocator, held by the capture), plan, and counts: instructions, steps,
+        fused, products, in_place, recompute_instructions (instructions cloned to recompute),
+        commit_step (the position of the first step that writes state: every allocation of a
+        replay comes before it, Note [the commit point] in runtime/nn.py).
 
         What stays for the backward pass (with or without a budget): kept (forward results
         the backward pass reads that stay live until then), recomputed (those recomputed
@@ -288,16 +348,20 @@ class Graph:
                           moves=choice.moves, schedule=choice.schedule,
                           lossy=[dataclasses.asdict(s) for s in choice.lossy])
         return {"plan": self.plan, "checkpoint": self.checkpoint, **budget,
+                "commit_step": capture.memory.commit,
                 "planned_bytes": static.planned_bytes,
                 "lower_bound_bytes": static.lower_bound_bytes,
-                "naive_bytes": capture.naive_bytes, "peak_bytes": capture.peak_bytes,
-                "scratch_bytes": sum(int(a.nbytes) for a in capture.scratch.values()),
+                "naive_bytes": capture.naive_bytes, "eager_bytes": capture.eager_bytes,
+                "peak_bytes": capture.peak_bytes,
+                "scratch_bytes": capture.memory.scratch_bytes,
                 **capture.stats}
 
     def timeline(self, live: bool = False) -> list[int]:
-        """Bytes held at each scheduled step under this graph's plan (one value per step); with
-        `live`, the bytes of intermediates live at each step instead (what any placement must
-        hold there; its highest point is `lower_bound_bytes`)."""
+        """Bytes held at each scheduled step under this graph's plan (one value per step): its
+        allocations at the sizes the allocator hands out, the fused chains' scratch included;
+        its highest point is what a memory budget counts. With `live`, the bytes of
+        intermediates live at each step instead (what any placement must hold there; its
+        highest point is `lower_bound_bytes`)."""
         capture = self._require_capture()
         if live:
             return planner.live_bytes(capture.memory.lifetimes, len(capture.steps),
@@ -305,7 +369,8 @@ class Graph:
         return self._timeline_of(capture)
 
     def _timeline_of(self, capture: _Capture) -> list[int]:
-        return _timeline(capture.memory, self.plan, len(capture.steps))
+        return _timeline(capture.memory, self.plan, len(capture.steps),
+                         capture.allocator.allocation_size)
 
     def _require_capture(self) -> _Capture:
         if self._last is None:
@@ -362,22 +427,20 @@ class Graph:
         """Refuse, before anything runs, a plan whose memory cannot fit in what the allocator
         has left (e.g. under a LimitAdaptor). State the capture made (optimizer moments) is
         still initialised when it fits, so the tensors it belongs to stay usable."""
-        limiter = _limiter(capture.allocator)
-        lazy = sum(block.nbytes for block in capture.outside
-                   if block._allocation is None and not block.readonly
-                   and any(a is limiter for a in _chain(block.allocator)))
+        lazy = _lazy_bytes(capture.outside, _limiter(capture.allocator))
         planned = max(self._timeline_of(capture), default=0)
         available = capture.allocator.available_bytes()
         if available is None or planned + lazy <= available:
             return
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
         message = (f"the {self.plan} plan of {name} needs {format_bytes(planned + lazy)} "
-                   f"({format_bytes(planned)} of intermediates + {format_bytes(lazy)} of "
-                   f"outputs and state made in the step) but {capture.allocator!r} has "
-                   f"{format_bytes(available)} available; nothing has run")
+                   f"({format_bytes(planned)} of intermediates and scratch + "
+                   f"{format_bytes(lazy)} of outputs and state made in the step) but "
+                   f"{capture.allocator!r} has {format_bytes(available)} available; nothing "
+                   f"has run")
         if capture.least_bytes is not None:
             message += (f" (recomputing forward results during backward reaches at least "
-                        f"{format_bytes(capture.least_bytes)} of intermediates: no choice fits)")
+                        f"{format_bytes(capture.least_bytes)}: no choice fits)")
         try:
             _run_init(capture)
         except OutOfMemoryError as error:

@@ -12,7 +12,9 @@ The model of cost (docs/graph.md, "Memory budgets"):
   product, one per element for the rest. Recomputing a unit costs its forward work again.
 - **Memory** is counted in units held at once, then checked in bytes: a choice is rewritten
   into the program, scheduled, fused and planned exactly as the graph will run it, and its peak
-  under the graph's plan (the static arena, or recycle's highest point) is what must fit.
+  under the graph's plan (the static arena, or recycle's highest point, and the fused chains'
+  scratch, each allocation at the size the allocator hands out: `memory._timeline`) is what
+  must fit.
 - **Choice.** A sweep of L units whose input is kept, with room for s units, either keeps all
   its results (L <= s) or splits off its first k units: of those only the last result is kept
   during the sweep, the rest of the sweep goes on with room for s - 1, and the k units are

@@ -153,6 +153,7 @@ def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[T
     """Run the phases on a recorded tape (the module docstring of `runtime.graph` says what
     each does)."""
     recorded = _sort_blocks(recorder, outputs)
+    eager = _eager_bytes(recorded)
     if options.checkpoint == "sqrt":
         recorded = _checkpoint(recorded)
     alignment = max(allocator.device.alignment, 64)
@@ -162,8 +163,9 @@ def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[T
         fused = _fuse_steps(scheduled, tape.intermediate, allocator.device, fuse=options.fuse,
                             in_place=options.fuse and options.plan != "none")
         memory = _plan_memory(fused, tape, recorder.made_here, plan=options.plan,
-                              alignment=alignment)
-        peak = max(_timeline(memory, options.plan, len(fused.steps)), default=0)
+                              alignment=alignment, device=allocator.device)
+        peak = max(_timeline(memory, options.plan, len(fused.steps), allocator.allocation_size),
+                   default=0)
         return (scheduled, fused, memory), peak
 
     budget, source = _budget(options, allocator, recorded)
@@ -190,9 +192,11 @@ def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[T
                     held=recorded.held, buffer_of=fused.buffer_of, memory=memory,
                     naive_bytes=sum(recorded.blocks[bid].nbytes
                                     for bid in recorded.intermediate),
+                    eager_bytes=eager,
                     device=allocator.device, allocator=allocator,
                     stats=_counts(recorded, scheduled, fused, memory), outside=outside,
                     outside_ids={block.id for block in outside},
+                    generations=[block.generation for block in outside],
                     init=[_Step([instr]) for instr in recorded.init], choice=choice,
                     least_bytes=least)
 
@@ -216,8 +220,8 @@ def _budget(options: Options, allocator: Allocator, recorded: Recorded
 
 def _lazy_bytes(outside: list[Block], limiter: Allocator) -> int:
     """Bytes of the blocks outside the plan that a replay allocates (outputs and state made in
-    the step) and that count against `limiter`."""
-    return sum(block.nbytes for block in outside
+    the step) and that count against `limiter`, each at the size its allocator sets aside."""
+    return sum(block.allocator.allocation_size(block.nbytes) for block in outside
                if block._allocation is None and not block.readonly
                and any(a is limiter for a in _chain(block.allocator)))
 
@@ -247,6 +251,23 @@ def _sort_blocks(recorder: Tape, outputs: list[Tensor]) -> Recorded:
             block._written = False  # NOTE: written on the tape only; a replay writes it for real
     return Recorded(program=[instr for instr in program if not any(instr is i for i in init)],
                     init=init, blocks=blocks, intermediate=intermediate, held=held)
+
+
+def _eager_bytes(recorded: Recorded) -> int:
+    """The most bytes of intermediates live at once when `fn` runs without a graph: the
+    recorded program in its own order, unfused, each block live from the instruction that
+    first touches it to the last (refcount recycling frees none sooner; a Python reference
+    may keep one longer): the least that running the step eagerly holds."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for position, instr in enumerate(recorded.program):
+        for operand in (*instr.inputs, *instr.outputs):
+            bid = operand.block.id
+            if bid in recorded.intermediate:
+                first.setdefault(bid, position)
+                last[bid] = position
+    return planner.lower_bound([planner.Lifetime(bid, first[bid], last[bid],
+                                                 recorded.blocks[bid].nbytes) for bid in first])
 
 
 def _counts(recorded: Recorded, scheduled: list[Instruction], fused: Fused,

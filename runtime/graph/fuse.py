@@ -69,6 +69,66 @@ def _arguments(instr: Instruction) -> Iterator[Operand | float]:
         yield scalars[position] if position in scalars else next(operands)
 
 
+def _chain(step: _Step) -> tuple[list[Instruction], Instruction | None] | None:
+    """The elementwise chain that `step` runs as one `Device.fused` program, and the product
+    written into the chain's output before it ("into"), if any; None for a step that runs no
+    fused program (one instruction, or a product folded into one accumulating gemm)."""
+    if step.product == "into":
+        return step.instructions[1:], step.instructions[0]
+    if step.product is None and len(step.instructions) > 1:
+        return step.instructions, None
+    return None
+
+
+def _fused_program(chain: Sequence[Instruction], internal: set[int],
+                   head: Instruction | None = None
+                   ) -> tuple[tuple[tuple[str, tuple, Any], ...], list[Operand]]:
+    """`chain` as a `Device.fused` program (kernel, arguments, dtype per link) and the operands
+    its ("input", k) arguments name, in order: the chain's external operands; its inner
+    results (`internal`) are links. With a product `head` already written into the chain's
+    output, the program reads that output (plus linear's bias, added first) where the chain
+    read the product."""
+    operands: list[Operand] = []
+    program: list[tuple[str, tuple, Any]] = []
+    source: dict[int, tuple[str, int]] = {}  # internal block id -> its argument
+    if head is not None:
+        product = head.outputs[0]
+        operands.append(chain[-1].outputs[0])
+        source[product.block.id] = ("input", 0)
+        if len(head.inputs) > 2:  # linear's bias
+            operands.append(head.inputs[2])
+            program.append(("add", (("input", 0), ("input", 1)), product.dtype))
+            source[product.block.id] = ("link", 0)
+    for instr in chain:
+        args: list[tuple[str, Any]] = []
+        for operand in _arguments(instr):
+            if not isinstance(operand, Operand):
+                args.append(("number", operand))
+            elif operand.block.id in internal:
+                args.append(source[operand.block.id])
+            else:
+                args.append(("input", len(operands)))
+                operands.append(operand)
+        output = instr.outputs[0]
+        program.append((instr.op, tuple(args), output.dtype))
+        source[output.block.id] = ("link", len(program) - 1)
+    return tuple(program), operands
+
+
+def _scratch_keys(steps: Sequence[_Step], device: Any) -> list[tuple]:
+    """The scratch arrays `device` runs the fused steps with (`Device.fused_scratch`), each
+    key once: the steps share one scratch dict, so chains share the array of a key."""
+    keys: dict[tuple, None] = {}
+    for step in steps:
+        chain = _chain(step)
+        if chain is not None:
+            instructions, head = chain
+            program, _ = _fused_program(instructions, step.internal, head)
+            out = instructions[-1].outputs[0]
+            keys.update(dict.fromkeys(device.fused_scratch(program, out.shape, out.dtype)))
+    return list(keys)
+
+
 def _is_product(instr: Instruction) -> bool:
     """A 2-D matrix product: matmul(a, b), or linear(x, weight.T[, bias broadcast])."""
     return (instr.kind == "kernel" and instr.op in _PRODUCTS and len(instr.outputs) == 1

@@ -4,26 +4,36 @@
 A replay makes every allocator call before the first step that writes state
 (Note [the commit point] in runtime/nn.py): `_commit_point` finds that step; "static" takes its
 whole arena before the first step, "none" and "recycle" take the buffers first used from the
-commit on in one go just before it (`replay._take_tail`), and the blocks the graph keeps get
-memory before anything runs. A new kind of replay, or a phase that moves a write to state
-earlier, must keep this.
+commit on in one go just before it (`replay._take_tail`), and the blocks the graph keeps and the
+fused chains' scratch (once a capture, `replay._take_scratch`) get memory before anything runs.
+A new kind of replay, or a phase that moves a write to state earlier, must keep this.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from runtime import planner
 from runtime.block import Block
+from runtime.graph.fuse import _scratch_keys
 from runtime.graph.program import Fused, MemoryPlan, Recorded, _Step
 
 
 def _plan_memory(fused: Fused, recorded: Recorded, made_here: Callable[[Block], bool], *,
-                 plan: str, alignment: int) -> MemoryPlan:
-    """Phase 5: lifetimes of `fused`'s buffers, their static placement, the commit point, and
-    the allocations of a "none" or "recycle" replay."""
+                 plan: str, alignment: int, device: Any) -> MemoryPlan:
+    """Phase 5: lifetimes of `fused`'s buffers, their static placement, the commit point, the
+    allocations of a "none" or "recycle" replay, and the fused chains' scratch on `device`
+    (one allocation of the graph's allocator, held by the capture like a static arena)."""
+    scratch: dict[tuple, int] = {}
+    scratch_bytes = 0
+    for key in _scratch_keys(fused.steps, device):
+        shape, dtype, _ = key
+        scratch[key] = scratch_bytes
+        scratch_bytes += -(-math.prod(shape) * dtype.itemsize // alignment) * alignment
     lifetimes = _lifetimes(fused, recorded.blocks)
     commit, state = _commit_point(fused.steps, {block.id for block in recorded.outside},
                                   made_here)
@@ -41,26 +51,32 @@ def _plan_memory(fused: Fused, recorded: Recorded, made_here: Callable[[Block], 
     return MemoryPlan(lifetimes=lifetimes,
                       static_plan=planner.plan(lifetimes, alignment=alignment),
                       commit=commit, state=state, starts=starts, ends=ends, tail=tail,
-                      tail_plan=tail_plan)
+                      tail_plan=tail_plan, scratch=scratch, scratch_bytes=scratch_bytes)
 
 
-def _timeline(memory: MemoryPlan, plan: str, n: int) -> list[int]:
-    """Bytes held at each of the `n` steps under `plan` ("static": the arena throughout; "none":
-    nothing goes back before the end of the step; "recycle": live bytes, and the tail arena from
-    the commit point on)."""
+def _timeline(memory: MemoryPlan, plan: str, n: int, size: Callable[[int], int]) -> list[int]:
+    """Bytes held at each of the `n` steps under `plan`, each allocation counted at `size` of
+    its request (the graph's `Allocator.allocation_size`: what the allocator really sets aside)
+    ("static": the arena throughout; "none": nothing goes back before the end of the step;
+    "recycle": live bytes, and the tail arena from the commit point on), the scratch of the
+    fused chains held throughout."""
     commit = memory.commit
+    held = size(memory.scratch_bytes) if memory.scratch else 0
     if plan == "static":
-        return [memory.static_plan.planned_bytes] * n
+        arena = size(memory.static_plan.planned_bytes) if memory.static_plan.offsets else 0
+        return [arena + held] * n
     if plan == "none":
         grown = [0] * n
         for life in memory.lifetimes:
-            grown[min(life.first, commit)] += life.nbytes
-        return list(np.cumsum(grown).tolist()) if n else []
-    early = [life for lives in memory.starts.values() for life in lives]
+            grown[min(life.first, commit)] += size(life.nbytes)
+        return [held + b for b in np.cumsum(grown).tolist()] if n else []
+    early = [planner.Lifetime(life.key, life.first, life.last, size(life.nbytes))
+             for lives in memory.starts.values() for life in lives]
     live = planner.live_bytes(early, n) if early else [0] * n
     if memory.tail_plan is not None:
-        live[commit:] = [b + memory.tail_plan.planned_bytes for b in live[commit:]]
-    return live
+        tail = size(memory.tail_plan.planned_bytes)
+        live[commit:] = [b + tail for b in live[commit:]]
+    return [held + b for b in live]
 
 
 def _lifetimes(fused: Fused, blocks: dict[int, Block]) -> list[planner.Lifetime]:

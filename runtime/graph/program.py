@@ -76,6 +76,10 @@ class MemoryPlan:
     tail: list[planner.Lifetime]
     #: "recycle": `tail` placed in one arena
     tail_plan: planner.Plan | None
+    #: the fused chains' scratch arrays (`Device.fused_scratch` keys) -> byte offset in one
+    #: allocation of `scratch_bytes`, taken at the first replay and held by the capture
+    scratch: dict[tuple, int]
+    scratch_bytes: int
 
 
 # ---------------------------------------------------------------------- the captured program
@@ -107,7 +111,10 @@ class _Capture:
     #: planned block id -> buffer id
     buffer_of: dict[int, int]
     memory: MemoryPlan
+    #: every intermediate block its own buffer for the whole step (no reuse, no fusion)
     naive_bytes: int
+    #: the step run eagerly: program order, unfused, each block freed after its last use
+    eager_bytes: int
     device: Any
     allocator: Allocator
     #: the counts `Graph.memory_report` adds
@@ -115,6 +122,9 @@ class _Capture:
     #: blocks outside the plan that the steps touch, and their ids
     outside: list[Block]
     outside_ids: set[int]
+    #: each outside block's generation when captured: one that moved on was freed since
+    #: (`replay._check_live`)
+    generations: list[int]
     #: loads that initialise state made in the capture: run at the first replay, then emptied
     init: list[_Step]
     #: "static": the arena, and the steps bound to views into it
@@ -122,10 +132,12 @@ class _Capture:
     views: list[Callable[[], None]] | None = None
     #: the outside blocks' allocations `views` were bound to
     view_key: tuple = ()
-    #: the most bytes the plan held at once in the last replay
+    #: the most bytes the plan held at once in the last replay (the scratch included)
     peak_bytes: int = 0
-    #: fused chains' block-sized scratch arrays, shared by the steps
+    #: fused chains' block-sized scratch arrays, shared by the steps: views of
+    #: `scratch_memory` by `Device.fused_scratch` key
     scratch: dict = field(default_factory=dict)
+    scratch_memory: Allocation | None = None
     #: what a memory budget chose (`budget.Choice`), or None without a budget
     choice: Any = None
     #: under an allocator's limit that no choice fits: the least peak of intermediates reached

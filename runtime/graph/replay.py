@@ -2,29 +2,66 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from allocators import Allocation
+from allocators import Allocation, format_bytes
 from runtime.block import Block
-from runtime.graph.fuse import _arguments
+from runtime.errors import UseAfterFreeError
+from runtime.graph.fuse import _arguments, _fused_program
 from runtime.graph.program import _Capture, _Step
 from runtime.tape import Instruction, Operand
+from runtime.tensor import contiguous_strides
 
 Memory = dict[int, tuple[Any, int]]  # buffer -> (raw memory, byte offset)
 
 
+_generation = operator.attrgetter("generation")
+
+
+def _check_live(capture: _Capture) -> None:
+    """Raise UseAfterFreeError, before anything runs, if a block outside the plan that the
+    steps read or write (a parameter, optimizer state, a constant, an argument's or an
+    output's block) was freed since the capture (`Block.free()` moves its generation on), as
+    eager execution raises on a freed tensor; else the replay would compute on memory handed
+    back to the allocator. The hot path of every call: one generation read per block."""
+    if list(map(_generation, capture.outside)) == capture.generations:
+        return
+    block = next(b for b, g in zip(capture.outside, capture.generations) if b.generation != g)
+    instr = next(i for step in (*capture.init, *capture.steps) for i in step.instructions
+                 if any(o.block is block for o in (*i.inputs, *i.outputs)))
+    does = "reads" if any(o.block is block for o in instr.inputs) else "writes"
+    outputs = [k for k, t in enumerate(capture.outputs) if t.block is block]
+    arguments = [k for k, t in enumerate(capture.placeholders) if t is not None
+                 and t.block is block]
+    if outputs:
+        what = (f"output {outputs[0]} of the step (memory the graph owns and writes at every "
+                f"call: copy a result to keep it, rather than free it)")
+    elif arguments:
+        what = f"the graph's copy of argument {arguments[0]}"
+    else:
+        what = "a tensor from outside the step (a parameter, optimizer state or a constant)"
+    raise UseAfterFreeError(
+        f"graph replay uses block #{block.id} ({format_bytes(block.nbytes)}), {what}, after "
+        f"its memory was freed (captured at generation "
+        f"{capture.generations[capture.outside.index(block)]}, now {block.generation}): the "
+        f"step {does} it ({instr.op}, {instr.phase}); nothing has run. The capture holds "
+        f"the freed block: call recapture() to capture the step again")
+
+
 def _replay(capture: _Capture, plan: str) -> None:
     """Run the schedule once. Every allocator call comes before the first write to state
-    (Note [the commit point] in runtime/nn.py): blocks the graph keeps get memory
-    first, "static" then takes its arena, and "none" and "recycle" take, just before the commit
-    step, all the memory the rest of the step uses ("recycle" as one arena planned over those
-    buffers' lifetimes)."""
+    (Note [the commit point] in runtime/nn.py): blocks the graph keeps and the fused chains'
+    scratch get memory first, "static" then takes its arena, and "none" and "recycle" take, just
+    before the commit step, all the memory the rest of the step uses ("recycle" as one arena
+    planned over those buffers' lifetimes)."""
     for block in capture.outside:
         if block._allocation is None and not block.readonly:
             block.memory_for_write("graph replay")
+    held = _take_scratch(capture)
     if plan == "static":
-        _replay_static(capture)
+        _replay_static(capture, held)
         return
     _run_init(capture)
     allocator, starts, ends = capture.allocator, capture.memory.starts, capture.memory.ends
@@ -50,7 +87,7 @@ def _replay(capture: _Capture, plan: str) -> None:
     finally:
         for allocation in allocations.values():
             allocator.free(allocation)
-    capture.peak_bytes = peak
+    capture.peak_bytes = held + peak
 
 
 #: the key of recycle's tail arena among a replay's allocations
@@ -80,7 +117,23 @@ def _run_init(capture: _Capture) -> None:
     capture.init = []
 
 
-def _replay_static(capture: _Capture) -> None:
+def _take_scratch(capture: _Capture) -> int:
+    """Allocate the fused chains' scratch (once a capture, from its allocator, so it counts
+    like every other byte the graph holds) and file a view of it under each key the device's
+    blocked chains look for (`Device.fused_scratch`); return the bytes held."""
+    scratch = capture.memory.scratch
+    if capture.scratch_memory is None and scratch:
+        allocation = capture.allocator.allocate(capture.memory.scratch_bytes)
+        capture.scratch_memory = allocation
+        for key, offset in scratch.items():
+            shape, dtype, _ = key
+            capture.scratch[key] = capture.device._array_view(
+                allocation.raw, allocation.offset + offset, shape, dtype,
+                tuple(s * dtype.itemsize for s in contiguous_strides(shape)))
+    return capture.scratch_memory.size if capture.scratch_memory is not None else 0
+
+
+def _replay_static(capture: _Capture, held: int) -> None:
     """Run the prebuilt steps; they are rebuilt only when an outside block's memory moved."""
     static_plan = capture.memory.static_plan
     if capture.arena is None and static_plan.offsets:
@@ -97,7 +150,7 @@ def _replay_static(capture: _Capture) -> None:
                 memory[buffer] = (arena.raw, arena.offset + offset)
         capture.views = [_bind(step, capture, memory) for step in capture.steps]
         capture.view_key = tuple(id(block._allocation) for block in capture.outside)
-        capture.peak_bytes = arena.size if arena is not None else 0
+        capture.peak_bytes = held + (arena.size if arena is not None else 0)
     for thunk in capture.views:
         thunk()
 
@@ -180,36 +233,12 @@ def _bind_product(step: _Step, capture: _Capture, memory: Memory) -> Callable[[]
 
 def _bind_fused(step: _Step, capture: _Capture, memory: Memory,
                 head: Instruction | None = None) -> Callable[[], None]:
-    """A chain of elementwise instructions as one `Device.fused` program: the chain's external
-    operands are its inputs, its inner results are links that never exist at full size. With
-    a product `head` already written into the chain's output, the program reads that output
-    (plus linear's bias, added first) where the chain read the product."""
+    """A chain of elementwise instructions as one `Device.fused` program (`_fused_program`),
+    on views bound now, with the capture's scratch arrays."""
+    program, operands = _fused_program(step.instructions, step.internal, head)
     out = _view(step.instructions[-1].outputs[0], capture, memory)
-    inputs: list[Any] = []
-    program: list[tuple[str, tuple, Any]] = []
-    source: dict[int, tuple[str, int]] = {}  # internal block id -> its argument
-    if head is not None:
-        product = head.outputs[0]
-        inputs.append(out)
-        source[product.block.id] = ("input", 0)
-        if len(head.inputs) > 2:  # linear's bias
-            inputs.append(_view(head.inputs[2], capture, memory))
-            program.append(("add", (("input", 0), ("input", 1)), product.dtype))
-            source[product.block.id] = ("link", 0)
-    for instr in step.instructions:
-        args = []
-        for operand in _arguments(instr):
-            if not isinstance(operand, Operand):
-                args.append(("number", operand))
-            elif operand.block.id in step.internal:
-                args.append(source[operand.block.id])
-            else:
-                args.append(("input", len(inputs)))
-                inputs.append(_view(operand, capture, memory))
-        output = instr.outputs[0]
-        program.append((instr.op, tuple(args), output.dtype))
-        source[output.block.id] = ("link", len(program) - 1)
-    return capture.device.prepare_fused(tuple(program), inputs, out, capture.scratch)
+    inputs = [_view(operand, capture, memory) for operand in operands]
+    return capture.device.prepare_fused(program, inputs, out, capture.scratch)
 
 
 def _release(capture: _Capture) -> None:
@@ -218,6 +247,9 @@ def _release(capture: _Capture) -> None:
         capture.arena = None
     capture.views = None
     capture.scratch.clear()
+    if capture.scratch_memory is not None:
+        capture.allocator.free(capture.scratch_memory)
+        capture.scratch_memory = None
     for t in capture.held:
         t.release()
     capture.held.clear()
