@@ -160,6 +160,11 @@ class AllocatorStateMachine(RuleBasedStateMachine):
         if not (allocation.size >= allocation.nbytes):
             raise AssertionError(f"{allocation!r} sets aside {allocation.size} bytes, fewer than "
                                  f"its {nbytes}")
+        bound = self.allocator.allocation_size(nbytes)
+        if not (allocation.size <= bound):
+            raise AssertionError(f"{allocation!r} sets aside {allocation.size} bytes, more than "
+                                 f"allocation_size({nbytes}) = {bound}, which budgets and limits "
+                                 f"count (override _allocation_size)")
         if not (allocation.live and allocation.owner is self.allocator):
             raise AssertionError(f"{allocation!r} is not live or not owned by {self.allocator!r}")
         self._check_placement(allocation)

@@ -37,8 +37,24 @@ class PastTheEnd(DirectAllocator):
         raw = self._device_alloc(nbytes)
         return Allocation(self.device, raw, 0, nbytes, nbytes + 64)
 
+    def _allocation_size(self, nbytes: int) -> int:
+        return nbytes + 64  # NOTE: says so, so that only the placement is wrong
+
     def _free(self, allocation: Allocation) -> None:
         self._device_free(allocation.raw, allocation.size - 64)
+        allocation.raw = None
+
+
+class Understated(DirectAllocator):
+    """Planted: rounds every allocation up to 4 KiB but says allocation_size(n) is n, so a
+    budget or a limit that trusts it undercounts."""
+
+    def _allocate(self, nbytes: int) -> Allocation:
+        size = -(-max(nbytes, 1) // 4096) * 4096
+        return Allocation(self.device, self._device_alloc(size), 0, nbytes, size)
+
+    def _free(self, allocation: Allocation) -> None:
+        self._device_free(allocation.raw, allocation.size)
         allocation.raw = None
 
 
@@ -60,6 +76,7 @@ def run_kit(factory) -> None:
     (Misaligned, r"starts at address 0x[0-9a-f]+ \(offset 8 in its raw memory\), not a multiple "
                  r"of .*'s alignment of \d+ bytes"),
     (PastTheEnd, r"spans bytes 0 to \d+ of a raw memory of \d+ bytes"),
+    (Understated, r"sets aside 4096 bytes, more than allocation_size\(\d+\) = \d+"),
 ])
 def test_the_kit_catches_a_planted_placement_bug(kind, planted, match):
     with pytest.raises(AssertionError, match=match):

@@ -116,6 +116,9 @@ class BuddyAllocator(Allocator):
         arena.used[offset] = order
         return Allocation(self.device, arena.raw, offset, nbytes, self.min_block << order)
 
+    def _allocation_size(self, nbytes: int) -> int:
+        return self.min_block << self._order(nbytes)
+
     def _free(self, allocation: Allocation) -> None:
         arena = self._arenas[id(allocation.raw)]
         offset = allocation.offset
