@@ -27,7 +27,10 @@ Example:
 
 from __future__ import annotations
 
-import allocators
+from blockrt._exit import one_line_on_exit
+
+with one_line_on_exit(ValueError):  # NOTE: BLOCKRT_PURE_PYTHON, read as allocators is imported
+    import allocators
 import backends
 import runtime
 from allocators import InvalidFreeError, OutOfMemoryError
