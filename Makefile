@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 EXTRAS ?= test
 
-.PHONY: demo test bench lint clean venv asan
+.PHONY: demo test check bench lint clean venv asan
 
 $(VENV)/.installed-$(EXTRAS): setup.cfg setup.py pyproject.toml allocators/_speedups.c \
 		runtime/_dispatch.c backends/_halfconv.c \
@@ -25,6 +25,20 @@ demo:
 
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# `make check`: the fast loop while iterating (README: under 2 minutes on two cores). One test
+# file or more of each package (allocators, backends with OpenCL, runtime with graph, amp and
+# nn, the command line, the docs' pages and the namespace), every property at most 5 examples
+# (the `quick` hypothesis profile, tests/conftest.py), without the slow reruns and the demo
+# trained to 97% in mixed precision. `make test` runs everything with the full counts.
+CHECK_TESTS ?= tests/test_allocators.py tests/test_caching.py tests/test_adaptors.py \
+               tests/test_speedups.py tests/test_backends.py tests/test_opencl.py \
+               tests/test_tensor.py tests/test_ops.py tests/test_autograd.py tests/test_nn.py \
+               tests/test_graph.py tests/test_planner.py tests/test_amp.py tests/test_config.py \
+               tests/test_cli.py tests/test_docs.py tests/test_namespace.py
+check: venv
+	$(PY) -m pytest -q -p no:cacheprovider --hypothesis-profile=quick -m "not slow" \
+		-k "not reaches_97_percent" $(CHECK_TESTS) $(PYTEST_ARGS)
 
 # `make asan`: the C hot path (allocators/_speedups.c), the ops' fast path (runtime/_dispatch.c)
 # and the half conversions (backends/_halfconv.c)
