@@ -582,7 +582,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "of each product shape on each library), and the default device.")
     p.add_argument("--measure", choices=list(CONFIGS), default=None, metavar="CONFIG",
                    help="first run this MLP configuration's training step (one of "
-                   f"{', '.join(CONFIGS)}) until the CPU's BLAS is chosen, to show the timings")
+                   f"{', '.join(CONFIGS)}) on the CPU, and say what ran: until the CPU's BLAS "
+                   "is chosen where two libraries are measured (to show their timings), "
+                   "else for a second (the time of a step)")
     p.set_defaults(run=cmd_info)
 
     p = sub.add_parser("plan", help="memory report of an MLP training step",
