@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 EXTRAS ?= test
 
-.PHONY: demo test bench lint clean venv asan
+.PHONY: demo test check bench lint clean venv asan
 
 $(VENV)/.installed-$(EXTRAS): setup.cfg setup.py pyproject.toml allocators/_speedups.c \
 		runtime/_dispatch.c backends/_halfconv.c \
@@ -26,6 +26,20 @@ demo:
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# `make check`: the fast loop while iterating (README: under 2 minutes on two cores). One test
+# file or more of each package (allocators, backends with OpenCL, runtime with graph, amp and
+# nn, the command line, the docs' pages and the namespace), every property at most 5 examples
+# (the `quick` hypothesis profile, tests/conftest.py), without the slow reruns and the demo
+# trained to 97% in mixed precision. `make test` runs everything with the full counts.
+CHECK_TESTS ?= tests/test_allocators.py tests/test_caching.py tests/test_adaptors.py \
+               tests/test_speedups.py tests/test_backends.py tests/test_opencl.py \
+               tests/test_tensor.py tests/test_ops.py tests/test_autograd.py tests/test_nn.py \
+               tests/test_graph.py tests/test_planner.py tests/test_amp.py tests/test_config.py \
+               tests/test_cli.py tests/test_docs.py tests/test_namespace.py
+check: venv
+	$(PY) -m pytest -q -p no:cacheprovider --hypothesis-profile=quick -m "not slow" \
+		-k "not reaches_97_percent" $(CHECK_TESTS) $(PYTEST_ARGS)
+
 # `make asan`: the C hot path (allocators/_speedups.c), the ops' fast path (runtime/_dispatch.c)
 # and the half conversions (backends/_halfconv.c)
 # built with AddressSanitizer and UndefinedBehaviorSanitizer, and the allocator and op tests run
@@ -33,7 +47,14 @@ test: venv
 # - The builds go into copies of the allocators and runtime packages in $(ASAN_DIR), first on
 #   PYTHONPATH, so .venv keeps its normal build; a check that they are the extensions Python
 #   loads comes first.
-# - libasan must be the first library of the process, so it is preloaded into Python.
+# - libasan must be the first library of the process, so it is preloaded into Python, and
+#   libstdc++ with it: ASan looks up the C++ runtime's __cxa_throw when it starts, and a
+#   libstdc++ that pyopencl's extension brings in later leaves it unresolved, so the first C++
+#   exception (pyopencl raising an OpenCL error) aborts in ASan's interceptor.
+# - ASan's dlopen interceptor calls dlopen itself, so the caller's RUNPATH is lost: the OpenCL
+#   loader in pyopencl's wheel then cannot find the PoCL driver beside it (no platform, the
+#   OpenCL tests skip). LD_LIBRARY_PATH names that folder, and a check that the sanitized
+#   process sees the backends the normal one sees comes first.
 # - CPython leaks by design: no leak reports. Tests ask for a PiB to see OutOfMemoryError: malloc
 #   returns NULL (NumPy raises MemoryError) instead of ASan aborting. Any UB report stops the run.
 # - pytest captures sys.stdout / sys.stderr only (--capture=sys), so a sanitizer's report, which
@@ -46,9 +67,14 @@ ASAN_TESTS ?= tests/test_speedups.py tests/test_caching.py tests/test_allocators
               tests/test_fastpath.py tests/test_ops.py tests/test_autograd.py tests/test_nn.py \
               tests/test_halfconv.py
 ASAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
+# The libraries of pyopencl's wheel (its OpenCL loader and PoCL), if it is installed.
+ASAN_OPENCL_LIBS = $(shell $(PY) -c 'import importlib.util as u; s = u.find_spec("pyopencl"); \
+                   print(s.submodule_search_locations[0] + "/.libs" if s else "")')
 # NOTE: PYTHONSAFEPATH: the working directory, first on sys.path, would give the normal build
 ASAN_ENV    = PYTHONSAFEPATH=1 PYTHONPATH=$(abspath $(ASAN_DIR)) \
-              LD_PRELOAD=$$($(ASAN_CC) -print-file-name=libasan.so) \
+              LD_PRELOAD="$$($(ASAN_CC) -print-file-name=libasan.so) \
+                          $$($(ASAN_CC) -print-file-name=libstdc++.so)" \
+              LD_LIBRARY_PATH=$(ASAN_OPENCL_LIBS)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} \
               ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 \
               UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 ASAN_BUILD  = $(ASAN_CC) -shared -fPIC $(ASAN_FLAGS) \
@@ -71,7 +97,11 @@ asan: venv
 		         cpu._halfconv.__file__ if cpu._halfconv else 'no extension']; \
 		bad = [p for p in paths if not p.startswith('$(abspath $(ASAN_DIR))/')]; \
 		assert not bad, f'not the sanitized builds: {bad}'; \
-		print('sanitized extensions in use:', *paths)"
+		print('sanitized extensions in use:', *paths); \
+		import backends; seen = backends.available(); \
+		want = '$$($(PY) -c 'import backends; print(*backends.available())')'.split(); \
+		assert seen == want, f'backends: {seen} sanitized, {want} without ASan'; \
+		print('backends:', *seen)"
 	for so in $(ASAN_DIR)/allocators/_speedups*.so $(ASAN_DIR)/runtime/_dispatch*.so \
 	          $(ASAN_DIR)/backends/_halfconv*.so; do \
 		nm -D $$so | grep -q __asan_init && nm -D $$so | grep -q __ubsan_handle_ || exit 1; done

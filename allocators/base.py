@@ -8,6 +8,9 @@ only through `_device_alloc` / `_device_free`, so reserved bytes are always coun
 
 from __future__ import annotations
 
+import itertools
+import threading
+import weakref
 from typing import Any
 
 import backends
@@ -80,6 +83,19 @@ if speedups is not None:
     speedups.set_allocation_class(Allocation)  # what the C hot path hands out
 
 
+#: Every allocator made and not yet collected, by the order it was made (`live_allocators`).
+_live: weakref.WeakValueDictionary[int, Allocator] = weakref.WeakValueDictionary()
+_made = itertools.count()
+_live_lock = threading.Lock()
+
+
+def live_allocators() -> list[Allocator]:
+    """Every allocator made in this process and still alive, in the order made (adaptors and
+    their upstreams each on their own); `runtime.memory_summary()` lists them."""
+    with _live_lock:
+        return list(_live.values())
+
+
 class Allocator(AllocatorState):
     """Base of every allocator: validation, accounting, locking and errors live here.
 
@@ -107,6 +123,8 @@ class Allocator(AllocatorState):
     def __init__(self, device: Device | str | None = None) -> None:
         super().__init__()
         self.device: Device = backends.get_device(device if device is not None else "cpu")
+        with _live_lock:
+            _live[next(_made)] = self
         #: queue-ordered reuse (`record_queue`): serial -> {queue key: queue} of the live
         #: allocations used on queues other than the device's home queue
         self._queue_uses: dict[int, dict[int, Any]] = {}

@@ -88,15 +88,16 @@ def soak_factor(environ: Mapping[str, str] | None = None) -> int:
                      f"a whole number N >= 2 for N times, or leave it unset (or empty) for none")
 
 
-def soak_items(items: list[pytest.Item], factor: int) -> int:
-    """Multiply the `max_examples` of every hypothesis test among `items` by `factor`.
+def soak_items(items: list[pytest.Item], factor: int, ceiling: int | None = None) -> int:
+    """Multiply the `max_examples` of every hypothesis test among `items` by `factor`, and
+    with `ceiling`, let none run more than `ceiling` examples (a quick run; tests/conftest.py).
 
     Covers `@given` tests (their own `@settings` or the profile's) and hypothesis state machine
     TestCases (their `settings` class attribute). The original settings are kept beside the
     scaled ones and every scaling starts from them, so calling this twice scales once. Returns
     how many tests were scaled.
     """
-    if factor == 1:
+    if factor == 1 and ceiling is None:
         return 0
     from hypothesis import settings as Settings
 
@@ -116,7 +117,10 @@ def soak_items(items: list[pytest.Item], factor: int) -> int:
         scaled.add(id(owner))
         base = vars(owner).get(_SOAK_BASE) or getattr(owner, attribute)
         setattr(owner, _SOAK_BASE, base)
-        setattr(owner, attribute, Settings(base, max_examples=base.max_examples * factor))
+        examples = base.max_examples * factor
+        if ceiling is not None:
+            examples = min(examples, ceiling)
+        setattr(owner, attribute, Settings(base, max_examples=examples))
     return len(scaled)
 
 

@@ -3,11 +3,12 @@
 `import blockrt` is the way to use it. The namespace holds the runtime's whole public API
 (`runtime.__all__`: tensors and views, ops, autograd, `nn`, graphs, constants, DLPack, reports,
 errors), the device and allocator entry points that users call (`get_device`, `from_queue`,
-`OutOfMemoryError`, ...), and the two lower layers themselves as `blockrt.backends` and
-`blockrt.allocators`. Every name is the object the layer packages define (`blockrt.tensor is
-runtime.tensor`), so code that imports `runtime`, `allocators` or `backends` directly mixes
-with code that imports blockrt. Submodules keep their own package's path:
-`allocators.interop`, `allocators.testing`, `backends.cuda`.
+`OutOfMemoryError`, ...), and the three layers themselves as `blockrt.runtime`,
+`blockrt.backends` and `blockrt.allocators`. Every name is the object the layer packages
+define (`blockrt.tensor is runtime.tensor`), so code that imports `runtime`, `allocators` or
+`backends` directly mixes with code that imports blockrt. Each module the namespace holds
+imports under its blockrt name as that same module, submodules included
+(`import blockrt.allocators.interop` is `allocators.interop`; blockrt/_alias.py).
 
 The package also holds the command line (`blockrt.cli`: the `blockrt` console script and
 `python -m blockrt`) and the example MLP configurations the command line shares with the
@@ -26,10 +27,15 @@ Example:
 
 from __future__ import annotations
 
-import allocators
+from blockrt._exit import one_line_on_exit
+
+with one_line_on_exit(ValueError):  # NOTE: BLOCKRT_PURE_PYTHON, read as allocators is imported
+    import allocators
 import backends
+import runtime
 from allocators import InvalidFreeError, OutOfMemoryError
 from backends import BackendUnavailableError, from_queue, get_device
+from blockrt import _alias
 from runtime import (
     PLANS,
     AliasingError,
@@ -71,8 +77,8 @@ from runtime import (
 )
 
 __all__ = [
-    # the layers below the runtime
-    "allocators", "backends",
+    # the layers
+    "allocators", "backends", "runtime",
     # devices and allocators
     "BackendUnavailableError", "InvalidFreeError", "OutOfMemoryError", "from_queue",
     "get_device",
@@ -85,3 +91,5 @@ __all__ = [
     "ops", "overlaps", "plot_memory_timeline", "set_aliasing", "set_default_allocator",
     "set_default_device", "tensor", "view", "zeros",
 ]
+
+_alias.register()

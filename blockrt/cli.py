@@ -16,10 +16,12 @@ Example:
     $ blockrt bench graph -- --quick
     $ python -m blockrt info
 
-Exit status: 0 on success, 2 for bad command-line input (argparse's convention: usage, then one
-line naming the option, the value and what is allowed), 1 for other errors (one line) and when
-the reader of stdout has gone (`blockrt allocators | head -1` ends quietly); `demo` and `bench`
-return their scripts' status, 128 + N when signal N ended one.
+Exit status: 0 on success, 2 for bad command-line input (one line naming the option, the value
+and what is allowed, and where the options are listed; no usage block), 1 for other errors (one
+line: a BLOCKRT_* environment variable it cannot use, checked before any subcommand runs, names
+the variable, its value and what it accepts) and when the reader of stdout has gone
+(`blockrt allocators | head -1` ends quietly); `demo` and `bench` return their scripts' status,
+128 + N when signal N ended one.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -44,8 +47,8 @@ from backends import _blas, _blas_choice
 from blockrt.models import CLASSES, CONFIGS, MLPConfig
 from runtime import config, fastpath, nn
 
-__all__ = ["CONFIGS", "MLPConfig", "build_parser", "each_plan", "int_in", "main", "png_path",
-           "run_piped", "step_bytes", "training_step"]
+__all__ = ["CONFIGS", "MLPConfig", "Parser", "add_demo_options", "build_parser", "each_plan",
+           "int_in", "main", "png_path", "run_piped", "step_bytes", "training_step"]
 
 
 #: A BLAS takes each dimension of a product as a 32-bit integer (an LP64 build).
@@ -64,7 +67,24 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class CommandError(Exception):
-    """A subcommand cannot run (missing checkout or optional dependency); exit status 1."""
+    """A subcommand cannot run (missing checkout or optional dependency, a BLOCKRT_* variable it
+    cannot use); exit status 1."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, with each error on one line: `prog: error: MESSAGE`, then where the
+    options are listed, and no usage block above it (the message names the option, the value
+    and what is allowed; the usage, printed first, pushed that line out of sight). Exit status 2.
+    Subcommands' parsers are of this class too (argparse makes them of the parent's class).
+
+    Example:
+        >>> Parser(prog="blockrt plan").error("argument --depth: 0 is out of range")
+        ... # doctest: +SKIP
+        blockrt plan: error: argument --depth: 0 is out of range; see `blockrt plan --help`
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -228,6 +248,35 @@ def png_path(text: str) -> str:
     return text
 
 
+#: What examples/train_mlp.py does, for its --help and `blockrt demo --help`.
+DEMO_DESCRIPTION = ("Train an MLP on scikit-learn's handwritten digits with blockrt's autograd "
+                    "and graph runtime, then show where the memory went.")
+
+
+def add_demo_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declare the options of examples/train_mlp.py on `parser`, and return it.
+
+    The script and `blockrt demo` both call this, so `blockrt demo --help` lists the demo's own
+    options and `blockrt demo` checks them before the script starts. The bound that needs the
+    data (--batch at most the training images) is the script's own.
+    """
+    parser.add_argument("--epochs", type=int_in(1), default=10, help="default: 10")
+    parser.add_argument("--batch", type=int_in(1), default=16,
+                        help="default: 16; at most the number of training images")
+    parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
+                        help="initial weights and batch order (default: 0)")
+    parser.add_argument("--plan", default="static", choices=runtime.PLANS,
+                        help="the graph's memory plan (default: static)")
+    parser.add_argument("--plot", type=png_path, default="memory_timeline.png",
+                        help="where to write the plot (default: memory_timeline.png)")
+    parser.add_argument("--precision", default="float32",
+                        choices=("float32", "float16", "bfloat16"),
+                        help="float32 (default), or mixed precision in float16 (with loss "
+                             "scaling) or bfloat16")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
 def run_piped(main: Callable[[], int]) -> int:
     """`main()`'s exit status, with stdout flushed; 1, quietly, if the reader of stdout has gone.
 
@@ -262,13 +311,14 @@ def step_bytes(cfg: MLPConfig) -> int:
 
 
 def _default_device() -> backends.Device:
-    """The device a captured step runs on, its allocator and BLAS settings checked now, or
-    CommandError naming the environment variable that is wrong."""
+    """The default device, with every BLOCKRT_* setting the command reads checked now, or
+    CommandError naming the environment variable that is wrong, its value and what it accepts:
+    the default device and allocator (`runtime.config.check_settings`) and the CPU's BLAS
+    (BLOCKRT_BLAS, BLOCKRT_BLAS_CACHE). BLOCKRT_PURE_PYTHON is read as blockrt is imported
+    (blockrt/__init__.py says it in one line)."""
     try:
-        device = runtime.get_default_device()
-        config.SETTINGS.default_allocator_name()
-        if device.name.split(":")[0] == "cpu":
-            _blas.find()
+        device = config.check_settings()
+        _blas.find()
     except (ValueError, RuntimeError) as exc:  # NOTE: BackendUnavailableError is a RuntimeError
         raise CommandError(str(exc)) from exc
     return device
@@ -302,8 +352,6 @@ def cmd_allocators(args: argparse.Namespace) -> int:
     hint = "" if config.ALLOCATOR_ENV in config.SETTINGS.allocator_source else \
         f"; set {config.ALLOCATOR_ENV} to change it"
     print(f"default (*): {default} ({config.SETTINGS.allocator_source}{hint})")
-    if default not in allocators.names():
-        print(f"warning: {default!r} names no registered allocator", file=sys.stderr)
     return 0
 
 
@@ -325,13 +373,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"C allocator hot path: {accelerated}")
     fast = "yes" if fastpath.ACCELERATED else "no (pure Python)"
     print(f"C eager fast path of the ops: {fast}")
-    try:
-        if args.measure is not None:
-            _measure_blas(CONFIGS[args.measure])
-        lines = _blas_lines(_blas.report())
-    except (ValueError, RuntimeError) as e:  # a BLOCKRT_BLAS it cannot honour
-        lines = [f"CPU gemm: error: {e}"]
-    print("\n".join(lines))
+    measured = _measure(args.measure) if args.measure is not None else []
+    print("\n".join(_blas_lines(_blas.report()) + measured))
     kinds = backends.available()
     print(f"backends: {', '.join(kinds)}")
     for kind in kinds:
@@ -339,25 +382,49 @@ def cmd_info(args: argparse.Namespace) -> int:
             total = dev.total_memory
             memory = allocators.format_bytes(total) if total is not None else "unknown"
             print(f"  {dev.name}: alignment {dev.alignment} B, memory {memory}")
-    try:
-        print(f"default device: {runtime.get_default_device().name}")
-    except (ValueError, backends.BackendUnavailableError) as exc:
-        print(f"default device: unusable: {exc}")
+    print(f"default device: {runtime.get_default_device().name}")
     return 0
 
 
-def _measure_blas(cfg: MLPConfig, limit: float = 600.0) -> None:
-    """Run `cfg`'s training step under a static graph until the CPU's BLAS is chosen (at most
-    `limit` seconds), so that `_blas_lines` has timings to show."""
+def _measure(name: str, limit: float = 600.0, least: float = 1.0) -> list[str]:
+    """Run config `name`'s training step under a static graph on the CPU device, and say what
+    was run: where two libraries are measured against each other, until the CPU's BLAS is
+    chosen (at most `limit` seconds), so that `_blas_lines` has timings to show; otherwise (a
+    library named in BLOCKRT_BLAS, or only one here: nothing to choose) for `least` seconds and
+    at least 3 steps, timing the library in use."""
+    cfg = CONFIGS[name]
     chooser = _blas.report().chooser
+    cpu = backends.get_device("cpu")
+    old = runtime.get_default_device()
+    runtime.set_default_device(cpu)  # NOTE: the products measured are the CPU device's
+    try:
+        step = training_step(cfg, "static", None)
+        x, y = _batch(cfg, 0)
+        step(x, y)  # NOTE: the capture and its plan, left out of the time
+        steps, start = 0, time.perf_counter()
+
+        def done(seconds: float) -> bool:
+            if chooser is not None:
+                return chooser.decision is not None or seconds >= limit
+            return steps >= 3 and seconds >= least
+
+        while not done(time.perf_counter() - start):
+            step(x, y)
+            steps += 1
+        seconds = time.perf_counter() - start
+        step.release()
+    finally:
+        runtime.set_default_device(old)
     if chooser is None:
-        return  # NOTE: a library named in BLOCKRT_BLAS, or only one here: nothing to measure
-    step = training_step(cfg, "static", None)
-    x, y = _batch(cfg, 0)
-    start = time.perf_counter()
-    while chooser.decision is None and time.perf_counter() - start < limit:
-        step(x, y)
-    step.release()
+        why = f"on {_blas.report().summary}: nothing to choose"
+    elif chooser.decision is None:
+        why = f"no library chosen after {limit:g} s"
+    else:
+        why = "until the library was chosen"
+    each = f", {seconds / steps * 1e3:.3g} ms a step" if steps else ""
+    return [f"  measured: config {name} (batch {cfg.batch}, width {cfg.width}, depth "
+            f"{cfg.depth}), static plan, on cpu: {steps} steps after the capture in "
+            f"{seconds:.2f} s{each}, {why}"]
 
 
 def _blas_lines(report: _blas.Report) -> list[str]:
@@ -496,7 +563,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `blockrt` argument parser with its subcommands."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="blockrt", description="blockrt: allocators, a runtime with autograd and a graph "
         "runtime. Run `blockrt COMMAND --help` for a command's options.")
     parser.add_argument("--version", action="version", version=f"blockrt {_version()}")
@@ -515,7 +582,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "of each product shape on each library), and the default device.")
     p.add_argument("--measure", choices=list(CONFIGS), default=None, metavar="CONFIG",
                    help="first run this MLP configuration's training step (one of "
-                   f"{', '.join(CONFIGS)}) until the CPU's BLAS is chosen, to show the timings")
+                   f"{', '.join(CONFIGS)}) on the CPU, and say what ran: until the CPU's BLAS "
+                   "is chosen where two libraries are measured (to show their timings), "
+                   "else for a second (the time of a step)")
     p.set_defaults(run=cmd_info)
 
     p = sub.add_parser("plan", help="memory report of an MLP training step",
@@ -551,12 +620,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_plan)
 
     p = sub.add_parser("demo", help="train the MLP of examples/train_mlp.py (checkout only)",
-                       description="Run examples/train_mlp.py (scikit-learn's digits; needs a "
-                       "repository checkout and the `demo` extra) with this Python, in the current "
-                       "directory (where it writes memory_timeline.png). Other arguments, or "
-                       "those after `--`, go to the script, e.g. "
+                       description=f"{DEMO_DESCRIPTION} Runs examples/train_mlp.py with "
+                       "this Python, in the current directory, where it writes "
+                       "memory_timeline.png (it needs a repository checkout and the `demo` "
+                       "extra). The options below are checked, then passed to the script, e.g. "
                        "`blockrt demo --epochs 5 --no-progress`, or "
-                       "`blockrt demo --precision float16` for mixed precision.")
+                       "`blockrt demo --precision float16` for mixed precision; arguments after "
+                       "`--` are passed as they are.")
+    add_demo_options(p)
     p.set_defaults(run=cmd_demo)
 
     p = sub.add_parser("bench", help="list or run the benchmarks (checkout only)",
@@ -568,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     p.set_defaults(run=cmd_bench)
     for name, subparser in sub.choices.items():
-        subparser.set_defaults(parser=subparser, passthrough=name in ("demo", "bench"))
+        subparser.set_defaults(parser=subparser, passthrough=name == "bench")
     return parser
 
 
@@ -576,8 +647,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the `blockrt` command with `argv` (default: sys.argv[1:]); returns the exit status.
 
     Bad command-line input exits through argparse (SystemExit 2, one line naming the option,
-    the value and what is allowed). Output piped into a reader that stops early (`| head -1`)
-    ends quietly with status 1 (`run_piped`).
+    the value and what is allowed: `Parser`). Output piped into a reader that stops early
+    (`| head -1`) ends quietly with status 1 (`run_piped`).
     """
     return run_piped(lambda: _main(argv))
 
@@ -592,9 +663,12 @@ def _main(argv: Sequence[str] | None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown and not args.passthrough:
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if extra and not args.passthrough:
+    if extra and args.command not in ("demo", "bench"):
         args.parser.error(f"no arguments are taken after '--': {' '.join(extra)}")
-    args.extra = unknown + extra
+    # NOTE: the demo's options are checked here and passed on as typed (the command is the
+    # first word that is not an option: the top-level options take no value)
+    own = argv[argv.index(args.command) + 1:] if args.command == "demo" else unknown
+    args.extra = own + extra
     try:
         if args.command == "bench":
             known = _bench_scripts()
@@ -602,6 +676,11 @@ def _main(argv: Sequence[str] | None) -> int:
                 if name.removeprefix("bench_").removesuffix(".py") not in known:
                     args.parser.error(f"unknown benchmark {name!r}; known: {', '.join(known)}")
             args.names = [n.removeprefix("bench_").removesuffix(".py") for n in args.names]
+            if args.extra and (args.list or not args.names):
+                args.parser.error(f"arguments {' '.join(args.extra)!r} go to the benchmarks "
+                                  "named, and none is named (without a NAME, or with --list, "
+                                  "bench lists the benchmarks)")
+        _default_device()
         return args.run(args)
     except CommandError as exc:
         print(f"blockrt {args.command}: error: {exc}", file=sys.stderr)

@@ -34,7 +34,6 @@ Run: python examples/train_mlp.py [--epochs N] [--batch B] [--seed S] [--plan P]
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
@@ -44,7 +43,7 @@ from tqdm import tqdm
 
 import blockrt
 from blockrt import amp, nn
-from blockrt.cli import MAX_SEED, each_plan, int_in, png_path, run_piped
+from blockrt.cli import DEMO_DESCRIPTION, Parser, add_demo_options, each_plan, run_piped
 
 TARGET_ACCURACY = 0.97
 #: scikit-learn's `random_state` for the one train/test split every run uses.
@@ -95,20 +94,7 @@ def accuracy(model: nn.Module, x: np.ndarray, y: np.ndarray, precision: str) -> 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int_in(1), default=10, help="default: 10")
-    parser.add_argument("--batch", type=int_in(1), default=16,
-                        help="default: 16; at most the number of training images")
-    parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
-                        help="initial weights and batch order (default: 0)")
-    parser.add_argument("--plan", default="static", choices=blockrt.PLANS)
-    parser.add_argument("--plot", type=png_path, default="memory_timeline.png",
-                        help="where to write the plot (default: memory_timeline.png)")
-    parser.add_argument("--precision", default="float32",
-                        choices=("float32", "float16", "bfloat16"),
-                        help="float32 (default), or mixed precision in float16 (with loss "
-                             "scaling) or bfloat16")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser = add_demo_options(Parser(description=DEMO_DESCRIPTION))  # NOTE: `blockrt demo`'s too
     args = parser.parse_args()
 
     x_train, x_test, y_train, y_test = load()

@@ -138,6 +138,22 @@ def get_default_device() -> Device:
     return dev
 
 
+def check_settings() -> Device:
+    """Every setting read from the environment, checked now as its first use would check it:
+    the default device (BLOCKRT_DEVICE, unless `set_default_device` chose one) and the default
+    allocator's name (BLOCKRT_ALLOCATOR, against `allocators.names()` as they are now). For an
+    edge that wants every error before it starts, such as the `blockrt` command. Returns the
+    default device.
+
+    Raises:
+        ValueError / BackendUnavailableError: a variable names no device or allocator here; the
+            message names the variable, its value and what is known.
+    """
+    device = get_default_device()
+    SETTINGS.default_allocator_name()
+    return device
+
+
 def device_or_default(device: str | Device | None) -> Device:
     return backends.get_device(device) if device is not None else get_default_device()
 

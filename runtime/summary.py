@@ -3,10 +3,12 @@ table), `format_report` (a graph's memory report) and `plot_memory_timeline` (a 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from allocators import Allocator, format_bytes
+from allocators.base import live_allocators
 from runtime import config
 from runtime.constant import ConstantPool, default_constant_pools
 
@@ -98,22 +100,42 @@ def _collect(objects: Any) -> tuple[list[tuple[str, Allocator]], list[tuple[str,
     return found_allocators, found_pools
 
 
-def _defaults() -> tuple[list[tuple[str, Allocator]], list[tuple[str, ConstantPool]]]:
-    """Every device's default allocator and constant pool, plus any allocator a pool still uses
-    after set_default_allocator replaced it."""
-    found = [(_label(a), a) for a in config.default_allocators().values()]
+def _live() -> tuple[list[tuple[str, Allocator]], list[tuple[str, ConstantPool]]]:
+    """Every live allocator, in the order made, and every device's default constant pool.
+
+    An allocator that another live one wraps (its `upstream`) shows in that one's label, not
+    on a row of its own, unless it is a device's default or a pool's. Labels say which is a
+    device's default (`(default)`) and which holds a default pool's constants
+    (`(constants)`); labels that would be equal are numbered in the order made (`#2`, ...).
+    """
+    defaults = {id(a) for a in config.default_allocators().values()}
     pools = [(_label(p), p) for p in default_constant_pools().values()]
-    for _, pool in pools:
-        if all(pool.allocator is not a for _, a in found):
-            found.append((f"{_label(pool.allocator)} (constants)", pool.allocator))
-    return found, pools
+    holders = {id(pool.allocator) for _, pool in pools}
+    live = live_allocators()
+    wrapped = {id(a.upstream) for a in live if getattr(a, "upstream", None) is not None}
+    found = []
+    for allocator in live:
+        key = id(allocator)
+        if key in wrapped and key not in defaults and key not in holders:
+            continue
+        mark = " (default)" if key in defaults else " (constants)" if key in holders else ""
+        found.append((_label(allocator) + mark, allocator))
+    counts = Counter(label for label, _ in found)
+    seen: Counter[str] = Counter()
+    numbered = []
+    for label, allocator in found:
+        seen[label] += 1
+        numbered.append((f"{label} #{seen[label]}" if counts[label] > 1 else label, allocator))
+    return numbered, pools
 
 
 def memory_summary(allocators: Any = None) -> str:
     """A readable fixed-width table of allocator stats, one row per allocator.
 
-    By default: every device's default allocator (`runtime.config.default_allocators()`), and a
-    second table of the default constant pools. `allocators` may instead be a list of
+    By default: every allocator alive in this process, in the order made, whoever made it (a
+    device's default marked `(default)`, the one holding a default constant pool's constants
+    `(constants)`; an adaptor stack on one row, labelled with every layer), and a second table
+    of the default constant pools. `allocators` may instead be a list of
     Allocators (and ConstantPools), or a dict {row label: allocator or pool}. Byte columns are in
     readable units (allocators.format_bytes); rates are percentages.
 
@@ -127,7 +149,7 @@ def memory_summary(allocators: Any = None) -> str:
         >>> "3.00 KiB" in runtime.memory_summary({"mine": alloc})
         True
     """
-    found, pools = _defaults() if allocators is None else _collect(allocators)
+    found, pools = _live() if allocators is None else _collect(allocators)
     lines = ["blockrt memory summary", ""]
     if found or not pools:
         rows = [(label, a.stats()) for label, a in found]

@@ -4,6 +4,11 @@ Soak mode (BLOCKRT_SOAK, see docs/testing.md) multiplies every hypothesis test's
 those with their own `@settings(max_examples=...)` included. The blockrt pytest plugin does it
 when pytest loads it by its entry point; the hooks here do it too, so a run with plugin
 autoloading off (PYTEST_DISABLE_PLUGIN_AUTOLOAD) soaks as well. Scaling twice scales once.
+
+Outside soak mode each profile has a ceiling (`CEILINGS`): no test runs more examples than it,
+its own `@settings` included. `--hypothesis-profile=quick` (`make check`) runs every property
+a few times; under the others the ceiling is the largest count a test asks for today, so a new
+test cannot make the suite's time grow without bound: more examples belong to soak mode.
 """
 
 from __future__ import annotations
@@ -21,7 +26,12 @@ settings.register_profile("default", deadline=None,
 settings.register_profile("ci", parent=settings.get_profile("default"), print_blob=True)
 # tests/test_conformance.py reruns the runtime's suites on each non-cpu backend with this profile
 settings.register_profile("conformance", parent=settings.get_profile("ci"), max_examples=25)
-settings.load_profile("ci" if os.environ.get("CI") else "default")
+# `make check`: every property a few times, to iterate fast (the full counts run in `make test`)
+settings.register_profile("quick", parent=settings.get_profile("default"), max_examples=5)
+PROFILE = "ci" if os.environ.get("CI") else "default"
+settings.load_profile(PROFILE)
+#: The most examples one test runs under each profile outside soak mode (see the docstring).
+CEILINGS = {"quick": 5, "default": 300, "ci": 300}
 
 _soak = pytest.StashKey[int]()
 
@@ -35,7 +45,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    soak_items(items, config.stash[_soak])
+    factor = config.stash[_soak]
+    profile = config.getoption("hypothesis_profile", None) or PROFILE
+    soak_items(items, factor, CEILINGS.get(profile) if factor == 1 else None)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

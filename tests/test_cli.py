@@ -40,14 +40,14 @@ def blockrt(*argv: str, env: dict[str, str] | None = None,
 
 
 def assert_one_line_error(err: str, prog: str, *named: str) -> None:
-    """argparse's usage, then one line `prog: error: ...` holding every string of `named`."""
+    """One line, `prog: error: ...; see `prog --help``, holding every string of `named`; no
+    usage block above it (it pushed the error out of sight)."""
     assert "Traceback" not in err, err
-    *usage, last = err.splitlines()
-    assert last.startswith(f"{prog}: error: "), err
-    assert usage and usage[0].startswith("usage: "), err
-    assert all(line.startswith(" ") for line in usage[1:]), err  # NOTE: usage wraps indented
+    (line,) = err.splitlines()
+    assert line.startswith(f"{prog}: error: "), err
+    assert line.endswith(f"; see `{prog} --help`"), err
     for text in named:
-        assert text in last, (text, last)
+        assert text in line, (text, line)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -156,6 +156,17 @@ def test_every_subcommand_has_help(capsys, command):
     assert out.startswith(f"usage: blockrt {command}")
 
 
+def test_demo_help_lists_the_demos_own_options_in_whole_sentences(capsys):
+    status, out, _ = run(capsys, "demo", "--help")
+    assert status == 0
+    for option in ("--epochs", "--batch", "--seed", "--plan", "--plot", "--precision",
+                   "--no-progress"):
+        assert option in out
+    description = " ".join(out.split("\n\n")[1].split())
+    assert description.startswith(cli.DEMO_DESCRIPTION) and description.endswith(".")
+    assert cli.DEMO_DESCRIPTION.endswith("then show where the memory went.")
+
+
 def test_top_level_help_lists_the_subcommands(capsys):
     status, out, _ = run(capsys, "--help")
     assert status == 0 and out.startswith("usage: blockrt")
@@ -205,6 +216,11 @@ BAD_INPUT = [
     (["allocators", "--", "x"], ["x"]),
     (["allocators", "extra"], ["extra"]),
     (["bench", "nosuch"], ["'nosuch'", "graph"]),
+    (["bench", "--quick"], ["'--quick'", "none is named"]),
+    (["bench", "--list", "--", "--quick"], ["'--quick'", "none is named"]),
+    (["demo", "--bogus"], ["--bogus"]),
+    (["demo", "--epochs", "0"], ["--epochs", " 0 ", "1 or more"]),
+    (["demo", "--plan", "greedy"], ["--plan", "'greedy'", "'static'"]),
 ]
 
 
@@ -312,12 +328,109 @@ def test_the_installed_console_script_runs():
     assert bad.returncode == 2 and "'Q'" in bad.stderr
 
 
-def test_info_names_a_blockrt_blas_it_cannot_honour(capsys, monkeypatch):
+# --- BLOCKRT_* environment variables it cannot use -----------------------------------------------
+
+#: (variable, value, what the one line must hold: the variable, the value, what it accepts)
+BAD_ENVIRONMENT = [
+    ("BLOCKRT_ALLOCATOR", "foo", ["BLOCKRT_ALLOCATOR", "'foo'", "known: buddy, caching, direct"]),
+    ("BLOCKRT_DEVICE", "nosuch", ["BLOCKRT_DEVICE", "'nosuch'", "known backends: cpu"]),
+    ("BLOCKRT_DEVICE", "cpu:x", ["BLOCKRT_DEVICE", "'cpu:x'", "non-negative integer"]),
+    ("BLOCKRT_DEVICE", "cpu:3", ["BLOCKRT_DEVICE", "'cpu:3'", "indices 0..0"]),
+    ("BLOCKRT_BLAS", "atlas", ["BLOCKRT_BLAS", "'atlas'", "auto, mkl, openblas, none"]),
+    ("BLOCKRT_BLAS_CACHE", "rel/dir", ["BLOCKRT_BLAS_CACHE", "'rel/dir'", "absolute"]),
+]
+#: Each subcommand, as it would run (the demo and benchmarks never start: see `no_scripts`).
+COMMANDS = [["allocators"], ["info"], ["plan", *TINY], ["demo", "--epochs", "1"],
+            ["bench", "graph"], ["bench", "--list"]]
+
+
+@pytest.fixture
+def no_scripts(monkeypatch) -> list:
+    """The demo's and benchmarks' scripts are recorded, not run."""
+    calls: list = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda command, **kw: calls.append(command) or 0)
+    monkeypatch.setattr(cli, "DEMO_MODULES", ())
+    return calls
+
+
+def environment(monkeypatch, variable: str, value: str) -> None:
+    """This process as if it had started with `variable=value`: the settings read again, the
+    default device and the CPU's BLAS not chosen yet."""
+    monkeypatch.setenv(variable, value)
+    monkeypatch.setattr(cli.config, "SETTINGS", cli.config.Settings.from_environ(os.environ))
+    monkeypatch.setitem(cli.config._state, "device", None)
     monkeypatch.setattr(_blas, "_found", [])
-    monkeypatch.setenv(_blas.ENV, "atlas")
-    status, out, _ = run(capsys, "info")
-    assert status == 0
-    assert "CPU gemm: error: BLOCKRT_BLAS='atlas' is not one of auto, mkl, openblas, none" in out
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
+@pytest.mark.parametrize(("variable", "value", "named"), BAD_ENVIRONMENT,
+                         ids=[f"{v}={x}" for v, x, _ in BAD_ENVIRONMENT])
+def test_every_subcommand_refuses_a_bad_environment_variable_in_one_line(
+        capsys, monkeypatch, no_scripts, argv, variable, value, named):
+    environment(monkeypatch, variable, value)
+    status, out, err = run(capsys, *argv)
+    assert (status, out, no_scripts) == (1, "", []), err
+    (line,) = err.splitlines()
+    assert line.startswith(f"blockrt {argv[0]}: error: "), line
+    for text in named:
+        assert text in line, (text, line)
+
+
+def test_a_good_environment_runs_every_subcommand(capsys, monkeypatch, no_scripts):
+    environment(monkeypatch, "BLOCKRT_ALLOCATOR", "direct")
+    for argv in COMMANDS:
+        status, _, err = run(capsys, *argv)
+        assert status == 0, (argv, err)
+    assert len(no_scripts) == 2  # the demo and bench_graph.py
+
+
+@pytest.mark.parametrize("launcher", ["module", "console script"])
+@pytest.mark.parametrize(("variable", "value", "named"), [
+    ("BLOCKRT_PURE_PYTHON", "maybe", ["BLOCKRT_PURE_PYTHON", "'maybe'", "1/true/yes/on",
+                                      "0/false/no/off"]),
+    ("BLOCKRT_ALLOCATOR", "foo", ["BLOCKRT_ALLOCATOR", "'foo'", "known: buddy, caching, direct"]),
+], ids=["BLOCKRT_PURE_PYTHON=maybe", "BLOCKRT_ALLOCATOR=foo"])
+def test_the_issues_bad_environment_gives_one_line_and_a_failing_status(launcher, variable,
+                                                                         value, named):
+    """`blockrt info` as a user runs it; BLOCKRT_PURE_PYTHON stops the import of blockrt itself
+    (blockrt/_exit.py)."""
+    if launcher == "module":
+        result = blockrt("info", env={variable: value})
+    else:
+        script = Path(sys.executable).with_name("blockrt")
+        if not script.exists():
+            pytest.skip("no blockrt console script: run `pip install -e .` to create it")
+        result = subprocess.run([str(script), "info"], capture_output=True, text=True,
+                                timeout=60, check=False, env={**os.environ, variable: value})
+    assert result.returncode == 1 and result.stdout == "", result.stdout
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("blockrt"), line
+    for text in named:
+        assert text in line, (text, line)
+
+
+def test_a_bad_pure_python_switch_still_raises_where_blockrt_is_imported():
+    code = ("try:\n    import blockrt\nexcept ValueError as exc:\n    print('ValueError', exc)\n"
+            "raise SystemExit(3)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, cwd=cli.ROOT, check=False,
+                            env={**os.environ, "BLOCKRT_PURE_PYTHON": "maybe"})
+    assert result.returncode == 3 and result.stderr == "", result.stderr
+    assert result.stdout.startswith("ValueError environment variable BLOCKRT_PURE_PYTHON=")
+
+
+def test_info_measure_says_what_it_ran():
+    (line,) = cli._measure("S", least=0.0)
+    cfg = cli.CONFIGS["S"]
+    assert line.startswith(f"  measured: config S (batch {cfg.batch}, width {cfg.width}, depth "
+                           f"{cfg.depth}), static plan, on cpu: ")
+    steps = int(re.search(r"on cpu: (\d+) steps after the capture in", line).group(1))
+    assert steps >= 3 and "ms a step" in line
+    report = _blas.report()
+    if report.chooser is None:
+        assert line.endswith(f"on {report.summary}: nothing to choose"), line
+    else:
+        assert line.endswith("until the library was chosen"), line
 
 
 def test_plan_says_when_it_runs_out_of_memory_or_cannot_write_the_plot(capsys, monkeypatch,
@@ -381,6 +494,15 @@ DEMO_CASES = [
     (["--plot", "/no/such/dir/t.png"], ["--plot", "/no/such/dir"]),
     (["--plot", "timeline.txt"], ["--plot", "'timeline.txt'", ".png"]),
 ]
+
+
+@pytest.mark.parametrize(("argv", "named"), DEMO_CASES[:4] + DEMO_CASES[5:],
+                         ids=ids(DEMO_CASES[:4] + DEMO_CASES[5:]))
+def test_blockrt_demo_refuses_what_the_demo_refuses_before_it_starts(capsys, no_scripts, argv,
+                                                                     named):
+    status, out, err = run(capsys, "demo", *argv)
+    assert (status, out, no_scripts) == (2, "", [])
+    assert_one_line_error(err, "blockrt demo", *named)
 
 
 @pytest.mark.parametrize(("argv", "named"), DEMO_CASES, ids=ids(DEMO_CASES))

@@ -6,6 +6,7 @@ work on empty copies of the config's per-device tables, so no other test sees th
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import subprocess
@@ -225,11 +226,11 @@ def test_default_summary_shows_default_allocators_and_constant_pools(fresh_defau
     mine = runtime.set_default_allocator(allocators.create("direct", "cpu"))
     kept = runtime.tensor(np.zeros(5 * 1024, np.float32))  # 20 KiB
     table = runtime.memory_summary()
-    assert cells(table, "cpu DirectAllocator")["allocated"] == "20.00 KiB"
+    assert cells(table, "cpu DirectAllocator (default)")["allocated"] == "20.00 KiB"
     assert "constant pool" not in table  # no constant made yet, so no pool
     constants = [runtime.constant(np.ones(256)), runtime.constant(np.ones(256))]
     table = runtime.memory_summary()
-    assert cells(table, "cpu DirectAllocator")["allocated"] == "20.00 KiB"
+    assert cells(table, "cpu DirectAllocator (default)")["allocated"] == "20.00 KiB"
     # the pool keeps its constants in read-only memory, from an allocator of its own
     assert cells(table, "cpu ReadOnlyAllocator (constants)")["allocated"] == "2.00 KiB"
     assert cells(table, "cpu ConstantPool") == {
@@ -239,7 +240,7 @@ def test_default_summary_shows_default_allocators_and_constant_pools(fresh_defau
     runtime.set_default_allocator("direct")
     table = runtime.memory_summary()
     assert cells(table, "cpu ReadOnlyAllocator (constants)")["allocated"] == "2.00 KiB"
-    assert cells(table, "cpu DirectAllocator")["allocated"] == "0 B"
+    assert cells(table, "cpu DirectAllocator (default)")["allocated"] == "0 B"
     assert mine.stats()["allocated_bytes"] == 20 * 1024
     kept.release()
     for c in constants:
@@ -249,8 +250,62 @@ def test_default_summary_shows_default_allocators_and_constant_pools(fresh_defau
     assert cells(table, "cpu ConstantPool")["constants"] == "0"
 
 
-def test_summary_with_nothing_yet(fresh_defaults):
-    assert "(no allocators)" in runtime.memory_summary()
+#: In a fresh interpreter: the summary before any allocator, then with one a user built, an
+#: adaptor stack, and one that is gone.
+LIVE_ALLOCATORS = """
+    import gc
+    import allocators, backends, runtime
+    from allocators.adaptors import LimitAdaptor, StatisticsAdaptor
+    from allocators.caching import CachingAllocator
+
+    print(runtime.memory_summary())
+    mine = CachingAllocator(backends.get_device("cpu"))
+    kept = mine.allocate(7 * 1024)
+    stack = StatisticsAdaptor(LimitAdaptor(allocators.create("direct", "cpu"), 1 << 20))
+    held = stack.allocate(100)
+    gone = allocators.create("direct", "cpu")
+    gone.allocate(3 * 1024)
+    del gone
+    gc.collect()
+    print(runtime.memory_summary())
+"""
+
+
+def test_the_default_summary_lists_every_live_allocator_whoever_made_it():
+    result = run_python(LIVE_ALLOCATORS, None)
+    assert result.returncode == 0, result.stderr
+    before, after = result.stdout.split("blockrt memory summary")[1:]
+    assert "(no allocators)" in before
+    lines = after.splitlines()
+    rule = next(i for i, line in enumerate(lines) if set(line) == {"-"})
+    rows = [line.split("  ")[0] for line in lines[rule + 1:] if line.strip()]
+    assert rows == ["cpu CachingAllocator", "cpu StatisticsAdaptor(LimitAdaptor(DirectAllocator))"]
+    assert cells(after, "cpu CachingAllocator")["allocated"] == "7.00 KiB"
+    assert cells(after, rows[1])["requested"] == "100 B"
+    assert "3.00 KiB" not in after  # NOTE: the collected allocator is gone from the table
+
+
+def test_the_default_summary_drops_an_allocator_once_it_is_collected():
+    class Lonely(allocators.DirectAllocator):
+        pass
+
+    lonely = Lonely("cpu")
+    lonely.allocate(5 * 1024)
+    assert cells(runtime.memory_summary(), "cpu Lonely")["allocated"] == "5.00 KiB"
+    del lonely
+    gc.collect()
+    assert "cpu Lonely" not in runtime.memory_summary()
+
+
+def test_the_default_summary_numbers_rows_that_would_read_the_same():
+    class Twin(allocators.DirectAllocator):
+        pass
+
+    twins = [Twin("cpu"), Twin("cpu")]
+    twins[1].allocate(2048)
+    table = runtime.memory_summary()
+    assert cells(table, "cpu Twin #1")["allocated"] == "0 B"
+    assert cells(table, "cpu Twin #2")["allocated"] == "2.00 KiB"
 
 
 def test_the_default_device_comes_from_the_environment_once_and_can_be_set(monkeypatch):

@@ -11,6 +11,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -100,3 +101,75 @@ def test_the_layer_packages_stay_importable_on_their_own(package):
                             capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"  # NOTE: the layers do not reach up to blockrt
+
+
+# ---------------------------------------------------------------------- blockrt.<module> imports
+def _facade_modules() -> dict[str, types.ModuleType]:
+    """Every public attribute of blockrt that is a module (its own, blockrt.cli, left out).
+    NOTE: pytest rewrites the asserts of the plugin's distribution, blockrt included, and adds
+    modules under names such as `@py_builtins`."""
+    return {name: obj for name, obj in vars(blockrt).items()
+            if isinstance(obj, types.ModuleType) and name.isidentifier()
+            and not name.startswith("_") and not obj.__name__.startswith("blockrt.")}
+
+
+def test_every_module_the_namespace_holds_imports_as_that_module():
+    modules = _facade_modules()
+    assert {"allocators", "backends", "runtime", "amp", "nn", "ops"} <= set(modules), modules
+    for name, module in modules.items():
+        assert importlib.import_module(f"blockrt.{name}") is module, name
+    from blockrt.allocators import LimitAdaptor  # the issue's line
+
+    assert LimitAdaptor is allocators.LimitAdaptor
+    import blockrt.backends
+
+    assert blockrt.backends is backends
+
+
+def test_blockrt_graph_stays_the_function_and_imports_as_the_package():
+    graph_package = importlib.import_module("runtime.graph")
+    assert importlib.import_module("blockrt.graph") is graph_package
+    assert importlib.import_module("blockrt.runtime.graph") is graph_package
+    assert blockrt.graph is runtime.graph and callable(blockrt.graph)
+
+
+def test_a_name_no_layer_has_is_not_found_under_its_blockrt_name():
+    with pytest.raises(ModuleNotFoundError, match="blockrt.allocators.no_such_module"):
+        importlib.import_module("blockrt.allocators.no_such_module")
+    with pytest.raises(ModuleNotFoundError, match="blockrt.no_such_module"):
+        importlib.import_module("blockrt.no_such_module")
+
+
+#: In a fresh interpreter: every module of the three layers, imported first under its blockrt
+#: name (most are not loaded yet), must be the module of its own name, and leave its parent's
+#: attribute as it was.
+EVERY_SUBMODULE = """
+import importlib, pkgutil, sys, types
+import blockrt
+names = []
+for package in ("allocators", "backends", "runtime"):
+    root = importlib.import_module(package)
+    names += [package] + [info.name for info in pkgutil.walk_packages(root.__path__, package + ".")]
+late = [name for name in names if name not in sys.modules]
+wrong = []
+for name in names:
+    parent, _, child = name.rpartition(".")
+    before = getattr(sys.modules[parent], child, None) if parent in sys.modules else None
+    alias = importlib.import_module("blockrt." + name)
+    if alias is not importlib.import_module(name) or alias.__spec__.name != name:
+        wrong.append(name)
+    if isinstance(before, types.FunctionType) and getattr(sys.modules[parent], child) is not before:
+        wrong.append(name + " (its parent's attribute changed)")
+copies = [n for n in sys.modules if n.startswith("blockrt.") and sys.modules[n].__name__ == n]
+print(len(names), len(late), wrong, [n for n in copies if n.split(".")[1] in ("allocators",
+      "backends", "runtime")])
+"""
+
+
+def test_every_submodule_of_the_layers_imports_under_blockrt_as_itself():
+    result = subprocess.run([sys.executable, "-c", EVERY_SUBMODULE], capture_output=True,
+                            text=True, cwd=ROOT, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    count, late, wrong, copies = result.stdout.strip().split(" ", 3)
+    assert int(count) > 30 and int(late) > 0, result.stdout  # NOTE: the finder's path ran
+    assert (wrong, copies) == ("[]", "[]"), result.stdout
