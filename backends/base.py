@@ -30,10 +30,17 @@ error handling off for the call (the op dispatch point, `ops._launch`, and each 
 Note [one formula on every backend]: an elementwise kernel computes the formula of the NumPy
 device (`backends/numpy.py`), written the same way on every backend, so that the backends agree
 on overflow and NaN, and up to their own exp and tanh, on rounding: sigmoid is
-0.5 * tanh(0.5 * x) + 0.5, which never overflows where 1 / (1 + exp(-x)) does; relu lets NaN
-through, as np.maximum does; relu_backward is g * (y > 0), so a NaN gradient stays NaN where
-y <= 0 too; tanh_backward and sigmoid_backward are g * (1 - y * y) and g * ((1 - y) * y) of the
-op's output y. A new or changed formula goes into the NumPy device first, then into the others.
+0.5 * tanh(0.5 * x) + 0.5, which never overflows where 1 / (1 + exp(-x)) does; relu is
+x < 0 ? +0 : x (Note [relu's zero]); relu_backward is g * (y > 0), so a NaN gradient stays NaN
+where y <= 0 too; tanh_backward and sigmoid_backward are g * (1 - y * y) and g * ((1 - y) * y)
+of the op's output y. A new or changed formula goes into the NumPy device first, then into the
+others; tests/test_bits.py holds every backend to the CPU's bits.
+
+Note [relu's zero]: relu(x) is +0 where x < 0 and x itself elsewhere, so -0.0 stays -0.0 and a
+NaN passes as it is: PyTorch's CPU relu, the reference users compare against (torch 2.13 gives
+-0.0 for relu(-0.0) in every float dtype). np.maximum(x, 0) is no reference for the zero's sign:
+NumPy 2.4 gives +0.0 for -0.0 in its float32 / float64 SIMD loops and -0.0 in its float16 one.
+Every backend writes relu as that compare and select, never as a maximum.
 
 Note [two-byte floats compute in float32]: a kernel whose output is float16 or bfloat16
 (HALVES) gives, bit for bit, what its float32 kernel gives on the exactly widened operands,

@@ -76,11 +76,12 @@ def has_bfloat16() -> bool:
 #: Each elementwise formula on float operands `a` and `b` (Note [one formula on every backend] in
 #: backends/base.py), for the float kernels, the half kernels and the fused chains alike,
 #: compiled without contraction (`_NO_FMA`, which reaches the math library's code too), so a
-#: link gives its eager op's bits. relu is np.maximum(x, 0): a NaN passes with its bits and -0.0
-#: stays -0.0 (CuPy's maximum gives a canonical NaN).
+#: link gives its eager op's bits. relu is +0 where x < 0, else x, as on every backend: -0.0
+#: stays -0.0 and a NaN passes with its bits (Note [relu's zero] in backends/base.py; CuPy's
+#: maximum would give +0.0 or -0.0 by argument order and a canonical NaN).
 _FLOAT_FORMULAS = {
     "neg": "-a", "exp": "exp(a)", "log": "log(a)", "tanh": "tanh(a)",
-    "sigmoid": "0.5f * tanh(0.5f * a) + 0.5f", "relu": "(a >= 0.0f || isnan(a)) ? a : 0.0f",
+    "sigmoid": "0.5f * tanh(0.5f * a) + 0.5f", "relu": "a < 0.0f ? 0.0f : a",
     "sqrt": "sqrt(a)",
     "add": "a + b", "sub": "a - b", "mul": "a * b", "div": "a / b",
     "tanh_backward": "a * (1.0f - b * b)", "sigmoid_backward": "a * ((1.0f - b) * b)",

@@ -82,7 +82,7 @@ _NO_BAD_ROW.flags.writeable = False
 # NOTE: the NumPy device's formulas: Note [one formula on every backend] in backends/base.py
 _UNARY = {"neg": "-x0", "exp": "exp(x0)", "log": "log(x0)", "tanh": "tanh_(x0)",
           "sigmoid": "(T)0.5 * tanh_((T)0.5 * x0) + (T)0.5",
-          "relu": "x0 < (T)0 ? (T)0 : x0",  # NaN stays NaN, as np.maximum
+          "relu": "x0 < (T)0 ? (T)0 : x0",  # NOTE: Note [relu's zero] in backends/base.py
           "sqrt": "sqrt(x0)", "copy": "x0"}
 _BINARY = {"add": "x0 + x1", "sub": "x0 - x1", "mul": "x0 * x1", "div": "x0 / x1",
            "tanh_backward": "x0 * ((T)1 - x1 * x1)",

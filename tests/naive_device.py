@@ -45,7 +45,7 @@ _UNARY: dict[str, Callable[[Any], Any]] = {
     "log": np.log,
     "tanh": np.tanh,
     "sigmoid": _sigmoid,
-    "relu": lambda v: np.maximum(v, 0),
+    "relu": lambda v: 0 if v < 0 else v,  # NOTE: Note [relu's zero] in backends/base.py
     "sqrt": np.sqrt,
     "copy": lambda v: v,
 }
