@@ -948,7 +948,7 @@ sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
  * relu_backward(a, b), a * (b > 0), the gradient times 1 or 0, so a NaN or infinite gradient
  * stays NaN and a negative one gives -0;
  * code 2 add(a, b), b of out's shape or one row of its last dimension; code 3 the sum of a
- * (rows, cols) over its rows, rows added one after another in order as np.add.reduce(a, 0)
+ * (rows, cols) over its rows, rows added one after another to +0 in order as np.add.reduce(a, 0)
  * adds them for cols > 1 (for one column NumPy sums pairwise: refused), into out of cols
  * elements (shape (cols,) or (1, cols)). One IEEE operation per element and step (a product
  * or a sum, never both), so the bits are NumPy's, but for the sum of two NaNs: a NaN, whose
@@ -977,7 +977,8 @@ sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }                                                                                        \
     ATTR static void sum_rows_##SUFFIX(T *o, const T *x, Py_ssize_t rows, Py_ssize_t cols)   \
     {                                                                                        \
-        for (Py_ssize_t i = 0; i < cols; i++) o[i] = x[i];                                   \
+        /* from +0, as NumPy's sum: a column of -0.0 sums to +0.0 */                         \
+        for (Py_ssize_t i = 0; i < cols; i++) o[i] = (T)0 + x[i];                            \
         for (Py_ssize_t r = 1; r < rows; r++) {                                              \
             const T *y = x + r * cols;                                                       \
             for (Py_ssize_t i = 0; i < cols; i++) o[i] = o[i] + y[i];                        \
