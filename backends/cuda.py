@@ -421,6 +421,7 @@ class CudaDevice(Device):
         widened float32 product that other dtypes' pairs take. bfloat16 takes it only on a GPU
         of compute capability 8.0 or more (cuBLAS has no bfloat16 GEMM before Ampere); older
         ones, and float16 before 5.3, widen."""
+        self._check_computes("matmul", (a, b), out)  # NOTE: the GemmEx path skips base's
         if (out.dtype in HALVES and a.dtype == b.dtype == out.dtype
                 and self._half_gemm[out.dtype]):
             self._matmul(a, b, out)

@@ -53,7 +53,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from backends.base import HALVES, BackendUnavailableError, Device
+from backends.base import COMPUTE_DTYPES, HALVES, BackendUnavailableError, Device
 
 try:
     import pyopencl as cl
@@ -364,6 +364,9 @@ class OpenCLDevice(Device):
         return picked.copy()
 
     # ----------------------------------------------------------------- kernels
+    def _compute_dtypes(self) -> Sequence[np.dtype]:
+        return COMPUTE_DTYPES if self.fp64 else COMPUTE_DTYPES[:-1]  # NOTE: float64 is last
+
     def _type(self, dtype: np.dtype) -> str:
         ctype = _FLOAT_TYPES.get(dtype)
         if ctype is None:

@@ -518,3 +518,53 @@ def test_relu_matches_torch_where_torch_is_installed():
         want = torch.relu(torch.from_numpy(host.copy())).numpy()
         bits = f"u{host.itemsize}"
         assert np.array_equal(relu_reference(host).view(bits), want.view(bits))
+
+
+# ---------------------------------------------------------------------- dtypes the kernels take
+def _every_device() -> list[Device]:
+    from naive_device import NaiveDevice
+
+    return [backends.get_device(kind) for kind in backends.available()] + [NaiveDevice()]
+
+
+#: Each kernel family called on integer views: (what it is, a call on (device, x, y, out)).
+INTEGER_CALLS = {
+    "exp": lambda d, x, y, out: d.unary("exp", x, out),
+    "relu": lambda d, x, y, out: d.unary("relu", x, out),
+    "add": lambda d, x, y, out: d.binary("add", x, y, out),
+    "relu_backward": lambda d, x, y, out: d.binary("relu_backward", x, y, out),
+    "sub_scaled": lambda d, x, y, out: d.sub_scaled(x, y, 0.5, out),
+    "sum": lambda d, x, y, out: d.reduce("sum", x, (1,), True, out[:, :1]),
+    "matmul": lambda d, x, y, out: d.matmul(x, y, out),
+    "fused": lambda d, x, y, out: d.fused(
+        [("mul", (("input", 0), ("input", 1)), out.dtype),
+         ("exp", (("link", 0),), out.dtype)], [x, y], out),
+}
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32", "uint8", "bool"])
+@pytest.mark.parametrize("call", sorted(INTEGER_CALLS))
+def test_every_backend_refuses_integer_kernels_alike_before_writing(call, dtype):
+    """An arithmetic kernel on a dtype it does not compute is one TypeError, the same words on
+    every backend (the base's policy, before any kernel is built: CUDA once failed inside
+    NVRTC, the naive device truncated exp into integers), and out is left as it was."""
+    messages = set()
+    for device in _every_device():
+        host = (np.arange(9) % 3).reshape(3, 3).astype(dtype)
+        x, y, out = (to_device(device, host) for _ in range(3))
+        with pytest.raises(TypeError, match=rf"^{device.name}: the \S+ kernel computes on "
+                                            rf"float16, bfloat16, float32, float64, not {dtype}"):
+            INTEGER_CALLS[call](device, x, y, out)
+        assert device.to_host(out).tobytes() == host.tobytes()
+        with pytest.raises(TypeError) as caught:
+            INTEGER_CALLS[call](device, x, y, out)
+        messages.add(str(caught.value).replace(device.name, "<device>"))
+    assert len(messages) == 1, messages
+
+
+def test_copy_moves_every_dtype_on_every_backend():
+    for device in _every_device():
+        host = np.arange(6, dtype=np.int64).reshape(2, 3)
+        out = to_device(device, np.zeros_like(host))
+        device.unary("copy", to_device(device, host), out)
+        assert device.to_host(out).tolist() == host.tolist()
