@@ -18,7 +18,18 @@ Why a freed block is safe to reuse: every copy and kernel of a device runs on it
 and a stream runs its work in order. When a block goes back to an allocator
 its last kernel may still be queued, but whatever reuses the memory is queued behind it on the
 same stream, so it cannot start before that kernel ends. Host reads (`copyout`, `to_host`) wait
-for the stream. With several streams this no longer holds: a block freed by work on stream A and
+for the stream.
+
+The device's own stream is a blocking one (not `non_blocking`), so it is ordered both ways with
+CuPy's default stream, the legacy null stream, where CuPy runs whatever a caller does to a
+native view (`view[0, 0] = -1`, `view.get()`) unless another stream is current: a copy queued
+on the device's stream after such a write waits for it, and the write waits for the device's
+earlier kernels. (A non-blocking stream left that write unordered: a loaded test suite once
+read the old value back.) A caller who makes another stream current, or runs CuPy's
+per-thread default stream (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1), orders that stream itself:
+`backends.from_queue(stream)`, `Allocator.record_queue`, or its own events.
+
+With several streams the reuse argument above no longer holds: a block freed by work on stream A and
 reused on stream B needs an event recorded on A and waited on by B (PyTorch's `record_stream`),
 or a pool per stream (CuPy's). `Allocator.record_queue` records such a use, and the free joins
 the streams (Note [queue-ordered reuse] in backends/base.py); `use_with_cupy` records CuPy's
@@ -212,7 +223,8 @@ class CudaDevice(Device):
         index: the CUDA device ordinal.
         stream: a framework's own `cupy.cuda.Stream` on device `index`, already checked by
             `locate_queue`; the device then runs on it (`backends.from_queue(stream)` is the way
-            in). Default: a new non-blocking stream.
+            in). Default: a new blocking stream, ordered with CuPy's default stream (the
+            module docstring).
 
     Attributes:
         index: the CUDA device ordinal.
@@ -230,7 +242,8 @@ class CudaDevice(Device):
         if stream is None:
             self.name = f"cuda:{index}"
             with self.cuda_device:
-                stream = cp.cuda.Stream(non_blocking=True)
+                # NOTE: blocking: ordered with the legacy null stream (the module docstring)
+                stream = cp.cuda.Stream(non_blocking=False)
         else:
             self.name = f"cuda:{index}@stream:{stream.ptr:#x}"
         self.stream = stream
