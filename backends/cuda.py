@@ -39,6 +39,7 @@ current stream for the memory it lends.
 from __future__ import annotations
 
 import functools
+import math
 import re
 import weakref
 from collections.abc import Callable
@@ -460,8 +461,13 @@ class CudaDevice(Device):
     @_on_stream
     def _reduce(self, name, x, axis, keepdims, out) -> None:
         cp = _cupy()
-        reduction = cp.sum if name == "sum" else cp.mean
-        reduction(x, axis=axis, dtype=out.dtype, out=out, keepdims=keepdims)
+        cp.sum(x, axis=axis, dtype=out.dtype, out=out, keepdims=keepdims)
+        if name == "mean":
+            # NOTE: the sum divided by the count, as the NumPy device divides (not cupy.mean,
+            # whatever it does over no element): 0 / 0 is NaN, with no warning (Note [IEEE
+            # results, no floating-point signals] in backends/base.py)
+            count = x.size if axis is None else math.prod(x.shape[i] for i in axis)
+            cp.true_divide(out, count, out=out)
 
     @_on_stream
     def _cross_entropy(self, logits, labels, losses, probs) -> None:

@@ -129,9 +129,11 @@ _REDUCE = {"sum": np.sum, "mean": np.mean}
 
 def _reduce(name: str, x: np.ndarray, axis: tuple[int, ...] | None, keepdims: bool,
             out: np.ndarray) -> None:
-    if x.dtype in _FLOATS and x.dtype == out.dtype and x.size:
+    if x.dtype in _FLOATS and x.dtype == out.dtype:
         # NOTE: what np.sum and np.mean do for floats, without their Python wrappers (a third
-        # of the time of a small reduction): the same ufunc calls, the same bits
+        # of the time of a small reduction): the same ufunc calls, the same bits; and over no
+        # element 0 / 0, NaN, where np.mean would warn "Mean of empty slice" (Note [IEEE
+        # results, no floating-point signals] in backends/base.py)
         if not _rows_summed(x, axis, out):
             np.add.reduce(x, axis=axis, keepdims=keepdims, out=out)
         if name == "mean":
