@@ -74,8 +74,8 @@ def _relu(x: np.ndarray, out: np.ndarray) -> None:
 
 def _relu_backward(grad: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
     kind = _FLOAT_OP.get(out.dtype)
-    if (kind is not None and grad.dtype == y.dtype == out.dtype
-            and _halfconv.float_op(1, kind, out, grad, y)):
+    if (kind is not None and type(grad) is np.ndarray and type(y) is np.ndarray
+            and grad.dtype == y.dtype == out.dtype and _halfconv.float_op(1, kind, out, grad, y)):
         return
     np.multiply(grad, np.greater(y, 0), out=out)
 
