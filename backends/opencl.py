@@ -213,6 +213,11 @@ class OpenCLDevice(Device):
         #: whether the device has half arithmetic (cl_khr_fp16); reported, never used: the
         #: two-byte floats compute in float on every device (module docstring)
         self.fp16 = "cl_khr_fp16" in self.cl_device.extensions
+        # NOTE: OpenCL lets float division and sqrt be 2.5 and 3 ULPs off unless asked; asked,
+        # they are IEEE's, as on the CPU and CUDA (tests/test_bits.py). A device that cannot
+        # (no CORRECTLY_ROUNDED_DIVIDE_SQRT) gives its own bits for them.
+        exact = self.cl_device.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT
+        self._build_options = ["-cl-fp32-correctly-rounded-divide-sqrt"] if exact else []
         # NOTE: local-memory GEMM tiles suit GPUs; on CPU devices (PoCL) the barriers make them
         # ~5x slower than one plain dot product per work item, so those get the plain kernel.
         self.tiled_gemm = not self.cl_device.type & cl.device_type.CPU
@@ -394,7 +399,7 @@ class OpenCLDevice(Device):
                 text = source()
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", cl.CompilerWarning)
-                    kernel = cl.Program(self.context, text).build().k
+                    kernel = cl.Program(self.context, text).build(self._build_options).k
                 # NOTE: typed scalar arguments take plain ints and set ~20x faster than NumPy's
                 kernel.set_scalar_arg_dtypes(_scalar_types(text))
                 self._kernels[key] = kernel
