@@ -30,9 +30,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import backends
+import runtime
 from backends.base import BINARY_KERNELS, UNARY_KERNELS, Device
 from naive_device import NaiveDevice
-from runtime import dtypes
+from runtime import dtypes, ops
 
 BF16 = dtypes.BFLOAT16
 F16, F32, F64 = np.dtype("float16"), np.dtype("float32"), np.dtype("float64")
@@ -431,3 +432,26 @@ def test_transcendental_bounds_over_sampled_values(name, dtype):
                              skip=("naive",))
     for device, result in got.items():
         assert_close(name, result, want, f"{name}({dtype}) on {device}, sampled")
+
+
+# ---------------------------------------------------------------------- the CPU's fast path
+PUBLIC = [name for name in UNARY_KERNELS + BINARY_KERNELS if name in ops.__all__]
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from(FLOATS), number=st.booleans())
+def test_the_cpus_eager_ops_give_its_device_kernels_bits(name, data, dtype, number):
+    """runtime.ops on the CPU run the device's `_fast_kernels` through the C dispatch
+    (runtime/fastpath.py), not `Device.unary` / `binary`: the same bits, numbers included."""
+    n = data.draw(LENGTHS)
+    x = data.draw(values(dtype, n), label="x")
+    if name in UNARY_KERNELS:
+        want = _run(CPU, lambda d, x, out: d.unary(name, x, out), [x], (n,), dtype)
+        got = getattr(ops, name)(runtime.tensor(x))
+    else:
+        y = data.draw(_numbers(dtype) if number else values(dtype, n), label="y")
+        want = _run(CPU, lambda d, x, y, out: d.binary(name, x, y, out), [x, y], (n,), dtype)
+        other = float(y) if number else runtime.tensor(y)
+        got = getattr(ops, name)(runtime.tensor(x), other)
+    assert_same_bits(got.numpy(), want, f"ops.{name}({dtype}) on the CPU")
