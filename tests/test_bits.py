@@ -51,16 +51,17 @@ TRANSCENDENTAL = ["exp", "log", "tanh", "sigmoid"]
 assert sorted(EXACT_UNARY + TRANSCENDENTAL) == sorted(UNARY_KERNELS)
 
 #: ULPs (of the result's dtype) between a backend's exp, log or tanh and the CPU's (NumPy's
-#: float32 / float64 loops), largest seen on PoCL 3.0 (LLVM 14, SLEEF; pthread on an AMD EPYC
-#: znver3) by `test_transcendental_bounds_over_every_half_value` (every float16 and bfloat16
-#: value: exp, log and tanh within 1, as two float32 results a few ULPs apart can round to
-#: neighbouring halves) and, once by hand, over every float32 value (exp 2, log 3, tanh 2:
-#: backends' libms are not correctly rounded, OpenCL 1.2 allows 3, 3 and 5) and 4M random
-#: float64 values (1 each; `test_transcendental_bounds_over_sampled_values` repeats a smaller
-#: sample, marked slow). CUDA's are unmeasured here (no GPU): its manual allows expf 2, logf 1,
-#: tanhf 2 ULPs from the exact result, so a CUDA run may need its own entry.
+#: float32 / float64 loops), the largest seen on PoCL 3.0 (LLVM 14, SLEEF; pthread on an AMD
+#: EPYC, znver3) against the CPU device: over every float32 value, once, by a sweep of all
+#: 2**32 bit patterns (exp 3 at 0.34793907, log 4 at 0.7789028, tanh 2: neither libm rounds
+#: correctly, and OpenCL 1.2 allows 3, 3 and 5 ULPs from the exact result); over every float16
+#: and bfloat16 value, at every run, by `test_transcendental_bounds_over_every_half_value` (1:
+#: float32 results a few ULPs apart can round to neighbouring halves); over 10**8 random and
+#: ordinary float64 values, once (1 each; `test_transcendental_bounds_over_sampled_values`,
+#: marked slow, draws 2**21 like them). CUDA's are not measured (no GPU here); its libm is
+#: also a few ULPs from the exact result, so a CUDA run may need entries of its own.
 TRANSCENDENTAL_ULPS = {
-    ("exp", F32): 2, ("log", F32): 3, ("tanh", F32): 2,
+    ("exp", F32): 3, ("log", F32): 4, ("tanh", F32): 2,
     ("exp", F64): 1, ("log", F64): 1, ("tanh", F64): 1,
     **{(name, half): 1 for name in ("exp", "log", "tanh") for half in (F16, BF16)},
 }
@@ -68,8 +69,8 @@ TRANSCENDENTAL_ULPS = {
 #: absolute error, huge in ULPs of a result near 0 (the CPU's sigmoid(-20) is 0.0 where NumPy's
 #: tanh is -1, PoCL's 2.98e-8). So its bound is absolute: this many ULPs of 0.5 in the compute
 #: dtype (float32 for the halves), plus one ULP of the result's dtype for the final rounding;
-#: largest seen on PoCL, over the same sweeps: 1.
-SIGMOID_ULPS_OF_HALF = 1
+#: the largest seen on PoCL over the same sweeps: 2 (float32, 1.19e-7), 1 (float64).
+SIGMOID_ULPS_OF_HALF = 2
 #: A reduction's order is each backend's own (NumPy sums pairwise, PoCL in double, the naive
 #: device one element after another): two sums of n terms differ by at most twice the bound of
 #: one, 2 (n - 1) u sum|x| (u the unit roundoff of the compute dtype), plus one ULP of the
@@ -232,7 +233,7 @@ LENGTHS = st.integers(1, 24)
 
 # ---------------------------------------------------------------------- elementwise kernels
 @pytest.mark.parametrize("name", EXACT_UNARY + TRANSCENDENTAL)
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from(FLOATS))
 def test_unary_kernels_give_the_cpus_bits(name, data, dtype):
     x = data.draw(values(dtype, data.draw(LENGTHS)), label="x")
@@ -246,7 +247,7 @@ def test_unary_kernels_give_the_cpus_bits(name, data, dtype):
 
 
 @pytest.mark.parametrize("name", EXACT_BINARY)
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from(FLOATS),
        number=st.sampled_from([None, "a", "b"]))
 def test_binary_kernels_give_the_cpus_bits(name, data, dtype, number):
@@ -263,7 +264,7 @@ def test_binary_kernels_give_the_cpus_bits(name, data, dtype, number):
         assert_same_bits(result, want, f"{name}({dtype}) on {device}")
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from(FLOATS))
 def test_sub_scaled_gives_the_cpus_bits_and_its_two_kernels(data, dtype):
     """a - scale * b with the product rounded first (Device.sub_scaled): on every device the
@@ -280,7 +281,7 @@ def test_sub_scaled_gives_the_cpus_bits_and_its_two_kernels(data, dtype):
         assert_same_bits(result, want, f"sub_scaled({dtype}) on {device}")
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(data=st.data(), src=st.sampled_from(FLOATS), dst=st.sampled_from(FLOATS))
 def test_casts_between_floats_give_the_cpus_bits(data, src, dst):
     """IEEE round to nearest even (float64 to bfloat16 through float32, as ml_dtypes)."""
@@ -294,7 +295,7 @@ def test_casts_between_floats_give_the_cpus_bits(data, src, dst):
 
 # ---------------------------------------------------------------------- reductions
 @pytest.mark.parametrize("name", ["sum", "mean"])
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from(FLOATS), rows=st.integers(0, 6),
        cols=st.integers(1, 40), axis=st.sampled_from([None, (0,), (1,)]))
 def test_reductions_agree_within_the_bound_of_their_order(name, data, dtype, rows, cols, axis):
@@ -378,7 +379,7 @@ def _unfused(device: Device, program: list, inputs: list, out: Any) -> None:
         results.append(target)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(data=st.data())
 def test_a_fused_chain_gives_its_links_bits_on_every_device(data):
     """Device.fused (one generated kernel on OpenCL and CUDA, row blocks elsewhere) against
