@@ -228,8 +228,11 @@ class Allocator(AllocatorState):
             return list(self._queue_uses.get(allocation.serial, {}).values())
 
     def pending_frees(self) -> int:
-        """How many freed allocations wait for events on their recorded queues."""
+        """How many freed allocations wait for events on their recorded queues now: those whose
+        events have completed are taken back first (without waiting), as `stats` does."""
         with self._lock:
+            if self._pending:
+                self._collect_pending(wait=False)
             return len(self._pending)
 
     def _hot_off(self) -> None:

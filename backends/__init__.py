@@ -51,6 +51,12 @@ def parse_spec(spec: str) -> tuple[str, int]:
         raise TypeError(f"a device spec is a string such as 'cpu' or 'opencl:1', "
                         f"got {spec!r} of type {type(spec).__name__}")
     kind, _, index = spec.strip().lower().partition(":")
+    if "@" in index:
+        raise ValueError(f"{spec!r} is the name of a device made by backends.from_queue(queue) "
+                         f"over a framework's queue, and such devices are not in the registry "
+                         f"of get_device; keep the device object from_queue returned (pass it "
+                         f"wherever a device is asked for; get_device(device) returns it), or "
+                         f"call from_queue(queue) again for the same device")
     if kind not in BACKENDS:
         raise ValueError(f"unknown device {spec!r}; known backends: {', '.join(sorted(BACKENDS))}")
     if not index and not spec.endswith(":"):

@@ -448,8 +448,8 @@ compute(int code, const float *a, const float *b, float *r, float *t, Py_ssize_t
     case OP_NEG:  /* multiply(x, -1), as the NumPy device */
         for (i = 0; i < n; i++) r[i] = a[i] * -1.0f;
         break;
-    case OP_RELU:  /* np.maximum(x, 0): x where x > 0 or NaN, else +0 (-0 gives +0) */
-        for (i = 0; i < n; i++) r[i] = (a[i] > 0.0f || a[i] != a[i]) ? a[i] : 0.0f;
+    case OP_RELU:  /* +0 where x < 0, else x (-0 and NaN as they are): Note [relu's zero] */
+        for (i = 0; i < n; i++) r[i] = a[i] < 0.0f ? 0.0f : a[i];
         break;
     case OP_SQRT:
         for (i = 0; i < n; i++) r[i] = sqrtf(a[i]);
@@ -489,10 +489,8 @@ compute(int code, const float *a, const float *b, float *r, float *t, Py_ssize_t
         case OP_MUL: r = _mm256_mul_ps(va, vb); break;                                       \
         case OP_DIV: r = _mm256_div_ps(va, vb); break;                                       \
         case OP_NEG: r = _mm256_mul_ps(va, minus); break;                                    \
-        case OP_RELU:  /* a where a > 0 or NaN, else +0 */                                   \
-            t = _mm256_or_ps(_mm256_cmp_ps(va, zero, _CMP_GT_OQ),                            \
-                             _mm256_cmp_ps(va, va, _CMP_UNORD_Q));                           \
-            r = _mm256_and_ps(t, va);                                                        \
+        case OP_RELU:  /* +0 where a < 0, else a */                                          \
+            r = _mm256_andnot_ps(_mm256_cmp_ps(va, zero, _CMP_LT_OQ), va);                   \
             break;                                                                           \
         case OP_SQRT: r = _mm256_sqrt_ps(va); break;                                         \
         case OP_RELU_BACKWARD:                                                               \
@@ -944,12 +942,13 @@ sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
  *
  * float_op(code, kind, out, a[, b]): three of the NumPy device's kernels on contiguous float32
  * (kind 0) or float64 (kind 1) operands, each one loop the compiler vectorises (NumPy runs relu
- * against an array of zeros, relu_backward through a boolean temporary and a casting multiply,
- * and an add of a bias row through its broadcasting iterator): code 0 relu(a), a where a > 0 or
- * NaN, else +0, np.maximum(a, 0)'s bits; code 1 relu_backward(a, b), a * (b > 0), the
- * gradient times 1 or 0, so a NaN or infinite gradient stays NaN and a negative one gives -0;
+ * as a compare and two masked copies, relu_backward through a boolean temporary and a casting
+ * multiply, and an add of a bias row through its broadcasting iterator): code 0 relu(a), +0
+ * where a < 0, else a (-0 and NaN as they are: Note [relu's zero] in backends/base.py); code 1
+ * relu_backward(a, b), a * (b > 0), the gradient times 1 or 0, so a NaN or infinite gradient
+ * stays NaN and a negative one gives -0;
  * code 2 add(a, b), b of out's shape or one row of its last dimension; code 3 the sum of a
- * (rows, cols) over its rows, rows added one after another in order as np.add.reduce(a, 0)
+ * (rows, cols) over its rows, rows added one after another to +0 in order as np.add.reduce(a, 0)
  * adds them for cols > 1 (for one column NumPy sums pairwise: refused), into out of cols
  * elements (shape (cols,) or (1, cols)). One IEEE operation per element and step (a product
  * or a sum, never both), so the bits are NumPy's, but for the sum of two NaNs: a NaN, whose
@@ -963,7 +962,7 @@ sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     {                                                                                        \
         for (Py_ssize_t i = 0; i < n; i++) {                                                 \
             T x = a[i];                                                                      \
-            o[i] = (x > (T)0 || x != x) ? x : (T)0;                                          \
+            o[i] = x < (T)0 ? (T)0 : x;                                                      \
         }                                                                                    \
     }                                                                                        \
     ATTR static void relu_backward_##SUFFIX(T *o, const T *g, const T *y, Py_ssize_t n)     \
@@ -978,7 +977,8 @@ sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }                                                                                        \
     ATTR static void sum_rows_##SUFFIX(T *o, const T *x, Py_ssize_t rows, Py_ssize_t cols)   \
     {                                                                                        \
-        for (Py_ssize_t i = 0; i < cols; i++) o[i] = x[i];                                   \
+        /* from +0, as NumPy's sum: a column of -0.0 sums to +0.0 */                         \
+        for (Py_ssize_t i = 0; i < cols; i++) o[i] = (T)0 + x[i];                            \
         for (Py_ssize_t r = 1; r < rows; r++) {                                              \
             const T *y = x + r * cols;                                                       \
             for (Py_ssize_t i = 0; i < cols; i++) o[i] = o[i] + y[i];                        \

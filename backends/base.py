@@ -30,10 +30,17 @@ error handling off for the call (the op dispatch point, `ops._launch`, and each 
 Note [one formula on every backend]: an elementwise kernel computes the formula of the NumPy
 device (`backends/numpy.py`), written the same way on every backend, so that the backends agree
 on overflow and NaN, and up to their own exp and tanh, on rounding: sigmoid is
-0.5 * tanh(0.5 * x) + 0.5, which never overflows where 1 / (1 + exp(-x)) does; relu lets NaN
-through, as np.maximum does; relu_backward is g * (y > 0), so a NaN gradient stays NaN where
-y <= 0 too; tanh_backward and sigmoid_backward are g * (1 - y * y) and g * ((1 - y) * y) of the
-op's output y. A new or changed formula goes into the NumPy device first, then into the others.
+0.5 * tanh(0.5 * x) + 0.5, which never overflows where 1 / (1 + exp(-x)) does; relu is
+x < 0 ? +0 : x (Note [relu's zero]); relu_backward is g * (y > 0), so a NaN gradient stays NaN
+where y <= 0 too; tanh_backward and sigmoid_backward are g * (1 - y * y) and g * ((1 - y) * y)
+of the op's output y. A new or changed formula goes into the NumPy device first, then into the
+others; tests/test_bits.py holds every backend to the CPU's bits.
+
+Note [relu's zero]: relu(x) is +0 where x < 0 and x itself elsewhere, so -0.0 stays -0.0 and a
+NaN passes as it is: PyTorch's CPU relu, the reference users compare against (torch 2.13 gives
+-0.0 for relu(-0.0) in every float dtype). np.maximum(x, 0) is no reference for the zero's sign:
+NumPy 2.4 gives +0.0 for -0.0 in its float32 / float64 SIMD loops and -0.0 in its float16 one.
+Every backend writes relu as that compare and select, never as a maximum.
 
 Note [two-byte floats compute in float32]: a kernel whose output is float16 or bfloat16
 (HALVES) gives, bit for bit, what its float32 kernel gives on the exactly widened operands,
@@ -72,6 +79,10 @@ FUSED_BLOCK_BYTES = 64 << 10
 #: for half and bfloat16 (their "opmath" type) and NumPy's float16 loops do op by op.
 HALVES = (np.dtype("float16"), np.dtype(ml_dtypes.bfloat16))
 _FLOAT32 = np.dtype("float32")
+#: The dtypes the arithmetic kernels take (every kernel but "copy" and `cast`, which move and
+#: convert any dtype): a backend computes a subset (`Device._compute_dtypes`), checked before
+#: any kernel is built (`Device._check_computes`).
+COMPUTE_DTYPES = (*HALVES, _FLOAT32, np.dtype("float64"))
 
 
 def _half(x: Any) -> bool:
@@ -259,10 +270,41 @@ class Device:
                              f"allocation of {size} bytes on {self.name}")
 
     # ----------------------------------------------------------------- kernels (public policy)
+    @functools.cached_property
+    def _computed(self) -> tuple[np.dtype, ...]:
+        # NOTE: a tuple, float32 first: `in` settles the common dtype by identity (a set hashes)
+        computed = self._compute_dtypes()
+        return tuple(sorted(computed, key=lambda d: d != _FLOAT32))
+
+    def _check_computes(self, kernel: str, inputs: Sequence[Any], out: Any) -> None:
+        """Raise TypeError, before any kernel is built or run, where `out` or an array among
+        `inputs` has a dtype this device's kernels do not compute (`_compute_dtypes`); numbers
+        pass (they meet the kernel in out's compute dtype). One rule and one message on every
+        backend."""
+        dtype = out.dtype
+        if dtype not in self._computed:
+            self._refuse_dtype(kernel, dtype)
+        for x in inputs:  # NOTE: most inputs have out's dtype object: `is` settles them
+            other = getattr(x, "dtype", dtype)
+            if other is not dtype and other not in self._computed and not isinstance(
+                    x, np.generic):
+                self._refuse_dtype(kernel, other)
+
+    def _refuse_dtype(self, kernel: str, dtype: np.dtype) -> None:
+        names = ", ".join(str(d) for d in COMPUTE_DTYPES if d in self._computed)
+        why = (f" ({self.name} lacks {dtype} arithmetic: an OpenCL device without cl_khr_fp64, "
+               f"say)" if dtype in COMPUTE_DTYPES else "")
+        raise TypeError(f"{self.name}: the {kernel} kernel computes on {names}, not {dtype}"
+                        f"{why}; cast first (runtime.ops.cast), or move the bits with the copy "
+                        f"kernel")
+
     def unary(self, name: str, x: Any, out: Any) -> None:
-        """out = f(x) elementwise, f one of UNARY_KERNELS; x may be identical to out."""
+        """out = f(x) elementwise, f one of UNARY_KERNELS; x may be identical to out. Every
+        kernel but "copy" (any dtype) takes the dtypes of `_compute_dtypes` only (TypeError)."""
         if name not in UNARY_KERNELS:
             raise ValueError(f"unknown unary kernel {name!r}; known: {', '.join(UNARY_KERNELS)}")
+        if name != "copy":
+            self._check_computes(name, (x,), out)
         if out.dtype in HALVES and name != "copy" and not self.half_kernels:
             # NOTE: ops give x out's dtype
             if not self._half_elementwise(name, (x,), out):
@@ -274,6 +316,7 @@ class Device:
         """out = a (op) b elementwise; a and b already have out's shape (zero strides broadcast)."""
         if name not in BINARY_KERNELS:
             raise ValueError(f"unknown binary kernel {name!r}; known: {', '.join(BINARY_KERNELS)}")
+        self._check_computes(name, (a, b), out)
         if out.dtype in HALVES and not self.half_kernels:  # NOTE: ops give a and b out's dtype
             if not self._half_elementwise(name, (a, b), out):
                 self._in_float32(functools.partial(self._binary, name), (a, b), (out,))
@@ -290,10 +333,12 @@ class Device:
         nothing, where a backend that runs the two kernels puts the product (an optimizer
         passes its own, so its step allocates nothing: Note [the commit point] in
         runtime/nn.py)."""
+        self._check_computes("sub_scaled", (a, b), out)
         self._sub_scaled(a, b, scale, out, scratch)
 
     def matmul(self, a: Any, b: Any, out: Any) -> None:
         """out = a @ b for 2-D (or batched N-D) views; out never overlaps a or b."""
+        self._check_computes("matmul", (a, b), out)
         if out.dtype in HALVES and not self.half_kernels:
             return self._in_float32(self._matmul, (a, b), (out,))
         self._matmul(a, b, out)
@@ -308,6 +353,7 @@ class Device:
         beta 0 the old contents of out are not read. Where `gemm_accumulates` is True this is
         one BLAS-style product that rounds once; otherwise a product into scratch and a fused
         elementwise pass (the same result up to rounding)."""
+        self._check_computes("gemm", (a, b), out)
         if out.dtype in HALVES and not self.half_kernels:
             return self._in_float32(lambda a, b, o: self._gemm(a, b, o, float(alpha),
                                                                float(beta)),
@@ -326,6 +372,7 @@ class Device:
         """out = sum or mean of x over `axis` (None: all axes); out never overlaps x."""
         if name not in REDUCE_KERNELS:
             raise ValueError(f"unknown reduction {name!r}; known: {', '.join(REDUCE_KERNELS)}")
+        self._check_computes(name, (x,), out)
         if out.dtype in HALVES and not self.half_kernels:
             return self._in_float32(lambda x, o: self._reduce(name, x, axis, keepdims, o), (x,),
                                     (out,))
@@ -342,6 +389,7 @@ class Device:
         bad label in row order) before writing either output (Note [checked before written]):
         labels in a Tensor reach the kernel unchecked.
         """
+        self._check_computes("cross_entropy", (logits, probs), losses)
         if logits.dtype in HALVES:
             return self._in_float32(self._cross_entropy,
                                     (logits, labels), (losses, probs))
@@ -352,6 +400,7 @@ class Device:
         of `cross_entropy` with respect to the logits, given the gradient `grad` (rows,).
         `labels` are those `cross_entropy` checked (autograd saves them with their version), so
         a backend need not check them again; outside [0, classes) the result is undefined."""
+        self._check_computes("cross_entropy_backward", (probs, grad), out)
         if out.dtype in HALVES:
             return self._in_float32(self._cross_entropy_backward, (probs, labels, grad), (out,))
         self._cross_entropy_backward(probs, labels, grad, out)
@@ -409,7 +458,7 @@ class Device:
         scratch arrays; a backend may compile the chain into one kernel instead
         (`_compile_fused`).
         """
-        _check_program(program)
+        self._check_chain(program, inputs, out)
         self._prepared(program, inputs, out, {})()
 
     def prepare_fused(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
@@ -419,8 +468,20 @@ class Device:
         The backend's kernel is found and its arguments made here, as are the default's scratch
         arrays and block views, not at every run; pass the same `scratch` dict to chains that
         never run at the same time and they share them."""
-        _check_program(program)
+        self._check_chain(program, inputs, out)
         return self._prepared(program, inputs, out, {} if scratch is None else scratch)
+
+    def _check_chain(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
+                     out: Any) -> None:
+        """A fused program's checks: its shape (`_check_program`), then the dtypes of its
+        inputs, out and links (`_check_computes`; a chain of copies moves any dtype)."""
+        _check_program(program)
+        if all(name == "copy" for name, _, _ in program):
+            return
+        self._check_computes("fused", inputs, out)
+        for name, _, dtype in program:
+            if name != "copy" and np.dtype(dtype) not in self._computed:
+                self._refuse_dtype(f"fused chain's {name}", np.dtype(dtype))
 
     def _prepared(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
                   out: Any, shared: dict) -> Callable[[], None]:
@@ -542,6 +603,11 @@ class Device:
         raise TypeError(f"{self.name} runs every command synchronously and has no queues")
 
     # ----------------------------------------------------------------- hooks (mechanism)
+    def _compute_dtypes(self) -> Sequence[np.dtype]:
+        """The dtypes this device's arithmetic kernels compute, asked once: COMPUTE_DTYPES, or
+        fewer where the device lacks one (an OpenCL device without cl_khr_fp64)."""
+        return COMPUTE_DTYPES
+
     def _raw_alloc(self, nbytes: int) -> Any:
         raise _missing(self, "_raw_alloc")
 

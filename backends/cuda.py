@@ -18,7 +18,18 @@ Why a freed block is safe to reuse: every copy and kernel of a device runs on it
 and a stream runs its work in order. When a block goes back to an allocator
 its last kernel may still be queued, but whatever reuses the memory is queued behind it on the
 same stream, so it cannot start before that kernel ends. Host reads (`copyout`, `to_host`) wait
-for the stream. With several streams this no longer holds: a block freed by work on stream A and
+for the stream.
+
+The device's own stream is a blocking one (not `non_blocking`), so it is ordered both ways with
+CuPy's default stream, the legacy null stream, where CuPy runs whatever a caller does to a
+native view (`view[0, 0] = -1`, `view.get()`) unless another stream is current: a copy queued
+on the device's stream after such a write waits for it, and the write waits for the device's
+earlier kernels. (A non-blocking stream left that write unordered: a loaded test suite once
+read the old value back.) A caller who makes another stream current, or runs CuPy's
+per-thread default stream (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1), orders that stream itself:
+`backends.from_queue(stream)`, `Allocator.record_queue`, or its own events.
+
+With several streams the reuse argument above no longer holds: a block freed by work on stream A and
 reused on stream B needs an event recorded on A and waited on by B (PyTorch's `record_stream`),
 or a pool per stream (CuPy's). `Allocator.record_queue` records such a use, and the free joins
 the streams (Note [queue-ordered reuse] in backends/base.py); `use_with_cupy` records CuPy's
@@ -28,6 +39,7 @@ current stream for the memory it lends.
 from __future__ import annotations
 
 import functools
+import math
 import re
 import weakref
 from collections.abc import Callable
@@ -76,11 +88,12 @@ def has_bfloat16() -> bool:
 #: Each elementwise formula on float operands `a` and `b` (Note [one formula on every backend] in
 #: backends/base.py), for the float kernels, the half kernels and the fused chains alike,
 #: compiled without contraction (`_NO_FMA`, which reaches the math library's code too), so a
-#: link gives its eager op's bits. relu is np.maximum(x, 0): a NaN passes with its bits and -0.0
-#: stays -0.0 (CuPy's maximum gives a canonical NaN).
+#: link gives its eager op's bits. relu is +0 where x < 0, else x, as on every backend: -0.0
+#: stays -0.0 and a NaN passes with its bits (Note [relu's zero] in backends/base.py; CuPy's
+#: maximum would give +0.0 or -0.0 by argument order and a canonical NaN).
 _FLOAT_FORMULAS = {
     "neg": "-a", "exp": "exp(a)", "log": "log(a)", "tanh": "tanh(a)",
-    "sigmoid": "0.5f * tanh(0.5f * a) + 0.5f", "relu": "(a >= 0.0f || isnan(a)) ? a : 0.0f",
+    "sigmoid": "0.5f * tanh(0.5f * a) + 0.5f", "relu": "a < 0.0f ? 0.0f : a",
     "sqrt": "sqrt(a)",
     "add": "a + b", "sub": "a - b", "mul": "a * b", "div": "a / b",
     "tanh_backward": "a * (1.0f - b * b)", "sigmoid_backward": "a * ((1.0f - b) * b)",
@@ -211,7 +224,8 @@ class CudaDevice(Device):
         index: the CUDA device ordinal.
         stream: a framework's own `cupy.cuda.Stream` on device `index`, already checked by
             `locate_queue`; the device then runs on it (`backends.from_queue(stream)` is the way
-            in). Default: a new non-blocking stream.
+            in). Default: a new blocking stream, ordered with CuPy's default stream (the
+            module docstring).
 
     Attributes:
         index: the CUDA device ordinal.
@@ -229,7 +243,8 @@ class CudaDevice(Device):
         if stream is None:
             self.name = f"cuda:{index}"
             with self.cuda_device:
-                stream = cp.cuda.Stream(non_blocking=True)
+                # NOTE: blocking: ordered with the legacy null stream (the module docstring)
+                stream = cp.cuda.Stream(non_blocking=False)
         else:
             self.name = f"cuda:{index}@stream:{stream.ptr:#x}"
         self.stream = stream
@@ -420,6 +435,7 @@ class CudaDevice(Device):
         widened float32 product that other dtypes' pairs take. bfloat16 takes it only on a GPU
         of compute capability 8.0 or more (cuBLAS has no bfloat16 GEMM before Ampere); older
         ones, and float16 before 5.3, widen."""
+        self._check_computes("matmul", (a, b), out)  # NOTE: the GemmEx path skips base's
         if (out.dtype in HALVES and a.dtype == b.dtype == out.dtype
                 and self._half_gemm[out.dtype]):
             self._matmul(a, b, out)
@@ -445,8 +461,13 @@ class CudaDevice(Device):
     @_on_stream
     def _reduce(self, name, x, axis, keepdims, out) -> None:
         cp = _cupy()
-        reduction = cp.sum if name == "sum" else cp.mean
-        reduction(x, axis=axis, dtype=out.dtype, out=out, keepdims=keepdims)
+        cp.sum(x, axis=axis, dtype=out.dtype, out=out, keepdims=keepdims)
+        if name == "mean":
+            # NOTE: the sum divided by the count, as the NumPy device divides (not cupy.mean,
+            # whatever it does over no element): 0 / 0 is NaN, with no warning (Note [IEEE
+            # results, no floating-point signals] in backends/base.py)
+            count = x.size if axis is None else math.prod(x.shape[i] for i in axis)
+            cp.true_divide(out, count, out=out)
 
     @_on_stream
     def _cross_entropy(self, logits, labels, losses, probs) -> None:

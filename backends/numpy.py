@@ -61,36 +61,21 @@ def _neg(x: np.ndarray, out: np.ndarray) -> None:
     np.multiply(x, -1, out=out)
 
 
-#: Zeros cached whole up to this many bytes per array (16 shapes at most); larger ones are one row.
-_ZEROS_WHOLE = 256 << 10
-
-
-@functools.lru_cache(maxsize=16)
-def _zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """Read-only zeros that broadcast to `shape`: the whole array, or one row when that would
-    be large."""
-    if math.prod(shape) * dtype.itemsize > _ZEROS_WHOLE and shape:
-        shape = shape[-1:]
-    zeros = np.zeros(shape, dtype)
-    zeros.flags.writeable = False
-    return zeros
-
-
 def _relu(x: np.ndarray, out: np.ndarray) -> None:
     kind = _FLOAT_OP.get(out.dtype)
     if kind is not None and x.dtype == out.dtype and _halfconv.float_op(0, kind, out, x):
         return
-    # NOTE: NumPy 2.4's maximum against a scalar runs a loop 3-4x slower than against an array
-    # of zeros (9.0 against 2.7 us at 64x256 float32, 184 against 43 us at 256x1024, AMD EPYC);
-    # the results are the same bits (NaN payloads and signed zeros included:
-    # tests/test_backends.py)
-    np.maximum(x, _zeros(out.shape, out.dtype), out=out)
+    # NOTE: not np.maximum(x, 0), which makes -0.0 +0.0 in some loops: Note [relu's zero] in
+    # backends/base.py. The mask is made before out (which may be x) is written.
+    negative = np.less(x, 0)
+    np.copyto(out, x)
+    np.copyto(out, 0, where=negative)
 
 
 def _relu_backward(grad: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
     kind = _FLOAT_OP.get(out.dtype)
-    if (kind is not None and grad.dtype == y.dtype == out.dtype
-            and _halfconv.float_op(1, kind, out, grad, y)):
+    if (kind is not None and type(grad) is np.ndarray and type(y) is np.ndarray
+            and grad.dtype == y.dtype == out.dtype and _halfconv.float_op(1, kind, out, grad, y)):
         return
     np.multiply(grad, np.greater(y, 0), out=out)
 
@@ -144,9 +129,11 @@ _REDUCE = {"sum": np.sum, "mean": np.mean}
 
 def _reduce(name: str, x: np.ndarray, axis: tuple[int, ...] | None, keepdims: bool,
             out: np.ndarray) -> None:
-    if x.dtype in _FLOATS and x.dtype == out.dtype and x.size:
+    if x.dtype in _FLOATS and x.dtype == out.dtype:
         # NOTE: what np.sum and np.mean do for floats, without their Python wrappers (a third
-        # of the time of a small reduction): the same ufunc calls, the same bits
+        # of the time of a small reduction): the same ufunc calls, the same bits; and over no
+        # element 0 / 0, NaN, where np.mean would warn "Mean of empty slice" (Note [IEEE
+        # results, no floating-point signals] in backends/base.py)
         if not _rows_summed(x, axis, out):
             np.add.reduce(x, axis=axis, keepdims=keepdims, out=out)
         if name == "mean":

@@ -53,7 +53,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from backends.base import HALVES, BackendUnavailableError, Device
+from backends.base import COMPUTE_DTYPES, HALVES, BackendUnavailableError, Device
 
 try:
     import pyopencl as cl
@@ -82,7 +82,7 @@ _NO_BAD_ROW.flags.writeable = False
 # NOTE: the NumPy device's formulas: Note [one formula on every backend] in backends/base.py
 _UNARY = {"neg": "-x0", "exp": "exp(x0)", "log": "log(x0)", "tanh": "tanh_(x0)",
           "sigmoid": "(T)0.5 * tanh_((T)0.5 * x0) + (T)0.5",
-          "relu": "x0 < (T)0 ? (T)0 : x0",  # NaN stays NaN, as np.maximum
+          "relu": "x0 < (T)0 ? (T)0 : x0",  # NOTE: Note [relu's zero] in backends/base.py
           "sqrt": "sqrt(x0)", "copy": "x0"}
 _BINARY = {"add": "x0 + x1", "sub": "x0 - x1", "mul": "x0 * x1", "div": "x0 / x1",
            "tanh_backward": "x0 * ((T)1 - x1 * x1)",
@@ -213,6 +213,11 @@ class OpenCLDevice(Device):
         #: whether the device has half arithmetic (cl_khr_fp16); reported, never used: the
         #: two-byte floats compute in float on every device (module docstring)
         self.fp16 = "cl_khr_fp16" in self.cl_device.extensions
+        # NOTE: OpenCL lets float division and sqrt be 2.5 and 3 ULPs off unless asked; asked,
+        # they are IEEE's, as on the CPU and CUDA (tests/test_bits.py). A device that cannot
+        # (no CORRECTLY_ROUNDED_DIVIDE_SQRT) gives its own bits for them.
+        exact = self.cl_device.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT
+        self._build_options = ["-cl-fp32-correctly-rounded-divide-sqrt"] if exact else []
         # NOTE: local-memory GEMM tiles suit GPUs; on CPU devices (PoCL) the barriers make them
         # ~5x slower than one plain dot product per work item, so those get the plain kernel.
         self.tiled_gemm = not self.cl_device.type & cl.device_type.CPU
@@ -364,6 +369,9 @@ class OpenCLDevice(Device):
         return picked.copy()
 
     # ----------------------------------------------------------------- kernels
+    def _compute_dtypes(self) -> Sequence[np.dtype]:
+        return COMPUTE_DTYPES if self.fp64 else COMPUTE_DTYPES[:-1]  # NOTE: float64 is last
+
     def _type(self, dtype: np.dtype) -> str:
         ctype = _FLOAT_TYPES.get(dtype)
         if ctype is None:
@@ -391,7 +399,7 @@ class OpenCLDevice(Device):
                 text = source()
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", cl.CompilerWarning)
-                    kernel = cl.Program(self.context, text).build().k
+                    kernel = cl.Program(self.context, text).build(self._build_options).k
                 # NOTE: typed scalar arguments take plain ints and set ~20x faster than NumPy's
                 kernel.set_scalar_arg_dtypes(_scalar_types(text))
                 self._kernels[key] = kernel

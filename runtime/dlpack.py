@@ -303,11 +303,41 @@ def _retyped(capsule: Any, old: tuple[int, int], new: tuple[int, int]) -> Any:
     return capsule
 
 
-class _BfloatAsUint16:
-    """What NumPy imports in place of a producer: its capsule, a bfloat16 one retyped uint16."""
+#: DLPack's type codes by name (DLPack 1.1, dlpack.h's DLDataTypeCode)
+_CODE_NAMES = {0: "int", 1: "uint", 2: "float", 3: "opaque handle", 4: "bfloat", 5: "complex",
+               6: "bool", 7: "float8_e3m4", 8: "float8_e4m3", 9: "float8_e4m3b11fnuz",
+               10: "float8_e4m3fn", 11: "float8_e4m3fnuz", 12: "float8_e5m2",
+               13: "float8_e5m2fnuz", 14: "float8_e8m0fnu", 15: "float6_e2m3fn",
+               16: "float6_e3m2fn", 17: "float4_e2m1fn"}
+#: The (code, bits) of the element types a tensor holds (runtime/dtypes.py DTYPES)
+_HELD = {(0, 8), (0, 16), (0, 32), (0, 64), (1, 8), (1, 16), (1, 32), (1, 64), (2, 16),
+         (2, 32), (2, 64), (_KDL_BFLOAT, 16), (6, 8)}
 
-    def __init__(self, producer: Any) -> None:
+
+def _check_held(field: _DLDataType) -> None:
+    """Raise TypeError, before NumPy or CuPy takes the capsule, for an element type no tensor
+    holds (float8 and the narrower floats, complex, vectors of lanes), naming it."""
+    if (field.code, field.bits) in _HELD and field.lanes == 1:
+        return
+    name = _CODE_NAMES.get(field.code, f"type code {field.code}")
+    if field.code in (0, 1, 2, 5):
+        name = f"{name}{field.bits}"
+    lanes = f" in vectors of {field.lanes} lanes" if field.lanes != 1 else ""
+    raise TypeError(f"from_dlpack: the producer's elements are {name}{lanes} (DLPack type code "
+                    f"{field.code}, {field.bits} bits), which no tensor holds; tensors hold "
+                    f"bool, int8-64, uint8-64, float16, bfloat16, float32 and float64: convert "
+                    f"in the producer first (float8 to float16 or bfloat16, say)")
+
+
+class _Checked:
+    """What NumPy or CuPy imports in place of a producer: its capsule, once its element type
+    is one a tensor holds (`_check_held`); for NumPy (`bfloat_as_uint16`) a bfloat16 one
+    retyped uint16 (Note [bfloat16 through DLPack])."""
+
+    def __init__(self, producer: Any, bfloat_as_uint16: bool) -> None:
         self.producer = producer
+        self.bfloat_as_uint16 = bfloat_as_uint16
+        #: whether a bfloat16 capsule was retyped
         self.bfloat = False
 
     def __dlpack_device__(self) -> Any:
@@ -316,7 +346,8 @@ class _BfloatAsUint16:
     def __dlpack__(self, **options: Any) -> Any:
         capsule = self.producer.__dlpack__(**options)
         field = _dtype_field(capsule)
-        if (field.code, field.bits, field.lanes) == (_KDL_BFLOAT, 16, 1):
+        _check_held(field)
+        if self.bfloat_as_uint16 and (field.code, field.bits) == (_KDL_BFLOAT, 16):
             field.code = _KDL_UINT
             self.bfloat = True
         return capsule
@@ -331,7 +362,7 @@ def _host_memory(address: int, nbytes: int, readonly: bool, owner: Any) -> np.nd
 
 
 def _import_host(obj: Any, index: int) -> tuple[Device, Any, int, Callable[..., Any]]:
-    producer = _BfloatAsUint16(obj)  # Note [bfloat16 through DLPack]
+    producer = _Checked(obj, bfloat_as_uint16=True)  # Note [bfloat16 through DLPack]
     native = np.from_dlpack(producer)
     if producer.bfloat:
         native = native.view(BFLOAT16)
@@ -349,7 +380,7 @@ def _import_cuda(obj: Any, index: int) -> tuple[Device, Any, int, Callable[..., 
 
     cp = _cupy()
     with device.cuda_device, device.stream:  # the producer's work is ordered before ours
-        native = cp.from_dlpack(obj)
+        native = cp.from_dlpack(_Checked(obj, bfloat_as_uint16=False))
 
     def memory(address: int, nbytes: int) -> Any:
         return cp.cuda.UnownedMemory(address, nbytes, native, device_id=index)
@@ -365,7 +396,10 @@ def from_dlpack(obj: Any, allocator: Allocator | None = None) -> Any:
     results of ops on the tensor. A blockrt Tensor gives a new handle on its own block.
 
     Raises:
-        TypeError: `obj` has no `__dlpack__`, or holds a dtype tensors do not (e.g. float16).
+        TypeError: `obj` has no `__dlpack__`, or its elements are of a type no tensor holds
+            (float8, float6 and float4, complex, vectors), named before anything is shared.
+            float16 and bfloat16 (DLPack's kDLBfloat, which NumPy cannot take itself) are
+            held: Note [bfloat16 through DLPack].
         BufferError: its memory is on a device blockrt cannot use through DLPack.
         BackendUnavailableError: its memory is on CUDA and the CUDA backend is unavailable.
 

@@ -25,7 +25,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["BFLOAT16", "COMPUTE", "DTYPES", "FLOATS", "HALVES", "finfo", "is_float", "kind"]
+__all__ = ["BFLOAT16", "COMPUTE", "DTYPES", "FLOATS", "HALVES", "finfo", "first_changed",
+           "is_float", "kind"]
 
 #: NumPy dtype of bfloat16 (through ml_dtypes).
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -57,3 +58,35 @@ def is_float(dtype: np.dtype) -> bool:
 def finfo(dtype: np.dtype) -> Any:
     """`np.finfo` of a float dtype, bfloat16 included."""
     return ml_dtypes.finfo(dtype) if dtype == BFLOAT16 else np.finfo(dtype)
+
+
+def first_changed(src: np.dtype, dst: np.dtype) -> int | None:
+    """The integer of least magnitude that the integer or bool dtype `src` holds and `dst` does
+    not hold exactly, or None when `dst` holds every value of `src`: the rule of `ops.cast`.
+
+    A float holds the integers up to 2**(nmant + 1) exactly (2049 is the first that float16
+    rounds, 257 bfloat16's, 2**24 + 1 float32's, 2**53 + 1 float64's); an integer dtype those of
+    its range, bool 0 and 1.
+
+    Example:
+        >>> from runtime import dtypes
+        >>> dtypes.first_changed(np.dtype("int8"), np.dtype("float16")) is None
+        True
+        >>> dtypes.first_changed(np.dtype("int64"), np.dtype("float32"))
+        16777217
+    """
+    low, high = _range(src)
+    if is_float(dst):
+        first = 2 ** (finfo(dst).nmant + 1) + 1
+        return first if high >= first else -first if low <= -first else None
+    dst_low, dst_high = _range(dst)
+    beyond = [v for v in (dst_low - 1, dst_high + 1) if low <= v <= high]
+    return min(beyond, key=abs) if beyond else None
+
+
+def _range(dtype: np.dtype) -> tuple[int, int]:
+    """The least and greatest value of an integer or bool dtype."""
+    if dtype.kind == "b":
+        return 0, 1
+    info = np.iinfo(dtype)
+    return int(info.min), int(info.max)

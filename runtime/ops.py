@@ -525,41 +525,57 @@ def copy(x: Tensor, out: Tensor | None = None) -> Tensor:
     return _elementwise("copy", out, x)
 
 
-def can_cast(src: Any, dst: Any) -> bool:
+def can_cast(src: Any, dst: Any, *, exact: bool = True) -> bool:
     """Whether `cast` converts tensors of dtype `src` to `dst` (the rule in `cast`)."""
-    src, dst = as_dtype(src, "can_cast"), as_dtype(dst, "can_cast")
-    return _cast_refusal(src, dst) is None
+    src, dst = _cast_dtype(src, "can_cast"), _cast_dtype(dst, "can_cast")
+    return _cast_refusal(src, dst, as_flag(exact, "can_cast: exact")) is None
 
 
-def _cast_refusal(src: np.dtype, dst: np.dtype) -> str | None:
-    """Why `cast` refuses src -> dst, or None where it converts."""
-    if src == dst or src.kind == "b" or dtypes.is_float(dst) and (dtypes.is_float(src)
-                                                                  or dst in FLOAT_DTYPES):
-        return None  # exact (bool, or an integer into float32 / float64 up to 2**24 / 2**53)
+def _cast_dtype(dtype: Any, op: str) -> np.dtype:
+    """A dtype of cast's, refusing None (which NumPy reads as float64) by name."""
+    if dtype is None:
+        raise TypeError(f"{op}: dtype None names no dtype (NumPy would read it as float64); "
+                        f"name one, e.g. 'float32'")
+    return as_dtype(dtype, op)
+
+
+def _cast_refusal(src: np.dtype, dst: np.dtype, exact: bool) -> str | None:
+    """Why `cast` refuses src -> dst, or None where it converts: the one rule of casts."""
+    if src == dst or dtypes.is_float(src) and dtypes.is_float(dst):
+        return None  # IEEE rounding between floats
     if dtypes.is_float(src):
         return ("a float to an integer or bool would truncate, wrap or lose NaN; convert on "
                 "the host, where runtime.tensor(x.numpy(), dtype=...) refuses any value it "
                 "would change")
+    first = dtypes.first_changed(src, dst)
+    if first is None:
+        return None  # every value of src is exact in dst
     if dtypes.is_float(dst):
-        exact = 2 ** (dtypes.finfo(dst).nmant + 1)
-        return (f"an integer to {dst} would lose integers above {exact}; cast to float32 or "
-                f"float64 first")
-    if np.can_cast(src, dst, "safe"):
-        return None  # every value survives: integers into a wider integer
-    return ("not every value survives (a narrower integer, or signed to unsigned); convert "
-            "on the host, where runtime.tensor(x.numpy(), dtype=...) refuses any value it "
-            "would change")
+        if not exact:
+            return None  # rounded to nearest, as asked
+        exactly = 2 ** (dtypes.finfo(dst).nmant + 1)
+        became = ieee(np.array(first).astype, dst).item()
+        wide = [str(d) for d in dtypes.FLOATS if dtypes.first_changed(src, d) is None]
+        return (f"{dst} holds integers exactly only up to {exactly}, and {src} holds {first}, "
+                f"which would become {int(became)}; pass exact=False to round such integers "
+                f"to nearest, as NumPy and PyTorch do" + (f", or cast to {wide[0]}" if wide
+                                                           else ""))
+    return (f"{dst} does not hold every {src}: {first} would change; convert on the host, "
+            f"where runtime.tensor(x.numpy(), dtype=...) refuses any value it would change")
 
 
-def cast(x: Tensor, dtype: Any, out: Tensor | None = None) -> Tensor:
+def cast(x: Tensor, dtype: Any, out: Tensor | None = None, *, exact: bool = True) -> Tensor:
     """x converted to `dtype`, elementwise, on x's device.
 
     Casts between float dtypes round to nearest even, as IEEE 754 says (a finite value beyond
     the target's range becomes an infinity, as in NumPy and PyTorch; float64 to bfloat16 goes
-    through float32, as ml_dtypes does). Integers go to float32 or float64 (rounded to
-    nearest) and into a wider integer (exact); bool goes to any dtype (0 or 1). Everything
-    else would change values silently and is refused (`can_cast` says which): convert on the
-    host instead.
+    through float32, as ml_dtypes does). Integers and bool go wherever every value they hold
+    is exact (`runtime.dtypes.first_changed`): into a wider integer, and into a float that
+    holds them all (int8 and uint8 into float16 and bfloat16, 16-bit ones into float32,
+    32-bit ones into float64). `exact=False` also sends integers into a float that rounds some
+    of them (int64 to float32, say), to nearest even, as NumPy and PyTorch do. Everything else
+    would change values silently and is refused with a TypeError naming the dtypes and the
+    first value that would change (`can_cast` says which): convert on the host instead.
     Gradients flow through casts between float dtypes (the gradient is cast back).
 
     `out` may not share any memory with x.
@@ -569,11 +585,14 @@ def cast(x: Tensor, dtype: Any, out: Tensor | None = None) -> Tensor:
         >>> half = runtime.ops.cast(runtime.tensor(np.float32([1.0, 0.1, 70000.0])), "float16")
         >>> half.dtype, half.numpy().tolist()
         (dtype('float16'), [1.0, 0.0999755859375, inf])
+        >>> big = runtime.tensor(np.int64([2**24 + 1]))
+        >>> runtime.ops.cast(big, "float32", exact=False).numpy().tolist()
+        [16777216.0]
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"cast: expected a Tensor, got {type(x).__name__} {_brief(x)}")
-    target = as_dtype(dtype, "cast")
-    why = _cast_refusal(x.dtype, target)
+    target = _cast_dtype(dtype, "cast")
+    why = _cast_refusal(x.dtype, target, as_flag(exact, "cast: exact"))
     if why is not None:
         raise TypeError(f"cast: {x.dtype} to {target} is refused: {why}")
     device = x.device

@@ -9,6 +9,15 @@ from typing import Any
 
 import numpy as np
 
+
+def relu_reference(x: np.ndarray) -> np.ndarray:
+    """relu as PyTorch's CPU computes it: +0 where x < 0, else x itself (-0.0 and NaN as they
+    are): Note [relu's zero] in backends/base.py. Not np.maximum(x, 0), whose zero's sign
+    depends on NumPy's loop."""
+    x = np.asarray(x)
+    return np.where(x < 0, np.zeros_like(x), x)
+
+
 #: What each unary kernel / op computes, in NumPy (backends.base.UNARY_KERNELS).
 UNARY_REFERENCE: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "neg": np.negative,
@@ -16,7 +25,7 @@ UNARY_REFERENCE: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "log": np.log,
     "tanh": np.tanh,
     "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
-    "relu": lambda x: np.maximum(x, 0),
+    "relu": relu_reference,
     "sqrt": np.sqrt,
     "copy": np.copy,
 }

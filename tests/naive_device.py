@@ -45,7 +45,7 @@ _UNARY: dict[str, Callable[[Any], Any]] = {
     "log": np.log,
     "tanh": np.tanh,
     "sigmoid": _sigmoid,
-    "relu": lambda v: np.maximum(v, 0),
+    "relu": lambda v: 0 if v < 0 else v,  # NOTE: Note [relu's zero] in backends/base.py
     "sqrt": np.sqrt,
     "copy": lambda v: v,
 }
@@ -55,7 +55,7 @@ _BINARY: dict[str, Callable[[Any, Any], Any]] = {
     "mul": np.multiply,
     "div": np.divide,
     "tanh_backward": lambda g, y: g * (1 - y * y),
-    "sigmoid_backward": lambda g, y: g * y * (1 - y),
+    "sigmoid_backward": lambda g, y: g * ((1 - y) * y),
     "relu_backward": lambda g, y: g if y > 0 else g * 0,
     "where_finite": lambda a, b: a if np.isfinite(a) else b,
 }

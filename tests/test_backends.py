@@ -15,7 +15,7 @@ import backends
 from backends import BackendUnavailableError, Device
 from backends.base import BINARY_KERNELS, REDUCE_KERNELS, UNARY_KERNELS
 from backends.numpy import NumpyDevice
-from helpers import BINARY_REFERENCE, UNARY_REFERENCE, to_device
+from helpers import BINARY_REFERENCE, UNARY_REFERENCE, relu_reference, to_device
 
 
 @pytest.fixture(scope="module", params=backends.available())
@@ -484,15 +484,87 @@ SPECIAL = [-0.0, 0.0, np.nan, -np.nan, np.inf, -np.inf, 1e-45, -1e-45, 1e-310, -
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape", [(14,), (3, 14), (64, 1024 + 14)])  # the last: zeros by row
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "in place"])
-def test_cpu_relu_gives_the_bits_of_maximum_with_zero(dtype, shape, layout):
-    """The NumPy device's relu compares against an array of zeros (faster than a scalar in
-    NumPy 2.4); every value, signed zeros and NaN payloads included, is what np.maximum(x, 0)
-    gives."""
+def test_cpu_relu_gives_pytorchs_bits(dtype, shape, layout):
+    """The NumPy device's relu, in C (contiguous) or NumPy (any other layout), gives +0 where
+    x < 0 and x elsewhere, bit for bit: -0.0 stays -0.0 and NaN payloads pass (Note [relu's
+    zero] in backends/base.py)."""
     with np.errstate(all="ignore"):
         values = np.resize(np.array(SPECIAL, dtype), shape)
     x = values.T.copy().T if layout == "transposed" else values.copy()
-    expected = np.maximum(x, 0)
+    expected = relu_reference(x)
     dev = backends.get_device("cpu")
     out = x if layout == "in place" else np.empty_like(x)
     dev.unary("relu", x, out)
     assert out.tobytes() == np.ascontiguousarray(expected).tobytes()
+
+
+def test_relu_of_negative_zero_is_pytorchs_on_every_device(device):
+    """relu(-0.0) is -0.0, relu(-1) +0.0 and relu(NaN) NaN on every backend, as torch.relu
+    gives on the CPU (Note [relu's zero] in backends/base.py)."""
+    host = np.array([-0.0, 0.0, -1.0, -np.inf, np.nan, 2.0], np.float32)
+    out = empty_on(device, host.shape)
+    device.unary("relu", to_device(device, host), out)
+    got = device.to_host(out)
+    assert got.view(np.uint32).tolist()[:4] == [0x80000000, 0, 0, 0]
+    assert np.isnan(got[4]) and got[5] == 2.0
+
+
+def test_relu_matches_torch_where_torch_is_installed():
+    """The reference itself: torch.relu's bits on signed zeros, infinities and NaN."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    for dtype in (np.float32, np.float64):
+        with np.errstate(all="ignore"):
+            host = np.array(SPECIAL, dtype)
+        want = torch.relu(torch.from_numpy(host.copy())).numpy()
+        bits = f"u{host.itemsize}"
+        assert np.array_equal(relu_reference(host).view(bits), want.view(bits))
+
+
+# ---------------------------------------------------------------------- dtypes the kernels take
+def _every_device() -> list[Device]:
+    from naive_device import NaiveDevice
+
+    return [backends.get_device(kind) for kind in backends.available()] + [NaiveDevice()]
+
+
+#: Each kernel family called on integer views: (what it is, a call on (device, x, y, out)).
+INTEGER_CALLS = {
+    "exp": lambda d, x, y, out: d.unary("exp", x, out),
+    "relu": lambda d, x, y, out: d.unary("relu", x, out),
+    "add": lambda d, x, y, out: d.binary("add", x, y, out),
+    "relu_backward": lambda d, x, y, out: d.binary("relu_backward", x, y, out),
+    "sub_scaled": lambda d, x, y, out: d.sub_scaled(x, y, 0.5, out),
+    "sum": lambda d, x, y, out: d.reduce("sum", x, (1,), True, out[:, :1]),
+    "matmul": lambda d, x, y, out: d.matmul(x, y, out),
+    "fused": lambda d, x, y, out: d.fused(
+        [("mul", (("input", 0), ("input", 1)), out.dtype),
+         ("exp", (("link", 0),), out.dtype)], [x, y], out),
+}
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32", "uint8", "bool"])
+@pytest.mark.parametrize("call", sorted(INTEGER_CALLS))
+def test_every_backend_refuses_integer_kernels_alike_before_writing(call, dtype):
+    """An arithmetic kernel on a dtype it does not compute is one TypeError, the same words on
+    every backend (the base's policy, before any kernel is built: CUDA once failed inside
+    NVRTC, the naive device truncated exp into integers), and out is left as it was."""
+    messages = set()
+    for device in _every_device():
+        host = (np.arange(9) % 3).reshape(3, 3).astype(dtype)
+        x, y, out = (to_device(device, host) for _ in range(3))
+        with pytest.raises(TypeError, match=rf"^{device.name}: the \S+ kernel computes on "
+                                            rf"float16, bfloat16, float32, float64, not {dtype}"):
+            INTEGER_CALLS[call](device, x, y, out)
+        assert device.to_host(out).tobytes() == host.tobytes()
+        with pytest.raises(TypeError) as caught:
+            INTEGER_CALLS[call](device, x, y, out)
+        messages.add(str(caught.value).replace(device.name, "<device>"))
+    assert len(messages) == 1, messages
+
+
+def test_copy_moves_every_dtype_on_every_backend():
+    for device in _every_device():
+        host = np.arange(6, dtype=np.int64).reshape(2, 3)
+        out = to_device(device, np.zeros_like(host))
+        device.unary("copy", to_device(device, host), out)
+        assert device.to_host(out).tolist() == host.tolist()

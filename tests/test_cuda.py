@@ -102,6 +102,29 @@ def test_views_share_raw_memory_at_an_offset_with_strides(gpu):
 
 
 @needs_cuda
+def test_copies_wait_for_a_write_on_cupys_default_stream(gpu):
+    """A native view written through CuPy outside the device's stream (CuPy's default, the
+    legacy null stream) is written before a later copy out reads it, with no synchronize:
+    the device's stream is a blocking one. Its non-blocking stream let the copy run first (the
+    test above failed once in seven loaded runs); here the write comes from a kernel that spins
+    for about a tenth of a second first, so the old order fails every time."""
+    import cupy as cp
+
+    spin = cp.RawKernel(r"""
+    extern "C" __global__ void spin_then_write(double* p, long long cycles) {
+        long long start = clock64();
+        while (clock64() - start < cycles) {}
+        p[0] = -1.0;
+    }""", "spin_then_write")
+    raw = gpu.raw_alloc(64)
+    gpu.copyin(raw, 0, np.zeros(8))
+    view = gpu.array_view(raw, 0, (8,), np.float64, (8,))
+    with gpu.cuda_device, cp.cuda.Stream.null:
+        spin((1,), (1,), (view, np.int64(200_000_000)))
+    assert gpu.copyout(raw, 0, 8).view(np.float64)[0] == -1
+
+
+@needs_cuda
 def test_out_of_memory_is_a_memory_error(gpu):
     with pytest.raises(MemoryError, match="cudaMalloc"):
         gpu.raw_alloc(1 << 60)

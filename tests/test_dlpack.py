@@ -254,8 +254,61 @@ def test_importing_a_tensor_gives_a_handle_on_its_block(alloc):
 
 @pytest.mark.parametrize("dtype", ["complex64", "complex128"])
 def test_unsupported_dtypes_are_refused(dtype):
-    with pytest.raises(TypeError, match="not supported"):
+    with pytest.raises(TypeError, match=f"elements are {dtype} .*which no tensor holds"):
         runtime.from_dlpack(np.zeros(3, dtype))
+
+
+class _Retyped:
+    """A producer whose capsule says another element type (DLPack (code, bits)) than its bytes
+    (uint8), as a float8 producer's would: NumPy has no float8 to export."""
+
+    def __init__(self, code: int, bits: int) -> None:
+        self.host, self.code, self.bits = np.zeros(4, np.uint8), code, bits
+
+    def __dlpack_device__(self):
+        return self.host.__dlpack_device__()
+
+    def __dlpack__(self, **options):
+        from runtime.dlpack import _retyped
+
+        return _retyped(self.host.__dlpack__(**options), (1, 8), (self.code, self.bits))
+
+
+@pytest.mark.parametrize("code, name", [(10, "float8_e4m3fn"), (12, "float8_e5m2"),
+                                        (14, "float8_e8m0fnu"), (3, "opaque handle")])
+def test_float8_and_other_element_types_are_named_type_errors(code, name):
+    """A capsule of an element type no tensor holds is a TypeError naming it, before NumPy
+    takes the capsule (NumPy itself raised RuntimeError "Unsupported dtype in DLTensor")."""
+    with pytest.raises(TypeError, match=f"elements are {name} \\(DLPack type code {code}, "
+                                        f"8 bits\\), which no tensor holds"):
+        runtime.from_dlpack(_Retyped(code, 8))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "bool", "uint64"])
+def test_two_byte_floats_bool_and_wide_integers_are_imported(dtype):
+    """What the docstring says is held comes in, without a copy (bfloat16 through NumPy by
+    Note [bfloat16 through DLPack])."""
+    host = np.arange(6).astype(dtype)
+    if dtype == "bfloat16":  # NOTE: NumPy cannot export it: a tensor's capsule stands in
+        back = runtime.from_dlpack(_Exporter(runtime.tensor(host)))
+    else:
+        back = runtime.from_dlpack(host)
+        assert back.block.memory_for_read().ptr == host.ctypes.data
+    assert back.dtype == host.dtype and back.numpy().tolist() == host.tolist()
+
+
+class _Exporter:
+    """A tensor's own capsule, seen as a foreign producer's (so from_dlpack does not shortcut
+    a Tensor to its block)."""
+
+    def __init__(self, tensor) -> None:
+        self.tensor = tensor
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+    def __dlpack__(self, **options):
+        return self.tensor.__dlpack__(**options)
 
 
 class _OtherDevice:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from typing import Any
 
 import ml_dtypes
@@ -118,24 +119,86 @@ def test_ops_that_compute_refuse_other_dtypes_by_name(dtype):
         ops.mul(t, 2)
 
 
+def _integers(dtype: np.dtype) -> np.ndarray:
+    """Every value of an integer or bool dtype of at most 16 bits; of a wider one, each value
+    next to a power of two or an end of its range (where a narrower dtype first fails)."""
+    if dtype.kind == "b" or dtype.itemsize <= 2:
+        info = np.iinfo(dtype) if dtype.kind != "b" else None
+        low, high = (0, 1) if info is None else (int(info.min), int(info.max))
+        return np.arange(low, high + 1).astype(dtype)
+    info = np.iinfo(dtype)
+    near = {int(info.min), int(info.max), 0}
+    for k in range(8 * dtype.itemsize + 1):
+        near |= {2**k - 1, 2**k, 2**k + 1, -(2**k) - 1, -(2**k), -(2**k) + 1}
+    return np.array(sorted(v for v in near if info.min <= v <= info.max), dtype)
+
+
+def _survives(values: np.ndarray, dst: np.dtype) -> bool:
+    """Whether every value comes through `dst` unchanged (host conversions, the oracle)."""
+    there = ieee(values.astype, dst)
+    if dtypes.is_float(dst):
+        return bool(np.all(np.isfinite(there))
+                    and [int(v) for v in there.astype(object)] == values.astype(int).tolist())
+    return bool(np.array_equal(there.astype(object), values.astype(object)))
+
+
 @pytest.mark.parametrize(("src", "dst"), PAIRS, ids=lambda d: str(d))
-def test_cast_converts_exactly_or_by_ieee_rounding_else_refuses(src, dst):
-    """The rule: floats to floats (IEEE), bool and integers to float32/float64, bool to
-    anything, integers into wider integers; nothing else."""
-    allowed = (src == dst or dtypes.is_float(src) and dtypes.is_float(dst)
-               or not dtypes.is_float(src) and dst in ops.FLOAT_DTYPES
-               or src.kind == "b"
-               or src.kind in "iu" and dst.kind in "iu" and np.can_cast(src, dst, "safe"))
-    assert ops.can_cast(src, dst) == allowed
+def test_cast_refuses_exactly_the_pairs_that_change_a_value(src, dst):
+    """The rule, against values: floats go to floats by IEEE rounding; integers and bool go
+    wherever every value they hold comes through unchanged (every value of a 16-bit dtype is
+    tried, the values next to powers of two of a wider one); float to integer never. A refusal
+    names both dtypes and the first value that would change; exact=False lets integers round
+    into floats, and nothing else."""
     t = runtime.tensor(np.zeros(3, src))
+    if dtypes.is_float(src):
+        allowed = dtypes.is_float(dst)
+        first = None
+    else:
+        values = _integers(src)
+        allowed = _survives(values, dst)
+        first = dtypes.first_changed(src, dst)
+        assert (first is None) == allowed
+        if first is not None:
+            assert not _survives(np.array([first], src), dst)  # it does change
+    assert ops.can_cast(src, dst) == allowed
+    rounding = allowed or dtypes.kind(src) in "iub" and dtypes.is_float(dst)
+    assert ops.can_cast(src, dst, exact=False) == rounding
     if allowed:
         assert ops.cast(t, dst).dtype == dst
-    else:
-        with pytest.raises(TypeError, match=f"cast: {src} to {dst} is refused: "):
-            ops.cast(t, dst)
+        if not dtypes.is_float(src):
+            got = ops.cast(runtime.tensor(values), dst).numpy()
+            assert got.astype(object).tolist() == values.astype(object).tolist()
+        return
+    with pytest.raises(TypeError, match=f"^cast: {src} to {dst} is refused: ") as caught:
+        ops.cast(t, dst)
+    if first is not None:
+        assert re.search(rf"\b{dst}\b.*(?<![\d-]){first}(?!\d)", str(caught.value))
+    if rounding:
+        assert "exact=False" in str(caught.value)
+        assert ops.cast(t, dst, exact=False).dtype == dst
 
 
-ALLOWED = [(s, d) for s, d in PAIRS if ops.can_cast(s, d)]
+def test_an_exact_cast_changes_no_value_that_a_rounding_cast_would():
+    """int64 2**24 + 1 into float32: refused, and rounded to 2**24 only when asked."""
+    t = runtime.tensor(np.array([2**24 + 1, -(2**24) - 1, 3], np.int64))
+    with pytest.raises(TypeError, match=r"int64 to float32 is refused: .* 16777217, which "
+                                        r"would become 16777216; pass exact=False"):
+        ops.cast(t, "float32")
+    assert ops.cast(t, "float32", exact=False).numpy().tolist() == [2**24, -(2**24), 3]
+    small = runtime.tensor(np.array([-128, 127, 0], np.int8))
+    assert ops.cast(small, "float16").numpy().tolist() == [-128, 127, 0]
+
+
+@pytest.mark.parametrize("call", [lambda t: ops.cast(t, None),
+                                  lambda t: ops.can_cast(t.dtype, None),
+                                  lambda t: ops.can_cast(None, "float32")])
+def test_cast_to_none_is_a_type_error_not_float64(call):
+    with pytest.raises(TypeError, match="dtype None names no dtype"):
+        call(runtime.tensor(np.zeros(3, np.float32)))
+
+
+#: every pair cast converts, those it rounds integers for on request (exact=False) too
+ALLOWED = [(s, d) for s, d in PAIRS if ops.can_cast(s, d, exact=False)]
 
 
 @settings(max_examples=200, deadline=None)
@@ -152,7 +215,7 @@ def test_cast_equals_numpy_bit_for_bit_on_every_device(data, pair, kind, layout)
                          "strided": (t[:, ::2], host[:, ::2])}[layout]
     with np.errstate(over="ignore", invalid="ignore"):
         expected = expected_in.astype(dst)  # ml_dtypes: float64 -> bfloat16 via float32
-    assert _same(ops.cast(view, dst).numpy(), expected)
+    assert _same(ops.cast(view, dst, exact=False).numpy(), expected)
 
 
 def test_float64_to_bfloat16_rounds_through_float32_as_ml_dtypes_does():
@@ -193,13 +256,13 @@ def test_a_cast_into_its_own_memory_goes_through_a_temporary_or_raises():
     host = np.arange(-3, 5, dtype=np.int32)
     t = runtime.tensor(host)
     same_bytes = runtime.Tensor(t.block, t.shape, np.float32, t.strides, t.offset)
-    ops.cast(t, "float32", out=same_bytes)
+    ops.cast(t, "float32", out=same_bytes, exact=False)  # NOTE: int32 rounds above 2**24
     np.testing.assert_array_equal(same_bytes.numpy(), host.astype(np.float32))
     old = runtime.set_aliasing("raise")
     try:
         with pytest.raises(runtime.AliasingError, match="cast: the output"):
-            ops.cast(runtime.tensor(host), "float32", out=same_bytes)  # no overlap: fine
-            ops.cast(t, "float32", out=same_bytes)
+            ops.cast(runtime.tensor(host), "float32", out=same_bytes, exact=False)  # fine
+            ops.cast(t, "float32", out=same_bytes, exact=False)
     finally:
         runtime.set_aliasing(old)
 

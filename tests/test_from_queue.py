@@ -84,6 +84,16 @@ def dev(framework):
     return backends.from_queue(framework)
 
 
+def test_get_device_of_the_name_says_the_device_is_not_in_the_registry(dev):
+    """A from_queue device is not in get_device's registry: its name is refused saying so and
+    saying to keep the object (it said "device index ... must be a non-negative integer")."""
+    with pytest.raises(ValueError, match=re.escape(repr(dev.name)) + " is the name of a device "
+                       r"made by backends.from_queue\(queue\).*not in the registry.*keep the "
+                       r"device object"):
+        backends.get_device(dev.name)
+    assert backends.get_device(dev) is dev
+
+
 def _native(t: runtime.Tensor):
     """The device's native view (a pyopencl Array) of the C-contiguous tensor `t`."""
     memory = t.block.memory_for_read()

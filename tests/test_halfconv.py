@@ -13,6 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import relu_reference
+
 
 @pytest.fixture(params=[True, False], ids=["f16c-avx2", "portable"])
 def conv(request):
@@ -81,7 +83,7 @@ FLOAT32 = {
     "copy": lambda a: a.copy(),
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
     "neg": lambda a: np.multiply(a, -1),
-    "relu": lambda a: np.maximum(a, np.zeros_like(a)),
+    "relu": relu_reference,
     "sqrt": np.sqrt,
     "relu_backward": lambda g, y: np.multiply(g, np.greater(y, 0)),
     "tanh_backward": lambda g, y: np.multiply(g, np.subtract(1, np.multiply(y, y))),
@@ -221,7 +223,7 @@ def test_apply_declines_what_it_cannot_take_and_writes_nothing(conv):
 
 
 # ---------------------------------------------------------------------- float_op
-FLOAT_OPS = {"relu": (0, lambda x: np.maximum(x, 0)),
+FLOAT_OPS = {"relu": (0, relu_reference),
              "relu_backward": (1, lambda g, y: np.multiply(g, np.greater(y, 0))),
              "add": (2, np.add)}
 
@@ -234,7 +236,11 @@ def _float_bits(rng: Any, shape: tuple, dtype: Any) -> np.ndarray:
                         endpoint=False)
     values = bits.view(dtype)
     normal = rng.standard_normal(shape).astype(dtype)
-    return np.where(rng.random(shape) < 0.5, values, normal)
+    mixed = np.where(rng.random(shape) < 0.5, values, normal)
+    edges = np.array([-0.0, 0.0, -np.inf, np.inf, np.nan, -np.nan, -1.0], dtype)
+    flat = mixed.reshape(-1)  # NOTE: the signed zeros and NaN, which random bits rarely give
+    flat[:min(flat.size, edges.size)] = edges[:flat.size]
+    return mixed
 
 
 @settings(max_examples=80, deadline=None)

@@ -194,6 +194,23 @@ def test_a_pending_free_comes_back_when_its_event_completes(dev, program, other)
     alloc.check_invariants()
 
 
+def test_pending_frees_counts_only_frees_still_waiting_when_called(dev, program, other):
+    """pending_frees() settles what has completed before it counts: a free whose event is done
+    is not pending any more (it was reported until the next allocate or stats)."""
+    alloc = allocators.create("caching", dev)
+    held = cl.UserEvent(dev.context)
+    a = alloc.allocate(4096)
+    alloc.record_queue(a, other)
+    put(program, other, cl_buffer(dev, a), 7, wait_for=[held])
+    alloc.free(a)
+    assert alloc.pending_frees() == 1
+    held.set_status(COMPLETE)
+    other.finish()
+    assert alloc.pending_frees() == 0
+    alloc.check_invariants()
+    assert alloc.stats()["active_allocations"] == 0
+
+
 def test_out_of_memory_waits_for_the_pending_frees_first(dev, program, other):
     """With no room left, an allocation waits for the pending frees' events (here set by a
     timer thread: the wait's length varies, its result does not)."""
