@@ -55,11 +55,15 @@ def _state(model: nn.Module, opt: nn.Optimizer) -> list[np.ndarray]:
     tensors = list(model.parameters())
     for p in opt.params:
         tensors += list(opt.state[id(p)].values())
-    tensors += list(getattr(opt, "_powers", None) or ())
-    if getattr(opt, "_dampened", None) is not None:
-        tensors.append(opt._dampened)
+    tensors += _shared_state(opt)
     # NOTE: None for state a failed capture made and never wrote (it has no value to keep)
     return [t.numpy() if t.block.written else None for t in tensors]
+
+
+def _shared_state(opt: nn.Optimizer) -> list[runtime.Tensor]:
+    """The optimizer's own state: Adam's bias corrections, SGD's dampening coefficient."""
+    found = [c for pair in getattr(opt, "_complements", ()) for c in pair]
+    return found + [c for _, c in getattr(opt, "_dampened", ())]
 
 
 def _data(seed: int = 1, rows: int = 6, features: int = 8,
@@ -630,7 +634,7 @@ def _state_of(params: list, opt: nn.Optimizer) -> list[np.ndarray]:
     values = [p.numpy() for p in params]
     for p in params:
         values += [t.numpy() for t in opt.state[id(p)].values()]
-    values += [t.numpy() for t in getattr(opt, "_powers", None) or ()]
+    values += [t.numpy() for t in _shared_state(opt)]
     return values
 
 
