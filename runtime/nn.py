@@ -66,6 +66,7 @@ __all__ = ["SGD", "Adam", "Dense", "Module", "Optimizer", "ReLU", "Sequential", 
            "clip_grad_norm_", "manual_seed", "mse", "softmax_cross_entropy", "train_step"]
 
 _rng = np.random.default_rng()
+_FLOAT32 = np.dtype("float32")
 _FLOAT64 = np.dtype("float64")
 
 
@@ -525,12 +526,14 @@ class Optimizer:
     (`torch.optim`'s default there), op for op: the state has the parameter's dtype, and each
     of PyTorch's ops (a fused one such as lerp, addcmul or addcdiv included) is computed in the
     parameter's compute dtype, float32 for a float16 or bfloat16 parameter (PyTorch's opmath,
-    `ops._number_dtype`), and rounded once into the parameter's dtype: `_add_scaled`, `_lerp`,
-    `_addcmul`, `_addcdiv` and `_divided` cast two-byte operands into float32 scratch and round
-    the result back. Numbers that change from step to step (Adam's bias corrections, SGD's
-    first-step coefficient) are 0-d tensors of the compute dtype on the device, so that a
-    `runtime.graph` replays later steps correctly. Two-byte parameters then get PyTorch's bits;
-    float32 ones may differ in the last place where PyTorch's kernels fuse a multiply and an add.
+    `ops._number_dtype`), and rounded once into the parameter's dtype: `_Pointwise`'s ops cast
+    two-byte operands into float32 scratch and round the result back; add's alpha is rounded
+    to the parameter's dtype first, as PyTorch's kernel does. Numbers that change from step to
+    step (Adam's bias corrections, SGD's first-step coefficient) are 0-d tensors of the compute
+    dtype on the device, so that a `runtime.graph` replays later steps correctly. Two-byte
+    parameters then get PyTorch's bits (but where PyTorch's scalar loop, after its vectors,
+    rounds add's product first); float32 ones may differ in the last place where PyTorch's
+    kernels fuse a multiply and an add.
     """
 
     #: True where every write of `_update`, `_begin` and `_end` to a parameter or to state goes
@@ -556,6 +559,8 @@ class Optimizer:
         self.lr = _check_number(f"{name}: lr", lr, 0.0)
         self.state: dict[int, dict[str, Any]] = {id(p): {} for p in self.params}
         self._scratch_pool: dict[tuple, Tensor] = {}
+        #: by parameter id, the eager `_pointwise` over its scratch
+        self._pointwise_of: dict[int, _Pointwise] = {}
         #: during a step gated by amp.GradScaler: -0.0 (take it) or NaN (skip it), by dtype
         self._gates: dict[Any, Tensor] | None = None
         #: steps taken, and by parameter id the steps that updated it (host counts: replays of
@@ -596,14 +601,16 @@ class Optimizer:
         memory, and under `counts_steps` a parameter that missed steps. (`.grad` itself takes
         only a tensor of the parameter's shape, dtype and device: `Tensor.grad`.)"""
         name = type(self).__name__
+        counts = self._counts if self.counts_steps else None
         for p in todo:
-            for t, what in ((p, "parameter"), (p.grad, "the gradient of parameter")):
+            for t in (p, p.grad):
                 block = t.block
-                if t._gen != block.generation or not block.written:
-                    where = f"{name}.step(): {what} {p.name or p.shape}"
+                if t._gen != block.generation or not block._written:
+                    where = (f"{name}.step(): {'parameter' if t is p else 'the gradient of'} "
+                             f"{p.name or p.shape}")
                     t._check(where)
                     block.memory_for_read(where)
-            if self.counts_steps and self._counts[id(p)] != self._taken:
+            if counts is not None and counts[id(p)] != self._taken:
                 raise ValueError(
                     f"{name}.step(): parameter {p.name or p.shape} was updated at "
                     f"{self._counts[id(p)]} of this optimizer's {self._taken} steps; {name} "
@@ -650,10 +657,11 @@ class Optimizer:
             self._counted(todo)
 
     def _counted(self, todo: list[Tensor]) -> None:
-        """Count a step that updated the parameters `todo`."""
-        self._taken += 1
-        for p in todo:
-            self._counts[id(p)] += 1
+        """Count a step that updated the parameters `todo` (where `counts_steps`)."""
+        if self.counts_steps:
+            self._taken += 1
+            for p in todo:
+                self._counts[id(p)] += 1
 
     def prepare_gate(self) -> None:
         """Allocate now the state and the further scratch a gated step needs (amp.GradScaler
@@ -701,9 +709,7 @@ class Optimizer:
 
     def _prepare(self, p: Tensor, state: dict[str, Any]) -> None:
         """Make what updating `p` needs: its state and scratch. The only allocations of a step."""
-        self._work(p)
-        if _compute_dtype(p.dtype) != p.dtype:
-            self._scratch(p, 1, _compute_dtype(p.dtype))
+        self._pointwise(p)
 
     def _begin(self) -> None:
         """Writes that come before the updates (e.g. Adam's bias corrections)."""
@@ -733,83 +739,96 @@ class Optimizer:
                 empty(like.shape, dtype, device=like.device, allocator=like.block.allocator))
         return buffer
 
-    # ------------------------------------------------------------------ PyTorch's ops
-    # NOTE: the ops of Note [optimizers compute as PyTorch's do]. Each takes and returns
-    # tensors of one dtype (a parameter's); `out` is where the result goes (None: a
-    # temporary), and may be an operand. Each op writes a scratch looked up again (None while
-    # capturing: each result is then a new temporary, written once, which a graph can fuse
-    # through or write over). Scratch 0 and 1 of the compute dtype hold the float32 work of a
-    # two-byte parameter (for a float32 or float64 one scratch 0 is the only work, and
-    # scratch 1 of the parameter's dtype is free for the update's own use).
-    def _work(self, like: Tensor) -> Tensor | None:
-        """Compute-dtype scratch 0 shaped like `like`: where the ops below work."""
-        return self._scratch(like, 0, _compute_dtype(like.dtype))
-
-    def _wide(self, x: Tensor, index: int) -> Tensor:
-        """x in its compute dtype: x itself, or a two-byte x cast (exactly) into compute
-        scratch `index`."""
-        wide = _compute_dtype(x.dtype)
-        if wide == x.dtype:
-            return x
-        return ops.cast(x, wide, out=self._scratch(x, index, wide))
-
-    def _last(self, like: Tensor, out: Tensor | None) -> Tensor | None:
-        """Where the last op of a computation for `like` writes: `out` itself, or for a
-        two-byte `like` the work, which `_rounded` then rounds into `out`."""
-        return out if _compute_dtype(like.dtype) == like.dtype else self._work(like)
-
-    def _rounded(self, value: Tensor, like: Tensor, out: Tensor | None) -> Tensor:
-        """`value` (from `_last`) in like's dtype: itself, or rounded once into `out`."""
-        return value if value.dtype == like.dtype else ops.cast(value, like.dtype, out=out)
-
-    def _add_scaled(self, a: Tensor, b: Tensor, alpha: Any, out: Tensor | None) -> Tensor:
-        """a + alpha * b (PyTorch's add with alpha, which rounds a number alpha to a's dtype
-        first); alpha a number or a 0-d compute-dtype tensor (so rounded already)."""
-        if not isinstance(alpha, Tensor):
-            alpha = float(a.dtype.type(alpha))
-        scaled = self._wide(b, 0)
-        if isinstance(alpha, Tensor) or alpha != 1.0:  # NOTE: b * 1 is b: no op to fuse through
-            scaled = ops.mul(scaled, alpha, out=self._work(a))
-        return self._rounded(ops.add(self._wide(a, 1), scaled, out=self._last(a, out)), a, out)
-
-    def _lerp(self, start: Tensor, end: Tensor, weight: float, out: Tensor | None) -> Tensor:
-        """start + weight * (end - start), as PyTorch's lerp: from end for weight >= 0.5."""
-        wide = _compute_dtype(start.dtype)
-        weight = wide.type(weight)
-        low = self._wide(start, 1)
-        diff = ops.sub(self._wide(end, 0), low, out=self._work(start))
-        if abs(weight) < 0.5:
-            scaled = ops.mul(diff, weight, out=self._work(start))
-            result = ops.add(low, scaled, out=self._last(start, out))
-        else:
-            diff = ops.mul(diff, wide.type(1) - weight, out=self._work(start))
-            result = ops.sub(self._wide(end, 1), diff, out=self._last(start, out))
-        return self._rounded(result, start, out)
-
-    def _addcmul(self, a: Tensor, b: Tensor, value: float, out: Tensor | None) -> Tensor:
-        """a + value * b * b (PyTorch's addcmul(a, b, b, value=value))."""
-        wide_b = self._wide(b, 1)
-        product = ops.mul(wide_b, value, out=self._work(a))
-        product = ops.mul(product, wide_b, out=self._work(a))
-        return self._rounded(ops.add(self._wide(a, 1), product, out=self._last(a, out)), a, out)
-
-    def _addcdiv(self, a: Tensor, b: Tensor, c: Tensor, value: Tensor,
-                 out: Tensor | None) -> Tensor:
-        """a + value * b / c (PyTorch's addcdiv); value a 0-d compute-dtype tensor."""
-        quotient = ops.mul(self._wide(b, 0), value, out=self._work(a))
-        quotient = ops.div(quotient, self._wide(c, 1), out=self._work(a))
-        return self._rounded(ops.add(self._wide(a, 1), quotient, out=self._last(a, out)), a,
-                             out)
-
-    def _divided(self, a: Tensor, value: Tensor, out: Tensor | None) -> Tensor:
-        """a / value; value a 0-d compute-dtype tensor."""
-        return self._rounded(ops.div(self._wide(a, 0), value, out=self._last(a, out)), a, out)
+    def _pointwise(self, p: Tensor) -> _Pointwise:
+        """PyTorch's ops for updating `p` (Note [optimizers compute as PyTorch's do]), over
+        its scratch (made at the first call; kept by parameter outside captures)."""
+        eager = tape.active() is None
+        made = self._pointwise_of.get(id(p)) if eager else None
+        if made is None:
+            wide = _compute_dtype(p.dtype)
+            made = _Pointwise(p.dtype, self._scratch(p, 0, wide),
+                              None if wide == p.dtype else self._scratch(p, 1, wide))
+            if eager:
+                self._pointwise_of[id(p)] = made
+        return made
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._options()}, {len(self.params)} parameters)"
 
     def _options(self) -> str:
         return f"lr={self.lr}"
+
+
+class _Pointwise:
+    """PyTorch's pointwise ops as one parameter's update uses them (Note [optimizers compute
+    as PyTorch's do]): each takes and returns tensors of the parameter's dtype; `out` is
+    where the result goes (None: a temporary) and may be an operand. A two-byte parameter's
+    operands are cast into float32 scratch (`work`, `spare`), the op computed there, and the
+    result rounded once into `out`; a float32 or float64 one computes in place, its
+    intermediate results in `work`. While a graph captures, both are None: every result is a
+    new temporary, written once, which a graph can fuse through or write over."""
+
+    __slots__ = ("dtype", "own", "work", "spare")
+
+    def __init__(self, dtype: np.dtype, work: Tensor | None, spare: Tensor | None) -> None:
+        self.dtype = dtype
+        #: whether the parameter computes in its own dtype (no casts)
+        self.own = dtype not in dtypes.HALVES
+        self.work = work
+        self.spare = spare
+
+    def _wide(self, x: Tensor, spare: bool = False) -> Tensor:
+        """x in the compute dtype: x itself, or cast exactly into work (or spare)."""
+        if self.own:
+            return x
+        return ops.cast(x, _FLOAT32, out=self.spare if spare else self.work)
+
+    def _last(self, out: Tensor | None) -> Tensor | None:
+        """Where the last op writes: `out` itself, or the work, which `_rounded` rounds."""
+        return out if self.own else self.work
+
+    def _rounded(self, value: Tensor, out: Tensor | None) -> Tensor:
+        return value if self.own else ops.cast(value, self.dtype, out=out)
+
+    def add_scaled(self, a: Tensor, b: Tensor, alpha: Any, out: Tensor | None) -> Tensor:
+        """a + alpha * b (PyTorch's add with alpha, which rounds a number alpha to the dtype
+        first); alpha a number or a 0-d compute-dtype tensor (so rounded already)."""
+        if not self.own and not isinstance(alpha, Tensor):
+            alpha = float(self.dtype.type(alpha))
+        scaled = self._wide(b)
+        if isinstance(alpha, Tensor) or alpha != 1.0:  # NOTE: b * 1 is b: no op to fuse through
+            scaled = ops.mul(scaled, alpha, out=self.work)
+        return self._rounded(ops.add(self._wide(a, True), scaled, out=self._last(out)), out)
+
+    def lerp(self, start: Tensor, end: Tensor, weight: float, out: Tensor | None) -> Tensor:
+        """start + weight * (end - start), as PyTorch's lerp: from end for weight >= 0.5."""
+        wide = _compute_dtype(self.dtype)
+        weight = float(wide.type(weight))  # NOTE: exact, and a Python float for the fast path
+        low = self._wide(start, True)
+        diff = ops.sub(self._wide(end), low, out=self.work)
+        if abs(weight) < 0.5:
+            result = ops.add(low, ops.mul(diff, weight, out=self.work), out=self._last(out))
+        else:
+            diff = ops.mul(diff, float(wide.type(1) - wide.type(weight)), out=self.work)
+            result = ops.sub(self._wide(end, True), diff, out=self._last(out))
+        return self._rounded(result, out)
+
+    def addcmul(self, a: Tensor, b: Tensor, value: float, out: Tensor | None) -> Tensor:
+        """a + value * b * b (PyTorch's addcmul(a, b, b, value=value))."""
+        wide_b = self._wide(b, True)
+        product = ops.mul(ops.mul(wide_b, value, out=self.work), wide_b, out=self.work)
+        return self._rounded(ops.add(self._wide(a, True), product, out=self._last(out)), out)
+
+    def addcdiv(self, a: Tensor, b: Tensor, c: Tensor, value: Tensor,
+                out: Tensor | None) -> Tensor:
+        """a + value * b / c (PyTorch's addcdiv); value a 0-d compute-dtype tensor."""
+        quotient = ops.mul(self._wide(b), value, out=self.work)
+        quotient = ops.div(quotient, self._wide(c, True), out=self.work)
+        return self._rounded(ops.add(self._wide(a, True), quotient, out=self._last(out)), out)
+
+    def divided(self, a: Tensor, value: Tensor, out: Tensor | None) -> Tensor:
+        """a / value; value a 0-d compute-dtype tensor."""
+        return self._rounded(ops.div(self._wide(a), value, out=self._last(out)), out)
 
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
@@ -887,7 +906,7 @@ class SGD(Optimizer):
         """`Optimizer._step`, with the plain case (no momentum, no weight decay, parameters that
         compute in their own dtype, not gated by amp, not capturing) in one loop of one-pass
         updates (`ops._sub_scaled`): p - (grad * lr) rounded twice, the bits of
-        `_add_scaled(p, grad, -lr)`; every scratch is looked up (made at the first step) after
+        `add_scaled(p, grad, -lr)`; every scratch is looked up (made at the first step) after
         the checks and before the first write (Note [the commit point]), for a device that
         runs the two kernels. A gated or captured step, or any other option, goes through
         `_update` (eager and not gated, also one pass: p - lr * buf with momentum); a capture
@@ -935,8 +954,10 @@ class SGD(Optimizer):
         # d = grad + wd * p; buf = buf * momentum + (1 - dampening) * d (buf = d at the first
         # step); d = d + momentum * buf (Nesterov) or buf; p = p - lr * d
         d = grad
+        pointwise = self._pointwise(p)
+        spare = self._scratch(p, 1) if self.weight_decay or self.nesterov else None
         if self.weight_decay:
-            d = self._add_scaled(grad, p, self.weight_decay, out=self._scratch(p, 1))
+            d = pointwise.add_scaled(grad, p, self.weight_decay, out=spare)
         if self.momentum:
             # NOTE: the buffer starts at zero and the first step adds d itself (coefficient 1,
             # later 1 - dampening), so the same ops run at every step: a captured graph
@@ -945,19 +966,18 @@ class SGD(Optimizer):
             new_buf = ops.mul(buf, self.momentum, out=self._target(buf, 2))
             coefficient = next((c for dtype, c in self._dampened
                                 if dtype == p.dtype and c.device is p.device), 1.0)
-            new_buf = self._add_scaled(new_buf, d, coefficient, out=self._again(new_buf))
-            d = (self._add_scaled(d, new_buf, self.momentum, out=self._scratch(p, 1))
-                 if self.nesterov else new_buf)
-        own = _compute_dtype(p.dtype) == p.dtype
-        if self._gates is None and own and tape.active() is None:
-            # NOTE: eager, not gated: the two ops of _add_scaled(p, d, -lr) in one pass, the
+            new_buf = pointwise.add_scaled(new_buf, d, coefficient, out=self._again(new_buf))
+            d = (pointwise.add_scaled(d, new_buf, self.momentum, out=spare) if self.nesterov
+                 else new_buf)
+        if self._gates is None and pointwise.own and pointwise.work is not None:
+            # NOTE: eager, not gated: the two ops of add_scaled(p, d, -lr) in one pass, the
             # same bits (the momentum buffer's new value is in place already)
-            ops._sub_scaled(p, d, self.lr, p, self._work(p))
+            ops._sub_scaled(p, d, self.lr, p, pointwise.work)
             return
         # NOTE: p's commit first: in a capture it then follows the ops that make new_p, and
         # they fuse into one chain (new_p never at full size) where the buffer's commit would
         # sit between them
-        self._commit(self._add_scaled(p, d, -self.lr, out=self._target(p, 3)), p)
+        self._commit(pointwise.add_scaled(p, d, -self.lr, out=self._target(p, 3)), p)
         if self.momentum:
             self._commit(new_buf, buf)
 
@@ -1055,17 +1075,18 @@ class Adam(Optimizer):
         beta1, beta2 = self.betas
         m, v = state["exp_avg"], state["exp_avg_sq"]
         step_size, root = _shared_by_dtype(self._factors, p)
+        pointwise, spare = self._pointwise(p), self._scratch(p, 1)
         g = grad
         if self.weight_decay:
-            g = self._add_scaled(grad, p, self.weight_decay, out=self._scratch(p, 1))
-        self._commit(self._lerp(m, g, 1 - beta1, out=self._target(m, 2)), m)
+            g = pointwise.add_scaled(grad, p, self.weight_decay, out=spare)
+        self._commit(pointwise.lerp(m, g, 1 - beta1, out=self._target(m, 2)), m)
         new_v = ops.mul(v, beta2, out=self._target(v, 2))
-        new_v = self._addcmul(new_v, g, 1 - beta2, out=self._again(new_v))
+        new_v = pointwise.addcmul(new_v, g, 1 - beta2, out=self._again(new_v))
         self._commit(new_v, v)
-        denominator = ops.sqrt(v, out=self._scratch(p, 1))
-        denominator = self._divided(denominator, root, out=self._scratch(p, 1))
-        denominator = ops.add(denominator, self.eps, out=self._scratch(p, 1))
-        self._commit(self._addcdiv(p, m, denominator, step_size, out=self._target(p, 2)), p)
+        denominator = ops.sqrt(v, out=spare)
+        denominator = pointwise.divided(denominator, root, out=spare)
+        denominator = ops.add(denominator, self.eps, out=spare)
+        self._commit(pointwise.addcdiv(p, m, denominator, step_size, out=self._target(p, 2)), p)
 
     def _options(self) -> str:
         return (f"lr={self.lr}, betas={self.betas}, eps={self.eps}, "
