@@ -595,14 +595,17 @@ GATED = st.sampled_from(["sgd", "sgd-momentum", "nesterov", "adam"])
 @settings(max_examples=40, deadline=None)
 @given(kind=GATED, seed=st.integers(0, 2**16), bad=st.sampled_from([None, np.inf, -np.inf,
                                                                      np.nan]),
-       steps=st.integers(1, 3))
-def test_a_gated_step_is_the_plain_step_or_no_step(kind, seed, bad, steps):
+       steps=st.integers(1, 3), kinds=st.lists(st.sampled_from([np.float32, BF16]),
+                                                min_size=3, max_size=3))
+def test_a_gated_step_is_the_plain_step_or_no_step(kind, seed, bad, steps, kinds):
     """Invariant of Note [a skipped step is a select on the device]: with finite gradients a
     gated step writes what the plain step writes, bit for bit; with one non-finite gradient
-    element it writes nothing."""
+    element it writes nothing. Parameters of float32 and bfloat16, mixed (each dtype's
+    update computed as PyTorch's, gated by its dtype's gate)."""
     rng = np.random.default_rng(seed)
     shapes = [(3, 4), (4,), (2, 3)]
-    values = [rng.normal(size=s).astype(np.float32) for s in shapes]
+    values = [rng.normal(size=s).astype(k) for s, k in zip(shapes, kinds)]
+    gates = {np.dtype(k): runtime.tensor(np.array(-0.0, k)) for k in (np.float32, *kinds)}
 
     def make() -> tuple[list, nn.Optimizer]:
         params = [runtime.tensor(v, requires_grad=True) for v in values]
@@ -611,16 +614,16 @@ def test_a_gated_step_is_the_plain_step_or_no_step(kind, seed, bad, steps):
     plain, plain_opt = make()
     gated, gated_opt = make()
     for _ in range(steps):
-        grads = [rng.normal(size=s).astype(np.float32) for s in shapes]
+        grads = [rng.normal(size=s).astype(k) for s, k in zip(shapes, kinds)]
         for params in (plain, gated):
             for p, g in zip(params, grads):
                 p.grad = runtime.tensor(g)
         plain_opt.step()
-        gated_opt._step({np.dtype("float32"): runtime.tensor(np.float32(-0.0))})
+        gated_opt._step(gates)
         assert all(same_bits(a, b) for a, b in zip(plain, gated))
     if bad is not None:
         before = _state_of(gated, gated_opt)
-        grads = [rng.normal(size=s).astype(np.float32) for s in shapes]
+        grads = [rng.normal(size=s).astype(k) for s, k in zip(shapes, kinds)]
         grads[seed % 3].flat[seed % grads[seed % 3].size] = bad
         scaler = amp.GradScaler(init_scale=1.0)
         for p, g in zip(gated, grads):
@@ -1039,7 +1042,31 @@ def test_a_scaler_refuses_float16_gradients_and_changes_nothing(call, graphed):
         their_scaler.step(torch.optim.SGD([theirs], lr=0.1))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+CHECKED = ["float32", "bfloat16", "float64"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_the_check_skips_exactly_when_an_element_is_not_finite(data):
+    """A step over gradients of the dtypes the scaler takes, each element drawn from the
+    largest finite values, tiny ones, signed zeros, infinities and NaN, is skipped exactly
+    when one element is not finite."""
+    names = data.draw(st.lists(st.sampled_from(CHECKED), min_size=1, max_size=3))
+    params, opt, scaler = _scaled_pair(tuple(names), scale=1.0)
+    bad = False
+    for p in params:
+        largest = float(dtypes.finfo(p.dtype).max)
+        values = data.draw(st.lists(st.sampled_from([largest, -largest, 1e-30, 0.0, -0.0, 1.0,
+                                                     math.inf, -math.inf, math.nan]),
+                                    min_size=3, max_size=3))
+        p.grad = runtime.tensor(np.array(values).astype(p.dtype))
+        bad |= not all(math.isfinite(v) for v in values)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.skipped_steps == int(bad)
+
+
+@pytest.mark.parametrize("dtype", CHECKED)
 def test_the_overflow_check_never_reads_finite_gradients_as_inf(dtype):
     """The check looks at every element (a sum of zeros that is NaN where one is not
     finite), as PyTorch's per-element check does: finite gradients whose sum is beyond the
