@@ -32,11 +32,11 @@ decision on a device value, so a `runtime.graph` capture replays them: the check
 element, as PyTorch's does (the sum of `g * 0` over a gradient is exactly zero where all its
 elements are finite, NaN where one is not; a sum of the gradients themselves could overflow
 and read a finite step as skipped), the total `sum - sum` is +0 or NaN, and its negation,
--0.0 or NaN, is the gate. An
-optimizer that supports gating (`nn.SGD`, `nn.Adam`) computes each new value of a parameter or a
-state tensor into scratch and writes `where_finite(new + gate, old)` over the old one: the new
-value bit for bit (x + -0.0 is x) when the step is taken, the old one when it is skipped. The
-loss scale and the growth counter are updated by arithmetic on the 0/1 flag
+-0.0 or NaN, is the gate. An optimizer that supports gating (`nn.SGD`, `nn.Adam`) computes
+each new value of a parameter or a state tensor into scratch and writes
+`where_finite(new + gate, old)` over the old one: the new value bit for bit (x + -0.0 is x)
+when the step is taken, the old one when it is skipped. The loss scale and the growth
+counter are updated by arithmetic on the 0/1 flag
 `where_finite(sum - sum + 1, 0)`. The eager path reads the flag back to log a skip at once; a
 graph's replays skip silently on the device, and `check()` logs the skips since the last check.
 In a capture the gated update also reads `grad + gate` (the gradient bit for bit, or NaN), so
@@ -53,13 +53,14 @@ for each master's float32 gradient, the half gradient it is the cast of and both
 versions. `step()` then takes every gradient still exactly that (both blocks at those
 versions: not a sum, as the gradient of a weight used twice is, not accumulated into by a second
 backward pass, not unscaled by `unscale_` and clipped) as a cast of its half source: it
-unscales `.grad` in place and sums it for the check as always, but the optimizer gets
+unscales `.grad` in place and checks it as always, but the optimizer gets
 `cast(half) * (1 / scale)`, made again just before that parameter's update
 (`Optimizer._step`'s `remade`): the float32 gradient's value exactly (the same ops on the same
-values), so the step equals the eager one bit for bit. Nothing reads `.grad` after the check's
-sum (unless the function keeps or returns it), and 1 / scale is there from the start, so the
-schedule unscales and sums each float32 gradient right after its cast (each op frees it or adds
-no bytes) and it dies there, while its half source lives on to the update. The cost: one cast
+values), so the step equals the eager one bit for bit. Nothing reads `.grad` after the check
+(unless the function keeps or returns it), and 1 / scale is there from the start, so the
+schedule unscales and checks each float32 gradient right after its cast (the check's
+`g * 0` lives only until its sum) and it dies there, while its half source lives on to the
+update. The cost: one cast
 and one multiplication more per parameter, so only gradients of at least 64 KiB
 (`_REMAKE_BYTES`) are made again (a bias's are held as they are). Eagerly nothing changes:
 `.grad` is the float32 gradient, and PyTorch's eager step holds every one as well.
@@ -328,12 +329,12 @@ def _count(where: str, what: str, value: Any, low: int, high: int) -> int:
     return int(value)
 
 
-def _settings(where: str, init_scale: Any, growth_factor: Any, backoff_factor: Any,
+def _settings(where: str, scale: tuple[str, Any], growth_factor: Any, backoff_factor: Any,
               growth_interval: Any) -> tuple[float, float, float, int]:
-    """The scaler's settings checked (the constructor's rule, and load_state_dict's):
-    TypeError / ValueError naming `where` and the value."""
-    return (_positive(where, "init_scale" if where == "GradScaler" else "scale", init_scale,
-                      0.0),
+    """The scaler's settings checked (the constructor's rule, and load_state_dict's), the
+    scale given as (its name there, value): TypeError / ValueError naming `where`, the setting
+    and the value."""
+    return (_positive(where, scale[0], scale[1], 0.0),
             _positive(where, "growth_factor", growth_factor, 1.0),
             _positive(where, "backoff_factor", backoff_factor, 0.0, 1.0),
             _count(where, "growth_interval", growth_interval, 1, _EXACT))
@@ -376,8 +377,8 @@ class GradScaler:
                  enabled: bool = True) -> None:
         self.enabled = as_flag(enabled, "GradScaler: enabled")
         (self.init_scale, self.growth_factor, self.backoff_factor,
-         self.growth_interval) = _settings("GradScaler", init_scale, growth_factor,
-                                           backoff_factor, growth_interval)
+         self.growth_interval) = _settings("GradScaler", ("init_scale", init_scale),
+                                           growth_factor, backoff_factor, growth_interval)
         #: scale, growth tracker, steps, skipped steps, finite since the last update: 0-d
         self._state: dict[str, Tensor] = {}
         #: 0-d scratch for one step, by name (eager only: a capture uses temporaries)
@@ -385,7 +386,8 @@ class GradScaler:
         #: by (shape, dtype, allocator id), where the check looks at a gradient's elements: a
         #: view over one buffer per dtype and allocator as large as the largest (eager only)
         self._probes: dict[tuple, Tensor] = {}
-        #: optimizer steps since the last update(), on the host (the same in every replay)
+        #: checks kept for the next update() (steps, and an unscale_ without its step) since
+        #: the last one, on the host (the same in every replay)
         self._pending = 0
         #: skipped steps already logged
         self._reported = 0
@@ -446,19 +448,17 @@ class GradScaler:
         if tape.active() is not None:
             return
         missing = [p for p in params if _probe_key(p) not in self._probes]
-        largest: dict[tuple, int] = {}
+        largest: dict[tuple, Tensor] = {}  # NOTE: by (dtype, allocator id)
         for p in missing:
             key = (p.dtype, id(p.block.allocator))
-            largest[key] = max(largest.get(key, 0), p.size)
+            if key not in largest or p.size > largest[key].size:
+                largest[key] = p
         # NOTE: all made before any is kept (Note [the commit point] in runtime/nn.py); the
         # views of each buffer keep it alive
-        buffers = {}
-        for p in missing:
-            key = (p.dtype, id(p.block.allocator))
-            if key not in buffers:
-                buffers[key] = empty((largest[key],), p.dtype, device=p.device,
-                                     allocator=p.block.allocator)
-                buffers[key].block.memory_for_write("loss scaler state")
+        buffers = {key: empty((p.size,), p.dtype, device=p.device, allocator=p.block.allocator)
+                   for key, p in largest.items()}
+        for buffer in buffers.values():
+            buffer.block.memory_for_write("loss scaler state")
         self._probes.update({_probe_key(p): view(buffers[(p.dtype, id(p.block.allocator))],
                                                  p.shape) for p in missing})
 
@@ -803,7 +803,7 @@ class GradScaler:
         if missing:
             raise ValueError(f"{where}: the state has no {', '.join(sorted(missing))} (a "
                              f"disabled scaler's state is empty)")
-        settings = _settings(where, state["scale"], state["growth_factor"],
+        settings = _settings(where, ("scale", state["scale"]), state["growth_factor"],
                              state["backoff_factor"], state["growth_interval"])
         tracker = _count(where, "_growth_tracker", state["_growth_tracker"], 0, settings[3] - 1)
         steps = _count(where, "steps", state.get("steps", 0), 0, _EXACT)
