@@ -143,7 +143,7 @@ def test_a_grad_that_is_no_tensor_is_refused_at_assignment(value):
 
 @pytest.mark.skipif("opencl" not in backends.available(), reason="needs a second device")
 def test_a_grad_on_another_device_is_refused_at_assignment():
-    p = runtime.tensor(np.ones(3, np.float32), requires_grad=True)
+    p = runtime.tensor(np.ones(3, np.float32), device="cpu", requires_grad=True)
     with pytest.raises(ValueError, match="a gradient on opencl.* to a tensor on cpu"):
         p.grad = runtime.tensor(np.ones(3, np.float32), device="opencl")
     assert p.grad is None
