@@ -42,7 +42,7 @@ typedef struct {
  * a fresh result sets each one, as `Tensor._fresh` and `Block.__init__` do. */
 static const char *tensor_slot_names[] = {
     "block", "shape", "dtype", "strides", "offset", "_gen", "_layout", "_span", "_self_overlap",
-    "_native", "_requires_grad", "_node", "grad", "name", "__weakref__", NULL};
+    "_native", "_requires_grad", "_node", "_grad", "name", "__weakref__", NULL};
 static const char *block_slot_names[] = {
     "nbytes", "allocator", "device", "id", "generation", "version", "readonly", "on_return",
     "lock", "exports", "_allocation", "_written", "_refs", "__weakref__", NULL};
@@ -157,7 +157,7 @@ configure(PyObject *self, PyObject *args)
         || slot_offset(tensor, "_native", &ts.native)
         || slot_offset(tensor, "_requires_grad", &ts.requires_grad)
         || slot_offset(tensor, "_layout", &ts.layout) || slot_offset(tensor, "_node", &ts.node)
-        || slot_offset(tensor, "grad", &ts.grad) || slot_offset(tensor, "name", &ts.name)
+        || slot_offset(tensor, "_grad", &ts.grad) || slot_offset(tensor, "name", &ts.name)
         || slot_offset(block, "nbytes", &bs.nbytes) || slot_offset(block, "id", &bs.id)
         || slot_offset(block, "device", &bs.device)
         || slot_offset(block, "allocator", &bs.allocator)

@@ -22,17 +22,21 @@ Three parts, used together (`nn.train_step(model, opt, precision="float16")` wir
   finite; `update()` halves the scale after a step with inf or NaN and doubles it after 2000
   finite steps in a row (`torch.amp.GradScaler`'s defaults); `unscale_(opt)` does the
   division and the check before `step`, for `nn.clip_grad_norm_`. A skipped step is counted
-  (`skipped_steps`) and logged (logger "runtime.amp", level WARNING).
+  (`skipped_steps`) and logged (logger "runtime.amp", level WARNING). As in torch.amp, the
+  scaler refuses float16 gradients (keep float32 masters under autocast), a second `step()`
+  of an optimizer before `update()`, and an `update()` with no check since the last one.
   bfloat16 has float32's range and needs no scaling: `GradScaler(enabled=False)`, or no scaler.
 
 Note [a skipped step is a select on the device]: the check and the skip involve no Python
-decision on a device value, so a `runtime.graph` capture replays them: the sum of the unscaled
-gradients is finite exactly when all of them are (a sum of finite float32 values this small
-cannot overflow), `sum - sum` is +0 or NaN, and its negation, -0.0 or NaN, is the gate. An
-optimizer that supports gating (`nn.SGD`, `nn.Adam`) computes each new value of a parameter or a
-state tensor into scratch and writes `where_finite(new + gate, old)` over the old one: the new
-value bit for bit (x + -0.0 is x) when the step is taken, the old one when it is skipped. The
-loss scale and the growth counter are updated by arithmetic on the 0/1 flag
+decision on a device value, so a `runtime.graph` capture replays them: the check looks at each
+element, as PyTorch's does (the sum of `g * 0` over a gradient is exactly zero where all its
+elements are finite, NaN where one is not; a sum of the gradients themselves could overflow
+and read a finite step as skipped), the total `sum - sum` is +0 or NaN, and its negation,
+-0.0 or NaN, is the gate. An optimizer that supports gating (`nn.SGD`, `nn.Adam`) computes
+each new value of a parameter or a state tensor into scratch and writes
+`where_finite(new + gate, old)` over the old one: the new value bit for bit (x + -0.0 is x)
+when the step is taken, the old one when it is skipped. The loss scale and the growth
+counter are updated by arithmetic on the 0/1 flag
 `where_finite(sum - sum + 1, 0)`. The eager path reads the flag back to log a skip at once; a
 graph's replays skip silently on the device, and `check()` logs the skips since the last check.
 In a capture the gated update also reads `grad + gate` (the gradient bit for bit, or NaN), so
@@ -49,13 +53,14 @@ for each master's float32 gradient, the half gradient it is the cast of and both
 versions. `step()` then takes every gradient still exactly that (both blocks at those
 versions: not a sum, as the gradient of a weight used twice is, not accumulated into by a second
 backward pass, not unscaled by `unscale_` and clipped) as a cast of its half source: it
-unscales `.grad` in place and sums it for the check as always, but the optimizer gets
+unscales `.grad` in place and checks it as always, but the optimizer gets
 `cast(half) * (1 / scale)`, made again just before that parameter's update
 (`Optimizer._step`'s `remade`): the float32 gradient's value exactly (the same ops on the same
-values), so the step equals the eager one bit for bit. Nothing reads `.grad` after the check's
-sum (unless the function keeps or returns it), and 1 / scale is there from the start, so the
-schedule unscales and sums each float32 gradient right after its cast (each op frees it or adds
-no bytes) and it dies there, while its half source lives on to the update. The cost: one cast
+values), so the step equals the eager one bit for bit. Nothing reads `.grad` after the check
+(unless the function keeps or returns it), and 1 / scale is there from the start, so the
+schedule unscales and checks each float32 gradient right after its cast (the check's
+`g * 0` lives only until its sum) and it dies there, while its half source lives on to the
+update. The cost: one cast
 and one multiplication more per parameter, so only gradients of at least 64 KiB
 (`_REMAKE_BYTES`) are made again (a bias's are held as they are). Eagerly nothing changes:
 `.grad` is the float32 gradient, and PyTorch's eager step holds every one as well.
@@ -90,16 +95,16 @@ import math
 import numbers
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
-from runtime import autograd, dtypes, ops, tape
+from runtime import autograd, dlpack, dtypes, ops, tape
 from runtime.autograd import no_grad
 from runtime.errors import GraphCaptureError
-from runtime.tensor import Tensor, _brief, as_dtype, as_flag, empty, tensor
+from runtime.tensor import Tensor, _brief, as_dtype, as_flag, empty, tensor, view
 
 __all__ = ["GradScaler", "autocast", "autocast_dtype", "linear"]
 
@@ -166,39 +171,66 @@ def autocast_dtype() -> np.dtype | None:
 class _Copy:
     """A `dtype` working copy of a master parameter, and what it was cast from."""
 
-    __slots__ = ("copy", "version", "capture")
+    __slots__ = ("copy", "source", "seen", "capture")
 
-    def __init__(self, copy: Tensor) -> None:
+    def __init__(self, copy: Tensor, source: tuple) -> None:
         self.copy = copy
-        #: the master's block version the copy holds; -1: unknown (cast only on a tape)
-        self.version = -1
+        #: the memory the master views (block id, offset, strides): a block's id is never
+        #: reused, where a new master's id() may be
+        self.source = source
+        #: what `_seen` said of the master at the last eager cast; None: cast at the next use
+        self.seen: tuple[int, int] | None = None
         #: the capture (a weak reference to its tape) that recorded the last cast, if any
         self.capture: Any = None
 
 
-def working_copy(master: Tensor, dtype: np.dtype, copies: dict[Any, _Copy]) -> Tensor:
-    """`master` in `dtype`, from `copies` (the owner's cache), cast again when the master has
-    been written since the last cast (its block's version moved on) or, inside a graph
-    capture, once per capture (so every replay casts the master its update wrote)."""
-    # NOTE: the memory it views: a block's id is never reused, where a new master's id() may be
-    key = (master.block.id, master.offset, master.strides, dtype)
+# Note [writes the working copy cannot see]: a working copy is cast again when its master's
+# block version has moved on since the last cast, which every write through the runtime does
+# (ops with out=, item assignment, views, optimizer steps, graph replays). Two kinds of write
+# move no version: another library's through a DLPack export of the master's memory, and the
+# owner's of memory the master imported (`runtime.from_dlpack`). The runtime cannot watch
+# either, so it never trusts the copy of a master that could have been written so: while an
+# export of its block lives, or for an imported block, the copy is cast at every use; and
+# since an export that begins and ends between two uses leaves no live export behind, the
+# copy also remembers how many exports of the block had begun or ended
+# (`dlpack.export_events`) and is cast again when that count moved. No check of the content
+# (a full read of the master) is needed, and no stale copy is ever read.
+def _seen(master: Tensor) -> tuple[int, int] | None:
+    """What a working copy remembers of its master at a cast: the block's version and its
+    DLPack export count, or None where writes could come unseen (Note [writes the working
+    copy cannot see])."""
+    block = master.block
+    if block.exports or isinstance(block, dlpack.ForeignBlock):
+        return None
+    return block.version, dlpack.export_events(block)
+
+
+def working_copy(master: Tensor, dtype: np.dtype, copies: dict[Any, _Copy],
+                 role: str) -> Tensor:
+    """`master` in `dtype`, from `copies` (the owner's cache, one copy per `role` and dtype,
+    e.g. "weight"), cast again when the master may have been written since the last cast
+    (Note [writes the working copy cannot see]) or, inside a graph capture, once per capture
+    (so every replay casts the master its update wrote). A new master in the role (another
+    memory) replaces the old copy, which lives on only while a backward pass holds it."""
+    key = (role, dtype)
+    source = (master.block.id, master.offset, master.strides)
     entry = copies.get(key)
-    if (entry is None or entry.copy.shape != master.shape
+    if (entry is None or entry.source != source or entry.copy.shape != master.shape
             or entry.copy.device is not master.device):
         made = empty(master.shape, dtype, device=master.device, allocator=master.block.allocator)
-        entry = copies[key] = _Copy(made)
+        entry = copies[key] = _Copy(made, source)
     recorder = tape.active()
     if recorder is None:
-        stale = entry.version != master.block.version
+        stale = entry.seen is None or entry.seen != _seen(master)
     else:
         stale = entry.capture is None or not _capturing(entry.capture)
     if stale:
         with no_grad():
             ops.cast(master, dtype, out=entry.copy)
         if recorder is None:
-            entry.version, entry.capture = master.block.version, None
+            entry.seen, entry.capture = _seen(master), None
         else:  # NOTE: recorded, not run: the next eager use casts again
-            entry.version, entry.capture = -1, weakref.ref(recorder)
+            entry.seen, entry.capture = None, weakref.ref(recorder)
     return entry.copy
 
 
@@ -216,8 +248,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: Any,
     recast = x.dtype != dtype
     if recast:
         x = ops.cast(x, dtype)
-    w = working_copy(weight, dtype, copies)
-    b = working_copy(bias, dtype, copies) if bias is not None else None
+    w = working_copy(weight, dtype, copies, "weight")
+    b = working_copy(bias, dtype, copies, "bias") if bias is not None else None
     with no_grad():
         out = ops.linear(x, w, b)
     operands = [x, weight] if bias is None else [x, weight, bias]
@@ -279,13 +311,41 @@ class _Stage:
         self.found: Tensor | None = None
 
 
-def _positive(what: str, value: Any, low: float, high: float = math.inf) -> float:
+def _positive(where: str, what: str, value: Any, low: float, high: float = math.inf) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"GradScaler: {what} must be a number, got {_brief(value)}")
+        raise TypeError(f"{where}: {what} must be a number, got {_brief(value)}")
     number = float(value)
     if not low < number < high:
-        raise ValueError(f"GradScaler: {what} must lie in ({low}, {high}), got {_brief(value)}")
+        raise ValueError(f"{where}: {what} must lie in ({low}, {high}), got {_brief(value)}")
     return number
+
+
+def _count(where: str, what: str, value: Any, low: int, high: int) -> int:
+    """`value` as an int in [low, high] (counts are exact float32 integers up to 2**24)."""
+    if (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral)
+            or not low <= value <= high):
+        raise ValueError(f"{where}: {what} must be an int in [{low}, {high}], got "
+                         f"{_brief(value)}")
+    return int(value)
+
+
+def _settings(where: str, scale: tuple[str, Any], growth_factor: Any, backoff_factor: Any,
+              growth_interval: Any) -> tuple[float, float, float, int]:
+    """The scaler's settings checked (the constructor's rule, and load_state_dict's), the
+    scale given as (its name there, value): TypeError / ValueError naming `where`, the setting
+    and the value."""
+    return (_positive(where, scale[0], scale[1], 0.0),
+            _positive(where, "growth_factor", growth_factor, 1.0),
+            _positive(where, "backoff_factor", backoff_factor, 0.0, 1.0),
+            _count(where, "growth_interval", growth_interval, 1, _EXACT))
+
+
+#: float32 counts (steps, the growth tracker) are exact up to here
+_EXACT = 2 ** 24
+
+
+def _probe_key(t: Tensor) -> tuple:
+    return (t.shape, t.dtype, id(t.block.allocator))
 
 
 class GradScaler:
@@ -316,19 +376,18 @@ class GradScaler:
                  backoff_factor: float = 0.5, growth_interval: int = 2000,
                  enabled: bool = True) -> None:
         self.enabled = as_flag(enabled, "GradScaler: enabled")
-        self.init_scale = _positive("init_scale", init_scale, 0.0)
-        self.growth_factor = _positive("growth_factor", growth_factor, 1.0)
-        self.backoff_factor = _positive("backoff_factor", backoff_factor, 0.0, 1.0)
-        if (isinstance(growth_interval, bool) or not isinstance(growth_interval, numbers.Integral)
-                or not 0 < growth_interval <= 2 ** 24):
-            raise ValueError(f"GradScaler: growth_interval must be an int in [1, {2 ** 24}], "
-                             f"got {_brief(growth_interval)}")
-        self.growth_interval = int(growth_interval)
+        (self.init_scale, self.growth_factor, self.backoff_factor,
+         self.growth_interval) = _settings("GradScaler", ("init_scale", init_scale),
+                                           growth_factor, backoff_factor, growth_interval)
         #: scale, growth tracker, steps, skipped steps, finite since the last update: 0-d
         self._state: dict[str, Tensor] = {}
         #: 0-d scratch for one step, by name (eager only: a capture uses temporaries)
         self._scratch: dict[tuple[str, np.dtype], Tensor] = {}
-        #: optimizer steps since the last update(), on the host (the same in every replay)
+        #: by (shape, dtype, allocator id), where the check looks at a gradient's elements: a
+        #: view over one buffer per dtype and allocator as large as the largest (eager only)
+        self._probes: dict[tuple, Tensor] = {}
+        #: checks kept for the next update() (steps, and an unscale_ without its step) since
+        #: the last one, on the host (the same in every replay)
         self._pending = 0
         #: skipped steps already logged
         self._reported = 0
@@ -380,8 +439,32 @@ class GradScaler:
                 self._buffer("inverse", dtype)
                 self._buffer("sum", dtype)
                 self._buffer("gate", dtype)
+            self._prepare_probes(optimizer.params)
             if getattr(optimizer, "gated_updates", False):
                 optimizer.prepare_gate()
+
+    def _prepare_probes(self, params: list[Tensor]) -> None:
+        """Make the views `_probe` hands out for gradients like `params`' (eager only)."""
+        if tape.active() is not None:
+            return
+        missing = [p for p in params if _probe_key(p) not in self._probes]
+        largest: dict[tuple, Tensor] = {}  # NOTE: by (dtype, allocator id)
+        for p in missing:
+            key = (p.dtype, id(p.block.allocator))
+            if key not in largest or p.size > largest[key].size:
+                largest[key] = p
+        # NOTE: all made before any is kept (Note [the commit point] in runtime/nn.py); the
+        # views of each buffer keep it alive
+        buffers = {key: empty((p.size,), p.dtype, device=p.device, allocator=p.block.allocator)
+                   for key, p in largest.items()}
+        for buffer in buffers.values():
+            buffer.block.memory_for_write("loss scaler state")
+        self._probes.update({_probe_key(p): view(buffers[(p.dtype, id(p.block.allocator))],
+                                                 p.shape) for p in missing})
+
+    def _probe(self, g: Tensor) -> Tensor | None:
+        """Where the check looks at the elements of `g` (None while capturing: a temporary)."""
+        return None if tape.active() is not None else self._probes.get(_probe_key(g))
 
     # ------------------------------------------------------------------ the step
     def scale(self, loss: Tensor) -> Tensor:
@@ -420,7 +503,9 @@ class GradScaler:
         records it like the rest of the step. Disabled: does nothing.
 
         Raises RuntimeError naming the optimizer when called again for it before `update()`,
-        or after `step(optimizer)` (which has unscaled its gradients already).
+        or after `step(optimizer)` (which has unscaled its gradients already); ValueError for a
+        float16 gradient (torch.amp's "Attempting to unscale FP16 gradients."), and what the
+        optimizer's own check refuses, before any gradient is divided.
 
         Example:
             >>> import numpy as np, runtime
@@ -450,7 +535,7 @@ class GradScaler:
             raise RuntimeError(f"GradScaler.unscale_: already called for this optimizer ({name}) "
                                f"since the last update(); the gradients are unscaled once per "
                                f"step: call unscale_ once, then step(), then update()")
-        grads = [p.grad for p in optimizer.params if p.grad is not None]
+        grads = self._gradients(optimizer, "GradScaler.unscale_")
         if grads:
             self.prepare(optimizer)
             with no_grad(), tape.phase("update"):
@@ -468,15 +553,26 @@ class GradScaler:
 
         Raises GraphCaptureError inside a capture for an optimizer that cannot skip on the
         device (`gated_updates` False: not nn.SGD or nn.Adam); eagerly, such an optimizer's
-        step is skipped in Python after reading the check back.
+        step is skipped in Python after reading the check back. Raises RuntimeError, as
+        torch.amp does, for a second step() of the optimizer before update(), or when none of
+        its parameters has a gradient; ValueError for a float16 gradient (see `unscale_`).
         """
         if not self.enabled:
             optimizer.step()
             return
         stage = self._stage(optimizer)
-        grads = [p.grad for p in optimizer.params if p.grad is not None]
+        name = type(optimizer).__name__
+        if stage.stepped:
+            raise RuntimeError(f"GradScaler.step: step() has already been called for this "
+                               f"optimizer ({name}) since the last update(): each step is "
+                               f"unscaled, checked and taken once; call update() before the "
+                               f"next step() (torch.amp.GradScaler refuses the same)")
+        grads = self._gradients(optimizer, "GradScaler.step")
         if not grads:
-            return
+            raise RuntimeError(f"GradScaler.step: No inf checks were recorded for this "
+                               f"optimizer ({name}): none of its parameters has a gradient "
+                               f"(torch.amp.GradScaler refuses the same); run the scaled "
+                               f"backward pass first")
         capturing = tape.active() is not None
         gated = getattr(optimizer, "gated_updates", False)
         if capturing and not gated:
@@ -508,11 +604,36 @@ class GradScaler:
             ops.add(state["steps"], 1.0, out=state["steps"])
             missed = ops.sub(1.0, finite, out=self._buffer("term"))
             ops.add(state["skipped"], missed, out=state["skipped"])
-            if self._pending:
-                ops.mul(state["finite"], finite, out=state["finite"])
-            else:
-                ops.copy(finite, out=state["finite"])
-            self._pending += 1
+            self._fold(finite)
+
+    def _fold(self, finite: Tensor) -> None:
+        """Keep a check's 0/1 flag for the next update(): finite since the last one."""
+        state = self._state
+        if self._pending:
+            ops.mul(state["finite"], finite, out=state["finite"])
+        else:
+            ops.copy(finite, out=state["finite"])
+        self._pending += 1
+
+    def _gradients(self, optimizer: Any, where: str) -> list[Tensor]:
+        """The gradients of `optimizer`'s parameters, once everything that would refuse the
+        step is checked (unscaling writes them, so a refusal after would leave them changed):
+        a float16 gradient, and what the optimizer's own check refuses (nn.Optimizer's
+        `_check_step`: a gradient without memory, a missed step)."""
+        todo = [p for p in optimizer.params if p.grad is not None]
+        for p in todo:
+            if p.grad.dtype == np.float16:
+                raise ValueError(
+                    f"{where}: parameter {p.name or p.shape} has a float16 gradient, which loss "
+                    f"scaling cannot unscale and check safely (PyTorch refuses it too: "
+                    f"\"Attempting to unscale FP16 gradients.\"); keep float32 parameters and "
+                    f"compute in float16 under amp.autocast (nn.train_step(..., "
+                    f"precision='float16')), or train bfloat16 ones without a scaler; nothing "
+                    f"was changed")
+        check = getattr(optimizer, "_check_step", None)
+        if check is not None:
+            check(todo)
+        return [p.grad for p in todo]
 
     def _inverse(self) -> Tensor:
         """1 / scale: made by scale() while capturing, else now."""
@@ -537,8 +658,10 @@ class GradScaler:
         return found
 
     def _unscale(self, grads: list[Tensor], out: Tensor | None) -> tuple[Tensor, dict]:
-        """Unscale `grads` in place; return (in `out`) +0.0 when all are finite, NaN if not
-        (`sum - sum` for the float32 sum of all of them), and 1 / scale by dtype."""
+        """Unscale `grads` in place; return (in `out`) +0.0 when all are finite, NaN if not,
+        and 1 / scale by dtype. The check looks at each element, as PyTorch's does: g * 0 is
+        +-0 where g is finite and NaN where not, and a sum of zeros is exactly zero (a sum of
+        the gradients themselves could overflow to inf, and read a finite step as skipped)."""
         inverse = self._inverse()
         inverses = {_FLOAT32: inverse}
         total = None
@@ -547,7 +670,8 @@ class GradScaler:
             if dtype not in inverses:
                 inverses[dtype] = ops.cast(inverse, dtype, out=self._buffer("inverse", dtype))
             ops.mul(g, inverses[dtype], out=g)
-            s = ops.sum(g, out=self._buffer("sum", dtype))
+            zeros = ops.mul(g, 0.0, out=self._probe(g))
+            s = ops.sum(zeros, out=self._buffer("sum", dtype))
             if dtype != _FLOAT32:
                 s = ops.cast(s, _FLOAT32, out=self._buffer("sum"))
             total = (ops.copy(s, out=self._buffer("total")) if total is None
@@ -571,13 +695,25 @@ class GradScaler:
         """Adjust the scale after the steps since the last update: times backoff_factor if any
         skipped (and the growth counter restarts), else count one more finite step and, at
         growth_interval of them in a row, times growth_factor. All by arithmetic on the
-        device's 0/1 flag, the same ops at every call."""
-        if not self.enabled or not self._state:
+        device's 0/1 flag, the same ops at every call. An `unscale_(optimizer)` without its
+        step counts by its check, as in torch.amp.
+
+        Raises RuntimeError, as torch.amp does, when no step() or unscale_() ran since the
+        last update()."""
+        if not self.enabled:
             return
+        unscaled = [stage.found for stage in self._stages.values() if stage.found is not None]
+        if not self._pending and not unscaled:
+            raise RuntimeError("GradScaler.update: No inf checks were recorded prior to "
+                               "update(): no step() or unscale_() ran since the last update() "
+                               "(torch.amp.GradScaler refuses the same); applying the last "
+                               "check again would back the scale off twice for one overflow")
         state = self._state
         f, tracker, scale = state["finite"], state["tracker"], state["scale"]
         interval = float(self.growth_interval)
         with no_grad(), tape.phase("update"):
+            for found in unscaled:  # NOTE: unscale_ alone: torch.amp updates by its check
+                self._fold(self._flags(found, [])[0])
             ops.add(tracker, 1.0, out=tracker)
             ops.mul(tracker, f, out=tracker)  # finite steps in a row, 0 after a skip
             # NOTE: tracker is an integer in [0, interval]: relu(t - i + 1) - relu(t - i) is 1
@@ -652,22 +788,31 @@ class GradScaler:
         """Restore what `state_dict` returned: the settings now, the device state (scale,
         growth counter, counts) at once if it exists, else when it is made.
 
-        Raises ValueError for a state of a disabled scaler or with a key missing."""
+        Raises ValueError for a state of a disabled scaler or with a key missing, and
+        TypeError / ValueError for a value the constructor would refuse (the same checks), a
+        growth tracker outside [0, growth_interval) or counts that are no int in [0, 2**24]
+        (skipped steps at most the steps); a refused state changes nothing."""
         if not self.enabled:
             return
+        where = "GradScaler.load_state_dict"
+        if not isinstance(state, Mapping):
+            raise TypeError(f"{where}: expected the mapping state_dict() returns, got "
+                            f"{_brief(state)}")
         missing = {"scale", "growth_factor", "backoff_factor", "growth_interval",
                    "_growth_tracker"} - set(state)
         if missing:
-            raise ValueError(f"GradScaler.load_state_dict: the state has no "
-                             f"{', '.join(sorted(missing))} (a disabled scaler's state is empty)")
-        self.growth_factor = _positive("growth_factor", state["growth_factor"], 1.0)
-        self.backoff_factor = _positive("backoff_factor", state["backoff_factor"], 0.0, 1.0)
-        self.growth_interval = int(state["growth_interval"])
-        self.init_scale = _positive("scale", state["scale"], 0.0)
-        values = {"scale": self.init_scale, "tracker": float(state["_growth_tracker"]),
-                  "steps": float(state.get("steps", 0)),
-                  "skipped": float(state.get("skipped_steps", 0))}
-        self._reported = int(values["skipped"])
+            raise ValueError(f"{where}: the state has no {', '.join(sorted(missing))} (a "
+                             f"disabled scaler's state is empty)")
+        settings = _settings(where, ("scale", state["scale"]), state["growth_factor"],
+                             state["backoff_factor"], state["growth_interval"])
+        tracker = _count(where, "_growth_tracker", state["_growth_tracker"], 0, settings[3] - 1)
+        steps = _count(where, "steps", state.get("steps", 0), 0, _EXACT)
+        skipped = _count(where, "skipped_steps", state.get("skipped_steps", 0), 0, steps)
+        (self.init_scale, self.growth_factor, self.backoff_factor,
+         self.growth_interval) = settings
+        values = {"scale": self.init_scale, "tracker": float(tracker), "steps": float(steps),
+                  "skipped": float(skipped)}
+        self._reported = skipped
         if self._state:
             with no_grad():
                 for name, value in values.items():

@@ -125,11 +125,22 @@ def dlpack_device(device: Device) -> tuple[int, int]:
 
 
 _exports_lock = threading.Lock()
+#: by block, how many exports of its memory began or ended (`export_events`)
+_export_events: weakref.WeakKeyDictionary[Block, int] = weakref.WeakKeyDictionary()
 
 
 def _count_export(block: Block, step: int) -> None:
     with _exports_lock:
         block.exports += step
+        _export_events[block] = _export_events.get(block, 0) + 1
+
+
+def export_events(block: Block) -> int:
+    """How many DLPack exports of `block`'s memory began or ended so far (0: never exported).
+    The other library's writes move no version: a reader that finds the same count and no
+    live export (`Block.exports`) knows that none could have happened since it looked
+    (Note [writes the working copy cannot see] in runtime/amp.py)."""
+    return _export_events.get(block, 0)
 
 
 class _Export:

@@ -66,6 +66,7 @@ __all__ = ["SGD", "Adam", "Dense", "Module", "Optimizer", "ReLU", "Sequential", 
            "clip_grad_norm_", "manual_seed", "mse", "softmax_cross_entropy", "train_step"]
 
 _rng = np.random.default_rng()
+_FLOAT32 = np.dtype("float32")
 _FLOAT64 = np.dtype("float64")
 
 
@@ -216,7 +217,7 @@ class Dense(Module):
                                device, allocator)
         self.bias = (_uniform(generator, (self.out_features,), bound, dtype, device, allocator)
                      if bias else None)
-        #: working copies of the parameters for autocast, by (parameter id, dtype)
+        #: working copies of the parameters for autocast, by ("weight" or "bias", dtype)
         self._copies: dict[Any, Any] = {}
 
     def forward(self, x: Tensor) -> Tensor:
@@ -519,7 +520,21 @@ def _allocated(t: Tensor) -> Tensor:
 
 class Optimizer:
     """Base of the optimizers: holds the parameters and per-parameter state; `step()` runs
-    `_update(param, grad, state)` under no_grad for each parameter that has a gradient."""
+    `_update(param, grad, state)` under no_grad for each parameter that has a gradient.
+
+    Note [optimizers compute as PyTorch's do]: each update is PyTorch's CPU for-loop
+    (`torch.optim`'s default there), op for op: the state has the parameter's dtype, and each
+    of PyTorch's ops (a fused one such as lerp, addcmul or addcdiv included) is computed in the
+    parameter's compute dtype, float32 for a float16 or bfloat16 parameter (PyTorch's opmath,
+    `ops._number_dtype`), and rounded once into the parameter's dtype: `_Pointwise`'s ops cast
+    two-byte operands into float32 scratch and round the result back; add's alpha is rounded
+    to the parameter's dtype first, as PyTorch's kernel does. Numbers that change from step to
+    step (Adam's bias corrections, SGD's first-step coefficient) are 0-d tensors of the compute
+    dtype on the device, so that a `runtime.graph` replays later steps correctly. Two-byte
+    parameters then get PyTorch's bits (but where PyTorch's scalar loop, after its vectors,
+    rounds add's product first); float32 ones may differ in the last place where PyTorch's
+    kernels fuse a multiply and an add.
+    """
 
     #: True where every write of `_update`, `_begin` and `_end` to a parameter or to state goes
     #: through `_target` and `_commit`, so that amp.GradScaler can skip a step on the device
@@ -544,8 +559,14 @@ class Optimizer:
         self.lr = _check_number(f"{name}: lr", lr, 0.0)
         self.state: dict[int, dict[str, Any]] = {id(p): {} for p in self.params}
         self._scratch_pool: dict[tuple, Tensor] = {}
+        #: by parameter id, the eager `_pointwise` over its scratch
+        self._pointwise_of: dict[int, _Pointwise] = {}
         #: during a step gated by amp.GradScaler: -0.0 (take it) or NaN (skip it), by dtype
         self._gates: dict[Any, Tensor] | None = None
+        #: steps taken, and by parameter id the steps that updated it (host counts: replays of
+        #: a captured step move neither, and they update the same parameters every time)
+        self._taken = 0
+        self._counts = {id(p): 0 for p in self.params}
 
     def zero_grad(self) -> None:
         """Forget the parameters' gradients (set them to None)."""
@@ -555,11 +576,48 @@ class Optimizer:
     def step(self) -> None:
         """Update every parameter that has a gradient, in place.
 
-        All the memory a step needs (state, scratch) is allocated before the first write, so an
+        Everything a step could refuse is checked before the first write, and all the memory
+        it needs (state, scratch) is allocated then too, so a refused step or an
         OutOfMemoryError leaves the parameters and the optimizer state as they were
         (Note [the commit point]).
+
+        Raises UseAfterFreeError / UninitializedMemoryError for a gradient without readable
+        memory, and ValueError where `counts_steps` and a parameter missed a step.
         """
         self._step(None)
+
+    @property
+    def counts_steps(self) -> bool:
+        """True where an update depends on the number of steps taken (Adam's bias corrections;
+        SGD's first momentum step with dampening). The optimizer keeps one count, on the
+        device, for all its parameters, where PyTorch counts each parameter's own steps: so a
+        parameter must have had a gradient at every step, or at none (a frozen one); a step
+        that would give one PyTorch's result for another count is refused."""
+        return False
+
+    def _check_step(self, todo: list[Tensor]) -> None:
+        """Refuse, before anything is written, a step that could fail part-way or give a
+        parameter another result than PyTorch's: a gradient (or parameter) without readable
+        memory, and under `counts_steps` a parameter that missed steps. (`.grad` itself takes
+        only a tensor of the parameter's shape, dtype and device: `Tensor.grad`.)"""
+        name = type(self).__name__
+        counts = self._counts if self.counts_steps else None
+        for p in todo:
+            for t in (p, p.grad):
+                block = t.block
+                if t._gen != block.generation or not block._written:
+                    where = (f"{name}.step(): {'parameter' if t is p else 'the gradient of'} "
+                             f"{p.name or p.shape}")
+                    t._check(where)
+                    block.memory_for_read(where)
+            if counts is not None and counts[id(p)] != self._taken:
+                raise ValueError(
+                    f"{name}.step(): parameter {p.name or p.shape} was updated at "
+                    f"{self._counts[id(p)]} of this optimizer's {self._taken} steps; {name} "
+                    f"keeps one step count for all its parameters (on the device, so that a "
+                    f"captured step replays it), where PyTorch would count this parameter's "
+                    f"own steps: give every parameter a gradient at every step (or never), or "
+                    f"give this one an optimizer of its own; nothing was changed")
 
     def _step(self, gates: dict[Any, Tensor] | None,
               remade: dict[int, Callable[[], Tensor]] | None = None) -> None:
@@ -570,6 +628,7 @@ class Optimizer:
         (Note [half gradients through the check] in runtime/amp.py)."""
         with no_grad(), tape.phase("update"):
             todo = [p for p in self.params if p.grad is not None]
+            self._check_step(todo)
             self._gates = gates
             try:
                 self._prepare_shared()
@@ -595,6 +654,14 @@ class Optimizer:
                 self._end()
             finally:
                 self._gates = None
+            self._counted(todo)
+
+    def _counted(self, todo: list[Tensor]) -> None:
+        """Count a step that updated the parameters `todo` (where `counts_steps`)."""
+        if self.counts_steps:
+            self._taken += 1
+            for p in todo:
+                self._counts[id(p)] += 1
 
     def prepare_gate(self) -> None:
         """Allocate now the state and the further scratch a gated step needs (amp.GradScaler
@@ -642,6 +709,7 @@ class Optimizer:
 
     def _prepare(self, p: Tensor, state: dict[str, Any]) -> None:
         """Make what updating `p` needs: its state and scratch. The only allocations of a step."""
+        self._pointwise(p)
 
     def _begin(self) -> None:
         """Writes that come before the updates (e.g. Adam's bias corrections)."""
@@ -655,18 +723,34 @@ class Optimizer:
     def _zeros_like(self, p: Tensor) -> Tensor:
         return tensor(np.zeros(p.shape, p.dtype), device=p.device, allocator=p.block.allocator)
 
-    def _scratch(self, like: Tensor, index: int = 0) -> Tensor | None:
-        """Scratch tensor number `index` shaped like `like`, shared by every parameter of that
-        shape (updates run one after another), made once, lazily. None while a graph captures:
-        there, plain op results are temporaries the graph's memory plan places."""
+    def _scratch(self, like: Tensor, index: int = 0, dtype: np.dtype | None = None
+                 ) -> Tensor | None:
+        """Scratch tensor number `index` shaped like `like` (of its dtype, or `dtype`), shared
+        by every parameter of that shape (updates run one after another), made once, lazily.
+        None while a graph captures: there, plain op results are temporaries the graph's
+        memory plan places."""
         if tape.active() is not None:
             return None
-        key = (like.shape, like.dtype, id(like.block.allocator), index)
+        dtype = like.dtype if dtype is None else dtype
+        key = (like.shape, dtype, id(like.block.allocator), index)
         buffer = self._scratch_pool.get(key)
         if buffer is None:
             buffer = self._scratch_pool[key] = _allocated(
-                empty(like.shape, like.dtype, device=like.device, allocator=like.block.allocator))
+                empty(like.shape, dtype, device=like.device, allocator=like.block.allocator))
         return buffer
+
+    def _pointwise(self, p: Tensor) -> _Pointwise:
+        """PyTorch's ops for updating `p` (Note [optimizers compute as PyTorch's do]), over
+        its scratch (made at the first call; kept by parameter outside captures)."""
+        eager = tape.active() is None
+        made = self._pointwise_of.get(id(p)) if eager else None
+        if made is None:
+            wide = _compute_dtype(p.dtype)
+            made = _Pointwise(p.dtype, self._scratch(p, 0, wide),
+                              None if wide == p.dtype else self._scratch(p, 1, wide))
+            if eager:
+                self._pointwise_of[id(p)] = made
+        return made
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._options()}, {len(self.params)} parameters)"
@@ -675,9 +759,108 @@ class Optimizer:
         return f"lr={self.lr}"
 
 
+class _Pointwise:
+    """PyTorch's pointwise ops as one parameter's update uses them (Note [optimizers compute
+    as PyTorch's do]): each takes and returns tensors of the parameter's dtype; `out` is
+    where the result goes (None: a temporary) and may be an operand. A two-byte parameter's
+    operands are cast into float32 scratch (`work`, `spare`), the op computed there, and the
+    result rounded once into `out`; a float32 or float64 one computes in place, its
+    intermediate results in `work`. While a graph captures, both are None: every result is a
+    new temporary, written once, which a graph can fuse through or write over."""
+
+    __slots__ = ("dtype", "own", "work", "spare")
+
+    def __init__(self, dtype: np.dtype, work: Tensor | None, spare: Tensor | None) -> None:
+        self.dtype = dtype
+        #: whether the parameter computes in its own dtype (no casts)
+        self.own = dtype not in dtypes.HALVES
+        self.work = work
+        self.spare = spare
+
+    def _wide(self, x: Tensor, spare: bool = False) -> Tensor:
+        """x in the compute dtype: x itself, or cast exactly into work (or spare)."""
+        if self.own:
+            return x
+        return ops.cast(x, _FLOAT32, out=self.spare if spare else self.work)
+
+    def _last(self, out: Tensor | None) -> Tensor | None:
+        """Where the last op writes: `out` itself, or the work, which `_rounded` rounds."""
+        return out if self.own else self.work
+
+    def _rounded(self, value: Tensor, out: Tensor | None) -> Tensor:
+        return value if self.own else ops.cast(value, self.dtype, out=out)
+
+    def add_scaled(self, a: Tensor, b: Tensor, alpha: Any, out: Tensor | None) -> Tensor:
+        """a + alpha * b (PyTorch's add with alpha, which rounds a number alpha to the dtype
+        first); alpha a number or a 0-d compute-dtype tensor (so rounded already)."""
+        if not self.own and not isinstance(alpha, Tensor):
+            alpha = float(self.dtype.type(alpha))
+        scaled = self._wide(b)
+        if isinstance(alpha, Tensor) or alpha != 1.0:  # NOTE: b * 1 is b: no op to fuse through
+            scaled = ops.mul(scaled, alpha, out=self.work)
+        return self._rounded(ops.add(self._wide(a, True), scaled, out=self._last(out)), out)
+
+    def lerp(self, start: Tensor, end: Tensor, weight: float, out: Tensor | None) -> Tensor:
+        """start + weight * (end - start), as PyTorch's lerp: from end for weight >= 0.5."""
+        wide = _compute_dtype(self.dtype)
+        weight = float(wide.type(weight))  # NOTE: exact, and a Python float for the fast path
+        low = self._wide(start, True)
+        diff = ops.sub(self._wide(end), low, out=self.work)
+        if abs(weight) < 0.5:
+            result = ops.add(low, ops.mul(diff, weight, out=self.work), out=self._last(out))
+        else:
+            diff = ops.mul(diff, float(wide.type(1) - wide.type(weight)), out=self.work)
+            result = ops.sub(self._wide(end, True), diff, out=self._last(out))
+        return self._rounded(result, out)
+
+    def addcmul(self, a: Tensor, b: Tensor, value: float, out: Tensor | None) -> Tensor:
+        """a + value * b * b (PyTorch's addcmul(a, b, b, value=value))."""
+        wide_b = self._wide(b, True)
+        product = ops.mul(ops.mul(wide_b, value, out=self.work), wide_b, out=self.work)
+        return self._rounded(ops.add(self._wide(a, True), product, out=self._last(out)), out)
+
+    def addcdiv(self, a: Tensor, b: Tensor, c: Tensor, value: Tensor,
+                out: Tensor | None) -> Tensor:
+        """a + value * b / c (PyTorch's addcdiv); value a 0-d compute-dtype tensor."""
+        quotient = ops.mul(self._wide(b), value, out=self.work)
+        quotient = ops.div(quotient, self._wide(c, True), out=self.work)
+        return self._rounded(ops.add(self._wide(a, True), quotient, out=self._last(out)), out)
+
+    def divided(self, a: Tensor, value: Tensor, out: Tensor | None) -> Tensor:
+        """a / value; value a 0-d compute-dtype tensor."""
+        return self._rounded(ops.div(self._wide(a), value, out=self._last(out)), out)
+
+
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype a `dtype` parameter's update computes in: float32 for float16 and bfloat16
+    (PyTorch's opmath), the dtype itself otherwise (Note [optimizers compute as PyTorch's
+    do])."""
+    return ops._number_dtype(dtype)
+
+
+def _shared_by_dtype(shared: list[tuple[Tensor, ...]], p: Tensor) -> tuple[Tensor, ...]:
+    """The entry of `shared` (0-d tensors, one entry per compute dtype and device of the
+    parameters) that serves `p`."""
+    wide = _compute_dtype(p.dtype)
+    for entry in shared:
+        if entry[0].dtype == wide and entry[0].device is p.device:
+            return entry
+    raise KeyError(f"no shared state for a {p.dtype} parameter on {p.device.name}")
+
+
+def _groups(params: list[Tensor], by_dtype: bool = False) -> list[Tensor]:
+    """One parameter of each compute dtype (`by_dtype`: of each dtype) and device among
+    `params`, in order."""
+    seen: dict[tuple[np.dtype, int], Tensor] = {}
+    for p in params:
+        seen.setdefault((p.dtype if by_dtype else _compute_dtype(p.dtype), id(p.device)), p)
+    return list(seen.values())
+
+
 class SGD(Optimizer):
     """Stochastic gradient descent with momentum, dampening, Nesterov and weight decay, with
-    PyTorch's update rule (momentum buffer = gradient at the first step)."""
+    PyTorch's update rule (momentum buffer = gradient at the first step), op for op
+    (Note [optimizers compute as PyTorch's do])."""
 
     gated_updates = True
 
@@ -691,42 +874,57 @@ class SGD(Optimizer):
         if nesterov and (self.momentum == 0 or self.dampening != 0):
             raise ValueError("SGD: Nesterov momentum needs momentum > 0 and dampening 0")
         self.nesterov = as_flag(nesterov, "SGD: nesterov")
-        #: 0-d: 1 at the first step, then 1 - dampening
-        self._dampened: Tensor | None = None
+        #: per dtype and device of the parameters, (the dtype, a 0-d of its compute dtype):
+        #: 1 at the first step, then 1 - dampening rounded to the dtype, as PyTorch rounds
+        #: add's alpha (only with momentum and dampening)
+        self._dampened: list[tuple[np.dtype, Tensor]] = []
+        #: whether every parameter computes in its own dtype (the one-pass loop of `_step`)
+        self._own_dtypes = all(_compute_dtype(p.dtype) == p.dtype for p in self.params)
 
-    def _coefficient(self, like: Tensor) -> Tensor:
-        if self._dampened is None:
-            self._dampened = tensor(np.ones((), like.dtype), device=like.device,
-                                    allocator=like.block.allocator)
-        return self._dampened
+    @property
+    def counts_steps(self) -> bool:
+        return bool(self.momentum and self.dampening)
+
+    def _prepare_shared(self) -> None:
+        if self._dampened or not self.counts_steps:
+            return
+        # NOTE: all made before any is kept (Note [the commit point])
+        made = [(p.dtype, tensor(np.ones((), _compute_dtype(p.dtype)), device=p.device,
+                                 allocator=p.block.allocator))
+                for p in _groups(self.params, by_dtype=True)]
+        self._dampened = made
 
     def _prepare(self, p: Tensor, state: dict[str, Any]) -> None:
-        self._scratch(p)
+        super()._prepare(p, state)
         if self.momentum and "momentum" not in state:
             state["momentum"] = self._zeros_like(p)
-        if self.momentum and self.dampening:
-            self._coefficient(p)
+        if self.weight_decay or self.nesterov:
+            self._scratch(p, 1)
 
     def _step(self, gates: dict[Any, Tensor] | None,
               remade: dict[int, Callable[[], Tensor]] | None = None) -> None:
-        """`Optimizer._step`, with the plain case (no momentum, no weight decay, not gated by
-        amp, not capturing) in one loop of one-pass updates (`ops._sub_scaled`): p - (grad *
-        lr) rounded twice, the bits of `_update`'s two ops; every scratch is looked up (made at
-        the first step) before the first write (Note [the commit point]), for a device that
+        """`Optimizer._step`, with the plain case (no momentum, no weight decay, parameters that
+        compute in their own dtype, not gated by amp, not capturing) in one loop of one-pass
+        updates (`ops._sub_scaled`): p - (grad * lr) rounded twice, the bits of
+        `add_scaled(p, grad, -lr)`; every scratch is looked up (made at the first step) after
+        the checks and before the first write (Note [the commit point]), for a device that
         runs the two kernels. A gated or captured step, or any other option, goes through
         `_update` (eager and not gated, also one pass: p - lr * buf with momentum); a capture
         records its two ops, which a graph may fold into a product. NOTE: kept beside the
         general loop because that costs 14-16 us more a step here (18 parameters: two scratch
         lookups and five hook calls per parameter, against one lookup)."""
-        if (gates is not None or self.momentum or self.weight_decay
-                or self._dampened is not None or tape.active() is not None or not self._plain):
+        if (gates is not None or self.momentum or self.weight_decay or not self._own_dtypes
+                or tape.active() is not None or not self._plain):
             super()._step(gates, remade)
             return
         with no_grad():
-            todo = [(p, p.grad, self._scratch(p)) for p in self.params if p.grad is not None]
+            todo = [p for p in self.params if p.grad is not None]
+            self._check_step(todo)
+            work = [(p, p.grad, self._scratch(p)) for p in todo]
             lr, sub_scaled = self.lr, ops._sub_scaled
-            for p, grad, scratch in todo:
+            for p, grad, scratch in work:
                 sub_scaled(p, grad, lr, p, scratch)
+            self._counted(todo)
 
     @property
     def _plain(self) -> bool:
@@ -734,60 +932,54 @@ class SGD(Optimizer):
         takes the general path)."""
         cls = type(self)
         return (cls._update is SGD._update and cls._prepare is SGD._prepare
-                and cls._prepare_shared is Optimizer._prepare_shared
+                and cls._prepare_shared is SGD._prepare_shared
                 and cls._begin is Optimizer._begin and cls._end is SGD._end)
 
     def _gated_scratch(self, p: Tensor) -> None:
-        if self.momentum:  # NOTE: the momentum buffer's new value (`_target(buf, 1)`)
-            self._scratch(p, 1)
-        if self.nesterov:
+        if self.momentum:  # NOTE: the momentum buffer's new value (`_target(buf, 2)`)
             self._scratch(p, 2)
-        if self._dampened is not None:
-            self._scratch(self._dampened, 0)
+        self._scratch(p, 3)  # NOTE: the parameter's new value (`_target(p, 3)`)
+        for _, dampened in self._dampened:
+            self._scratch(dampened, 0)
 
     def _end(self) -> None:
-        if self._dampened is not None:  # from now on d counts 1 - dampening
-            new = ops.mul(self._dampened, 0.0, out=self._target(self._dampened, 0))
-            new = ops.add(new, 1 - self.dampening, out=self._again(new))
-            self._commit(new, self._dampened)
+        for dtype, dampened in self._dampened:  # from now on d counts 1 - dampening
+            new = ops.mul(dampened, 0.0, out=self._target(dampened, 0))
+            new = ops.add(new, float(dtype.type(1 - self.dampening)), out=self._again(new))
+            self._commit(new, dampened)
 
     def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
         # NOTE: with out=None (capturing) each op makes a temporary; outside a gated step
-        # _target is the state itself and _commit does nothing
-        scratch = self._scratch(p)
+        # _target is the state itself and _commit does nothing. PyTorch's _single_tensor_sgd:
+        # d = grad + wd * p; buf = buf * momentum + (1 - dampening) * d (buf = d at the first
+        # step); d = d + momentum * buf (Nesterov) or buf; p = p - lr * d
         d = grad
+        pointwise = self._pointwise(p)
+        spare = self._scratch(p, 1) if self.weight_decay or self.nesterov else None
         if self.weight_decay:
-            decay = ops.mul(p, self.weight_decay, out=scratch)
-            d = ops.add(decay, grad, out=scratch)
+            d = pointwise.add_scaled(grad, p, self.weight_decay, out=spare)
         if self.momentum:
             # NOTE: the buffer starts at zero and the first step adds d itself (coefficient 1,
             # later 1 - dampening), so the same ops run at every step: a captured graph
             # replays PyTorch's rule, where the buffer starts as the first d.
             buf = state["momentum"]
-            new_buf = ops.mul(buf, self.momentum, out=self._target(buf, 1))
-            if self.dampening:
-                d = ops.mul(d, self._coefficient(p), out=scratch)
-            new_buf = ops.add(new_buf, d, out=self._again(new_buf))
-            if self.nesterov:  # p -= lr * (d + momentum * buf), in two subtractions
-                new_p = ops.sub(p, ops.mul(d, self.lr, out=scratch), out=self._target(p, 2))
-                new_p = ops.sub(new_p, ops.mul(new_buf, self.lr * self.momentum, out=scratch),
-                                out=self._again(new_p))
-                self._commit(new_p, p)
-                self._commit(new_buf, buf)
-                return
-            d = new_buf
-        if self._gates is None and scratch is not None and d is not scratch:
-            # NOTE: eager, not gated: the two ops below in one pass, the same bits (the momentum
-            # buffer's new value is in place already)
-            ops._sub_scaled(p, d, self.lr, p, scratch)
+            new_buf = ops.mul(buf, self.momentum, out=self._target(buf, 2))
+            coefficient = next((c for dtype, c in self._dampened
+                                if dtype == p.dtype and c.device is p.device), 1.0)
+            new_buf = pointwise.add_scaled(new_buf, d, coefficient, out=self._again(new_buf))
+            d = (pointwise.add_scaled(d, new_buf, self.momentum, out=spare) if self.nesterov
+                 else new_buf)
+        if self._gates is None and pointwise.own and pointwise.work is not None:
+            # NOTE: eager, not gated: the two ops of add_scaled(p, d, -lr) in one pass, the
+            # same bits (the momentum buffer's new value is in place already)
+            ops._sub_scaled(p, d, self.lr, p, pointwise.work)
             return
         # NOTE: p's commit first: in a capture it then follows the ops that make new_p, and
         # they fuse into one chain (new_p never at full size) where the buffer's commit would
         # sit between them
-        new_p = ops.sub(p, ops.mul(d, self.lr, out=scratch), out=self._target(p, 0))
-        self._commit(new_p, p)
+        self._commit(pointwise.add_scaled(p, d, -self.lr, out=self._target(p, 3)), p)
         if self.momentum:
-            self._commit(d, state["momentum"])
+            self._commit(new_buf, buf)
 
     def _options(self) -> str:
         return (f"lr={self.lr}, momentum={self.momentum}, weight_decay={self.weight_decay}"
@@ -796,13 +988,19 @@ class SGD(Optimizer):
 
 class Adam(Optimizer):
     """Adam (Kingma and Ba 2015) with PyTorch's defaults and bias correction; weight_decay
-    adds weight_decay * param to the gradient (L2, as torch.optim.Adam).
+    adds weight_decay * param to the gradient (L2, as torch.optim.Adam). Op for op PyTorch's
+    CPU for-loop (Note [optimizers compute as PyTorch's do]): the moments have the
+    parameter's dtype, and a float16 or bfloat16 parameter computes each op in float32.
 
-    The bias corrections live on the device (beta**t as 0-d tensors updated by ops at every
-    step), so a captured graph replays later steps correctly, like PyTorch's capturable Adam.
+    The bias corrections live on the device, in the parameters' compute dtype (float32 for
+    two-byte parameters: bfloat16's 1 - beta2**t would round to 0): 1 - beta**t as 0-d tensors
+    updated by ops at every step (c = c + (1 - beta) * (1 - c), which keeps c to float32's
+    precision where beta**t would cancel), so a captured graph replays later steps correctly,
+    like PyTorch's capturable Adam. One step count serves every parameter (`counts_steps`).
     """
 
     gated_updates = True
+    counts_steps = True  # type: ignore[assignment]
 
     def __init__(self, params: Iterable[Tensor], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -814,72 +1012,81 @@ class Adam(Optimizer):
                       _check_number("Adam: betas[1]", betas[1], 0.0, 1.0))
         self.eps = _check_number("Adam: eps", eps, 0.0, low_open=True)
         self.weight_decay = _check_number("Adam: weight_decay", weight_decay, 0.0)
-        #: beta1**t and beta2**t, as 0-d tensors
-        self._powers: tuple[Tensor, Tensor] | None = None
-        #: lr / (1 - beta1**t), a 0-d tensor
-        self._step_size: Tensor | None = None
-        #: 1 / (1 - beta2**t), a 0-d tensor
-        self._inverse_correction: Tensor | None = None
+        #: per compute dtype and device of the parameters, 0-d tensors of that dtype:
+        #: 1 - beta1**t and 1 - beta2**t
+        self._complements: list[tuple[Tensor, Tensor]] = []
+        #: alongside, -lr / (1 - beta1**t) and sqrt(1 - beta2**t), made at each step's start
+        self._factors: list[tuple[Tensor, Tensor]] = []
 
     def _prepare_shared(self) -> None:
-        if self._powers is not None:
+        if self._complements:
             return
-        like = self.params[0]
-        dtype, device, allocator = like.dtype, like.device, like.block.allocator
-        # NOTE: all made before any is kept, so a failed allocation leaves none half made and
-        # the next prepare() makes them again (Note [the commit point])
-        made = [tensor(np.ones((), dtype), device=device, allocator=allocator) for _ in range(2)]
-        made += [_allocated(empty((), dtype, device, allocator)) for _ in range(2)]
-        self._powers = (made[0], made[1])
-        self._step_size, self._inverse_correction = made[2], made[3]
+        complements, factors = [], []
+        for like in _groups(self.params):
+            dtype, device, allocator = _compute_dtype(like.dtype), like.device, like.block.allocator
+            # NOTE: all made before any is kept, so a failed allocation leaves none half made
+            # and the next prepare() makes them again (Note [the commit point])
+            complements.append(tuple(tensor(np.zeros((), dtype), device=device,
+                                            allocator=allocator) for _ in range(2)))
+            factors.append(tuple(_allocated(empty((), dtype, device, allocator))
+                                 for _ in range(2)))
+        self._complements, self._factors = complements, factors
+        for c, _ in complements:
+            self._scratch(c, 2)  # NOTE: _begin's work
 
     def _prepare(self, p: Tensor, state: dict[str, Any]) -> None:
+        super()._prepare(p, state)
         if "exp_avg" not in state:  # the moments start at zero
             state["exp_avg"], state["exp_avg_sq"] = self._zeros_like(p), self._zeros_like(p)
-        self._scratch(p, 0)
         self._scratch(p, 1)
 
     def _gated_scratch(self, p: Tensor) -> None:
         self._scratch(p, 2)
-        for power in self._powers:
-            self._scratch(power, 0)
-            self._scratch(power, 1)
+        for complements in self._complements:
+            for index, c in enumerate(complements):
+                self._scratch(c, index)
 
     def _begin(self) -> None:
-        beta1, beta2 = self.betas
-        power1, power2 = self._powers
-        new1 = ops.mul(power1, beta1, out=self._target(power1, 0))
-        new2 = ops.mul(power2, beta2, out=self._target(power2, 1))
-        ops.sub(1.0, new1, out=self._step_size)
-        ops.div(self.lr, self._step_size, out=self._step_size)
-        ops.sub(1.0, new2, out=self._inverse_correction)
-        ops.div(1.0, self._inverse_correction, out=self._inverse_correction)
-        self._commit(new1, power1)
-        self._commit(new2, power2)
+        for complements, (step_size, root) in zip(self._complements, self._factors):
+            new = []
+            # NOTE: c + (1 - beta) * (1 - c): no cancellation, where 1 - beta**t would lose
+            # float32's digits to it. The factors are written after the state (a graph's
+            # commit point is its first write to state: before it they could change in a
+            # step that fails)
+            for index, (c, beta) in enumerate(zip(complements, self.betas)):
+                rest = ops.sub(1.0, c, out=self._scratch(c, 2))
+                rest = ops.mul(rest, 1 - beta, out=self._scratch(c, 2))
+                new.append(ops.add(c, rest, out=self._target(c, index)))
+            for made, c in zip(new, complements):
+                self._commit(made, c)
+            # PyTorch: step_size = lr / (1 - beta1**t), used negated; sqrt(1 - beta2**t). In a
+            # skipped step made + gate may be NaN: so are the factors, and the updates, whose
+            # commits keep the old values
+            ops.div(-self.lr, new[0], out=step_size)
+            ops.sqrt(new[1], out=root)
 
     def _update(self, p: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
+        # NOTE: PyTorch's _single_tensor_adam: g = grad + wd * p; m = lerp(m, g, 1 - beta1);
+        # v = v * beta2, then + (1 - beta2) * g * g; denominator = sqrt(v) / sqrt(1 -
+        # beta2**t) + eps (three ops); p = p + (-step_size) * m / denominator. Outside a gated
+        # step _target is the state itself and _commit does nothing; in one, m and v are
+        # committed before p reads them (a skipped step discards p's new value whatever it
+        # read). Scratch 1 of p's dtype holds g, then the denominator (None while capturing).
         beta1, beta2 = self.betas
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        s1, s2 = self._scratch(p, 0), self._scratch(p, 1)  # None while capturing
+        step_size, root = _shared_by_dtype(self._factors, p)
+        pointwise, spare = self._pointwise(p), self._scratch(p, 1)
         g = grad
         if self.weight_decay:
-            g = ops.add(ops.mul(p, self.weight_decay, out=s1), grad, out=s1)
-        # NOTE: outside a gated step _target is the state itself and _commit does nothing; in
-        # one, m and v are committed before p reads them (a skipped step discards p's new
-        # value whatever it read)
-        new_m = ops.mul(m, beta1, out=self._target(m, 2))
-        new_m = ops.add(new_m, ops.mul(g, 1 - beta1, out=s2), out=self._again(new_m))
-        self._commit(new_m, m)
+            g = pointwise.add_scaled(grad, p, self.weight_decay, out=spare)
+        self._commit(pointwise.lerp(m, g, 1 - beta1, out=self._target(m, 2)), m)
         new_v = ops.mul(v, beta2, out=self._target(v, 2))
-        squared = ops.mul(g, g, out=s2)
-        new_v = ops.add(new_v, ops.mul(squared, 1 - beta2, out=s2), out=self._again(new_v))
+        new_v = pointwise.addcmul(new_v, g, 1 - beta2, out=self._again(new_v))
         self._commit(new_v, v)
-        # p -= lr / (1 - beta1**t) * m / (sqrt(v / (1 - beta2**t)) + eps)
-        denominator = ops.sqrt(ops.mul(v, self._inverse_correction, out=s2), out=s2)
-        denominator = ops.add(denominator, self.eps, out=s2)
-        step = ops.mul(m, self._step_size, out=s1)
-        new_p = ops.sub(p, ops.div(step, denominator, out=s1), out=self._target(p, 0))
-        self._commit(new_p, p)
+        denominator = ops.sqrt(v, out=spare)
+        denominator = pointwise.divided(denominator, root, out=spare)
+        denominator = ops.add(denominator, self.eps, out=spare)
+        self._commit(pointwise.addcdiv(p, m, denominator, step_size, out=self._target(p, 2)), p)
 
     def _options(self) -> str:
         return (f"lr={self.lr}, betas={self.betas}, eps={self.eps}, "

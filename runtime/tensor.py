@@ -229,7 +229,7 @@ class Tensor:
     """
 
     __slots__ = ("block", "shape", "dtype", "strides", "offset", "_gen", "_layout", "_span",
-                 "_self_overlap", "_native", "_requires_grad", "_node", "grad", "name",
+                 "_self_overlap", "_native", "_requires_grad", "_node", "_grad", "name",
                  "__weakref__")
 
     def __init__(self, block: Block, shape: Sequence[int], dtype: Any,
@@ -257,7 +257,8 @@ class Tensor:
         self._requires_grad = False
         #: the autograd record of the op that made it (None for a leaf)
         self._node: Node | None = None
-        self.grad: Tensor | None = None
+        #: `.grad`'s value (the property checks what is assigned)
+        self._grad: Tensor | None = None
         #: for messages (nn names its parameters)
         self.name: str | None = None
         self.block = block
@@ -291,7 +292,7 @@ class Tensor:
         self._native = None
         self._requires_grad = False
         self._node = None
-        self.grad = None
+        self._grad = None
         self.name = None
         self._gen = block.acquire()
         return self
@@ -358,6 +359,39 @@ class Tensor:
         return self
 
     @property
+    def grad(self) -> Tensor | None:
+        """The gradient `backward()` accumulated into this leaf (None until then, and after
+        `zero_grad()`); an optimizer reads it."""
+        return self._grad
+
+    @grad.setter
+    def grad(self, value: Tensor | None) -> None:
+        # NOTE: PyTorch's rule (THPVariable_set_grad): a gradient has its tensor's shape, dtype
+        # and device, so that no optimizer broadcasts, converts or moves one silently
+        if value is not None:
+            self._check_grad(value)
+        self._grad = value
+
+    def _check_grad(self, value: Any) -> None:
+        """TypeError / ValueError unless `value` can be this tensor's `.grad`: a Tensor of its
+        shape, dtype and device (PyTorch refuses the same)."""
+        if not isinstance(value, Tensor):
+            raise TypeError(f"grad: assigned grad must be a Tensor or None, got "
+                            f"{type(value).__name__} {_brief(value)}")
+        if value.shape != self.shape:
+            raise ValueError(f"grad: attempting to assign a gradient of shape {value.shape} to a "
+                             f"tensor of shape {self.shape}; the gradient and the tensor must "
+                             f"have the same shape")
+        if value.dtype != self.dtype:
+            raise TypeError(f"grad: attempting to assign a gradient of dtype {value.dtype} to a "
+                            f"tensor of dtype {self.dtype}; cast it first "
+                            f"(runtime.ops.cast(grad, {str(self.dtype)!r}))")
+        if value.block.device is not self.block.device:
+            theirs, ours = device_names(value.device, self.device)
+            raise ValueError(f"grad: attempting to assign a gradient on {theirs} to a tensor on "
+                             f"{ours}; copy it over first")
+
+    @property
     def is_leaf(self) -> bool:
         """True unless this tensor is the recorded result of an op."""
         return self._node is None
@@ -389,7 +423,7 @@ class Tensor:
         handle._native = self._native
         handle._requires_grad = False
         handle._node = None
-        handle.grad = None
+        handle._grad = None
         handle.name = None
         handle._gen = self.block.acquire()
         return handle

@@ -55,11 +55,15 @@ def _state(model: nn.Module, opt: nn.Optimizer) -> list[np.ndarray]:
     tensors = list(model.parameters())
     for p in opt.params:
         tensors += list(opt.state[id(p)].values())
-    tensors += list(getattr(opt, "_powers", None) or ())
-    if getattr(opt, "_dampened", None) is not None:
-        tensors.append(opt._dampened)
+    tensors += _shared_state(opt)
     # NOTE: None for state a failed capture made and never wrote (it has no value to keep)
     return [t.numpy() if t.block.written else None for t in tensors]
+
+
+def _shared_state(opt: nn.Optimizer) -> list[runtime.Tensor]:
+    """The optimizer's own state: Adam's bias corrections, SGD's dampening coefficient."""
+    found = [c for pair in getattr(opt, "_complements", ()) for c in pair]
+    return found + [c for _, c in getattr(opt, "_dampened", ())]
 
 
 def _data(seed: int = 1, rows: int = 6, features: int = 8,
@@ -260,7 +264,7 @@ def test_the_working_copy_is_cast_once_per_change_of_its_master():
     x = runtime.tensor(np.ones((2, 4), np.float32))
     with amp.autocast("float16"):
         dense(x)
-        (entry,) = [e for key, e in dense._copies.items() if key[0] == dense.weight.block.id]
+        (entry,) = [e for key, e in dense._copies.items() if key[0] == "weight"]
         version = entry.copy.block.version
         dense(x)  # master unchanged: no new cast
         assert entry.copy.block.version == version
@@ -591,14 +595,17 @@ GATED = st.sampled_from(["sgd", "sgd-momentum", "nesterov", "adam"])
 @settings(max_examples=40, deadline=None)
 @given(kind=GATED, seed=st.integers(0, 2**16), bad=st.sampled_from([None, np.inf, -np.inf,
                                                                      np.nan]),
-       steps=st.integers(1, 3))
-def test_a_gated_step_is_the_plain_step_or_no_step(kind, seed, bad, steps):
+       steps=st.integers(1, 3), kinds=st.lists(st.sampled_from([np.float32, BF16]),
+                                                min_size=3, max_size=3))
+def test_a_gated_step_is_the_plain_step_or_no_step(kind, seed, bad, steps, kinds):
     """Invariant of Note [a skipped step is a select on the device]: with finite gradients a
     gated step writes what the plain step writes, bit for bit; with one non-finite gradient
-    element it writes nothing."""
+    element it writes nothing. Parameters of float32 and bfloat16, mixed (each dtype's
+    update computed as PyTorch's, gated by its dtype's gate)."""
     rng = np.random.default_rng(seed)
     shapes = [(3, 4), (4,), (2, 3)]
-    values = [rng.normal(size=s).astype(np.float32) for s in shapes]
+    values = [rng.normal(size=s).astype(k) for s, k in zip(shapes, kinds)]
+    gates = {np.dtype(k): runtime.tensor(np.array(-0.0, k)) for k in (np.float32, *kinds)}
 
     def make() -> tuple[list, nn.Optimizer]:
         params = [runtime.tensor(v, requires_grad=True) for v in values]
@@ -607,16 +614,16 @@ def test_a_gated_step_is_the_plain_step_or_no_step(kind, seed, bad, steps):
     plain, plain_opt = make()
     gated, gated_opt = make()
     for _ in range(steps):
-        grads = [rng.normal(size=s).astype(np.float32) for s in shapes]
+        grads = [rng.normal(size=s).astype(k) for s, k in zip(shapes, kinds)]
         for params in (plain, gated):
             for p, g in zip(params, grads):
                 p.grad = runtime.tensor(g)
         plain_opt.step()
-        gated_opt._step({np.dtype("float32"): runtime.tensor(np.float32(-0.0))})
+        gated_opt._step(gates)
         assert all(same_bits(a, b) for a, b in zip(plain, gated))
     if bad is not None:
         before = _state_of(gated, gated_opt)
-        grads = [rng.normal(size=s).astype(np.float32) for s in shapes]
+        grads = [rng.normal(size=s).astype(k) for s, k in zip(shapes, kinds)]
         grads[seed % 3].flat[seed % grads[seed % 3].size] = bad
         scaler = amp.GradScaler(init_scale=1.0)
         for p, g in zip(gated, grads):
@@ -630,7 +637,7 @@ def _state_of(params: list, opt: nn.Optimizer) -> list[np.ndarray]:
     values = [p.numpy() for p in params]
     for p in params:
         values += [t.numpy() for t in opt.state[id(p)].values()]
-    values += [t.numpy() for t in getattr(opt, "_powers", None) or ()]
+    values += [t.numpy() for t in _shared_state(opt)]
     return values
 
 
@@ -991,3 +998,296 @@ def test_gradients_not_made_by_one_cast_take_the_plain_path_and_equal_eager(shap
             assert same_bits(got1, got2)
         assert all(same_bits(a, b) for a, b in zip(_state(m1, o1), _state(m2, o2)))
     assert 0 < s1.skipped_steps == s2.skipped_steps < 12
+
+
+# ---------------------------------------------------------------------- the scaler's protocol
+def _scaled_pair(dtypes_: tuple[str, ...], scale: float = 2.0 ** 4) -> tuple:
+    """Parameters of `dtypes_` (three elements each), an SGD over them, a scaler, and their
+    gradients of a scaled loss (sum of squares: 2 * scale * p)."""
+    params = [runtime.tensor(np.arange(1, 4).astype(np.float32).astype(
+        BF16 if d == "bfloat16" else d), requires_grad=True) for d in dtypes_]
+    opt = nn.SGD(params, lr=0.1)
+    scaler = amp.GradScaler(init_scale=scale)
+    loss = None
+    for p in params:
+        term = ops.cast(ops.sum(ops.mul(p, p)), "float32")
+        loss = term if loss is None else ops.add(loss, term)
+    scaler.scale(loss).backward()
+    return params, opt, scaler
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "captured"])
+@pytest.mark.parametrize("call", ["step", "unscale_"])
+def test_a_scaler_refuses_float16_gradients_and_changes_nothing(call, graphed):
+    """PyTorch's GradScaler refuses float16 gradients ("Attempting to unscale FP16
+    gradients."): their check summed them in float16, where a finite sum past 65504 read as
+    inf, so every step was skipped forever. Refused before anything is divided, when a
+    float32 gradient comes first too, eagerly and in a capture."""
+    params, opt, scaler = _scaled_pair(("float32", "float16"))
+    before = [t.numpy() for t in params + [p.grad for p in params]]
+
+    def run() -> None:
+        getattr(scaler, call)(opt)
+
+    with pytest.raises(ValueError, match=r"GradScaler\.\w+: parameter \(3,\) has a float16 "
+                                         r"gradient.*Attempting to unscale FP16 gradients"):
+        runtime.graph(run)() if graphed else run()
+    assert all(same_bits(a, t) for a, t in zip(before, params + [p.grad for p in params]))
+    assert scaler.steps == 0
+    torch = pytest.importorskip("torch")
+    theirs = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    their_scaler = torch.amp.GradScaler("cpu")
+    their_scaler.scale(theirs.float().sum()).backward()
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        their_scaler.step(torch.optim.SGD([theirs], lr=0.1))
+
+
+CHECKED = ["float32", "bfloat16", "float64"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_the_check_skips_exactly_when_an_element_is_not_finite(data):
+    """A step over gradients of the dtypes the scaler takes, each element drawn from the
+    largest finite values, tiny ones, signed zeros, infinities and NaN, is skipped exactly
+    when one element is not finite."""
+    names = data.draw(st.lists(st.sampled_from(CHECKED), min_size=1, max_size=3))
+    params, opt, scaler = _scaled_pair(tuple(names), scale=1.0)
+    bad = False
+    for p in params:
+        largest = float(dtypes.finfo(p.dtype).max)
+        values = data.draw(st.lists(st.sampled_from([largest, -largest, 1e-30, 0.0, -0.0, 1.0,
+                                                     math.inf, -math.inf, math.nan]),
+                                    min_size=3, max_size=3))
+        p.grad = runtime.tensor(np.array(values).astype(p.dtype))
+        bad |= not all(math.isfinite(v) for v in values)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.skipped_steps == int(bad)
+
+
+@pytest.mark.parametrize("dtype", CHECKED)
+def test_the_overflow_check_never_reads_finite_gradients_as_inf(dtype):
+    """The check looks at every element (a sum of zeros that is NaN where one is not
+    finite), as PyTorch's per-element check does: finite gradients whose sum is beyond the
+    dtype's largest value are taken, and one inf element still skips."""
+    large = float(dtypes.finfo(BF16 if dtype == "bfloat16" else np.dtype(dtype)).max) / 2
+    for bad, skipped in ((large, 0), (math.inf, 1)):
+        params, opt, scaler = _scaled_pair((dtype,), scale=1.0)
+        grad = np.array([large, large, bad]).astype(params[0].dtype)
+        params[0].grad = runtime.tensor(grad)
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.skipped_steps == skipped
+        assert same_bits(params[0], np.arange(1, 4).astype(params[0].dtype)) == bool(skipped)
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "captured"])
+def test_step_twice_or_update_without_a_step_is_refused_as_pytorch_does(graphed):
+    """torch.amp.GradScaler: "step() has already been called since the last update()", and
+    update() with no step or unscale_ since the last one: "No inf checks were recorded prior
+    to update." (the second step unscaled and stepped again; the lone update applied the last
+    step's backoff again). Nothing changes in either."""
+    params, opt, scaler = _scaled_pair(("float32",))
+    scaler.step(opt)
+
+    def twice() -> None:
+        scaler.step(opt)
+
+    before = [t.numpy() for t in params + [p.grad for p in params]]
+    with pytest.raises(RuntimeError, match=r"step\(\) has already been called for this "
+                                           r"optimizer \(SGD\) since the last update\(\)"):
+        runtime.graph(twice)() if graphed else twice()
+    assert all(same_bits(a, t) for a, t in zip(before, params + [p.grad for p in params]))
+    scaler.update()
+    scale = scaler.get_scale()
+
+    def update() -> None:
+        scaler.update()
+
+    with pytest.raises(RuntimeError, match=r"No inf checks were recorded prior to update"):
+        runtime.graph(update)() if graphed else update()
+    assert scaler.get_scale() == scale and scaler.steps == 1
+
+
+def test_unscale_then_update_without_a_step_backs_off_by_its_check():
+    """PyTorch's update() after unscale_ alone takes the check of unscale_ (an inf gradient
+    backs the scale off, a finite one counts toward growth)."""
+    for bad, factor in ((math.inf, 0.5), (1.0, 1.0)):
+        params, opt, scaler = _scaled_pair(("float32",))
+        params[0].grad = runtime.tensor(np.float32([1.0, 2.0, bad]))
+        scaler.unscale_(opt)
+        scaler.update()
+        assert scaler.get_scale() == 2.0 ** 4 * factor
+
+
+@pytest.mark.parametrize("key, value, error", [
+    ("growth_interval", 0, ValueError), ("growth_interval", 2.5, ValueError),
+    ("growth_interval", True, ValueError), ("growth_interval", 2 ** 30, ValueError),
+    ("growth_factor", 1.0, ValueError), ("growth_factor", "2", TypeError),
+    ("backoff_factor", 1.5, ValueError), ("scale", -1.0, ValueError),
+    ("scale", math.inf, ValueError), ("_growth_tracker", -1, ValueError),
+    ("_growth_tracker", 0.5, ValueError), ("steps", -3, ValueError),
+])
+def test_load_state_dict_refuses_what_the_constructor_refuses_and_changes_nothing(key, value,
+                                                                                 error):
+    """The checks of the constructor, in one place, for a loaded state too: it used to take
+    growth_interval=0 (int() of anything), a tracker of -1, a non-finite scale. A refused
+    state leaves the scaler as it was."""
+    scaler = amp.GradScaler(init_scale=8.0, growth_interval=4)
+    params, opt, _ = _scaled_pair(("float32",))
+    scaler.scale(ops.sum(params[0]))
+    good = scaler.state_dict()
+    with pytest.raises(error, match=f"GradScaler.load_state_dict: {key} must"):
+        scaler.load_state_dict({**good, key: value})
+    assert scaler.state_dict() == good and scaler.growth_interval == 4
+    with pytest.raises(error):
+        amp.GradScaler().load_state_dict({**good, key: value})
+
+
+# ---------------------------------------------------------------------- writes reach the copy
+def _dense_and_input() -> tuple[nn.Dense, runtime.Tensor]:
+    return nn.Dense(4, 3, rng=0), runtime.tensor(np.ones((2, 4), np.float32))
+
+
+def _expected(dense: nn.Dense, x: runtime.Tensor, weight: np.ndarray) -> np.ndarray:
+    """What autocast float16 must compute from the master `weight` (not from a stale copy)."""
+    half = [runtime.tensor(v.astype(np.float16).astype(np.float32))
+            for v in (x.numpy(), weight, dense.bias.numpy())]
+    return ops.cast(ops.linear(*half), "float16").numpy()
+
+
+def _write_numpy_export(w: runtime.Tensor, value: np.ndarray) -> None:
+    np.from_dlpack(w.detach())[...] = value
+
+
+def _write_torch_export(w: runtime.Tensor, value: np.ndarray) -> None:
+    torch = pytest.importorskip("torch")
+    torch.from_dlpack(w.detach()).copy_(torch.from_numpy(value))
+
+
+def _write_out(w: runtime.Tensor, value: np.ndarray) -> None:
+    with runtime.no_grad():
+        ops.copy(runtime.tensor(value), out=w)
+
+
+def _write_view(w: runtime.Tensor, value: np.ndarray) -> None:
+    with runtime.no_grad():
+        runtime.view(w.detach(), (w.size,))[...] = value.reshape(-1)
+
+
+def _write_item(w: runtime.Tensor, value: np.ndarray) -> None:
+    with runtime.no_grad():
+        w[...] = value
+
+
+def _write_step(w: runtime.Tensor, value: np.ndarray) -> None:
+    w.grad = runtime.tensor(w.numpy() - value)
+    nn.SGD([w], lr=1.0).step()  # w - (w - value) = value, bit for bit here (small integers)
+    w.grad = None
+
+
+@pytest.mark.parametrize("write", [_write_numpy_export, _write_torch_export, _write_out,
+                                   _write_view, _write_item, _write_step],
+                         ids=["numpy-export", "torch-export", "out", "view", "item", "step"])
+def test_every_write_to_a_master_reaches_its_working_copy(write):
+    """The half working copy is cast again after any write to its float32 master: ops with
+    out=, writes under no_grad, a view over it, an optimizer step, and writes through a DLPack
+    export, which the runtime cannot see: a master whose memory was exported is cast again at
+    every use while any export lives, and once more after the last goes (Note [writes the
+    working copy cannot see]). A DLPack write (loading weights in place) used to leave
+    autocast computing with the old weights."""
+    dense, x = _dense_and_input()
+    with amp.autocast("float16"):
+        dense(x)  # the copy of the initial weights
+    for value in (2.0, -3.0):
+        weight = np.full((3, 4), value, np.float32)
+        write(dense.weight, weight)
+        with amp.autocast("float16"):
+            got = dense(x)
+        assert same_bits(got, _expected(dense, x, weight))
+
+
+def test_a_master_written_through_a_live_export_is_cast_at_every_use():
+    dense, x = _dense_and_input()
+    held = np.from_dlpack(dense.weight.detach())
+    for value in (1.0, 5.0, -2.0):
+        held[...] = value
+        with amp.autocast("float16"):
+            got = dense(x)
+        assert same_bits(got, _expected(dense, x, np.full((3, 4), value, np.float32)))
+    del held
+    with amp.autocast("float16"):
+        dense(x)
+        (entry,) = [e for key, e in dense._copies.items() if key[0] == "weight"]
+        version = entry.copy.block.version
+        dense(x)  # no export left, master unchanged: the copy is not cast again
+    assert entry.copy.block.version == version
+
+
+def test_an_imported_master_is_cast_at_every_use():
+    """A master over another library's memory (runtime.from_dlpack) may be written by it at
+    any time: its copy is cast at every use."""
+    dense, x = _dense_and_input()
+    host = np.zeros((3, 4), np.float32)
+    dense.weight = runtime.from_dlpack(host).requires_grad_()
+    for value in (1.0, 7.0):
+        host[...] = value
+        with amp.autocast("float16"):
+            got = dense(x)
+        assert same_bits(got, _expected(dense, x, host))
+
+
+def test_replacing_a_master_keeps_one_working_copy():
+    """`layer.weight = new` 100 times leaves one working copy per parameter and dtype (it
+    used to keep one per master ever used: 101 copies, and their memory)."""
+    import allocators
+
+    alloc = allocators.create("direct", "cpu")
+    dense = nn.Dense(64, 32, rng=0, allocator=alloc)
+    x = runtime.tensor(np.ones((2, 64), np.float32), allocator=alloc)
+    with amp.autocast("float16"):
+        dense(x)
+    baseline = alloc.stats()["allocated_bytes"]
+    for i in range(100):
+        dense.weight = runtime.tensor(np.full((32, 64), i, np.float32), allocator=alloc,
+                                      requires_grad=True)
+        with amp.autocast("float16"):
+            out = dense(x)
+    del out
+    assert len(dense._copies) == 2  # weight and bias, float16
+    assert alloc.stats()["allocated_bytes"] <= baseline + 32 * 64 * 4
+
+
+@pytest.mark.parametrize("kind", ["sgd-momentum", "adam"])
+def test_a_scaled_step_over_float32_and_bfloat16_parameters_replays_the_eager_one(kind):
+    """bfloat16 gradients pass the scaler (as in torch.amp); each dtype's update computes as
+    PyTorch's (Note [optimizers compute as PyTorch's do] in runtime/nn.py) and is gated by
+    its dtype's gate: eager and captured equal bit for bit, through a skipped step."""
+    def make() -> tuple:
+        rng = np.random.default_rng(5)
+        params = [runtime.tensor(rng.normal(size=(4, 3)).astype(np.float32), requires_grad=True),
+                  runtime.tensor(rng.normal(size=70).astype(BF16), requires_grad=True)]
+        opt = _optimizer(kind, params)
+        scaler = amp.GradScaler(init_scale=2.0 ** 8, growth_interval=2)
+
+        def step(x: runtime.Tensor) -> runtime.Tensor:
+            loss = ops.mul(ops.add(ops.sum(ops.tanh(params[0])),
+                                   ops.cast(ops.sum(ops.tanh(params[1])), "float32")), x)
+            scaler.scale(ops.sum(loss)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            return loss
+
+        return params, opt, scaler, step
+
+    p1, o1, s1, eager = make()
+    p2, o2, s2, step = make()
+    graph = runtime.graph(step)
+    for value in (1.0, np.inf, 1.0, 0.5, 1.0):
+        x = np.full(1, value, np.float32)
+        assert same_bits(eager(runtime.tensor(x)), graph(x))
+        assert all(same_bits(a, b) for a, b in zip(_state_of(p1, o1), _state_of(p2, o2)))
+        assert s1.get_scale() == s2.get_scale()
+    assert s1.skipped_steps == s2.skipped_steps == 1

@@ -215,6 +215,9 @@ def test_sgd_steps_as_the_two_ops_do(device, dtype, momentum, decay):
     parameters."""
     if not usable(device, dtype):
         pytest.skip(f"{device} has no {dtype}")
+    if dtype.itemsize == 2:
+        pytest.skip("two-byte parameters update in float32, as PyTorch's ops do "
+                    "(tests/test_optim_edges.py)")
     rng = np.random.default_rng(7)
     hosts = [rng.standard_normal(s).astype(dtype) for s in ((5, 300), (300,), (3,))]
     grads = [rng.standard_normal(h.shape).astype(dtype) for h in hosts]
