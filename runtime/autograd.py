@@ -390,6 +390,9 @@ def _store_leaf(leaf: Tensor, grad: Tensor) -> None:
     """Set or accumulate (in place) an owned gradient into `leaf.grad`."""
     if leaf.grad is None:
         leaf.grad = grad
+        recorder = tape._state.tape
+        if recorder is not None:
+            recorder.grads_given.append(leaf)
         return
     from runtime import ops  # NOTE: only here: an import statement costs a microsecond
 

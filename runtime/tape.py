@@ -91,6 +91,9 @@ class Tape:
         self.external: dict[int, Tensor] = {}
         #: blocks made during the capture but not by it (another thread's, holding data)
         self.foreign: set[int] = set()
+        #: leaves whose `.grad` backward set during the capture (None before), so that a capture
+        #: that fails can take back gradients that only the tape ever wrote
+        self.grads_given: list[Tensor] = []
         self.phase = "forward"
 
     def made_here(self, block: Block) -> bool:

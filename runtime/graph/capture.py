@@ -321,7 +321,8 @@ def _argument_writes(capture: _Capture) -> str | None:
 def _abandon(recorder: Tape) -> None:
     """Undo what a capture that failed did to blocks: state it made from host data (optimizer
     moments) gets that data now, so the objects that hold it stay usable, and every other block
-    made in it, marked written on the tape only, holds nothing again."""
+    made in it, marked written on the tape only, holds nothing again; a gradient backward gave
+    a leaf in it (the leaf had none) is taken back, so the leaf is as it was before the call."""
     for instr in recorder.instructions:
         operand = instr.outputs[0] if instr.outputs else None
         block = operand.block if operand is not None else None
@@ -334,3 +335,7 @@ def _abandon(recorder: Tape) -> None:
             block = operand.block
             if recorder.made_here(block) and block._allocation is None:
                 block._written = False
+    for leaf in recorder.grads_given:
+        grad = leaf.grad
+        if grad is not None and recorder.made_here(grad.block) and not grad.block._written:
+            leaf.grad = None
