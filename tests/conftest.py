@@ -13,6 +13,7 @@ test cannot make the suite's time grow without bound: more examples belong to so
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -61,3 +62,14 @@ def _aliasing_mode_restored():
     old = runtime.set_aliasing("copy")
     yield
     runtime.set_aliasing(old)
+
+
+@pytest.fixture(autouse=True)
+def _earlier_objects_frozen():
+    """What exists before a test is moved out of the cycle collector's reach while it runs
+    (`gc.freeze`, O(1)), so a test that calls `gc.collect()` per example (to count frees) walks
+    its own objects only: in a whole-suite process, with everything earlier tests, PyTorch and
+    hypothesis keep alive, such a test ran 8x slower than alone (136 s against 17 s)."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
