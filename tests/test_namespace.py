@@ -53,15 +53,16 @@ def test_every_name_in_all_exists_and_nothing_is_listed_twice():
 
 @functools.cache
 def _resolves(dotted: str) -> bool:
-    """Whether `blockrt.a.b...` names something: attributes, or a submodule of blockrt."""
+    """Whether `blockrt.a.b...` names something: attributes, or a submodule that imports
+    (blockrt.cli, blockrt.allocators.interop), whatever was imported before."""
     obj: object = blockrt
-    parts = dotted.split(".")[1:]
-    for i, part in enumerate(parts):
+    parts = dotted.split(".")
+    for i, part in enumerate(parts[1:], start=2):
         if hasattr(obj, part):
             obj = getattr(obj, part)
-        elif i == 0:
+        elif isinstance(obj, types.ModuleType):
             try:
-                obj = importlib.import_module(f"blockrt.{part}")  # blockrt.cli, blockrt.models
+                obj = importlib.import_module(".".join(parts[:i]))
             except ImportError:
                 return False
         else:
@@ -83,6 +84,8 @@ def test_every_blockrt_name_the_docs_and_examples_use_exists():
 def test_a_name_blockrt_lacks_is_reported_as_broken():
     assert _resolves("blockrt.nn.Dense") and _resolves("blockrt.cli.main")
     assert not _resolves("blockrt.no_such_name") and not _resolves("blockrt.nn.NoSuchLayer")
+    assert _resolves("blockrt.allocators.interop.pyopencl_allocator")
+    assert not _resolves("blockrt.allocators.no_such_module")
 
 
 def test_importing_blockrt_imports_no_optional_package():
@@ -92,6 +95,22 @@ def test_importing_blockrt_imports_no_optional_package():
                             cwd=ROOT, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_importing_blockrt_imports_numpy_ml_dtypes_and_its_own_packages_only():
+    """docs/features.md: `import blockrt` brings NumPy, ml_dtypes and blockrt's own packages,
+    and nothing else from outside Python's standard library."""
+    code = ("import sys; before = set(sys.modules); import blockrt; "
+            "print(sorted({m.split('.')[0] for m in set(sys.modules) - before} "
+            "- set(sys.stdlib_module_names)))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    # NOTE: "_"-prefixed names are C parts of the standard library (and setuptools' path
+    # hook) not listed by name; cython_runtime is the module object any Cython-built extension
+    # (NumPy's) registers, not a package
+    outside = {m for m in eval(result.stdout) if not m.startswith("_")} - {"cython_runtime"}
+    assert outside == {"allocators", "backends", "blockrt", "ml_dtypes", "numpy", "runtime"}
 
 
 @pytest.mark.parametrize("package", ["runtime", "allocators", "backends"])
