@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_graph_training import ACTIVATIONS, OPTIMIZERS, data, training_programs
+from test_graph_training import build, data, training_programs
 
 import runtime
 from runtime import UseAfterFreeError, nn, ops
@@ -94,19 +93,6 @@ def test_the_captures_of_threads_that_ended_are_dropped():
 
 
 # ---------------------------------------------------------------------- freed blocks
-def build(program: dict[str, Any]) -> tuple[nn.Module, nn.Optimizer, Any]:
-    """test_graph_training's model and step for `program`, and its optimizer."""
-    nn.manual_seed(program["seed"])
-    widths = program["widths"]
-    modules: list[nn.Module] = []
-    for a, b in zip(widths, widths[1:]):
-        modules += [nn.Dense(a, b), ACTIVATIONS[program["activation"]]()]
-    model = nn.Sequential(*modules[:-1])
-    opt = OPTIMIZERS[program["optimizer"]](model.parameters())
-    loss = nn.softmax_cross_entropy if program["loss"] == "cross_entropy" else nn.mse
-    return model, opt, nn.train_step(model, opt, loss=loss)
-
-
 def adam_step(plan: str) -> tuple[nn.Module, nn.Adam, runtime.Graph]:
     nn.manual_seed(0)
     model = nn.Sequential(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 3))

@@ -39,16 +39,17 @@ def training_programs(draw: Any) -> dict[str, Any]:
     }
 
 
-def build(program: dict[str, Any]) -> tuple[nn.Module, Any]:
+def build(program: dict[str, Any]) -> tuple[nn.Module, nn.Optimizer, Any]:
+    """The model, its optimizer and its training step for `program`."""
     nn.manual_seed(program["seed"])
     widths = program["widths"]
     modules: list[nn.Module] = []
     for a, b in zip(widths, widths[1:]):
         modules += [nn.Dense(a, b), ACTIVATIONS[program["activation"]]()]
     model = nn.Sequential(*modules[:-1])
+    opt = OPTIMIZERS[program["optimizer"]](model.parameters())
     loss = nn.softmax_cross_entropy if program["loss"] == "cross_entropy" else nn.mse
-    return model, nn.train_step(model, OPTIMIZERS[program["optimizer"]](model.parameters()),
-                                loss=loss)
+    return model, opt, nn.train_step(model, opt, loss=loss)
 
 
 def data(program: dict[str, Any]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -71,9 +72,9 @@ def data(program: dict[str, Any]) -> list[tuple[np.ndarray, np.ndarray]]:
 def test_random_training_programs_replay_as_eager_under_every_plan_and_checkpointing(
         program, plan, checkpoint, fuse):
     batches = data(program)
-    model, step = build(program)
+    model, _, step = build(program)
     eager = [step(runtime.tensor(x), runtime.tensor(t)).item() for x, t in batches]
-    replayed_model, replayed = build(program)
+    replayed_model, _, replayed = build(program)
     graph = runtime.graph(replayed, plan=plan, checkpoint=checkpoint, fuse=fuse)
     got = [graph(x, t).item() for x, t in batches]
     np.testing.assert_allclose(got, eager, rtol=1e-5, atol=1e-7)
