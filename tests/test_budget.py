@@ -393,18 +393,18 @@ def test_random_programs_under_random_budgets_equal_the_unconstrained_graph_bit_
     and allocators: the allocator's own peak stays within the budget, and results equal the
     unconstrained graph's bit for bit."""
     batches = data(program)
-    reference_model, reference_step = build(program)
+    reference_model, _, reference_step = build(program)
     reference = runtime.graph(reference_step, plan=plan, fuse=fuse, allocator=ALLOCATORS[kind]())
     expected = [reference(x, t).item() for x, t in batches]
     unconstrained = max(reference.timeline())
     with pytest.raises(BudgetError) as caught:
-        runtime.graph(build(program)[1], plan=plan, fuse=fuse, allocator=ALLOCATORS[kind](),
+        runtime.graph(build(program)[2], plan=plan, fuse=fuse, allocator=ALLOCATORS[kind](),
                       memory_budget=0)(*batches[0])
     least = caught.value.least_bytes
     assert least <= unconstrained
     budget = least + int(where * (unconstrained - least))
     stats = StatisticsAdaptor(ALLOCATORS[kind]())
-    model, step = build(program)
+    model, _, step = build(program)
     graph = runtime.graph(step, plan=plan, fuse=fuse, allocator=stats, memory_budget=budget)
     got = []
     for x, t in batches:
@@ -426,13 +426,13 @@ def test_under_a_limit_adaptor_a_step_fits_or_is_refused_before_it_runs(program,
     unconstrained graph bit for bit, with no allocation refused by the limit: never an
     out-of-memory error in the middle of a step."""
     batches = data(program)
-    reference_model, reference_step = build(program)
+    reference_model, _, reference_step = build(program)
     measured = StatisticsAdaptor(ALLOCATORS[upstream]())
     reference = runtime.graph(reference_step, plan=plan, allocator=measured)
     expected = [reference(x, t).item() for x, t in batches]
     limit = int(where * measured.stats()["peak_allocated_bytes"])
     limited = LimitAdaptor(ALLOCATORS[upstream](), limit)
-    model, step = build(program)
+    model, _, step = build(program)
     before = [p.numpy().copy() for p in model.parameters()]
     graph = runtime.graph(step, plan=plan, allocator=limited)
     try:
@@ -704,17 +704,17 @@ def test_random_programs_with_lossy_stores_fit_and_are_exact_where_nothing_is_lo
     rates are set so that a cast costs little against a flop, as on large layers, so that
     the tiny programs here do choose lossy stores.)"""
     batches = data(program)
-    reference = runtime.graph(build(program)[1], plan=plan)
+    reference = runtime.graph(build(program)[2], plan=plan)
     expected = [reference(x, t).item() for x, t in batches]
     unconstrained = max(reference.timeline())
     stats = StatisticsAdaptor(allocators.create("direct", "cpu"))
     with cpu_rates(per_byte=1e-10, per_flop=1e-10, per_element=1e-12, per_call=0.0):
         with pytest.raises(BudgetError) as caught:
-            runtime.graph(build(program)[1], plan=plan, memory_budget=0,
+            runtime.graph(build(program)[2], plan=plan, memory_budget=0,
                           lossy=dtype)(*batches[0])
         least = caught.value.least_bytes
         budget = least + int(where * (unconstrained - least))
-        graph = runtime.graph(build(program)[1], plan=plan, allocator=stats,
+        graph = runtime.graph(build(program)[2], plan=plan, allocator=stats,
                               memory_budget=budget, lossy=dtype)
         got = []
         for x, t in batches:
