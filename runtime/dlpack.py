@@ -419,7 +419,7 @@ def from_dlpack(obj: Any, allocator: Allocator | None = None) -> Any:
         >>> runtime.from_dlpack(np.ones((2, 3), np.float32)[:, ::2]).strides
         (3, 2)
     """
-    from runtime.tensor import Tensor, _allocator_for, as_dtype
+    from runtime._tensor import Tensor, _allocator_for, as_dtype
 
     if isinstance(obj, Tensor):
         return obj.detach()

@@ -25,10 +25,10 @@ import numpy as np
 
 from backends.base import ieee
 from runtime import aliasing, autograd, config, dtypes, fastpath, tape
+from runtime._tensor import Tensor, _brief, as_axes, as_dtype, as_flag, host_array, tensor
 from runtime.autograd import _mode
 from runtime.block import Block
 from runtime.errors import AliasingError, AutogradError, device_names
-from runtime.tensor import Tensor, _brief, as_axes, as_dtype, as_flag, host_array, tensor
 
 __all__ = ["ALIASING_POLICY", "add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sigmoid",
            "relu", "sqrt", "where_finite", "matmul", "linear", "cross_entropy", "sum", "mean",

@@ -20,8 +20,8 @@ import numpy as np
 from runtime.errors import GraphCaptureError, ReadOnlyError
 
 if TYPE_CHECKING:
+    from runtime._tensor import Tensor
     from runtime.block import Block
-    from runtime.tensor import Tensor
 
 __all__ = ["Instruction", "Operand", "Tape", "active", "recording"]
 

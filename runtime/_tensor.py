@@ -16,6 +16,7 @@ import numpy as np
 
 import backends
 from allocators import Allocator, format_bytes
+from backends import accelerated
 from backends.base import ieee
 from runtime import aliasing, autograd, config, dlpack, dtypes, tape
 from runtime.autograd import Node
@@ -29,9 +30,9 @@ DTYPES = dtypes.DTYPES
 MAX_NBYTES = 2**63 - 1
 _RELEASED = -1
 _UNSET = object()
-#: What `Tensor.__del__` calls: `Tensor.release`, or its C version where the eager fast path is
-#: built (`runtime.fastpath` sets it; Note [the eager fast path] in runtime/fastpath.py).
-_release: Any
+#: The C extension of the eager fast path, or None (Note [the eager fast path] in
+#: runtime/fastpath.py): `_release`, below the class, is its function where it is in use.
+_dispatch = accelerated.load("runtime._dispatch")
 
 
 #: The same dtypes, for a quick membership test.
@@ -402,8 +403,38 @@ class Tensor:
         return self._node
 
     def backward(self, gradient: Tensor | None = None, retain_graph: bool = False) -> None:
-        """Accumulate the gradient of this (scalar) tensor into `.grad` of every leaf that
-        requires one; see `runtime.autograd`."""
+        """Accumulate d(self)/d(leaf) into the `.grad` of every leaf that requires a gradient;
+        see `runtime.autograd`. Without `gradient`, this tensor must have one element; with it,
+        `gradient` has its shape and dtype (and is copied: the pass accumulates in place).
+
+        Raises:
+            AutogradError: this tensor needs no gradient; no `gradient` for more than one
+                element, or one of another shape or dtype; a saved tensor modified in place; a
+                second backward through a freed graph.
+            TypeError: `gradient` is not a Tensor, or `retain_graph` not a bool.
+        """
+        if retain_graph is not False:
+            retain_graph = as_flag(retain_graph, "backward(): retain_graph")
+        if gradient is not None and not isinstance(gradient, Tensor):
+            raise TypeError(f"backward(): gradient must be a Tensor or None, got "
+                            f"{type(gradient).__name__} {_brief(gradient)}")
+        if not self._requires_grad:
+            raise AutogradError(f"backward() on a tensor that does not require grad "
+                                f"({autograd.describe(self)}); set requires_grad=True on a "
+                                f"leaf it uses")
+        if gradient is None:
+            if self.size != 1:
+                raise AutogradError(f"backward() without a gradient needs a scalar (one "
+                                    f"element) output, this one has shape {self.shape}; pass "
+                                    f"gradient=")
+            gradient = _ones_like(self)
+        elif gradient.shape != self.shape or gradient.dtype != self.dtype:
+            raise AutogradError(f"backward(): gradient has shape {gradient.shape} and dtype "
+                                f"{gradient.dtype}; the output has shape {self.shape} and "
+                                f"dtype {self.dtype}")
+        else:
+            with autograd.no_grad():
+                gradient = _ops.copy(gradient)
         autograd.backward(self, gradient, retain_graph)
 
     def detach(self) -> Tensor:
@@ -770,7 +801,10 @@ def _infer_shape(shape: Any, size: int, old_shape: tuple) -> tuple[int, ...]:
     return new_shape
 
 
-_release = Tensor.release
+#: What `Tensor.__del__` calls: `Tensor.release`, or its C version where the eager fast path is
+#: in use (which hands back to `Tensor.release` what it does not take, and everything while the
+#: fast path is off).
+_release = Tensor.release if _dispatch is None else _dispatch.release
 
 
 # ---------------------------------------------------------------------- factories
