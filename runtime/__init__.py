@@ -11,7 +11,7 @@ Example:
 from __future__ import annotations
 
 from runtime import amp, nn, ops
-from runtime._tensor import Tensor, empty, ones, tensor, view, zeros
+from runtime._tensor import Tensor, empty, from_dlpack, ones, tensor, view, zeros
 from runtime.aliasing import overlaps
 from runtime.autograd import enable_grad, is_grad_enabled, no_grad
 from runtime.block import Block
@@ -24,7 +24,6 @@ from runtime.config import (
                             set_default_device,
 )
 from runtime.constant import ConstantPool, ReadOnlyAllocator, constant
-from runtime.dlpack import from_dlpack
 from runtime.errors import (
                             AliasingError,
                             AutogradError,

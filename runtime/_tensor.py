@@ -22,6 +22,7 @@ from runtime import aliasing, autograd, config, dlpack, dtypes, tape
 from runtime.autograd import Node
 from runtime.block import Block
 from runtime.errors import AutogradError, UseAfterFreeError, device_names
+from runtime.upcalls import OPS  # NOTE: Note [calls up to ops] in runtime/upcalls.py
 
 #: The dtypes a tensor may hold (runtime/dtypes.py). Arithmetic ops accept dtypes.COMPUTE.
 DTYPES = dtypes.DTYPES
@@ -434,7 +435,7 @@ class Tensor:
                                 f"dtype {self.dtype}")
         else:
             with autograd.no_grad():
-                gradient = _ops.copy(gradient)
+                gradient = OPS.copy(gradient)
         autograd.backward(self, gradient, retain_graph)
 
     def detach(self) -> Tensor:
@@ -608,8 +609,6 @@ class Tensor:
 
     def __setitem__(self, key: Any, value: Any) -> None:
         """Write `value` (a tensor, array or number, broadcast) into the view `self[key]`."""
-        from runtime import ops
-
         if autograd.needs_grad(self, value):
             raise AutogradError(
                 f"item assignment is not recorded by autograd, and this one involves a tensor "
@@ -620,7 +619,7 @@ class Tensor:
             if not isinstance(value, Tensor):
                 host = host_array(value, self.dtype, "value to assign to a tensor")
                 value = tensor(host, device=self.device, allocator=self.block.allocator)
-            ops.copy(value, out=target)
+            OPS.copy(value, out=target)
         finally:
             target.release()
 
@@ -662,10 +661,8 @@ class Tensor:
         if strides is not None:
             view = self._view(new_shape, strides, self.offset)
         else:
-            from runtime import ops
-
             with autograd.no_grad():
-                flat = ops.copy(self)
+                flat = OPS.copy(self)
             view = flat._view(new_shape, contiguous_strides(new_shape), flat.offset)
             flat.release()
         old_shape = self.shape
@@ -749,34 +746,34 @@ class Tensor:
 
     # ------------------------------------------------------------------ operators
     def __add__(self, other: Any) -> Tensor:
-        return _ops.add(self, other)
+        return OPS.add(self, other)
 
     def __radd__(self, other: Any) -> Tensor:
-        return _ops.add(other, self)
+        return OPS.add(other, self)
 
     def __sub__(self, other: Any) -> Tensor:
-        return _ops.sub(self, other)
+        return OPS.sub(self, other)
 
     def __rsub__(self, other: Any) -> Tensor:
-        return _ops.sub(other, self)
+        return OPS.sub(other, self)
 
     def __mul__(self, other: Any) -> Tensor:
-        return _ops.mul(self, other)
+        return OPS.mul(self, other)
 
     def __rmul__(self, other: Any) -> Tensor:
-        return _ops.mul(other, self)
+        return OPS.mul(other, self)
 
     def __truediv__(self, other: Any) -> Tensor:
-        return _ops.div(self, other)
+        return OPS.div(self, other)
 
     def __rtruediv__(self, other: Any) -> Tensor:
-        return _ops.div(other, self)
+        return OPS.div(other, self)
 
     def __matmul__(self, other: Tensor) -> Tensor:
-        return _ops.matmul(self, other)
+        return OPS.matmul(self, other)
 
     def __neg__(self) -> Tensor:
-        return _ops.neg(self)
+        return OPS.neg(self)
 
 
 def _infer_shape(shape: Any, size: int, old_shape: tuple) -> tuple[int, ...]:
@@ -1067,6 +1064,36 @@ def tensor(data: Any, dtype: Any = None, device: Any = None,
     return _write(out, host, "runtime.tensor")
 
 
+def from_dlpack(obj: Any, allocator: Allocator | None = None) -> Tensor:
+    """A Tensor over the memory of `obj` (anything with `__dlpack__`), without a copy.
+
+    The tensor keeps `obj`'s memory alive as long as any handle on it lives; writes on either
+    side are seen on the other. `allocator` (default: the device's default allocator) serves the
+    results of ops on the tensor. A blockrt Tensor gives a new handle on its own block. See
+    `runtime.dlpack`.
+
+    Raises:
+        TypeError: `obj` has no `__dlpack__`, or its elements are of a type no tensor holds
+            (float8, float6 and float4, complex, vectors), named before anything is shared.
+            float16 and bfloat16 (DLPack's kDLBfloat, which NumPy cannot take itself) are
+            held: Note [bfloat16 through DLPack] in runtime/dlpack.py.
+        BufferError: its memory is on a device blockrt cannot use through DLPack.
+        BackendUnavailableError: its memory is on CUDA and the CUDA backend is unavailable.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> runtime.from_dlpack(np.ones((2, 3), np.float32)[:, ::2]).strides
+        (3, 2)
+    """
+    if isinstance(obj, Tensor):
+        return obj.detach()
+    device, native, address, memory = dlpack.take(obj)
+    dtype = as_dtype(native.dtype)
+    block, strides, offset = dlpack.foreign_view(
+        device, native, dtype, address, memory, lambda dev: _allocator_for(dev, allocator))
+    return Tensor(block, native.shape, dtype, strides, offset)
+
+
 def _ones_like(t: Tensor) -> Tensor:
     """A new tensor of ones of t's shape and dtype on t's allocator: the gradient that
     `backward()` starts from (`tensor(np.ones(...))`, without checking what is known good)."""
@@ -1149,12 +1176,8 @@ def _scatter_backward(base: Tensor, view: Tensor) -> Any:
     def backward(g: Tensor) -> tuple[Tensor]:
         # a zeroed copy of the whole block, seen through base's and the view's layouts
         whole = zeros(nbytes // g.dtype.itemsize, g.dtype, allocator=g.block.allocator)
-        from runtime import ops
-
-        ops.copy(g, out=Tensor(whole.block, shape, g.dtype, strides, offset))
+        OPS.copy(g, out=Tensor(whole.block, shape, g.dtype, strides, offset))
         return (Tensor(whole.block, base_shape, g.dtype, base_strides, base_offset),)
 
     return backward
 
-
-from runtime import ops as _ops  # noqa: E402  (ops imports this module; bound for operators)

@@ -45,14 +45,16 @@ import operator
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from backends import accelerated
 from runtime import tape
 from runtime.errors import AutogradError
+from runtime.upcalls import OPS  # NOTE: Note [calls up to ops] in runtime/upcalls.py
 
-if TYPE_CHECKING:
-    from runtime._tensor import Tensor
+#: A runtime Tensor, as the annotations here name it: runtime/_tensor.py sits above this module
+#: (docs/architecture.md), so it is not imported, not even for a type checker.
+Tensor = Any
 
 __all__ = ["Node", "backward", "enable_grad", "is_grad_enabled", "no_grad", "record"]
 
@@ -250,12 +252,10 @@ def _topological(root: Node) -> list[Node]:
 
 def _unbroadcast(grad: Tensor, shape: tuple[int, ...]) -> Tensor:
     """Sum `grad` over the axes that broadcasting added or stretched, down to `shape`."""
-    from runtime import ops
-
     lead = grad.ndim - len(shape)
     axes = tuple(range(lead)) + tuple(
         lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1)
-    summed = ops.sum(grad, axis=axes, keepdims=True) if axes else grad
+    summed = OPS.sum(grad, axis=axes, keepdims=True) if axes else grad
     return summed.reshape(shape)
 
 
@@ -263,9 +263,7 @@ def _owned(grad: Tensor, handed: dict[int, Tensor]) -> Tensor:
     """`grad` if nothing else holds its memory, else a copy (so in-place accumulation into it
     can never change another gradient or a tensor the user holds)."""
     if id(grad) in handed or grad.block._refs > 1:
-        from runtime import ops  # NOTE: only here: an import statement costs a microsecond
-
-        return ops.copy(grad)
+        return OPS.copy(grad)
     return grad
 
 
@@ -326,8 +324,6 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> list[tuple[Tensor,
     graphs through both and compares every gradient, error, block version and allocator
     statistic.
     """
-    from runtime import ops
-
     grads: dict[Node, Tensor] = {root: gradient}
     handed: dict[int, Tensor] = {id(gradient): gradient}  # gradients stored, by id
     # NOTE: the leaves' gradients reach `.grad` only once all are computed, and that last part
@@ -359,7 +355,7 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> list[tuple[Tensor,
                     grad = _owned(grad, handed)
                 else:
                     del handed[id(held[1])]
-                    grad = ops.add(held[1], grad)
+                    grad = OPS.add(held[1], grad)
                     held = None  # NOTE: the sum replaces it: Note [the backward engine]
                 leaves[id(entry)] = (entry, grad)
                 handed[id(grad)] = grad
@@ -369,7 +365,7 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> list[tuple[Tensor,
                 grad = _owned(grad, handed)
             else:
                 del handed[id(previous)]
-                grad = ops.add(previous, grad)
+                grad = OPS.add(previous, grad)
                 previous = None
             grads[entry] = grad
             handed[id(grad)] = grad
@@ -386,6 +382,4 @@ def _store_leaf(leaf: Tensor, grad: Tensor) -> None:
         if recorder is not None:
             recorder.grads_given.append(leaf)
         return
-    from runtime import ops  # NOTE: only here: an import statement costs a microsecond
-
-    ops.add(leaf.grad, grad, out=leaf.grad)
+    OPS.add(leaf.grad, grad, out=leaf.grad)

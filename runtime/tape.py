@@ -20,8 +20,11 @@ import numpy as np
 from runtime.errors import GraphCaptureError, ReadOnlyError
 
 if TYPE_CHECKING:
-    from runtime._tensor import Tensor
     from runtime.block import Block
+
+#: A runtime Tensor, as the annotations here name it: runtime/_tensor.py sits above this module
+#: (docs/architecture.md), so it is not imported, not even for a type checker.
+Tensor = Any
 
 __all__ = ["Instruction", "Operand", "Tape", "active", "recording"]
 
