@@ -65,8 +65,8 @@ static PyObject *fresh = NULL;        /* Tensor._fresh(shape, dtype, allocator) 
 static PyObject *record = NULL;       /* ops._record_elementwise(op, out, operands) */
 static PyObject *copy_name = NULL;    /* "copy": the one op that takes any dtype */
 static PyObject *block_ids = NULL;    /* runtime.block._ids: where a Block's id comes from */
-static PyObject *unset = NULL;        /* runtime.tensor._UNSET */
-static PyObject *released = NULL;     /* runtime.tensor._RELEASED */
+static PyObject *unset = NULL;        /* runtime._tensor._UNSET */
+static PyObject *released = NULL;     /* runtime._tensor._RELEASED */
 static PyObject *zero = NULL;
 /* 1 while the fast path runs: `set_enabled`, called by runtime/fastpath.py once `configure` and
  * `configure_autograd` have run, and cleared inside `fastpath.python_only()`. Until then, and
