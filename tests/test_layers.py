@@ -241,3 +241,19 @@ def test_a_c_extension_imports_nothing_of_blockrts(source):
     assert not [name for name in calls if ours(name)], (source, calls)
     assert not re.search(r"PyImport_(Import|ImportModule\w*)\((?!\s*\")", text), (
         f"{source.name} imports a module named at run time")
+
+
+def test_the_calls_up_to_ops_are_the_ops_themselves():
+    """Note [calls up to ops]: each field of `upcalls.OPS` is the op of runtime.ops of its
+    name, set once; an `Ops` that runtime.ops has not filled says so when called."""
+    from runtime import ops, upcalls
+
+    fields = upcalls.Ops.__slots__
+    assert all(getattr(upcalls.OPS, name) is getattr(ops, name) for name in fields)
+    with pytest.raises(ValueError, match="add, sub, mul, div, matmul, neg, copy, sum set before"):
+        upcalls.OPS.provide(**{name: getattr(ops, name) for name in fields})
+    empty = upcalls.Ops()
+    with pytest.raises(RuntimeError, match=r"runtime.ops.add was called before runtime.ops was"):
+        empty.add(1, 2)
+    with pytest.raises(ValueError, match="takes exactly add, sub, .*; got add$"):
+        empty.provide(add=ops.add)
