@@ -8,7 +8,8 @@ Example:
     >>> alloc.free(alloc.allocate(256))
 
 `ACCELERATED` is True when the caching allocator's C hot path (allocators._speedups) is in use;
-the environment variable BLOCKRT_PURE_PYTHON=1 turns it off (see allocators/_core.py).
+the environment variable BLOCKRT_PURE_PYTHON=1 turns it off (`backends.accelerated`, the one
+table of C paths).
 """
 
 from __future__ import annotations

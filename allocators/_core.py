@@ -8,9 +8,9 @@ are types of that extension when it is built: the fields of an `Allocation`, of 
 live set and lock. This module defines the same names in Python, then takes the C ones when it
 can (as CPython's `heapq` does with `_heapq`).
 
-The environment variable BLOCKRT_PURE_PYTHON, read once when `allocators` is first imported,
-turns the extension off: set to 1, true, yes or on, the pure-Python classes below are used; 0,
-false, no, off or unset keep it; anything else is an error. `ACCELERATED` says which are in use.
+The extension is asked for from `backends.accelerated` (the one table of C paths and the
+BLOCKRT_PURE_PYTHON switch, read once, as `allocators` is first imported): where it is off, the
+pure-Python classes below are used. `ACCELERATED` says which are in use.
 
 Note [the hot path runs no Python]: the C code (`_caching_allocate` / `_caching_free` in
 `allocators/_speedups.c`) runs only while the allocator's lock is free, keeps the GIL from its
@@ -43,35 +43,13 @@ paths on the same requests and compares every field after every step. What that 
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
-__all__ = ["ACCELERATED", "COUNTERS", "PURE_PYTHON", "PURE_PYTHON_ENV", "AllocationRecord",
-           "AllocatorState", "Block", "FreeList", "IdleRecord", "Lock", "PoolRecord",
-           "speedups"]
+from backends import accelerated
 
-#: The environment variable that turns the C hot path off (see the module docstring).
-PURE_PYTHON_ENV = "BLOCKRT_PURE_PYTHON"
-
-
-#: The words an on/off environment variable of blockrt accepts (any case).
-TRUE_WORDS = ("1", "true", "yes", "on")
-FALSE_WORDS = ("0", "false", "no", "off")
-
-
-def _flag(variable: str) -> bool:
-    value = os.environ.get(variable, "")
-    word = value.strip().lower()
-    if word in ("", *FALSE_WORDS):
-        return False
-    if word in TRUE_WORDS:
-        return True
-    raise ValueError(f"environment variable {variable}={value!r}: expected 1/true/yes/on or "
-                     f"0/false/no/off (or unset)")
-
-
-PURE_PYTHON = _flag(PURE_PYTHON_ENV)
+__all__ = ["ACCELERATED", "COUNTERS", "AllocationRecord", "AllocatorState", "Block", "FreeList",
+           "IdleRecord", "Lock", "PoolRecord", "speedups"]
 
 #: The counters every allocator keeps, by stats key; `stats()` adds the derived ones.
 COUNTERS = ("allocated_bytes", "peak_allocated_bytes", "requested_bytes", "peak_requested_bytes",
@@ -226,13 +204,8 @@ class IdleRecord:
     __slots__ = ("oldest", "newest")
 
 
-speedups: Any = None
-if not PURE_PYTHON:
-    try:
-        from allocators import _speedups as speedups
-    except ImportError:  # not built (no compiler at install): Python does it all
-        speedups = None
-
+#: The C hot path's extension, or None where Python does it all (`backends.accelerated`).
+speedups: Any = accelerated.load("allocators._speedups")
 if speedups is not None:
     from allocators._speedups import (
         AllocationRecord,

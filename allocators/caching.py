@@ -217,6 +217,25 @@ class _Idle(IdleRecord):
         head.prev_idle = head.next_idle = None
 
 
+def _hot_path(cls: type[CachingAllocator]) -> type[CachingAllocator]:
+    """`cls`, its `allocate` / `free` the C hot path's where `allocators._speedups` is in use
+    (`backends.accelerated`), else left as they are (Allocator's): the class decorator that
+    says, at the class, which route `alloc.allocate(n)` takes.
+
+    The C functions (`_caching_allocate` / `_caching_free` of allocators/_speedups.c) serve what
+    the class's own hooks would, and call `_allocate_slow` / `_free_slow` (Allocator's) for the
+    rest: Note [the hot path runs no Python] in allocators/_core.py.
+    """
+    if speedups is not None:
+        # NOTE: method descriptors of `cls` itself, made once the class exists, not of
+        # AllocatorState, where the C functions live: CPython 3.11 specializes
+        # `alloc.allocate(n)` into a direct C call only when `alloc` is exactly of the
+        # descriptor's class (unspecialized, a call cost 35 ns more here)
+        cls.allocate, cls.free = speedups.caching_methods(cls)
+    return cls
+
+
+@_hot_path
 class CachingAllocator(Allocator):
     """Keeps freed memory for reuse: size classes, best fit, split/coalesce, LRU ("caching").
 
@@ -301,7 +320,7 @@ class CachingAllocator(Allocator):
 
     # ------------------------------------------------------------------ the hot path
     # NOTE: Note [the hot path runs no Python] in allocators/_core.py. With the extension,
-    # allocate / free are its C functions (set by _with_hot_path, below the class), which serve
+    # allocate / free are its C functions (made for this class by @_hot_path), which serve
     # cache hits (exact, best fit, split or whole) and frees that coalesce into sizes already
     # listed, with the same records and accounting, and call Allocator.allocate / free (as
     # _allocate_slow / _free_slow) for everything else. Without it, they are Allocator's.
@@ -624,17 +643,6 @@ class CachingAllocator(Allocator):
         if not (sorted(map(id, idle)) == sorted(map(id, whole))):
             raise AssertionError("the LRU != whole free segments")
 
-
-def _with_hot_path(cls: type[CachingAllocator]) -> None:
-    """Make the C hot path `cls.allocate` / `cls.free` where the extension is built."""
-    if speedups is not None:
-        # NOTE: descriptors of `cls` itself, not of AllocatorState, where they are defined:
-        # CPython 3.11 specializes `alloc.allocate(n)` into a direct C call only when `alloc`
-        # is exactly of the descriptor's class (unspecialized, a call cost 35 ns more here)
-        cls.allocate, cls.free = speedups.caching_methods(cls)
-
-
-_with_hot_path(CachingAllocator)
 
 
 def _optional_nbytes(value: Any, what: str) -> int | None:

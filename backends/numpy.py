@@ -17,16 +17,11 @@ import os
 import ml_dtypes
 import numpy as np
 
-from allocators._core import PURE_PYTHON
-from backends import _blas
+from backends import _blas, accelerated
 from backends.base import HALVES, Device
 
-try:  # NOTE: optional, as the allocator's hot path: np.copyto converts the same bits
-    from backends import _halfconv
-except ImportError:
-    _halfconv = None
-if PURE_PYTHON:
-    _halfconv = None
+# NOTE: optional, as the allocator's hot path: np.copyto converts the same bits
+_halfconv = accelerated.load("backends._halfconv")
 _F16, _F32, _BF16 = np.dtype("float16"), np.dtype("float32"), np.dtype(ml_dtypes.bfloat16)
 _WIDEN = {} if _halfconv is None else {_F16: _halfconv.widen, _BF16: _halfconv.widen_bf16}
 _NARROW = {} if _halfconv is None else {_F16: _halfconv.narrow, _BF16: _halfconv.narrow_bf16}

@@ -43,9 +43,9 @@ import numpy as np
 import allocators
 import backends
 import runtime
-from backends import _blas, _blas_choice
+from backends import _blas, _blas_choice, accelerated
 from blockrt.models import CLASSES, CONFIGS, MLPConfig
-from runtime import config, fastpath, nn
+from runtime import config, nn
 
 __all__ = ["CONFIGS", "MLPConfig", "Parser", "add_demo_options", "build_parser", "each_plan",
            "int_in", "main", "png_path", "run_piped", "step_bytes", "training_step"]
@@ -369,13 +369,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"blockrt {_version()}")
     print(f"Python {platform.python_version()} ({sys.executable})")
     print(f"NumPy {np.__version__}")
-    accelerated = "yes" if allocators.ACCELERATED else "no (pure Python)"
-    print(f"C allocator hot path: {accelerated}")
-    fast = "yes" if fastpath.ACCELERATED else "no (pure Python)"
-    print(f"C eager fast path of the ops: {fast}")
+    kinds = backends.available()  # NOTE: imports each backend, whose C paths are then asked for
+    print("\n".join(_c_path_lines(accelerated.paths())))
     measured = _measure(args.measure) if args.measure is not None else []
     print("\n".join(_blas_lines(_blas.report()) + measured))
-    kinds = backends.available()
     print(f"backends: {', '.join(kinds)}")
     for kind in kinds:
         for dev in _devices(kind):
@@ -384,6 +381,16 @@ def cmd_info(args: argparse.Namespace) -> int:
             print(f"  {dev.name}: alignment {dev.alignment} B, memory {memory}")
     print(f"default device: {runtime.get_default_device().name}")
     return 0
+
+
+def _c_path_lines(paths: Sequence[accelerated.Path]) -> list[str]:
+    """Each C path of `backends.accelerated`: in use or not, why, and what it runs in C (its
+    Python twin runs the rest, and all of it where the path is off)."""
+    lines = [f"C paths ({accelerated.PURE_PYTHON_ENV}=1 turns every one off; its Python twin "
+             f"then runs alone):"]
+    for path in paths:
+        lines.append(f"  {path.module}: {path.why} ({path.runs}; {path.source})")
+    return lines
 
 
 def _measure(name: str, limit: float = 600.0, least: float = 1.0) -> list[str]:

@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 from runtime import amp, nn, ops
+from runtime._tensor import Tensor, empty, from_dlpack, ones, tensor, view, zeros
 from runtime.aliasing import overlaps
 from runtime.autograd import enable_grad, is_grad_enabled, no_grad
 from runtime.block import Block
@@ -23,7 +24,6 @@ from runtime.config import (
                             set_default_device,
 )
 from runtime.constant import ConstantPool, ReadOnlyAllocator, constant
-from runtime.dlpack import from_dlpack
 from runtime.errors import (
                             AliasingError,
                             AutogradError,
@@ -34,7 +34,6 @@ from runtime.errors import (
 )
 from runtime.graph import PLANS, BudgetError, Graph, graph
 from runtime.summary import format_report, memory_summary, plot_memory_timeline
-from runtime.tensor import Tensor, empty, ones, tensor, view, zeros
 
 __all__ = ["PLANS", "AliasingError", "amp", "AutogradError", "Block", "BudgetError", "ConstantPool",
            "Graph",

@@ -65,9 +65,15 @@ static PyObject *fresh = NULL;        /* Tensor._fresh(shape, dtype, allocator) 
 static PyObject *record = NULL;       /* ops._record_elementwise(op, out, operands) */
 static PyObject *copy_name = NULL;    /* "copy": the one op that takes any dtype */
 static PyObject *block_ids = NULL;    /* runtime.block._ids: where a Block's id comes from */
-static PyObject *unset = NULL;        /* runtime.tensor._UNSET */
-static PyObject *released = NULL;     /* runtime.tensor._RELEASED */
+static PyObject *unset = NULL;        /* runtime._tensor._UNSET */
+static PyObject *released = NULL;     /* runtime._tensor._RELEASED */
 static PyObject *zero = NULL;
+/* 1 while the fast path runs: `set_enabled`, called by runtime/fastpath.py once `configure` and
+ * `configure_autograd` have run, and cleared inside `fastpath.python_only()`. Until then, and
+ * while it is 0, every entry point hands its call back to its Python twin, which its module
+ * bound in its place (backends/accelerated.py): elementwise, launch, reduce and backward return
+ * None, release calls Tensor.release, record the Python record. */
+static int enabled = 0;
 
 static PyObject *s_enabled, *s_tape, *s_fast_kernels, *s_native_on, *s_memory_for_write;
 static PyObject *s_fast_half_kernels = NULL;
@@ -621,6 +627,8 @@ run_kernel(PyObject *op, PyObject *kernel, PyObject *result, PyObject *const *op
 static PyObject *
 elementwise(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    if (!enabled)
+        Py_RETURN_NONE;
     if (nargs != 3 || !PyTuple_CheckExact(args[2]) || tensor_type == NULL) {
         PyErr_SetString(PyExc_TypeError, "elementwise(op, out, operands): not configured, or "
                                          "bad arguments");
@@ -781,6 +789,8 @@ error:
 static PyObject *
 launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    if (!enabled)
+        Py_RETURN_NONE;
     if (nargs != 8 || !PyTuple_CheckExact(args[3]) || !PyTuple_CheckExact(args[5])
         || !PyTuple_CheckExact(args[7]) || tensor_type == NULL) {
         PyErr_SetString(PyExc_TypeError, "launch(op, never, out, shape, dtype, inputs, kernel, "
@@ -842,6 +852,8 @@ launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    if (!enabled)
+        Py_RETURN_NONE;
     if (nargs != 5 || tensor_type == NULL) {
         PyErr_SetString(PyExc_TypeError, "reduce(op, x, axis, keepdims, out): not configured, "
                                          "or bad arguments");
@@ -969,7 +981,7 @@ error:
 static PyObject *
 release(PyObject *self, PyObject *t)
 {
-    if (Py_TYPE(t) != tensor_type || block_type == NULL)
+    if (!enabled || Py_TYPE(t) != tensor_type || block_type == NULL)
         goto python;
     PyObject *block = SLOT(t, TS.block), *gen = SLOT(t, TS.gen);
     if (block == NULL || gen == NULL || Py_TYPE(block) != block_type
@@ -1164,7 +1176,8 @@ record_node(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *inputs = NULL, *saves = NULL, *entries = NULL, *shapes = NULL, *labels = NULL,
         *saved = NULL, *node = NULL;
-    if (nargs < 5 || nargs > 6 || node_type == NULL || Py_TYPE(args[1]) != tensor_type
+    if (!enabled || nargs < 5 || nargs > 6 || node_type == NULL
+        || Py_TYPE(args[1]) != tensor_type
         || !(PyList_CheckExact(args[2]) || PyTuple_CheckExact(args[2]))
         || (nargs == 6 && !(PyList_CheckExact(args[5]) || PyTuple_CheckExact(args[5]))))
         goto python;
@@ -1640,6 +1653,8 @@ fail:
 static PyObject *
 backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    if (!enabled)
+        Py_RETURN_NONE;  /* autograd._start runs the Python engine */
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "backward(root, gradient, retain_graph)");
         return NULL;
@@ -1689,8 +1704,30 @@ out:
     return result;
 }
 
+/* ------------------------------------------------------------------ the switch */
+/* set_enabled(flag) -> the previous flag: turn the fast path on (only once configure and
+ * configure_autograd have run) or off (`enabled`). */
+static PyObject *
+set_enabled(PyObject *self, PyObject *flag)
+{
+    int on = PyObject_IsTrue(flag);
+    if (on < 0)
+        return NULL;
+    if (on && (tensor_type == NULL || node_type == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "set_enabled: configure and configure_autograd "
+                                          "must run first");
+        return NULL;
+    }
+    int previous = enabled;
+    enabled = on;
+    return PyBool_FromLong(previous);
+}
+
 /* ------------------------------------------------------------------ module */
 static PyMethodDef methods[] = {
+    {"set_enabled", set_enabled, METH_O,
+     "set_enabled(flag) -> the previous flag: while off (and until configured), every function "
+     "hands its call back to its Python twin"},
     {"configure", configure, METH_VARARGS,
      "configure(Tensor, Block, grad_mode, tape_state, fp_state, fp_ignore, dtypes, types, "
      "maxima, fresh, record): tell the fast path where the runtime keeps its state"},

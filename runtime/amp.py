@@ -102,9 +102,9 @@ from typing import Any
 import numpy as np
 
 from runtime import autograd, dlpack, dtypes, ops, tape
+from runtime._tensor import Tensor, _brief, as_dtype, as_flag, empty, tensor, view
 from runtime.autograd import no_grad
 from runtime.errors import GraphCaptureError
-from runtime.tensor import Tensor, _brief, as_dtype, as_flag, empty, tensor, view
 
 __all__ = ["GradScaler", "autocast", "autocast_dtype", "linear"]
 

@@ -41,22 +41,31 @@ Example:
 
 from __future__ import annotations
 
-import sys
+import operator
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from backends import accelerated
 from runtime import tape
 from runtime.errors import AutogradError
+from runtime.upcalls import OPS  # NOTE: Note [calls up to ops] in runtime/upcalls.py
 
-if TYPE_CHECKING:
-    from runtime.tensor import Tensor
+#: A runtime Tensor, as the annotations here name it: runtime/_tensor.py sits above this module
+#: (docs/architecture.md), so it is not imported, not even for a type checker.
+Tensor = Any
 
 __all__ = ["Node", "backward", "enable_grad", "is_grad_enabled", "no_grad", "record"]
 
 #: backward(grad, *saved) -> one gradient (or None) per input of the node.
 BackwardFn = Callable[..., Sequence[Any]]
+
+#: The C extension of the eager fast path, or None: `record`, `_engine` and `_release` below are
+#: its functions where it is in use (Note [the eager fast path] in runtime/fastpath.py).
+_dispatch = accelerated.load("runtime._dispatch")
+#: What frees a saved tensor: `Tensor.release`, or the C one (which hands back to it).
+_release = operator.methodcaller("release") if _dispatch is None else _dispatch.release
 
 
 class _GradMode(threading.local):
@@ -139,7 +148,7 @@ class Node:
             if version >= 0 and value.block.version != version:
                 raise AutogradError(
                     f"a tensor needed to compute gradients was modified in place: {label} of "
-                    f"{self.op} ({_describe(value)}) is at version {value.block.version}, but "
+                    f"{self.op} ({describe(value)}) is at version {value.block.version}, but "
                     f"version {version} was saved for backward. Write to a copy instead, or "
                     f"do the write after backward()")
             values.append(value)
@@ -147,10 +156,9 @@ class Node:
 
     def free(self) -> None:
         """Drop the saved tensors now (their memory may go back to the allocator)."""
-        release = sys.modules["runtime.tensor"]._release  # NOTE: the C one where it is on
         for _, value, version in self.saved:
             if version >= 0:
-                release(value)
+                _release(value)
         self.saved = []
         self.freed = True
 
@@ -158,7 +166,8 @@ class Node:
         return f"<Node {self.op}>"
 
 
-def _describe(t: Tensor) -> str:
+def describe(t: Tensor) -> str:
+    """A tensor as messages name it: its name, shape, dtype and block."""
     name = f"{t.name!r}, " if t.name else ""
     return f"{name}shape {t.shape}, {t.dtype}, block #{t.block.id}"
 
@@ -173,8 +182,14 @@ def needs_grad(*operands: Any) -> bool:
     return False
 
 
-def record(op: str, out: Tensor, inputs: Sequence[Any], labels: Sequence[str],
-           backward_fn: BackwardFn, save: Sequence[tuple[str, Any]] = ()) -> Tensor:
+def _is_tensor(x: Any) -> bool:
+    """True for a Tensor, known by its slot `_requires_grad` (as `needs_grad` knows one): this
+    module sits below runtime._tensor (docs/architecture.md)."""
+    return hasattr(x, "_requires_grad")
+
+
+def python_record(op: str, out: Tensor, inputs: Sequence[Any], labels: Sequence[str],
+                  backward_fn: BackwardFn, save: Sequence[tuple[str, Any]] = ()) -> Tensor:
     """Attach a Node to `out` (call right after the op wrote it, when `needs_grad` said so).
 
     `inputs` are the op's operands (numbers allowed: they get no gradient); `save` lists
@@ -182,12 +197,10 @@ def record(op: str, out: Tensor, inputs: Sequence[Any], labels: Sequence[str],
     detached handle with its block's version, so a later in-place write is caught; pass `out`
     itself to save the op's output.
     """
-    tensor_type = sys.modules["runtime.tensor"].Tensor  # NOTE: an import statement costs more
-
     entries: list[Node | Tensor | None] = []
     shapes: list[tuple[int, ...] | None] = []
     for x in inputs:
-        if isinstance(x, tensor_type) and x._requires_grad:
+        if _is_tensor(x) and x._requires_grad:
             node = x._node
             entries.append(x if node is None else node)
             shapes.append(x.shape)
@@ -196,7 +209,7 @@ def record(op: str, out: Tensor, inputs: Sequence[Any], labels: Sequence[str],
             shapes.append(None)
     saved = []
     for label, value in save:
-        if isinstance(value, tensor_type):
+        if _is_tensor(value):
             handle = value.detach()
             handle.name = value.name
             saved.append((label, handle, value.block.version))
@@ -207,10 +220,11 @@ def record(op: str, out: Tensor, inputs: Sequence[Any], labels: Sequence[str],
     return out
 
 
-#: The Python `record`, the specification: `runtime.fastpath.load` binds `record` to the C one,
-#: `runtime._dispatch.record` (the same Node, made without running Python), where the fast path
-#: is on; `fastpath.python_only` binds this one back.
-python_record = record
+#: What ops call to record a Node: `python_record`, the specification, or where the eager fast
+#: path is in use the C `runtime._dispatch.record`, which makes the same Node without running
+#: Python and hands anything else (and every call while the fast path is off) to
+#: `python_record`.
+record = python_record if _dispatch is None else _dispatch.record
 
 
 # ---------------------------------------------------------------------- the backward pass
@@ -238,12 +252,10 @@ def _topological(root: Node) -> list[Node]:
 
 def _unbroadcast(grad: Tensor, shape: tuple[int, ...]) -> Tensor:
     """Sum `grad` over the axes that broadcasting added or stretched, down to `shape`."""
-    from runtime import ops
-
     lead = grad.ndim - len(shape)
     axes = tuple(range(lead)) + tuple(
         lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1)
-    summed = ops.sum(grad, axis=axes, keepdims=True) if axes else grad
+    summed = OPS.sum(grad, axis=axes, keepdims=True) if axes else grad
     return summed.reshape(shape)
 
 
@@ -251,47 +263,23 @@ def _owned(grad: Tensor, handed: dict[int, Tensor]) -> Tensor:
     """`grad` if nothing else holds its memory, else a copy (so in-place accumulation into it
     can never change another gradient or a tensor the user holds)."""
     if id(grad) in handed or grad.block._refs > 1:
-        from runtime import ops  # NOTE: only here: an import statement costs a microsecond
-
-        return ops.copy(grad)
+        return OPS.copy(grad)
     return grad
 
 
-def backward(root: Tensor, gradient: Tensor | None = None, retain_graph: bool = False) -> None:
-    """Accumulate d(root)/d(leaf) into the `.grad` of every leaf that requires a gradient.
+def backward(root: Tensor, gradient: Tensor, retain_graph: bool) -> None:
+    """The backward pass of `Tensor.backward`, which checked its arguments: accumulate
+    d(root)/d(leaf), seeded with `gradient` (owned: nothing else holds its memory), into the
+    `.grad` of every leaf that requires a gradient, with recording and autocast off.
 
     Raises:
-        AutogradError: root needs no gradient; a non-scalar root without `gradient`; a saved
-            tensor modified in place; a second backward through a freed graph.
-        TypeError: `gradient` is not a Tensor, or `retain_graph` not a bool.
+        AutogradError: a saved tensor modified in place; a second backward through a freed
+            graph.
     """
-    tensors = sys.modules["runtime.tensor"]  # NOTE: imported at its end; statements cost more
-    if retain_graph is not False:
-        retain_graph = tensors.as_flag(retain_graph, "backward(): retain_graph")
-    if gradient is not None and not isinstance(gradient, tensors.Tensor):
-        raise TypeError(f"backward(): gradient must be a Tensor or None, got "
-                        f"{type(gradient).__name__} {tensors._brief(gradient)}")
-    if not root._requires_grad:
-        raise AutogradError(f"backward() on a tensor that does not require grad "
-                            f"({_describe(root)}); set requires_grad=True on a leaf it uses")
     previous, autocast = _mode.enabled, _mode.autocast
     _mode.enabled = False  # NOTE: no_grad(), without a generator's context manager
     _mode.autocast = None
     try:
-        if gradient is None:
-            if root.size != 1:
-                raise AutogradError(f"backward() without a gradient needs a scalar (one "
-                                    f"element) output, this one has shape {root.shape}; pass "
-                                    f"gradient=")
-            gradient = tensors._ones_like(root)
-        elif gradient.shape != root.shape or gradient.dtype != root.dtype:
-            raise AutogradError(f"backward(): gradient has shape {gradient.shape} and dtype "
-                                f"{gradient.dtype}; the output has shape {root.shape} and "
-                                f"dtype {root.dtype}")
-        else:
-            from runtime import ops
-
-            gradient = ops.copy(gradient)
         if tape._state.tape is None:
             _start(root, gradient, retain_graph)
         else:
@@ -305,14 +293,17 @@ def _start(root: Tensor, gradient: Tensor, retain_graph: bool) -> None:
     if root._node is None:
         _store_leaf(root, gradient)
         return
-    engine = _run if _engine is None else _engine
-    for leaf, grad in engine(root._node, gradient, retain_graph):
+    pairs = None if _engine is None else _engine(root._node, gradient, retain_graph)
+    if pairs is None:  # NOTE: no C engine, or it handed the pass back (the fast path is off)
+        pairs = _run(root._node, gradient, retain_graph)
+    for leaf, grad in pairs:
         _store_leaf(leaf, grad)
 
 
-#: The C engine (`runtime._dispatch.backward`, the same steps as `_run`), or None: set by
-#: `runtime.fastpath.load`; Note [the backward engine].
-_engine: Callable[[Node, Tensor, bool], list[tuple[Tensor, Tensor]]] | None = None
+#: The C engine (`runtime._dispatch.backward`, the same steps as `_run`; None while the fast
+#: path is off), or None: Note [the backward engine].
+_engine: Callable[[Node, Tensor, bool], list[tuple[Tensor, Tensor]] | None] | None = (
+    None if _dispatch is None else _dispatch.backward)
 
 
 def _run(root: Node, gradient: Tensor, retain_graph: bool) -> list[tuple[Tensor, Tensor]]:
@@ -333,9 +324,6 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> list[tuple[Tensor,
     graphs through both and compares every gradient, error, block version and allocator
     statistic.
     """
-    from runtime import ops
-
-    release = sys.modules["runtime.tensor"]._release  # NOTE: the C one where it is on
     grads: dict[Node, Tensor] = {root: gradient}
     handed: dict[int, Tensor] = {id(gradient): gradient}  # gradients stored, by id
     # NOTE: the leaves' gradients reach `.grad` only once all are computed, and that last part
@@ -354,7 +342,7 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> list[tuple[Tensor,
             if r is g:
                 break
         else:
-            release(g)  # NOTE: its memory may serve the gradients computed next
+            _release(g)  # NOTE: its memory may serve the gradients computed next
         del g
         for entry, shape, grad in zip(node.inputs, node.shapes, results):
             if entry is None or grad is None:
@@ -367,7 +355,7 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> list[tuple[Tensor,
                     grad = _owned(grad, handed)
                 else:
                     del handed[id(held[1])]
-                    grad = ops.add(held[1], grad)
+                    grad = OPS.add(held[1], grad)
                     held = None  # NOTE: the sum replaces it: Note [the backward engine]
                 leaves[id(entry)] = (entry, grad)
                 handed[id(grad)] = grad
@@ -377,7 +365,7 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> list[tuple[Tensor,
                 grad = _owned(grad, handed)
             else:
                 del handed[id(previous)]
-                grad = ops.add(previous, grad)
+                grad = OPS.add(previous, grad)
                 previous = None
             grads[entry] = grad
             handed[id(grad)] = grad
@@ -394,6 +382,4 @@ def _store_leaf(leaf: Tensor, grad: Tensor) -> None:
         if recorder is not None:
             recorder.grads_given.append(leaf)
         return
-    from runtime import ops  # NOTE: only here: an import statement costs a microsecond
-
-    ops.add(leaf.grad, grad, out=leaf.grad)
+    OPS.add(leaf.grad, grad, out=leaf.grad)

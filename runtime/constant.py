@@ -27,9 +27,9 @@ import numpy as np
 import backends
 from allocators import Allocator, DirectAllocator, format_bytes
 from runtime import config
+from runtime._tensor import Tensor, check_device_of, host_array
 from runtime.block import Block
 from runtime.errors import device_names
-from runtime.tensor import Tensor, check_device_of, host_array
 
 if TYPE_CHECKING:
     from backends import Device

@@ -22,9 +22,11 @@ read-only flag, so a shared view would let it write every holder's constant. Wit
 a consumer that asks for a versioned capsule gets the memory itself with the read-only flag
 (NumPy then makes a non-writeable array); `copy=True` always gives a writable copy.
 
-Import. `from_dlpack(x)` asks NumPy (or CuPy) to take `x` and wraps the result in a
-`ForeignBlock`: a Block that is written from birth, holds the producer's memory (and so the
-producer) as its allocation, and when its last handle goes simply drops that reference. The
+Import. `from_dlpack(x)` (`runtime.from_dlpack`, with the other factories of tensors in
+runtime/_tensor.py, over `take` and `foreign_view` here) asks NumPy (or CuPy) to take `x` and
+wraps the result in a `ForeignBlock`: a Block that is written from birth, holds the
+producer's memory (and so the producer) as its allocation, and when its last handle goes
+simply drops that reference. The
 foreign memory never reaches an allocator: its Allocation has no owner, so handing it to any
 allocator's `free` raises InvalidFreeError. The block's allocator serves only the results of ops
 on it (ops allocate outputs from their input's allocator).
@@ -165,12 +167,12 @@ def _share_host(native: np.ndarray, handle: Any) -> np.ndarray:
 
 
 def _share_cuda(native: Any, handle: Any) -> Any:
-    from backends.cuda import _cupy
+    import cupy  # NOTE: the tensor is on a CUDA device, so the CUDA backend imported it
 
     bfloat16 = native.dtype == BFLOAT16  # NOTE: the interface's typestr has no bfloat16: "<V2"
     interface = dict((native.view(np.uint16) if bfloat16 else native).__cuda_array_interface__)
     interface.pop("stream", None)  # NOTE: the export runs on the device's stream already
-    shared = _cupy().asarray(_Export("__cuda_array_interface__", interface, handle, handle.block))
+    shared = cupy.asarray(_Export("__cuda_array_interface__", interface, handle, handle.block))
     return shared.view(BFLOAT16) if bfloat16 else shared
 
 
@@ -387,9 +389,7 @@ def _import_host(obj: Any, index: int) -> tuple[Device, Any, int, Callable[..., 
 
 def _import_cuda(obj: Any, index: int) -> tuple[Device, Any, int, Callable[..., Any]]:
     device = backends.get_device(f"cuda:{index}")
-    from backends.cuda import _cupy
-
-    cp = _cupy()
+    import cupy as cp  # NOTE: the CUDA backend imported it to make `device`
     with device.cuda_device, device.stream:  # the producer's work is ordered before ours
         native = cp.from_dlpack(_Checked(obj, bfloat_as_uint16=False))
 
@@ -399,30 +399,17 @@ def _import_cuda(obj: Any, index: int) -> tuple[Device, Any, int, Callable[..., 
     return device, native, int(native.data.ptr), memory
 
 
-def from_dlpack(obj: Any, allocator: Allocator | None = None) -> Any:
-    """A Tensor over the memory of `obj` (anything with `__dlpack__`), without a copy.
-
-    The tensor keeps `obj`'s memory alive as long as any handle on it lives; writes on either
-    side are seen on the other. `allocator` (default: the device's default allocator) serves the
-    results of ops on the tensor. A blockrt Tensor gives a new handle on its own block.
+def take(obj: Any) -> tuple[Device, Any, int, Callable[[int, int], Any]]:
+    """What `runtime.from_dlpack` takes from `obj`: the device of its memory, the native array
+    (NumPy's or CuPy's) over it, the address of its first element, and `memory(address,
+    nbytes)`, which makes the raw memory of a ForeignBlock over part of it.
 
     Raises:
         TypeError: `obj` has no `__dlpack__`, or its elements are of a type no tensor holds
-            (float8, float6 and float4, complex, vectors), named before anything is shared.
-            float16 and bfloat16 (DLPack's kDLBfloat, which NumPy cannot take itself) are
-            held: Note [bfloat16 through DLPack].
+            (named before anything is shared).
         BufferError: its memory is on a device blockrt cannot use through DLPack.
         BackendUnavailableError: its memory is on CUDA and the CUDA backend is unavailable.
-
-    Example:
-        >>> import numpy as np, runtime
-        >>> runtime.from_dlpack(np.ones((2, 3), np.float32)[:, ::2]).strides
-        (3, 2)
     """
-    from runtime.tensor import Tensor, _allocator_for, as_dtype
-
-    if isinstance(obj, Tensor):
-        return obj.detach()
     if not hasattr(obj, "__dlpack__") or not hasattr(obj, "__dlpack_device__"):
         raise TypeError(f"from_dlpack needs an object with __dlpack__ and __dlpack_device__, "
                         f"got {type(obj).__name__}")
@@ -432,8 +419,18 @@ def from_dlpack(obj: Any, allocator: Allocator | None = None) -> Any:
         where = _DEVICE_TYPES.get(device_type, "unknown")
         raise BufferError(f"from_dlpack: {where} memory (DLPack device type {device_type}, "
                           f"index {index}) is not supported; blockrt imports CPU and CUDA memory")
-    device, native, address, memory = importer(obj, index)
-    dtype = as_dtype(native.dtype)
+    return importer(obj, index)
+
+
+def foreign_view(device: Device, native: Any, dtype: np.dtype, address: int,
+                 memory: Callable[[int, int], Any],
+                 allocator_for: Callable[[Device], Allocator]) -> tuple[ForeignBlock, tuple, int]:
+    """The ForeignBlock over the bytes `native` (of `dtype`, from `take`) touches, whose
+    allocator is `allocator_for(device)`, and the view's strides and offset on it, in elements.
+
+    Raises:
+        BufferError: strides that are not whole elements.
+    """
     item = dtype.itemsize
     if any(s % item for s in native.strides):
         raise BufferError(f"from_dlpack: strides {native.strides} (bytes) are not multiples of "
@@ -452,6 +449,6 @@ def from_dlpack(obj: Any, allocator: Allocator | None = None) -> Any:
         hi += item
     raw = memory(address + lo, hi - lo)
     foreign = Allocation(device, raw, 0, hi - lo, hi - lo)
-    block = ForeignBlock(foreign, _allocator_for(device, allocator),
+    block = ForeignBlock(foreign, allocator_for(device),
                          readonly=isinstance(native, np.ndarray) and not native.flags.writeable)
-    return Tensor(block, native.shape, dtype, strides, -lo // item)
+    return block, strides, -lo // item

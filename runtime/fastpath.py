@@ -29,45 +29,55 @@ fast path off with the allocator's, and tests/test_fastpath.py runs random progr
 ways and compares every value, error, version and allocator statistic. A new check in
 `ops._elementwise` or `_prepare_out` must be made in `runtime/_dispatch.c` too, or make it fall
 back; a new field it reads is a slot of Tensor or Block, found by name at `configure`.
+
+How it is wired (STYLE.md rule 21): each Python twin asks `backends.accelerated` for the
+extension where it is defined and binds the C function in its own module: `autograd.record`,
+`autograd._engine` and `autograd._release`, `_tensor._release` (what `Tensor.__del__` calls),
+and `ops._fast`, `ops._fast_launch` and `ops._fast_reduce` (from what `load` returns). Until
+`load` has configured the extension, and while `python_only()` holds, every C function hands
+its call back to its twin (`set_enabled` in runtime/_dispatch.c).
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from allocators._core import PURE_PYTHON
-from backends import base
+from backends import accelerated, base
 from runtime import autograd, tape
+from runtime._tensor import _RELEASED, _UNSET, Tensor
 from runtime.block import Block, _ids
-from runtime.tensor import _RELEASED, _UNSET, Tensor
-
-try:
-    from runtime import _dispatch
-except ImportError:  # NOTE: built where a C compiler was present; optional, as the allocator's
-    _dispatch = None
 
 __all__ = ["ACCELERATED", "load", "python_only"]
 
+#: The extension, or None where the eager fast path is off (`backends.accelerated` says why).
+_dispatch = accelerated.load("runtime._dispatch")
 #: True when ops run their common case in C (the extension is built, BLOCKRT_PURE_PYTHON is
 #: off and NumPy's error state can be set as the kernels need).
-ACCELERATED = _dispatch is not None and not PURE_PYTHON and base._FP_STATE is not None
+ACCELERATED = _dispatch is not None and base._FP_STATE is not None
 
 
 def load(record: Callable[[str, Tensor, Any], None], add: Callable[..., Tensor],
          copy: Callable[..., Tensor]) -> Any:
-    """The C extension's module, configured with `record` (how an elementwise op's autograd
-    record is made), or None when the fast path is off. Its `elementwise(op, out, operands)`
-    is the fast `ops._elementwise`; its `launch(op, never, out, shape, dtype, inputs, kernel,
-    extra)` is the fast `_prepare_out` + `_launch` of an op whose operands Python checked; its
-    `backward(root, gradient, retain_graph)` is the fast `autograd._run` (Note [the backward
-    engine] in runtime/autograd.py), which accumulates with `add` and copies with `copy`; its
-    `record` is the fast `autograd.record`, bound in its place."""
+    """Configure the C extension and turn it on; return its module, or None when the fast path
+    is off. `record` is how an elementwise op's autograd record is made; `add` and `copy` are
+    what the C backward engine accumulates and copies with. Its `elementwise(op, out,
+    operands)` is the fast `ops._elementwise`; its `launch(op, never, out, shape, dtype,
+    inputs, kernel, extra)` is the fast `_prepare_out` + `_launch` of an op whose operands
+    Python checked; its `reduce` the fast sum and mean that record nothing. The C `backward`,
+    `record` and `release` that autograd and Tensor bound at their import run from now on."""
+    if _dispatch is None:
+        return None
+    # NOTE: the C record and release hand back to these until the extension is on, so they
+    # are configured whether or not it can be turned on
+    _dispatch.configure_autograd(autograd.Node, autograd._unbroadcast, add, copy,
+                                 autograd.python_record)
     if not ACCELERATED:
+        accelerated.refuse("runtime._dispatch", f"NumPy {np.__version__} keeps no per-context "
+                           f"floating-point error state that C can set (numpy._core.umath)")
         return None
     # NOTE: a number meets a two-byte float as float32 (ops._scalar), so its type and range
     dtypes = (np.dtype(np.float32), np.dtype(np.float64), *base.HALVES)
@@ -76,29 +86,20 @@ def load(record: Callable[[str, Tensor, Any], None], add: Callable[..., Tensor],
                         base._FP_IGNORE, dtypes, (np.float32, np.float64, np.float32, np.float32),
                         (largest, float(np.finfo(np.float64).max), largest, largest),
                         Tensor._fresh, record, _ids, _UNSET, _RELEASED)
-    _dispatch.configure_autograd(autograd.Node, autograd._unbroadcast, add, copy,
-                                 autograd.python_record)
-    # NOTE: the module, not runtime.tensor (the package binds that name to the factory)
-    sys.modules["runtime.tensor"]._release = _dispatch.release
-    autograd._engine = _dispatch.backward
-    autograd.record = _dispatch.record
+    _dispatch.set_enabled(True)
     return _dispatch
 
 
 @contextlib.contextmanager
 def python_only() -> Iterator[None]:
     """Run ops on the Python path alone inside the block (in this process, every thread), as
-    BLOCKRT_PURE_PYTHON=1 would: for benchmarks and differential tests."""
-    from runtime import ops
-
-    tensor = sys.modules["runtime.tensor"]
-    saved = (ops._fast, ops._fast_launch, ops._fast_reduce, tensor._release, autograd._engine,
-             autograd.record)
-    ops._fast, ops._fast_launch, ops._fast_reduce = None, ops._no_launch, ops._no_launch
-    tensor._release, autograd._engine = Tensor.release, None
-    autograd.record = autograd.python_record
+    BLOCKRT_PURE_PYTHON=1 would: for benchmarks and differential tests. The C functions stay
+    bound and hand every call back to their Python twins."""
+    if _dispatch is None:
+        yield
+        return
+    previous = _dispatch.set_enabled(False)
     try:
         yield
     finally:
-        (ops._fast, ops._fast_launch, ops._fast_reduce, tensor._release, autograd._engine,
-         autograd.record) = saved
+        _dispatch.set_enabled(previous)

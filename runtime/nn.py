@@ -50,8 +50,7 @@ import numpy as np
 
 from allocators import Allocator
 from runtime import amp, dtypes, ops, tape
-from runtime.autograd import no_grad
-from runtime.tensor import (
+from runtime._tensor import (
     Tensor,
     _brief,
     as_dtype,
@@ -61,6 +60,7 @@ from runtime.tensor import (
     host_array,
     tensor,
 )
+from runtime.autograd import no_grad
 
 __all__ = ["SGD", "Adam", "Dense", "Module", "Optimizer", "ReLU", "Sequential", "Sigmoid", "Tanh",
            "clip_grad_norm_", "manual_seed", "mse", "softmax_cross_entropy", "train_step"]

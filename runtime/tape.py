@@ -21,7 +21,10 @@ from runtime.errors import GraphCaptureError, ReadOnlyError
 
 if TYPE_CHECKING:
     from runtime.block import Block
-    from runtime.tensor import Tensor
+
+#: A runtime Tensor, as the annotations here name it: runtime/_tensor.py sits above this module
+#: (docs/architecture.md), so it is not imported, not even for a type checker.
+Tensor = Any
 
 __all__ = ["Instruction", "Operand", "Tape", "active", "recording"]
 

@@ -54,7 +54,7 @@ from runtime import (
     nn,
     ops,
 )
-from runtime.tensor import Tensor
+from runtime._tensor import Tensor
 
 DEVICES = backends.available()
 UNARY = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "sqrt", "copy")

@@ -33,8 +33,8 @@ from allocators import InvalidFreeError, OutOfMemoryError
 from allocators.interop import pyopencl_allocator
 from backends.numpy import NumpyDevice
 from runtime import AliasingError, AutogradError, ReadOnlyError, UseAfterFreeError, config, nn, ops
+from runtime._tensor import MAX_NBYTES, Tensor
 from runtime.errors import UninitializedMemoryError
-from runtime.tensor import MAX_NBYTES, Tensor
 
 ROOT = Path(__file__).resolve().parent.parent
 ALLOCATOR_KINDS = ("direct", "caching")

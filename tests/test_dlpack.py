@@ -11,9 +11,9 @@ import pytest
 import allocators
 import backends
 import runtime
+from runtime._tensor import DTYPES
 from runtime.dlpack import ForeignBlock
 from runtime.dtypes import BFLOAT16
-from runtime.tensor import DTYPES
 
 NO_CUDA = "no CUDA device (cupy not installed or no GPU)"
 

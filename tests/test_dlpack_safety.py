@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import runtime
+from runtime._tensor import DTYPES
 from runtime.dtypes import BFLOAT16
-from runtime.tensor import DTYPES
 
 
 class Legacy:

@@ -219,7 +219,7 @@ def report_of(out: str) -> dict[str, str]:
 
 
 def check_info(out: str, cwd: Path) -> None:
-    for text in ("blockrt ", "Python ", f"NumPy {np.__version__}", "C allocator hot path: ",
+    for text in ("blockrt ", "Python ", f"NumPy {np.__version__}", "C paths (",
                  f"backends: {', '.join(backends.available())}", "  cpu: alignment ",
                  "default device: "):
         assert text in out, (text, out)

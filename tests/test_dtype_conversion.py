@@ -2,7 +2,7 @@
 numbers: the same values exactly, or a TypeError/ValueError that names the dtype and the value.
 Never a wrapped, truncated, made-up infinite or rounded value it was not asked for.
 
-The rules (runtime.tensor.host_array): without a dtype, data keeps a dtype of DTYPES (float16,
+The rules (runtime._tensor.host_array): without a dtype, data keeps a dtype of DTYPES (float16,
 bfloat16 and every integer of 8 to 64 bits among them) and otherwise converts only where every
 value survives (a non-native byte order, a longdouble holding float64 values, ml_dtypes' float8
 e5m2 to float64); ml_dtypes' other small types, complex, strings, objects and dates are refused.
@@ -26,8 +26,8 @@ from hypothesis.extra import numpy as hnp
 
 import runtime
 from backends.base import ieee
+from runtime._tensor import DTYPES
 from runtime.dtypes import kind
-from runtime.tensor import DTYPES
 
 
 def _sized(t: Any) -> np.dtype:
@@ -260,7 +260,7 @@ def test_lossless_and_requested_conversions_keep_working(data, dtype, expected):
 def test_an_array_of_a_held_dtype_is_used_as_it_is():
     """host_array is on a graph's replay path: a C-contiguous array of a dtype of DTYPES is
     returned as it is, neither copied nor converted."""
-    from runtime.tensor import host_array
+    from runtime._tensor import host_array
 
     for dtype in DTYPES:
         arr = np.zeros((2, 3), dtype)

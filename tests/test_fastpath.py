@@ -2,7 +2,7 @@
 fast path] in runtime/fastpath.py).
 
 The same random programs of elementwise ops run twice over worlds built alike: once with the C
-fast path, once with `ops._fast` set to None (the Python path alone). Every step must end the
+fast path, once inside `fastpath.python_only()` (the Python path alone). Every step must end the
 same way (the same result values, dtype, shape and autograd record, or the same error and
 message), and after every step every tensor of the world must hold the same bytes at the same
 block version, with the same allocator statistics. The worlds hold what the fast path must
@@ -13,9 +13,9 @@ int32 tensor, and numbers beyond float32 or of the wrong kind.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import re
-import sys
 from typing import Any
 
 import ml_dtypes
@@ -35,9 +35,6 @@ pytestmark = pytest.mark.skipif(not fastpath.ACCELERATED, reason=(
 C_FAST = ops._fast
 C_LAUNCH = ops._fast_launch
 C_REDUCE = ops._fast_reduce
-#: runtime/tensor.py (the package binds `runtime.tensor` to the factory function)
-tensor = sys.modules["runtime.tensor"]
-C_RELEASE = tensor._release
 
 UNARY = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "sqrt", "copy")
 BINARY = ("add", "sub", "mul", "div", "tanh_backward", "sigmoid_backward", "relu_backward")
@@ -135,20 +132,20 @@ def call(op: str, values: list, out: Any, axis: Any, keepdims: bool,
     return ops._elementwise(op, out, *values)
 
 
-def run(program: list, fast: Any, launch: Any, reduce: Any = None) -> list[Any]:
+def run(program: list, fast: Any = None, launch: Any = None, reduce: Any = None) -> list[Any]:
     """What each step of `program` did, and the world after it, with the elementwise fast
-    path `fast`, the launch `launch` and the reduction `reduce` in place (None,
-    `ops._no_launch` and None: Python only)."""
+    path `fast`, the launch `launch` and the reduction `reduce` in place of the C ones (the C
+    ones, counted), or with none of them given inside `fastpath.python_only()` (Python only)."""
     allocator = allocators.create("caching", "cpu")
     world = build_world(allocator)
     made: list[runtime.Tensor] = []
     log: list[Any] = []
-    saved = ops._fast, ops._fast_launch, ops._fast_reduce, tensor._release
-    ops._fast = fast
-    ops._fast_launch = launch
-    ops._fast_reduce = reduce if reduce is not None else ops._no_launch
-    tensor._release = C_RELEASE if fast is not None else runtime.Tensor.release
+    saved = ops._fast, ops._fast_launch, ops._fast_reduce
+    if fast is not None:
+        ops._fast, ops._fast_launch, ops._fast_reduce = fast, launch, reduce
+    path = fastpath.python_only() if fast is None else contextlib.nullcontext()
     try:
+        path.__enter__()
         for op, args, out_index, grad, (axis, keepdims) in program:
             values = [world[i] if kind == "t" else i for kind, i in args]
             out = None if out_index is None else world[out_index]
@@ -175,7 +172,8 @@ def run(program: list, fast: Any, launch: Any, reduce: Any = None) -> list[Any]:
         stats = allocator.stats()
         log.append((stats["num_frees"], stats["allocated_bytes"]))
     finally:
-        ops._fast, ops._fast_launch, ops._fast_reduce, tensor._release = saved
+        path.__exit__(None, None, None)
+        ops._fast, ops._fast_launch, ops._fast_reduce = saved
     return log
 
 
@@ -200,7 +198,7 @@ def test_the_fast_path_does_what_the_python_path_does(program):
         return result
 
     fast = run(program, counting, counting_launch, counting_reduce)
-    assert fast == run(program, None, ops._no_launch)
+    assert fast == run(program)
     share = sum(taken) / len(taken) if taken else 0.0
     event(f"share of ops the fast path took: {round(4 * share) / 4:.2f}")
 

@@ -24,7 +24,7 @@ import backends
 import runtime
 from allocators import FaultInjectionAdaptor, OutOfMemoryError
 from runtime import nn
-from runtime.tensor import Tensor
+from runtime._tensor import Tensor
 
 DEVICES = [pytest.param(kind, marks=pytest.mark.skipif(
     kind not in backends.available(), reason=f"backend {kind!r} is not available here"))

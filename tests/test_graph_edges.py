@@ -25,7 +25,7 @@ import allocators
 import runtime
 from allocators import LimitAdaptor
 from runtime import GraphCaptureError, dtypes, nn, ops
-from runtime.tensor import DTYPES
+from runtime._tensor import DTYPES
 
 PLANS = ("none", "recycle", "static")
 

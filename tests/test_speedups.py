@@ -32,10 +32,11 @@ from hypothesis import strategies as st
 
 import allocators
 from allocators import InvalidFreeError, OutOfMemoryError
-from allocators._core import PURE_PYTHON_ENV, speedups
+from allocators._core import speedups
 from allocators.caching import _PRUNE_AFTER, CachingAllocator
 from allocators.pytest_plugin import soak_factor
 from allocators.sizeclass import GranuleSizeClass
+from backends.accelerated import PURE_PYTHON_ENV
 from helpers import run_threads
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -43,8 +43,8 @@ from hypothesis import strategies as st
 import allocators
 import runtime
 from allocators import Allocation, Allocator, StatisticsAdaptor
-from allocators._core import PURE_PYTHON_ENV
 from allocators.testing import allocation_sizes, byte_pattern
+from backends.accelerated import PURE_PYTHON_ENV
 from helpers import run_threads
 from runtime import ConstantPool
 from runtime.constant import get_default_constant_pool

@@ -24,8 +24,8 @@ import pyopencl.tools as cl_tools
 
 import allocators
 import backends
-from allocators._core import _flag
 from allocators.interop import pyopencl_allocator
+from backends.accelerated import flag
 
 KIND = os.environ.get("BLOCKRT_SUITE_ALLOCATOR", "").strip() or "caching"
 if KIND != "none" and KIND not in allocators.names():
@@ -34,7 +34,7 @@ if KIND != "none" and KIND not in allocators.names():
 #: Set to 1 (or true, yes, on; the words of every BLOCKRT_* switch): hooks bound to the
 #: device's queue whatever queue the array is on (the misuse that queue-ordered reuse exists
 #: for: the suite's own queues are not recorded).
-UNBOUND = _flag("BLOCKRT_SUITE_UNBOUND")
+UNBOUND = flag("BLOCKRT_SUITE_UNBOUND")
 _device = backends.get_device("opencl")
 _allocator = None if KIND == "none" else allocators.create(KIND, _device)
 _hooks: dict[int | None, Any] = {}

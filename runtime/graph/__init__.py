@@ -80,6 +80,7 @@ import numpy as np
 from allocators import Allocator, OutOfMemoryError, format_bytes
 from backends.base import ieee
 from runtime import config, planner, tape
+from runtime._tensor import Tensor, tensor
 from runtime.block import Block
 from runtime.dtypes import BFLOAT16
 from runtime.errors import GraphCaptureError
@@ -103,7 +104,6 @@ from runtime.graph.memory import _timeline
 from runtime.graph.program import _Capture
 from runtime.graph.replay import _check_live, _release, _replay, _run_init
 from runtime.tape import Tape
-from runtime.tensor import Tensor, tensor
 
 __all__ = ["CHECKPOINTS", "PLANS", "BudgetError", "Graph", "graph"]
 

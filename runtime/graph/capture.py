@@ -11,6 +11,7 @@ import numpy as np
 
 from allocators import Allocator
 from runtime import autograd, planner
+from runtime._tensor import Tensor, host_array
 from runtime.block import Block
 from runtime.errors import GraphCaptureError
 from runtime.graph.budget import BudgetError, _fit, flops
@@ -20,7 +21,6 @@ from runtime.graph.memory import _plan_memory, _timeline
 from runtime.graph.program import Fused, MemoryPlan, Recorded, _Capture, _Step
 from runtime.graph.schedule import _scheduled
 from runtime.tape import Instruction, Tape
-from runtime.tensor import Tensor, host_array
 
 
 # ---------------------------------------------------------------------- arguments and results

@@ -12,9 +12,9 @@ from typing import Any
 
 from allocators import Allocation, Allocator
 from runtime import planner
+from runtime._tensor import Tensor
 from runtime.block import Block
 from runtime.tape import Instruction
-from runtime.tensor import Tensor
 
 
 # ---------------------------------------------------------------------- what the phases pass on

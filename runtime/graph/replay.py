@@ -7,12 +7,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from allocators import Allocation, format_bytes
+from runtime._tensor import contiguous_strides
 from runtime.block import Block
 from runtime.errors import UseAfterFreeError
 from runtime.graph.fuse import _arguments, _fused_program
 from runtime.graph.program import _Capture, _Step
 from runtime.tape import Instruction, Operand
-from runtime.tensor import contiguous_strides
 
 Memory = dict[int, tuple[Any, int]]  # buffer -> (raw memory, byte offset)
 

@@ -16,11 +16,13 @@ import numpy as np
 
 import backends
 from allocators import Allocator, format_bytes
+from backends import accelerated
 from backends.base import ieee
 from runtime import aliasing, autograd, config, dlpack, dtypes, tape
 from runtime.autograd import Node
 from runtime.block import Block
 from runtime.errors import AutogradError, UseAfterFreeError, device_names
+from runtime.upcalls import OPS  # NOTE: Note [calls up to ops] in runtime/upcalls.py
 
 #: The dtypes a tensor may hold (runtime/dtypes.py). Arithmetic ops accept dtypes.COMPUTE.
 DTYPES = dtypes.DTYPES
@@ -29,9 +31,9 @@ DTYPES = dtypes.DTYPES
 MAX_NBYTES = 2**63 - 1
 _RELEASED = -1
 _UNSET = object()
-#: What `Tensor.__del__` calls: `Tensor.release`, or its C version where the eager fast path is
-#: built (`runtime.fastpath` sets it; Note [the eager fast path] in runtime/fastpath.py).
-_release: Any
+#: The C extension of the eager fast path, or None (Note [the eager fast path] in
+#: runtime/fastpath.py): `_release`, below the class, is its function where it is in use.
+_dispatch = accelerated.load("runtime._dispatch")
 
 
 #: The same dtypes, for a quick membership test.
@@ -402,8 +404,38 @@ class Tensor:
         return self._node
 
     def backward(self, gradient: Tensor | None = None, retain_graph: bool = False) -> None:
-        """Accumulate the gradient of this (scalar) tensor into `.grad` of every leaf that
-        requires one; see `runtime.autograd`."""
+        """Accumulate d(self)/d(leaf) into the `.grad` of every leaf that requires a gradient;
+        see `runtime.autograd`. Without `gradient`, this tensor must have one element; with it,
+        `gradient` has its shape and dtype (and is copied: the pass accumulates in place).
+
+        Raises:
+            AutogradError: this tensor needs no gradient; no `gradient` for more than one
+                element, or one of another shape or dtype; a saved tensor modified in place; a
+                second backward through a freed graph.
+            TypeError: `gradient` is not a Tensor, or `retain_graph` not a bool.
+        """
+        if retain_graph is not False:
+            retain_graph = as_flag(retain_graph, "backward(): retain_graph")
+        if gradient is not None and not isinstance(gradient, Tensor):
+            raise TypeError(f"backward(): gradient must be a Tensor or None, got "
+                            f"{type(gradient).__name__} {_brief(gradient)}")
+        if not self._requires_grad:
+            raise AutogradError(f"backward() on a tensor that does not require grad "
+                                f"({autograd.describe(self)}); set requires_grad=True on a "
+                                f"leaf it uses")
+        if gradient is None:
+            if self.size != 1:
+                raise AutogradError(f"backward() without a gradient needs a scalar (one "
+                                    f"element) output, this one has shape {self.shape}; pass "
+                                    f"gradient=")
+            gradient = _ones_like(self)
+        elif gradient.shape != self.shape or gradient.dtype != self.dtype:
+            raise AutogradError(f"backward(): gradient has shape {gradient.shape} and dtype "
+                                f"{gradient.dtype}; the output has shape {self.shape} and "
+                                f"dtype {self.dtype}")
+        else:
+            with autograd.no_grad():
+                gradient = OPS.copy(gradient)
         autograd.backward(self, gradient, retain_graph)
 
     def detach(self) -> Tensor:
@@ -577,8 +609,6 @@ class Tensor:
 
     def __setitem__(self, key: Any, value: Any) -> None:
         """Write `value` (a tensor, array or number, broadcast) into the view `self[key]`."""
-        from runtime import ops
-
         if autograd.needs_grad(self, value):
             raise AutogradError(
                 f"item assignment is not recorded by autograd, and this one involves a tensor "
@@ -589,7 +619,7 @@ class Tensor:
             if not isinstance(value, Tensor):
                 host = host_array(value, self.dtype, "value to assign to a tensor")
                 value = tensor(host, device=self.device, allocator=self.block.allocator)
-            ops.copy(value, out=target)
+            OPS.copy(value, out=target)
         finally:
             target.release()
 
@@ -631,10 +661,8 @@ class Tensor:
         if strides is not None:
             view = self._view(new_shape, strides, self.offset)
         else:
-            from runtime import ops
-
             with autograd.no_grad():
-                flat = ops.copy(self)
+                flat = OPS.copy(self)
             view = flat._view(new_shape, contiguous_strides(new_shape), flat.offset)
             flat.release()
         old_shape = self.shape
@@ -718,34 +746,34 @@ class Tensor:
 
     # ------------------------------------------------------------------ operators
     def __add__(self, other: Any) -> Tensor:
-        return _ops.add(self, other)
+        return OPS.add(self, other)
 
     def __radd__(self, other: Any) -> Tensor:
-        return _ops.add(other, self)
+        return OPS.add(other, self)
 
     def __sub__(self, other: Any) -> Tensor:
-        return _ops.sub(self, other)
+        return OPS.sub(self, other)
 
     def __rsub__(self, other: Any) -> Tensor:
-        return _ops.sub(other, self)
+        return OPS.sub(other, self)
 
     def __mul__(self, other: Any) -> Tensor:
-        return _ops.mul(self, other)
+        return OPS.mul(self, other)
 
     def __rmul__(self, other: Any) -> Tensor:
-        return _ops.mul(other, self)
+        return OPS.mul(other, self)
 
     def __truediv__(self, other: Any) -> Tensor:
-        return _ops.div(self, other)
+        return OPS.div(self, other)
 
     def __rtruediv__(self, other: Any) -> Tensor:
-        return _ops.div(other, self)
+        return OPS.div(other, self)
 
     def __matmul__(self, other: Tensor) -> Tensor:
-        return _ops.matmul(self, other)
+        return OPS.matmul(self, other)
 
     def __neg__(self) -> Tensor:
-        return _ops.neg(self)
+        return OPS.neg(self)
 
 
 def _infer_shape(shape: Any, size: int, old_shape: tuple) -> tuple[int, ...]:
@@ -770,7 +798,10 @@ def _infer_shape(shape: Any, size: int, old_shape: tuple) -> tuple[int, ...]:
     return new_shape
 
 
-_release = Tensor.release
+#: What `Tensor.__del__` calls: `Tensor.release`, or its C version where the eager fast path is
+#: in use (which hands back to `Tensor.release` what it does not take, and everything while the
+#: fast path is off).
+_release = Tensor.release if _dispatch is None else _dispatch.release
 
 
 # ---------------------------------------------------------------------- factories
@@ -1033,6 +1064,36 @@ def tensor(data: Any, dtype: Any = None, device: Any = None,
     return _write(out, host, "runtime.tensor")
 
 
+def from_dlpack(obj: Any, allocator: Allocator | None = None) -> Tensor:
+    """A Tensor over the memory of `obj` (anything with `__dlpack__`), without a copy.
+
+    The tensor keeps `obj`'s memory alive as long as any handle on it lives; writes on either
+    side are seen on the other. `allocator` (default: the device's default allocator) serves the
+    results of ops on the tensor. A blockrt Tensor gives a new handle on its own block. See
+    `runtime.dlpack`.
+
+    Raises:
+        TypeError: `obj` has no `__dlpack__`, or its elements are of a type no tensor holds
+            (float8, float6 and float4, complex, vectors), named before anything is shared.
+            float16 and bfloat16 (DLPack's kDLBfloat, which NumPy cannot take itself) are
+            held: Note [bfloat16 through DLPack] in runtime/dlpack.py.
+        BufferError: its memory is on a device blockrt cannot use through DLPack.
+        BackendUnavailableError: its memory is on CUDA and the CUDA backend is unavailable.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> runtime.from_dlpack(np.ones((2, 3), np.float32)[:, ::2]).strides
+        (3, 2)
+    """
+    if isinstance(obj, Tensor):
+        return obj.detach()
+    device, native, address, memory = dlpack.take(obj)
+    dtype = as_dtype(native.dtype)
+    block, strides, offset = dlpack.foreign_view(
+        device, native, dtype, address, memory, lambda dev: _allocator_for(dev, allocator))
+    return Tensor(block, native.shape, dtype, strides, offset)
+
+
 def _ones_like(t: Tensor) -> Tensor:
     """A new tensor of ones of t's shape and dtype on t's allocator: the gradient that
     `backward()` starts from (`tensor(np.ones(...))`, without checking what is known good)."""
@@ -1115,12 +1176,8 @@ def _scatter_backward(base: Tensor, view: Tensor) -> Any:
     def backward(g: Tensor) -> tuple[Tensor]:
         # a zeroed copy of the whole block, seen through base's and the view's layouts
         whole = zeros(nbytes // g.dtype.itemsize, g.dtype, allocator=g.block.allocator)
-        from runtime import ops
-
-        ops.copy(g, out=Tensor(whole.block, shape, g.dtype, strides, offset))
+        OPS.copy(g, out=Tensor(whole.block, shape, g.dtype, strides, offset))
         return (Tensor(whole.block, base_shape, g.dtype, base_strides, base_offset),)
 
     return backward
 
-
-from runtime import ops as _ops  # noqa: E402  (ops imports this module; bound for operators)
