@@ -41,8 +41,8 @@ import threading
 from dataclasses import dataclass
 from types import ModuleType
 
-__all__ = ["FALSE_WORDS", "PURE_PYTHON", "PURE_PYTHON_ENV", "TRUE_WORDS", "Path", "flag", "load",
-           "paths", "refuse"]
+__all__ = ["FALSE_WORDS", "PURE_PYTHON", "PURE_PYTHON_ENV", "TRUE_WORDS", "Path", "SettingError",
+           "flag", "load", "paths", "refuse"]
 
 #: The environment variable that turns every C path off.
 PURE_PYTHON_ENV = "BLOCKRT_PURE_PYTHON"
@@ -51,12 +51,17 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
 
+class SettingError(ValueError):
+    """An environment variable of blockrt's holds a value blockrt cannot use: the user's
+    setting, not a bug, so the `blockrt` command reports it in one line."""
+
+
 def flag(variable: str) -> bool:
     """The on/off environment variable `variable`: False when unset or empty.
 
     Raises:
-        ValueError: a value other than TRUE_WORDS and FALSE_WORDS (any case), naming the
-            variable and its value.
+        SettingError: (a ValueError) a value other than TRUE_WORDS and FALSE_WORDS (any
+            case), naming the variable and its value.
     """
     value = os.environ.get(variable, "")
     word = value.strip().lower()
@@ -64,7 +69,7 @@ def flag(variable: str) -> bool:
         return False
     if word in TRUE_WORDS:
         return True
-    raise ValueError(f"environment variable {variable}={value!r}: expected 1/true/yes/on or "
+    raise SettingError(f"environment variable {variable}={value!r}: expected 1/true/yes/on or "
                      f"0/false/no/off (or unset)")
 
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from blockrt._exit import one_line_on_exit
 
-with one_line_on_exit(ValueError):  # NOTE: BLOCKRT_PURE_PYTHON, read as allocators is imported
+# NOTE: named, not imported: the import of its module reads BLOCKRT_PURE_PYTHON and may raise it
+with one_line_on_exit("backends.accelerated.SettingError"):
     import allocators
 import backends
 import runtime

@@ -419,6 +419,23 @@ def test_a_bad_pure_python_switch_still_raises_where_blockrt_is_imported():
     assert result.stdout.startswith("ValueError environment variable BLOCKRT_PURE_PYTHON=")
 
 
+@pytest.mark.parametrize("raised", ["ValueError('a bug')", "SettingError('a setting')"])
+def test_only_a_setting_error_is_cut_to_one_line(raised):
+    """The facade's one-line report is for the user's settings only: another error raised
+    while blockrt is imported (a bug's ValueError) keeps its whole traceback."""
+    code = ("from backends.accelerated import SettingError\n"
+            "from blockrt._exit import one_line_on_exit\n"
+            "with one_line_on_exit('backends.accelerated.SettingError'):\n"
+            f"    raise {raised}\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, cwd=cli.ROOT, check=False)
+    assert result.returncode == 1
+    if raised.startswith("Setting"):
+        assert result.stderr == "blockrt: error: a setting\n"
+    else:
+        assert result.stderr.startswith("Traceback") and "ValueError: a bug" in result.stderr
+
+
 def test_info_measure_says_what_it_ran():
     (line,) = cli._measure("S", least=0.0)
     cfg = cli.CONFIGS["S"]
