@@ -437,7 +437,7 @@ store(const float *src, char *p, Py_ssize_t stride, Py_ssize_t n, Py_ssize_t ite
 static void
 compute(int code, const float *a, const float *b, float *r, Py_ssize_t n)
 {
-    optable_f32(code, r, a, b, n);
+    optable_f32(code, r, a, b, 1, n, 0);
 }
 
 #if HAVE_X86
@@ -976,19 +976,14 @@ float_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t n = views[0].len / itemsize;
         Py_ssize_t cols = row ? views[0].shape[views[0].ndim - 1] : n;
         Py_ssize_t rows = row ? (cols ? n / cols : 0) : 1;
-        char *o = views[0].buf;
-        const char *a = views[1].buf, *b = nviews == 3 ? views[2].buf : NULL;
-        Py_ssize_t step = row ? cols * itemsize : 0;
+        void *o = views[0].buf;
+        const void *a = views[1].buf, *b = nviews == 3 ? views[2].buf : NULL;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t r = 0; r < rows; r++) {
-            /* NOTE: b (where given) of out's shape is one row of n */
-            if (kind) {
-                PICK(optable, f64)((int)code, (double *)(o + r * step),
-                                   (const double *)(a + r * step), (const double *)b, cols);
-            } else {
-                PICK(optable, f32)((int)code, (float *)(o + r * step),
-                                   (const float *)(a + r * step), (const float *)b, cols);
-            }
+        /* NOTE: b (where given) of out's shape is one row of n */
+        if (kind) {
+            PICK(optable, f64)((int)code, o, a, b, rows, cols, row);
+        } else {
+            PICK(optable, f32)((int)code, o, a, b, rows, cols, row);
         }
         Py_END_ALLOW_THREADS
     }

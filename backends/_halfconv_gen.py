@@ -19,6 +19,7 @@ This module, like optable.py, imports nothing but the standard library.
 
 from __future__ import annotations
 
+import re
 from types import ModuleType
 
 #: the arithmetic primitives C spells, and which become a loop (a rounding step) of their own
@@ -69,14 +70,20 @@ def _scalar(optable: ModuleType, op) -> tuple[list[str], int]:
         if not isinstance(expr, optable.Expr):
             return style.render(expr, ())
         if expr.op == "arg":
-            return ("a_[i]", "b_[i]")[expr.args[0]]
+            return f"x{expr.args[0]}"
         if expr is not top and expr in temp:
             return f"t[{temp[expr]}][i]"
         return codes[expr.op](*(render(a, top) for a in expr.args))
 
-    loops = [f"for (i = 0; i < m; i++) t[{temp[node]}][i] = {render(node, node)};"
-             for node in order[:-1]]
-    loops.append(f"for (i = 0; i < m; i++) r_[i] = {render(op.formula, op.formula)};")
+    def loop(node, target: str) -> str:
+        # NOTE: each operand read once into a local, before the store (r may be a or b)
+        expression = render(node, node)
+        loads = "".join(f"T x{k} = {pointer}[i]; " for k, pointer in enumerate(("a_", "b_"))
+                        if re.search(rf"\bx{k}\b", expression))
+        return f"for (i = 0; i < m; i++) {{ {loads}{target} = {expression}; }}"
+
+    loops = [loop(node, f"t[{temp[node]}][i]") for node in order[:-1]]
+    loops.append(loop(op.formula, "r_[i]"))
     return loops, len(temp)
 
 
@@ -93,16 +100,27 @@ def header(optable: ModuleType) -> str:
     """The text of backends/_optable.h."""
     ops = c_ops(optable)
     names = [op.name.upper() for op in ops]
-    temps = 1
-    cases = []
+    functions, cases = [], []
     for op in ops:
         if op.formula.op == "arg":
             continue  # NOTE: copy: apply's loads and stores convert, float_op takes none
         loops, count = _scalar(optable, op)
-        temps = max(temps, count)
-        body = " \\\n            ".join(loops)
-        cases.append(f"    case OP_{op.name.upper()}: \\\n            {body} \\\n"
-                     f"            break; \\")
+        if count:  # NOTE: in chunks, so the temporaries stay in L1
+            body = [f"T t[{count}][OPTABLE_CHUNK];",
+                    "for (Py_ssize_t s = 0; s < n; s += OPTABLE_CHUNK) {",
+                    "    Py_ssize_t i, m = n - s < OPTABLE_CHUNK ? n - s : OPTABLE_CHUNK;",
+                    "    const T *a_ = a + s, *b_ = b ? b + s : NULL;",
+                    "    T *r_ = r + s;",
+                    "    (void)b_;",
+                    *(f"    {loop}" for loop in loops), "}"]
+        else:  # NOTE: one loop over the row, which the compiler vectorises whole
+            body = ["const T *a_ = a, *b_ = b;", "T *r_ = r;", "Py_ssize_t i, m = n;",
+                    "(void)b_;", *loops]
+        name = f"optable_{op.name}_##SUFFIX"
+        functions.append(f"ATTR OPTABLE_NOINLINE static void {name}(T *r, const T *a, "
+                         f"const T *b, Py_ssize_t n) "
+                         "\\\n{ \\\n    " + " \\\n    ".join(body) + " \\\n} \\")
+        cases.append(f"        case OP_{op.name.upper()}: {name}(r0, a0, b0, cols); break; \\")
     row = [f"case OP_{op.name.upper()}: r = {_vector(optable, op.formula)}; break;"
            for op in ops if op.formula.op != "arg"]
     lines = [
@@ -112,21 +130,26 @@ def header(optable: ModuleType) -> str:
         f"static const int op_arity[OP_COUNT] = {{{', '.join(str(op.arity) for op in ops)}}};",
         "static const char *const op_names[OP_COUNT] = {"
         + ", ".join(f'"{op.name}"' for op in ops) + "};",
-        f"#define OPTABLE_TEMPS {temps}",
         "#define OPTABLE_CHUNK 256",
+        "/* each op's loop a function of its own, as the compiler vectorises it best alone */",
+        "#if defined(__GNUC__) || defined(__clang__)",
+        "#define OPTABLE_NOINLINE __attribute__((noinline))",
+        "#else",
+        "#define OPTABLE_NOINLINE",
+        "#endif",
         "",
-        "/* optable_SUFFIX(code, r, a, b, n): r = op(a, b) on n contiguous T items (b unread for",
-        " * a unary op; r may be a or b itself); 0 for a code it has no loop for (copy). */",
+        "/* optable_SUFFIX(code, r, a, b, rows, cols, row): r = op(a, b) on rows x cols",
+        " * contiguous T items, b of their shape or, where `row`, one row of cols items (b",
+        " * unread by a unary op; r may be a or b itself); 0 for a code it has no loop for",
+        " * (copy). */",
         "#define OPTABLE_LOOP(T, SQRT, FABS, SUFFIX, ATTR) \\",
-        "ATTR static int optable_##SUFFIX(int code, T *r, const T *a, const T *b, Py_ssize_t n) \\",
+        *functions,
+        "ATTR static int optable_##SUFFIX(int code, T *r, const T *a, const T *b, \\",
+        "                                 Py_ssize_t rows, Py_ssize_t cols, int row) \\",
         "{ \\",
-        "    T t[OPTABLE_TEMPS][OPTABLE_CHUNK]; \\",
-        "    (void)t; \\",
-        "    for (Py_ssize_t s = 0; s < n; s += OPTABLE_CHUNK) { \\",
-        "        Py_ssize_t i, m = n - s < OPTABLE_CHUNK ? n - s : OPTABLE_CHUNK; \\",
-        "        const T *a_ = a + s, *b_ = b ? b + s : NULL; \\",
-        "        T *r_ = r + s; \\",
-        "        (void)a_; (void)b_; \\",
+        "    for (Py_ssize_t k = 0; k < rows; k++) { \\",
+        "        const T *a0 = a + k * cols, *b0 = b ? b + (row ? 0 : k * cols) : NULL; \\",
+        "        T *r0 = r + k * cols; \\",
         "        switch (code) { \\",
         *cases,
         "        default: return 0; \\",

@@ -182,6 +182,10 @@ def _in_c(name: str, kernel: Any) -> Any:
 #: inputs) or with out=
 _KERNELS = {op.name: _in_c(op.name, _kernel(op)) if op.name in _IN_C else _kernel(op)
             for op in optable.OPS}
+#: The kernels the eager fast path may run: it holds every operand to one dtype, so an op
+#: with a bool condition (where) is left to the Python path, which checks it
+_FAST = {op.name: _KERNELS[op.name] for op in optable.OPS
+         if optable.BOOL not in op.operand_kinds}
 _REDUCE = {"sum": np.sum, "mean": np.mean}
 
 
@@ -326,13 +330,13 @@ class NumpyDevice(Device):
     host_memory = True
     #: every elementwise kernel, called as kernel(*inputs, out) (NumPy broadcasts the inputs),
     #: and the reductions, as kernel(x, out, axes, keepdims)
-    _fast_kernels = {**_KERNELS, "sum": _sum,
+    _fast_kernels = {**_FAST, "sum": _sum,
                      "mean": lambda x, out, axes, keepdims: _reduce("mean", x, axes, keepdims,
                                                                    out),
                      "sub_scaled": _sub_scaled_kernel}
 
     #: the same for float16 and bfloat16 (copy, which moves bits, is `_fast_kernels`' own)
-    _fast_half_kernels = {**{name: _half_kernel(name) for name in _KERNELS if name != "copy"},
+    _fast_half_kernels = {**{name: _half_kernel(name) for name in _FAST if name != "copy"},
                           "sub_scaled": _sub_scaled_kernel}
 
     def __init__(self, index: int = 0) -> None:

@@ -297,11 +297,11 @@ OPS: tuple[Op, ...] = (
 BY_NAME: dict[str, Op] = {op.name: op for op in OPS}
 
 
-def _check_table() -> None:
-    """Raise ValueError where an entry breaks the form: a formula over primitives of their
-    arity reading only its operands, conditions only where select reads one, derivatives over
-    the table's ops."""
-    for op in OPS:
+def check(ops: Sequence[Op]) -> None:
+    """Raise ValueError naming the entry that breaks the form: a formula over primitives of
+    their arity reading only its operands, a condition only where select (or either) reads
+    one, a derivative per operand over the table's ops."""
+    for op in ops:
         for n in nodes(op.formula):
             if n.op == "arg":
                 if not 0 <= n.args[0] < op.arity:
@@ -328,7 +328,7 @@ def _check_table() -> None:
                                      f"of the table")
 
 
-_check_table()
+check(OPS)
 
 
 def kernels(arity: int) -> tuple[str, ...]:

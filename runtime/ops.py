@@ -277,6 +277,13 @@ def _number_dtype(dtype: np.dtype) -> np.dtype:
     return _FLOAT32 if dtype in dtypes.HALVES else dtype
 
 
+#: Each elementwise op's operand labels, operand kinds (None: all FLOAT) and whether it takes
+#: any dtype, from backends/optable.py, as `_elementwise` reads them
+_SHAPES: dict[str, tuple[tuple[str, ...], tuple[str, ...] | None, bool]] = {
+    op.name: (op.params, op.kinds if optable.BOOL in op.operand_kinds else None, op.any_dtype)
+    for op in optable.OPS}
+
+
 def _elementwise(op: str, out: Tensor | None, *operands: Operand) -> Tensor:
     """Run the elementwise kernel named `op`, an op of backends/optable.py (the device's kernel
     has the op's name), under the op's dtype rule: its FLOAT operands Tensors of one float
@@ -285,19 +292,19 @@ def _elementwise(op: str, out: Tensor | None, *operands: Operand) -> Tensor:
         result = _fast(op, out, operands)
         if result is not None:
             return result
-    entry = optable.BY_NAME[op]
+    labels, kinds, any_dtype = _SHAPES[op]
     # one pass sorts the operands: (label, tensor) pairs, and numbers by argument position
     named: list[tuple[str, Tensor]] = []
     conditions: list[Tensor] = []
     numbers_at: dict[int, Any] = {}
-    for i, (x, label, kind) in enumerate(zip(operands, entry.params, entry.operand_kinds)):
-        if kind == optable.BOOL:
+    for i, x in enumerate(operands):
+        if kinds is not None and kinds[i] == optable.BOOL:
             if not isinstance(x, Tensor) or x.dtype != np.bool_:
-                raise TypeError(f"{op}: {label} must be a bool Tensor, got "
+                raise TypeError(f"{op}: {labels[i]} must be a bool Tensor, got "
                                 f"{getattr(x, 'dtype', type(x).__name__)} {_brief(x)}")
             conditions.append(x)
         elif isinstance(x, Tensor):
-            named.append((label, x))
+            named.append((labels[i], x))
         elif _is_scalar(x):
             numbers_at[i] = x
         else:
@@ -308,17 +315,19 @@ def _elementwise(op: str, out: Tensor | None, *operands: Operand) -> Tensor:
                         f"{', '.join(type(x).__name__ for x in operands)} "
                         f"({', '.join(_brief(x) for x in operands)})")
     tensors = [t for _, t in named]
-    device, dtype = _common(op, tensors, floats_only=not entry.any_dtype)
-    for condition in conditions:
-        if condition.block.device is not device:
-            a, b = device_names(condition.device, device)
-            raise ValueError(f"{op}: the condition is on {a}, the other operands on {b}; "
-                             f"copy one over first")
-    everything = [x for x in operands if isinstance(x, Tensor)]
+    device, dtype = _common(op, tensors, floats_only=not any_dtype)
+    everything = tensors
+    if conditions:
+        for condition in conditions:
+            if condition.block.device is not device:
+                a, b = device_names(condition.device, device)
+                raise ValueError(f"{op}: the condition is on {a}, the other operands on {b}; "
+                                 f"copy one over first")
+        everything = [x for x in operands if isinstance(x, Tensor)]
+        named = [(label, x) for x, label in zip(operands, labels) if isinstance(x, Tensor)]
     shape = _result_shape(op, everything, out)
     out = _prepare_out(op, out, shape, dtype, tensors[0], everything)
-    inputs = [(label, x, shape) for x, label in zip(operands, entry.params)
-              if isinstance(x, Tensor)]
+    inputs = [(label, t, shape) for label, t in named]
     wide = _number_dtype(dtype)
     scalars = {i: _scalar(op, x, wide) for i, x in numbers_at.items()}
     if len(operands) == 1:
@@ -349,8 +358,9 @@ _ON_NUMBERS: dict[str, Callable[..., Any]] = {
 
 def _run_op(name: str, *values: Any) -> Any:
     """The table's op `name` on tensors (runtime.ops' own function), or on numbers alone."""
-    if any(isinstance(v, Tensor) for v in values):
-        return _elementwise(name, None, *values)
+    for v in values:
+        if isinstance(v, Tensor):
+            return _elementwise(name, None, *values)
     numbers = [np.float64(v) for v in values]
     return float(ieee(optable.evaluate, optable.BY_NAME[name].formula, numbers, _ON_NUMBERS))
 
@@ -394,9 +404,11 @@ def _record_elementwise(op: str, out: Tensor, operands: Sequence[Operand]) -> No
             for i, (label, x) in enumerate(zip(params, operands))]
     save.append(("the output", out if "output" in read else None))
 
+    steps = [(d if w else None) for d, w in zip(derivatives, wanted)]
+
     def fn(g: Tensor, *saved: Any) -> tuple:
-        xs, y = saved[:-1], saved[-1]
-        return tuple(d(g, y, xs) if w else None for d, w in zip(derivatives, wanted))
+        y = saved[-1]
+        return tuple([None if d is None else d(g, y, saved) for d in steps])
 
     autograd.record(op, out, operands, params, fn, save)
 
