@@ -4,12 +4,15 @@ the CPU device's, in float32, float64, float16 and bfloat16, on drawn values tha
 -0.0, +0.0, NaN, +-inf, subnormals and the largest finite value.
 
 - Exact kernels (one IEEE operation per step of their formula, Note [one formula on every
-  backend] in backends/base.py: add, sub, mul, div, neg, relu, sqrt, copy, the three
-  *_backward, where_finite, sub_scaled, casts between floats): the CPU's bits exactly. A NaN
+  backend] in backends/base.py: every op of backends/optable.py whose `Op.exact` holds, such
+  as add, neg, relu, sqrt, abs, maximum, where, where_finite, copy and the derivative kernels
+  of autograd but erf's; sub_scaled, casts between floats): the CPU's bits exactly. A NaN
   need only meet a NaN: its sign and payload are each machine's own (x86 makes 0xffc00000 for
   an invalid operation, CUDA 0x7fffffff), and no op promises them.
-- Transcendental kernels (exp, log, tanh, sigmoid): within the ULP bounds below, measured on
-  PoCL (each constant says how); NaN, infinities and the sign of zero exactly.
+- Transcendental kernels (the others: exp, log, tanh, sigmoid, erf, erf_backward): within the
+  ULP bounds below, measured on PoCL (each constant says how); NaN, infinities and the sign of
+  zero exactly. The lists are read off the table, so a new op is held to the CPU's bits here
+  with no new test.
 - Reductions (sum, mean): their order is each backend's own, so within the error bound of a
   sum of n terms; a sum of nothing but zeros is +0.0 everywhere, NaN and infinities exactly.
 - Fused chains: a chain's bits are its links' run one by one on the same device (and so the
