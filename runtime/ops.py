@@ -378,7 +378,13 @@ def _compile(expr: Any) -> Callable[[Any, Any, Sequence[Any]], Any]:
         index = expr.args[0]
         return lambda g, y, xs: xs[index]
     name, parts = expr.op, [_compile(a) for a in expr.args]
-    return lambda g, y, xs: _run_op(name, *(part(g, y, xs) for part in parts))
+    if len(parts) == 1:
+        (p0,) = parts
+        return lambda g, y, xs: _run_op(name, p0(g, y, xs))
+    if len(parts) == 2:
+        p0, p1 = parts
+        return lambda g, y, xs: _run_op(name, p0(g, y, xs), p1(g, y, xs))
+    return lambda g, y, xs: _run_op(name, *[part(g, y, xs) for part in parts])
 
 
 #: op -> (the compiled derivative of each operand, None where it gets no gradient, and what
@@ -392,25 +398,38 @@ _DERIVATIVES: dict[str, tuple[tuple, tuple[frozenset[str], ...]]] = {
 def _record_elementwise(op: str, out: Tensor, operands: Sequence[Operand]) -> None:
     """Attach the backward function of the elementwise `op`: each operand that wants a
     gradient gets its derivative from backends/optable.py (d out / d operand, times g)."""
+    wanted = tuple([_wants(x) for x in operands])
+    plan = _PLANS.get((op, wanted))
+    if plan is None:
+        plan = _PLANS[op, wanted] = _plan(op, wanted)
+    keep, keep_output, params, fn = plan
+    # NOTE: fn gets the tensors it needs as arguments, named like the operands, and holds
+    # none: Note [closures hold no tensors] in runtime/autograd.py
+    save = [(label, x if k else None) for label, x, k in zip(params, operands, keep)]
+    save.append(("the output", out if keep_output else None))
+    autograd.record(op, out, operands, params, fn, save)
+
+
+def _plan(op: str, wanted: tuple[bool, ...]) -> tuple:
+    """How `_record_elementwise` records `op` when `wanted` says which operands want a
+    gradient: which operands and whether the output are saved, the labels, and the backward
+    function (made once per op and mask)."""
     if op not in _DERIVATIVES:
         raise AutogradError(f"{op} has no derivative")
     derivatives, needs = _DERIVATIVES[op]
-    wanted = [_wants(x) and d is not None for x, d in zip(operands, derivatives)]
-    read = frozenset().union(*(n for n, w in zip(needs, wanted) if w))
-    # NOTE: each fn gets the tensors it needs as arguments, named like the operands, and holds
-    # none: Note [closures hold no tensors] in runtime/autograd.py
-    params = optable.BY_NAME[op].params
-    save = [(label, x if f"x{i}" in read else None)
-            for i, (label, x) in enumerate(zip(params, operands))]
-    save.append(("the output", out if "output" in read else None))
-
-    steps = [(d if w else None) for d, w in zip(derivatives, wanted)]
+    steps = [d if w else None for d, w in zip(derivatives, wanted)]
+    read = frozenset().union(*(n for n, d in zip(needs, steps) if d is not None))
 
     def fn(g: Tensor, *saved: Any) -> tuple:
         y = saved[-1]
         return tuple([None if d is None else d(g, y, saved) for d in steps])
 
-    autograd.record(op, out, operands, params, fn, save)
+    keep = tuple(f"x{i}" in read for i in range(len(wanted)))
+    return keep, "output" in read, optable.BY_NAME[op].params, fn
+
+
+#: (op, which operands want a gradient) -> `_plan`'s record
+_PLANS: dict[tuple[str, tuple[bool, ...]], tuple] = {}
 
 
 def _swap_last(t: Tensor) -> Tensor:
