@@ -58,13 +58,24 @@ _PRIMITIVES = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.
                "isfinite": np.isfinite, "either": np.logical_or}
 
 
+def _identical(out: np.ndarray, x: Any) -> bool:
+    """Whether x is out's own elements: the runtime lets out be the identical view of an input
+    and overlap it in no other way. (np.may_share_memory alone is no test: it compares spans,
+    and says True of disjoint views that interleave in one buffer.)"""
+    if type(x) is not np.ndarray or not np.may_share_memory(out, x):
+        return False
+    x = np.broadcast_to(x, out.shape)  # NOTE: inputs come unbroadcast (NumPy broadcasts)
+    return (x.__array_interface__["data"][0] == out.__array_interface__["data"][0]
+            and all(n == 1 or s == t for n, s, t in zip(out.shape, x.strides, out.strides)))
+
+
 def _select(c, a, b, out: np.ndarray) -> None:
-    """out = a where c, else b. out is identical to an array among a and b, or overlaps
-    neither (the runtime's guarantee), and is written only after the other is read."""
-    if isinstance(a, np.ndarray) and np.may_share_memory(out, a):  # NOTE: out is a itself
+    """out = a where c, else b; out may be a or b itself (each is read where out is not yet
+    written)."""
+    if _identical(out, a):
         np.copyto(out, b, where=np.logical_not(c))
         return
-    if not (isinstance(b, np.ndarray) and np.may_share_memory(out, b)):
+    if not _identical(out, b):
         np.copyto(out, b)
     np.copyto(out, a, where=c)
 

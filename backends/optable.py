@@ -152,17 +152,6 @@ class Op:
         backend gives the same bits; else its transcendental primitives are each library's."""
         return not any(n.op in TRANSCENDENTAL for n in nodes(self.formula))
 
-    def needs(self, operand: int) -> frozenset[str]:
-        """What the gradient of `operand` reads: "output", and "x<i>" for each operand i."""
-        expr = (self.derivative or ())[operand]
-        found = set()
-        for n in nodes(expr):
-            if n.op == "output":
-                found.add("output")
-            elif n.op == "arg":
-                found.add(f"x{n.args[0]}")
-        return frozenset(found)
-
 
 _TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
 

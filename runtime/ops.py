@@ -365,34 +365,32 @@ def _run_op(name: str, *values: Any) -> Any:
     return float(ieee(optable.evaluate, optable.BY_NAME[name].formula, numbers, _ON_NUMBERS))
 
 
-def _compile(expr: Any) -> Callable[[Any, Any, Sequence[Any]], Any]:
-    """A derivative of backends/optable.py as a function of (g, the output, the operands) that
-    runs the table's ops (made once per op, at import)."""
+def _compile(expr: Any, at: dict[str, int]) -> Callable[[Any, Sequence[Any]], Any]:
+    """A derivative of backends/optable.py as a function of (g, the saved values) that runs
+    the table's ops; `at` says where the output ("output") and each operand ("x<i>") are
+    among the saved values."""
     if not isinstance(expr, optable.Expr):
-        return lambda g, y, xs: expr
+        return lambda g, saved: expr
     if expr.op == "grad":
-        return lambda g, y, xs: g
-    if expr.op == "output":
-        return lambda g, y, xs: y
-    if expr.op == "arg":
-        index = expr.args[0]
-        return lambda g, y, xs: xs[index]
-    name, parts = expr.op, [_compile(a) for a in expr.args]
+        return lambda g, saved: g
+    if expr.op in ("output", "arg"):
+        position = at["output" if expr.op == "output" else f"x{expr.args[0]}"]
+        return lambda g, saved: saved[position]
+    name, parts = expr.op, [_compile(a, at) for a in expr.args]
     if len(parts) == 1:
         (p0,) = parts
-        return lambda g, y, xs: _run_op(name, p0(g, y, xs))
+        return lambda g, saved: _run_op(name, p0(g, saved))
     if len(parts) == 2:
         p0, p1 = parts
-        return lambda g, y, xs: _run_op(name, p0(g, y, xs), p1(g, y, xs))
-    return lambda g, y, xs: _run_op(name, *[part(g, y, xs) for part in parts])
+        return lambda g, saved: _run_op(name, p0(g, saved), p1(g, saved))
+    return lambda g, saved: _run_op(name, *[part(g, saved) for part in parts])
 
 
-#: op -> (the compiled derivative of each operand, None where it gets no gradient, and what
-#: each reads), for the ops that have derivatives
-_DERIVATIVES: dict[str, tuple[tuple, tuple[frozenset[str], ...]]] = {
-    op.name: (tuple(None if d is None else _compile(d) for d in op.derivative),
-              tuple(op.needs(i) for i in range(op.arity)))
-    for op in optable.OPS if op.derivative is not None}
+def _reads(expr: Any) -> list[str]:
+    """What a derivative reads, "output" and "x<i>", in the order it first reads them."""
+    found = {"output" if n.op == "output" else f"x{n.args[0]}": None
+             for n in optable.nodes(expr) if n.op in ("output", "arg")}
+    return list(found)
 
 
 def _record_elementwise(op: str, out: Tensor, operands: Sequence[Operand]) -> None:
@@ -402,30 +400,31 @@ def _record_elementwise(op: str, out: Tensor, operands: Sequence[Operand]) -> No
     plan = _PLANS.get((op, wanted))
     if plan is None:
         plan = _PLANS[op, wanted] = _plan(op, wanted)
-    keep, keep_output, params, fn = plan
+    saves, fn = plan
     # NOTE: fn gets the tensors it needs as arguments, named like the operands, and holds
     # none: Note [closures hold no tensors] in runtime/autograd.py
-    save = [(label, x if k else None) for label, x, k in zip(params, operands, keep)]
-    save.append(("the output", out if keep_output else None))
-    autograd.record(op, out, operands, params, fn, save)
+    save = [(label, out if i < 0 else operands[i]) for label, i in saves]
+    autograd.record(op, out, operands, optable.BY_NAME[op].params, fn, save)
 
 
 def _plan(op: str, wanted: tuple[bool, ...]) -> tuple:
     """How `_record_elementwise` records `op` when `wanted` says which operands want a
-    gradient: which operands and whether the output are saved, the labels, and the backward
-    function (made once per op and mask)."""
-    if op not in _DERIVATIVES:
+    gradient: what is saved, as (label, operand index or -1 for the output), in the order the
+    derivatives read them, and the backward function (made once per op and mask)."""
+    entry = optable.BY_NAME[op]
+    if entry.derivative is None:
         raise AutogradError(f"{op} has no derivative")
-    derivatives, needs = _DERIVATIVES[op]
-    steps = [d if w else None for d, w in zip(derivatives, wanted)]
-    read = frozenset().union(*(n for n, d in zip(needs, steps) if d is not None))
+    used = [d if w else None for d, w in zip(entry.derivative, wanted)]
+    order = list(dict.fromkeys(key for d in used if d is not None for key in _reads(d)))
+    at = {key: position for position, key in enumerate(order)}
+    steps = [None if d is None else _compile(d, at) for d in used]
 
     def fn(g: Tensor, *saved: Any) -> tuple:
-        y = saved[-1]
-        return tuple([None if d is None else d(g, y, saved) for d in steps])
+        return tuple([None if d is None else d(g, saved) for d in steps])
 
-    keep = tuple(f"x{i}" in read for i in range(len(wanted)))
-    return keep, "output" in read, optable.BY_NAME[op].params, fn
+    saves = [("the output", -1) if key == "output" else
+             (entry.params[int(key[1:])], int(key[1:])) for key in order]
+    return saves, fn
 
 
 #: (op, which operands want a gradient) -> `_plan`'s record

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from op_references import REFERENCES
 
 import allocators
 import backends
@@ -37,17 +38,16 @@ ROW_STEPS = (1, 2, -1, -2)
 COL_STEPS = (1, 2, 3, -1, -2)
 MAX_DIM = 6
 
-UNARY_OPS = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "sqrt", "copy")
-BINARY_OPS = ("add", "sub", "mul", "div")
+# NOTE: every public elementwise op of backends/optable.py whose operands are floats
+UNARY_OPS = tuple(op.name for op in optable.OPS if op.public and op.arity == 1)
+BINARY_OPS = tuple(op.name for op in optable.OPS if op.public and op.arity == 2)
 REDUCE_OPS = ("sum", "mean")
 
-# Independent NumPy formulas for every op (sigmoid as the textbook formula, not the runtime's).
+# Independent NumPy formulas for every op (tests/op_references.py: sigmoid as the textbook
+# formula, not the runtime's).
 NUMPY_OPS: dict[str, Any] = {
-    "neg": np.negative, "exp": np.exp, "log": np.log, "tanh": np.tanh,
-    "sigmoid": lambda x: 1 / (1 + np.exp(-x)), "relu": lambda x: np.maximum(x, 0),
-    "sqrt": np.sqrt,
-    "copy": lambda x: x, "add": np.add, "sub": np.subtract, "mul": np.multiply,
-    "div": np.divide, "matmul": np.matmul, "sum": np.sum, "mean": np.mean,
+    **{name: REFERENCES[name].numpy for name in UNARY_OPS + BINARY_OPS},
+    "matmul": np.matmul, "sum": np.sum, "mean": np.mean,
 }
 
 

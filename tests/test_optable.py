@@ -29,6 +29,7 @@ from naive_device import NaiveDevice
 from runtime import dtypes, ops
 
 PUBLIC = [op.name for op in optable.OPS if op.public]
+BINARY = [name for name in PUBLIC if optable.BY_NAME[name].arity == 2]
 DIFFERENTIABLE = [name for name in PUBLIC if optable.BY_NAME[name].derivative is not None]
 FLOATS = [np.dtype("float32"), np.dtype("float64"), np.dtype("float16"), dtypes.BFLOAT16]
 #: A result's distance from the float64 reference, relative, per dtype (the transcendental
@@ -257,3 +258,34 @@ def test_linear_forms_are_read_off_the_formulas():
     assert form(optable.BY_NAME["mul"], [p, 3.0]) == (3.0, 0.0)
     for name, args in (("mul", [p, q]), ("relu", [p]), ("copy", [p]), ("add", [p, 2.0])):
         assert form(optable.BY_NAME[name], args) is None
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_each_op_is_right_into_an_out_interleaved_with_its_input(name):
+    """out and an input in one buffer, on disjoint elements whose spans overlap (every other
+    row of a (3, 2) view against the middle two elements): no overlap, so the kernel runs on
+    them as they are, and must not take out for the input (np.may_share_memory says True of
+    them; a select wrote only half of out where_finite thought out was its a)."""
+    host = [_stored(x, np.dtype("float64")) for x in _operands(name, (1, 2), 7)]
+    first = next(i for i, x in enumerate(host) if x.dtype != np.bool_)
+    data = np.arange(6.0) + 10.0
+    data[2:4] = host[first][0]
+    buffer = runtime.tensor(data)
+    out = runtime.view(buffer, (3, 2))[0:3:2]
+    inputs: list[Any] = [runtime.tensor(x[0]) for x in host]
+    inputs[first] = runtime.view(buffer, (2,), offset=2)
+    getattr(ops, name)(*inputs, out=out)
+    want = REFERENCES[name].numpy(*[x[0] if x.dtype == np.bool_ else x[0] for x in host])
+    np.testing.assert_allclose(out.numpy(), np.broadcast_to(want, (2, 2)), rtol=1e-13)
+
+
+@pytest.mark.parametrize("name", BINARY)
+def test_each_binary_op_is_right_into_its_own_input_of_fewer_dimensions(name):
+    """out (1, 3) over the same elements as a (3,): the identical view, broadcast (the NumPy
+    device's kernels get inputs unbroadcast)."""
+    host = _operands(name, (1, 3), 8)
+    buffer = runtime.tensor(host[0][0].copy())
+    out = runtime.view(buffer, (1, 3))
+    getattr(ops, name)(buffer, float(host[1][0, 0]), out=out)
+    want = REFERENCES[name].numpy(host[0][0], host[1][0, 0])
+    np.testing.assert_allclose(out.numpy()[0], want, rtol=1e-13)
