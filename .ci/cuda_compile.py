@@ -7,8 +7,9 @@ run caught before: a formula or a two-byte link that does not compile with CuPy'
 bfloat16 types. It runs nothing; `.ci/cuda` on a GPU machine runs the kernels against their
 bit-for-bit tests.
 
-Kernels: each half kernel (`_half_kernel`) for every formula, both two-byte dtypes and every mix
-of operands (out's dtype, float32, a number); each float kernel of `_kernels()` for float32 and
+Kernels: each half kernel (`_half_kernel`) for every op of backends/optable.py, both two-byte
+dtypes and every mix of float operands (out's dtype, float32, a number; a bool condition);
+each float kernel of `_kernels()` for float32 and
 float64; the fused chains of tests/test_cuda.py, float and two-byte; and every chain the graph
 runtime emits for small training steps (`emitted`: float32, half storage and mixed precision,
 SGD and Adam), as `CudaDevice._compile_fused` would compile it. All go into one translation
@@ -33,13 +34,12 @@ from cupy._core import _kernel as cupy_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from backends import cuda
-from backends.base import BINARY_KERNELS
+from backends import cuda, optable
 from helpers import float_chain, half_chain
 
 F16, BF16, F32, F64 = (np.dtype(d) for d in ("float16", ml_dtypes.bfloat16, "float32",
                                              "float64"))
-I64 = np.dtype("int64")
+I64, BOOL = np.dtype("int64"), np.dtype("bool")
 #: CuPy's argument kinds (cupy/_core/_kernel.pxd, _ArgKind)
 NDARRAY, INDEXER, SCALAR = 1, 2, 3
 
@@ -129,20 +129,28 @@ def chains() -> list[tuple[str, cupy.ElementwiseKernel, list]]:
 def kernels() -> list[tuple[str, cupy.ElementwiseKernel, list]]:
     """Every kernel to compile: (label, kernel, args)."""
     found = []
-    for name in cuda._FLOAT_FORMULAS:
-        arity = 2 if name in BINARY_KERNELS else 1
+    for op in optable.OPS:
+        if op.name == "copy":
+            continue  # NOTE: CuPy's copyto, no kernel of ours
+        floats = op.operand_kinds.count(optable.FLOAT)
         for half, mix in itertools.product((F16, BF16),
                                            itertools.product(("out", "float32", "number"),
-                                                             repeat=arity)):
+                                                             repeat=floats)):
             if set(mix) == {"number"}:
                 continue
-            args = [("number", F32) if m == "number" else half if m == "out" else F32
-                    for m in mix]
-            kernel = cuda._half_kernel(name, tuple(m == "number" for m in mix))
-            found.append((f"half {name} {half} ({', '.join(mix)})", kernel, args + [half]))
+            kinds = iter(mix)
+            chosen = ["bool" if kind == optable.BOOL else next(kinds)
+                      for kind in op.operand_kinds]
+            args = [("number", F32) if m == "number" else half if m == "out" else
+                    BOOL if m == "bool" else F32 for m in chosen]
+            kernel = cuda._half_kernel(op.name, tuple(m == "number" for m in chosen))
+            found.append((f"half {op.name} {half} ({', '.join(chosen)})", kernel, args + [half]))
     for (name, kernel), dtype in itertools.product(cuda._kernels().items(), (F32, F64)):
-        args = ([dtype, I64, dtype, I64, dtype] if name == "cross_entropy_backward"
-                else [dtype] * (kernel.nin + 1))
+        if name == "cross_entropy_backward":
+            args = [dtype, I64, dtype, I64, dtype]
+        else:
+            args = [BOOL if kind == optable.BOOL else dtype
+                    for kind in optable.BY_NAME[name].operand_kinds] + [dtype]
         found.append((f"{name} {dtype}", kernel, args))
     found += chains()
     programs = emitted()

@@ -16,8 +16,10 @@
  * anything is written. apply(code, bf16, out, a[, b]) runs one elementwise kernel on any
  * layout, computing in float32 and rounding once (it says below how). sub_scaled(kind, out, a,
  * b, scale), an optimizer's update out = a - scale * b in one pass, takes every float dtype;
- * float_op(code, kind, out, a[, b]) runs relu, relu_backward, add (a bias row too) and the
- * sum over rows on contiguous float32 and float64 arrays, vectorised loops, with NumPy's bits.
+ * float_op(code, kind, out, a[, b]) runs an op (b a bias row too) and sum_rows(kind, out, a)
+ * the sum over rows on contiguous float32 and float64 arrays, vectorised loops, with NumPy's
+ * bits. Every op's code and loops come from backends/optable.py through the header
+ * _optable.h, generated as the extension is built: `ops` names the op of each code.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -346,9 +348,15 @@ set_f16c(PyObject *self, PyObject *flag)
 #pragma clang fp contract(off)
 #endif
 
-enum { OP_COPY, OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_NEG, OP_RELU, OP_SQRT, OP_RELU_BACKWARD,
-       OP_TANH_BACKWARD, OP_SIGMOID_BACKWARD, OP_COUNT };
-static const int op_arity[OP_COUNT] = {1, 2, 2, 2, 2, 1, 1, 1, 2, 2, 2};
+/* The op codes (OP_<NAME>, in the table's order), their arities and names, and each op's
+ * loops: Note [one declaration per op] in backends/optable.py. */
+#include "_optable.h"
+OPTABLE_LOOP(float, sqrtf, fabsf, f32, )
+OPTABLE_LOOP(double, sqrt, fabs, f64, )
+#if HAVE_X86
+OPTABLE_LOOP(float, sqrtf, fabsf, f32_avx2, __attribute__((target("avx2"))))
+OPTABLE_LOOP(double, sqrt, fabs, f64_avx2, __attribute__((target("avx2"))))
+#endif
 
 #define CHUNK 512
 #define MAX_DIMS 32
@@ -424,51 +432,12 @@ store(const float *src, char *p, Py_ssize_t stride, Py_ssize_t n, Py_ssize_t ite
     }
 }
 
-/* r = op(a, b) on float32 blocks, one IEEE operation per loop, in the order of the NumPy
- * device's kernels (backends/numpy.py: Note [one formula on every backend]). t is scratch. */
+/* r = op(a, b) on float32 blocks, one IEEE operation per loop, in the order of the op's
+ * formula (`optable_f32`, generated from backends/optable.py). */
 static void
-compute(int code, const float *a, const float *b, float *r, float *t, Py_ssize_t n)
+compute(int code, const float *a, const float *b, float *r, Py_ssize_t n)
 {
-    Py_ssize_t i;
-    switch (code) {
-    case OP_COPY:  /* done by the caller's load and store */
-        break;
-    case OP_ADD:
-        for (i = 0; i < n; i++) r[i] = a[i] + b[i];
-        break;
-    case OP_SUB:
-        for (i = 0; i < n; i++) r[i] = a[i] - b[i];
-        break;
-    case OP_MUL:
-        for (i = 0; i < n; i++) r[i] = a[i] * b[i];
-        break;
-    case OP_DIV:
-        for (i = 0; i < n; i++) r[i] = a[i] / b[i];
-        break;
-    case OP_NEG:  /* multiply(x, -1), as the NumPy device */
-        for (i = 0; i < n; i++) r[i] = a[i] * -1.0f;
-        break;
-    case OP_RELU:  /* +0 where x < 0, else x (-0 and NaN as they are): Note [relu's zero] */
-        for (i = 0; i < n; i++) r[i] = a[i] < 0.0f ? 0.0f : a[i];
-        break;
-    case OP_SQRT:
-        for (i = 0; i < n; i++) r[i] = sqrtf(a[i]);
-        break;
-    case OP_RELU_BACKWARD:  /* g * (y > 0) */
-        for (i = 0; i < n; i++) t[i] = b[i] > 0.0f ? 1.0f : 0.0f;
-        for (i = 0; i < n; i++) r[i] = a[i] * t[i];
-        break;
-    case OP_TANH_BACKWARD:  /* g * (1 - y * y) */
-        for (i = 0; i < n; i++) t[i] = b[i] * b[i];
-        for (i = 0; i < n; i++) t[i] = 1.0f - t[i];
-        for (i = 0; i < n; i++) r[i] = a[i] * t[i];
-        break;
-    case OP_SIGMOID_BACKWARD:  /* g * ((1 - y) * y) */
-        for (i = 0; i < n; i++) t[i] = 1.0f - b[i];
-        for (i = 0; i < n; i++) t[i] = t[i] * b[i];
-        for (i = 0; i < n; i++) r[i] = a[i] * t[i];
-        break;
-    }
+    optable_f32(code, r, a, b, 1, n, 0);
 }
 
 #if HAVE_X86
@@ -477,34 +446,12 @@ compute(int code, const float *a, const float *b, float *r, float *t, Py_ssize_t
  * has FMA, so none is contracted), rounded into out. Operands are pointers, or NULL for the
  * number in `num`. Returns how many leading elements it did (a multiple of eight). */
 #define ROW_BODY(LOAD, STORE)                                                                \
-    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);                     \
-    const __m256 minus = _mm256_set1_ps(-1.0f);                                              \
     const __m256 na = _mm256_set1_ps(num[0]), nb = _mm256_set1_ps(num[1]);                  \
     Py_ssize_t i = 0;                                                                        \
     for (; i + 8 <= n; i += 8) {                                                             \
-        __m256 va = a ? LOAD(a + i) : na, vb = b ? LOAD(b + i) : nb, r, t;                   \
+        __m256 va = a ? LOAD(a + i) : na, vb = b ? LOAD(b + i) : nb, r;                      \
         switch (code) {                                                                      \
-        case OP_ADD: r = _mm256_add_ps(va, vb); break;                                       \
-        case OP_SUB: r = _mm256_sub_ps(va, vb); break;                                       \
-        case OP_MUL: r = _mm256_mul_ps(va, vb); break;                                       \
-        case OP_DIV: r = _mm256_div_ps(va, vb); break;                                       \
-        case OP_NEG: r = _mm256_mul_ps(va, minus); break;                                    \
-        case OP_RELU:  /* +0 where a < 0, else a */                                          \
-            r = _mm256_andnot_ps(_mm256_cmp_ps(va, zero, _CMP_LT_OQ), va);                   \
-            break;                                                                           \
-        case OP_SQRT: r = _mm256_sqrt_ps(va); break;                                         \
-        case OP_RELU_BACKWARD:                                                               \
-            t = _mm256_and_ps(_mm256_cmp_ps(vb, zero, _CMP_GT_OQ), one);                     \
-            r = _mm256_mul_ps(va, t);                                                        \
-            break;                                                                           \
-        case OP_TANH_BACKWARD:                                                               \
-            t = _mm256_sub_ps(one, _mm256_mul_ps(vb, vb));                                   \
-            r = _mm256_mul_ps(va, t);                                                        \
-            break;                                                                           \
-        case OP_SIGMOID_BACKWARD:                                                            \
-            t = _mm256_mul_ps(_mm256_sub_ps(one, vb), vb);                                   \
-            r = _mm256_mul_ps(va, t);                                                        \
-            break;                                                                           \
+        OPTABLE_ROW_CASES                                                                    \
         default: return 0;                                                                   \
         }                                                                                    \
         STORE(out + i, r);                                                                   \
@@ -686,7 +633,7 @@ apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         (void)numbers;
         Py_BEGIN_ALLOW_THREADS
-        float blocks[4][CHUNK];
+        float blocks[3][CHUNK];
         for (int k = 0; k < nops; k++) {
             if (ops[k].is_number) {
                 for (int i = 0; i < CHUNK; i++) {
@@ -736,7 +683,7 @@ apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                     }
                 }
                 if (code != OP_COPY) {
-                    compute((int)code, src[0], src[1], result, blocks[3], n);
+                    compute((int)code, src[0], src[1], result, n);
                 } else if (src[0] != result && result == (float *)target) {
                     memcpy(result, src[0], (size_t)n * 4);  /* float32 to float32 */
                 }
@@ -940,42 +887,30 @@ sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 /* ------------------------------------------------------------------ float32 and float64 loops
  *
- * float_op(code, kind, out, a[, b]): three of the NumPy device's kernels on contiguous float32
- * (kind 0) or float64 (kind 1) operands, each one loop the compiler vectorises (NumPy runs relu
- * as a compare and two masked copies, relu_backward through a boolean temporary and a casting
- * multiply, and an add of a bias row through its broadcasting iterator): code 0 relu(a), +0
- * where a < 0, else a (-0 and NaN as they are: Note [relu's zero] in backends/base.py); code 1
- * relu_backward(a, b), a * (b > 0), the gradient times 1 or 0, so a NaN or infinite gradient
- * stays NaN and a negative one gives -0;
- * code 2 add(a, b), b of out's shape or one row of its last dimension; code 3 the sum of a
- * (rows, cols) over its rows, rows added one after another to +0 in order as np.add.reduce(a, 0)
- * adds them for cols > 1 (for one column NumPy sums pairwise: refused), into out of cols
- * elements (shape (cols,) or (1, cols)). One IEEE operation per element and step (a product
- * or a sum, never both), so the bits are NumPy's, but for the sum of two NaNs: a NaN, whose
- * payload is one of theirs (C's + commutes, and x86 keeps the first operand's payload; NumPy's
- * own loops are compiled the same way). out and a are C-contiguous of one shape (but
- * for the sum), b likewise or the row; out may be a or b itself in codes 0-2 (each element is
- * read before it is written), never in the sum. Returns False, having written nothing, for
- * anything else. */
-#define FLOAT_LOOPS(T, SUFFIX, ATTR)                                                          \
-    ATTR static void relu_##SUFFIX(T *o, const T *a, Py_ssize_t n)                          \
-    {                                                                                        \
-        for (Py_ssize_t i = 0; i < n; i++) {                                                 \
-            T x = a[i];                                                                      \
-            o[i] = x < (T)0 ? (T)0 : x;                                                      \
-        }                                                                                    \
-    }                                                                                        \
-    ATTR static void relu_backward_##SUFFIX(T *o, const T *g, const T *y, Py_ssize_t n)     \
-    {   /* the factor in a block of its own: a real product, even by 1 (a signalling NaN     \
-           comes out quiet, as from NumPy), not a select the compiler would make of g * 1 */  \
-        T t[SUB_CHUNK];                                                                      \
-        for (Py_ssize_t start = 0; start < n; start += SUB_CHUNK) {                          \
-            Py_ssize_t m = n - start < SUB_CHUNK ? n - start : SUB_CHUNK;                    \
-            for (Py_ssize_t i = 0; i < m; i++) t[i] = y[start + i] > (T)0 ? (T)1 : (T)0;     \
-            for (Py_ssize_t i = 0; i < m; i++) o[start + i] = g[start + i] * t[i];           \
-        }                                                                                    \
-    }                                                                                        \
-    ATTR static void sum_rows_##SUFFIX(T *o, const T *x, Py_ssize_t rows, Py_ssize_t cols)   \
+ * float_op(code, kind, out, a[, b]): the op of `code` (OP_<NAME>, this module's `ops`; not
+ * copy) on contiguous float32 (kind 0) or float64 (kind 1) operands, by its generated loops
+ * (`optable_f32`, `optable_f64`: one loop per IEEE step of the formula, vectorised by the
+ * compiler), for the NumPy device's kernels where NumPy is slow (it runs relu as a compare and
+ * two masked copies, relu_backward through a boolean temporary and a casting multiply, and an
+ * add of a bias row through its broadcasting iterator). One IEEE operation per element and
+ * step, so the bits are NumPy's, but for an operation on two NaNs: a NaN, whose payload is one
+ * of theirs (C's + commutes, and x86 keeps the first operand's payload; NumPy's own loops are
+ * compiled the same way). out and a are C-contiguous of one shape, b likewise or one row of
+ * out's last dimension; out may be a or b itself (each element is read before it is written).
+ * sum_rows(kind, out, a): the sum of a (rows, cols) over its rows, rows added one after
+ * another to +0 in order as np.add.reduce(a, 0) adds them for cols > 1 (for one column NumPy
+ * sums pairwise: refused), into out of cols elements (shape (cols,) or (1, cols)), which
+ * shares no memory with a. Each returns False, having written nothing, for anything else. */
+/* NOTE: on a 64-byte line: the loop's time moved by a fifth with where it happened to fall
+ * (a 1024 x 1024 float32 sum, AMD EPYC) */
+#if defined(__GNUC__) || defined(__clang__)
+#define SUM_ALIGN __attribute__((aligned(64)))
+#else
+#define SUM_ALIGN
+#endif
+#define SUM_ROWS(T, SUFFIX, ATTR)                                                             \
+    ATTR SUM_ALIGN static void sum_rows_##SUFFIX(T *o, const T *x, Py_ssize_t rows,            \
+                                                 Py_ssize_t cols)                            \
     {                                                                                        \
         /* from +0, as NumPy's sum: a column of -0.0 sums to +0.0 */                         \
         for (Py_ssize_t i = 0; i < cols; i++) o[i] = (T)0 + x[i];                            \
@@ -983,24 +918,32 @@ sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             const T *y = x + r * cols;                                                       \
             for (Py_ssize_t i = 0; i < cols; i++) o[i] = o[i] + y[i];                        \
         }                                                                                    \
-    }                                                                                        \
-    ATTR static void add_##SUFFIX(T *o, const T *a, const T *b, Py_ssize_t rows,            \
-                                  Py_ssize_t cols, int row)                                 \
-    {                                                                                        \
-        for (Py_ssize_t r = 0; r < rows; r++) {                                              \
-            const T *x = a + r * cols, *y = row ? b : b + r * cols;                          \
-            T *z = o + r * cols;                                                             \
-            for (Py_ssize_t i = 0; i < cols; i++) z[i] = x[i] + y[i];                        \
-        }                                                                                    \
     }
 
-FLOAT_LOOPS(float, f32, )
-FLOAT_LOOPS(double, f64, )
+SUM_ROWS(float, f32, )
+SUM_ROWS(double, f64, )
 #if HAVE_X86
-FLOAT_LOOPS(float, f32_avx2, __attribute__((target("avx2"))))
-FLOAT_LOOPS(double, f64_avx2, __attribute__((target("avx2"))))
+SUM_ROWS(float, f32_avx2, __attribute__((target("avx2"))))
+SUM_ROWS(double, f64_avx2, __attribute__((target("avx2"))))
 #endif
-#undef FLOAT_LOOPS
+#undef SUM_ROWS
+#undef SUM_ALIGN
+
+/* The kind argument of float_op and sum_rows: its item size, or 0 (an error set). */
+static Py_ssize_t
+float_kind(PyObject *arg, const char *name, long *kind)
+{
+    *kind = PyLong_AsLong(arg);
+    if (*kind == -1 && PyErr_Occurred()) {
+        return 0;
+    }
+    if (*kind < 0 || *kind > 1) {
+        PyErr_Format(PyExc_ValueError, "%s: kind %ld names no dtype (0 float32, 1 float64)",
+                     name, *kind);
+        return 0;
+    }
+    return *kind ? 8 : 4;
+}
 
 static PyObject *
 float_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -1010,17 +953,19 @@ float_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                      "arguments, got %zd", nargs);
         return NULL;
     }
-    long code = PyLong_AsLong(args[0]), kind = PyLong_AsLong(args[1]);
-    if ((code == -1 || kind == -1) && PyErr_Occurred()) {
+    long code = PyLong_AsLong(args[0]), kind;
+    if (code == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    int unary = code == 0 || code == 3;
-    if (code < 0 || code > 3 || kind < 0 || kind > 1 || unary != (nargs == 4)) {
-        PyErr_Format(PyExc_ValueError, "float_op: code %ld of kind %ld with %zd operand(s) "
-                     "names no kernel", code, kind, nargs - 3);
+    if (code <= OP_COPY || code >= OP_COUNT || op_arity[code] != nargs - 3) {
+        PyErr_Format(PyExc_ValueError, "float_op: code %ld with %zd operand(s) names no "
+                     "kernel", code, nargs - 3);
         return NULL;
     }
-    Py_ssize_t itemsize = kind ? 8 : 4;
+    Py_ssize_t itemsize = float_kind(args[1], "float_op", &kind);
+    if (itemsize == 0) {
+        return NULL;
+    }
     Py_buffer views[3];
     int nviews = (int)nargs - 2, held = 0, refuse = 0, row = 0;
     while (held < nviews && !refuse) {
@@ -1029,59 +974,119 @@ float_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_buffer *v = &views[held];
         int same = same_shape(v, &views[0], itemsize);
-        if (held == 2 && !same && code == 2) {  /* a row of out's last dimension */
+        if (held == 2 && !same) {  /* a row of out's last dimension */
             row = same = v->itemsize == itemsize && v->ndim == 1 && views[0].ndim >= 1
                 && v->shape[0] == views[0].shape[views[0].ndim - 1];
-        }
-        if (held == 1 && code == 3) {  /* (rows, cols) into cols: (cols,) or (1, cols) */
-            Py_buffer *o = &views[0];
-            Py_ssize_t cols = v->ndim == 2 ? v->shape[1] : 0;
-            same = v->itemsize == itemsize && v->ndim == 2 && v->shape[0] >= 1 && cols > 1
-                && o->len == cols * itemsize && o->ndim >= 1 && o->ndim <= 2
-                && o->shape[o->ndim - 1] == cols;
-            /* the sum's out shares no memory with a: ops' policy NEVER; checked anyway */
-            uintptr_t ob = (uintptr_t)o->buf, vb = (uintptr_t)v->buf;
-            same = same && (ob + (uintptr_t)o->len <= vb || vb + (uintptr_t)v->len <= ob);
         }
         refuse = !same;
         held++;
     }
     if (!refuse) {
         Py_ssize_t n = views[0].len / itemsize;
-        Py_ssize_t cols = views[0].ndim ? views[0].shape[views[0].ndim - 1] : 1;
-        Py_ssize_t rows = cols ? n / cols : 0;
+        Py_ssize_t cols = row ? views[0].shape[views[0].ndim - 1] : n;
+        Py_ssize_t rows = row ? (cols ? n / cols : 0) : 1;
         void *o = views[0].buf;
         const void *a = views[1].buf, *b = nviews == 3 ? views[2].buf : NULL;
         Py_BEGIN_ALLOW_THREADS
-        if (code == 3) {
-            cols = views[1].shape[1];
-            rows = views[1].shape[0];
-        } else if (!row) {  /* b (where given) of out's shape: one row of n */
-            rows = 1;
-            cols = n;
-        }
-        if (code == 3 && kind) {
-            PICK(sum_rows, f64)(o, a, rows, cols);
-        } else if (code == 3) {
-            PICK(sum_rows, f32)(o, a, rows, cols);
-        } else if (code == 0 && kind) {
-            PICK(relu, f64)(o, a, n);
-        } else if (code == 0) {
-            PICK(relu, f32)(o, a, n);
-        } else if (code == 1 && kind) {
-            PICK(relu_backward, f64)(o, a, b, n);
-        } else if (code == 1) {
-            PICK(relu_backward, f32)(o, a, b, n);
-        } else if (kind) {
-            PICK(add, f64)(o, a, b, rows, cols, row);
+        /* NOTE: b (where given) of out's shape is one row of n */
+        if (kind) {
+            PICK(optable, f64)((int)code, o, a, b, rows, cols, row);
         } else {
-            PICK(add, f32)(o, a, b, rows, cols, row);
+            PICK(optable, f32)((int)code, o, a, b, rows, cols, row);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    return released(views, held, refuse);
+}
+
+static PyObject *
+sum_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "sum_rows(kind, out, a) takes 3 arguments, got %zd",
+                     nargs);
+        return NULL;
+    }
+    long kind;
+    Py_ssize_t itemsize = float_kind(args[0], "sum_rows", &kind);
+    if (itemsize == 0) {
+        return NULL;
+    }
+    Py_buffer views[2];
+    int held = 0, refuse = 0;
+    while (held < 2 && !refuse) {
+        if ((refuse = acquire(args[1 + held], &views[held], held == 0))) {
+            break;
+        }
+        held++;
+    }
+    if (!refuse) {  /* (rows, cols) into cols: (cols,) or (1, cols) */
+        Py_buffer *o = &views[0], *v = &views[1];
+        Py_ssize_t cols = v->ndim == 2 ? v->shape[1] : 0;
+        refuse = !(v->itemsize == itemsize && o->itemsize == itemsize && v->ndim == 2
+                   && v->shape[0] >= 1 && cols > 1 && o->len == cols * itemsize
+                   && o->ndim >= 1 && o->ndim <= 2 && o->shape[o->ndim - 1] == cols);
+        /* out shares no memory with a: ops' policy NEVER; checked anyway */
+        uintptr_t ob = (uintptr_t)o->buf, vb = (uintptr_t)v->buf;
+        refuse = refuse || !(ob + (uintptr_t)o->len <= vb || vb + (uintptr_t)v->len <= ob);
+    }
+    if (!refuse) {
+        Py_ssize_t rows = views[1].shape[0], cols = views[1].shape[1];
+        void *o = views[0].buf;
+        const void *a = views[1].buf;
+        Py_BEGIN_ALLOW_THREADS
+        if (kind) {
+            PICK(sum_rows, f64)(o, a, rows, cols);
+        } else {
+            PICK(sum_rows, f32)(o, a, rows, cols);
         }
         Py_END_ALLOW_THREADS
     }
     return released(views, held, refuse);
 }
 #undef PICK
+
+/* erf_op(kind, out, a): C's erf of each element of a contiguous float32 (kind 0: computed in
+ * double, rounded once) or float64 (kind 1) array into out of its shape (out may be a): the
+ * CPU device's erf, the same bits as math.erf (backends/_erf.py). False, nothing written,
+ * for anything else. */
+static PyObject *
+erf_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "erf_op(kind, out, a) takes 3 arguments, got %zd", nargs);
+        return NULL;
+    }
+    long kind;
+    Py_ssize_t itemsize = float_kind(args[0], "erf_op", &kind);
+    if (itemsize == 0) {
+        return NULL;
+    }
+    Py_buffer views[2];
+    int held = 0, refuse = 0;
+    while (held < 2 && !refuse) {
+        if ((refuse = acquire(args[1 + held], &views[held], held == 0))) {
+            break;
+        }
+        refuse = !same_shape(&views[held], &views[0], itemsize);
+        held++;
+    }
+    if (!refuse) {
+        Py_ssize_t n = views[0].len / itemsize;
+        Py_BEGIN_ALLOW_THREADS
+        if (kind) {
+            double *o = views[0].buf;
+            const double *a = views[1].buf;
+            for (Py_ssize_t i = 0; i < n; i++) o[i] = erf(a[i]);
+        } else {
+            float *o = views[0].buf;
+            const float *a = views[1].buf;
+            for (Py_ssize_t i = 0; i < n; i++) o[i] = (float)erf((double)a[i]);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    return released(views, held, refuse);
+}
 
 static PyMethodDef methods[] = {
     {"widen", (PyCFunction)(void (*)(void))widen, METH_FASTCALL,
@@ -1100,9 +1105,15 @@ static PyMethodDef methods[] = {
      "dtype first (kind 0 float32, 1 float64, 2 float16, 3 bfloat16; C-contiguous buffers of "
      "one shape); False when it cannot take the call."},
     {"float_op", (PyCFunction)(void (*)(void))float_op, METH_FASTCALL,
-     "float_op(code, kind, out, a[, b]): relu (0), relu_backward (1), add (2, b possibly a "
-     "row) or the sum over rows (3) on contiguous float32 (kind 0) or float64 (kind 1) "
-     "operands; False when it cannot take the call."},
+     "float_op(code, kind, out, a[, b]): the op of `code` (its position in `ops`) on "
+     "contiguous float32 (kind 0) or float64 (kind 1) operands, b possibly a row of out's "
+     "last dimension; False when it cannot take the call."},
+    {"sum_rows", (PyCFunction)(void (*)(void))sum_rows, METH_FASTCALL,
+     "sum_rows(kind, out, a): the sum of a contiguous 2-D float32 (kind 0) or float64 (kind "
+     "1) array over its rows, in order; False when it cannot take the call."},
+    {"erf_op", (PyCFunction)(void (*)(void))erf_op, METH_FASTCALL,
+     "erf_op(kind, out, a): C's erf on a contiguous float32 (kind 0, in double) or float64 "
+     "(kind 1) array; False when it cannot take the call."},
     {"set_f16c", set_f16c, METH_O,
      "set_f16c(flag): use the CPU's F16C instructions when flag and present; returns whether "
      "they are used."},
@@ -1124,5 +1135,21 @@ PyInit__halfconv(void)
     use_f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
     use_avx2 = __builtin_cpu_supports("avx2");
 #endif
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    PyObject *names = m ? PyTuple_New(OP_COUNT) : NULL;
+    for (int k = 0; names && k < OP_COUNT; k++) {
+        PyObject *name = PyUnicode_FromString(op_names[k]);
+        if (name == NULL) {
+            Py_CLEAR(names);
+            break;
+        }
+        PyTuple_SET_ITEM(names, k, name);
+    }
+    /* `ops`: each op's name at its code (apply's and float_op's) */
+    if (names == NULL || PyModule_AddObject(m, "ops", names) < 0) {
+        Py_XDECREF(names);
+        Py_XDECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -33,8 +33,9 @@ on overflow and NaN, and up to their own exp and tanh, on rounding: sigmoid is
 0.5 * tanh(0.5 * x) + 0.5, which never overflows where 1 / (1 + exp(-x)) does; relu is
 x < 0 ? +0 : x (Note [relu's zero]); relu_backward is g * (y > 0), so a NaN gradient stays NaN
 where y <= 0 too; tanh_backward and sigmoid_backward are g * (1 - y * y) and g * ((1 - y) * y)
-of the op's output y. A new or changed formula goes into the NumPy device first, then into the
-others; tests/test_bits.py holds every backend to the CPU's bits.
+of the op's output y. Each formula is written once, in backends/optable.py (Note [one
+declaration per op]), and every backend renders it; tests/test_bits.py holds every backend to
+the CPU's bits.
 
 Note [relu's zero]: relu(x) is +0 where x < 0 and x itself elsewhere, so -0.0 stays -0.0 and a
 NaN passes as it is: PyTorch's CPU relu, the reference users compare against (torch 2.13 gives
@@ -62,14 +63,17 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-#: Elementwise kernels of one input. "copy" writes its input (possibly broadcast) into out.
-UNARY_KERNELS = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "sqrt", "copy")
-#: Elementwise kernels of two inputs, broadcast by the runtime to the output's shape. The
-#: "*_backward" ones take (gradient, the op's output): tanh: a * (1 - b*b); sigmoid:
-#: a * b * (1 - b); relu: a where b > 0, else 0 (autograd's fused derivative kernels).
-#: "where_finite": a where a is finite, else b (the select of a skipped mixed-precision step).
-BINARY_KERNELS = ("add", "sub", "mul", "div", "tanh_backward", "sigmoid_backward",
-                  "relu_backward", "where_finite")
+from backends import optable
+
+#: Elementwise kernels of one input, two and three, each an op of backends/optable.py (its
+#: formula, operand kinds and derivative there: Note [one declaration per op]). "copy" writes
+#: its input (possibly broadcast) into out, of any dtype; the "*_backward" ones are autograd's
+#: derivative kernels, (gradient, the op's output or input) -> gradient; "where" takes a bool
+#: condition first.
+UNARY_KERNELS = optable.kernels(1)
+#: Binary kernels' inputs are broadcast by the runtime to the output's shape.
+BINARY_KERNELS = optable.kernels(2)
+TERNARY_KERNELS = optable.kernels(3)
 #: Reductions over an axis (or all axes).
 REDUCE_KERNELS = ("sum", "mean")
 #: The default `Device.fused` runs a chain in blocks of about this many bytes per operand (L2).
@@ -144,11 +148,12 @@ def _fused_rows(shape: tuple[int, ...], itemsize: int) -> int:
 
 
 def _check_program(program: Sequence[tuple[str, tuple, Any]]) -> None:
-    """Raise ValueError unless every link of a fused program names an elementwise kernel and
-    reads only inputs, numbers and links before it."""
+    """Raise ValueError unless every link of a fused program names an elementwise kernel that
+    a chain may run (`Op.fusible`), with its number of arguments, and reads only inputs,
+    numbers and links before it."""
     for i, (name, args, _) in enumerate(program):
-        known = UNARY_KERNELS if len(args) == 1 else BINARY_KERNELS
-        if name not in known or len(args) > 2:
+        op = optable.BY_NAME.get(name)
+        if op is None or not op.fusible or op.arity != len(args):
             raise ValueError(f"fused: link {i} names no elementwise kernel: {name!r} with "
                              f"{len(args)} argument(s)")
         for kind, ref in args:
@@ -322,6 +327,32 @@ class Device:
                 self._in_float32(functools.partial(self._binary, name), (a, b), (out,))
             return
         self._binary(name, a, b, out)
+
+    def ternary(self, name: str, a: Any, b: Any, c: Any, out: Any) -> None:
+        """out = op(a, b, c) elementwise, op one of TERNARY_KERNELS; the operands already have
+        out's shape (zero strides broadcast). A BOOL operand of the op (where's condition) is
+        a bool view; the others take the dtypes of `_compute_dtypes` (TypeError)."""
+        if name not in TERNARY_KERNELS:
+            raise ValueError(f"unknown ternary kernel {name!r}; known: "
+                             f"{', '.join(TERNARY_KERNELS)}")
+        operands = (a, b, c)
+        kinds = optable.BY_NAME[name].operand_kinds
+        for x, kind in zip(operands, kinds):
+            if kind == optable.BOOL and getattr(x, "dtype", None) != np.bool_:
+                raise TypeError(f"{self.name}: the {name} kernel takes a bool condition, not "
+                                f"{getattr(x, 'dtype', type(x).__name__)}")
+        floats = tuple(x for x, kind in zip(operands, kinds) if kind == optable.FLOAT)
+        self._check_computes(name, floats, out)
+        if out.dtype in HALVES and not self.half_kernels:
+            if not self._half_elementwise(name, operands, out):
+                self._in_float32(functools.partial(self._ternary, name), operands, (out,))
+            return
+        self._ternary(name, a, b, c, out)
+
+    def elementwise(self, name: str, operands: Sequence[Any], out: Any) -> None:
+        """The elementwise kernel `name` of any arity: `unary`, `binary` or `ternary`."""
+        call = (self.unary, self.binary, self.ternary)[len(operands) - 1]
+        call(name, *operands, out)
 
     def sub_scaled(self, a: Any, b: Any, scale: Any, out: Any, scratch: Any = None) -> None:
         """out = a - scale * b elementwise with the product rounded to out's dtype before the
@@ -538,8 +569,7 @@ class Device:
                 else:
                     target = scratch[i][:stop - start] if shape else scratch[i]
                 # NOTE: the public kernels: a half link is rounded once, as its op would be
-                kernel = self.unary if len(operands) == 1 else self.binary
-                calls.append((kernel, (name, *operands, target)))
+                calls.append((self.elementwise, (name, operands, target)))
                 results.append(target)
 
         def run() -> None:
@@ -643,6 +673,9 @@ class Device:
 
     def _binary(self, name: str, a: Any, b: Any, out: Any) -> None:
         raise _missing(self, "_binary")
+
+    def _ternary(self, name: str, a: Any, b: Any, c: Any, out: Any) -> None:
+        raise _missing(self, "_ternary")
 
     def _matmul(self, a: Any, b: Any, out: Any) -> None:
         raise _missing(self, "_matmul")

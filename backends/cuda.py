@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +47,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from backends.base import BINARY_KERNELS, HALVES, BackendUnavailableError, Device
+from backends import optable
+from backends.base import HALVES, BackendUnavailableError, Device
 
 _ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -85,36 +85,48 @@ def has_bfloat16() -> bool:
     return True
 
 
-#: Each elementwise formula on float operands `a` and `b` (Note [one formula on every backend] in
-#: backends/base.py), for the float kernels, the half kernels and the fused chains alike,
-#: compiled without contraction (`_NO_FMA`, which reaches the math library's code too), so a
-#: link gives its eager op's bits. relu is +0 where x < 0, else x, as on every backend: -0.0
-#: stays -0.0 and a NaN passes with its bits (Note [relu's zero] in backends/base.py; CuPy's
-#: maximum would give +0.0 or -0.0 by argument order and a canonical NaN).
-_FLOAT_FORMULAS = {
-    "neg": "-a", "exp": "exp(a)", "log": "log(a)", "tanh": "tanh(a)",
-    "sigmoid": "0.5f * tanh(0.5f * a) + 0.5f", "relu": "a < 0.0f ? 0.0f : a",
-    "sqrt": "sqrt(a)",
-    "add": "a + b", "sub": "a - b", "mul": "a * b", "div": "a / b",
-    "tanh_backward": "a * (1.0f - b * b)", "sigmoid_backward": "a * ((1.0f - b) * b)",
-    "relu_backward": "a * (float)(b > 0.0f)", "where_finite": "isfinite(a) ? a : b",
-}
+class _CudaC(optable.CStyle):
+    """The table's formulas in CUDA C++ (Note [one declaration per op] in backends/optable.py):
+    C's spelling throughout, compiled without contraction (`_NO_FMA`, which reaches the math
+    library's code too), so a link gives its eager op's bits. relu is +0 where x < 0, else x,
+    as on every backend: -0.0 stays -0.0 and a NaN passes with its bits (Note [relu's zero] in
+    backends/base.py; CuPy's maximum would give +0.0 or -0.0 by argument order and a canonical
+    NaN)."""
+
+
+def _formula(name: str, ctype: str, operands: list[str]) -> str:
+    """The op `name` computed in `ctype` ("float", "double", or a type placeholder)."""
+    return _CudaC(ctype).op(name, operands)
+
+
+def _names(name: str) -> list[str]:
+    return [f"x{i}" for i in range(optable.BY_NAME[name].arity)]
 
 
 #: The ops CuPy's own ufuncs run (one IEEE operation each, so no formula whose bits could
 #: differ), by CuPy's names
-_UFUNCS = {"neg": "negative", "add": "add", "sub": "subtract", "mul": "multiply", "div": "divide"}
+_UFUNCS = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "divide"}
+
+
+def _params(name: str, types: list[str]) -> str:
+    """A kernel's input parameters x0, x1, ...: a BOOL operand's type bool, each float one's
+    from `types` in order."""
+    kinds = optable.BY_NAME[name].operand_kinds
+    floats = iter(types)
+    return ", ".join(f"{'bool' if kind == optable.BOOL else next(floats)} x{i}"
+                     for i, kind in enumerate(kinds))
 
 
 @functools.cache
 def _kernels() -> dict[str, Any]:
-    """The float32 and float64 kernels of the other formulas (`_FLOAT_FORMULAS`: the
-    expressions the half kernels and the chains compile too, so an eager op and a chain's link
-    give the same bits) and cross_entropy's backward, compiled by CuPy on first use."""
+    """The float32 and float64 kernels of the table's ops (their formulas: the expressions the
+    half kernels and the chains compile too, so an eager op and a chain's link give the same
+    bits) and cross_entropy's backward, compiled by CuPy on first use."""
     kernel = functools.partial(_cupy().ElementwiseKernel, options=_NO_FMA)
-    made = {name: kernel("T a, T b" if name in BINARY_KERNELS else "T a", "T out",
-                         f"out = {formula}", f"blockrt_{name}")
-            for name, formula in _FLOAT_FORMULAS.items() if name not in _UFUNCS}
+    made = {op.name: kernel(_params(op.name, ["T"] * op.arity), "T out",
+                            f"out = {_formula(op.name, 'T', _names(op.name))}",
+                            f"blockrt_{op.name}")
+            for op in optable.OPS if op.name not in _UFUNCS and op.name != "copy"}
     made["cross_entropy_backward"] = kernel(
         "T p, L label, T g, L col", "T out", "out = (p - (T)(col == label)) * g",
         "blockrt_cross_entropy_backward")
@@ -124,14 +136,20 @@ def _kernels() -> dict[str, Any]:
 @functools.cache
 def _half_kernel(name: str, numbers: tuple[bool, ...]) -> Any:
     """The elementwise kernel `name` for a float16 or bfloat16 output: operands (half or float32
-    arrays; a number where `numbers` says so, typed float32, since a number cannot decide a
-    type placeholder) loaded into float, the float32 formula, one rounding as it stores
-    (Note [two-byte floats compute in float32] in backends/base.py)."""
-    names, types = ("a", "b")[:len(numbers)], ("A", "B")
-    params = ", ".join(f"{'float32' if number else kind} {n}_"
-                       for n, kind, number in zip(names, types, numbers))
-    load = " ".join(f"float {n} = (float){n}_;" for n in names)
-    return _cupy().ElementwiseKernel(params, "H out", f"{load} out = (H)({_FLOAT_FORMULAS[name]})",
+    arrays, a bool condition; a number where `numbers` says so, typed float32, since a number
+    cannot decide a type placeholder) loaded into float, the float32 formula, one rounding as
+    it stores (Note [two-byte floats compute in float32] in backends/base.py)."""
+    params, loads = [], []
+    for i, (kind, number, letter) in enumerate(zip(optable.BY_NAME[name].operand_kinds, numbers,
+                                                   "ABC")):
+        if kind == optable.BOOL:
+            params.append(f"bool x{i}")
+        else:
+            params.append(f"{'float32' if number else letter} x_{i}")
+            loads.append(f"float x{i} = (float)x_{i};")
+    return _cupy().ElementwiseKernel(", ".join(params), "H out",
+                                     f"{' '.join(loads)} out = (H)"
+                                     f"({_formula(name, 'float', _names(name))})",
                                      f"blockrt_half_{name}", options=_NO_FMA)
 
 
@@ -158,15 +176,15 @@ def _chain_kernel(program: tuple, inputs: tuple[str, ...], out: str) -> tuple[An
     params: list[str] = []
     body = []
     for i, (name, args, letter) in enumerate(program):
-        formula = _FLOAT_FORMULAS[name]
-        for symbol, (kind, ref) in zip("ab", args):
+        operands = []
+        for kind, ref in args:
             operand = f"v{ref}" if kind == "link" else f"{kind[0]}{ref}"
             if kind != "link" and operand not in params:
                 params.append(operand)
             if kind == "input":
                 operand = f"(({ctype}){operand})"
-            formula = re.sub(rf"\b{symbol}\b", operand, formula)
-        body.append(f"{ctype} v{i} = {formula};")
+            operands.append(operand)
+        body.append(f"{ctype} v{i} = {_formula(name, ctype, operands)};")
         if letter in ("H", "B"):
             body.append(f"v{i} = ({ctype})({letter})v{i};")
     body.append(f"out = ({out})v{len(program) - 1};")
@@ -186,7 +204,7 @@ def _chain_call(program: Any, inputs: Any, out: Any) -> tuple[tuple, dict[str, A
     (`.ci/cuda_compile.py` passes NumPy arrays)."""
     dtypes = {np.dtype(d) for _, _, d in program} | {x.dtype for x in inputs} | {out.dtype}
     if (not (dtypes == {_F64} or dtypes <= _LETTERS.keys() - {_F64})
-            or any(name not in _FLOAT_FORMULAS for name, _, _ in program)):
+            or any(name not in optable.BY_NAME for name, _, _ in program)):
         return None
     number = np.float64 if out.dtype == _F64 else np.float32
     values: dict[str, Any] = {}
@@ -369,8 +387,6 @@ class CudaDevice(Device):
     def _unary(self, name, x, out) -> None:
         if name == "copy":
             _cupy().copyto(out, x)
-        elif name in _UFUNCS:
-            getattr(_cupy(), _UFUNCS[name])(x, out=out)
         else:
             _kernels()[name](x, out)
 
@@ -382,18 +398,24 @@ class CudaDevice(Device):
             _kernels()[name](a, b, out)
 
     @_on_stream
+    def _ternary(self, name, a, b, c, out) -> None:
+        _kernels()[name](a, b, c, out)
+
+    @_on_stream
     def _half_elementwise(self, name, operands, out) -> bool:
         # NOTE: one kernel, no widened copies: Note [two-byte floats compute in float32] in
         # backends/base.py
-        if name not in _FLOAT_FORMULAS:
+        if name == "copy":
             return False
         cp = _cupy()
         args = []
-        for x in operands:  # NOTE: ops give them out's dtype; a float32 one is read as such
+        for x, kind in zip(operands, optable.BY_NAME[name].operand_kinds):
+            # NOTE: ops give them out's dtype; a float32 one is read as such
             if isinstance(x, cp.ndarray):
-                if x.dtype not in (out.dtype, _F32):
+                if x.dtype not in ((np.dtype(np.bool_),) if kind == optable.BOOL
+                                   else (out.dtype, _F32)):
                     return False
-            elif isinstance(x, (int, float, np.floating, np.integer)):
+            elif isinstance(x, (int, float, np.floating, np.integer)) and kind == optable.FLOAT:
                 x = np.float32(x)  # NOTE: a number meets the formula as float32
             else:
                 return False

@@ -13,11 +13,12 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from backends import _blas, accelerated
+from backends import _blas, _erf, accelerated, optable
 from backends.base import HALVES, Device
 
 # NOTE: optional, as the allocator's hot path: np.copyto converts the same bits
@@ -25,100 +26,172 @@ _halfconv = accelerated.load("backends._halfconv")
 _F16, _F32, _BF16 = np.dtype("float16"), np.dtype("float32"), np.dtype(ml_dtypes.bfloat16)
 _WIDEN = {} if _halfconv is None else {_F16: _halfconv.widen, _BF16: _halfconv.widen_bf16}
 _NARROW = {} if _halfconv is None else {_F16: _halfconv.narrow, _BF16: _halfconv.narrow_bf16}
-#: The kernels `_halfconv.apply` runs on half operands itself, by its code for them (the
+#: `_halfconv`'s code of each op it runs, by name (its `ops`, made from backends/optable.py):
+#: `apply` runs them on half operands, `float_op` on float32 and float64 ones (the
 #: transcendental ones are left to NumPy's float32 loops, whose bits C's libm need not give).
 #: Empty without the extension, as the two tables below.
-_APPLY = {} if _halfconv is None else {
-    "add": 1, "sub": 2, "mul": 3, "div": 4, "neg": 5, "relu": 6, "sqrt": 7, "relu_backward": 8,
-    "tanh_backward": 9, "sigmoid_backward": 10}
+_CODE = {} if _halfconv is None else {name: code for code, name in enumerate(_halfconv.ops)}
+_APPLY = {name: code for name, code in _CODE.items() if name != "copy"}
 #: `_halfconv.sub_scaled`'s code for each dtype it takes
 _SUB_SCALED = {} if _halfconv is None else {_F32: 0, np.dtype(np.float64): 1, _F16: 2,
                                             _BF16: 3}
-#: `_halfconv.float_op`'s kind for each dtype it takes (its relu, relu_backward, add and sum
-#: of rows: vectorised loops over contiguous operands, NumPy's bits but for the payload of a sum
-#: of two NaNs; NumPy takes 2-3x as long at 64x256)
+#: `_halfconv.float_op`'s kind for each dtype it takes (vectorised loops over contiguous
+#: operands, NumPy's bits but for the payload of an operation on two NaNs)
 _FLOAT_OP = {} if _halfconv is None else {_F32: 0, np.dtype(np.float64): 1}
+#: The ops whose float32 and float64 kernels try `float_op` first: NumPy runs relu as a compare
+#: and two masked copies, relu_backward through a boolean temporary and a casting multiply and
+#: an add of a bias row through its broadcasting iterator (2-3x the C loops' time at 64x256)
+_IN_C = ("relu", "relu_backward", "add")
+
+# ---------------------------------------------------------------------- kernels from the table
+#: Each primitive of backends/optable.py as NumPy computes it: a ufunc called as
+#: f(*operands, out=target) (select is `_select`).
+_PRIMITIVES = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+               "sqrt": np.sqrt, "abs": np.absolute, "exp": np.exp, "log": np.log,
+               "tanh": np.tanh, "erf": functools.partial(_erf.erf, c=_halfconv),
+               "lt": np.less, "gt": np.greater, "eq": np.equal, "isnan": np.isnan,
+               "isfinite": np.isfinite, "either": np.logical_or}
 
 
-def _sigmoid(x: np.ndarray, out: np.ndarray) -> None:
-    # NOTE: 0.5 * tanh(0.5 x) + 0.5, never 1 / (1 + exp(-x)), which overflows:
-    # Note [one formula on every backend] in backends/base.py
-    np.multiply(x, 0.5, out=out)
-    np.tanh(out, out=out)
-    np.multiply(out, 0.5, out=out)
-    np.add(out, 0.5, out=out)
+def _identical(out: np.ndarray, x: Any) -> bool:
+    """Whether x is out's own elements: the runtime lets out be the identical view of an input
+    and overlap it in no other way. (np.may_share_memory alone is no test: it compares spans,
+    and says True of disjoint views that interleave in one buffer.)"""
+    if type(x) is not np.ndarray or not np.may_share_memory(out, x):
+        return False
+    x = np.broadcast_to(x, out.shape)  # NOTE: inputs come unbroadcast (NumPy broadcasts)
+    return (x.__array_interface__["data"][0] == out.__array_interface__["data"][0]
+            and all(n == 1 or s == t for n, s, t in zip(out.shape, x.strides, out.strides)))
 
 
-def _neg(x: np.ndarray, out: np.ndarray) -> None:
-    # NOTE: NumPy 2.4.6's SIMD np.negative, in place on a 16-byte float32 (64-byte float64) stride,
-    # writes wrong values on AVX-512 machines (a[::4] negated in place gets a[1] in a[4]).
-    # Multiplying by -1 gives the same bits (-0.0 included) and is right at every stride.
-    np.multiply(x, -1, out=out)
-
-
-def _relu(x: np.ndarray, out: np.ndarray) -> None:
-    kind = _FLOAT_OP.get(out.dtype)
-    if kind is not None and x.dtype == out.dtype and _halfconv.float_op(0, kind, out, x):
+def _select(c, a, b, out: np.ndarray) -> None:
+    """out = a where c, else b; out may be a or b itself (each is read where out is not yet
+    written)."""
+    if _identical(out, a):
+        np.copyto(out, b, where=np.logical_not(c))
         return
-    # NOTE: not np.maximum(x, 0), which makes -0.0 +0.0 in some loops: Note [relu's zero] in
-    # backends/base.py. The mask is made before out (which may be x) is written.
-    negative = np.less(x, 0)
-    np.copyto(out, x)
-    np.copyto(out, 0, where=negative)
+    if not _identical(out, b):
+        np.copyto(out, b)
+    np.copyto(out, a, where=c)
 
 
-def _relu_backward(grad: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
-    kind = _FLOAT_OP.get(out.dtype)
-    if (kind is not None and type(grad) is np.ndarray and type(y) is np.ndarray
-            and grad.dtype == y.dtype == out.dtype and _halfconv.float_op(1, kind, out, grad, y)):
-        return
-    np.multiply(grad, np.greater(y, 0), out=out)
+def _mask(node: Any) -> bool:
+    """select(c, 1, 0): NumPy multiplies by the boolean c itself (cast to 1.0 or 0.0 exactly)."""
+    return node.op == "select" and node.args[1:] == (1.0, 0.0)
 
 
-def _add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    # NOTE: NumPy broadcasts a bias row through its iterator, 2.3x the C loop's time
-    kind = _FLOAT_OP.get(out.dtype)
-    if (kind is not None and type(a) is np.ndarray and type(b) is np.ndarray
-            and a.dtype == b.dtype == out.dtype and _halfconv.float_op(2, kind, out, a, b)):
-        return
-    np.add(a, b, out=out)
+def _plan(formula: Any) -> tuple[list, int]:
+    """The formula as NumPy steps (Note [one declaration per op] in backends/optable.py): each
+    node once, in the tree's order, (function, operands, target), an operand being ("arg", i),
+    ("step", j) or a number and a target "out", ("temp", k) or None (a condition: NumPy makes
+    its boolean array); and how many temporaries. A step may write out itself once no later
+    step reads an operand of the op (which may be out: the runtime lets out be the identical
+    view of an input); a buffer is reused once its value has been read (a step may write the
+    buffer it reads: ufuncs and `_select` read each element first)."""
+    order = [n for n in optable.nodes(formula) if n.op != "arg"]
+    order = list(dict.fromkeys(order))
+    position = {node: j for j, node in enumerate(order)}
+    last_read: dict[int, int] = {}
+    reads_arg = -1
+    for j, node in enumerate(order):
+        for a in node.args:
+            if isinstance(a, optable.Expr):
+                if a.op == "arg":
+                    reads_arg = j
+                else:
+                    last_read[position[a]] = j
+    steps: list = []
+    held: dict[Any, int] = {}  # buffer -> the step whose value it holds
+
+    def free(buffer: Any, j: int) -> bool:  # NOTE: read at step j at the latest
+        return buffer not in held or last_read.get(held[buffer], -1) <= j
+
+    temps = 0
+    for j, node in enumerate(order):
+        operands = tuple(a if not isinstance(a, optable.Expr) else
+                         ("arg", a.args[0]) if a.op == "arg" else ("step", position[a])
+                         for a in node.args)
+        function = _select if node.op == "select" else _PRIMITIVES.get(node.op)
+        if _mask(node):
+            function, operands, target = None, operands[:1], None
+        elif node.op in optable.CONDITIONS:
+            target = None
+        elif j == len(order) - 1 or j >= reads_arg and free("out", j):
+            target = "out"
+        else:
+            spare = [("temp", k) for k in range(temps) if free(("temp", k), j)]
+            target = spare[0] if spare else ("temp", temps)
+            temps += not spare
+        if target is not None:
+            held[target] = j
+        steps.append((function, operands, target))
+    return steps, temps
 
 
-def _where_finite(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    finite = np.isfinite(a)
-    if np.may_share_memory(out, a):  # NOTE: then out is a itself (ops allow no other overlap)
-        np.copyto(out, b, where=~finite)
-        return
-    np.copyto(out, b)
-    np.copyto(out, a, where=finite)
+def _kernel(op: Any) -> Any:
+    """The NumPy kernel of a table op, called as kernel(*operands, out) or with out=: the ufunc
+    itself where the formula is one primitive on the operands in order; else the steps of
+    `_plan`, temporaries of out's shape and dtype made at each call."""
+    formula = op.formula
+    if formula.op == "arg":  # NOTE: copy
+        return lambda x, out: np.copyto(out, x)
+    if formula.op in _PRIMITIVES and formula.args == tuple(
+            optable.Arg(i) for i in range(op.arity)):
+        return _PRIMITIVES[formula.op]
+    steps, temps = _plan(formula)
+
+    def kernel(*operands: Any, out: Any = None) -> None:
+        if out is None:
+            *operands, out = operands
+        scratch = [np.empty(out.shape, out.dtype) for _ in range(temps)]
+        values: list[Any] = []
+        for function, args, target in steps:
+            inputs = [a if not isinstance(a, tuple) else operands[a[1]] if a[0] == "arg"
+                      else values[a[1]] for a in args]
+            where = out if target == "out" else None if target is None else scratch[target[1]]
+            if function is None:  # NOTE: a mask: the condition itself
+                values.append(inputs[0])
+            elif where is None:
+                values.append(function(*inputs))
+            else:
+                function(*inputs, out=where)
+                values.append(where)
+
+    kernel.__name__ = op.name
+    return kernel
 
 
-def _tanh_backward(grad: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
-    # NOTE: out may be grad or y itself, so the factor is built in a temporary first.
-    factor = np.multiply(y, y, out=np.empty(out.shape, out.dtype))
-    np.subtract(1, factor, out=factor)
-    np.multiply(grad, factor, out=out)
+def _in_c(name: str, kernel: Any) -> Any:
+    """`kernel` behind `_halfconv.float_op`, which takes contiguous float32 and float64
+    operands of out's dtype (a row of out's last dimension for b) and returns False, having
+    written nothing, for anything else."""
+    code = _CODE.get(name)
+    if code is None:
+        return kernel
+    if optable.BY_NAME[name].arity == 1:
+        def unary(x: np.ndarray, out: np.ndarray) -> None:
+            kind = _FLOAT_OP.get(out.dtype)
+            if kind is None or x.dtype != out.dtype or not _halfconv.float_op(code, kind, out, x):
+                kernel(x, out=out)
+        return unary
+
+    def binary(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        kind = _FLOAT_OP.get(out.dtype)
+        if (kind is None or type(a) is not np.ndarray or type(b) is not np.ndarray
+                or not a.dtype == b.dtype == out.dtype
+                or not _halfconv.float_op(code, kind, out, a, b)):
+            kernel(a, b, out=out)
+    return binary
 
 
-def _sigmoid_backward(grad: np.ndarray, y: np.ndarray, out: np.ndarray) -> None:
-    factor = np.subtract(1, y, out=np.empty(out.shape, out.dtype))
-    np.multiply(factor, y, out=factor)
-    np.multiply(grad, factor, out=out)
-
-
-_UNARY = {
-    "neg": _neg,
-    "exp": np.exp,
-    "log": np.log,
-    "tanh": np.tanh,
-    "sigmoid": _sigmoid,
-    "relu": _relu,
-    "sqrt": np.sqrt,
-    "copy": lambda x, out: np.copyto(out, x),
-}
-_BINARY = {"add": _add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
-           "tanh_backward": _tanh_backward, "sigmoid_backward": _sigmoid_backward,
-           "relu_backward": _relu_backward, "where_finite": _where_finite}
+#: Every elementwise kernel of the table, called as kernel(*inputs, out) (NumPy broadcasts the
+#: inputs) or with out=
+_KERNELS = {op.name: _in_c(op.name, _kernel(op)) if op.name in _IN_C else _kernel(op)
+            for op in optable.OPS}
+#: The kernels the eager fast path may run: it holds every operand to one dtype, so an op
+#: with a bool condition (where) is left to the Python path, which checks it
+_FAST = {op.name: _KERNELS[op.name] for op in optable.OPS
+         if optable.BOOL not in op.operand_kinds}
 _REDUCE = {"sum": np.sum, "mean": np.mean}
 
 
@@ -143,7 +216,7 @@ def _rows_summed(x: np.ndarray, axis: tuple[int, ...] | None, out: np.ndarray) -
     """Sum the rows of a 2-D float x into out in C, as NumPy adds them (in order; a bias's
     gradient, 2-3x NumPy's speed at 64x256); False, nothing written, where it does not apply."""
     return (axis == (0,) and x.ndim == 2 and bool(_FLOAT_OP)
-            and _halfconv.float_op(3, _FLOAT_OP[x.dtype], out, x))
+            and _halfconv.sum_rows(_FLOAT_OP[x.dtype], out, x))
 
 
 def _sum(x: np.ndarray, out: np.ndarray, axes: tuple[int, ...] | None, keepdims: bool) -> None:
@@ -171,12 +244,12 @@ def _convert(x: np.ndarray, out: np.ndarray) -> None:
         if out.dtype == _F32 and x.dtype in _WIDEN:
             if x.flags.c_contiguous and out.flags.c_contiguous:
                 return _WIDEN[x.dtype](x, out)  # NOTE: NumPy converts one item at a time
-            if _halfconv.apply(0, x.dtype == _BF16, out, x):
+            if _halfconv.apply(_CODE["copy"], x.dtype == _BF16, out, x):
                 return
         elif x.dtype == _F32 and out.dtype in _NARROW:
             if x.flags.c_contiguous and out.flags.c_contiguous:
                 return _NARROW[out.dtype](x, out)
-            if _halfconv.apply(0, out.dtype == _BF16, out, x):
+            if _halfconv.apply(_CODE["copy"], out.dtype == _BF16, out, x):
                 return
     np.copyto(out, x, casting="unsafe")  # NOTE: runtime.ops.cast allowed only exact or IEEE
 
@@ -233,7 +306,7 @@ def _sub_scaled_kernel(a: np.ndarray, b: np.ndarray, scale, out: np.ndarray) -> 
     kind = _SUB_SCALED.get(out.dtype)
     if kind is not None and _halfconv.sub_scaled(kind, out, a, b, scale):
         return
-    kernels = NumpyDevice._fast_half_kernels if out.dtype in HALVES else _BINARY
+    kernels = NumpyDevice._fast_half_kernels if out.dtype in HALVES else _KERNELS
     product = np.empty(b.shape, out.dtype)
     kernels["mul"](b, scale, product)
     kernels["sub"](a, product, out)
@@ -245,7 +318,7 @@ def _half_kernel(name: str):
     one C pass where `_halfconv.apply` takes it, else NumPy's float32 kernel on widened copies
     (Note [two-byte floats compute in float32] in backends/base.py)."""
     code = _APPLY.get(name)
-    float32 = _UNARY.get(name) or _BINARY[name]
+    float32 = _KERNELS[name]
 
     def kernel(*args):
         out = args[-1]
@@ -263,14 +336,14 @@ class NumpyDevice(Device):
     host_memory = True
     #: every elementwise kernel, called as kernel(*inputs, out) (NumPy broadcasts the inputs),
     #: and the reductions, as kernel(x, out, axes, keepdims)
-    _fast_kernels = {**_UNARY, **_BINARY, "sum": _sum,
+    _fast_kernels = {**_FAST, "sum": _sum,
                      "mean": lambda x, out, axes, keepdims: _reduce("mean", x, axes, keepdims,
                                                                    out),
                      "sub_scaled": _sub_scaled_kernel}
 
     #: the same for float16 and bfloat16 (copy, which moves bits, is `_fast_kernels`' own)
-    _fast_half_kernels = {**{name: _half_kernel(name) for name in (*_UNARY, *_BINARY)
-                             if name != "copy"}, "sub_scaled": _sub_scaled_kernel}
+    _fast_half_kernels = {**{name: _half_kernel(name) for name in _FAST if name != "copy"},
+                          "sub_scaled": _sub_scaled_kernel}
 
     def __init__(self, index: int = 0) -> None:
         self.name = "cpu"
@@ -326,10 +399,13 @@ class NumpyDevice(Device):
         return raw.nbytes
 
     def _unary(self, name, x, out) -> None:
-        _UNARY[name](x, out=out)
+        _KERNELS[name](x, out=out)
 
     def _binary(self, name, a, b, out) -> None:
-        _BINARY[name](a, b, out=out)
+        _KERNELS[name](a, b, out=out)
+
+    def _ternary(self, name, a, b, c, out) -> None:
+        _KERNELS[name](a, b, c, out=out)
 
     def scratch(self, shape, dtype) -> np.ndarray:  # NOTE: a host array is its own memory
         return np.empty(tuple(shape), dtype)

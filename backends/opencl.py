@@ -53,6 +53,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from backends import optable
 from backends.base import COMPUTE_DTYPES, HALVES, BackendUnavailableError, Device
 
 try:
@@ -79,16 +80,17 @@ _FP64 = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"
 _NO_BAD_ROW = np.array([np.iinfo(np.int32).max], np.int32)
 _NO_BAD_ROW.flags.writeable = False
 
-# NOTE: the NumPy device's formulas: Note [one formula on every backend] in backends/base.py
-_UNARY = {"neg": "-x0", "exp": "exp(x0)", "log": "log(x0)", "tanh": "tanh_(x0)",
-          "sigmoid": "(T)0.5 * tanh_((T)0.5 * x0) + (T)0.5",
-          "relu": "x0 < (T)0 ? (T)0 : x0",  # NOTE: Note [relu's zero] in backends/base.py
-          "sqrt": "sqrt(x0)", "copy": "x0"}
-_BINARY = {"add": "x0 + x1", "sub": "x0 - x1", "mul": "x0 * x1", "div": "x0 / x1",
-           "tanh_backward": "x0 * ((T)1 - x1 * x1)",
-           "sigmoid_backward": "x0 * (((T)1 - x1) * x1)",
-           "relu_backward": "x1 > (T)0 ? x0 : x0 * (T)0",
-           "where_finite": "isfinite(x0) ? x0 : x1"}
+class _OpenCLC(optable.CStyle):
+    """The table's formulas in OpenCL C (Note [one declaration per op] in backends/optable.py):
+    C's spelling but for tanh, `tanh_` of `_header` (PoCL's tanh does not saturate)."""
+
+    code_for_op = {**optable.CStyle.code_for_op, "tanh": lambda a: f"tanh_({a})"}
+
+
+@functools.cache
+def _formula(name: str, ctype: str) -> str:
+    """The op `name` computed in `ctype` on operands x0, x1, ..."""
+    return _OpenCLC(ctype).op(name, [f"x{i}" for i in range(optable.BY_NAME[name].arity)])
 
 
 class _Raw:
@@ -463,12 +465,19 @@ class OpenCLDevice(Device):
             if ctype is None:
                 raise TypeError(f"{self.name} cannot copy {out.dtype} "
                                 f"({out.dtype.itemsize}-byte elements)")
-            self._elementwise(name, _UNARY[name], [x], out, ctype, bits=True)
+            self._elementwise(name, _formula(name, ctype), [x], out, ctype, bits=True)
         else:
-            self._elementwise(name, _UNARY[name], [x], out, self._compute(out.dtype))
+            self._table_op(name, [x], out)
 
     def _binary(self, name, a, b, out) -> None:
-        self._elementwise(name, _BINARY[name], [a, b], out, self._compute(out.dtype))
+        self._table_op(name, [a, b], out)
+
+    def _ternary(self, name, a, b, c, out) -> None:
+        self._table_op(name, [a, b, c], out)
+
+    def _table_op(self, name: str, operands: list, out: Any) -> None:
+        ctype = self._compute(out.dtype)
+        self._elementwise(name, _formula(name, ctype), operands, out, ctype)
 
     def _cast(self, x, out) -> None:
         if out.size == 0:
@@ -507,11 +516,9 @@ class OpenCLDevice(Device):
             operands.append(inputs[ref] if kind == "input" else number(ref))
             return f"x{len(operands) - 1}"
 
+        render = _OpenCLC(ctype)
         for i, (name, args, dtype) in enumerate(program):
-            template = (_UNARY if len(args) == 1 else _BINARY)[name]
-            names = [name_of(kind, ref) for kind, ref in args]
-            link = re.sub(r"\bx([01])\b", lambda m, names=names: names[int(m.group(1))],
-                          template)
+            link = render.op(name, [name_of(kind, ref) for kind, ref in args])
             last = i == len(program) - 1 and np.dtype(dtype) == out.dtype  # out's store rounds
             if np.dtype(dtype) in _ROUND and not last:
                 link = f"{_ROUND[np.dtype(dtype)]}({link})"

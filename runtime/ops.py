@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from backends import optable
 from backends.base import ieee
 from runtime import aliasing, autograd, config, dtypes, fastpath, tape
 from runtime._tensor import Tensor, _brief, as_axes, as_dtype, as_flag, host_array, tensor
@@ -31,20 +32,17 @@ from runtime.block import Block
 from runtime.errors import AliasingError, AutogradError, device_names
 from runtime.upcalls import OPS
 
-__all__ = ["ALIASING_POLICY", "add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sigmoid",
-           "relu", "sqrt", "where_finite", "matmul", "linear", "cross_entropy", "sum", "mean",
-           "copy", "cast", "can_cast"]
+__all__ = ["ALIASING_POLICY", *(op.name for op in optable.OPS if op.public), "matmul", "linear",
+           "cross_entropy", "sum", "mean", "cast", "can_cast"]
 
-ELEMENTWISE = "elementwise"
+ELEMENTWISE = optable.ELEMENTWISE
 NEVER = "never"
 
 #: What each op declares about its output sharing memory with its inputs (see the module docstring).
 ALIASING_POLICY: dict[str, str] = {
-    **dict.fromkeys(("add", "sub", "mul", "div", "neg", "exp", "log", "tanh", "sigmoid", "relu",
-                     "sqrt", "copy", "where_finite"), ELEMENTWISE),
+    # every elementwise op of backends/optable.py, public or autograd's derivative kernels
+    **{op.name: op.aliasing for op in optable.OPS},
     **dict.fromkeys(("matmul", "linear", "cross_entropy", "sum", "mean", "cast"), NEVER),
-    # autograd's fused derivatives (not public ops): (gradient, the op's output) -> gradient
-    **dict.fromkeys(("tanh_backward", "sigmoid_backward", "relu_backward"), ELEMENTWISE),
     "cross_entropy_backward": NEVER,
     # an optimizer's update, p - lr * g in one pass (not a public op: `_sub_scaled`)
     "sub_scaled": ELEMENTWISE,
@@ -280,18 +278,33 @@ def _number_dtype(dtype: np.dtype) -> np.dtype:
     return _FLOAT32 if dtype in dtypes.HALVES else dtype
 
 
+#: Each elementwise op's operand labels, operand kinds (None: all FLOAT) and whether it takes
+#: any dtype, from backends/optable.py, as `_elementwise` reads them
+_SHAPES: dict[str, tuple[tuple[str, ...], tuple[str, ...] | None, bool]] = {
+    op.name: (op.params, op.kinds if optable.BOOL in op.operand_kinds else None, op.any_dtype)
+    for op in optable.OPS}
+
+
 def _elementwise(op: str, out: Tensor | None, *operands: Operand) -> Tensor:
-    """Run the elementwise kernel named `op` (the device's kernel has the op's name)."""
+    """Run the elementwise kernel named `op`, an op of backends/optable.py (the device's kernel
+    has the op's name), under the op's dtype rule: its FLOAT operands Tensors of one float
+    dtype (any dtype for copy) or numbers, its BOOL ones bool Tensors."""
     if _fast is not None:  # NOTE: Note [the eager fast path] in runtime/fastpath.py
         result = _fast(op, out, operands)
         if result is not None:
             return result
+    labels, kinds, any_dtype = _SHAPES[op]
     # one pass sorts the operands: (label, tensor) pairs, and numbers by argument position
-    labels = "ab" if len(operands) == 2 else "x"
     named: list[tuple[str, Tensor]] = []
+    conditions: list[Tensor] = []
     numbers_at: dict[int, Any] = {}
     for i, x in enumerate(operands):
-        if isinstance(x, Tensor):
+        if kinds is not None and kinds[i] == optable.BOOL:
+            if not isinstance(x, Tensor) or x.dtype != np.bool_:
+                raise TypeError(f"{op}: {labels[i]} must be a bool Tensor, got "
+                                f"{getattr(x, 'dtype', type(x).__name__)} {_brief(x)}")
+            conditions.append(x)
+        elif isinstance(x, Tensor):
             named.append((labels[i], x))
         elif _is_scalar(x):
             numbers_at[i] = x
@@ -303,16 +316,27 @@ def _elementwise(op: str, out: Tensor | None, *operands: Operand) -> Tensor:
                         f"{', '.join(type(x).__name__ for x in operands)} "
                         f"({', '.join(_brief(x) for x in operands)})")
     tensors = [t for _, t in named]
-    device, dtype = _common(op, tensors, floats_only=op != "copy")
-    shape = _result_shape(op, tensors, out)
-    out = _prepare_out(op, out, shape, dtype, tensors[0], tensors)
+    device, dtype = _common(op, tensors, floats_only=not any_dtype)
+    everything = tensors
+    if conditions:
+        for condition in conditions:
+            if condition.block.device is not device:
+                a, b = device_names(condition.device, device)
+                raise ValueError(f"{op}: the condition is on {a}, the other operands on {b}; "
+                                 f"copy one over first")
+        everything = [x for x in operands if isinstance(x, Tensor)]
+        named = [(label, x) for x, label in zip(operands, labels) if isinstance(x, Tensor)]
+    shape = _result_shape(op, everything, out)
+    out = _prepare_out(op, out, shape, dtype, tensors[0], everything)
     inputs = [(label, t, shape) for label, t in named]
     wide = _number_dtype(dtype)
     scalars = {i: _scalar(op, x, wide) for i, x in numbers_at.items()}
     if len(operands) == 1:
         _launch(op, out, inputs, lambda v, o: device.unary(op, v[0], o))
-    else:
+    elif len(operands) == 2:
         _launch(op, out, inputs, lambda v, o: device.binary(op, v[0], v[1], o), scalars)
+    else:
+        _launch(op, out, inputs, lambda v, o: device.ternary(op, v[0], v[1], v[2], o), scalars)
     if autograd.needs_grad(*tensors):
         _record_elementwise(op, out, operands)
     return out
@@ -323,67 +347,89 @@ def _wants(x: Any) -> bool:
     return isinstance(x, Tensor) and x.requires_grad
 
 
-def _record_elementwise(op: str, out: Tensor, operands: Sequence[Operand]) -> None:
-    """Attach the backward function of the elementwise `op` (d out / d operand, times g)."""
-    # NOTE: each fn gets the tensors it needs as arguments, named like the operands, and holds
-    # none: Note [closures hold no tensors] in runtime/autograd.py
-    a = operands[0]
-    b = operands[1] if len(operands) == 2 else None
-    na, nb = _wants(a), _wants(b)
-    labels = ("a", "b") if len(operands) == 2 else ("x",)
-    save: list[tuple[str, Any]] = []
-    fn: Callable[..., tuple]
-    if op == "add":
-        def fn(g):
-            return g, g
-    elif op == "sub":
-        def fn(g):
-            return g, neg(g) if nb else None
-    elif op == "mul":
-        save = [("b", b), ("a", a if nb else None)]
-
-        def fn(g, b, a):
-            return mul(g, b) if na else None, mul(g, a) if nb else None
-    elif op == "div":
-        save = [("b", b), ("the output", out if nb else None)]
-
-        def fn(g, b, y):  # d(a/b)/db = -(a/b)/b
-            return div(g, b) if na else None, neg(div(mul(g, y), b)) if nb else None
-    elif op == "neg":
-        def fn(g):
-            return (neg(g),)
-    elif op == "log":
-        save = [("x", a)]
-
-        def fn(g, x):
-            return (div(g, x),)
-    elif op == "copy":
-        def fn(g):
-            return (g,)
-    elif op == "where_finite":
-        save = [("a", a)]
-
-        def fn(g, a):  # g flows to a where a is finite, to b elsewhere
-            if isinstance(a, Tensor):
-                taken = where_finite(add(mul(a, 0.0), 1.0), 0.0)  # 1 where a is finite, else 0
-            else:
-                taken = 1.0 if math.isfinite(a) else 0.0
-            return (mul(g, taken) if na else None, mul(g, sub(1.0, taken)) if nb else None)
-    elif op in ("exp", "sqrt", "tanh", "sigmoid", "relu"):
-        save = [("the output", out)]  # each derivative is a function of the output
-        fn = _OUTPUT_DERIVATIVES[op]
-    else:
-        raise AutogradError(f"{op} has no derivative")
-    autograd.record(op, out, operands, labels, fn, save)
-
-
-_OUTPUT_DERIVATIVES: dict[str, Callable[..., tuple]] = {
-    "exp": lambda g, y: (mul(g, y),),
-    "sqrt": lambda g, y: (div(mul(g, 0.5), y),),
-    "tanh": lambda g, y: (_elementwise("tanh_backward", None, g, y),),
-    "sigmoid": lambda g, y: (_elementwise("sigmoid_backward", None, g, y),),
-    "relu": lambda g, y: (_elementwise("relu_backward", None, g, y),),
+#: Each primitive of backends/optable.py on float64 numbers: a derivative whose operands are
+#: all numbers (where_finite's a, say) is folded here, not sent to a device
+_ON_NUMBERS: dict[str, Callable[..., Any]] = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "sqrt": np.sqrt,
+    "abs": np.absolute, "exp": np.exp, "log": np.log, "tanh": np.tanh, "erf": math.erf,
+    "lt": np.less, "gt": np.greater, "eq": np.equal, "isnan": np.isnan,
+    "isfinite": np.isfinite, "either": np.logical_or, "select": lambda c, a, b: a if c else b,
 }
+
+
+def _run_op(name: str, *values: Any) -> Any:
+    """The table's op `name` on tensors (runtime.ops' own function), or on numbers alone."""
+    for v in values:
+        if isinstance(v, Tensor):
+            return _elementwise(name, None, *values)
+    numbers = [np.float64(v) for v in values]
+    return float(ieee(optable.evaluate, optable.BY_NAME[name].formula, numbers, _ON_NUMBERS))
+
+
+def _compile(expr: Any, at: dict[str, int]) -> Callable[[Any, Sequence[Any]], Any]:
+    """A derivative of backends/optable.py as a function of (g, the saved values) that runs
+    the table's ops; `at` says where the output ("output") and each operand ("x<i>") are
+    among the saved values."""
+    if not isinstance(expr, optable.Expr):
+        return lambda g, saved: expr
+    if expr.op == "grad":
+        return lambda g, saved: g
+    if expr.op in ("output", "arg"):
+        position = at["output" if expr.op == "output" else f"x{expr.args[0]}"]
+        return lambda g, saved: saved[position]
+    name, parts = expr.op, [_compile(a, at) for a in expr.args]
+    if len(parts) == 1:
+        (p0,) = parts
+        return lambda g, saved: _run_op(name, p0(g, saved))
+    if len(parts) == 2:
+        p0, p1 = parts
+        return lambda g, saved: _run_op(name, p0(g, saved), p1(g, saved))
+    return lambda g, saved: _run_op(name, *[part(g, saved) for part in parts])
+
+
+def _reads(expr: Any) -> list[str]:
+    """What a derivative reads, "output" and "x<i>", in the order it first reads them."""
+    found = {"output" if n.op == "output" else f"x{n.args[0]}": None
+             for n in optable.nodes(expr) if n.op in ("output", "arg")}
+    return list(found)
+
+
+def _record_elementwise(op: str, out: Tensor, operands: Sequence[Operand]) -> None:
+    """Attach the backward function of the elementwise `op`: each operand that wants a
+    gradient gets its derivative from backends/optable.py (d out / d operand, times g)."""
+    wanted = tuple([_wants(x) for x in operands])
+    plan = _PLANS.get((op, wanted))
+    if plan is None:
+        plan = _PLANS[op, wanted] = _plan(op, wanted)
+    saves, fn = plan
+    # NOTE: fn gets the tensors it needs as arguments, named like the operands, and holds
+    # none: Note [closures hold no tensors] in runtime/autograd.py
+    save = [(label, out if i < 0 else operands[i]) for label, i in saves]
+    autograd.record(op, out, operands, optable.BY_NAME[op].params, fn, save)
+
+
+def _plan(op: str, wanted: tuple[bool, ...]) -> tuple:
+    """How `_record_elementwise` records `op` when `wanted` says which operands want a
+    gradient: what is saved, as (label, operand index or -1 for the output), in the order the
+    derivatives read them, and the backward function (made once per op and mask)."""
+    entry = optable.BY_NAME[op]
+    if entry.derivative is None:
+        raise AutogradError(f"{op} has no derivative")
+    used = [d if w else None for d, w in zip(entry.derivative, wanted)]
+    order = list(dict.fromkeys(key for d in used if d is not None for key in _reads(d)))
+    at = {key: position for position, key in enumerate(order)}
+    steps = [None if d is None else _compile(d, at) for d in used]
+
+    def fn(g: Tensor, *saved: Any) -> tuple:
+        return tuple([None if d is None else d(g, saved) for d in steps])
+
+    saves = [("the output", -1) if key == "output" else
+             (entry.params[int(key[1:])], int(key[1:])) for key in order]
+    return saves, fn
+
+
+#: (op, which operands want a gradient) -> `_plan`'s record
+_PLANS: dict[tuple[str, tuple[bool, ...]], tuple] = {}
 
 
 def _swap_last(t: Tensor) -> Tensor:
@@ -442,88 +488,33 @@ def _matrix(shape: tuple, row: bool) -> tuple:
 
 
 # ---------------------------------------------------------------------- elementwise ops
-def add(a: Operand, b: Operand, out: Tensor | None = None) -> Tensor:
-    """a + b elementwise, with broadcasting; either may be a number. `out` may be a or b."""
-    return _elementwise("add", out, a, b)
+def _public(op: optable.Op) -> Callable[..., Tensor]:
+    """runtime.ops.<name> of a public op of backends/optable.py: its parameters, then `out`,
+    its docstring; it runs `_elementwise` (Note [one declaration per op])."""
+    name = op.name
+    if op.params == ("x",):
+        def function(x: Operand, out: Tensor | None = None) -> Tensor:
+            return _elementwise(name, out, x)
+    elif op.params == ("a", "b"):
+        def function(a: Operand, b: Operand, out: Tensor | None = None) -> Tensor:
+            return _elementwise(name, out, a, b)
+    elif op.params == ("cond", "a", "b"):
+        def function(cond: Tensor, a: Operand, b: Operand, out: Tensor | None = None) -> Tensor:
+            return _elementwise(name, out, cond, a, b)
+    else:
+        raise ValueError(f"runtime.ops has no function shape for {name}{op.params}: add one "
+                         f"to ops._public")
+    function.__name__ = function.__qualname__ = name
+    function.__doc__ = op.doc
+    return function
 
 
-def sub(a: Operand, b: Operand, out: Tensor | None = None) -> Tensor:
-    """a - b elementwise, with broadcasting."""
-    return _elementwise("sub", out, a, b)
-
-
-def mul(a: Operand, b: Operand, out: Tensor | None = None) -> Tensor:
-    """a * b elementwise, with broadcasting."""
-    return _elementwise("mul", out, a, b)
-
-
-def div(a: Operand, b: Operand, out: Tensor | None = None) -> Tensor:
-    """a / b elementwise, with broadcasting."""
-    return _elementwise("div", out, a, b)
-
-
-def neg(x: Tensor, out: Tensor | None = None) -> Tensor:
-    """-x elementwise."""
-    return _elementwise("neg", out, x)
-
-
-def exp(x: Tensor, out: Tensor | None = None) -> Tensor:
-    """e**x elementwise."""
-    return _elementwise("exp", out, x)
-
-
-def log(x: Tensor, out: Tensor | None = None) -> Tensor:
-    """Natural logarithm elementwise."""
-    return _elementwise("log", out, x)
-
-
-def tanh(x: Tensor, out: Tensor | None = None) -> Tensor:
-    """Hyperbolic tangent elementwise."""
-    return _elementwise("tanh", out, x)
-
-
-def sigmoid(x: Tensor, out: Tensor | None = None) -> Tensor:
-    """1 / (1 + e**-x) elementwise, without overflow for large |x|."""
-    return _elementwise("sigmoid", out, x)
-
-
-def relu(x: Tensor, out: Tensor | None = None) -> Tensor:
-    """max(x, 0) elementwise."""
-    return _elementwise("relu", out, x)
-
-
-def sqrt(x: Tensor, out: Tensor | None = None) -> Tensor:
-    """The square root elementwise."""
-    return _elementwise("sqrt", out, x)
-
-
-def where_finite(a: Operand, b: Operand, out: Tensor | None = None) -> Tensor:
-    """a where a is finite, else b, elementwise, with broadcasting (NumPy's
-    `np.where(np.isfinite(a), a, b)`); either may be a number. `out` may be a or b.
-
-    With b = 0 it replaces infinities and NaN by zeros (`np.nan_to_num` without the large
-    finite stand-ins). A mixed-precision step uses it to skip an update on the device: the new
-    value plus -0.0 (take the step) or NaN (skip it) is the first operand, the old value the
-    second (runtime/amp.py). The gradient goes to a where a is finite and to b elsewhere.
-
-    Example:
-        >>> import numpy as np, runtime
-        >>> x = runtime.tensor(np.float32([1.0, np.inf, np.nan, -2.0]))
-        >>> runtime.ops.where_finite(x, 0.0).numpy()
-        array([ 1.,  0.,  0., -2.], dtype=float32)
-    """
-    return _elementwise("where_finite", out, a, b)
-
-
-def copy(x: Tensor, out: Tensor | None = None) -> Tensor:
-    """A copy of x (any dtype); with `out`, x is broadcast into out's shape.
-
-    Example:
-        >>> import numpy as np, runtime
-        >>> runtime.ops.copy(runtime.tensor(np.arange(3.0))).numpy()
-        array([0., 1., 2.])
-    """
-    return _elementwise("copy", out, x)
+#: The public elementwise ops of backends/optable.py, in its order.
+ELEMENTWISE_OPS = tuple(op.name for op in optable.OPS if op.public)
+globals().update({name: _public(optable.BY_NAME[name]) for name in ELEMENTWISE_OPS})
+# NOTE: the names the rest of this module calls, bound for readers and linters alike
+add, sub, mul, div, neg, copy, where_finite = (globals()[name] for name in (
+    "add", "sub", "mul", "div", "neg", "copy", "where_finite"))
 
 
 def can_cast(src: Any, dst: Any, *, exact: bool = True) -> bool:

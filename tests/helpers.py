@@ -14,27 +14,24 @@ def relu_reference(x: np.ndarray) -> np.ndarray:
     """relu as PyTorch's CPU computes it: +0 where x < 0, else x itself (-0.0 and NaN as they
     are): Note [relu's zero] in backends/base.py. Not np.maximum(x, 0), whose zero's sign
     depends on NumPy's loop."""
-    x = np.asarray(x)
-    return np.where(x < 0, np.zeros_like(x), x)
+    from op_references import REFERENCES
+
+    return REFERENCES["relu"].numpy(np.asarray(x))
 
 
-#: What each unary kernel / op computes, in NumPy (backends.base.UNARY_KERNELS).
-UNARY_REFERENCE: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "neg": np.negative,
-    "exp": np.exp,
-    "log": np.log,
-    "tanh": np.tanh,
-    "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
-    "relu": relu_reference,
-    "sqrt": np.sqrt,
-    "copy": np.copy,
-}
-#: What each binary kernel / op computes, in NumPy.
-BINARY_REFERENCE = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
-                    "tanh_backward": lambda g, y: g * (1 - y * y),
-                    "sigmoid_backward": lambda g, y: g * y * (1 - y),
-                    "relu_backward": lambda g, y: np.where(y > 0, g, 0 * g),
-                    "where_finite": lambda a, b: np.where(np.isfinite(a), a, b)}
+def _references(arity: int) -> dict[str, Callable[..., np.ndarray]]:
+    from op_references import REFERENCES
+
+    from backends import optable
+
+    return {name: REFERENCES[name].numpy for name in optable.kernels(arity)}
+
+
+#: What each unary, binary and ternary kernel / op computes, in NumPy (tests/op_references.py,
+#: for the kernels of backends/optable.py)
+UNARY_REFERENCE = _references(1)
+BINARY_REFERENCE = _references(2)
+TERNARY_REFERENCE = _references(3)
 
 
 def to_device(device: Any, host: np.ndarray) -> Any:

@@ -26,38 +26,23 @@ Example:
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from backends import _erf, optable
 from backends.numpy import NumpyDevice
 
-
-def _sigmoid(v: Any) -> Any:
-    # NOTE: the NumPy device's formula: Note [one formula on every backend] in backends/base.py
-    return 0.5 * np.tanh(0.5 * v) + 0.5
-
-
-_UNARY: dict[str, Callable[[Any], Any]] = {
-    "neg": np.negative,
-    "exp": np.exp,
-    "log": np.log,
-    "tanh": np.tanh,
-    "sigmoid": _sigmoid,
-    "relu": lambda v: 0 if v < 0 else v,  # NOTE: Note [relu's zero] in backends/base.py
-    "sqrt": np.sqrt,
-    "copy": lambda v: v,
-}
-_BINARY: dict[str, Callable[[Any, Any], Any]] = {
-    "add": np.add,
-    "sub": np.subtract,
-    "mul": np.multiply,
-    "div": np.divide,
-    "tanh_backward": lambda g, y: g * (1 - y * y),
-    "sigmoid_backward": lambda g, y: g * ((1 - y) * y),
-    "relu_backward": lambda g, y: g if y > 0 else g * 0,
-    "where_finite": lambda a, b: a if np.isfinite(a) else b,
+#: Each primitive of backends/optable.py on one element (NumPy scalars and numbers): every op's
+#: formula is evaluated element by element from the table (Note [one declaration per op])
+_SCALAR: dict[str, Callable[..., Any]] = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+    "sqrt": np.sqrt, "abs": np.absolute, "exp": np.exp, "log": np.log, "tanh": np.tanh,
+    "erf": _erf.erf, "lt": operator.lt, "gt": operator.gt, "eq": operator.eq,
+    "isnan": np.isnan, "isfinite": np.isfinite, "either": lambda a, b: bool(a or b),
+    "select": lambda c, a, b: a if c else b,
 }
 
 
@@ -74,14 +59,19 @@ class NaiveDevice(NumpyDevice):
         self.name = "naive"
 
     def _unary(self, name: str, x: Any, out: np.ndarray) -> None:
-        f = _UNARY[name]
-        for index in np.ndindex(out.shape):
-            out[index] = f(_element(x, index))
+        self._elements(name, (x,), out)
 
     def _binary(self, name: str, a: Any, b: Any, out: np.ndarray) -> None:
-        f = _BINARY[name]
+        self._elements(name, (a, b), out)
+
+    def _ternary(self, name: str, a: Any, b: Any, c: Any, out: np.ndarray) -> None:
+        self._elements(name, (a, b, c), out)
+
+    def _elements(self, name: str, operands: tuple, out: np.ndarray) -> None:
+        formula = optable.BY_NAME[name].formula
         for index in np.ndindex(out.shape):
-            out[index] = f(_element(a, index), _element(b, index))
+            out[index] = optable.evaluate(formula, [_element(x, index) for x in operands],
+                                          _SCALAR)
 
     def _matmul(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         if a.ndim != 2 or b.ndim != 2:

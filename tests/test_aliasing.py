@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from op_references import REFERENCES
 
 import allocators
 import backends
 import runtime
+from backends import optable
 from naive_device import NaiveDevice
 from runtime import aliasing, ops
 
@@ -36,17 +38,16 @@ ROW_STEPS = (1, 2, -1, -2)
 COL_STEPS = (1, 2, 3, -1, -2)
 MAX_DIM = 6
 
-UNARY_OPS = ("neg", "exp", "log", "tanh", "sigmoid", "relu", "sqrt", "copy")
-BINARY_OPS = ("add", "sub", "mul", "div")
+# NOTE: every public elementwise op of backends/optable.py whose operands are floats
+UNARY_OPS = tuple(op.name for op in optable.OPS if op.public and op.arity == 1)
+BINARY_OPS = tuple(op.name for op in optable.OPS if op.public and op.arity == 2)
 REDUCE_OPS = ("sum", "mean")
 
-# Independent NumPy formulas for every op (sigmoid as the textbook formula, not the runtime's).
+# Independent NumPy formulas for every op (tests/op_references.py: sigmoid as the textbook
+# formula, not the runtime's).
 NUMPY_OPS: dict[str, Any] = {
-    "neg": np.negative, "exp": np.exp, "log": np.log, "tanh": np.tanh,
-    "sigmoid": lambda x: 1 / (1 + np.exp(-x)), "relu": lambda x: np.maximum(x, 0),
-    "sqrt": np.sqrt,
-    "copy": lambda x: x, "add": np.add, "sub": np.subtract, "mul": np.multiply,
-    "div": np.divide, "matmul": np.matmul, "sum": np.sum, "mean": np.mean,
+    **{name: REFERENCES[name].numpy for name in UNARY_OPS + BINARY_OPS},
+    "matmul": np.matmul, "sum": np.sum, "mean": np.mean,
 }
 
 
@@ -792,7 +793,8 @@ def test_same_elements_ignores_only_the_strides_of_size_one_dimensions():
 
 def test_every_op_declares_a_policy_and_keeps_it():
     public = set(ops.__all__) - {"ALIASING_POLICY", "can_cast"}  # can_cast: a rule, not an op
-    backward_kernels = {"tanh_backward", "sigmoid_backward", "relu_backward"}
+    # NOTE: autograd's derivative kernels of backends/optable.py, not public ops
+    backward_kernels = {op.name for op in optable.OPS if not op.public}
     internal = {"cross_entropy_backward", "sub_scaled"}  # autograd's, an optimizer's update
     assert set(ops.ALIASING_POLICY) == public | backward_kernels | internal
     assert ops.ALIASING_POLICY["cross_entropy_backward"] == ops.NEVER  # autograd's, fresh out
@@ -803,10 +805,11 @@ def test_every_op_declares_a_policy_and_keeps_it():
         x = runtime.tensor(np.linspace(0.5, 2.0, 9).reshape(3, 3))
         op = getattr(ops, name, None) or (lambda *a, name=name, **k: ops._elementwise(
             name, k["out"], *a))
-        args = ((x, x) if name in ("add", "sub", "mul", "div", "where_finite", "matmul", "linear")
-                else (x,))
-        if name in backward_kernels:
-            args = (x, x)
+        args = (x, x) if name in ("matmul", "linear") else (x,)
+        if name in optable.BY_NAME:
+            condition = runtime.tensor(np.eye(3, dtype=bool))
+            args = tuple(condition if kind == optable.BOOL else x
+                         for kind in optable.BY_NAME[name].operand_kinds)
         kwargs = {"axis": 0, "keepdims": True} if name in ("sum", "mean") else {}
         out = x
         if name in ("sum", "mean"):

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from op_references import REFERENCES
 
 import backends
 from backends import BackendUnavailableError, Device
-from backends.base import BINARY_KERNELS, REDUCE_KERNELS, UNARY_KERNELS
+from backends.base import BINARY_KERNELS, REDUCE_KERNELS, TERNARY_KERNELS, UNARY_KERNELS
 from backends.numpy import NumpyDevice
-from helpers import BINARY_REFERENCE, UNARY_REFERENCE, relu_reference, to_device
+from helpers import BINARY_REFERENCE, TERNARY_REFERENCE, UNARY_REFERENCE, relu_reference, to_device
 
 
 @pytest.fixture(scope="module", params=backends.available())
@@ -409,13 +410,14 @@ def sample(shape: tuple[int, ...], positive: bool = False) -> np.ndarray:
 def test_every_kernel_has_a_reference():
     assert set(UNARY_REFERENCE) == set(UNARY_KERNELS)
     assert set(BINARY_REFERENCE) == set(BINARY_KERNELS)
+    assert set(TERNARY_REFERENCE) == set(TERNARY_KERNELS)
     assert set(REDUCE_REFERENCE) == set(REDUCE_KERNELS)
 
 
 @pytest.mark.parametrize("name", UNARY_KERNELS)
 @pytest.mark.parametrize("in_place", [False, True], ids=["out", "in-place"])
 def test_unary_kernels_match_numpy(device, name, in_place):
-    host = sample((3, 5), positive=name in ("log", "sqrt"))
+    host = sample((3, 5), positive=REFERENCES[name].domain == "positive")
     x = to_device(device, host)
     out = x if in_place else empty_on(device, host.shape)
     device.unary(name, x, out)

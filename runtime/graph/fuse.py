@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from backends import optable
 from runtime import dtypes
 from runtime.graph.program import Fused, _Step
 from runtime.graph.schedule import _positions
@@ -30,7 +31,10 @@ def _fuse_steps(scheduled: list[Instruction], intermediate: frozenset[int], devi
 
 
 def _fusable(instr: Instruction) -> bool:
-    return instr.kind == "kernel" and instr.policy == "elementwise" and len(instr.outputs) == 1
+    """An elementwise kernel that a fused chain may run (`Op.fusible` in backends/optable.py)."""
+    op = optable.BY_NAME.get(instr.op)
+    return (instr.kind == "kernel" and op is not None and op.fusible
+            and instr.policy == "elementwise" and len(instr.outputs) == 1)
 
 
 def _fuse(scheduled: list[Instruction], intermediate: frozenset[int]) -> list[_Step]:
@@ -227,7 +231,8 @@ def _folding(step: _Step, head: Instruction, out: Operand,
 def _linear_form(chain: Sequence[Instruction], product: int,
                  out: Operand) -> tuple[float, float] | None:
     """(alpha, beta) when `chain` computes out = alpha * product + beta * out exactly in form
-    (adds, subtractions, negations and multiplications by numbers of those two), else None."""
+    (each link's formula linear in those two: adds, subtractions, negations, products with
+    numbers), else None."""
     value: dict[int, tuple[float, float]] = {}  # block id -> (coefficient of product, of out)
     form: tuple[float, float] | None = None
     for instr in chain:
@@ -243,16 +248,11 @@ def _linear_form(chain: Sequence[Instruction], product: int,
                 args.append(value[operand.block.id])
             else:
                 return None
-        terms = [a for a in args if isinstance(a, tuple)]
-        numbers = [a for a in args if not isinstance(a, tuple)]
-        if instr.op in ("add", "sub") and len(terms) == 2:
-            sign = 1.0 if instr.op == "add" else -1.0
-            form = (terms[0][0] + sign * terms[1][0], terms[0][1] + sign * terms[1][1])
-        elif instr.op == "mul" and len(terms) == 1 and len(numbers) == 1:
-            form = (terms[0][0] * numbers[0], terms[0][1] * numbers[0])
-        elif instr.op == "neg" and len(terms) == 1:
-            form = (-terms[0][0], -terms[0][1])
-        else:
+        # NOTE: the op's own formula decides (backends/optable.py): add, sub, neg and a
+        # product with a number are linear; anything else is not
+        op = optable.BY_NAME.get(instr.op)
+        form = None if op is None else optable.linear_form(op, args)
+        if form is None:
             return None
         value[instr.outputs[0].block.id] = form
     return form if form is not None and form[0] != 0.0 else None
