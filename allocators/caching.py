@@ -286,7 +286,11 @@ class CachingAllocator(Allocator):
         granule = self.size_classes.granule
         if granule % self.device.alignment:
             raise ValueError(f"the size classes' granule ({granule} bytes) must be a multiple of "
-                             f"the alignment of {self.device.name} ({self.device.alignment})")
+                             f"the alignment of {self.device.name} ({self.device.alignment}), "
+                             f"so that every block cut from a segment stays aligned; pass "
+                             f"size_classes=allocators.sizeclass.GranuleSizeClass(granule="
+                             f"{max(granule, self.device.alignment)}) (or another size class "
+                             f"with that granule)")
         self._max_cached_bytes = _optional_nbytes(max_cached_bytes, "max_cached_bytes")
         self._limit_bytes = _optional_nbytes(limit_bytes, "limit_bytes")
         small_size = self.size_classes.small_size

@@ -19,10 +19,10 @@ import threading
 import weakref
 from typing import Any
 
-from backends.base import BackendUnavailableError, Device
+from backends.base import BackendUnavailableError, Capabilities, Deferred, Device
 
-__all__ = ["BackendUnavailableError", "Device", "available", "from_queue", "get_device",
-           "parse_spec"]
+__all__ = ["BackendUnavailableError", "Capabilities", "Deferred", "Device", "available",
+           "from_queue", "get_device", "parse_spec"]
 
 #: kind -> "module:Class". The only place backends are named; no discovery by file name.
 BACKENDS: dict[str, str] = {

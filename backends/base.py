@@ -7,10 +7,12 @@ kernels on such views. It knows nothing of allocators, blocks or tensors.
 Raw memory comes in two kinds: ordinary, and read-only (`raw_alloc(nbytes, read_only=True)`),
 which kernels may only read while the host still fills it (`copyin`) and reads it back
 (`copyout`); constants live there. A device that has no such memory (CUDA) hands out ordinary
-memory instead and says so with `read_only_memory = False`.
+memory instead and says so (`Capabilities.read_only_memory` False).
 
 Public methods hold the policy (argument checks, error wording); a backend implements the
-underscore hooks. A hook that a backend lacks raises `NotImplementedError` naming it.
+underscore hooks: those of `Device.REQUIRED_HOOKS` always, those of `Device.CAPABILITY_HOOKS`
+for each capability it claims in its `Capabilities` record. A hook that a backend lacks raises
+`NotImplementedError` naming it.
 
 Note [checked before written]: a kernel that refuses its operands (cross_entropy's labels
 outside [0, classes)) raises before it writes any output, so an op that raises leaves `out=`
@@ -56,8 +58,10 @@ result is rounded to its dtype, as the ops it replaces were, never the chain onc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -84,8 +88,8 @@ FUSED_BLOCK_BYTES = 64 << 10
 HALVES = (np.dtype("float16"), np.dtype(ml_dtypes.bfloat16))
 _FLOAT32 = np.dtype("float32")
 #: The dtypes the arithmetic kernels take (every kernel but "copy" and `cast`, which move and
-#: convert any dtype): a backend computes a subset (`Device._compute_dtypes`), checked before
-#: any kernel is built (`Device._check_computes`).
+#: convert any dtype): a backend computes a subset (`Capabilities.compute_dtypes`), checked
+#: before any kernel is built (`Device._check_computes`).
 COMPUTE_DTYPES = (*HALVES, _FLOAT32, np.dtype("float64"))
 
 
@@ -135,6 +139,57 @@ def ieee(fn: Callable[..., Any], *args: Any) -> Any:
         _FP_STATE.reset(token)
 
 
+def contiguous_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+    """The byte strides of a C-order array of `shape` with items of `itemsize` bytes."""
+    strides = []
+    step = itemsize
+    for n in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+@functools.lru_cache(maxsize=64)
+def _rows(count: int) -> np.ndarray:
+    """np.arange(count), made once per count (read-only: it is shared)."""
+    rows = np.arange(count)
+    rows.flags.writeable = False
+    return rows
+
+
+def numpy_cross_entropy(logits: np.ndarray, labels: np.ndarray, losses: np.ndarray,
+                        probs: np.ndarray) -> None:
+    """`Device.cross_entropy` on NumPy arrays, as the CPU device computes it (the labels
+    checked before the first write: Note [checked before written]); the default of
+    `Device._cross_entropy`, on the host."""
+    classes = logits.shape[1]
+    # NOTE: as unsigned, a negative label is huge: one reduction checks both ends
+    if labels.size:
+        unsigned = labels.view(f"u{labels.itemsize}") if labels.dtype.kind == "i" else labels
+        if np.maximum.reduce(unsigned) >= classes:
+            bad = labels[(labels < 0) | (labels >= classes)][0]
+            raise ValueError(f"cross_entropy: label {bad} is outside [0, {classes}) for "
+                             f"{classes} classes")
+    rows = _rows(logits.shape[0])
+    np.maximum.reduce(logits, axis=1, keepdims=True, out=probs[:, :1])  # row maxima, parked
+    top = probs[:, 0].copy()
+    np.subtract(logits, top[:, None], out=probs)
+    picked = probs[rows, labels]  # logit of the label minus the row maximum
+    np.exp(probs, out=probs)
+    total = np.add.reduce(probs, axis=1)
+    np.divide(probs, total[:, None], out=probs)
+    np.log(total, out=total)
+    np.subtract(total, picked, out=losses)
+
+
+def numpy_cross_entropy_backward(probs: np.ndarray, labels: np.ndarray, grad: np.ndarray,
+                                 out: np.ndarray) -> None:
+    """`Device.cross_entropy_backward` on NumPy arrays, as the CPU device computes it."""
+    np.copyto(out, probs)
+    out[_rows(out.shape[0]), labels] -= 1
+    np.multiply(out, grad[:, None], out=out)
+
+
 def _missing(device: Device, hook: str) -> NotImplementedError:
     name = type(device).__name__
     return NotImplementedError(f"{name} does not implement the Device hook {hook}()")
@@ -161,17 +216,146 @@ def _check_program(program: Sequence[tuple[str, tuple, Any]]) -> None:
                 raise ValueError(f"fused: link {i} reads link {ref}, which is not before it")
 
 
+class Deferred:
+    """A capability a device learns only after it is made: its truth is `ask()`, asked at each
+    read. The CPU's `gemm_accumulates` is one: whether a CBLAS runs its products, which
+    backends/_blas.py chooses at the first product (BLOCKRT_BLAS), not when the device is made.
+
+    Example:
+        >>> bool(Deferred(lambda: False, "never"))
+        False
+    """
+
+    __slots__ = ("ask", "what")
+
+    def __init__(self, ask: Callable[[], bool], what: str) -> None:
+        self.ask = ask
+        #: what is asked, for the repr
+        self.what = what
+
+    def __bool__(self) -> bool:
+        return bool(self.ask())
+
+    # NOTE: the queue hooks, called only where `queues` is claimed
+    def _home_queue(self) -> Any:
+        raise _missing(self, "_home_queue")
+
+    def _queue_key(self, queue: Any) -> int:
+        raise _missing(self, "_queue_key")
+
+    def _record_event(self, queue: Any) -> Any:
+        raise _missing(self, "_record_event")
+
+    def _event_done(self, event: Any) -> bool:
+        raise _missing(self, "_event_done")
+
+    def _wait_event(self, event: Any) -> None:
+        raise _missing(self, "_wait_event")
+
+    def _join(self, waiter: Any, signaller: Any) -> None:
+        raise _missing(self, "_join")
+
+    def _synchronize(self) -> None:
+        raise _missing(self, "_synchronize")
+
+    def __repr__(self) -> str:
+        return f"Deferred({self.what!r})"  # NOTE: not asked: a repr has no side effect
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a device does beyond the hooks every backend writes (`Device.REQUIRED_HOOKS`): one
+    record per device, each field's default what the base `Device` does without it.
+
+    A backend declares its record as a class attribute, `capabilities = Capabilities(...)`, or
+    sets `self.capabilities` in `__init__` where it depends on the machine (an OpenCL device
+    without cl_khr_fp64 computes no float64). A capability that needs hooks of its own names
+    them in `Device.CAPABILITY_HOOKS`; the runtime reads the record, never the hooks, to learn
+    what a device does, and `backends.testing` checks the record's claims on the device.
+
+    Example:
+        >>> import backends
+        >>> backends.get_device("cpu").capabilities.host_memory
+        True
+        >>> Capabilities(read_only_memory=True).queues
+        False
+    """
+
+    #: `raw_alloc(n, read_only=True)` gives memory that the device itself marks read-only to
+    #: kernels (`_raw_alloc_read_only`, `_is_read_only`: an OpenCL `READ_ONLY` buffer, a
+    #: non-writeable ndarray); False: ordinary memory, and only the runtime's ReadOnlyError
+    #: checks keep kernels off constants (CUDA).
+    read_only_memory: bool = False
+    #: The device's memory is the host's own (NumPy): moving a tensor to host memory and back
+    #: would free nothing, so a graph under a memory budget never does it.
+    host_memory: bool = False
+    #: The dtypes the arithmetic kernels compute (all but "copy" and `cast`, which move and
+    #: convert any dtype), of COMPUTE_DTYPES and float32 among them; the others are refused
+    #: with a TypeError before any kernel is built (an OpenCL device without cl_khr_fp64 has
+    #: no float64). Kept float32 first.
+    compute_dtypes: tuple[np.dtype, ...] = COMPUTE_DTYPES
+    #: Every kernel hook (elementwise, products, reductions) loads float16 / bfloat16 views
+    #: itself, computes in float32 and rounds once as it stores (Note [two-byte floats compute
+    #: in float32]); False: the base hands the hooks float32 scratch copies (`_in_float32`).
+    half_kernels: bool = False
+    #: `_half_elementwise` runs elementwise kernels on two-byte views itself, where it can, with
+    #: `_in_float32`'s bits; the base widens the others.
+    half_elementwise: bool = False
+    #: `_compile_fused` makes a fused chain one kernel of the device's own; False: the base
+    #: runs a chain's links block by block (`Device.fused`).
+    compiles_fused: bool = False
+    #: `gemm(a, b, out, alpha, beta)` accumulates into out in the product itself (BLAS's beta,
+    #: `_gemm`), so a graph folds an update such as w -= lr * (a @ b) into the product and
+    #: saves a pass; False: a graph never asks for it (the base's `_gemm` is a product into
+    #: scratch and a fused pass). Read it as a truth value: it may be `Deferred`.
+    gemm_accumulates: bool | Deferred = False
+    #: `_plan_products` hears which 2-D products a captured graph runs at every step
+    #: (`Device.plan_products`: the CPU measures which CBLAS runs them faster).
+    measures_products: bool = False
+    #: The device runs its copies and kernels in order on a queue (stream) and has events on
+    #: queues (the queue hooks, Note [queue-ordered reuse]); False: every command is done when
+    #: its call returns, `home_queue` is None and a queue asked of the device is a TypeError.
+    queues: bool = False
+    #: Kernels by name for the runtime's eager fast path (Note [the eager fast path] in
+    #: runtime/fastpath.py): each elementwise one called as kernel(*input_views, out_view) with
+    #: inputs it broadcasts itself, "sum" and "mean" as kernel(x, out, axes, keepdims),
+    #: "sub_scaled" as kernel(a, b, scale, out); None: ops go through `unary`, `binary`,
+    #: `ternary` and `reduce` only.
+    fast_kernels: Mapping[str, Callable[..., Any]] | None = dataclasses.field(default=None,
+                                                                               repr=False)
+    #: The same for float16 and bfloat16 (copy, which moves bits, is `fast_kernels`' own), each
+    #: computing in float32 and rounding once.
+    fast_half_kernels: Mapping[str, Callable[..., Any]] | None = dataclasses.field(
+        default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        dtypes = tuple(np.dtype(d) for d in self.compute_dtypes)
+        unknown = [str(d) for d in dtypes if d not in COMPUTE_DTYPES]
+        if unknown or _FLOAT32 not in dtypes:
+            raise ValueError(f"Capabilities: compute_dtypes are float32 and any of "
+                             f"{', '.join(str(d) for d in COMPUTE_DTYPES if d != _FLOAT32)}, "
+                             f"not {', '.join(map(str, dtypes)) or 'none'} (the two-byte "
+                             f"floats compute in float32)")
+        # NOTE: a tuple, float32 first: `in` settles the common dtype by identity (a set hashes)
+        object.__setattr__(self, "compute_dtypes",
+                           tuple(sorted(dict.fromkeys(dtypes), key=lambda d: d != _FLOAT32)))
+
+
 class Device:
     """One compute device: raw memory, host<->device copies, native views and kernels.
+
+    A backend is a subclass that sets `name` (and `alignment`, where raw memory starts on
+    another boundary than 64 bytes), writes the hooks of `REQUIRED_HOOKS` and declares what
+    else it does in `capabilities` (a `Capabilities` record), with the hooks each claimed
+    capability needs (`CAPABILITY_HOOKS`). The public methods hold the policy (checks, error
+    wording, the two-byte floats' widening); every other hook has a default made of the
+    required ones (`DEFAULT_HOOKS`), which a backend may replace with a faster one.
+    docs/backends.md writes one, and `backends.testing` checks one.
 
     Attributes:
         name: the canonical spec, e.g. "cpu", "opencl:0", "cuda:1".
         alignment: every raw allocation starts at a multiple of this many bytes.
-        read_only_memory: True when `raw_alloc(n, read_only=True)` gives memory that the device
-            itself marks read-only for kernels; False when it gives ordinary memory.
-        gemm_accumulates: True when `gemm(a, b, out, alpha, beta)` runs as one product
-            (BLAS-style), False when it is emulated with scratch.
-        half_kernels: True when the kernels take float16 / bfloat16 views themselves.
+        capabilities: what the device does beyond the required hooks (`Capabilities`).
 
     Example:
         >>> import backends
@@ -182,26 +366,50 @@ class Device:
         >>> dev.raw_free(raw)
     """
 
+    #: The hooks every backend writes: raw memory, copies, views, the elementwise kernels of
+    #: backends/optable.py (one, two and three operands), products, reductions and casts. A
+    #: missing one raises NotImplementedError naming it when it is first called.
+    REQUIRED_HOOKS = ("_raw_alloc", "_raw_free", "_copyin", "_copyout", "_array_view",
+                      "_address", "_nbytes_of", "_unary", "_binary", "_ternary", "_matmul",
+                      "_reduce", "_cast")
+    #: The hooks of each capability of `Capabilities` that needs hooks of its own: a device that
+    #: claims the capability writes them. The base calls the hooks of half_elementwise,
+    #: compiles_fused, measures_products and queues only where they are claimed (their
+    #: defaults raise NotImplementedError); the read-only ones default to ordinary memory, and
+    #: `_gemm` to a product into scratch and a fused pass.
+    CAPABILITY_HOOKS: dict[str, tuple[str, ...]] = {
+        "read_only_memory": ("_raw_alloc_read_only", "_is_read_only"),
+        "half_elementwise": ("_half_elementwise",),
+        "compiles_fused": ("_compile_fused",),
+        "gemm_accumulates": ("_gemm",),
+        "measures_products": ("_plan_products",),
+        "queues": ("_home_queue", "_queue_key", "_record_event", "_event_done", "_wait_event",
+                   "_join", "_synchronize"),
+    }
+    #: The hooks whose default is made of the required ones, and what the default does: a
+    #: backend may write a faster one with the same results.
+    DEFAULT_HOOKS: dict[str, str] = {
+        "_to_host": "the copy kernel into contiguous raw memory of its own, then `_copyout`",
+        "_cross_entropy": "on the host, by the CPU's formula (`host_cross_entropy`)",
+        "_cross_entropy_backward": "on the host, by the CPU's formula",
+        "_sub_scaled": "the mul and sub kernels (one fused chain where `compiles_fused`)",
+        "_gemm": "the product into scratch, then one fused pass for alpha and beta",
+        "_widened": "a cast into float32 scratch",
+    }
+
     name: str = "device"
     alignment: int = 64
-    read_only_memory: bool = False
-    #: True where the device's memory is the host's own (NumPy): moving a tensor to host memory
-    #: and back would free nothing, so a graph under a memory budget never does it.
-    host_memory: bool = False
-    #: True where `gemm` accumulates into its output in the product itself (BLAS's beta), so a
-    #: graph can fold an update such as w -= lr * (a @ b) into the product and save a pass.
-    gemm_accumulates: bool = False
-    #: True where every kernel loads two-byte operands (HALVES) itself, computes in float32 and
-    #: rounds a two-byte output once as it stores (Note [two-byte floats compute in float32]):
-    #: elementwise kernels, products and reductions then run on the halves directly, and
-    #: `_in_float32` widens no input (only a two-byte output of a float32-only kernel goes
-    #: through float32 scratch).
-    half_kernels: bool = False
-    #: Kernels by name for the runtime's eager fast path (Note [the eager fast path] in
-    #: runtime/fastpath.py): each elementwise one called as kernel(*input_views, out_view) with
-    #: inputs that it broadcasts itself, "sum" and "mean" as kernel(x, out, axes, keepdims);
-    #: None: ops go through `unary`, `binary` and `reduce` only.
-    _fast_kernels: dict[str, Any] | None = None
+    capabilities: Capabilities = Capabilities()
+
+    def __init__(self, index: int = 0) -> None:
+        """Device number `index` of the backend (`backends.get_device` passes it): a backend
+        with one device needs no constructor of its own."""
+
+    @classmethod
+    def device_count(cls) -> int:
+        """How many devices of this backend the machine has (`backends.get_device` refuses an
+        index past them); the default is one."""
+        return 1
 
     # ----------------------------------------------------------------- memory (public policy)
     def raw_alloc(self, nbytes: int, read_only: bool = False) -> Any:
@@ -244,12 +452,8 @@ class Device:
         dtype = np.dtype(dtype)
         shape = tuple(shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        strides = []
-        step = dtype.itemsize
-        for n in reversed(shape):
-            strides.append(step)
-            step *= max(n, 1)
-        return self._array_view(self.raw_alloc(nbytes), 0, shape, dtype, tuple(reversed(strides)))
+        return self._array_view(self.raw_alloc(nbytes), 0, shape, dtype,
+                                contiguous_strides(shape, dtype.itemsize))
 
     def is_read_only(self, raw: Any) -> bool:
         """True when the device marks `raw` read-only for kernels (see `raw_alloc`)."""
@@ -275,28 +479,24 @@ class Device:
                              f"allocation of {size} bytes on {self.name}")
 
     # ----------------------------------------------------------------- kernels (public policy)
-    @functools.cached_property
-    def _computed(self) -> tuple[np.dtype, ...]:
-        # NOTE: a tuple, float32 first: `in` settles the common dtype by identity (a set hashes)
-        computed = self._compute_dtypes()
-        return tuple(sorted(computed, key=lambda d: d != _FLOAT32))
-
     def _check_computes(self, kernel: str, inputs: Sequence[Any], out: Any) -> None:
         """Raise TypeError, before any kernel is built or run, where `out` or an array among
-        `inputs` has a dtype this device's kernels do not compute (`_compute_dtypes`); numbers
+        `inputs` has a dtype this device's kernels do not compute (`compute_dtypes`); numbers
         pass (they meet the kernel in out's compute dtype). One rule and one message on every
         backend."""
         dtype = out.dtype
-        if dtype not in self._computed:
+        computed = self.capabilities.compute_dtypes
+        if dtype not in computed:
             self._refuse_dtype(kernel, dtype)
         for x in inputs:  # NOTE: most inputs have out's dtype object: `is` settles them
             other = getattr(x, "dtype", dtype)
-            if other is not dtype and other not in self._computed and not isinstance(
+            if other is not dtype and other not in computed and not isinstance(
                     x, np.generic):
                 self._refuse_dtype(kernel, other)
 
     def _refuse_dtype(self, kernel: str, dtype: np.dtype) -> None:
-        names = ", ".join(str(d) for d in COMPUTE_DTYPES if d in self._computed)
+        names = ", ".join(str(d) for d in COMPUTE_DTYPES
+                          if d in self.capabilities.compute_dtypes)
         why = (f" ({self.name} lacks {dtype} arithmetic: an OpenCL device without cl_khr_fp64, "
                f"say)" if dtype in COMPUTE_DTYPES else "")
         raise TypeError(f"{self.name}: the {kernel} kernel computes on {names}, not {dtype}"
@@ -305,16 +505,14 @@ class Device:
 
     def unary(self, name: str, x: Any, out: Any) -> None:
         """out = f(x) elementwise, f one of UNARY_KERNELS; x may be identical to out. Every
-        kernel but "copy" (any dtype) takes the dtypes of `_compute_dtypes` only (TypeError)."""
+        kernel but "copy" (any dtype) takes the dtypes of `compute_dtypes` only (TypeError)."""
         if name not in UNARY_KERNELS:
             raise ValueError(f"unknown unary kernel {name!r}; known: {', '.join(UNARY_KERNELS)}")
         if name != "copy":
             self._check_computes(name, (x,), out)
-        if out.dtype in HALVES and name != "copy" and not self.half_kernels:
             # NOTE: ops give x out's dtype
-            if not self._half_elementwise(name, (x,), out):
-                self._in_float32(functools.partial(self._unary, name), (x,), (out,))
-            return
+            if out.dtype in HALVES and self._widening(name, (x,), out, self._unary):
+                return
         self._unary(name, x, out)
 
     def binary(self, name: str, a: Any, b: Any, out: Any) -> None:
@@ -322,16 +520,15 @@ class Device:
         if name not in BINARY_KERNELS:
             raise ValueError(f"unknown binary kernel {name!r}; known: {', '.join(BINARY_KERNELS)}")
         self._check_computes(name, (a, b), out)
-        if out.dtype in HALVES and not self.half_kernels:  # NOTE: ops give a and b out's dtype
-            if not self._half_elementwise(name, (a, b), out):
-                self._in_float32(functools.partial(self._binary, name), (a, b), (out,))
+        # NOTE: ops give a and b out's dtype
+        if out.dtype in HALVES and self._widening(name, (a, b), out, self._binary):
             return
         self._binary(name, a, b, out)
 
     def ternary(self, name: str, a: Any, b: Any, c: Any, out: Any) -> None:
         """out = op(a, b, c) elementwise, op one of TERNARY_KERNELS; the operands already have
         out's shape (zero strides broadcast). A BOOL operand of the op (where's condition) is
-        a bool view; the others take the dtypes of `_compute_dtypes` (TypeError)."""
+        a bool view; the others take the dtypes of `compute_dtypes` (TypeError)."""
         if name not in TERNARY_KERNELS:
             raise ValueError(f"unknown ternary kernel {name!r}; known: "
                              f"{', '.join(TERNARY_KERNELS)}")
@@ -343,11 +540,22 @@ class Device:
                                 f"{getattr(x, 'dtype', type(x).__name__)}")
         floats = tuple(x for x, kind in zip(operands, kinds) if kind == optable.FLOAT)
         self._check_computes(name, floats, out)
-        if out.dtype in HALVES and not self.half_kernels:
-            if not self._half_elementwise(name, operands, out):
-                self._in_float32(functools.partial(self._ternary, name), operands, (out,))
+        if out.dtype in HALVES and self._widening(name, operands, out, self._ternary):
             return
         self._ternary(name, a, b, c, out)
+
+    def _widening(self, name: str, operands: Sequence[Any], out: Any,
+                  hook: Callable[..., None]) -> bool:
+        """Run the elementwise kernel `name` into the half view `out` where the hooks take no
+        halves (`half_kernels` False), and return True: by `_half_elementwise` where claimed
+        and it takes the call, else `hook` on float32 copies (`_in_float32`). False, nothing
+        done, where `hook` takes halves itself."""
+        capabilities = self.capabilities
+        if capabilities.half_kernels:
+            return False
+        if not (capabilities.half_elementwise and self._half_elementwise(name, operands, out)):
+            self._in_float32(functools.partial(hook, name), operands, (out,))
+        return True
 
     def elementwise(self, name: str, operands: Sequence[Any], out: Any) -> None:
         """The elementwise kernel `name` of any arity: `unary`, `binary` or `ternary`."""
@@ -370,7 +578,7 @@ class Device:
     def matmul(self, a: Any, b: Any, out: Any) -> None:
         """out = a @ b for 2-D (or batched N-D) views; out never overlaps a or b."""
         self._check_computes("matmul", (a, b), out)
-        if out.dtype in HALVES and not self.half_kernels:
+        if out.dtype in HALVES and not self.capabilities.half_kernels:
             return self._in_float32(self._matmul, (a, b), (out,))
         self._matmul(a, b, out)
 
@@ -385,7 +593,7 @@ class Device:
         one BLAS-style product that rounds once; otherwise a product into scratch and a fused
         elementwise pass (the same result up to rounding)."""
         self._check_computes("gemm", (a, b), out)
-        if out.dtype in HALVES and not self.half_kernels:
+        if out.dtype in HALVES and not self.capabilities.half_kernels:
             return self._in_float32(lambda a, b, o: self._gemm(a, b, o, float(alpha),
                                                                float(beta)),
                                     (a, b), (out,), read=beta != 0)
@@ -395,8 +603,10 @@ class Device:
         """Hear which 2-D products a captured graph runs at every step, as (a, b, out,
         accumulates) layouts (anything with shape, strides in bytes and dtype), one entry per
         `matmul` or `gemm` call. A device that picks how to run its products by measuring
-        them (the CPU's CBLAS, backends/_blas_choice.py) uses it; the default ignores it."""
-        self._plan_products(list(products))
+        them (the CPU's CBLAS, backends/_blas_choice.py) hears them (`measures_products`);
+        the others ignore them."""
+        if self.capabilities.measures_products:
+            self._plan_products(list(products))
 
     def reduce(self, name: str, x: Any, axis: tuple[int, ...] | None, keepdims: bool,
                out: Any) -> None:
@@ -404,7 +614,7 @@ class Device:
         if name not in REDUCE_KERNELS:
             raise ValueError(f"unknown reduction {name!r}; known: {', '.join(REDUCE_KERNELS)}")
         self._check_computes(name, (x,), out)
-        if out.dtype in HALVES and not self.half_kernels:
+        if out.dtype in HALVES and not self.capabilities.half_kernels:
             return self._in_float32(lambda x, o: self._reduce(name, x, axis, keepdims, o), (x,),
                                     (out,))
         self._reduce(name, x, axis, keepdims, out)
@@ -445,8 +655,9 @@ class Device:
         as float32, as PyTorch keeps a Python number in its opmath type; other operands (None,
         integer labels) as they are."""
         wide = []
+        widen = not self.capabilities.half_kernels
         for x in inputs:
-            if _half(x) and not self.half_kernels:
+            if widen and _half(x):
                 x = self._widened(x)
             elif isinstance(x, np.generic) and x.dtype in HALVES:
                 x = np.float32(x)
@@ -468,8 +679,9 @@ class Device:
         """Run the elementwise kernel `name` into the half view `out` under Note [two-byte
         floats compute in float32] (`_in_float32`'s result bit for bit) without widened
         copies, if the backend can; return False, having written nothing, to have
-        `_in_float32` run the float32 kernel. The default always returns False."""
-        return False
+        `_in_float32` run the float32 kernel. Called only where `half_elementwise` is
+        claimed."""
+        raise _missing(self, "_half_elementwise")
 
     def _widened(self, x: Any) -> Any:
         """A float32 array equal to the half view `x` (its shape; any strides). The default
@@ -511,20 +723,23 @@ class Device:
             return
         self._check_computes("fused", inputs, out)
         for name, _, dtype in program:
-            if name != "copy" and np.dtype(dtype) not in self._computed:
+            if name != "copy" and np.dtype(dtype) not in self.capabilities.compute_dtypes:
                 self._refuse_dtype(f"fused chain's {name}", np.dtype(dtype))
 
     def _prepared(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
                   out: Any, shared: dict) -> Callable[[], None]:
-        run = self._compile_fused(program, inputs, out)
+        run = None
+        if self.capabilities.compiles_fused:
+            run = self._compile_fused(program, inputs, out)
         return self._blocked(program, inputs, out, shared) if run is None else run
 
     def _compile_fused(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
                        out: Any) -> Callable[[], None] | None:
         """The chain as one kernel of the backend's own, set up for these views: a function
         that launches it with every argument made now; None where the backend has no kernel
-        for the chain (the default has none), and the blocked default runs it."""
-        return None
+        for this chain, and the blocked default runs it. Called only where `compiles_fused`
+        is claimed."""
+        raise _missing(self, "_compile_fused")
 
     def fused_scratch(self, program: Sequence[tuple[str, tuple, Any]], shape: Sequence[int],
                       dtype: Any) -> list[tuple[tuple[int, ...], np.dtype, int]]:
@@ -583,7 +798,10 @@ class Device:
         return self._to_host(view)
 
     def synchronize(self) -> None:
-        """Wait until every queued kernel and copy has finished (no-op for synchronous devices)."""
+        """Wait until every queued kernel and copy has finished (a device without queues has
+        nothing to wait for)."""
+        if self.capabilities.queues:
+            self._synchronize()
 
     # ----------------------------------------------------------------- queues
     # Note [queue-ordered reuse]: a device runs its copies and kernels on one in-order queue
@@ -598,11 +816,13 @@ class Device:
     # on the device (a marker and a barrier, cudaStreamWaitEvent), as CUDA's stream-ordered
     # allocator inserts dependencies between streams. Together: every command on memory before
     # its free comes before every command on it after its next allocation, whatever the queues.
+    # The public methods below are the queues' policy: on a device without queues
+    # (`Capabilities.queues` False) there is no home queue and every other one raises TypeError.
     @property
     def home_queue(self) -> Any:
         """The queue (stream) all of this device's copies and kernels run on, in order; None for
         a synchronous device."""
-        return None
+        return self._home_queue() if self.capabilities.queues else None
 
     def queue_key(self, queue: Any) -> int:
         """A number naming `queue` (two objects for one queue give one key).
@@ -612,38 +832,43 @@ class Device:
                 none).
             ValueError: `queue` belongs to another device or context.
         """
-        raise TypeError(f"{self.name} runs every command synchronously and has no queues; got "
-                        f"{type(queue).__name__}")
+        if not self.capabilities.queues:
+            raise TypeError(f"{self.name} runs every command synchronously and has no queues; "
+                            f"got {type(queue).__name__}")
+        return self._queue_key(queue)
 
     def record_event(self, queue: Any) -> Any:
         """An event that completes when everything queued on `queue` so far has run."""
-        raise TypeError(f"{self.name} runs every command synchronously and has no queues")
+        if not self.capabilities.queues:
+            raise TypeError(f"{self.name} runs every command synchronously and has no queues")
+        return self._record_event(queue)
 
     def event_done(self, event: Any) -> bool:
         """Whether `event` has completed (without waiting)."""
-        raise TypeError(f"{self.name} runs every command synchronously and has no events")
+        if not self.capabilities.queues:
+            raise TypeError(f"{self.name} runs every command synchronously and has no events")
+        return self._event_done(event)
 
     def wait_event(self, event: Any) -> None:
         """Block the host until `event` has completed."""
-        raise TypeError(f"{self.name} runs every command synchronously and has no events")
+        if not self.capabilities.queues:
+            raise TypeError(f"{self.name} runs every command synchronously and has no events")
+        self._wait_event(event)
 
     def join(self, waiter: Any, signaller: Any) -> None:
         """Make what is queued on `waiter` from now on wait for everything queued on `signaller`
         so far, without blocking the host (a marker and a barrier, or an event)."""
-        raise TypeError(f"{self.name} runs every command synchronously and has no queues")
+        if not self.capabilities.queues:
+            raise TypeError(f"{self.name} runs every command synchronously and has no queues")
+        self._join(waiter, signaller)
 
     # ----------------------------------------------------------------- hooks (mechanism)
-    def _compute_dtypes(self) -> Sequence[np.dtype]:
-        """The dtypes this device's arithmetic kernels compute, asked once: COMPUTE_DTYPES, or
-        fewer where the device lacks one (an OpenCL device without cl_khr_fp64)."""
-        return COMPUTE_DTYPES
-
     def _raw_alloc(self, nbytes: int) -> Any:
         raise _missing(self, "_raw_alloc")
 
     def _raw_alloc_read_only(self, nbytes: int) -> Any:
         """Ordinary memory: a device with read-only memory overrides this (and `_is_read_only`)
-        and sets `read_only_memory`."""
+        and claims `read_only_memory`."""
         return self._raw_alloc(nbytes)
 
     def _is_read_only(self, raw: Any) -> bool:
@@ -684,7 +909,9 @@ class Device:
         raise _missing(self, "_cast")
 
     def _plan_products(self, products: list[tuple[Any, Any, Any, bool]]) -> None:
-        pass  # optional: only a device that measures its products listens
+        """Hear a graph's products (`plan_products`); called only where `measures_products`
+        is claimed."""
+        raise _missing(self, "_plan_products")
 
     def _gemm(self, a: Any, b: Any, out: Any, alpha: float, beta: float) -> None:
         if beta == 0.0 and alpha == 1.0:
@@ -701,12 +928,12 @@ class Device:
                         ("add", (("link", 0), ("link", 1)), dtype)], [product, out], out)
 
     def _sub_scaled(self, a: Any, b: Any, scale: Any, out: Any, scratch: Any) -> None:
-        """One pass where the backend compiles fused chains itself (`_compile_fused`: each link
+        """One pass where the backend compiles fused chains itself (`compiles_fused`: each link
         rounded to its dtype, as its own kernel would round it); else the two kernels, the
         product in `scratch` (made here when None)."""
         dtype = out.dtype
         product = ("mul", (("input", 1), ("number", scale)), dtype)
-        if type(self)._compile_fused is not Device._compile_fused:
+        if self.capabilities.compiles_fused:
             self.fused([product, ("sub", (("input", 0), ("link", 0)), dtype)], [a, b], out)
             return
         if scratch is None:
@@ -719,13 +946,70 @@ class Device:
         raise _missing(self, "_reduce")
 
     def _cross_entropy(self, logits: Any, labels: Any, losses: Any, probs: Any) -> None:
-        raise _missing(self, "_cross_entropy")
+        """On the host, by the CPU's formula (`numpy_cross_entropy`, which checks the labels
+        before anything is written): a backend writes a kernel of its own for speed."""
+        host_losses = np.empty(tuple(losses.shape), losses.dtype)
+        host_probs = np.empty(tuple(probs.shape), probs.dtype)
+        numpy_cross_entropy(self.to_host(logits), self.to_host(labels), host_losses, host_probs)
+        self._from_host(host_losses, losses)
+        self._from_host(host_probs, probs)
 
     def _cross_entropy_backward(self, probs: Any, labels: Any, grad: Any, out: Any) -> None:
-        raise _missing(self, "_cross_entropy_backward")
+        """On the host, by the CPU's formula (`numpy_cross_entropy_backward`)."""
+        host_out = np.empty(tuple(out.shape), out.dtype)
+        numpy_cross_entropy_backward(self.to_host(probs), self.to_host(labels),
+                                     self.to_host(grad), host_out)
+        self._from_host(host_out, out)
 
     def _to_host(self, view: Any) -> np.ndarray:
-        raise _missing(self, "_to_host")
+        """The copy kernel moves the view (any strides) into contiguous raw memory of its own,
+        which `_copyout` reads."""
+        shape, dtype = tuple(view.shape), np.dtype(view.dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        raw = self.raw_alloc(nbytes)
+        try:
+            self.unary("copy", view, self._array_view(raw, 0, shape, dtype,
+                                                     contiguous_strides(shape, dtype.itemsize)))
+            host = self._copyout(raw, 0, nbytes)
+        finally:
+            self.raw_free(raw)
+        return host.view(dtype).reshape(shape)
+
+    def _from_host(self, host: np.ndarray, view: Any) -> None:
+        """Write the host array `host` (view's shape and dtype) into the native view `view`:
+        staged in raw memory of its own by `copyin`, moved by the copy kernel (any strides)."""
+        host = np.ascontiguousarray(host)
+        raw = self.raw_alloc(host.nbytes)
+        try:
+            self.copyin(raw, 0, host)
+            staged = self._array_view(raw, 0, host.shape, host.dtype,
+                                      contiguous_strides(host.shape, host.dtype.itemsize))
+            self.unary("copy", staged, view)
+            self.synchronize()  # NOTE: the copy has read the staged bytes before they go
+        finally:
+            self.raw_free(raw)
+
+    # NOTE: the queue hooks, called only where `queues` is claimed
+    def _home_queue(self) -> Any:
+        raise _missing(self, "_home_queue")
+
+    def _queue_key(self, queue: Any) -> int:
+        raise _missing(self, "_queue_key")
+
+    def _record_event(self, queue: Any) -> Any:
+        raise _missing(self, "_record_event")
+
+    def _event_done(self, event: Any) -> bool:
+        raise _missing(self, "_event_done")
+
+    def _wait_event(self, event: Any) -> None:
+        raise _missing(self, "_wait_event")
+
+    def _join(self, waiter: Any, signaller: Any) -> None:
+        raise _missing(self, "_join")
+
+    def _synchronize(self) -> None:
+        raise _missing(self, "_synchronize")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"

@@ -9,9 +9,10 @@ allocators are the pool. Native views are `cupy.ndarray`s over a `MemoryPointer`
 
 Read-only memory: CUDA has no flag that makes device memory read-only to kernels (`__constant__`
 memory is a 64 KiB per-module symbol, not an allocation, and `cudaMemAdviseSetReadMostly` is a
-hint for managed memory), and a cupy.ndarray has no writeable flag. So `read_only_memory` is
-False and `raw_alloc(n, read_only=True)` gives ordinary cudaMalloc memory: constants here are
-protected only by the runtime, which raises `ReadOnlyError` before any kernel would write them.
+hint for managed memory), and a cupy.ndarray has no writeable flag. So the device claims no
+`read_only_memory` (`Capabilities`) and `raw_alloc(n, read_only=True)` gives ordinary cudaMalloc
+memory: constants here are protected only by the runtime, which raises `ReadOnlyError` before
+any kernel would write them.
 
 Why a freed block is safe to reuse: every copy and kernel of a device runs on its one stream,
 `CudaDevice.stream` (a new one, or a framework's own through `backends.from_queue(stream)`),
@@ -48,7 +49,7 @@ import ml_dtypes
 import numpy as np
 
 from backends import optable
-from backends.base import HALVES, BackendUnavailableError, Device
+from backends.base import HALVES, BackendUnavailableError, Capabilities, Device
 
 _ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -253,6 +254,7 @@ class CudaDevice(Device):
 
     #: cudaMalloc returns 256-byte aligned memory
     alignment = 256
+    capabilities = Capabilities(half_elementwise=True, compiles_fused=True, queues=True)
 
     def __init__(self, index: int = 0, stream: Any = None) -> None:
         cp = _cupy()
@@ -304,15 +306,14 @@ class CudaDevice(Device):
         with self.cuda_device:
             return int(_cupy().cuda.runtime.memGetInfo()[1])
 
-    def synchronize(self) -> None:
+    # NOTE: the queue hooks: Note [queue-ordered reuse] in backends/base.py
+    def _synchronize(self) -> None:
         self.stream.synchronize()
 
-    # NOTE: Note [queue-ordered reuse] in backends/base.py
-    @property
-    def home_queue(self) -> Any:
+    def _home_queue(self) -> Any:
         return self.stream
 
-    def queue_key(self, queue: Any) -> int:
+    def _queue_key(self, queue: Any) -> int:
         cp = _cupy()
         if not isinstance(queue, (cp.cuda.Stream, cp.cuda.ExternalStream)):
             raise TypeError(f"{self.name}: expected a cupy.cuda.Stream, got "
@@ -322,17 +323,17 @@ class CudaDevice(Device):
             raise ValueError(f"{self.name}: the stream {queue!r} belongs to cuda:{device_id}")
         return queue.ptr
 
-    def record_event(self, queue: Any) -> Any:
+    def _record_event(self, queue: Any) -> Any:
         with self.cuda_device:
             return queue.record(_cupy().cuda.Event(disable_timing=True))
 
-    def event_done(self, event: Any) -> bool:
+    def _event_done(self, event: Any) -> bool:
         return event.done
 
-    def wait_event(self, event: Any) -> None:
+    def _wait_event(self, event: Any) -> None:
         event.synchronize()
 
-    def join(self, waiter: Any, signaller: Any) -> None:
+    def _join(self, waiter: Any, signaller: Any) -> None:
         with self.cuda_device:
             waiter.wait_event(signaller.record())
 

@@ -19,7 +19,14 @@ import ml_dtypes
 import numpy as np
 
 from backends import _blas, _erf, accelerated, optable
-from backends.base import HALVES, Device
+from backends.base import (
+    HALVES,
+    Capabilities,
+    Deferred,
+    Device,
+    numpy_cross_entropy,
+    numpy_cross_entropy_backward,
+)
 
 # NOTE: optional, as the allocator's hot path: np.copyto converts the same bits
 _halfconv = accelerated.load("backends._halfconv")
@@ -229,14 +236,6 @@ def _sum(x: np.ndarray, out: np.ndarray, axes: tuple[int, ...] | None, keepdims:
         _reduce("sum", x, axes, keepdims, out)
 
 
-@functools.lru_cache(maxsize=64)
-def _rows(count: int) -> np.ndarray:
-    """np.arange(count), made once per count (read-only: it is shared)."""
-    rows = np.arange(count)
-    rows.flags.writeable = False
-    return rows
-
-
 def _convert(x: np.ndarray, out: np.ndarray) -> None:
     """out = x converted to out's dtype: float16 and bfloat16 to and from float32 in C
     (`backends/_halfconv.c`, any layout), anything else by NumPy."""
@@ -306,7 +305,7 @@ def _sub_scaled_kernel(a: np.ndarray, b: np.ndarray, scale, out: np.ndarray) -> 
     kind = _SUB_SCALED.get(out.dtype)
     if kind is not None and _halfconv.sub_scaled(kind, out, a, b, scale):
         return
-    kernels = NumpyDevice._fast_half_kernels if out.dtype in HALVES else _KERNELS
+    kernels = _FAST_HALF if out.dtype in HALVES else _KERNELS
     product = np.empty(b.shape, out.dtype)
     kernels["mul"](b, scale, product)
     kernels["sub"](a, product, out)
@@ -327,30 +326,33 @@ def _half_kernel(name: str):
     return kernel
 
 
+#: The fast path's kernels for float16 and bfloat16 (copy, which moves bits, is the float
+#: table's own)
+_FAST_HALF = {**{name: _half_kernel(name) for name in _FAST if name != "copy"},
+              "sub_scaled": _sub_scaled_kernel}
+
+
 class NumpyDevice(Device):
     """Host memory and NumPy kernels. There is one CPU device: index 0."""
 
     alignment = 64
-    #: non-writeable ndarrays
-    read_only_memory = True
-    host_memory = True
-    #: every elementwise kernel, called as kernel(*inputs, out) (NumPy broadcasts the inputs),
-    #: and the reductions, as kernel(x, out, axes, keepdims)
-    _fast_kernels = {**_FAST, "sum": _sum,
-                     "mean": lambda x, out, axes, keepdims: _reduce("mean", x, axes, keepdims,
-                                                                   out),
-                     "sub_scaled": _sub_scaled_kernel}
-
-    #: the same for float16 and bfloat16 (copy, which moves bits, is `_fast_kernels`' own)
-    _fast_half_kernels = {**{name: _half_kernel(name) for name in _FAST if name != "copy"},
-                          "sub_scaled": _sub_scaled_kernel}
+    capabilities = Capabilities(
+        read_only_memory=True,  # NOTE: non-writeable ndarrays
+        host_memory=True,
+        half_elementwise=True,  # NOTE: `_halfconv.apply`, where the extension is built
+        # NOTE: the CBLAS is chosen at the first product (BLOCKRT_BLAS), not with the device
+        gemm_accumulates=Deferred(lambda: _blas.find() is not None, "a CBLAS is in use"),
+        measures_products=True,
+        # NOTE: every elementwise kernel, called as kernel(*inputs, out) (NumPy broadcasts the
+        # inputs), and the reductions, as kernel(x, out, axes, keepdims)
+        fast_kernels={**_FAST, "sum": _sum,
+                      "mean": lambda x, out, axes, keepdims: _reduce("mean", x, axes, keepdims,
+                                                                    out),
+                      "sub_scaled": _sub_scaled_kernel},
+        fast_half_kernels=_FAST_HALF)
 
     def __init__(self, index: int = 0) -> None:
         self.name = "cpu"
-
-    @classmethod
-    def device_count(cls) -> int:
-        return 1
 
     @property
     def total_memory(self) -> int | None:
@@ -442,10 +444,6 @@ class NumpyDevice(Device):
     def _plan_products(self, products) -> None:
         _blas.expect(products)  # while the CBLAS is being chosen, these are what it times
 
-    @property
-    def gemm_accumulates(self) -> bool:  # type: ignore[override]
-        return _blas.find() is not None
-
     def _gemm(self, a, b, out, alpha, beta) -> None:
         blas = _blas.find()
         if blas is None or not blas(a, b, out, alpha, beta):  # False: layouts it can't read
@@ -454,31 +452,9 @@ class NumpyDevice(Device):
     def _reduce(self, name, x, axis, keepdims, out) -> None:
         _reduce(name, x, axis, keepdims, out)
 
-    def _cross_entropy(self, logits, labels, losses, probs) -> None:
-        classes = logits.shape[1]
-        # NOTE: Note [checked before written] in backends/base.py: the labels are checked before
-        # the first write. As unsigned, a negative label is huge: one reduction checks both ends.
-        if labels.size:
-            unsigned = labels.view(f"u{labels.itemsize}") if labels.dtype.kind == "i" else labels
-            if np.maximum.reduce(unsigned) >= classes:
-                bad = labels[(labels < 0) | (labels >= classes)][0]
-                raise ValueError(f"cross_entropy: label {bad} is outside [0, {classes}) for "
-                                 f"{classes} classes")
-        rows = _rows(logits.shape[0])
-        np.maximum.reduce(logits, axis=1, keepdims=True, out=probs[:, :1])  # row maxima, parked
-        top = probs[:, 0].copy()
-        np.subtract(logits, top[:, None], out=probs)
-        picked = probs[rows, labels]  # logit of the label minus the row maximum
-        np.exp(probs, out=probs)
-        total = np.add.reduce(probs, axis=1)
-        np.divide(probs, total[:, None], out=probs)
-        np.log(total, out=total)
-        np.subtract(total, picked, out=losses)
-
-    def _cross_entropy_backward(self, probs, labels, grad, out) -> None:
-        np.copyto(out, probs)
-        out[_rows(out.shape[0]), labels] -= 1
-        np.multiply(out, grad[:, None], out=out)
+    # NOTE: the host formulas are the CPU's own (the base's default runs them on copies)
+    _cross_entropy = staticmethod(numpy_cross_entropy)
+    _cross_entropy_backward = staticmethod(numpy_cross_entropy_backward)
 
     def _to_host(self, view: np.ndarray) -> np.ndarray:
         return np.array(view, copy=True)

@@ -42,6 +42,7 @@ backends/base.py). Non-blocking host copies would break this reasoning.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -54,7 +55,7 @@ import ml_dtypes
 import numpy as np
 
 from backends import optable
-from backends.base import COMPUTE_DTYPES, HALVES, BackendUnavailableError, Device
+from backends.base import COMPUTE_DTYPES, HALVES, BackendUnavailableError, Capabilities, Device
 
 try:
     import pyopencl as cl
@@ -190,8 +191,16 @@ class OpenCLDevice(Device):
         'opencl:0'
     """
 
-    #: READ_ONLY buffers
-    read_only_memory = True
+    capabilities = Capabilities(
+        read_only_memory=True,  # NOTE: READ_ONLY buffers
+        # NOTE: Note [two-byte floats compute in float32] in backends/base.py, with no widened
+        # copies: these kernels load float16 / bfloat16 straight into float and round once as
+        # they store (`Device._in_float32`'s bits); linear and cross_entropy's two-byte
+        # outputs go through float32 scratch, their inputs are read as they are.
+        half_kernels=True,
+        compiles_fused=True,
+        gemm_accumulates=True,  # NOTE: the product kernel scales and accumulates as it stores
+        queues=True)
 
     def __init__(self, index: int = 0, queue: Any = None) -> None:
         if queue is None:
@@ -212,6 +221,10 @@ class OpenCLDevice(Device):
         # allocator refuse this device unless it is given size classes of a larger granule.
         self.alignment = max(self.cl_device.mem_base_addr_align // 8, 1)
         self.fp64 = "cl_khr_fp64" in self.cl_device.extensions
+        if not self.fp64:
+            # NOTE: float64 is last
+            self.capabilities = dataclasses.replace(type(self).capabilities,
+                                                    compute_dtypes=COMPUTE_DTYPES[:-1])
         #: whether the device has half arithmetic (cl_khr_fp16); reported, never used: the
         #: two-byte floats compute in float on every device (module docstring)
         self.fp16 = "cl_khr_fp16" in self.cl_device.extensions
@@ -266,15 +279,14 @@ class OpenCLDevice(Device):
     def total_memory(self) -> int | None:
         return int(self.cl_device.global_mem_size)
 
-    def synchronize(self) -> None:
+    # NOTE: the queue hooks: Note [queue-ordered reuse] in backends/base.py
+    def _synchronize(self) -> None:
         self.queue.finish()
 
-    # NOTE: Note [queue-ordered reuse] in backends/base.py
-    @property
-    def home_queue(self) -> Any:
+    def _home_queue(self) -> Any:
         return self.queue
 
-    def queue_key(self, queue: Any) -> int:
+    def _queue_key(self, queue: Any) -> int:
         if not isinstance(queue, cl.CommandQueue):
             raise TypeError(f"{self.name}: expected a pyopencl.CommandQueue, got "
                             f"{type(queue).__name__}")
@@ -284,29 +296,22 @@ class OpenCLDevice(Device):
                              f"events cannot be used here")
         return queue.int_ptr
 
-    def record_event(self, queue: Any) -> Any:
+    def _record_event(self, queue: Any) -> Any:
         return cl.enqueue_marker(queue)
 
-    def event_done(self, event: Any) -> bool:
+    def _event_done(self, event: Any) -> bool:
         # NOTE: a negative status is an error: the commands ended, and touch nothing any more
         return event.command_execution_status <= cl.command_execution_status.COMPLETE
 
-    def wait_event(self, event: Any) -> None:
+    def _wait_event(self, event: Any) -> None:
         event.wait()
 
-    def join(self, waiter: Any, signaller: Any) -> None:
+    def _join(self, waiter: Any, signaller: Any) -> None:
         cl.enqueue_barrier(waiter, wait_for=[cl.enqueue_marker(signaller)])
 
     def kernel_cache_stats(self) -> dict[str, int]:
         """{"kernels": programs built, "hits": launches that found theirs, "misses": builds}."""
         return {"kernels": len(self._kernels), "hits": self._hits, "misses": self._misses}
-
-    # ----------------------------------------------------------------- two-byte floats
-    # NOTE: Note [two-byte floats compute in float32] in backends/base.py, with no widened
-    # copies (`half_kernels`): these kernels load float16 / bfloat16 straight into float and
-    # round once as they store (`Device._in_float32`'s bits); linear and cross_entropy's
-    # two-byte outputs go through float32 scratch, their inputs are read as they are.
-    half_kernels = True
 
     # ----------------------------------------------------------------- memory
     def _raw_alloc(self, nbytes: int) -> _Raw:
@@ -371,9 +376,6 @@ class OpenCLDevice(Device):
         return picked.copy()
 
     # ----------------------------------------------------------------- kernels
-    def _compute_dtypes(self) -> Sequence[np.dtype]:
-        return COMPUTE_DTYPES if self.fp64 else COMPUTE_DTYPES[:-1]  # NOTE: float64 is last
-
     def _type(self, dtype: np.dtype) -> str:
         ctype = _FLOAT_TYPES.get(dtype)
         if ctype is None:
@@ -557,9 +559,6 @@ class OpenCLDevice(Device):
         numbers = [n_out, n_red, *kdims, *ksteps[0], *ksteps[1], *rdims, *rsteps[0]]
         self._run(kernel, (-(-n_out // GROUP) * GROUP,), (GROUP,), out.base_data, offset_o,
                   x.base_data, offset_x, *numbers)
-
-    #: the product kernel scales and accumulates as it stores
-    gemm_accumulates = True
 
     def _matmul(self, a, b, out) -> None:
         self._product(a, b, out, 1.0, 0.0)

@@ -476,7 +476,7 @@ def main() -> None:
     device = backends.get_device(DEVICE)
     print(f"memory budgets on {machine(device)}; {versions()}; 1-minute load average "
           f"{os.getloadavg()[0]:.2f} at the start")
-    if not device.host_memory:
+    if not device.capabilities.host_memory:
         measured = rates(device)
         print(f"measured rates on {device.name}: {measured.per_byte * 1e12:.3g} ps per byte "
               f"moved, {measured.per_flop * 1e12:.3g} ps per flop, "

@@ -24,6 +24,7 @@ Run: python benchmarks/bench_opencl.py [--quick] [--elements N] [--tables fusion
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -37,7 +38,7 @@ from timing import cpu_name, interleaved_best, interleaved_min, versions
 import allocators
 import backends
 import runtime
-from backends.base import HALVES, Device
+from backends.base import HALVES
 from blockrt.models import CONFIGS
 from runtime import nn, ops
 
@@ -150,14 +151,13 @@ def allocation_table(device: backends.Device, rounds: int, number: int) -> None:
 
 def widened_halves() -> backends.Device:
     """A new OpenCL device that computes float16 and bfloat16 as before the native half
-    kernels: `half_kernels` off and `Device`'s `_half_elementwise` (each half operand widened into
+    kernels: `half_kernels` off and no `half_elementwise` (each half operand widened into
     float32 scratch, the float32 kernel, the result narrowed), fused half chains in the blocked
     default (those kernels again, block by block)."""
     from backends.opencl import OpenCLDevice
 
     class Widened(OpenCLDevice):
-        half_kernels = False
-        _half_elementwise = Device._half_elementwise
+        capabilities = dataclasses.replace(OpenCLDevice.capabilities, half_kernels=False)
 
         def _compile_fused(self, program, inputs, out):
             return None if out.dtype in HALVES else super()._compile_fused(program, inputs, out)

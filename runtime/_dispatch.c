@@ -9,7 +9,8 @@
  * `configure`), so the Python classes stay the one definition of those fields.
  *
  * What falls back (None): anything but exact Tensors and plain numbers; a graph capture in this
- * thread; a device without fast kernels (for float16 and bfloat16: without `_fast_half_kernels`);
+ * thread; a device without fast kernels (`Capabilities.fast_kernels`; for float16 and bfloat16:
+ * `fast_half_kernels`);
  * different devices or dtypes; a non-float dtype (copy excepted); shapes that do not broadcast; a
  * released or unwritten input; an out= that is not a writable, non-self-overlapping Tensor of the
  * result's shape, dtype and device, or that shares a block with an input in any way but the
@@ -56,7 +57,7 @@ static PyObject *tape_state = NULL;   /* tape._state (threading.local): .tape */
 static PyObject *fp_state = NULL;     /* NumPy's error-state context variable */
 static PyObject *fp_ignore = NULL;    /* the value that ignores every floating-point error */
 /* np.dtype("float32"), np.dtype("float64"), and where configured float16 and bfloat16, whose
- * kernels are the device's `_fast_half_kernels` and whose numbers are float32 */
+ * kernels are the device's `fast_half_kernels` and whose numbers are float32 */
 static PyObject *floats[4] = {NULL, NULL, NULL, NULL};
 static int nfloats = 0;
 static double largest[4] = {0.0, 0.0, 0.0, 0.0};  /* the numbers' largest finite values */
@@ -76,7 +77,7 @@ static PyObject *zero = NULL;
 static int enabled = 0;
 
 static PyObject *s_enabled, *s_tape, *s_fast_kernels, *s_native_on, *s_memory_for_write;
-static PyObject *s_fast_half_kernels = NULL;
+static PyObject *s_fast_half_kernels = NULL, *s_capabilities = NULL;
 static PyObject *one = NULL, *s_has_internal_overlap = NULL, *s_allocate = NULL, *s_free = NULL;
 static PyObject *s_release = NULL, *s_itemsize = NULL, *s_raw = NULL, *s_offset = NULL,
     *s_array_view = NULL;
@@ -623,6 +624,23 @@ run_kernel(PyObject *op, PyObject *kernel, PyObject *result, PyObject *const *op
     return 0;
 }
 
+/* The device's kernel table for the fast path, `device.capabilities.fast_kernels` (with `half`:
+ * `fast_half_kernels`), as a new reference; NULL, no error set, where it cannot be read. */
+static PyObject *
+fast_table(PyObject *device, int half)
+{
+    PyObject *capabilities = PyObject_GetAttr(device, s_capabilities);
+    if (capabilities == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *kernels = PyObject_GetAttr(capabilities, half ? s_fast_half_kernels : s_fast_kernels);
+    Py_DECREF(capabilities);
+    if (kernels == NULL)
+        PyErr_Clear();
+    return kernels;
+}
+
 /* ------------------------------------------------------------------ elementwise */
 static PyObject *
 elementwise(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -685,7 +703,7 @@ elementwise(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *device = SLOT(block0, BS.device);
     /* a two-byte float computes by its own kernels (copy moves bits: any dtype's) */
     int half = kind >= 2 && PyUnicode_Compare(op, copy_name) != 0;
-    PyObject *kernels = PyObject_GetAttr(device, half ? s_fast_half_kernels : s_fast_kernels);
+    PyObject *kernels = fast_table(device, half);
     if (kernels == NULL) {
         PyErr_Clear();
         Py_RETURN_NONE;
@@ -927,7 +945,7 @@ reduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *block = SLOT(x, TS.block), *device = SLOT(block, BS.device);
     PyObject *result = NULL, *kernel = NULL;
-    PyObject *kernels = PyObject_GetAttr(device, s_fast_kernels);
+    PyObject *kernels = fast_table(device, 0);
     if (kernels == NULL) {
         PyErr_Clear();
         goto fallback;
@@ -1761,8 +1779,9 @@ PyInit__dispatch(void)
 {
     s_enabled = PyUnicode_InternFromString("enabled");
     s_tape = PyUnicode_InternFromString("tape");
-    s_fast_kernels = PyUnicode_InternFromString("_fast_kernels");
-    s_fast_half_kernels = PyUnicode_InternFromString("_fast_half_kernels");
+    s_fast_kernels = PyUnicode_InternFromString("fast_kernels");
+    s_fast_half_kernels = PyUnicode_InternFromString("fast_half_kernels");
+    s_capabilities = PyUnicode_InternFromString("capabilities");
     s_native_on = PyUnicode_InternFromString("_native_on");
     s_memory_for_write = PyUnicode_InternFromString("memory_for_write");
     copy_name = PyUnicode_InternFromString("copy");
@@ -1786,7 +1805,8 @@ PyInit__dispatch(void)
     s_version = PyUnicode_InternFromString("version");
     if (!one || !zero || !s_has_internal_overlap || !s_allocate || !s_free || !s_release
         || !s_itemsize || !s_raw || !s_offset || !s_array_view || !s_enabled || !s_tape
-        || !s_fast_kernels || !s_fast_half_kernels || !s_native_on || !s_memory_for_write
+        || !s_fast_kernels || !s_fast_half_kernels || !s_capabilities || !s_native_on
+        || !s_memory_for_write
         || !copy_name || !s_unpack || !s_free_node || !s_shape || !s_block || !s_refs
         || !s_detach || !s_name || !s_version)
         return NULL;

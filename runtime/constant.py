@@ -163,7 +163,7 @@ class ConstantPool:
             c = dict(self._counters)
         blocks = [block for bucket in entries.values() for block in bucket]
         read_only_memory = (isinstance(self.allocator, ReadOnlyAllocator)
-                            and self.device.read_only_memory)
+                            and self.device.capabilities.read_only_memory)
         if not (len(blocks) == len(keys) == len({b.id for b in blocks})):
             raise AssertionError("entries and keys drifted")
         if not (all(entries.values())):

@@ -7,15 +7,15 @@ and the number, once it has refused an input that records gradients). The C code
 when every check of the Python path would pass without a side effect of its own: exact Tensors
 over plain Blocks of their generation that hold data (use after free and unwritten reads go to
 Python, which raises), plain numbers within the dtype, one device and dtype (float32 or float64,
-float16 or bfloat16 where the device has `_fast_half_kernels`; any dtype for copy), shapes that
+float16 or bfloat16 where the device has `fast_half_kernels`; any dtype for copy), shapes that
 broadcast, and an `out=` of the result's shape, dtype and device that is writable, does not
 overlap itself (as cached by `Tensor.has_internal_overlap`) and shares a block with an input
 only as the identical view or on disjoint cached byte spans (Note [blocks that may share memory]
 in docs/aliasing.md: any other overlap gets the exact test and its copy-or-raise policy in
 Python). It then does what the Python path does, in the same order: a fresh result from
 `Tensor._fresh` on the first input's allocator, numbers as `dtype.type(x)` (as float32 for a
-two-byte float, ops._scalar), the kernel of the device's `_fast_kernels` table
-(`_fast_half_kernels` for a two-byte float, whose kernels keep
+two-byte float, ops._scalar), the kernel of the device's `Capabilities.fast_kernels` table
+(`fast_half_kernels` for a two-byte float, whose kernels keep
 Note [two-byte floats compute in float32] in backends/base.py) on the tensors' native views
 (NumPy broadcasts, so inputs are not broadcast first; the kernels give the same elements either
 way), under Note [IEEE results, no floating-point signals] in backends/base.py, then the out

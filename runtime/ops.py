@@ -466,9 +466,9 @@ def _matmul_at(a: Tensor, b: Tensor) -> Tensor:
     """a.T @ b for 2-D a and b; where the eager fast path runs it, without making the view a.T
     (the kernel transposes the native view, as matmul(a.T, b) would have it)."""
     device = a.device
-    if (device._fast_kernels is not None and b.device is device and a.ndim == b.ndim == 2
-            and a.shape[0] == b.shape[0] and a.dtype == b.dtype and a.dtype in FLOAT_DTYPES
-            and not autograd.needs_grad(a, b)):
+    if (device.capabilities.fast_kernels is not None and b.device is device
+            and a.ndim == b.ndim == 2 and a.shape[0] == b.shape[0] and a.dtype == b.dtype
+            and a.dtype in FLOAT_DTYPES and not autograd.needs_grad(a, b)):
         done = _fast_launch("matmul", True, None, (a.shape[1], b.shape[1]), a.dtype, (a, b),
                             _matmul_at_kernel, (device,))
         if done is not None:
@@ -746,7 +746,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         raise ValueError(f"linear: bias has shape {bias.shape}, expected ({features},)")
     shape = x.shape[:-1] + (features,)
     done = None
-    if bias is not None and device._fast_kernels is not None:  # NOTE: the kernel broadcasts
+    # NOTE: the kernel broadcasts
+    if bias is not None and device.capabilities.fast_kernels is not None:
         done = _fast_launch("linear", True, out, shape, dtype, (x, weight, bias),
                             _linear_kernel, (device,))
     if done is not None:
@@ -762,7 +763,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         # NOTE: the products of a 2-D x go straight to the launch when g is what it must be (a
         # gradient of out's shape, dtype and device, gradients off, as in backward()): the
         # checks of matmul and _matmul_at hold already; anything else takes their full road
-        direct = len(x_shape) == 2 and device._fast_kernels is not None
+        direct = len(x_shape) == 2 and device.capabilities.fast_kernels is not None
         weight_shape = weight.shape
 
         def fn(g: Tensor, x: Tensor | None, w: Tensor | None) -> tuple:

@@ -6,6 +6,8 @@ registry or the NumPy device in particular.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -190,7 +192,7 @@ def test_total_memory_is_positive_or_unknown(device):
 class NoReadOnlyDevice(NumpyDevice):
     """Host memory without the read-only kind, as on CUDA: the base class's fallback."""
 
-    read_only_memory = False
+    capabilities = dataclasses.replace(NumpyDevice.capabilities, read_only_memory=False)
     _raw_alloc_read_only = Device._raw_alloc_read_only
     _is_read_only = Device._is_read_only
 
@@ -198,7 +200,7 @@ class NoReadOnlyDevice(NumpyDevice):
 @pytest.mark.parametrize("nbytes", [0, 1, 100, 4096])
 def test_read_only_raw_memory_is_filled_by_copies_and_read_by_kernels(device, nbytes):
     raw = device.raw_alloc(nbytes, read_only=True)
-    assert device.is_read_only(raw) is device.read_only_memory
+    assert device.is_read_only(raw) is device.capabilities.read_only_memory
     assert device.address(raw) % device.alignment == 0
     assert device.nbytes_of(raw) == nbytes
     payload = np.arange(nbytes, dtype=np.uint8)
@@ -226,7 +228,7 @@ def test_read_only_raw_sizes_are_checked_like_any(device):
 
 def test_cpu_read_only_memory_is_a_non_writeable_ndarray_that_kernels_cannot_write():
     cpu = backends.get_device("cpu")
-    assert cpu.read_only_memory
+    assert cpu.capabilities.read_only_memory
     raw = cpu.raw_alloc(16, read_only=True)
     assert not raw.flags.writeable
     cpu.copyin(raw, 0, np.arange(4, dtype=np.float32))  # the host fills it
@@ -241,7 +243,7 @@ def test_cpu_read_only_memory_is_a_non_writeable_ndarray_that_kernels_cannot_wri
 def test_a_device_without_read_only_memory_hands_out_ordinary_memory():
     dev = NoReadOnlyDevice()
     raw = dev.raw_alloc(16, read_only=True)
-    assert not dev.read_only_memory and not dev.is_read_only(raw)
+    assert not dev.capabilities.read_only_memory and not dev.is_read_only(raw)
     view = dev.array_view(raw, 0, (4,), np.float32, (4,))
     dev.copyin(raw, 0, np.ones(4, np.float32))
     dev.unary("neg", view, view)  # nothing stops a kernel: the runtime's checks must
@@ -358,6 +360,13 @@ class SizedDevice(Device):
         return 64
 
 
+class ClaimingDevice(Device):
+    """Claims every capability that needs hooks, and writes none of them."""
+
+    capabilities = backends.Capabilities(
+        **{name: True for name in Device.CAPABILITY_HOOKS if name != "gemm_accumulates"})
+
+
 HOST = np.zeros((2, 2), np.float32)
 
 
@@ -375,7 +384,25 @@ HOST = np.zeros((2, 2), np.float32)
     (BareDevice, lambda d: d.binary("add", HOST, HOST, HOST), "_binary"),
     (BareDevice, lambda d: d.matmul(HOST, HOST, HOST), "_matmul"),
     (BareDevice, lambda d: d.reduce("sum", HOST, None, False, HOST), "_reduce"),
-    (BareDevice, lambda d: d.to_host(HOST), "_to_host"),
+    (BareDevice, lambda d: d.ternary("where", HOST > 0, HOST, HOST, HOST), "_ternary"),
+    (BareDevice, lambda d: d.cast(HOST, HOST), "_cast"),
+    # NOTE: the defaults of the other hooks start with a required one
+    (BareDevice, lambda d: d.to_host(HOST), "_raw_alloc"),
+    (BareDevice, lambda d: d.cross_entropy(HOST, np.zeros(2, np.int64), HOST[0], HOST),
+     "_raw_alloc"),
+    # NOTE: the hooks of a claimed capability
+    (ClaimingDevice, lambda d: d.binary("add", HOST.astype(np.float16), HOST.astype(np.float16),
+                                        HOST.astype(np.float16)), "_half_elementwise"),
+    (ClaimingDevice, lambda d: d.fused([("neg", (("input", 0),), np.float32)], [HOST], HOST),
+     "_compile_fused"),
+    (ClaimingDevice, lambda d: d.plan_products([]), "_plan_products"),
+    (ClaimingDevice, lambda d: d.home_queue, "_home_queue"),
+    (ClaimingDevice, lambda d: d.queue_key(object()), "_queue_key"),
+    (ClaimingDevice, lambda d: d.record_event(object()), "_record_event"),
+    (ClaimingDevice, lambda d: d.event_done(object()), "_event_done"),
+    (ClaimingDevice, lambda d: d.wait_event(object()), "_wait_event"),
+    (ClaimingDevice, lambda d: d.join(object(), object()), "_join"),
+    (ClaimingDevice, lambda d: d.synchronize(), "_synchronize"),
 ])
 def test_a_missing_hook_is_named(device_class, call, hook):
     with pytest.raises(NotImplementedError, match=f"{device_class.__name__}.*{hook}"):

@@ -521,7 +521,8 @@ def test_moves_to_host_memory_fit_the_budget_bit_for_bit(kind: str):
     memory is in fact host memory: the path runs for correctness); results equal the
     unconstrained graph's bit for bit."""
     device = separate_memory_device(kind)
-    assert not device.host_memory and backends.get_device("cpu").host_memory
+    assert not device.capabilities.host_memory
+    assert backends.get_device("cpu").capabilities.host_memory
     x, y = batch(rows=8, width=16)
     on_device, reference_model, reference, expected = unconstrained_on(device, 8, 3)
     need = reference.memory_report()["planned_bytes"]

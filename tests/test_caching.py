@@ -172,6 +172,25 @@ def test_options_are_checked():
     assert (alloc.size_classes.name, alloc.max_cached_bytes, alloc.limit_bytes) == ("pow2", 0, MiB)
 
 
+class PageAligned(NumpyDevice):
+    """Raw memory on 4096-byte boundaries: more than the default granule of 512 bytes."""
+
+    alignment = 4096
+
+
+def test_a_device_aligned_past_the_granule_is_told_the_granule_that_fits_and_it_works():
+    device = PageAligned()
+    with pytest.raises(ValueError, match=r"granule \(512 bytes\) must be a multiple of the "
+                                         r"alignment of cpu \(4096\).*GranuleSizeClass"
+                                         r"\(granule=4096\)"):
+        allocators.create("caching", device)
+    alloc = allocators.create("caching", device, size_classes=GranuleSizeClass(granule=4096))
+    blocks = [alloc.allocate(n) for n in (0, 1, 4096, 5000, 100)]
+    alloc.free(blocks.pop(1))
+    blocks.append(alloc.allocate(10))          # a split of a freed block stays aligned too
+    assert [(device.address(b.raw) + b.offset) % 4096 for b in blocks] == [0] * 5
+
+
 class BadRounding(GranuleSizeClass):
     """Planted bug: rounds to a size that is not whole granules."""
 

@@ -8,6 +8,7 @@ pool's invariants are checked after every step that changes it.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib
 
@@ -230,7 +231,7 @@ def test_read_only_memory_is_read_only_to_kernels_whatever_the_block(direct):
 class NoReadOnlyDevice(NumpyDevice):
     """Host memory without the read-only kind, as on CUDA: the Device base class's fallback."""
 
-    read_only_memory = False
+    capabilities = dataclasses.replace(NumpyDevice.capabilities, read_only_memory=False)
     _raw_alloc_read_only = Device._raw_alloc_read_only
     _is_read_only = Device._is_read_only
 

@@ -72,7 +72,7 @@ def fresh_choice(monkeypatch):
 
 @needs_blas
 def test_a_cblas_is_found_and_the_cpu_device_accumulates():
-    assert cpu.gemm_accumulates
+    assert cpu.capabilities.gemm_accumulates
     for gemm in _blas.present():
         assert gemm.name.split()[0] in ("MKL", "OpenBLAS")
         assert ("mkl" if gemm.name.startswith("MKL") else "openblas") in gemm.path.lower()
@@ -83,7 +83,7 @@ def test_blockrt_blas_picks_the_library(fresh_choice):
     mkl = _blas.load("mkl")
     openblas = _blas.load("openblas")
     fresh_choice.setenv(_blas.ENV, "none")
-    assert _blas.find() is None and not cpu.gemm_accumulates
+    assert _blas.find() is None and not cpu.capabilities.gemm_accumulates
     for value, want in (("openblas", openblas), ("mkl", mkl)):
         fresh_choice.setattr(_blas, "_found", [])
         fresh_choice.setenv(_blas.ENV, value)

@@ -95,7 +95,8 @@ def test_products_fold_into_their_updates_and_activations():
         reports[fuse] = graph.memory_report()
     assert reports[False]["products"] == 0
     hidden = len(widths) - 2  # products into bias + ReLU and into ReLU's backward, each
-    accumulating = runtime.get_default_device().gemm_accumulates  # and the 4 weight updates
+    # NOTE: and the 4 weight updates
+    accumulating = bool(runtime.get_default_device().capabilities.gemm_accumulates)
     assert reports[True]["products"] == 2 * hidden + (len(widths) - 1) * accumulating
     assert reports[True]["steps"] < reports[False]["steps"]
     if accumulating:  # no weight gradient is ever materialised

@@ -46,7 +46,7 @@ def figure(pattern: str) -> re.Match:
 
 def folds_products() -> None:
     """The page's memory figures are of graphs whose weight updates fold into one gemm."""
-    if not runtime.get_default_device().gemm_accumulates:
+    if not runtime.get_default_device().capabilities.gemm_accumulates:
         pytest.skip("the CPU device's gemm does not accumulate here (no CBLAS): the page's "
                     "figures are of graphs that fold weight gradients into their updates")
 

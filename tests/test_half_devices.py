@@ -11,6 +11,7 @@ Skipped when pyopencl or an OpenCL device (PoCL counts) is missing.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -20,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import backends
-from backends.base import BINARY_KERNELS, UNARY_KERNELS, Device
+from backends.base import BINARY_KERNELS, UNARY_KERNELS
 from runtime import dtypes
 
 cla = pytest.importorskip("pyopencl.array", reason="pyopencl is not installed (pip install "
@@ -42,12 +43,11 @@ def dev() -> OpenCLDevice:
 
 
 class Widened(OpenCLDevice):
-    """The device as it computed the two-byte floats before its half kernels: `half_kernels`
-    off and `Device`'s `_half_elementwise` (each half operand widened into float32 scratch by
-    a cast kernel, the float32 kernel, the result narrowed by another)."""
+    """The device as it computed the two-byte floats before its half kernels: neither
+    `half_kernels` nor `half_elementwise` (each half operand widened into float32 scratch by a
+    cast kernel, the float32 kernel, the result narrowed by another)."""
 
-    half_kernels = False
-    _half_elementwise = Device._half_elementwise
+    capabilities = dataclasses.replace(OpenCLDevice.capabilities, half_kernels=False)
 
 
 def widened(device: OpenCLDevice) -> Widened:

@@ -7,6 +7,8 @@ Skipped when pyopencl or an OpenCL device (PoCL counts) is missing.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -21,7 +23,7 @@ if "opencl" not in backends.available():
     pytest.skip("no OpenCL device on this machine (PoCL from blockrt[opencl] provides a CPU one)",
                 allow_module_level=True)
 
-from backends.base import BINARY_KERNELS, UNARY_KERNELS  # noqa: E402
+from backends.base import BINARY_KERNELS, COMPUTE_DTYPES, UNARY_KERNELS  # noqa: E402
 from backends.opencl import OpenCLDevice  # noqa: E402
 
 DTYPES = [np.float32, np.float64]
@@ -219,9 +221,13 @@ def test_sigmoid_saturates_like_numpy(dev):
     np.testing.assert_allclose(dev.to_host(x.view), [0, 0, 0.5, 1, 1], atol=1e-7)
 
 
-def test_float64_needs_device_support():
+def test_float64_needs_device_support(dev):
+    assert (np.dtype(np.float64) in dev.capabilities.compute_dtypes) == dev.fp64
     fresh = OpenCLDevice(0)
-    fresh.fp64 = False  # as on a device without cl_khr_fp64
+    # NOTE: as on a device without cl_khr_fp64
+    fresh.fp64 = False
+    fresh.capabilities = dataclasses.replace(fresh.capabilities,
+                                             compute_dtypes=COMPUTE_DTYPES[:-1])
     x = Placed(fresh, SHAPE, np.float64, "contiguous")
     with pytest.raises(TypeError, match="computes on float16, bfloat16, float32, not float64 "
                                         r"\(opencl:0 lacks float64 arithmetic"):

@@ -79,7 +79,7 @@ def test_every_op_has_a_reference():
 def test_each_op_computes_its_reference(device, dtype, name):
     """The op on its operands stored in `dtype` against the reference on the same stored
     values in float64, within the dtype's tolerance; numbers as the last operand too."""
-    if np.dtype("float64") == dtype and dtype not in device._computed:
+    if np.dtype("float64") == dtype and dtype not in device.capabilities.compute_dtypes:
         pytest.skip(f"{device.name} has no float64")
     shape = (3, 7) if device is not _NAIVE else (2, 3)
     host = [_stored(x, dtype) for x in _operands(name, shape, 1)]

@@ -36,10 +36,10 @@ The model of cost (docs/graph.md, "Memory budgets"):
   milliseconds on config D; two to four probes where a bisection takes six or seven). Other
   candidates are planned for real too: checkpoint="sqrt"'s segments (a cut by instructions,
   which sometimes fits the same bytes with less work); on devices whose memory is not the host's
-  (`Device.host_memory` False: OpenCL, CUDA), moves to host memory (`move.py`): the fewest first
-  units whose waiting results moved out and back make the plan fit, and mixes (the DP's largest
-  room with every waiting forward result moved; a quarter, half or three quarters of the units
-  moved and the DP on the rest); with `lossy`, the fewest first units whose waiting results
+  (`Capabilities.host_memory` False: OpenCL, CUDA), moves to host memory (`move.py`): the fewest
+  first units whose waiting results moved out and back make the plan fit, and mixes (the DP's
+  largest room with every waiting forward result moved; a quarter, half or three quarters of the
+  units moved and the DP on the rest); with `lossy`, the fewest first units whose waiting results
   stored in a half dtype make it fit, else the DP's largest room with every waiting result,
   recomputed ones too, stored so. Where moves compete they are planned first, and a family of
   rooms is skipped when a candidate already costs no more than its floor (`_Search.floor`).
@@ -376,7 +376,7 @@ class _Search:
         #: bytes over the budget keeping everything, and the bytes a unit is worth there
         self.over = peak - budget
         self.slope = max(1.0, peak / len(self.units))
-        self.can_move = not device.host_memory and len(self.units) > 1
+        self.can_move = not device.capabilities.host_memory and len(self.units) > 1
         self._rates: Rates | None = None
 
     @property
@@ -609,8 +609,8 @@ def _fit(recorded: Recorded, budget: int, source: str,
     planned, peak = plan_of(recorded)
     search = _Search(recorded, budget, plan_of, device, lossy, peak)
     units = search.units
-    why = (f"none: the {device.name} device's memory is the host's" if device.host_memory
-           else "none: recompute costs less")
+    why = (f"none: the {device.name} device's memory is the host's"
+           if device.capabilities.host_memory else "none: recompute costs less")
 
     def choice(found: _Candidate | None) -> Choice:
         if found is None:

@@ -218,7 +218,7 @@ def _folding(step: _Step, head: Instruction, out: Operand,
         return None
     if head.op == "matmul" or len(head.inputs) == 2:
         form = _linear_form(step.instructions, product.block.id, out)
-        if form is not None and device.gemm_accumulates \
+        if form is not None and device.capabilities.gemm_accumulates \
                 and out.dtype in (np.float32, np.float64):
             return form
     if any(o.block.id == out.block.id for i in step.instructions for o in i.inputs):

@@ -3,7 +3,7 @@ live elsewhere, or smaller, while they wait. Chosen by `budget._fit`.
 
 - **Moves** (vDNN, SINGA's swap): copied to host memory after their last forward use and back
   before their first backward use, so the device holds them only where they are used. Only on
-  devices whose memory is not the host's (`Device.host_memory` False). A move is two
+  devices whose memory is not the host's (`Capabilities.host_memory` False). A move is two
   instructions. "offload" reads the result (a whole-block uint8 view) and copies it into a host
   array; it writes a 0-byte token block. "reload" is a load of that same host array (filled at
   every replay by the offload) into a fresh block, and it reads the token, so the schedule runs
