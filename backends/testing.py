@@ -810,6 +810,28 @@ def check_reductions(device: Device, examples: int = 20) -> None:
     rule = "reductions"
     floats = _floats(device)
 
+    def check(name: str, x: np.ndarray, axis: tuple[int, ...] | None, keepdims: bool) -> None:
+        shape = np.add.reduce(np.zeros(x.shape), axis=axis, keepdims=keepdims).shape
+
+        def call(d: Device, x: Any, out: Any) -> None:
+            d.reduce(name, x, axis, keepdims, out)
+
+        want = run_on(_cpu(), call, [x], shape, x.dtype)
+        got = run_on(device, call, [x], shape, x.dtype)
+        assert_reduced(name, x, axis, keepdims, got, want,
+                       f"[{rule}] {type(device).__name__} {device.name}: {name}({x.dtype}) of "
+                       f"{x.shape} over {axis}, keepdims={keepdims}")
+
+    # NOTE: every axis and keepdims once on a fixed grid, so no draw can miss one
+    rng = np.random.default_rng(7)
+    for dtype in floats:
+        for rows in (0, 1, 3):
+            x = rng.normal(0, 3, (rows, 5)).astype(dtype)
+            for name in REDUCE_KERNELS:
+                for axis in (None, (0,), (1,), (0, 1)):
+                    for keepdims in (False, True):
+                        check(name, x, axis, keepdims)
+
     @_draws(examples)
     def run(data: Any) -> None:
         dtype = data.draw(st.sampled_from(floats), label="dtype")
@@ -819,17 +841,7 @@ def check_reductions(device: Device, examples: int = 20) -> None:
         keepdims = data.draw(st.booleans(), label="keepdims")
         limit = float(_finfo(dtype).max) / (2 * max(rows * cols, 1))
         x = data.draw(values(dtype, rows * cols, finite_below=limit), label="x")
-        x = x.reshape(rows, cols)
-        shape = np.add.reduce(np.zeros((rows, cols)), axis=axis, keepdims=keepdims).shape
-
-        def call(d: Device, x: Any, out: Any) -> None:
-            d.reduce(name, x, axis, keepdims, out)
-
-        want = run_on(_cpu(), call, [x], shape, dtype)
-        got = run_on(device, call, [x], shape, dtype)
-        assert_reduced(name, x, axis, keepdims, got, want,
-                       f"[{rule}] {type(device).__name__} {device.name}: {name}({dtype}) of "
-                       f"{x.shape} over {axis}, keepdims={keepdims}")
+        check(name, x.reshape(rows, cols), axis, keepdims)
 
     run()
 
@@ -886,8 +898,8 @@ def check_cross_entropy(device: Device, examples: int = 20) -> None:
             _check(np.array_equal(_wide(device.to_host(probs)), _wide(sentinel)), rule, device,
                    "a refused label left probs written (Note [checked before written])")
             _check(np.array_equal(_wide(device.to_host(losses)), _wide(sentinel[:, 0])), rule,
-                   device, "a refused label left losses written (Note [checked before "
-                           "written])")
+                   device,
+                   "a refused label left losses written (Note [checked before written])")
 
     run()
 
