@@ -253,6 +253,9 @@ class Sigmoid(Module):
         return ops.sigmoid(x)
 
 
+# ---------------------------------------- convolution layers
+
+
 class Sequential(Module):
     """Modules applied in order; indexable, iterable, with a length."""
 
@@ -308,6 +311,9 @@ def mse(prediction: Tensor, target: Any) -> Tensor:
         raise ValueError(f"mse: target has shape {target.shape}, prediction {prediction.shape}")
     diff = ops.sub(prediction, target)
     return ops.mean(ops.mul(diff, diff))
+
+
+# ---------------------------------------- normalisation and activation layers
 
 
 def train_step(model: Module, optimizer: Optimizer, loss: Any = softmax_cross_entropy, *,
@@ -516,6 +522,9 @@ def _allocated(t: Tensor) -> Tensor:
     if tape.active() is None:
         t.block.memory_for_write("optimizer state")
     return t
+
+
+# ---------------------------------------- batch norm, embedding, dropout layers
 
 
 class Optimizer:

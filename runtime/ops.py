@@ -600,6 +600,9 @@ def cast(x: Tensor, dtype: Any, out: Tensor | None = None, *, exact: bool = True
     return out
 
 
+# ---------------------------------------- batch norm, embedding, dropout
+
+
 def _sub_scaled(a: Tensor, b: Tensor, scale: Any, out: Tensor | None = None,
                 scratch: Tensor | None = None) -> Tensor:
     """a - scale * b with the product rounded to the dtype first: bit for bit
@@ -859,6 +862,9 @@ def _check_labels(labels: np.ndarray, classes: int) -> None:
 
 
 # ---------------------------------------------------------------------- reductions
+# ---------------------------------------- convolution and pooling
+
+
 def _reduce(op: str, x: Tensor, axis: Any, keepdims: bool, out: Tensor | None) -> Tensor:
     device, dtype = _common(op, [x])
     axes = as_axes(op, axis, x.ndim)
@@ -906,6 +912,9 @@ def mean(x: Tensor, axis: Any = None, keepdims: bool = False,
     """The mean over `axis` (an int, a tuple, or None for all). `out` may not overlap x."""
     done = _fast_reduce("mean", x, axis, keepdims, out)  # NOTE: Note [the eager fast path]
     return done if done is not None else _reduce("mean", x, axis, keepdims, out)
+
+
+# ---------------------------------------- softmax and layer norm
 
 
 def _linear_kernel(x: Any, weight: Any, bias: Any, out: Any, device: Any) -> None:
