@@ -64,3 +64,34 @@ def test_embed_own_queue_trains_on_the_framework_queue_or_says_why_not():
     assert float(lines[2].split()[2].rstrip(",")) >= 0.95, lines[2]
     assert lines[2].endswith("on its own queue")
     assert lines[3].endswith(", 0 still live")
+
+
+def test_train_resnet_learns_at_small_size():
+    """The ResNet demo at a size CI affords (the README's full command reaches 98.5%)."""
+    for package in ("sklearn", "tqdm"):
+        pytest.importorskip(package, reason=f"the demo needs {package} (the demo/test extras)")
+    result = subprocess.run([sys.executable, str(EXAMPLES / "train_resnet.py"), "--no-progress",
+                             "--epochs", "2", "--width", "4", "--batch", "64"],
+                            capture_output=True, text=True, timeout=300, check=False)
+    line = next(x for x in result.stdout.splitlines() if "test accuracy" in x)
+    accuracy = float(line.split("test accuracy")[1].split()[0])
+    assert accuracy >= 0.8, (line, result.stderr[-2000:])
+    assert "planned_bytes" in result.stdout and "blockrt memory summary" in result.stdout
+
+
+def test_train_gpt_follows_pytorch_and_samples():
+    """The GPT demo, small, beside the same model in PyTorch: the losses agree within 1% at
+    every logged step, the loss falls, and it prints a sample."""
+    pytest.importorskip("tqdm", reason="the demo needs tqdm (the demo/test extras)")
+    pytest.importorskip("torch", reason="the comparison needs PyTorch (CI installs its CPU "
+                                        "build)")
+    out = run_example("train_gpt.py", "--no-progress", "--steps", "30", "--log-every", "10",
+                      "--width", "32", "--heads", "2", "--context", "16", "--batch", "8",
+                      "--chars", "20000", "--compare-torch", "--sample", "40")
+    logged = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in logged] == ["step 1", "step 10", "step 20",
+                                                       "step 30"], out
+    losses = [float(line.split("loss ")[1].split(",")[0]) for line in logged]
+    assert losses[-1] < losses[0], losses
+    assert "largest relative difference from PyTorch" in out
+    assert "sample (40 characters after a prompt of 16):" in out
