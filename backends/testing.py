@@ -959,8 +959,8 @@ def check_gather_scatter(device: Device, examples: int = 20) -> None:
                     _fail(rule, device, f"{name} took indices {bad.tolist()} for {rows} rows "
                                         f"and raised no ValueError")
                 _check(np.all(_wide(device.to_host(target)) == 7), rule, device,
-                       f"a refused index left {name}'s out written (Note [checked before "
-                       f"written])")
+                       f"a refused index left {name}'s out written "
+                       f"(Note [checked before written])")
 
     run()
 
