@@ -799,21 +799,26 @@ class Dropout(Module):
     Each layer draws from its own `ops.Generator`, seeded from `rng` (a numpy Generator or
     seed; default: `manual_seed`'s generator, as layers' initial values), so a model built
     after `nn.manual_seed(s)` draws the same masks every time, eagerly or as a captured graph.
+    `inplace=True` writes the result into the input (`out=x`), which autograd refuses where
+    gradients are recorded (runtime.no_grad() inference, say, takes it).
     """
 
-    def __init__(self, p: float = 0.5, *, rng: np.random.Generator | int | None = None) -> None:
+    def __init__(self, p: float = 0.5, inplace: bool = False, *,
+                 rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
         self.p = ops._number("Dropout", "p (the probability of zeroing an element)", p, 0.0,
                              1.0)
+        self.inplace = as_flag(inplace, "Dropout: inplace")
         seed = int((_rng if rng is None else _generator(rng)).integers(2**63))
         #: where this layer's masks come from
         self.generator = ops.Generator(seed)
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.dropout(x, self.p, self.training, self.generator)
+        return ops.dropout(x, self.p, self.training, self.generator,
+                           out=x if self.inplace else None)
 
     def extra_repr(self) -> str:
-        return f"p={self.p}"
+        return f"p={self.p}, inplace={self.inplace}"
 
 
 __all__ += ["BatchNorm1d", "BatchNorm2d", "Dropout", "Embedding", "LoadResult"]

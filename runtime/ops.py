@@ -961,7 +961,7 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True,
     if out is not None:
         out = _prepare_out(op, out, x.shape, x.dtype, x, (x,))
     if not training or p == 0.0 or x.size == 0:
-        return x if out is None else copy(x, out=out)
+        return x if out is None or out is x else copy(x, out=out)
     if out is not None:
         _refuse_overlaps("dropout", out, [("x", x, x.shape)])
     state = (generator or default_generator).state(x)
