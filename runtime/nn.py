@@ -685,8 +685,9 @@ class _BatchNorm(Module):
     batch's statistics normalise and the running ones are updated in place (momentum 0.1:
     running = 0.9 * running + 0.1 * batch, the variance unbiased) and the count moves on; in
     evaluation (`eval()`) the running statistics normalise. Without running statistics the
-    batch's are used in both modes. `momentum=None` (PyTorch's cumulative average) is not
-    offered: it reads the count back to the host at every step."""
+    batch's are used in both modes. `momentum=None` is PyTorch's cumulative average: the
+    factor is 1 / num_batches_tracked (counting this batch), computed on the device, so a
+    captured graph replays it."""
 
     #: the numbers of dimensions the input may have
     dims: tuple[int, ...] = ()
@@ -699,10 +700,8 @@ class _BatchNorm(Module):
         name = type(self).__name__
         self.num_features = _positive_int(f"{name}: num_features", num_features)
         self.eps = ops._number(name, "eps", eps, 0.0)
-        if momentum is None:
-            raise ValueError(f"{name}: momentum=None (a cumulative average) is not supported; "
-                             f"pass a number in [0, 1]")
-        self.momentum = ops._number(name, "momentum", momentum, 0.0, 1.0)
+        self.momentum = (None if momentum is None else
+                         ops._number(name, "momentum", momentum, 0.0, 1.0))
         self.affine = as_flag(affine, f"{name}: affine")
         self.track_running_stats = as_flag(track_running_stats,
                                            f"{name}: track_running_stats")
@@ -729,11 +728,23 @@ class _BatchNorm(Module):
                              f"{' or '.join(f'{d}D' for d in self.dims)} input (got {x.ndim}D "
                              f"input of shape {x.shape})")
         batch_stats = self.training or not self.track_running_stats
+        momentum = self.momentum
+        if momentum is None and self.training and self.track_running_stats:
+            momentum = self._average_factor(x)
         y = ops.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
-                           batch_stats, self.momentum, self.eps)
+                           batch_stats, 0.0 if momentum is None else momentum, self.eps)
         if self.training and self.track_running_stats:  # NOTE: after the checks of batch_norm
             ops._count_up(self.num_batches_tracked)
         return y
+
+    def _average_factor(self, x: Tensor) -> Tensor:
+        """1 / (num_batches_tracked + 1), a 0-d tensor of x's compute dtype: the factor of
+        PyTorch's cumulative average once this batch is counted (the count moves on only after
+        the batch is normalised, so a refused call counts nothing)."""
+        wide = ops._wide_dtype(x.dtype)
+        with no_grad():
+            count = ops.cast(self.num_batches_tracked, wide, exact=False)
+            return ops.div(1.0, ops.add(count, 1.0, out=count), out=count)
 
     def extra_repr(self) -> str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "

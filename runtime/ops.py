@@ -711,7 +711,8 @@ def batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor | Non
         _channel_operand(op, label, t, x, channels)
         for label, t in zip(labels, (running_mean, running_var, weight, bias)))
     training = as_flag(training, f"{op}: training")
-    momentum = _number(op, "momentum", momentum, 0.0, 1.0)
+    if not (isinstance(momentum, Tensor) and momentum.shape == ()):  # NOTE: `_BatchNorm`'s
+        momentum = _number(op, "momentum", momentum, 0.0, 1.0)
     eps = _number(op, "eps", eps, 0.0)
     if (running_mean is None) != (running_var is None):
         raise ValueError(f"{op}: pass both running_mean and running_var, or neither")
@@ -759,10 +760,12 @@ def batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor | Non
     return y if out is None else copy(y, out=out)
 
 
-def _running_update(stat: Tensor, batch: Tensor, momentum: float) -> None:
+def _running_update(stat: Tensor, batch: Tensor, momentum: float | Tensor) -> None:
     """stat = momentum * batch + (1 - momentum) * stat in place, in batch's dtype (PyTorch's
-    update, as its CPU kernel writes it), rounded once into a two-byte stat."""
-    update = add(mul(batch, momentum), mul(_widened(stat, batch.dtype), 1.0 - momentum))
+    update, as its CPU kernel writes it), rounded once into a two-byte stat. `momentum` may
+    be a 0-d Tensor of batch's dtype (BatchNorm's cumulative average, `momentum=None`)."""
+    rest = sub(1.0, momentum) if isinstance(momentum, Tensor) else 1.0 - momentum
+    update = add(mul(batch, momentum), mul(_widened(stat, batch.dtype), rest))
     if stat.dtype == update.dtype:
         copy(update, out=stat)
     else:

@@ -144,6 +144,26 @@ def test_the_module_trains_then_evaluates_as_pytorchs(kind):
                                                    "num_batches_tracked"]
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_momentum_none_is_pytorchs_cumulative_average(kind):
+    dev = backends.get_device(kind)
+    ours, theirs = nn.BatchNorm2d(2, momentum=None, device=dev), torch.nn.BatchNorm2d(
+        2, momentum=None)
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        x = rng.standard_normal((3, 2, 2, 2)).astype(np.float32) * 2 + 1
+        ours(runtime.tensor(x, device=dev))
+        theirs(torch.tensor(x))
+    for name in ("running_mean", "running_var"):
+        np.testing.assert_allclose(getattr(ours, name).numpy(),
+                                   getattr(theirs, name).numpy(), rtol=1e-5, atol=1e-6)
+    assert ours.num_batches_tracked.item() == 3 and "momentum=None" in repr(ours)
+    step = runtime.graph(lambda x: ours(x))  # NOTE: the factor is computed on the device
+    for _ in range(2):
+        step(runtime.tensor(np.ones((2, 2, 1, 1), np.float32), device=dev))
+    assert ours.num_batches_tracked.item() == 5
+
+
 def test_without_running_statistics_or_affine_the_batch_normalises_in_both_modes():
     x = _case((5, 2), "float64")["x"]
     bn = nn.BatchNorm1d(2, affine=False, track_running_stats=False, dtype="float64")
@@ -195,7 +215,7 @@ def test_out_receives_the_result_and_an_overlap_is_refused_before_anything_chang
     (lambda x, c: ops.batch_norm(x[0, 0], None, None), ValueError, "at least 2 dimensions"),
     (lambda x, c: nn.BatchNorm2d(2)(x), ValueError, r"expected 4D input \(got 3D input"),
     (lambda x, c: nn.BatchNorm2d(0), ValueError, "num_features must be a positive int"),
-    (lambda x, c: nn.BatchNorm2d(2, momentum=None), ValueError, "momentum=None"),
+    (lambda x, c: nn.BatchNorm2d(2, momentum=2), ValueError, "BatchNorm2d: momentum"),
 ])
 def test_bad_arguments_are_named(call, error, message):
     x = runtime.tensor(_case((4, 2, 3), "float32")["x"])
