@@ -152,6 +152,9 @@ def kernels() -> list[tuple[str, cupy.ElementwiseKernel, list]]:
             args = [BOOL if kind == optable.BOOL else dtype
                     for kind in optable.BY_NAME[name].operand_kinds] + [dtype]
         found.append((f"{name} {dtype}", kernel, args))
+    for dtype in (F32, F64):  # NOTE: embedding's backward (`CudaDevice._scatter_add`)
+        found.append((f"scatter_add {dtype}", cuda._scatter_add_kernel(),
+                      [dtype, I64, ("number", I64), ("number", I64), dtype]))
     found += chains()
     programs = emitted()
     blocked = []

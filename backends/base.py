@@ -395,6 +395,9 @@ class Device:
         "_sub_scaled": "the mul and sub kernels (one fused chain where `compiles_fused`)",
         "_gemm": "the product into scratch, then one fused pass for alpha and beta",
         "_widened": "a cast into float32 scratch",
+        "_gather": "the copy kernel, one row at a time",
+        "_scatter_add": "the add kernel in place, one row at a time, in index order",
+        "_from_host": "staged in raw memory of its own by `copyin`, moved by the copy kernel",
     }
 
     name: str = "device"
@@ -645,6 +648,52 @@ class Device:
         if out.dtype in HALVES:
             return self._in_float32(self._cross_entropy_backward, (probs, labels, grad), (out,))
         self._cross_entropy_backward(probs, labels, grad, out)
+
+    def gather(self, table: Any, indices: Any, out: Any) -> None:
+        """out[i, :] = table[indices[i], :]: rows of the 2-D view `table` picked by the 1-D
+        integer view `indices`, into the 2-D view `out` (len(indices), table's columns), whose
+        memory overlaps neither. Moves bits, so any dtype of table and out (one dtype).
+
+        Raises ValueError naming the first index outside [0, rows) and the row count, before
+        anything is written (Note [checked before written]): the indices are read back to the
+        host for the check (a wait on a device with queues)."""
+        self._check_rows("gather", indices, table.shape[0])
+        if out.shape[0]:
+            self._gather(table, indices, out)
+
+    def scatter_add(self, src: Any, indices: Any, out: Any) -> None:
+        """out[indices[i], :] += src[i, :] for i = 0, 1, ... in that order (NumPy's
+        `np.add.at`): repeated indices accumulate, one addition at a time in index order, so
+        every backend gives the CPU's bits. `src` is (len(indices), columns), `out` (rows,
+        columns), one float dtype; out overlaps neither input. A float16 or bfloat16 out
+        accumulates in float32 and is rounded once at the end (Note [two-byte floats compute
+        in float32]).
+
+        Raises ValueError as `gather` does, before anything is written."""
+        self._check_computes("scatter_add", (src,), out)
+        self._check_rows("scatter_add", indices, out.shape[0])
+        if not src.shape[0]:
+            return
+        if out.dtype in HALVES:
+            return self._in_float32(self._scatter_add, (src, indices), (out,), read=True)
+        self._scatter_add(src, indices, out)
+
+    def from_host(self, host: np.ndarray, view: Any) -> None:
+        """Write the host array `host` (the view's shape and dtype) into the native view
+        `view`, any strides: the mirror of `to_host`."""
+        self._from_host(np.asarray(host, view.dtype).reshape(view.shape), view)
+
+    def _check_rows(self, kernel: str, indices: Any, rows: int) -> None:
+        """ValueError naming the first of `indices` outside [0, rows) (checked on the host)."""
+        if indices.dtype.kind not in "iu":
+            raise TypeError(f"{kernel}: indices must be integers, got {indices.dtype}")
+        if not indices.shape[0]:
+            return
+        host = self.to_host(indices)
+        if host.min() < 0 or host.max() >= rows:
+            where = int(np.flatnonzero((host < 0) | (host >= rows))[0])
+            raise ValueError(f"{kernel}: index {int(host[where])} (at position {where}) is "
+                             f"outside [0, {rows}) for {rows} rows")
 
     def _in_float32(self, kernel: Callable[..., None], inputs: Sequence[Any],
                     outs: Sequence[Any], read: bool = False) -> None:
@@ -960,6 +1009,20 @@ class Device:
         numpy_cross_entropy_backward(self.to_host(probs), self.to_host(labels),
                                      self.to_host(grad), host_out)
         self._from_host(host_out, out)
+
+    def _gather(self, table: Any, indices: Any, out: Any) -> None:
+        """The copy kernel, one row at a time (indices read on the host): a backend writes
+        one kernel of its own for speed."""
+        for i, row in enumerate(self.to_host(indices).tolist()):
+            self.unary("copy", table[row:row + 1], out[i:i + 1])
+
+    def _scatter_add(self, src: Any, indices: Any, out: Any) -> None:
+        """The add kernel in place, one row of `src` at a time in index order (indices read
+        on the host): a backend writes one kernel of its own for speed, with the same order
+        of additions."""
+        for i, row in enumerate(self.to_host(indices).tolist()):
+            target = out[row:row + 1]
+            self._binary("add", target, src[i:i + 1], target)
 
     def _to_host(self, view: Any) -> np.ndarray:
         """The copy kernel moves the view (any strides) into contiguous raw memory of its own,

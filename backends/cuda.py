@@ -135,6 +135,16 @@ def _kernels() -> dict[str, Any]:
 
 
 @functools.cache
+def _scatter_add_kernel() -> Any:
+    """out[idx[k], i] += src[k, i] for k in order, thread i per column (C-order operands)."""
+    return _cupy().ElementwiseKernel(
+        "raw T src, raw int64 idx, int64 n, int64 cols", "raw T out",
+        "for (long long k = 0; k < n; k++) { long long at = idx[k] * cols + i; "
+        "out[at] = out[at] + src[k * cols + i]; }",
+        "blockrt_scatter_add", options=_NO_FMA)
+
+
+@functools.cache
 def _half_kernel(name: str, numbers: tuple[bool, ...]) -> Any:
     """The elementwise kernel `name` for a float16 or bfloat16 output: operands (half or float32
     arrays, a bool condition; a number where `numbers` says so, typed float32, since a number
@@ -516,6 +526,23 @@ class CudaDevice(Device):
         columns = _cupy().arange(probs.shape[1], dtype=labels.dtype)
         _kernels()["cross_entropy_backward"](probs, labels[:, None], grad[:, None],
                                              columns[None, :], out)
+
+    @_on_stream
+    def _gather(self, table, indices, out) -> None:
+        out[...] = table[indices]  # NOTE: `gather` checked the indices; moves bits
+
+    @_on_stream
+    def _scatter_add(self, src, indices, out) -> None:
+        # NOTE: one thread per column adds the rows in index order (never atomics, whose
+        # order varies): np.add.at's additions, so the CPU's bits. The kernel reads C-order
+        # operands: strided ones go through contiguous copies
+        cp = _cupy()
+        work = out if out.flags.c_contiguous else cp.ascontiguousarray(out)
+        _scatter_add_kernel()(cp.ascontiguousarray(src, dtype=out.dtype),
+                              cp.ascontiguousarray(indices, dtype=np.int64),
+                              src.shape[0], src.shape[1], work, size=src.shape[1])
+        if work is not out:
+            out[...] = work
 
     @_on_stream
     def _to_host(self, view: Any) -> np.ndarray:

@@ -458,3 +458,13 @@ class NumpyDevice(Device):
 
     def _to_host(self, view: np.ndarray) -> np.ndarray:
         return np.array(view, copy=True)
+
+    def _from_host(self, host: np.ndarray, view: np.ndarray) -> None:
+        np.copyto(view, host)
+
+    def _gather(self, table, indices, out) -> None:
+        np.take(table, indices, axis=0, out=out)  # NOTE: `gather` checked the indices
+
+    def _scatter_add(self, src, indices, out) -> None:
+        np.add.at(out, indices, src)  # NOTE: unbuffered, in index order: the kit's reference
+

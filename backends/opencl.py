@@ -657,6 +657,37 @@ class OpenCLDevice(Device):
         total = rows * classes
         self._run(kernel, (-(-total // GROUP) * GROUP,), (GROUP,), *args)
 
+    def _gather(self, table, indices, out) -> None:
+        # NOTE: moves bits, as the copy kernel: any dtype, as the unsigned type of its size
+        ctype = _BITS_TYPES[out.dtype.itemsize]
+        ltype = self._index_type(indices)
+        n, cols = out.shape
+        if n * cols == 0:
+            return
+        kernel = self._kernel(("gather", ctype, ltype), lambda: _gather_source(ctype, ltype))
+        args = _xent_args(n, cols, (out, table, indices))
+        self._run(kernel, (-(-(n * cols) // GROUP) * GROUP,), (GROUP,), *args)
+
+    def _scatter_add(self, src, indices, out) -> None:
+        # NOTE: one work item per column adds the rows in index order: the CPU's np.add.at,
+        # one IEEE addition at a time, so the same bits (two-byte src loads as it is; a
+        # two-byte out comes as float32 scratch: `Device.scatter_add`)
+        ctype, ltype = self._type(out.dtype), self._index_type(indices)
+        io = (_storage(out.dtype), _storage(src.dtype))
+        n, cols = src.shape
+        if n * cols == 0:
+            return
+        kernel = self._kernel(("scatter_add", ctype, ltype, io),
+                              lambda: _scatter_add_source(ctype, ltype, *io))
+        args = _xent_args(n, cols, (out, src, indices))
+        self._run(kernel, (-(-cols // GROUP) * GROUP,), (GROUP,), *args)
+
+    def _index_type(self, indices: Any) -> str:
+        ltype = _INT_TYPES.get(indices.dtype)
+        if ltype is None:
+            raise TypeError(f"indices must be integers, got {indices.dtype}")
+        return ltype
+
 
 def _xent_args(rows: int, classes: int, views: Sequence[Any]) -> list[Any]:
     """The cross-entropy kernels' arguments: the sizes, then buffer, offset and strides (in
@@ -926,5 +957,43 @@ __kernel void k(long rows, long classes, __global T* out, long o_o, long o_r, lo
     long r = i / classes, c = i % classes;
     T hit = (long)labels[l_o + r * l_s] == c ? (T)1 : (T)0;
     out[o_o + r * o_r + c * o_c] = ((T){p} - hit) * (T){g};
+}}
+"""
+
+
+def _gather_source(ctype: str, ltype: str) -> str:
+    """out[r, c] = table[idx[r], c], moved as `ctype` bits (the indices are checked first)."""
+    return f"""typedef {ltype} L;
+__kernel void k(long n, long cols, __global {ctype}* out, long o_o, long o_r, long o_c,
+                __global const {ctype}* table, long t_o, long t_r, long t_c,
+                __global const L* idx, long l_o, long l_s)
+{{
+    long i = get_global_id(0);
+    if (i >= n * cols) return;
+    long r = i / cols, c = i % cols;
+    long row = (long)idx[l_o + r * l_s];
+    out[o_o + r * o_r + c * o_c] = table[t_o + row * t_r + c * t_c];
+}}
+"""
+
+
+def _scatter_add_source(ctype: str, ltype: str, io_o: tuple[str, str, str],
+                        io_s: tuple[str, str, str]) -> str:
+    """out[idx[i], c] += src[i, c] for i in order, one work item per column c."""
+    at = "o_o + row * o_r + c * o_c"
+    load = io_o[1].format(p="out", i=at)
+    add = io_s[1].format(p="src", i="s_o + i * s_r + c * s_c")
+    return f"""{_header(ctype)}typedef {ltype} L;
+__kernel void k(long n, long cols, __global {io_o[0]}* out, long o_o, long o_r, long o_c,
+                __global const {io_s[0]}* src, long s_o, long s_r, long s_c,
+                __global const L* idx, long l_o, long l_s)
+{{
+    long c = get_global_id(0);
+    if (c >= cols) return;
+    for (long i = 0; i < n; i++) {{
+        long row = (long)idx[l_o + i * l_s];
+        T v = (T)({load}) + (T)({add});
+        {io_o[2].format(p="out", i=at)};
+    }}
 }}
 """

@@ -904,6 +904,67 @@ def check_cross_entropy(device: Device, examples: int = 20) -> None:
     run()
 
 
+def check_gather_scatter(device: Device, examples: int = 20) -> None:
+    """gather moves the CPU's bits (any stored dtype); scatter_add gives the CPU's bits,
+    repeated indices added one at a time in index order (np.add.at), the two-byte floats
+    accumulated in float32 and rounded once; an index outside [0, rows) raises ValueError
+    before either writes (Note [checked before written] in backends/base.py)."""
+    rule = "gather and scatter"
+    floats = _floats(device)
+    stored = [d for d in STORED if storable(device, d)]
+
+    @_draws(examples)
+    def run(data: Any) -> None:
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+        rows, cols = data.draw(st.integers(1, 6), label="rows"), data.draw(st.integers(1, 5))
+        n = data.draw(st.integers(0, 12), label="indices")
+        index_dtype = data.draw(st.sampled_from([np.dtype("int32"), np.dtype("int64")]))
+        # NOTE: few rows, many indices: repeats are the case that orders additions
+        indices = rng.integers(0, rows, n).astype(index_dtype)
+        dtype = data.draw(st.sampled_from(stored), label="gather dtype")
+        table = _random_values(rng, dtype, (rows, cols))
+        got = run_on(device, lambda d, t, i, o: d.gather(t, i, o), [table, indices],
+                     (n, cols), dtype)
+        assert_same_bits(got, table[indices], f"[{rule}] {type(device).__name__} "
+                                              f"{device.name}: gather ({dtype})")
+        dtype = data.draw(st.sampled_from(floats), label="scatter dtype")
+        # NOTE: magnitudes far apart, so that another order of additions rounds otherwise
+        # (within float16's range)
+        span = 8 if dtype in HALVES else 20
+        src = (rng.standard_normal((n, cols)) * 2.0 ** rng.integers(-span, span, (n, cols)))
+        src = src.astype(dtype)
+        start = rng.standard_normal((rows, cols)).astype(dtype)
+        results = [run_on(d, lambda d, s, i, o0, o: (d.unary("copy", o0, o),
+                                                     d.scatter_add(s, i, o)),
+                          [src, indices, start], (rows, cols), dtype)
+                   for d in (_cpu(), device)]
+        assert_same_bits(results[1], results[0], f"[{rule}] {type(device).__name__} "
+                                                 f"{device.name}: scatter_add ({dtype})")
+        if n:
+            bad = indices.copy()
+            bad[data.draw(st.integers(0, n - 1), label="bad position")] = data.draw(
+                st.sampled_from([-1, rows, rows + 5]), label="bad index")
+            sentinel = np.full((rows, cols), 7, dtype)
+            for name in ("gather", "scatter_add"):
+                target = to_device(device, sentinel if name == "scatter_add" else
+                                   np.full((n, cols), 7, dtype))
+                operands = ([to_device(device, start[:, :]), to_device(device, bad)]
+                            if name == "gather" else [to_device(device, src),
+                                                      to_device(device, bad)])
+                try:
+                    getattr(device, name)(*operands, target)
+                except ValueError:
+                    pass
+                else:
+                    _fail(rule, device, f"{name} took indices {bad.tolist()} for {rows} rows "
+                                        f"and raised no ValueError")
+                _check(np.all(_wide(device.to_host(target)) == 7), rule, device,
+                       f"a refused index left {name}'s out written "
+                       f"(Note [checked before written])")
+
+    run()
+
+
 @st.composite
 def chains(draw: Any, n: int, dtypes: Sequence[np.dtype] = FLOATS,
            ) -> tuple[list, list[np.ndarray], np.dtype]:
@@ -1188,6 +1249,7 @@ RULES: dict[str, Callable[..., None]] = {
     "products": check_products,
     "reductions": check_reductions,
     "cross entropy": check_cross_entropy,
+    "gather and scatter": check_gather_scatter,
     "fused chains": check_fused_chains,
     "half kernels": check_half_kernels,
     "fast kernels": check_fast_kernels,

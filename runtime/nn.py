@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -79,16 +79,30 @@ def manual_seed(seed: int) -> None:
 # ---------------------------------------------------------------------- modules
 class Module:
     """Base of every layer: tensors that require grad become parameters, modules submodules,
-    in the order they are assigned."""
+    in the order they are assigned; `register_buffer` adds state that is not a parameter
+    (BatchNorm's running statistics). `train()` / `eval()` set `training` here and in every
+    submodule; `state_dict()` / `load_state_dict()` save and restore parameters and buffers
+    under PyTorch's dotted names, bit for bit."""
 
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", {})
         object.__setattr__(self, "_modules", {})
+        #: tensors (or None) that are state but not parameters, by name, in registration order
+        object.__setattr__(self, "_buffers", {})
+        #: whether the module computes as in training (dropout on, batch statistics)
+        object.__setattr__(self, "training", True)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if "_parameters" not in self.__dict__:
             raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() "
                                f"before assigning {name!r}")
+        if name in self.__dict__.get("_buffers", ()):
+            if value is not None and not isinstance(value, Tensor):
+                raise TypeError(f"{type(self).__name__}: buffer {name!r} takes a Tensor or "
+                                f"None, got {_brief(value)}")
+            self._buffers[name] = value
+            object.__setattr__(self, name, value)
+            return
         if isinstance(value, Module):
             self._refuse_cycle(name, value)
         self._parameters.pop(name, None)
@@ -147,6 +161,123 @@ class Module:
         for p in self.parameters():
             p.grad = None
 
+    # ------------------------------------------------------------------ modes and state
+    def train(self, mode: bool = True) -> Module:
+        """Set `training` to `mode` in this module and every submodule; returns self."""
+        mode = as_flag(mode, f"{type(self).__name__}.train: mode")
+        for module in self._walk():
+            object.__setattr__(module, "training", mode)
+        return self
+
+    def eval(self) -> Module:
+        """`train(False)`: dropout off, batch norm on its running statistics; returns self."""
+        return self.train(False)
+
+    def _walk(self) -> Iterator[Module]:
+        """This module and every submodule, each once (shared ones too)."""
+        seen: set[int] = set()
+        stack: list[Module] = [self]
+        while stack:
+            module = stack.pop()
+            if id(module) not in seen:
+                seen.add(id(module))
+                yield module
+                stack.extend(reversed(list(module._modules.values())))
+
+    def register_buffer(self, name: str, value: Tensor | None) -> None:
+        """Keep `value` (a Tensor, or None for a buffer not in use) as state of this module
+        under `name`: in `state_dict()` (unless None) and `buffers()`, not a parameter."""
+        if not isinstance(name, str) or not name or "." in name:
+            raise ValueError(f"{type(self).__name__}.register_buffer: name must be a non-empty "
+                             f"string without '.', got {_brief(name)}")
+        if name in self._parameters or name in self._modules:
+            raise KeyError(f"{type(self).__name__}.register_buffer: {name!r} is already a "
+                           f"parameter or a submodule")
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(f"{type(self).__name__}.register_buffer: {name!r} takes a Tensor "
+                            f"or None, got {_brief(value)}")
+        self._buffers[name] = value
+        object.__setattr__(self, name, value)
+
+    def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
+        """(qualified name, buffer) pairs of this module and its submodules (None skipped)."""
+        for name, t in self._buffers.items():
+            if t is not None:
+                yield prefix + name, t
+        for name, module in self._modules.items():
+            yield from module.named_buffers(f"{prefix}{name}.")
+
+    def buffers(self) -> list[Tensor]:
+        """Every buffer of this module and its submodules."""
+        return [t for _, t in self.named_buffers()]
+
+    def state_dict(self, prefix: str = "") -> dict[str, Tensor]:
+        """Parameters and buffers by PyTorch's dotted names, in PyTorch's order: a module's
+        parameters, then its buffers, then each submodule's. The values are detached handles
+        on the module's own memory (copy them, e.g. `.numpy()`, to keep a snapshot)."""
+        state: dict[str, Tensor] = {}
+        for name, t in self._parameters.items():
+            state[prefix + name] = t.detach()
+        for name, t in self._buffers.items():
+            if t is not None:
+                state[prefix + name] = t.detach()
+        for name, module in self._modules.items():
+            state.update(module.state_dict(f"{prefix}{name}."))
+        return state
+
+    def load_state_dict(self, state: Any, strict: bool = True) -> LoadResult:
+        """Write `state` (a mapping of name to Tensor or array-like, as `state_dict()` names
+        them) into this module's parameters and buffers, bit for bit (any dtype: the bits
+        are copied, never converted). Everything is checked before anything is written: a
+        missing or unexpected name (with `strict`, PyTorch's default), a shape or a dtype that
+        differs is a RuntimeError naming every such entry. A write moves the tensor's version,
+        so `amp` working copies of a parameter are cast again at their next use (Note
+        [writes the working copy cannot see] in runtime/amp.py). Returns the missing and
+        unexpected names (empty with `strict`)."""
+        from collections.abc import Mapping
+
+        if not isinstance(state, Mapping):
+            raise TypeError(f"{type(self).__name__}.load_state_dict takes a mapping of names to "
+                            f"tensors, got {_brief(state)}")
+        strict = as_flag(strict, "load_state_dict: strict")
+        own = self.state_dict()
+        missing = [name for name in own if name not in state]
+        unexpected = [name for name in state if name not in own]
+        problems = []
+        if strict and missing:
+            problems.append(f"missing key(s): {', '.join(missing)}")
+        if strict and unexpected:
+            problems.append(f"unexpected key(s): {', '.join(map(str, unexpected))}")
+        sources: list[tuple[Tensor, Any]] = []
+        for name, target in own.items():
+            if name not in state:
+                continue
+            value = state[name]
+            if not isinstance(value, Tensor):
+                value = np.asarray(value)
+            if value.dtype != target.dtype:
+                problems.append(f"{name}: dtype {value.dtype} where the module holds "
+                                f"{target.dtype}")
+            elif tuple(value.shape) != target.shape:
+                problems.append(f"{name}: shape {tuple(value.shape)} where the module holds "
+                                f"{target.shape}")
+            else:
+                sources.append((target, value))
+        if problems:
+            raise RuntimeError(f"{type(self).__name__}.load_state_dict: nothing was loaded: "
+                               + "; ".join(problems))
+        # NOTE: every source on its target's device first (the only allocations), then the
+        # copies, which allocate nothing: a failure leaves the module as it was
+        with no_grad():
+            staged = [(target, value if isinstance(value, Tensor)
+                       and value.device is target.device else
+                       tensor(value.numpy() if isinstance(value, Tensor) else value,
+                              device=target.device, allocator=target.block.allocator))
+                      for target, value in sources]
+            for target, value in staged:
+                ops.copy(value, out=target)
+        return LoadResult(missing, unexpected)
+
     def extra_repr(self) -> str:
         return ""
 
@@ -159,6 +290,14 @@ class Module:
             body = repr(module).replace("\n", "\n  ")
             lines.append(f"  ({name}): {body}")
         return "\n".join(lines) + "\n)"
+
+
+class LoadResult(NamedTuple):
+    """What `Module.load_state_dict` did not load: names the module holds that the state
+    lacks, and names of the state the module does not hold (PyTorch's `_IncompatibleKeys`)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 
 def _generator(rng: Any) -> np.random.Generator:
@@ -525,6 +664,176 @@ def _allocated(t: Tensor) -> Tensor:
 
 
 # ---------------------------------------- batch norm, embedding, dropout layers
+def _positive_int(what: str, n: Any) -> int:
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral) or n <= 0:
+        raise ValueError(f"{what} must be a positive int, got {_brief(n)}")
+    return int(n)
+
+
+def _float_dtype(dtype: Any, what: str) -> np.dtype:
+    dtype = as_dtype(dtype, what)
+    if not dtypes.is_float(dtype):
+        raise TypeError(f"{what}: parameters are a float dtype (float16, bfloat16, float32, "
+                        f"float64), got dtype {dtype}")
+    return dtype
+
+
+class _BatchNorm(Module):
+    """Batch normalisation over axis 1 (`ops.batch_norm`), PyTorch's `_BatchNorm`: weight
+    (ones) and bias (zeros) when `affine`; buffers running_mean (zeros), running_var (ones)
+    and num_batches_tracked (an int64 0-d count) when `track_running_stats`. In training the
+    batch's statistics normalise and the running ones are updated in place (momentum 0.1:
+    running = 0.9 * running + 0.1 * batch, the variance unbiased) and the count moves on; in
+    evaluation (`eval()`) the running statistics normalise. Without running statistics the
+    batch's are used in both modes. `momentum=None` is PyTorch's cumulative average: the
+    factor is 1 / num_batches_tracked (counting this batch), computed on the device, so a
+    captured graph replays it."""
+
+    #: the numbers of dimensions the input may have
+    dims: tuple[int, ...] = ()
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, *,
+                 dtype: Any = "float32", device: Any = None,
+                 allocator: Allocator | None = None) -> None:
+        super().__init__()
+        name = type(self).__name__
+        self.num_features = _positive_int(f"{name}: num_features", num_features)
+        self.eps = ops._number(name, "eps", eps, 0.0)
+        self.momentum = (None if momentum is None else
+                         ops._number(name, "momentum", momentum, 0.0, 1.0))
+        self.affine = as_flag(affine, f"{name}: affine")
+        self.track_running_stats = as_flag(track_running_stats,
+                                           f"{name}: track_running_stats")
+        dtype = _float_dtype(dtype, name)
+        shape = (self.num_features,)
+        where = {"device": device, "allocator": allocator}
+        self.weight = (tensor(np.ones(shape, dtype), requires_grad=True, **where)
+                       if self.affine else None)
+        self.bias = (tensor(np.zeros(shape, dtype), requires_grad=True, **where)
+                     if self.affine else None)
+        tracked = self.track_running_stats
+        self.register_buffer("running_mean", tensor(np.zeros(shape, dtype), **where)
+                             if tracked else None)
+        self.register_buffer("running_var", tensor(np.ones(shape, dtype), **where)
+                             if tracked else None)
+        self.register_buffer("num_batches_tracked", tensor(np.zeros((), np.int64), **where)
+                             if tracked else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{type(self).__name__}: expected a Tensor, got {_brief(x)}")
+        if x.ndim not in self.dims:
+            raise ValueError(f"{type(self).__name__}: expected "
+                             f"{' or '.join(f'{d}D' for d in self.dims)} input (got {x.ndim}D "
+                             f"input of shape {x.shape})")
+        batch_stats = self.training or not self.track_running_stats
+        momentum = self.momentum
+        if momentum is None and self.training and self.track_running_stats:
+            momentum = self._average_factor(x)
+        y = ops.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                           batch_stats, 0.0 if momentum is None else momentum, self.eps)
+        if self.training and self.track_running_stats:  # NOTE: after the checks of batch_norm
+            ops._count_up(self.num_batches_tracked)
+        return y
+
+    def _average_factor(self, x: Tensor) -> Tensor:
+        """1 / (num_batches_tracked + 1), a 0-d tensor of x's compute dtype: the factor of
+        PyTorch's cumulative average once this batch is counted (the count moves on only after
+        the batch is normalised, so a refused call counts nothing)."""
+        wide = ops._wide_dtype(x.dtype)
+        with no_grad():
+            count = ops.cast(self.num_batches_tracked, wide, exact=False)
+            return ops.div(1.0, ops.add(count, 1.0, out=count), out=count)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"affine={self.affine}, track_running_stats={self.track_running_stats}")
+
+
+class BatchNorm1d(_BatchNorm):
+    """Batch normalisation of (N, C) or (N, C, L) inputs (PyTorch's BatchNorm1d)."""
+
+    dims = (2, 3)
+
+
+class BatchNorm2d(_BatchNorm):
+    """Batch normalisation of (N, C, H, W) inputs per channel (PyTorch's BatchNorm2d).
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> from runtime import nn
+        >>> bn = nn.BatchNorm2d(3)
+        >>> y = bn(runtime.tensor(np.arange(24.0, dtype=np.float32).reshape(2, 3, 2, 2)))
+        >>> bn.num_batches_tracked.item(), bn.eval().training
+        (1, False)
+    """
+
+    dims = (4,)
+
+
+class Embedding(Module):
+    """A lookup table: rows of `weight` (num_embeddings, embedding_dim), initialised N(0, 1)
+    as PyTorch's, picked by integer indices (`ops.embedding`; the output has shape
+    indices.shape + (embedding_dim,)).
+
+    Args:
+        num_embeddings, embedding_dim: positive sizes.
+        dtype, device, allocator: where the weight lives.
+        rng: a numpy Generator or seed for the initial values (default: `manual_seed`'s).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, dtype: Any = "float32",
+                 device: Any = None, allocator: Allocator | None = None,
+                 rng: np.random.Generator | int | None = None) -> None:
+        super().__init__()
+        self.num_embeddings = _positive_int("Embedding: num_embeddings", num_embeddings)
+        self.embedding_dim = _positive_int("Embedding: embedding_dim", embedding_dim)
+        dtype = _float_dtype(dtype, "Embedding")
+        shape = (self.num_embeddings, self.embedding_dim)
+        checked_nbytes(shape, dtype, "Embedding: weight")
+        generator = _rng if rng is None else _generator(rng)
+        self.weight = tensor(generator.standard_normal(shape).astype(dtype), device=device,
+                             allocator=allocator, requires_grad=True)
+
+    def forward(self, indices: Any) -> Tensor:
+        return ops.embedding(indices, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+class Dropout(Module):
+    """Inverted dropout (`ops.dropout`): in training each element is zeroed with probability
+    p and the rest scaled by 1 / (1 - p); the identity in evaluation (`eval()`).
+
+    Each layer draws from its own `ops.Generator`, seeded from `rng` (a numpy Generator or
+    seed; default: `manual_seed`'s generator, as layers' initial values), so a model built
+    after `nn.manual_seed(s)` draws the same masks every time, eagerly or as a captured graph.
+    `inplace=True` writes the result into the input (`out=x`), which autograd refuses where
+    gradients are recorded (runtime.no_grad() inference, say, takes it).
+    """
+
+    def __init__(self, p: float = 0.5, inplace: bool = False, *,
+                 rng: np.random.Generator | int | None = None) -> None:
+        super().__init__()
+        self.p = ops._number("Dropout", "p (the probability of zeroing an element)", p, 0.0,
+                             1.0)
+        self.inplace = as_flag(inplace, "Dropout: inplace")
+        seed = int((_rng if rng is None else _generator(rng)).integers(2**63))
+        #: where this layer's masks come from
+        self.generator = ops.Generator(seed)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.dropout(x, self.p, self.training, self.generator,
+                           out=x if self.inplace else None)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, inplace={self.inplace}"
+
+
+__all__ += ["BatchNorm1d", "BatchNorm2d", "Dropout", "Embedding", "LoadResult"]
+
 
 
 class Optimizer:

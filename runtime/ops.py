@@ -601,6 +601,392 @@ def cast(x: Tensor, dtype: Any, out: Tensor | None = None, *, exact: bool = True
 
 
 # ---------------------------------------- batch norm, embedding, dropout
+#: The integer dtypes the devices' gather and scatter_add take as indices as they are
+_INDEX_DTYPES = (np.dtype("int32"), np.dtype("int64"))
+
+
+def _wide_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype an op of this section computes a `dtype` tensor in: float32 for float16 and
+    bfloat16, as PyTorch's CPU kernels compute them (Note [two-byte floats compute in float32]
+    in backends/base.py), else `dtype`."""
+    return _FLOAT32 if dtype in dtypes.HALVES else dtype
+
+
+def _widened(t: Tensor, wide: np.dtype) -> Tensor:
+    return t if t.dtype == wide else cast(t, wide)
+
+
+def _number(op: str, what: str, value: Any, low: float, high: float = math.inf) -> float:
+    """`value` as a float in [low, high], or TypeError/ValueError naming op, what and value."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{op}: {what} must be a number, got {_brief(value)}")
+    number = float(value)
+    if not low <= number <= high:
+        raise ValueError(f"{op}: {what} must lie in [{low}, {high}], got {_brief(value)}")
+    return number
+
+
+def _refuse_overlaps(op: str, out: Tensor, inputs: Sequence[tuple[str, Tensor, tuple]]) -> None:
+    """Under `runtime.set_aliasing('raise')`, AliasingError where `out` shares memory with an
+    input in a way the op's policy forbids, before the op writes anything (its state updates
+    included); in "copy" mode the op's last write goes through `_launch`, which copies."""
+    if config.get_aliasing() != "raise":
+        return
+    policy = ALIASING_POLICY[op]
+    clashes = _clashes(policy, out, inputs)
+    if clashes:
+        rule = ("may only be the identical view of an input" if policy == ELEMENTWISE
+                else "may not share memory with any input")
+        raise AliasingError(
+            f"{op}: the output {aliasing.describe('out', out.block.id, out.layout())} overlaps "
+            f"{'; '.join(clashes)}. The output of {op} {rule}. Use a separate output, or "
+            f"runtime.set_aliasing('copy') to compute through a temporary")
+
+
+def _channel_operand(op: str, label: str, t: Any, x: Tensor, channels: int) -> Tensor | None:
+    """A per-channel operand of batch_norm: None, or a (channels,) float Tensor on x's device
+    of x's dtype (or float32 for a two-byte x); TypeError/ValueError naming it otherwise."""
+    if t is None:
+        return None
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{op}: {label} must be a Tensor or None, got {_brief(t)}")
+    if t.shape != (channels,):
+        raise ValueError(f"{op}: {label} has shape {t.shape}, expected ({channels},) for x of "
+                         f"shape {x.shape} ({channels} channels on axis 1)")
+    if t.device is not x.device:
+        where, inputs = device_names(t.device, x.device)
+        raise ValueError(f"{op}: {label} is on {where}, x on {inputs}")
+    if t.dtype != x.dtype and t.dtype != _wide_dtype(x.dtype):
+        raise TypeError(f"{op}: {label} has dtype {t.dtype}, x {x.dtype}; they must match "
+                        f"(or be float32 for a two-byte x)")
+    return t
+
+
+def batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+               weight: Tensor | None = None, bias: Tensor | None = None,
+               training: bool = False, momentum: float = 0.1, eps: float = 1e-5,
+               out: Tensor | None = None) -> Tensor:
+    """Batch normalisation over axis 1 of x (N, C, ...), PyTorch's
+    `torch.nn.functional.batch_norm`: y = (x - mean) / sqrt(var + eps) * weight + bias per
+    channel.
+
+    In training (`training=True`) mean and var are the batch's, over every axis but 1 (var
+    biased), and the gradient flows through them; running_mean and running_var (when given)
+    are then updated in place, running = (1 - momentum) * running + momentum * batch, with
+    the unbiased variance (the sum of squares over n - 1). In evaluation the running
+    statistics are used and left as they are. float16 and bfloat16 x compute in float32 and
+    round the result once; their per-channel operands may be float32.
+
+    Args:
+        x: a float Tensor of at least 2 dimensions, channels on axis 1.
+        running_mean, running_var: (C,) Tensors, or None (then `training` must be True).
+        weight, bias: (C,) Tensors or None (no scale, no shift).
+        training: use and update batch statistics (True) or the running ones.
+        momentum: in [0, 1]. eps: >= 0, added to the variance.
+        out: where the result goes (x's shape and dtype); it may share memory with no input.
+
+    Raises TypeError / ValueError naming a bad argument (in training, a channel with one
+    value: the variance needs two), before anything is written.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> x = runtime.tensor(np.array([[1.0, 2.0], [3.0, 6.0]]))
+        >>> mean, var = runtime.zeros(2, "float64"), runtime.ones(2, "float64")
+        >>> runtime.ops.batch_norm(x, mean, var, training=True, eps=0.0).numpy()
+        array([[-1., -1.],
+               [ 1.,  1.]])
+        >>> mean.numpy()   # 0.9 * 0 + 0.1 * [2, 4]
+        array([0.2, 0.4])
+    """
+    op = "batch_norm"
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{op}: x must be a Tensor, got {_brief(x)}")
+    _common(op, [x])
+    if x.ndim < 2:
+        raise ValueError(f"{op}: x must have at least 2 dimensions (N, C, ...), got shape "
+                         f"{x.shape}")
+    channels = x.shape[1]
+    labels = ("running_mean", "running_var", "weight", "bias")
+    running_mean, running_var, weight, bias = (
+        _channel_operand(op, label, t, x, channels)
+        for label, t in zip(labels, (running_mean, running_var, weight, bias)))
+    training = as_flag(training, f"{op}: training")
+    if not (isinstance(momentum, Tensor) and momentum.shape == ()):  # NOTE: `_BatchNorm`'s
+        momentum = _number(op, "momentum", momentum, 0.0, 1.0)
+    eps = _number(op, "eps", eps, 0.0)
+    if (running_mean is None) != (running_var is None):
+        raise ValueError(f"{op}: pass both running_mean and running_var, or neither")
+    count = x.size // channels if channels else 0
+    if training and count <= 1:
+        raise ValueError(f"{op}: expected more than 1 value per channel when training, got x "
+                         f"of shape {x.shape}")
+    if not training and running_mean is None:
+        raise ValueError(f"{op}: evaluation (training=False) needs running_mean and "
+                         f"running_var")
+    operands = [t for t in (x, running_mean, running_var, weight, bias) if t is not None]
+    if out is not None:
+        out = _prepare_out(op, out, x.shape, x.dtype, x, operands)
+        _refuse_overlaps(op, out, [(label, t, t.shape) for label, t in zip(
+            ("x", *labels), (x, running_mean, running_var, weight, bias)) if t is not None])
+    wide = _wide_dtype(x.dtype)
+    along = (1, channels) + (1,) * (x.ndim - 2)
+
+    def per_channel(t: Tensor) -> Tensor:
+        return _widened(t, wide).reshape(along)
+
+    xw = _widened(x, wide)
+    if training:
+        axes = (0, *range(2, x.ndim))
+        mean_ = mean(xw, axis=axes, keepdims=True)
+        centered = sub(xw, mean_)
+        squares = sum(mul(centered, centered), axis=axes, keepdims=True)
+        var = div(squares, float(count))  # NOTE: biased, as PyTorch normalises
+        normalised = mul(centered, div(1.0, _elementwise("sqrt", None, add(var, eps))))
+        if running_mean is not None:
+            with autograd.no_grad():
+                _running_update(running_mean, mean_.reshape(channels), momentum)
+                _running_update(running_var, div(squares, float(count - 1)).reshape(channels),
+                                momentum)
+    else:
+        scale = div(1.0, _elementwise("sqrt", None, add(per_channel(running_var), eps)))
+        normalised = mul(sub(xw, per_channel(running_mean)), scale)
+    y = normalised
+    if weight is not None:
+        y = mul(y, per_channel(weight))
+    if bias is not None:
+        y = add(y, per_channel(bias))
+    if y.dtype != x.dtype:
+        return cast(y, x.dtype, out=out)
+    return y if out is None else copy(y, out=out)
+
+
+def _running_update(stat: Tensor, batch: Tensor, momentum: float | Tensor) -> None:
+    """stat = momentum * batch + (1 - momentum) * stat in place, in batch's dtype (PyTorch's
+    update, as its CPU kernel writes it), rounded once into a two-byte stat. `momentum` may
+    be a 0-d Tensor of batch's dtype (BatchNorm's cumulative average, `momentum=None`)."""
+    rest = sub(1.0, momentum) if isinstance(momentum, Tensor) else 1.0 - momentum
+    update = add(mul(batch, momentum), mul(_widened(stat, batch.dtype), rest))
+    if stat.dtype == update.dtype:
+        copy(update, out=stat)
+    else:
+        cast(update, stat.dtype, out=stat)
+
+
+def _count_up(counter: Tensor) -> Tensor:
+    """counter += 1 in place, for an integer Tensor of any shape (BatchNorm's
+    num_batches_tracked): on the host, between a read and a write of the device's memory, since
+    the devices' arithmetic kernels take floats only. Recorded as one op, so a captured graph
+    counts at every replay."""
+    device = counter.device
+
+    def run(v: list, o: Any) -> None:
+        device.from_host(device.to_host(v[0]) + 1, o)
+
+    return _launch("count_up", counter, [("counter", counter, counter.shape)], run)
+
+
+def _indices(op: str, indices: Any, weight: Tensor) -> Tensor:
+    """The indices of `embedding` as an int32 or int64 Tensor on weight's device: a Tensor of
+    another integer dtype is cast (exactly, or refused by cast), an array-like is checked here
+    (ValueError naming the first bad index and the row count, TypeError for non-integers)."""
+    rows = weight.shape[0]
+    if isinstance(indices, Tensor):
+        if indices.dtype.kind not in "iu":
+            raise TypeError(f"{op}: indices must be integers, got a {indices.dtype} Tensor")
+        if indices.device is not weight.device:
+            where, on = device_names(indices.device, weight.device)
+            raise ValueError(f"{op}: indices are on {where}, the weight on {on}")
+        return indices if indices.dtype in _INDEX_DTYPES else cast(indices, "int64")
+    host = host_array(indices, None, f"{op} indices")
+    if host.dtype.kind not in "iu":
+        raise TypeError(f"{op}: indices must be integers, got {host.dtype} {_brief(indices)}")
+    if host.size and (host.min() < 0 or host.max() >= rows):
+        bad = host[(host < 0) | (host >= rows)][0]
+        raise ValueError(f"{op}: index {bad} is outside [0, {rows}) for a weight of {rows} "
+                         f"rows")
+    return tensor(host.astype(np.int64, copy=False), device=weight.device,
+                  allocator=_result_allocator(weight))
+
+
+def embedding(indices: Any, weight: Tensor, out: Tensor | None = None) -> Tensor:
+    """Rows of `weight` (num_embeddings, embedding_dim) picked by integer `indices` (any
+    shape): the result has shape indices.shape + (embedding_dim,), PyTorch's
+    `torch.nn.functional.embedding`. The weight's gradient adds the gradient of every use of a
+    row into it, repeated indices accumulating one after another in their order (np.add.at),
+    the same bits on every backend (`Device.scatter_add`).
+
+    `indices` is an integer Tensor on weight's device or an array-like of ints; each must lie
+    in [0, num_embeddings): ValueError naming the first that does not and the row count,
+    before anything is written. `out` may not share memory with the weight.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> w = runtime.tensor(np.arange(6.0).reshape(3, 2))
+        >>> runtime.ops.embedding([2, 0, 2], w).numpy()
+        array([[4., 5.],
+               [0., 1.],
+               [4., 5.]])
+    """
+    op = "embedding"
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"{op}: weight must be a Tensor, got {_brief(weight)}")
+    if weight.ndim != 2:
+        raise ValueError(f"{op}: weight must be 2-D (num_embeddings, embedding_dim), got shape "
+                         f"{weight.shape}")
+    index = _indices(op, indices, weight)
+    device, dtype = weight.device, weight.dtype
+    rows, dim = weight.shape
+    shape = index.shape + (dim,)
+    out = _prepare_out(op, out, shape, dtype, weight, (weight,))
+    count = index.size
+    flat = index.reshape(count)
+    if out.is_contiguous():
+        target = out.reshape(count, dim)
+    else:  # NOTE: the kernel writes (count, dim): a strided out gets a copy
+        _refuse_overlaps(op, out, [("weight", weight, weight.shape)])
+        target = Tensor._fresh((count, dim), dtype, _result_allocator(weight))
+    with autograd.no_grad():
+        _launch(op, target, [("weight", weight, weight.shape), ("indices", flat, flat.shape)],
+                lambda v, o: device.gather(v[0], v[1], o))
+        if target.block is not out.block:
+            copy(target.reshape(shape), out=out)
+    if autograd.needs_grad(weight):
+        # NOTE: shapes, not tensors: Note [closures hold no tensors] in runtime/autograd.py
+        def fn(g: Tensor, index: Tensor) -> tuple:
+            g2 = g.reshape(count, dim)
+            result = Tensor._fresh((rows, dim), g.dtype, g.block.allocator)
+            _launch("embedding_backward", result, [("grad", g2, g2.shape),
+                                                   ("indices", index, index.shape)],
+                    lambda v, o: _scatter_rows(device, v[0], v[1], o))
+            return (result,)
+
+        autograd.record(op, out, (weight,), ("weight",), fn, [("indices", flat)])
+    return out
+
+
+def _scatter_rows(device: Any, grad: Any, indices: Any, out: Any) -> None:
+    """out = zeros, then out[indices[i]] += grad[i] in index order (embedding's backward)."""
+    device.from_host(np.zeros(out.shape, out.dtype), out)
+    device.scatter_add(grad, indices, out)
+
+
+class Generator:
+    """Where dropout's masks come from: a seed and, on each device, how many masks were
+    drawn, kept in a small int64 Tensor there, [seed, count]. Mask k depends on (seed, k) and
+    the shape and probability alone (NumPy's generator seeded with both), so the masks of a
+    step are the same whether it runs eagerly or as a captured graph: a replay reads the
+    count on the device and moves it on, as the eager call does. `manual_seed` starts the
+    stream again (writing the tensors, so graphs that captured them see it too).
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> x = runtime.tensor(np.ones(6, np.float32))
+        >>> a = runtime.ops.dropout(x, 0.5, generator=runtime.ops.Generator(7)).numpy()
+        >>> b = runtime.ops.dropout(x, 0.5, generator=runtime.ops.Generator(7)).numpy()
+        >>> bool((a == b).all()) and set(a.tolist()) <= {0.0, 2.0}
+        True
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        #: by device, the [seed, masks drawn] Tensor the draws read and move on
+        self._states: dict[Any, Tensor] = {}
+        self.seed = self._seed(seed)
+
+    @staticmethod
+    def _seed(seed: Any) -> int:
+        if seed is None:
+            return int(np.random.SeedSequence().entropy % 2**63)
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"Generator: seed must be an int, got {_brief(seed)}")
+        if not 0 <= seed < 2**63:
+            raise ValueError(f"Generator: seed must lie in [0, 2**63), got {seed}")
+        return int(seed)
+
+    def manual_seed(self, seed: int) -> Generator:
+        """Start again from mask 0 of `seed`; returns self."""
+        self.seed = self._seed(seed)
+        with autograd.no_grad():
+            for state in self._states.values():
+                state[...] = np.array([self.seed, 0], np.int64)
+        return self
+
+    def state(self, like: Tensor) -> Tensor:
+        """The [seed, masks drawn] Tensor on like's device (made at its first draw there)."""
+        state = self._states.get(like.device)
+        if state is None:
+            state = tensor(np.array([self.seed, 0], np.int64), device=like.device,
+                           allocator=_result_allocator(like))
+            self._states[like.device] = state
+        return state
+
+    def __repr__(self) -> str:
+        return f"Generator(seed={self.seed})"
+
+
+#: The generator `dropout` draws from when it is given none.
+default_generator = Generator()
+
+
+def _mask(seed: int, k: int, shape: tuple[int, ...], p: float, dtype: np.dtype) -> np.ndarray:
+    """Mask k of `seed`: 1 / (1 - p) where a uniform draw is >= p (kept), else 0, in dtype
+    (the scale computed as PyTorch computes it: in float32 for float32 and the halves)."""
+    keep = np.random.default_rng([seed, k]).random(shape) >= p
+    if p >= 1.0:
+        scale = np.float64(0.0)
+    elif dtype == _FLOAT64:
+        scale = np.float64(1.0) / np.float64(1.0 - p)
+    else:
+        scale = np.float32(1.0) / np.float32(1.0 - p)
+    return np.where(keep, scale, scale.dtype.type(0)).astype(dtype)
+
+
+def dropout(x: Tensor, p: float = 0.5, training: bool = True,
+            generator: Generator | None = None, out: Tensor | None = None) -> Tensor:
+    """Inverted dropout, PyTorch's `torch.nn.functional.dropout`: in training each element is
+    zeroed with probability p and the others scaled by 1 / (1 - p); otherwise (or with p 0)
+    x itself is returned (copied into `out` when given). The mask comes from `generator`
+    (default: `default_generator`): see `Generator` for why a captured graph draws the same
+    masks as eager calls, and docs/layers-state.md for how a recomputed segment keeps them.
+    `out` may be x itself and may not overlap it otherwise.
+
+    Raises TypeError / ValueError naming a bad argument (p outside [0, 1]) before anything is
+    drawn or written.
+    """
+    op = "dropout"
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{op}: x must be a Tensor, got {_brief(x)}")
+    _common(op, [x])
+    p = _number(op, "p (the probability of zeroing an element)", p, 0.0, 1.0)
+    training = as_flag(training, f"{op}: training")
+    if generator is not None and not isinstance(generator, Generator):
+        raise TypeError(f"{op}: generator must be an ops.Generator or None, got "
+                        f"{_brief(generator)}")
+    if out is not None:
+        out = _prepare_out(op, out, x.shape, x.dtype, x, (x,))
+    if not training or p == 0.0 or x.size == 0:
+        return x if out is None or out is x else copy(x, out=out)
+    if out is not None:
+        _refuse_overlaps("dropout", out, [("x", x, x.shape)])
+    state = (generator or default_generator).state(x)
+    device, dtype, shape = x.device, x.dtype, x.shape
+    mask = Tensor._fresh(shape, dtype, _result_allocator(x))
+
+    def run(v: list, o: Any, m: Any) -> None:
+        seed, k = (int(n) for n in device.to_host(v[0]))
+        device.from_host(np.array([seed, k + 1], np.int64), o)
+        device.from_host(_mask(seed, k, shape, p, dtype), m)
+
+    _launch("dropout_mask", state, [("state", state, state.shape)], run, also=(mask,))
+    return mul(x, mask, out=out)
+
+
+__all__ += ["Generator", "batch_norm", "default_generator", "dropout", "embedding"]
+ALIASING_POLICY.update({"batch_norm": NEVER, "embedding": NEVER, "embedding_backward": NEVER,
+                        # NOTE: x * mask: out may be x itself
+                        "dropout": ELEMENTWISE,
+                        # NOTE: both write their state in place (the identical view)
+                        "count_up": ELEMENTWISE, "dropout_mask": ELEMENTWISE})
+
 
 
 def _sub_scaled(a: Tensor, b: Tensor, scale: Any, out: Tensor | None = None,

@@ -9,7 +9,9 @@ NumPy's own overlap handling (it buffers overlapping ufunc operands) never rescu
   accumulated over k, so a zeroed or half-accumulated `out` is what a later read of an
   overlapping input sees;
 - `sum` / `mean` zero `out` first and accumulate element by element in the same way;
-- elementwise kernels compute `out[idx] = f(x[idx])` element by element.
+- elementwise kernels compute `out[idx] = f(x[idx])` element by element;
+- `gather` and `scatter_add` are the base Device's defaults, made of the kernels above (a row
+  copy, an in-place row add), so the defaults are checked here too.
 
 A result on this device is therefore only right when the runtime kept overlapping operands away
 from the kernels. Use one instance per process (the runtime keys default allocators by the device
@@ -33,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from backends import _erf, optable
+from backends.base import Device
 from backends.numpy import NumpyDevice
 
 #: Each primitive of backends/optable.py on one element (NumPy scalars and numbers): every op's
@@ -99,3 +102,8 @@ class NaiveDevice(NumpyDevice):
             count = math.prod(x.shape[d] for d in axes)
             for index in np.ndindex(out.shape):
                 out[index] /= count
+
+    # NOTE: the defaults of backends/base.py, over this device's element-by-element kernels
+    _gather = Device._gather
+    _scatter_add = Device._scatter_add
+    _from_host = Device._from_host

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from runtime.block import Block
 from runtime.graph.program import Recorded
@@ -77,7 +78,7 @@ def _recompute_sweep(program: list[Instruction], intermediate: frozenset[int] | 
         if not wanted:
             made.append([])
             continue
-        clones, local = _clone_segment(program, members, wanted)
+        clones, local = _clone_segment(program, members, wanted, intermediate)
         made.append(clones)
         at = min(outside_reads[bid] for bid in wanted)
         insert_before.setdefault(at, []).extend(clones)
@@ -137,12 +138,16 @@ def _dropped(program: list[Instruction], intermediate: frozenset[int] | set[int]
     return dropped
 
 
-def _clone_segment(program: list[Instruction], members: list[int],
-                   wanted: set[int]) -> tuple[list[Instruction], dict[int, Block]]:
+def _clone_segment(program: list[Instruction], members: list[int], wanted: set[int],
+                   intermediate: frozenset[int] | set[int]
+                   ) -> tuple[list[Instruction], dict[int, Block]]:
     """Clones of a segment's instructions up to the last one writing a block in `wanted`, each
     writing a fresh block in place of the original's; and original block id -> fresh block.
     A clone reuses the original's `run` on other views, which is sound because `run` is a pure
-    function of the views it is given (Note [closures hold no tensors] in runtime/autograd.py)."""
+    function of the views it is given (Note [closures hold no tensors] in runtime/autograd.py).
+    An instruction that updates state in place (`_updates_state`: a dropout mask's draw moves
+    its generator's count on) is not run again: its stand-in copies what it wrote, so the
+    recompute sees the mask of the first run, and the state moves once a step."""
     last_wanted = max(i for i in members if any(o.block.id in wanted
                                                   for o in program[i].outputs))
     clones: list[Instruction] = []
@@ -154,10 +159,37 @@ def _clone_segment(program: list[Instruction], members: list[int],
         for operand in instr.outputs:
             if operand.block.id not in local:
                 local[operand.block.id] = Block(operand.block.nbytes, operand.block.allocator)
+        if _updates_state(instr, intermediate):
+            clones.append(_copy_of(instr, local))
+            continue
         clone = _reading(instr, "recompute", local)
         clone.outputs = [_moved(o, local[o.block.id]) for o in instr.outputs]
         clones.append(clone)
     return clones, local
+
+
+def _updates_state(instr: Instruction, intermediate: frozenset[int] | set[int]) -> bool:
+    """Whether `instr` reads and writes one block that is not an intermediate (state kept
+    from step to step: a dropout generator's count, a layer's step count). Run again during
+    the backward pass it would read the state as later instructions left it, not as it read
+    it, so its results would differ (another dropout mask)."""
+    written = {o.block.id for o in instr.outputs}
+    return any(o.block.id in written and o.block.id not in intermediate for o in instr.inputs)
+
+
+def _copy_of(instr: Instruction, local: dict[int, Block]) -> Instruction:
+    """The recompute's stand-in for the state update `instr`: the copy kernel moves each of
+    its outputs, as the original left them, into the fresh block that takes its place (so the
+    originals stay live until the recompute reads them)."""
+    device = instr.outputs[0].block.device
+
+    def run(views: list, *outs: Any) -> None:
+        for view, out in zip(views, outs):
+            device.unary("copy", view, out)
+
+    return Instruction("copy", "never", list(instr.outputs),
+                       [_moved(o, local[o.block.id]) for o in instr.outputs], run=run,
+                       phase="recompute")
 
 
 def _reading(instr: Instruction, phase: str, renamed: dict[int, Block]) -> Instruction:

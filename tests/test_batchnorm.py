@@ -1,0 +1,231 @@
+"""Batch normalisation (issue 30): `ops.batch_norm` and `nn.BatchNorm1d` / `nn.BatchNorm2d`
+against PyTorch's CPU (forward, every gradient, the running statistics and the step count),
+in float32 and float64 (the two-byte floats within their rounding), on the CPU and on OpenCL
+where it is here; finite differences in float64; `out=` and refused overlaps; bad arguments
+named. The running statistics under a captured graph, checkpointing and a memory budget are
+in tests/test_dropout.py's training-step tests, with the dropout masks."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import backends
+import runtime
+from runtime import nn, ops
+
+torch = pytest.importorskip("torch", reason="PyTorch (CPU) is the reference here")
+
+KINDS = ["cpu"] + [pytest.param("opencl", marks=pytest.mark.skipif(
+    "opencl" not in backends.available(), reason="no OpenCL device (PoCL) here"))]
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _torch(a: np.ndarray, grad: bool = False) -> torch.Tensor:
+    return torch.tensor(a, requires_grad=grad)
+
+
+def _case(shape: tuple[int, ...], dtype: str, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    channels = shape[1]
+    return {"x": (rng.standard_normal(shape) * 3 + 1).astype(dtype),
+            "weight": rng.uniform(0.5, 1.5, channels).astype(dtype),
+            "bias": rng.standard_normal(channels).astype(dtype),
+            "mean": rng.standard_normal(channels).astype(dtype),
+            "var": rng.uniform(0.5, 2.0, channels).astype(dtype),
+            "g": rng.standard_normal(shape).astype(dtype)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape", [(4, 3, 2, 5), (6, 4), (3, 2, 7)])
+@pytest.mark.parametrize("training", [True, False])
+def test_forward_gradients_and_running_statistics_match_pytorch(kind, dtype, shape, training):
+    case = _case(shape, dtype)
+    dev = backends.get_device(kind)
+    x, w, b = (runtime.tensor(case[k], device=dev, requires_grad=True)
+               for k in ("x", "weight", "bias"))
+    mean, var = (runtime.tensor(case[k], device=dev) for k in ("mean", "var"))
+    y = ops.batch_norm(x, mean, var, w, b, training=training, momentum=0.3, eps=1e-3)
+    y.backward(runtime.tensor(case["g"], device=dev))
+    tx, tw, tb = (_torch(case[k], True) for k in ("x", "weight", "bias"))
+    tmean, tvar = _torch(case["mean"]), _torch(case["var"])
+    ty = torch.nn.functional.batch_norm(tx, tmean, tvar, tw, tb, training, 0.3, 1e-3)
+    ty.backward(_torch(case["g"]))
+    tol = {"float32": dict(rtol=2e-5, atol=2e-5), "float64": dict(rtol=1e-12, atol=1e-12)}[dtype]
+    np.testing.assert_allclose(y.numpy(), ty.detach().numpy(), **tol)
+    for ours, theirs in ((x, tx), (w, tw), (b, tb)):
+        np.testing.assert_allclose(ours.grad.numpy(), theirs.grad.numpy(), **tol)
+    np.testing.assert_allclose(mean.numpy(), tmean.numpy(), **tol)
+    np.testing.assert_allclose(var.numpy(), tvar.numpy(), **tol)
+    if not training:  # NOTE: evaluation leaves the running statistics as they were
+        assert mean.numpy().tobytes() == case["mean"].tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float16", BF16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_byte_floats_compute_in_float32_and_round_once(dtype, kind):
+    """PyTorch's CPU computes half batch norm in float32 too: results within one rounding of
+    the float32 reference (a few units of the last place: its order of sums is its own)."""
+    case = _case((5, 3, 2, 2), "float32", seed=3)
+    dev = backends.get_device(kind)
+    half = {k: v.astype(dtype) for k, v in case.items()}
+    x = runtime.tensor(half["x"], device=dev, requires_grad=True)
+    w, b = (runtime.tensor(half[k], device=dev, requires_grad=True) for k in ("weight", "bias"))
+    mean, var = (runtime.tensor(half[k], device=dev) for k in ("mean", "var"))
+    y = ops.batch_norm(x, mean, var, w, b, training=True)
+    y.backward(runtime.tensor(half["g"], device=dev))
+    assert y.dtype == dtype and x.grad.dtype == dtype and mean.dtype == dtype
+    wide = {k: torch.tensor(v.astype(np.float32), requires_grad=k in ("x", "weight", "bias"))
+            for k, v in half.items()}
+    ty = torch.nn.functional.batch_norm(wide["x"], wide["mean"], wide["var"], wide["weight"],
+                                        wide["bias"], True)
+    ty.backward(wide["g"])
+    eps = float(ml_dtypes.finfo(dtype).eps)
+    for ours, theirs in ((y, ty), (x.grad, wide["x"].grad), (w.grad, wide["weight"].grad),
+                         (mean, wide["mean"]), (var, wide["var"])):
+        want = theirs.detach().numpy()
+        got = ours.numpy().astype(np.float32)
+        np.testing.assert_allclose(got, want, rtol=2 * eps, atol=4 * eps * np.abs(want).max())
+
+
+def test_float64_gradients_match_finite_differences():
+    rng = np.random.default_rng(5)
+    shape = (3, 2, 2, 2)
+    x0, w0, b0 = rng.standard_normal(shape), rng.uniform(0.5, 2, 2), rng.standard_normal(2)
+    r = rng.standard_normal(shape)
+
+    def loss(x, w, b):
+        y = ops.batch_norm(runtime.tensor(x), None, None, runtime.tensor(w),
+                           runtime.tensor(b), training=True)
+        return float((y.numpy() * r).sum())
+
+    x, w, b = (runtime.tensor(a, requires_grad=True) for a in (x0, w0, b0))
+    y = ops.batch_norm(x, None, None, w, b, training=True)
+    ops.sum(ops.mul(y, runtime.tensor(r))).backward()
+    h = 1e-6
+    for value, grad, which in ((x0, x.grad, 0), (w0, w.grad, 1), (b0, b.grad, 2)):
+        numeric = np.zeros_like(value)
+        for index in np.ndindex(value.shape):
+            args = [x0.copy(), w0.copy(), b0.copy()]
+            args[which][index] += h
+            up = loss(*args)
+            args[which][index] -= 2 * h
+            numeric[index] = (up - loss(*args)) / (2 * h)
+        np.testing.assert_allclose(grad.numpy(), numeric, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_module_trains_then_evaluates_as_pytorchs(kind):
+    dev = backends.get_device(kind)
+    case = _case((4, 3, 2, 2), "float32", seed=7)
+    ours = nn.BatchNorm2d(3, momentum=0.2, device=dev)
+    theirs = torch.nn.BatchNorm2d(3, momentum=0.2)
+    for step in range(3):
+        x = case["x"] * (step + 1)
+        ours(runtime.tensor(x, device=dev))
+        theirs(torch.tensor(x))
+    assert ours.num_batches_tracked.item() == theirs.num_batches_tracked.item() == 3
+    assert ours.num_batches_tracked.dtype == np.int64
+    for name in ("running_mean", "running_var"):
+        np.testing.assert_allclose(getattr(ours, name).numpy(),
+                                   getattr(theirs, name).numpy(), rtol=1e-5)
+    assert ours.eval() is ours and not ours.training
+    theirs.eval()
+    y = ours(runtime.tensor(case["x"], device=dev))
+    np.testing.assert_allclose(y.numpy(), theirs(torch.tensor(case["x"])).detach().numpy(),
+                               rtol=1e-5, atol=1e-5)
+    assert ours.num_batches_tracked.item() == 3  # NOTE: evaluation counts nothing
+    assert repr(ours) == ("BatchNorm2d(3, eps=1e-05, momentum=0.2, affine=True, "
+                          "track_running_stats=True)")
+    assert [n for n, _ in ours.named_parameters()] == ["weight", "bias"]
+    assert [n for n, _ in ours.named_buffers()] == ["running_mean", "running_var",
+                                                   "num_batches_tracked"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_momentum_none_is_pytorchs_cumulative_average(kind):
+    dev = backends.get_device(kind)
+    ours, theirs = nn.BatchNorm2d(2, momentum=None, device=dev), torch.nn.BatchNorm2d(
+        2, momentum=None)
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        x = rng.standard_normal((3, 2, 2, 2)).astype(np.float32) * 2 + 1
+        ours(runtime.tensor(x, device=dev))
+        theirs(torch.tensor(x))
+    for name in ("running_mean", "running_var"):
+        np.testing.assert_allclose(getattr(ours, name).numpy(),
+                                   getattr(theirs, name).numpy(), rtol=1e-5, atol=1e-6)
+    assert ours.num_batches_tracked.item() == 3 and "momentum=None" in repr(ours)
+    step = runtime.graph(lambda x: ours(x))  # NOTE: the factor is computed on the device
+    for _ in range(2):
+        step(runtime.tensor(np.ones((2, 2, 1, 1), np.float32), device=dev))
+    assert ours.num_batches_tracked.item() == 5
+
+
+def test_without_running_statistics_or_affine_the_batch_normalises_in_both_modes():
+    x = _case((5, 2), "float64")["x"]
+    bn = nn.BatchNorm1d(2, affine=False, track_running_stats=False, dtype="float64")
+    assert bn.weight is None and bn.running_mean is None and bn.parameters() == []
+    assert list(bn.state_dict()) == []
+    want = torch.nn.functional.batch_norm(torch.tensor(x), None, None, training=True).numpy()
+    np.testing.assert_allclose(bn(runtime.tensor(x)).numpy(), want, rtol=1e-12)
+    np.testing.assert_allclose(bn.eval()(runtime.tensor(x)).numpy(), want, rtol=1e-12)
+
+
+def test_out_receives_the_result_and_an_overlap_is_refused_before_anything_changes():
+    case = _case((4, 2, 3), "float32")
+    x = runtime.tensor(case["x"])
+    mean, var = runtime.tensor(case["mean"]), runtime.tensor(case["var"])
+    want = ops.batch_norm(x, runtime.tensor(case["mean"]), runtime.tensor(case["var"]),
+                          training=True).numpy()
+    out = runtime.zeros((4, 2, 3))
+    assert ops.batch_norm(x, mean, var, training=True, out=out) is out
+    np.testing.assert_array_equal(out.numpy(), want)
+    runtime.set_aliasing("raise")
+    before = [t.numpy().tobytes() for t in (x, mean, var)]
+    with pytest.raises(runtime.AliasingError, match="batch_norm: the output .* overlaps input x"):
+        ops.batch_norm(x, mean, var, training=True, out=x)
+    assert [t.numpy().tobytes() for t in (x, mean, var)] == before
+    runtime.set_aliasing("copy")
+    ops.batch_norm(x, runtime.tensor(case["mean"]), runtime.tensor(case["var"]), training=True,
+                   out=x)  # NOTE: in "copy" mode x itself may take its own result
+    np.testing.assert_array_equal(x.numpy(), want)
+    grad = runtime.tensor(case["x"], requires_grad=True)
+    with pytest.raises(runtime.AutogradError, match="batch_norm: cannot write into out="):
+        ops.batch_norm(grad, None, None, training=True, out=runtime.zeros((4, 2, 3)))
+
+
+@pytest.mark.parametrize(("call", "error", "message"), [
+    (lambda x, c: ops.batch_norm(x, c(3), c(2), training=True), ValueError,
+     r"running_mean has shape \(3,\), expected \(2,\)"),
+    (lambda x, c: ops.batch_norm(x[:1, :, :1], None, None, training=True), ValueError,
+     r"expected more than 1 value per channel when training, got x of shape \(1, 2, 1\)"),
+    (lambda x, c: ops.batch_norm(x, None, None), ValueError,
+     r"evaluation \(training=False\) needs running_mean"),
+    (lambda x, c: ops.batch_norm(x, c(2), None, training=True), ValueError, "both"),
+    (lambda x, c: ops.batch_norm(x, None, None, training=True, momentum=1.5), ValueError,
+     r"momentum must lie in \[0.0, 1.0\], got 1.5"),
+    (lambda x, c: ops.batch_norm(x, None, None, training=True, eps=-1), ValueError, "eps"),
+    (lambda x, c: ops.batch_norm(x, c(2).numpy(), c(2), training=True), TypeError,
+     "running_mean must be a Tensor or None"),
+    (lambda x, c: ops.batch_norm(x, runtime.zeros(2, "float64"), c(2), training=True),
+     TypeError, "running_mean has dtype float64, x float32"),
+    (lambda x, c: ops.batch_norm(x[0, 0], None, None), ValueError, "at least 2 dimensions"),
+    (lambda x, c: nn.BatchNorm2d(2)(x), ValueError, r"expected 4D input \(got 3D input"),
+    (lambda x, c: nn.BatchNorm2d(0), ValueError, "num_features must be a positive int"),
+    (lambda x, c: nn.BatchNorm2d(2, momentum=2), ValueError, "BatchNorm2d: momentum"),
+])
+def test_bad_arguments_are_named(call, error, message):
+    x = runtime.tensor(_case((4, 2, 3), "float32")["x"])
+    with pytest.raises(error, match=message):
+        call(x, lambda n: runtime.zeros(n))
+
+
+def test_a_refused_step_leaves_the_running_statistics_and_the_count_as_they_were():
+    bn = nn.BatchNorm2d(2)
+    with pytest.raises(ValueError):
+        bn(runtime.zeros((1, 2, 1, 1)))
+    assert bn.num_batches_tracked.item() == 0
+    assert bn.running_mean.numpy().tolist() == [0, 0]
