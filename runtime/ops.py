@@ -863,6 +863,552 @@ def _check_labels(labels: np.ndarray, classes: int) -> None:
 
 # ---------------------------------------------------------------------- reductions
 # ---------------------------------------- convolution and pooling
+# conv2d, max_pool2d and avg_pool2d launch no kernel of their own (docs/layers.md). A padded
+# copy of x (the `copy` kernel, broadcasting one number into the border), its sliding windows
+# as one strided view (`Tensor._view`: window offsets are strides too) copied into a contiguous
+# column tensor (im2col), and products (`matmul`) make a convolution; pooling runs `maximum` or
+# `add` over the kh * kw window views. So they run on every device that runs the table's
+# kernels and products, inside a graph capture too (each step is an op with its own launch),
+# and every temporary comes from an allocator and goes back as soon as it is used.
+
+#: PyTorch's keywords that these ops do not take, with the value that means "not used":
+#: passing that value is accepted, any other is refused by name (never silently ignored).
+_UNSUPPORTED = {
+    "conv2d": {"dilation": 1, "groups": 1},
+    "max_pool2d": {"dilation": 1, "ceil_mode": False, "return_indices": False},
+    "avg_pool2d": {"ceil_mode": False, "count_include_pad": True, "divisor_override": None},
+}
+#: Below this many output positions per image (Ho * Wo), a convolution runs one product over
+#: the whole batch (columns laid out channels first, (C*kh*kw, N*Ho*Wo)) and transposes its
+#: result; from it on, one product per image straight into the NCHW output (no transpose).
+#: Small images make thin products that BLAS runs far below its speed: benchmarks/bench_conv.py.
+_ONE_PRODUCT_BELOW = 1024
+
+
+def _refuse_keywords(op: str, given: dict[str, Any]) -> None:
+    """TypeError for a keyword the op does not know; ValueError for one of PyTorch's that
+    blockrt does not implement, unless it has its no-op value."""
+    known = _UNSUPPORTED[op]
+    for name, value in given.items():
+        if name not in known:
+            raise TypeError(f"{op}() got an unexpected keyword argument {name!r}")
+        default = known[name]
+        same = value is default or (
+            not isinstance(value, (bool, np.bool_)) and isinstance(default, int)
+            and not isinstance(default, bool)
+            and (value == default or value in ((default, default), [default, default])))
+        if not same:
+            raise ValueError(f"{op}: {name}={_brief(value)} is not supported (blockrt's {op} "
+                             f"has no {name}; only {name}={default!r}, PyTorch's default)")
+
+
+def _pair(op: str, what: str, value: Any, least: int) -> tuple[int, int]:
+    """An int or a pair of ints (height, width), each at least `least`."""
+    items = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+    if len(items) != 2 or any(isinstance(v, (bool, np.bool_)) or
+                              not isinstance(v, numbers.Integral) for v in items):
+        raise TypeError(f"{op}: {what} must be an int or a pair of ints, got {_brief(value)}")
+    pair = (int(items[0]), int(items[1]))
+    if min(pair) < least:
+        raise ValueError(f"{op}: {what} must be at least {least}, got {_brief(value)}")
+    return pair
+
+
+def _image(op: str, x: Tensor, what: str = "x") -> tuple[int, int, int, int]:
+    if x.ndim != 4:
+        raise ValueError(f"{op}: {what} must be 4-D (batch, channels, height, width), got "
+                         f"shape {x.shape}")
+    return x.shape
+
+
+def _geometry(op: str, shape: tuple[int, ...], kernel: tuple[int, int],
+              stride: tuple[int, int], padding: tuple[int, int]) -> tuple:
+    """(kernel, stride, padding, padded size, output size), each an (h, w) pair; ValueError
+    when the kernel does not fit in the padded input."""
+    h, w = shape[2:]
+    padded = (h + 2 * padding[0], w + 2 * padding[1])
+    if kernel[0] > padded[0] or kernel[1] > padded[1]:
+        raise ValueError(f"{op}: the kernel {kernel[0]}x{kernel[1]} is bigger than the padded "
+                         f"input {padded[0]}x{padded[1]} (input {h}x{w}, padding "
+                         f"{padding[0]},{padding[1]})")
+    size = ((padded[0] - kernel[0]) // stride[0] + 1, (padded[1] - kernel[1]) // stride[1] + 1)
+    return kernel, stride, padding, padded, size
+
+
+def _window(xp: Tensor, geometry: tuple, i: int, j: int) -> Tensor:
+    """The (N, C, Ho, Wo) view of the padded `xp` that window offset (i, j) reads."""
+    (_, _), (sh, sw), _, _, (ho, wo) = geometry
+    n, c = xp.shape[:2]
+    sn, sc, sy, sx = xp.strides
+    return xp._view((n, c, ho, wo), (sn, sc, sy * sh, sx * sw), xp.offset + i * sy + j * sx)
+
+
+def _columns(xp: Tensor, geometry: tuple, batch_first: bool) -> Tensor:
+    """im2col: the windows of the padded `xp` as one strided view (N, C, kh, kw, Ho, Wo),
+    copied into a contiguous tensor, (N, C*kh*kw, Ho*Wo) if `batch_first`, else
+    (C*kh*kw, N*Ho*Wo)."""
+    (kh, kw), (sh, sw), _, _, (ho, wo) = geometry
+    n, c = xp.shape[:2]
+    sn, sc, sy, sx = xp.strides
+    shape = (n, c, kh, kw, ho, wo)
+    strides = (sn, sc, sy, sx, sy * sh, sx * sw)
+    order = (0, 1, 2, 3, 4, 5) if batch_first else (1, 2, 3, 0, 4, 5)
+    windows = xp._view(tuple(shape[a] for a in order), tuple(strides[a] for a in order),
+                       xp.offset)
+    columns = copy(windows)
+    windows.release()
+    flat = (n, c * kh * kw, ho * wo) if batch_first else (c * kh * kw, n * ho * wo)
+    view = columns.reshape(flat)
+    columns.release()
+    return view
+
+
+def _fill_value(like: Tensor, value: float) -> Tensor:
+    """A 0-d tensor holding `value` in like's dtype, on like's device (a fill to broadcast)."""
+    return tensor(np.full((), value, like.dtype), device=like.device,
+                  allocator=_result_allocator(like))
+
+
+def _padded(x: Tensor, padding: tuple[int, int], value: float) -> Tensor:
+    """x inside a border of `value`, `padding` wide: a new tensor, or x itself when there is
+    no border (the caller releases only what is not x)."""
+    ph, pw = padding
+    if ph == pw == 0:
+        return x
+    n, c, h, w = x.shape
+    xp = Tensor._fresh((n, c, h + 2 * ph, w + 2 * pw), x.dtype, _result_allocator(x))
+    fill = _fill_value(x, value)
+    # NOTE: the border only, in four strips: the interior is written once, by the copy of x
+    strips = [xp[:, :, :ph], xp[:, :, ph + h:]] if ph else []
+    if pw:
+        strips += [xp[:, :, ph:ph + h, :pw], xp[:, :, ph:ph + h, pw + w:]]
+    for strip in strips:
+        copy(fill, out=strip)
+        strip.release()
+    fill.release()
+    interior = xp[:, :, ph:ph + h, pw:pw + w]
+    copy(x, out=interior)
+    interior.release()
+    return xp
+
+
+def _interior(xp: Tensor, padding: tuple[int, int], shape: tuple[int, ...]) -> Tensor:
+    """The unpadded part of a padded gradient, as a new contiguous tensor (xp released), or
+    xp itself when there is no border."""
+    ph, pw = padding
+    if ph == pw == 0:
+        return xp
+    h, w = shape[2:]
+    view = xp[:, :, ph:ph + h, pw:pw + w]
+    result = copy(view)
+    view.release()
+    xp.release()
+    return result
+
+
+def _zeros_like_padded(x_shape: tuple[int, ...], geometry: tuple, like: Tensor) -> Tensor:
+    """A zeroed (N, C, Hp, Wp) tensor, for a gradient that windows add into."""
+    hp, wp = geometry[3]
+    result = Tensor._fresh((x_shape[0], x_shape[1], hp, wp), like.dtype, _result_allocator(like))
+    zero = _fill_value(like, 0.0)
+    copy(zero, out=result)
+    zero.release()
+    return result
+
+
+def _guarded(op: str, out: Tensor | None, shape: tuple[int, ...], dtype: np.dtype,
+             operands: Sequence[Tensor], labels: Sequence[str],
+             compute: Callable[[Tensor], None]) -> Tensor:
+    """Run `compute(target)` under the op's aliasing policy (NEVER): into a new tensor, or
+    into `out` when out shares no memory with an operand. An overlapping `out` raises
+    AliasingError in "raise" mode (through `_launch`, which words it) and, in "copy" mode, gets
+    the result through a temporary."""
+    like = operands[0]
+    target = _prepare_out(op, out, shape, dtype, like, operands)  # NOTE: with gradients on
+    with autograd.no_grad():
+        if out is None:
+            compute(target)
+            return target
+        inputs = [(label, t, t.shape) for label, t in zip(labels, operands)]
+        if _clashes(NEVER, out, inputs):
+            if config.get_aliasing() == "raise":
+                _launch(op, out, inputs, _no_launch)  # NOTE: raises, naming op and operands
+            temp = Tensor._fresh(shape, dtype, _result_allocator(like))
+            compute(temp)
+            copy(temp, out=out)
+            temp.release()
+            return out
+        compute(out)
+    return out
+
+
+def _one_product(n: int, positions: int) -> bool:
+    """Whether a convolution of a batch of `n` images with `positions` outputs each runs one
+    product for the batch (see `_ONE_PRODUCT_BELOW`)."""
+    return n > 1 and positions < _ONE_PRODUCT_BELOW
+
+
+def _conv_forward(x: Tensor, weight: Tensor, bias: Tensor | None, geometry: tuple,
+                  out: Tensor) -> None:
+    """out = conv2d(x, weight) + bias, under no_grad."""
+    (kh, kw), (sh, sw), padding, _, (ho, wo) = geometry
+    n, c = x.shape[:2]
+    o = weight.shape[0]
+    positions = ho * wo
+    w2 = weight.reshape(o, c * kh * kw)
+    pointwise = kh == kw == sh == sw == 1 and padding == (0, 0)
+    bias4 = None if bias is None else bias.reshape(1, o, 1, 1)
+    if _one_product(n, positions):
+        xp = _padded(x, padding, 0.0)
+        columns = _columns(xp, geometry, batch_first=False)
+        if xp is not x:
+            xp.release()
+        product = matmul(w2, columns)  # (o, n * positions)
+        columns.release()
+        nchw = product.reshape(o, n, ho, wo).transpose(1, 0, 2, 3)
+        if bias4 is None:
+            copy(nchw, out=out)
+        else:  # NOTE: the transpose and the bias in one pass
+            add(nchw, bias4, out=out)
+        nchw.release()
+        product.release()
+    else:
+        if pointwise:
+            columns = x.reshape(n, c, positions)  # NOTE: a view where x's strides allow
+        else:
+            xp = _padded(x, padding, 0.0)
+            columns = _columns(xp, geometry, batch_first=True)
+            if xp is not x:
+                xp.release()
+        if out.is_contiguous():
+            out3 = out.reshape(n, o, positions)
+            matmul(w2, columns, out=out3)
+            out3.release()
+        else:
+            product = matmul(w2, columns)
+            copy(product.reshape(n, o, ho, wo), out=out)
+            product.release()
+        columns.release()
+        if bias4 is not None:
+            add(out, bias4, out=out)
+    w2.release()
+
+
+def _col2im(columns: Tensor, x_shape: tuple[int, ...], geometry: tuple,
+            batch_first: bool) -> Tensor:
+    """The gradient of x from the gradient of its columns: each of the kh * kw window views
+    of a zeroed padded tensor gets its part added (windows that overlap add up), and the
+    border is cut off. `columns` (laid out as `_columns` lays them) is released."""
+    (kh, kw), _, padding, _, (ho, wo) = geometry
+    n, c = x_shape[:2]
+    if batch_first:
+        parts = columns.reshape(n, c, kh, kw, ho, wo)
+    else:
+        parts = columns.reshape(c, kh, kw, n, ho, wo).transpose(3, 0, 1, 2, 4, 5)
+    columns.release()
+    grad = _zeros_like_padded(x_shape, geometry, parts)
+    for i in range(kh):
+        for j in range(kw):
+            target = _window(grad, geometry, i, j)
+            part = parts[:, :, i, j]
+            add(target, part, out=target)
+            target.release()
+            part.release()
+    parts.release()
+    return _interior(grad, padding, x_shape)
+
+
+def _conv_backward(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], geometry: tuple,
+                   nx: bool, nw: bool, nb: bool) -> Callable:
+    """conv2d's backward function: from shapes, the geometry and flags only; x and the
+    weight come saved (Note [closures hold no tensors] in runtime/autograd.py)."""
+    (kh, kw), (sh, sw), padding, _, (ho, wo) = geometry
+    n, c = x_shape[:2]
+    o = weight_shape[0]
+    positions = ho * wo
+    pointwise = kh == kw == sh == sw == 1 and padding == (0, 0)
+    one = _one_product(n, positions)
+
+    def fn(g: Tensor, x: Tensor | None, w: Tensor | None) -> tuple:
+        gx = gw = gb = None
+        if nb:
+            gb = sum(g, axis=(0, 2, 3))
+        if one:  # NOTE: g as (o, n * positions), the layout of the forward's one product
+            g2 = copy(g.transpose(1, 0, 2, 3)).reshape(o, n * positions)
+        else:
+            g2 = g.reshape(n, o, positions)
+        if nw:
+            if pointwise and not one:
+                columns = x.reshape(n, c, positions)
+            else:
+                xp = _padded(x, padding, 0.0)
+                columns = _columns(xp, geometry, batch_first=not one)
+                if xp is not x:
+                    xp.release()
+            if one:
+                gw = matmul(g2, columns.T)
+            else:  # NOTE: one product per image, then their sum over the batch
+                parts = matmul(g2, _swap_last(columns))
+                gw = sum(parts, axis=0)
+                parts.release()
+            columns.release()
+            gw = gw.reshape(weight_shape)
+        if nx:
+            w2 = w.reshape(o, c * kh * kw)
+            grad_columns = matmul(w2.T, g2)
+            w2.release()
+            if pointwise and not one:
+                gx = grad_columns.reshape(x_shape)
+            elif pointwise:
+                gx = copy(grad_columns.reshape(c, n, ho, wo).transpose(1, 0, 2, 3))
+                grad_columns.release()
+            else:
+                gx = _col2im(grad_columns, x_shape, geometry, batch_first=not one)
+        g2.release()
+        return gx, gw, gb
+
+    return fn
+
+
+def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1,
+           padding: Any = 0, out: Tensor | None = None, **unsupported: Any) -> Tensor:
+    """The 2-D convolution (cross-correlation) of PyTorch's conv2d, NCHW.
+
+    x is (N, C, H, W), weight (O, C, kh, kw), bias (O,) or None; stride and padding an int
+    or an (h, w) pair (zero padding). Returns (N, O, Ho, Wo) with Ho = (H + 2*ph - kh) // sh
+    + 1. dilation and groups are not supported (a value other than 1 is refused).
+
+    Built from the device's copies and products (docs/layers.md): a zero-padded copy, its
+    windows copied into columns in one strided copy (im2col), and one product per image, or
+    one for the whole batch when images are small. A 1x1 convolution with stride 1 and no
+    padding multiplies x as it is. The backward pass saves x and the weight, not the
+    columns: it makes them again for the weight's gradient, and adds the columns' gradient
+    back through kh * kw strided views (col2im). Inside `amp.autocast(half)` it computes in
+    `half`, as torch.autocast does (Note [autocast in ops]).
+
+    `out` may not share any memory with the inputs.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> x = runtime.tensor(np.arange(16.0).reshape(1, 1, 4, 4))
+        >>> w = runtime.tensor(np.ones((1, 1, 2, 2)))
+        >>> runtime.ops.conv2d(x, w, stride=2).numpy()[0, 0]
+        array([[10., 18.],
+               [42., 50.]])
+    """
+    _refuse_keywords("conv2d", unsupported)
+    if _mode.autocast is not None and out is None:
+        x, weight, bias = _autocast(x, weight, bias)
+    operands = [x, weight] if bias is None else [x, weight, bias]
+    _, dtype = _common("conv2d", operands)
+    n, c = _image("conv2d", x)[:2]
+    o, wc = _image("conv2d", weight, "weight")[:2]
+    if wc != c:
+        raise ValueError(f"conv2d: x has {c} channels (shape {x.shape}), but the weight "
+                         f"expects {wc} (shape {weight.shape}: out, in, kh, kw)")
+    if bias is not None and bias.shape != (o,):
+        raise ValueError(f"conv2d: bias has shape {bias.shape}, expected ({o},) for a weight "
+                         f"of shape {weight.shape}")
+    geometry = _geometry("conv2d", x.shape, weight.shape[2:],
+                         _pair("conv2d", "stride", stride, 1),
+                         _pair("conv2d", "padding", padding, 0))
+    shape = (n, o, *geometry[4])
+    out = _guarded("conv2d", out, shape, dtype, operands, ("x", "weight", "bias"),
+                   lambda target: _conv_forward(x, weight, bias, geometry, target))
+    if autograd.needs_grad(*operands):
+        nx, nw = x.requires_grad, weight.requires_grad
+        nb = bias is not None and bias.requires_grad
+        autograd.record("conv2d", out, operands, ("x", "weight", "bias"),
+                        _conv_backward(x.shape, weight.shape, geometry, nx, nw, nb),
+                        [("x", x if nw else None), ("weight", weight if nx else None)])
+    return out
+
+
+def _pool_geometry(op: str, x: Tensor, kernel_size: Any, stride: Any, padding: Any) -> tuple:
+    _image(op, x)
+    kernel = _pair(op, "kernel_size", kernel_size, 1)
+    steps = kernel if stride is None else _pair(op, "stride", stride, 1)
+    pads = _pair(op, "padding", padding, 0)
+    if pads[0] > kernel[0] // 2 or pads[1] > kernel[1] // 2:
+        raise ValueError(f"{op}: padding {pads[0]},{pads[1]} must be at most half the kernel "
+                         f"{kernel[0]}x{kernel[1]} (as in PyTorch), so that every window "
+                         f"holds an element of x")
+    return _geometry(op, x.shape, kernel, steps, pads)
+
+
+def _max_forward(x: Tensor, geometry: tuple, out: Tensor) -> None:
+    (kh, kw), _, padding = geometry[:3]
+    xp = _padded(x, padding, -math.inf)
+    for k in range(kh * kw):
+        window = _window(xp, geometry, *divmod(k, kw))
+        if k == 0:
+            copy(window, out=out)
+        else:  # NOTE: maximum(a, b) takes a where a is NaN or a > b: PyTorch's scan
+            _elementwise("maximum", out, window, out)
+        window.release()
+    if xp is not x:
+        xp.release()
+
+
+def _max_backward(x_shape: tuple[int, ...], geometry: tuple) -> Callable:
+    """max_pool2d's backward function: the gradient of each window goes to the element
+    PyTorch's scan picks, the first maximum in row-major order (a window holding NaN: its
+    last NaN). With no comparison kernel on devices, the choices are made of
+    `maximum_backward`'s selects, which compute exact 0, 1 and 2 from (2, a, b): 0 where a < b,
+    1 where a == b, else 2."""
+    (kh, kw), _, padding, (hp, wp), _ = geometry
+    count = kh * kw
+
+    def select(g: Tensor, chosen: Tensor) -> Tensor:
+        """g where chosen is 1, exact zeros where it is 0 (not g * 0, NaN for an infinite g)."""
+        return _elementwise("maximum_backward", None, g, chosen, 0.5)
+
+    def fn(g: Tensor, x: Tensor, y: Tensor) -> tuple:
+        xp = _padded(x, padding, -math.inf)
+        grad = _zeros_like_padded(x_shape, geometry, g)
+        valid = None
+        if padding != (0, 0):  # NOTE: an all -inf window's maximum is its first element of x
+            mask = np.zeros((1, 1, hp, wp), x.dtype)
+            mask[:, :, padding[0]:hp - padding[0], padding[1]:wp - padding[1]] = 1
+            valid = tensor(mask, device=x.device, allocator=_result_allocator(x))
+        nan_window = _elementwise("maximum_backward", None, 2.0, y, y)  # 1, or 2 with a NaN
+        left = sub(2.0, nan_window)  # 1 in windows still to place, 0 once placed
+        nan_left = sub(nan_window, 1.0)
+        nan_window.release()
+        scans = ((range(count), left, False), (range(count - 1, -1, -1), nan_left, True))
+        for order, remaining, nans in scans:
+            for k in order:
+                window = _window(xp, geometry, *divmod(k, kw))
+                if nans:  # 1 where the element is NaN
+                    hit = sub(_elementwise("maximum_backward", None, 2.0, window, window), 1.0)
+                else:  # 1 where the element ties the maximum (2: a NaN window, left at 0)
+                    hit = _elementwise("maximum_backward", None, 2.0, window, y)
+                    if valid is not None:
+                        mask_view = _window(valid, geometry, *divmod(k, kw))
+                        mul(hit, mask_view, out=hit)
+                        mask_view.release()
+                window.release()
+                mul(hit, remaining, out=hit)
+                sub(remaining, hit, out=remaining)
+                part = select(g, hit)
+                hit.release()
+                target = _window(grad, geometry, *divmod(k, kw))
+                add(target, part, out=target)
+                target.release()
+                part.release()
+            remaining.release()
+        if valid is not None:
+            valid.release()
+        if xp is not x:
+            xp.release()
+        return (_interior(grad, padding, x_shape),)
+
+    return fn
+
+
+def max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0,
+               out: Tensor | None = None, **unsupported: Any) -> Tensor:
+    """PyTorch's max_pool2d, NCHW: the maximum of each kh x kw window of x (N, C, H, W),
+    `stride` apart (default: kernel_size), over x padded with -inf (`padding` at most half
+    the kernel). A NaN in a window gives NaN, as in PyTorch.
+
+    The maximum runs `maximum` over the kh * kw window views (docs/layers.md). The gradient
+    of each window goes to the element PyTorch's scan picks: its first maximum in row-major
+    order (the last NaN, in a window holding NaN). The backward pass saves x and the result.
+    dilation, ceil_mode and return_indices are not supported.
+
+    `out` may not share any memory with x.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> x = runtime.tensor(np.arange(16.0).reshape(1, 1, 4, 4))
+        >>> runtime.ops.max_pool2d(x, 2).numpy()[0, 0]
+        array([[ 5.,  7.],
+               [13., 15.]])
+    """
+    _refuse_keywords("max_pool2d", unsupported)
+    _, dtype = _common("max_pool2d", [x])
+    geometry = _pool_geometry("max_pool2d", x, kernel_size, stride, padding)
+    shape = (*x.shape[:2], *geometry[4])
+    out = _guarded("max_pool2d", out, shape, dtype, [x], ("x",),
+                   lambda target: _max_forward(x, geometry, target))
+    if autograd.needs_grad(x):
+        autograd.record("max_pool2d", out, (x,), ("x",), _max_backward(x.shape, geometry),
+                        [("x", x), ("the output", out)])
+    return out
+
+
+def _avg_forward(x: Tensor, geometry: tuple, out: Tensor) -> None:
+    (kh, kw), _, padding = geometry[:3]
+    if x.dtype in dtypes.HALVES:  # NOTE: summed in float32 and rounded once, as PyTorch's
+        wide = cast(x, _FLOAT32)
+        result = Tensor._fresh(out.shape, _FLOAT32, _result_allocator(x))
+        _avg_forward(wide, geometry, result)
+        wide.release()
+        cast(result, out.dtype, out=out)
+        result.release()
+        return
+    xp = _padded(x, padding, 0.0)
+    for k in range(kh * kw):
+        window = _window(xp, geometry, *divmod(k, kw))
+        if k == 0:
+            copy(window, out=out)
+        else:
+            add(out, window, out=out)
+        window.release()
+    if xp is not x:
+        xp.release()
+    div(out, kh * kw, out=out)  # NOTE: a division by the count, as PyTorch's
+
+
+def _avg_backward(x_shape: tuple[int, ...], geometry: tuple) -> Callable:
+    (kh, kw), _, padding = geometry[:3]
+
+    def fn(g: Tensor) -> tuple:
+        share = div(g, kh * kw)
+        grad = _zeros_like_padded(x_shape, geometry, g)
+        for k in range(kh * kw):
+            target = _window(grad, geometry, *divmod(k, kw))
+            add(target, share, out=target)
+            target.release()
+        share.release()
+        return (_interior(grad, padding, x_shape),)
+
+    return fn
+
+
+def avg_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0,
+               out: Tensor | None = None, **unsupported: Any) -> Tensor:
+    """PyTorch's avg_pool2d, NCHW: the mean of each kh x kw window of x (N, C, H, W),
+    `stride` apart (default: kernel_size), over x padded with zeros that count in the mean
+    (count_include_pad=True, PyTorch's default; `padding` at most half the kernel).
+
+    The sum runs `add` over the kh * kw window views, then one division by kh * kw (a two-byte
+    x is summed in float32 and rounded once); the gradient spreads g / (kh * kw) back through
+    the same views. ceil_mode, count_include_pad=False and divisor_override are not supported.
+
+    `out` may not share any memory with x.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> x = runtime.tensor(np.arange(16.0).reshape(1, 1, 4, 4))
+        >>> runtime.ops.avg_pool2d(x, 2).numpy()[0, 0]
+        array([[ 2.5,  4.5],
+               [10.5, 12.5]])
+    """
+    _refuse_keywords("avg_pool2d", unsupported)
+    _, dtype = _common("avg_pool2d", [x])
+    geometry = _pool_geometry("avg_pool2d", x, kernel_size, stride, padding)
+    shape = (*x.shape[:2], *geometry[4])
+    out = _guarded("avg_pool2d", out, shape, dtype, [x], ("x",),
+                   lambda target: _avg_forward(x, geometry, target))
+    if autograd.needs_grad(x):
+        autograd.record("avg_pool2d", out, (x,), ("x",), _avg_backward(x.shape, geometry))
+    return out
+
+
+__all__ += ["conv2d", "max_pool2d", "avg_pool2d"]
+ALIASING_POLICY.update(dict.fromkeys(("conv2d", "max_pool2d", "avg_pool2d"), NEVER))
 
 
 def _reduce(op: str, x: Tensor, axis: Any, keepdims: bool, out: Tensor | None) -> Tensor:
