@@ -878,11 +878,12 @@ _UNSUPPORTED = {
     "max_pool2d": {"dilation": 1, "ceil_mode": False, "return_indices": False},
     "avg_pool2d": {"ceil_mode": False, "count_include_pad": True, "divisor_override": None},
 }
-#: Below this many output positions per image (Ho * Wo), a convolution runs one product over
-#: the whole batch (columns laid out channels first, (C*kh*kw, N*Ho*Wo)) and transposes its
-#: result; from it on, one product per image straight into the NCHW output (no transpose).
-#: Small images make thin products that BLAS runs far below its speed: benchmarks/bench_conv.py.
-_ONE_PRODUCT_BELOW = 1024
+# NOTE: every product of a convolution is one 2-D product for the whole batch, its columns
+# laid out channels first, (C*kh*kw, N*Ho*Wo): measured against one product per image
+# (batched, columns (N, C*kh*kw, Ho*Wo)) on ResNet-50's layers, it is as fast or faster on
+# each (up to 2x on 7x7 images, where per-image products are thin), and it runs on the
+# device's 2-D product (the CPU's chosen CBLAS) rather than a batched one, for the price of
+# transposing the output and g between (N, O, ...) and (O, N, ...): benchmarks/bench_conv.py.
 
 
 def _refuse_keywords(op: str, given: dict[str, Any]) -> None:
@@ -943,22 +944,16 @@ def _window(xp: Tensor, geometry: tuple, i: int, j: int) -> Tensor:
     return xp._view((n, c, ho, wo), (sn, sc, sy * sh, sx * sw), xp.offset + i * sy + j * sx)
 
 
-def _columns(xp: Tensor, geometry: tuple, batch_first: bool) -> Tensor:
-    """im2col: the windows of the padded `xp` as one strided view (N, C, kh, kw, Ho, Wo),
-    copied into a contiguous tensor, (N, C*kh*kw, Ho*Wo) if `batch_first`, else
-    (C*kh*kw, N*Ho*Wo)."""
+def _columns(xp: Tensor, geometry: tuple) -> Tensor:
+    """im2col: the windows of the padded `xp` as one strided view, (C, kh, kw, N, Ho, Wo),
+    copied into a contiguous (C*kh*kw, N*Ho*Wo) tensor."""
     (kh, kw), (sh, sw), _, _, (ho, wo) = geometry
     n, c = xp.shape[:2]
     sn, sc, sy, sx = xp.strides
-    shape = (n, c, kh, kw, ho, wo)
-    strides = (sn, sc, sy, sx, sy * sh, sx * sw)
-    order = (0, 1, 2, 3, 4, 5) if batch_first else (1, 2, 3, 0, 4, 5)
-    windows = xp._view(tuple(shape[a] for a in order), tuple(strides[a] for a in order),
-                       xp.offset)
+    windows = xp._view((c, kh, kw, n, ho, wo), (sc, sy, sx, sn, sy * sh, sx * sw), xp.offset)
     columns = copy(windows)
     windows.release()
-    flat = (n, c * kh * kw, ho * wo) if batch_first else (c * kh * kw, n * ho * wo)
-    view = columns.reshape(flat)
+    view = columns.reshape(c * kh * kw, n * ho * wo)
     columns.release()
     return view
 
@@ -1042,69 +1037,72 @@ def _guarded(op: str, out: Tensor | None, shape: tuple[int, ...], dtype: np.dtyp
     return out
 
 
-def _one_product(n: int, positions: int) -> bool:
-    """Whether a convolution of a batch of `n` images with `positions` outputs each runs one
-    product for the batch (see `_ONE_PRODUCT_BELOW`)."""
-    return n > 1 and positions < _ONE_PRODUCT_BELOW
+def _conv_columns(x: Tensor, geometry: tuple) -> Tensor:
+    """x's columns, (C*kh*kw, N*Ho*Wo): a view of x itself for one image under a 1x1 kernel
+    with stride 1 and no padding, else a new tensor (padded, then im2col)."""
+    (kh, kw), (sh, sw), padding = geometry[:3]
+    n, c, h, w = x.shape
+    if kh == kw == sh == sw == 1 and padding == (0, 0):
+        if n == 1:
+            return x.reshape(c, h * w)  # NOTE: a view where x's strides allow
+        nchw = x.transpose(1, 0, 2, 3)
+        columns = copy(nchw)
+        nchw.release()
+        view = columns.reshape(c, n * h * w)
+        columns.release()
+        return view
+    xp = _padded(x, padding, 0.0)
+    columns = _columns(xp, geometry)
+    if xp is not x:
+        xp.release()
+    return columns
 
 
 def _conv_forward(x: Tensor, weight: Tensor, bias: Tensor | None, geometry: tuple,
                   out: Tensor) -> None:
-    """out = conv2d(x, weight) + bias, under no_grad."""
-    (kh, kw), (sh, sw), padding, _, (ho, wo) = geometry
+    """out = conv2d(x, weight) + bias, under no_grad: one product of the weight, viewed as
+    (O, C*kh*kw), and x's columns, then its (O, N, Ho, Wo) result transposed into out."""
+    (kh, kw), _, _, _, (ho, wo) = geometry
     n, c = x.shape[:2]
     o = weight.shape[0]
-    positions = ho * wo
     w2 = weight.reshape(o, c * kh * kw)
-    pointwise = kh == kw == sh == sw == 1 and padding == (0, 0)
     bias4 = None if bias is None else bias.reshape(1, o, 1, 1)
-    if _one_product(n, positions):
-        xp = _padded(x, padding, 0.0)
-        columns = _columns(xp, geometry, batch_first=False)
-        if xp is not x:
-            xp.release()
+    columns = _conv_columns(x, geometry)
+    if n == 1 and out.is_contiguous():  # NOTE: (O, 1, Ho, Wo) is out's own layout
+        target = out.reshape(o, ho * wo)
+        matmul(w2, columns, out=target)
+        target.release()
+        columns.release()
+        if bias4 is not None:
+            add(out, bias4, out=out)
+    else:
         product = matmul(w2, columns)  # (o, n * positions)
         columns.release()
         nchw = product.reshape(o, n, ho, wo).transpose(1, 0, 2, 3)
+        product.release()
         if bias4 is None:
             copy(nchw, out=out)
         else:  # NOTE: the transpose and the bias in one pass
             add(nchw, bias4, out=out)
         nchw.release()
-        product.release()
-    else:
-        if pointwise:
-            columns = x.reshape(n, c, positions)  # NOTE: a view where x's strides allow
-        else:
-            xp = _padded(x, padding, 0.0)
-            columns = _columns(xp, geometry, batch_first=True)
-            if xp is not x:
-                xp.release()
-        if out.is_contiguous():
-            out3 = out.reshape(n, o, positions)
-            matmul(w2, columns, out=out3)
-            out3.release()
-        else:
-            product = matmul(w2, columns)
-            copy(product.reshape(n, o, ho, wo), out=out)
-            product.release()
-        columns.release()
-        if bias4 is not None:
-            add(out, bias4, out=out)
     w2.release()
 
 
-def _col2im(columns: Tensor, x_shape: tuple[int, ...], geometry: tuple,
-            batch_first: bool) -> Tensor:
-    """The gradient of x from the gradient of its columns: each of the kh * kw window views
-    of a zeroed padded tensor gets its part added (windows that overlap add up), and the
-    border is cut off. `columns` (laid out as `_columns` lays them) is released."""
-    (kh, kw), _, padding, _, (ho, wo) = geometry
-    n, c = x_shape[:2]
-    if batch_first:
-        parts = columns.reshape(n, c, kh, kw, ho, wo)
-    else:
-        parts = columns.reshape(c, kh, kw, n, ho, wo).transpose(3, 0, 1, 2, 4, 5)
+def _col2im(columns: Tensor, x_shape: tuple[int, ...], geometry: tuple) -> Tensor:
+    """x's gradient from its columns' gradient, (C*kh*kw, N*Ho*Wo): each of the kh * kw
+    window views of a zeroed padded tensor gets its slice added (where windows overlap, the
+    adds accumulate), and the border is cut off. `columns` is released."""
+    (kh, kw), (sh, sw), padding, _, (ho, wo) = geometry
+    n, c, h, w = x_shape
+    if kh == kw == sh == sw == 1 and padding == (0, 0):  # NOTE: the columns are x's layout
+        cnhw = columns.reshape(c, n, h, w)
+        columns.release()
+        if n == 1:
+            return cnhw.reshape(x_shape)
+        grad = copy(cnhw.transpose(1, 0, 2, 3))
+        cnhw.release()
+        return grad
+    parts = columns.reshape(c, kh, kw, n, ho, wo).transpose(3, 0, 1, 2, 4, 5)
     columns.release()
     grad = _zeros_like_padded(x_shape, geometry, parts)
     for i in range(kh):
@@ -1121,49 +1119,31 @@ def _col2im(columns: Tensor, x_shape: tuple[int, ...], geometry: tuple,
 def _conv_backward(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], geometry: tuple,
                    nx: bool, nw: bool, nb: bool) -> Callable:
     """conv2d's backward function: from shapes, the geometry and flags only; x and the
-    weight come saved (Note [closures hold no tensors] in runtime/autograd.py)."""
-    (kh, kw), (sh, sw), padding, _, (ho, wo) = geometry
+    weight come saved (Note [closures hold no tensors] in runtime/autograd.py). With g as
+    (O, N*Ho*Wo): the weight's gradient is g times the columns (made again) transposed, the
+    columns' gradient the weight transposed times g, and x's gradient its col2im."""
+    (kh, kw), _, _, _, (ho, wo) = geometry
     n, c = x_shape[:2]
     o = weight_shape[0]
-    positions = ho * wo
-    pointwise = kh == kw == sh == sw == 1 and padding == (0, 0)
-    one = _one_product(n, positions)
+    positions = n * ho * wo
 
     def fn(g: Tensor, x: Tensor | None, w: Tensor | None) -> tuple:
         gx = gw = gb = None
         if nb:
             gb = sum(g, axis=(0, 2, 3))
-        if one:  # NOTE: g as (o, n * positions), the layout of the forward's one product
-            g2 = copy(g.transpose(1, 0, 2, 3)).reshape(o, n * positions)
+        if n == 1:
+            g2 = g.reshape(o, positions)
         else:
-            g2 = g.reshape(n, o, positions)
+            g2 = copy(g.transpose(1, 0, 2, 3)).reshape(o, positions)
         if nw:
-            if pointwise and not one:
-                columns = x.reshape(n, c, positions)
-            else:
-                xp = _padded(x, padding, 0.0)
-                columns = _columns(xp, geometry, batch_first=not one)
-                if xp is not x:
-                    xp.release()
-            if one:
-                gw = matmul(g2, columns.T)
-            else:  # NOTE: one product per image, then their sum over the batch
-                parts = matmul(g2, _swap_last(columns))
-                gw = sum(parts, axis=0)
-                parts.release()
+            columns = _conv_columns(x, geometry)
+            gw = matmul(g2, columns.T).reshape(weight_shape)
             columns.release()
-            gw = gw.reshape(weight_shape)
         if nx:
             w2 = w.reshape(o, c * kh * kw)
             grad_columns = matmul(w2.T, g2)
             w2.release()
-            if pointwise and not one:
-                gx = grad_columns.reshape(x_shape)
-            elif pointwise:
-                gx = copy(grad_columns.reshape(c, n, ho, wo).transpose(1, 0, 2, 3))
-                grad_columns.release()
-            else:
-                gx = _col2im(grad_columns, x_shape, geometry, batch_first=not one)
+            gx = _col2im(grad_columns, x_shape, geometry)
         g2.release()
         return gx, gw, gb
 
@@ -1179,12 +1159,12 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 
     + 1. dilation and groups are not supported (a value other than 1 is refused).
 
     Built from the device's copies and products (docs/layers.md): a zero-padded copy, its
-    windows copied into columns in one strided copy (im2col), and one product per image, or
-    one for the whole batch when images are small. A 1x1 convolution with stride 1 and no
-    padding multiplies x as it is. The backward pass saves x and the weight, not the
-    columns: it makes them again for the weight's gradient, and adds the columns' gradient
-    back through kh * kw strided views (col2im). Inside `amp.autocast(half)` it computes in
-    `half`, as torch.autocast does (Note [autocast in ops]).
+    windows copied into columns in one strided copy (im2col), and one product for the whole
+    batch. A 1x1 convolution with stride 1 and no padding needs no im2col. The backward
+    pass saves x and the weight, not the columns: it makes them again for the weight's
+    gradient, and adds the columns' gradient back through kh * kw strided views (col2im).
+    Inside `amp.autocast(half)` it computes in `half`, as torch.autocast does
+    (Note [autocast in ops]).
 
     `out` may not share any memory with the inputs.
 
