@@ -4,11 +4,12 @@ ops.conv2d (im2col and products, docs/layers.md) against PyTorch CPU's conv2d, s
 Each layer runs forward, then backward with a fixed gradient (x, weight and bias all get one),
 in interleaved rounds: each round times blockrt and PyTorch in turn (the same machine load),
 and the table shows each one's best round and the median of the per-round ratios. Two threads
-everywhere (OMP / OPENBLAS / MKL_NUM_THREADS and torch.set_num_threads(2)). Prints the CPU,
+everywhere (OMP / OPENBLAS / MKL_NUM_THREADS and torch.set_num_threads(2); OMP_NUM_THREADS=1
+in the environment for one). Prints the CPU,
 the libraries, the machine's load average (these machines are shared: a busy one slows both
 sides, but not equally) and a Markdown table for BENCHMARKS.md.
 
-Run: python benchmarks/bench_conv.py [--quick] [--rounds 15] [--batch 4]
+Run: [OMP_NUM_THREADS=1] python benchmarks/bench_conv.py [--quick] [--rounds 15] [--batch 4]
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import timeit
 from collections.abc import Callable
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")  # NOTE: before NumPy or PyTorch loads a BLAS
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")
-os.environ.setdefault("MKL_NUM_THREADS", "2")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
+os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
 
 import numpy as np
 
@@ -33,7 +34,8 @@ from runtime import ops
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import blas_name, cpu_name, versions
 
-THREADS = 2
+#: Threads of every BLAS and of PyTorch (OMP_NUM_THREADS, 2 unless set)
+THREADS = int(os.environ["OMP_NUM_THREADS"])
 
 #: (name, in channels, out channels, kernel, stride, padding, input size): ResNet-50's
 #: distinct conv shapes, stem to the last stage
