@@ -1238,15 +1238,26 @@ def _max_forward(x: Tensor, geometry: tuple, out: Tensor) -> None:
 def _max_backward(x_shape: tuple[int, ...], geometry: tuple) -> Callable:
     """max_pool2d's backward function: the gradient of each window goes to the element
     PyTorch's scan picks, the first maximum in row-major order (a window holding NaN: its
-    last NaN). With no comparison kernel on devices, the choices are made of
-    `maximum_backward`'s selects, which compute exact 0, 1 and 2 from (2, a, b): 0 where a < b,
-    1 where a == b, else 2."""
+    last NaN).
+
+    Devices have no comparison kernel that makes a mask, so the choice is made of
+    `maximum_backward`'s selects, mb(g, a, b) = 0 where a < b, g / 2 where a == b, else g,
+    whose results here are exact 0, 1 and 2. Per window offset k, in scan order: hit =
+    mb(R, x_k, y) is 1 where x_k ties the maximum and the window is still open (R = 2; 0
+    once placed, and from the start in a window holding NaN), R = mb(R, 0.5, hit) closes the
+    window, and g goes where hit is 1 (mb(g, hit, 0.5): exact zeros elsewhere, never g * 0,
+    which is NaN for an infinite g). A second scan, in reverse order, places the windows
+    holding NaN at their last NaN the same way."""
     (kh, kw), _, padding, (hp, wp), _ = geometry
     count = kh * kw
 
-    def select(g: Tensor, chosen: Tensor) -> Tensor:
-        """g where chosen is 1, exact zeros where it is 0 (not g * 0, NaN for an infinite g)."""
-        return _elementwise("maximum_backward", None, g, chosen, 0.5)
+    def scatter(grad: Tensor, g: Tensor, hit: Tensor, k: int) -> None:
+        """Add g into the window view k of grad where hit is 1."""
+        part = _elementwise("maximum_backward", None, g, hit, 0.5)
+        target = _window(grad, geometry, *divmod(k, kw))
+        add(target, part, out=target)
+        target.release()
+        part.release()
 
     def fn(g: Tensor, x: Tensor, y: Tensor) -> tuple:
         xp = _padded(x, padding, -math.inf)
@@ -1257,35 +1268,37 @@ def _max_backward(x_shape: tuple[int, ...], geometry: tuple) -> Callable:
             mask[:, :, padding[0]:hp - padding[0], padding[1]:wp - padding[1]] = 1
             valid = tensor(mask, device=x.device, allocator=_result_allocator(x))
         nan_window = _elementwise("maximum_backward", None, 2.0, y, y)  # 1, or 2 with a NaN
-        left = sub(2.0, nan_window)  # 1 in windows still to place, 0 once placed
-        nan_left = sub(nan_window, 1.0)
+        open_ties = sub(4.0, add(nan_window, nan_window))  # R: 2, or 0 with a NaN
+        open_nans = sub(nan_window, 1.0)  # 0, or 1 with a NaN
         nan_window.release()
-        scans = ((range(count), left, False), (range(count - 1, -1, -1), nan_left, True))
-        for order, remaining, nans in scans:
-            for k in order:
-                window = _window(xp, geometry, *divmod(k, kw))
-                if nans:  # 1 where the element is NaN
-                    hit = sub(_elementwise("maximum_backward", None, 2.0, window, window), 1.0)
-                else:  # 1 where the element ties the maximum (2: a NaN window, left at 0)
-                    hit = _elementwise("maximum_backward", None, 2.0, window, y)
-                    if valid is not None:
-                        mask_view = _window(valid, geometry, *divmod(k, kw))
-                        mul(hit, mask_view, out=hit)
-                        mask_view.release()
-                window.release()
-                mul(hit, remaining, out=hit)
-                sub(remaining, hit, out=remaining)
-                part = select(g, hit)
-                hit.release()
-                target = _window(grad, geometry, *divmod(k, kw))
-                add(target, part, out=target)
-                target.release()
-                part.release()
-            remaining.release()
+        for k in range(count):
+            window = _window(xp, geometry, *divmod(k, kw))
+            hit = _elementwise("maximum_backward", None, open_ties, window, y)
+            window.release()
+            if valid is not None:
+                mask_view = _window(valid, geometry, *divmod(k, kw))
+                mul(hit, mask_view, out=hit)
+                mask_view.release()
+            _elementwise("maximum_backward", open_ties, open_ties, 0.5, hit)
+            scatter(grad, g, hit, k)
+            hit.release()
+        open_ties.release()
         if valid is not None:
             valid.release()
+        # 1 where an element of xp is NaN: maximum_backward(2, a, a) is 1, or 2 at NaN
+        nans = _elementwise("maximum_backward", None, 2.0, xp, xp)
+        sub(nans, 1.0, out=nans)
         if xp is not x:
             xp.release()
+        for k in range(count - 1, -1, -1):
+            window = _window(nans, geometry, *divmod(k, kw))
+            hit = mul(window, open_nans)
+            window.release()
+            _elementwise("maximum_backward", open_nans, open_nans, 0.5, hit)
+            scatter(grad, g, hit, k)
+            hit.release()
+        open_nans.release()
+        nans.release()
         return (_interior(grad, padding, x_shape),)
 
     return fn
