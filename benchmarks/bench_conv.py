@@ -49,6 +49,13 @@ LAYERS = [
     ("1x1, 2048->512", 2048, 512, 1, 1, 0, 7),
 ]
 
+#: (name, kind, channels, input size, kernel, stride, padding): ResNet-50's pools (its last
+#: is an adaptive average over the 7x7 map)
+POOLS = [
+    ("max pool 3x3/2, padding 1", "max", 64, 112, 3, 2, 1),
+    ("avg pool 7x7", "avg", 2048, 7, 7, 1, 0),
+]
+
 
 def blockrt_step(x: np.ndarray, w: np.ndarray, b: np.ndarray, g: np.ndarray, stride: int,
                  padding: int) -> Callable[[], None]:
@@ -64,6 +71,26 @@ def blockrt_step(x: np.ndarray, w: np.ndarray, b: np.ndarray, g: np.ndarray, str
         tx.grad = tw.grad = tb.grad = None
 
     return step
+
+
+def pool_steps(torch, kind: str, x: np.ndarray, kernel: int, stride: int,
+               padding: int) -> dict[str, Callable[[], None]]:
+    """Forward and backward of a pool in blockrt and in PyTorch."""
+    ours, theirs = getattr(ops, f"{kind}_pool2d"), getattr(torch.nn.functional, f"{kind}_pool2d")
+    out = (x.shape[2] + 2 * padding - kernel) // stride + 1
+    g = np.random.default_rng(1).standard_normal((*x.shape[:2], out, out)).astype(np.float32)
+    mx, mg = runtime.tensor(x, requires_grad=True), runtime.tensor(g)
+    tx, tg = torch.tensor(x, requires_grad=True), torch.tensor(g)
+
+    def blockrt() -> None:
+        ours(mx, kernel, stride, padding).backward(mg)
+        mx.grad = None
+
+    def pytorch() -> None:
+        theirs(tx, kernel, stride, padding).backward(tg)
+        tx.grad = None
+
+    return {"blockrt": blockrt, "torch": pytorch}
 
 
 def torch_step(torch, x: np.ndarray, w: np.ndarray, b: np.ndarray, g: np.ndarray, stride: int,
@@ -132,6 +159,13 @@ def main() -> None:
               f"{best['torch']:.1f} | {ratio:.2f} |", flush=True)
     print(f"| all seven (sum of bests) | | {total['blockrt']:.1f} | {total['torch']:.1f} | "
           f"{total['blockrt'] / total['torch']:.2f} |")
+    for name, kind, c, size, k, s, p in POOLS:
+        x = rng.standard_normal((args.batch, c, size, size)).astype(np.float32)
+        times = measure(pool_steps(torch, kind, x, k, s, p), 1, rounds)
+        best = {key: min(values) for key, values in times.items()}
+        ratio = statistics.median(a / b for a, b in zip(times["blockrt"], times["torch"]))
+        print(f"| {name} | {args.batch}x{c}x{size}x{size} | {best['blockrt']:.1f} | "
+              f"{best['torch']:.1f} | {ratio:.2f} |", flush=True)
     print(f"\nload average after: {load()}")
 
 
