@@ -1242,35 +1242,40 @@ def _max_backward(x_shape: tuple[int, ...], geometry: tuple) -> Callable:
 
     Devices have no comparison kernel that makes a mask, so the choice is made of
     `maximum_backward`'s selects, mb(g, a, b) = 0 where a < b, g / 2 where a == b, else g,
-    whose results here are exact 0, 1 and 2. Per window offset k, in scan order: hit =
-    mb(R, x_k, y) is 1 where x_k ties the maximum and the window is still open (R = 2; 0
-    once placed, and from the start in a window holding NaN), R = mb(R, 0.5, hit) closes the
-    window, and g goes where hit is 1 (mb(g, hit, 0.5): exact zeros elsewhere, never g * 0,
-    which is NaN for an infinite g). A second scan, in reverse order, places the windows
-    holding NaN at their last NaN the same way."""
+    whose results here are exact 0, 1 and 2, and of exact sums and products of them. A
+    reverse scan over the window offsets k finds the last NaN of the windows holding NaN
+    (1 where x_k is NaN and the window is still open; products and differences only). The
+    forward scan finds the first maximum of the others: hit = mb(R, x_k, y) is 1 where x_k
+    ties the maximum and the window is still open (R = 2; 0 once placed, and from the start
+    in a window holding NaN), and R -= 2 * hit closes it. Each k then sends g where its hit
+    is 1 (mb(g, hit, 0.5): exact zeros elsewhere, never g * 0, which is NaN for an infinite
+    g). Two selects per k: each is several passes on the CPU."""
     (kh, kw), _, padding, (hp, wp), _ = geometry
     count = kh * kw
 
-    def scatter(grad: Tensor, g: Tensor, hit: Tensor, k: int) -> None:
-        """Add g into the window view k of grad where hit is 1."""
-        part = _elementwise("maximum_backward", None, g, hit, 0.5)
-        target = _window(grad, geometry, *divmod(k, kw))
-        add(target, part, out=target)
-        target.release()
-        part.release()
-
     def fn(g: Tensor, x: Tensor, y: Tensor) -> tuple:
         xp = _padded(x, padding, -math.inf)
-        grad = _zeros_like_padded(x_shape, geometry, g)
+        nan_window = _elementwise("maximum_backward", None, 2.0, y, y)  # 1, or 2 with a NaN
+        # the windows holding NaN: their last NaN, by a reverse scan (products only)
+        nans = _elementwise("maximum_backward", None, 2.0, xp, xp)  # 1, or 2 at NaN
+        sub(nans, 1.0, out=nans)
+        open_nans = sub(nan_window, 1.0)  # 1 in a window holding NaN, until placed
+        nan_hits: list[Tensor | None] = [None] * count
+        for k in range(count - 1, -1, -1):
+            window = _window(nans, geometry, *divmod(k, kw))
+            nan_hits[k] = hit = mul(window, open_nans)
+            window.release()
+            sub(open_nans, hit, out=open_nans)
+        open_nans.release()
+        nans.release()
         valid = None
         if padding != (0, 0):  # NOTE: an all -inf window's maximum is its first element of x
             mask = np.zeros((1, 1, hp, wp), x.dtype)
             mask[:, :, padding[0]:hp - padding[0], padding[1]:wp - padding[1]] = 1
             valid = tensor(mask, device=x.device, allocator=_result_allocator(x))
-        nan_window = _elementwise("maximum_backward", None, 2.0, y, y)  # 1, or 2 with a NaN
         open_ties = sub(4.0, add(nan_window, nan_window))  # R: 2, or 0 with a NaN
-        open_nans = sub(nan_window, 1.0)  # 0, or 1 with a NaN
         nan_window.release()
+        grad = _zeros_like_padded(x_shape, geometry, g)
         for k in range(count):
             window = _window(xp, geometry, *divmod(k, kw))
             hit = _elementwise("maximum_backward", None, open_ties, window, y)
@@ -1279,26 +1284,22 @@ def _max_backward(x_shape: tuple[int, ...], geometry: tuple) -> Callable:
                 mask_view = _window(valid, geometry, *divmod(k, kw))
                 mul(hit, mask_view, out=hit)
                 mask_view.release()
-            _elementwise("maximum_backward", open_ties, open_ties, 0.5, hit)
-            scatter(grad, g, hit, k)
+            sub(open_ties, hit, out=open_ties)
+            sub(open_ties, hit, out=open_ties)
+            add(hit, nan_hits[k], out=hit)
+            nan_hits[k].release()
+            nan_hits[k] = None
+            part = _elementwise("maximum_backward", None, g, hit, 0.5)
             hit.release()
+            target = _window(grad, geometry, *divmod(k, kw))
+            add(target, part, out=target)
+            target.release()
+            part.release()
         open_ties.release()
         if valid is not None:
             valid.release()
-        # 1 where an element of xp is NaN: maximum_backward(2, a, a) is 1, or 2 at NaN
-        nans = _elementwise("maximum_backward", None, 2.0, xp, xp)
-        sub(nans, 1.0, out=nans)
         if xp is not x:
             xp.release()
-        for k in range(count - 1, -1, -1):
-            window = _window(nans, geometry, *divmod(k, kw))
-            hit = mul(window, open_nans)
-            window.release()
-            _elementwise("maximum_backward", open_nans, open_nans, 0.5, hit)
-            scatter(grad, g, hit, k)
-            hit.release()
-        open_nans.release()
-        nans.release()
         return (_interior(grad, padding, x_shape),)
 
     return fn
