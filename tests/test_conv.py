@@ -104,6 +104,25 @@ def test_conv2d_without_bias_and_with_pairs_given_as_lists():
     _conv_against_torch("cpu", F64, 2, 2, 3, (6, 5), (3, 2), [2, 1], [0, 1], bias=False)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_inputs_and_weights_give_the_contiguous_ones_results(device):
+    """x, the weight and out as strided views (a step, a transpose): the padded copy and
+    im2col read any strides."""
+    rng = np.random.default_rng(14)
+    big = rng.standard_normal((2, 3, 12, 5)).astype(np.float32)
+    w = rng.standard_normal((4, 4, 3, 3)).astype(np.float32)  # (kh, kw) swapped below
+    for kernel, padding in (((3, 3), 1), ((1, 1), 0)):
+        x = big[:, :, ::2, :]  # (2, 3, 6, 5), strided
+        weight = np.ascontiguousarray(w[:, :3, :kernel[0], :kernel[1]].transpose(0, 1, 3, 2))
+        mx = _ours(big, device)[:, :, ::2, :]
+        mw = _ours(np.ascontiguousarray(weight.transpose(0, 1, 3, 2)), device).transpose(
+            0, 1, 3, 2)
+        expected = F.conv2d(torch.tensor(x), torch.tensor(weight), padding=padding)
+        _close(ops.conv2d(mx, mw, padding=padding), expected, F32)
+        for n in (1, 2):
+            _close(ops.conv2d(mx[:n], mw, padding=padding), expected[:n], F32)
+
+
 @settings(max_examples=40)
 @given(n=st.integers(1, 3), c=st.integers(1, 3), o=st.integers(1, 3),
        h=st.integers(1, 9), w=st.integers(1, 9), kh=st.integers(1, 4), kw=st.integers(1, 4),
@@ -442,6 +461,27 @@ def test_a_conv_net_under_a_memory_budget_replays_bit_for_bit_as_eager(plan):
     assert report["recomputed"] > 0 and max(graph.timeline()) <= budget
     assert losses == eager_losses
     for mine, theirs in zip(params, eager_params):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+@pytest.mark.parametrize("plan", ["static", "recycle"])
+@pytest.mark.skipif("opencl" not in backends.available(), reason="no OpenCL device here")
+def test_a_conv_nets_step_on_opencl_replays_bit_for_bit_as_eager(plan):
+    device = backends.get_device("opencl")
+    results = []
+    for captured in (False, True):
+        nn.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, device=device), nn.ReLU(),
+                              nn.MaxPool2d(3, 2, 1), nn.Conv2d(4, 4, 1, device=device),
+                              nn.AvgPool2d(2), nn.Flatten(), nn.Dense(16, 3, device=device))
+        step = nn.train_step(model, nn.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        if captured:
+            step = runtime.graph(step, plan=plan, device=device)
+        losses = [step(x if captured else runtime.tensor(x, device=device), y).item()
+                  for x, y in conv_batches()]
+        results.append((losses, [p.numpy() for p in model.parameters()]))
+    assert results[0][0] == results[1][0]
+    for mine, theirs in zip(results[1][1], results[0][1]):
         np.testing.assert_array_equal(mine, theirs)
 
 
