@@ -964,17 +964,20 @@ def _fill_value(like: Tensor, value: float) -> Tensor:
                   allocator=_result_allocator(like))
 
 
-def _padded(x: Tensor, padding: tuple[int, int], value: float) -> Tensor:
-    """x inside a border of `value`, `padding` wide: a new tensor, or x itself when there is
-    no border (the caller releases only what is not x)."""
+def _padded(x: Tensor, padding: tuple[int, int], value: float, below: int = 0) -> Tensor:
+    """x inside a border of `value`, `padding` wide (and `below` more rows of it at the
+    bottom): a new tensor, or x itself when there is no border (the caller releases only
+    what is not x)."""
     ph, pw = padding
-    if ph == pw == 0:
+    if ph == pw == below == 0:
         return x
     n, c, h, w = x.shape
-    xp = Tensor._fresh((n, c, h + 2 * ph, w + 2 * pw), x.dtype, _result_allocator(x))
+    xp = Tensor._fresh((n, c, h + 2 * ph + below, w + 2 * pw), x.dtype, _result_allocator(x))
     fill = _fill_value(x, value)
     # NOTE: the border only, in four strips: the interior is written once, by the copy of x
-    strips = [xp[:, :, :ph], xp[:, :, ph + h:]] if ph else []
+    strips = [xp[:, :, :ph]] if ph else []
+    if ph + below:
+        strips.append(xp[:, :, ph + h:])
     if pw:
         strips += [xp[:, :, ph:ph + h, :pw], xp[:, :, ph:ph + h, pw + w:]]
     for strip in strips:
@@ -1037,10 +1040,22 @@ def _guarded(op: str, out: Tensor | None, shape: tuple[int, ...], dtype: np.dtyp
     return out
 
 
+def _wide(geometry: tuple) -> bool:
+    """Whether a convolution runs on wide rows: at stride 1, each output row as wide as a
+    padded input row (Wp, not Wo), so that window (i, j) of the columns is one flat stretch of
+    the padded image, at offset i * Wp + j, and im2col and col2im copy and add long
+    contiguous rows, not rows of Wo. The Wp - Wo columns more of each row are computed and
+    dropped (the products grow by Wp / Wo), so only where that costs at most a tenth."""
+    (kh, kw), (sh, sw), padding, (_, wp), (_, wo) = geometry
+    pointwise = kh == kw == 1 and padding == (0, 0)
+    return sh == sw == 1 and not pointwise and wp * 10 <= wo * 11
+
+
 def _conv_columns(x: Tensor, geometry: tuple) -> Tensor:
-    """x's columns, (C*kh*kw, N*Ho*Wo): a view of x itself for one image under a 1x1 kernel
-    with stride 1 and no padding, else a new tensor (padded, then im2col)."""
-    (kh, kw), (sh, sw), padding = geometry[:3]
+    """x's columns, (C*kh*kw, N*Ho*Wo) (wide: (C*kh*kw, N*Ho*Wp), `_wide`): a view of x
+    itself for one image under a 1x1 kernel with stride 1 and no padding, else a new tensor
+    (padded, then im2col)."""
+    (kh, kw), (sh, sw), padding, (hp, wp), (ho, _) = geometry
     n, c, h, w = x.shape
     if kh == kw == sh == sw == 1 and padding == (0, 0):
         if n == 1:
@@ -1049,6 +1064,17 @@ def _conv_columns(x: Tensor, geometry: tuple) -> Tensor:
         columns = copy(nchw)
         nchw.release()
         view = columns.reshape(c, n * h * w)
+        columns.release()
+        return view
+    if _wide(geometry):
+        # NOTE: one zero row below, where the last windows' dropped columns end
+        xp = _padded(x, padding, 0.0, below=1)
+        sn, sc = xp.strides[:2]
+        windows = xp._view((c, kh, kw, n, ho * wp), (sc, wp, 1, sn, 1), xp.offset)
+        columns = copy(windows)
+        windows.release()
+        xp.release()
+        view = columns.reshape(c * kh * kw, n * ho * wp)
         columns.release()
         return view
     xp = _padded(x, padding, 0.0)
@@ -1068,7 +1094,8 @@ def _conv_forward(x: Tensor, weight: Tensor, bias: Tensor | None, geometry: tupl
     w2 = weight.reshape(o, c * kh * kw)
     bias4 = None if bias is None else bias.reshape(1, o, 1, 1)
     columns = _conv_columns(x, geometry)
-    if n == 1 and out.is_contiguous():  # NOTE: (O, 1, Ho, Wo) is out's own layout
+    wide = _wide(geometry)
+    if n == 1 and out.is_contiguous() and not wide:  # NOTE: (O, 1, Ho, Wo) is out's layout
         target = out.reshape(o, ho * wo)
         matmul(w2, columns, out=target)
         target.release()
@@ -1078,7 +1105,12 @@ def _conv_forward(x: Tensor, weight: Tensor, bias: Tensor | None, geometry: tupl
     else:
         product = matmul(w2, columns)  # (o, n * positions)
         columns.release()
-        nchw = product.reshape(o, n, ho, wo).transpose(1, 0, 2, 3)
+        if wide:  # NOTE: the rows' last Wp - Wo columns dropped
+            rows = product.reshape(o, n, ho, geometry[3][1])
+            nchw = rows[:, :, :, :wo].transpose(1, 0, 2, 3)
+            rows.release()
+        else:
+            nchw = product.reshape(o, n, ho, wo).transpose(1, 0, 2, 3)
         product.release()
         if bias4 is None:
             copy(nchw, out=out)
@@ -1102,6 +1134,25 @@ def _col2im(columns: Tensor, x_shape: tuple[int, ...], geometry: tuple) -> Tenso
         grad = copy(cnhw.transpose(1, 0, 2, 3))
         cnhw.release()
         return grad
+    if _wide(geometry):  # NOTE: window (i, j) is the flat stretch at i * Wp + j
+        hp, wp = geometry[3]
+        positions = ho * wp
+        parts = columns.reshape(c, kh, kw, n, positions).transpose(3, 0, 1, 2, 4)
+        columns.release()
+        grad = Tensor._fresh((n, c, hp + 1, wp), parts.dtype, _result_allocator(parts))
+        zero = _fill_value(parts, 0.0)
+        copy(zero, out=grad)
+        zero.release()
+        sn, sc = grad.strides[:2]
+        for i in range(kh):
+            for j in range(kw):
+                target = grad._view((n, c, positions), (sn, sc, 1), grad.offset + i * wp + j)
+                part = parts[:, :, i, j]
+                add(target, part, out=target)
+                target.release()
+                part.release()
+        parts.release()
+        return _interior(grad, padding, x_shape)
     parts = columns.reshape(c, kh, kw, n, ho, wo).transpose(3, 0, 1, 2, 4, 5)
     columns.release()
     grad = _zeros_like_padded(x_shape, geometry, parts)
@@ -1122,16 +1173,29 @@ def _conv_backward(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], geom
     weight come saved (Note [closures hold no tensors] in runtime/autograd.py). With g as
     (O, N*Ho*Wo): the weight's gradient is g times the columns (made again) transposed, the
     columns' gradient the weight transposed times g, and x's gradient their col2im."""
-    (kh, kw), _, _, _, (ho, wo) = geometry
+    (kh, kw), _, _, (_, wp), (ho, wo) = geometry
     n, c = x_shape[:2]
     o = weight_shape[0]
     positions = n * ho * wo
+    wide = _wide(geometry)
 
     def fn(g: Tensor, x: Tensor | None, w: Tensor | None) -> tuple:
         gx = gw = gb = None
         if nb:
             gb = sum(g, axis=(0, 2, 3))
-        if n == 1:
+        if wide:  # NOTE: zeros in the dropped columns: they add nothing to either gradient
+            g2 = Tensor._fresh((o, n, ho, wp), g.dtype, _result_allocator(g))
+            if wp > wo:
+                dropped = g2[:, :, :, wo:]
+                zero = _fill_value(g, 0.0)
+                copy(zero, out=dropped)
+                zero.release()
+                dropped.release()
+            kept = g2[:, :, :, :wo]
+            copy(g.transpose(1, 0, 2, 3), out=kept)
+            kept.release()
+            g2 = g2.reshape(o, n * ho * wp)
+        elif n == 1:
             g2 = g.reshape(o, positions)
         else:
             g2 = copy(g.transpose(1, 0, 2, 3)).reshape(o, positions)

@@ -78,8 +78,12 @@ def _conv_against_torch(device: str, dtype: np.dtype, n: int, c: int, o: int, hw
 
 
 #: (n, c, o, (h, w), kernel, stride, padding): a plain 3x3, a strided and padded one, a 1x1
-#: with no im2col, a strided 1x1, a 7x7/2, a large image (one product per image), a batch of one
+#: with no im2col, a strided 1x1, a 7x7/2, wide rows (stride 1, Wp <= 1.1 Wo: a 3x2, a 3x3
+#: and a padded 1x1, whose rows drop nothing), batches of one
 CONV_CASES = [
+    (2, 3, 2, (24, 24), (3, 3), (1, 1), (1, 1)),
+    (2, 2, 3, (6, 12), (1, 1), (1, 1), (1, 1)),
+    (1, 2, 2, (5, 24), (3, 3), (1, 1), (0, 1)),
     (2, 3, 4, (6, 5), (3, 3), (1, 1), (0, 0)),
     (2, 3, 4, (7, 7), (3, 3), (2, 2), (1, 1)),
     (3, 5, 4, (4, 4), (1, 1), (1, 1), (0, 0)),
@@ -462,6 +466,32 @@ def test_a_conv_net_under_a_memory_budget_replays_bit_for_bit_as_eager(plan):
     assert losses == eager_losses
     for mine, theirs in zip(params, eager_params):
         np.testing.assert_array_equal(mine, theirs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_on_wide_rows_replays_bit_for_bit_as_eager(device):
+    """24x24 images under 3x3 kernels at stride 1: the convolutions run on wide rows (flat
+    window stretches of the padded image), captured with sqrt checkpoints too."""
+    rng = np.random.default_rng(15)
+    data = [(rng.standard_normal((2, 2, 24, 24)).astype(np.float32), rng.integers(0, 3, 2))
+            for _ in range(2)]
+    results = []
+    for options in (None, {"plan": "static"}, {"plan": "static", "checkpoint": "sqrt"}):
+        nn.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, device=device), nn.ReLU(),
+                              nn.Conv2d(4, 4, 3, padding=1, device=device),
+                              nn.MaxPool2d(3, 2, 1), nn.AvgPool2d(4), nn.Flatten(),
+                              nn.Dense(36, 3, device=device))
+        step = nn.train_step(model, nn.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        if options is not None:
+            step = runtime.graph(step, device=device, **options)
+        losses = [step(x if options else runtime.tensor(x, device=device), y).item()
+                  for x, y in data]
+        results.append((losses, [p.numpy() for p in model.parameters()]))
+    for losses, params in results[1:]:
+        assert losses == results[0][0]
+        for mine, theirs in zip(params, results[0][1]):
+            np.testing.assert_array_equal(mine, theirs)
 
 
 @pytest.mark.parametrize("plan", ["static", "recycle"])
