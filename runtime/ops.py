@@ -1045,10 +1045,12 @@ def _wide(geometry: tuple) -> bool:
     padded input row (Wp, not Wo), so that window (i, j) of the columns is one flat stretch of
     the padded image, at offset i * Wp + j, and im2col and col2im copy and add long
     contiguous rows, not rows of Wo. The Wp - Wo columns more of each row are computed and
-    dropped (the products grow by Wp / Wo), so only where that costs at most a tenth."""
+    dropped (the products grow by Wp / Wo), so only where that costs at most 5%: on
+    ResNet-50's 3x3 64->64 layer at 56x56 (3.6% more) its step took 0.86 of the narrow one's
+    (median of 11 paired rounds), at 28x28 (7% more) 1.02."""
     (kh, kw), (sh, sw), padding, (_, wp), (_, wo) = geometry
     pointwise = kh == kw == 1 and padding == (0, 0)
-    return sh == sw == 1 and not pointwise and wp * 10 <= wo * 11
+    return sh == sw == 1 and not pointwise and wp * 20 <= wo * 21
 
 
 def _conv_columns(x: Tensor, geometry: tuple) -> Tensor:

@@ -78,12 +78,12 @@ def _conv_against_torch(device: str, dtype: np.dtype, n: int, c: int, o: int, hw
 
 
 #: (n, c, o, (h, w), kernel, stride, padding): a plain 3x3, a strided and padded one, a 1x1
-#: with no im2col, a strided 1x1, a 7x7/2, wide rows (stride 1, Wp <= 1.1 Wo: a 3x2, a 3x3
+#: with no im2col, a strided 1x1, a 7x7/2, wide rows (stride 1, Wp <= 1.05 Wo: a 3x2, a 3x3
 #: and a padded 1x1, whose rows drop nothing), batches of one
 CONV_CASES = [
-    (2, 3, 2, (24, 24), (3, 3), (1, 1), (1, 1)),
+    (2, 3, 2, (5, 40), (3, 3), (1, 1), (1, 1)),
     (2, 2, 3, (6, 12), (1, 1), (1, 1), (1, 1)),
-    (1, 2, 2, (5, 24), (3, 3), (1, 1), (0, 1)),
+    (1, 2, 2, (5, 44), (3, 3), (1, 1), (0, 1)),
     (2, 3, 4, (6, 5), (3, 3), (1, 1), (0, 0)),
     (2, 3, 4, (7, 7), (3, 3), (2, 2), (1, 1)),
     (3, 5, 4, (4, 4), (1, 1), (1, 1), (0, 0)),
@@ -470,10 +470,10 @@ def test_a_conv_net_under_a_memory_budget_replays_bit_for_bit_as_eager(plan):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_step_on_wide_rows_replays_bit_for_bit_as_eager(device):
-    """24x24 images under 3x3 kernels at stride 1: the convolutions run on wide rows (flat
+    """8x40 images under 3x3 kernels at stride 1: the convolutions run on wide rows (flat
     window stretches of the padded image), captured with sqrt checkpoints too."""
     rng = np.random.default_rng(15)
-    data = [(rng.standard_normal((2, 2, 24, 24)).astype(np.float32), rng.integers(0, 3, 2))
+    data = [(rng.standard_normal((2, 2, 8, 40)).astype(np.float32), rng.integers(0, 3, 2))
             for _ in range(2)]
     results = []
     for options in (None, {"plan": "static"}, {"plan": "static", "checkpoint": "sqrt"}):
@@ -481,7 +481,7 @@ def test_a_step_on_wide_rows_replays_bit_for_bit_as_eager(device):
         model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, device=device), nn.ReLU(),
                               nn.Conv2d(4, 4, 3, padding=1, device=device),
                               nn.MaxPool2d(3, 2, 1), nn.AvgPool2d(4), nn.Flatten(),
-                              nn.Dense(36, 3, device=device))
+                              nn.Dense(20, 3, device=device))
         step = nn.train_step(model, nn.SGD(model.parameters(), lr=0.1, momentum=0.9))
         if options is not None:
             step = runtime.graph(step, device=device, **options)
