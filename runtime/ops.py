@@ -992,11 +992,11 @@ def _padded(x: Tensor, padding: tuple[int, int], value: float, below: int = 0) -
 
 def _interior(xp: Tensor, padding: tuple[int, int], shape: tuple[int, ...]) -> Tensor:
     """The unpadded part of a padded gradient, as a new contiguous tensor (xp released), or
-    xp itself when there is no border."""
+    xp itself when there is no border (nor wide rows' extra row)."""
     ph, pw = padding
-    if ph == pw == 0:
-        return xp
     h, w = shape[2:]
+    if xp.shape[2:] == (h, w):
+        return xp
     view = xp[:, :, ph:ph + h, pw:pw + w]
     result = copy(view)
     view.release()

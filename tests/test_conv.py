@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_autograd import check_gradients
 
@@ -132,6 +132,8 @@ def test_strided_inputs_and_weights_give_the_contiguous_ones_results(device):
        h=st.integers(1, 9), w=st.integers(1, 9), kh=st.integers(1, 4), kw=st.integers(1, 4),
        sh=st.integers(1, 3), sw=st.integers(1, 3), ph=st.integers(0, 2), pw=st.integers(0, 2),
        bias=st.booleans(), seed=st.integers(0, 99))
+# NOTE: wide rows with no padding: the extra zero row must be cut from x's gradient (found)
+@example(n=1, c=1, o=1, h=2, w=1, kh=2, kw=1, sh=1, sw=1, ph=0, pw=0, bias=False, seed=0)
 def test_conv2d_matches_pytorch_on_drawn_geometries(n, c, o, h, w, kh, kw, sh, sw, ph, pw,
                                                      bias, seed):
     if kh > h + 2 * ph or kw > w + 2 * pw:
