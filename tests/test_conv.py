@@ -144,6 +144,20 @@ def test_conv2d_matches_pytorch_on_drawn_geometries(n, c, o, h, w, kh, kw, sh, s
     _conv_against_torch("cpu", F64, n, c, o, (h, w), (kh, kw), (sh, sw), (ph, pw), bias, seed)
 
 
+@settings(max_examples=25)
+@given(n=st.integers(1, 2), c=st.integers(1, 2), o=st.integers(1, 2), h=st.integers(1, 5),
+       w=st.integers(64, 72), kh=st.integers(1, 4), kw=st.integers(1, 4), ph=st.integers(0, 2),
+       pw=st.integers(0, 2), seed=st.integers(0, 99))
+def test_conv2d_on_wide_rows_matches_pytorch(n, c, o, h, w, kh, kw, ph, pw, seed):
+    """Stride 1 on images wide enough for wide rows (Wp <= 1.05 Wo) whatever the kernel:
+    the rows' extra columns dropped, the extra zero row cut."""
+    if kh > h + 2 * ph:
+        return
+    geometry = ops._geometry("conv2d", (n, c, h, w), (kh, kw), (1, 1), (ph, pw))
+    assert ops._wide(geometry) or (kh == kw == 1 and (ph, pw) == (0, 0))
+    _conv_against_torch("cpu", F64, n, c, o, (h, w), (kh, kw), (1, 1), (ph, pw), True, seed)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_two_byte_convolutions_and_pools_are_pytorchs_within_their_rounding(device, dtype):
