@@ -1403,8 +1403,16 @@ def max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0
     return out
 
 
+def _global(x_shape: tuple[int, ...], geometry: tuple) -> bool:
+    """Whether a pool's one window is the whole unpadded image (ResNet's last pool)."""
+    return geometry[2] == (0, 0) and geometry[0] == tuple(x_shape[2:])
+
+
 def _avg_forward(x: Tensor, geometry: tuple, out: Tensor) -> None:
     (kh, kw), _, padding = geometry[:3]
+    if _global(x.shape, geometry):  # NOTE: one reduction, not kh * kw adds of (N, C, 1, 1)
+        mean(x, axis=(2, 3), keepdims=True, out=out)
+        return
     if x.dtype in dtypes.HALVES:  # NOTE: summed in float32 and rounded once, as PyTorch's
         wide = cast(x, _FLOAT32)
         result = Tensor._fresh(out.shape, _FLOAT32, _result_allocator(x))
@@ -1431,6 +1439,11 @@ def _avg_backward(x_shape: tuple[int, ...], geometry: tuple) -> Callable:
 
     def fn(g: Tensor) -> tuple:
         share = div(g, kh * kw)
+        if _global(x_shape, geometry):  # NOTE: the share broadcast over the image at once
+            result = Tensor._fresh(x_shape, g.dtype, _result_allocator(g))
+            copy(share, out=result)
+            share.release()
+            return (result,)
         grad = _zeros_like_padded(x_shape, geometry, g)
         for k in range(kh * kw):
             target = _window(grad, geometry, *divmod(k, kw))
@@ -1449,8 +1462,9 @@ def avg_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0
     (count_include_pad=True, PyTorch's default; `padding` at most half the kernel).
 
     The sum runs `add` over the kh * kw window views, then one division by kh * kw (a two-byte
-    x is summed in float32 and rounded once); the gradient spreads g / (kh * kw) back through
-    the same views. ceil_mode, count_include_pad=False and divisor_override are not supported.
+    x is summed in float32 and rounded once); a window as large as x is one `mean`. The
+    gradient spreads g / (kh * kw) back through the same views. ceil_mode,
+    count_include_pad=False and divisor_override are not supported.
 
     `out` may not share any memory with x.
 

@@ -182,6 +182,8 @@ def test_two_byte_convolutions_and_pools_are_pytorchs_within_their_rounding(devi
     # NOTE: summed in float32 and rounded once: within half an ulp of PyTorch's float32 mean
     np.testing.assert_allclose(averaged, F.avg_pool2d(x32, 3, 2, 1).numpy(), rtol=eps,
                                atol=1e-6)
+    whole = ops.avg_pool2d(_ours(x, device), 8).numpy().astype(np.float32)  # one mean
+    np.testing.assert_allclose(whole, F.avg_pool2d(x32, 8).numpy(), rtol=eps, atol=1e-6)
 
 
 def test_conv2d_under_autocast_computes_in_half_as_torch_autocast():
