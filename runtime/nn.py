@@ -393,6 +393,135 @@ class Sigmoid(Module):
 
 
 # ---------------------------------------- convolution layers
+def _positive(layer: str, what: str, n: Any) -> int:
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral) or n <= 0:
+        raise ValueError(f"{layer}: {what} must be a positive int, got {_brief(n)}")
+    return int(n)
+
+
+class Conv2d(Module):
+    """A 2-D convolution over NCHW images: y = conv2d(x, weight, stride, padding) + bias
+    (`ops.conv2d`).
+
+    `weight` is (out_channels, in_channels, kh, kw) and, like `bias` (out_channels,), starts
+    uniform in [-1/sqrt(fan_in), 1/sqrt(fan_in)], fan_in = in_channels * kh * kw (PyTorch's
+    nn.Conv2d initialisation). Inside `amp.autocast(half)` it computes in `half`
+    (`ops.conv2d` casts its float32 operands at each call).
+
+    Args:
+        in_channels, out_channels: positive sizes.
+        kernel_size, stride, padding: an int or an (h, w) pair.
+        bias: whether to add a learned bias.
+        dtype, device, allocator: where the parameters live.
+        rng: a numpy Generator or seed for the initial values (default: `manual_seed`'s).
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> from runtime import nn
+        >>> conv = nn.Conv2d(3, 8, 3, padding=1, rng=0)
+        >>> conv(runtime.tensor(np.ones((2, 3, 5, 5), np.float32))).shape
+        (2, 8, 5, 5)
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: Any, stride: Any = 1,
+                 padding: Any = 0, bias: bool = True, *, dtype: Any = "float32",
+                 device: Any = None, allocator: Allocator | None = None,
+                 rng: np.random.Generator | int | None = None) -> None:
+        super().__init__()
+        self.in_channels = _positive("Conv2d", "in_channels", in_channels)
+        self.out_channels = _positive("Conv2d", "out_channels", out_channels)
+        self.kernel_size = ops._pair("Conv2d", "kernel_size", kernel_size, 1)
+        self.stride = ops._pair("Conv2d", "stride", stride, 1)
+        self.padding = ops._pair("Conv2d", "padding", padding, 0)
+        bias = as_flag(bias, "Conv2d: bias")
+        dtype = as_dtype(dtype, "Conv2d")
+        if not dtypes.is_float(dtype):
+            raise TypeError(f"Conv2d: parameters are a float dtype (float16, bfloat16, "
+                            f"float32, float64), got dtype {dtype}")
+        shape = (self.out_channels, self.in_channels, *self.kernel_size)
+        checked_nbytes(shape, dtype, "Conv2d: weight")
+        generator = _rng if rng is None else _generator(rng)
+        bound = 1 / math.sqrt(self.in_channels * self.kernel_size[0] * self.kernel_size[1])
+        self.weight = _uniform(generator, shape, bound, dtype, device, allocator)
+        self.bias = (_uniform(generator, (self.out_channels,), bound, dtype, device, allocator)
+                     if bias else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.conv2d(x, self.weight, self.bias, self.stride, self.padding)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}, padding={self.padding}, bias={self.bias is not None}")
+
+
+class MaxPool2d(Module):
+    """The maximum of each window (`ops.max_pool2d`); stride defaults to kernel_size."""
+
+    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0) -> None:
+        super().__init__()
+        self.kernel_size = ops._pair("MaxPool2d", "kernel_size", kernel_size, 1)
+        self.stride = (self.kernel_size if stride is None
+                       else ops._pair("MaxPool2d", "stride", stride, 1))
+        self.padding = ops._pair("MaxPool2d", "padding", padding, 0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.max_pool2d(x, self.kernel_size, self.stride, self.padding)
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
+
+
+class AvgPool2d(Module):
+    """The mean of each window, zero padding counted (`ops.avg_pool2d`); stride defaults to
+    kernel_size."""
+
+    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0) -> None:
+        super().__init__()
+        self.kernel_size = ops._pair("AvgPool2d", "kernel_size", kernel_size, 1)
+        self.stride = (self.kernel_size if stride is None
+                       else ops._pair("AvgPool2d", "stride", stride, 1))
+        self.padding = ops._pair("AvgPool2d", "padding", padding, 0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.avg_pool2d(x, self.kernel_size, self.stride, self.padding)
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
+
+
+class Flatten(Module):
+    """Axes start_dim..end_dim (inclusive, negative from the end) merged into one, as
+    PyTorch's nn.Flatten: (N, C, H, W) -> (N, C*H*W) by default. A view where x's strides
+    allow, else a copy."""
+
+    def __init__(self, start_dim: int = 1, end_dim: int = -1) -> None:
+        super().__init__()
+        for what, value in (("start_dim", start_dim), ("end_dim", end_dim)):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"Flatten: {what} must be an int, got {_brief(value)}")
+        self.start_dim = int(start_dim)
+        self.end_dim = int(end_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        ndim = max(x.ndim, 1)
+        start, end = self.start_dim, self.end_dim
+        if not (-ndim <= start < ndim and -ndim <= end < ndim):
+            raise ValueError(f"Flatten: start_dim {start} and end_dim {end} must be axes of an "
+                             f"input of {x.ndim} dimensions (shape {x.shape})")
+        start, end = start % ndim, end % ndim
+        if start > end:
+            raise ValueError(f"Flatten: start_dim {self.start_dim} comes after end_dim "
+                             f"{self.end_dim} for an input of shape {x.shape}")
+        if x.ndim == 0:
+            return x.reshape(1)
+        merged = math.prod(x.shape[start:end + 1])
+        return x.reshape(*x.shape[:start], merged, *x.shape[end + 1:])
+
+    def extra_repr(self) -> str:
+        return f"start_dim={self.start_dim}, end_dim={self.end_dim}"
+
+
+__all__ += ["AvgPool2d", "Conv2d", "Flatten", "MaxPool2d"]
 
 
 class Sequential(Module):

@@ -1249,6 +1249,631 @@ def _check_labels(labels: np.ndarray, classes: int) -> None:
 
 # ---------------------------------------------------------------------- reductions
 # ---------------------------------------- convolution and pooling
+# conv2d, max_pool2d and avg_pool2d launch no kernel of their own (docs/layers.md). A padded
+# copy of x (the `copy` kernel, broadcasting one number into the border), its sliding windows
+# as one strided view (`Tensor._view`: window offsets are strides too) copied into a contiguous
+# column tensor (im2col), and products (`matmul`) make a convolution; pooling runs `maximum` or
+# `add` over the kh * kw window views. So they run on every device that runs the table's
+# kernels and products, inside a graph capture too (each step is an op with its own launch),
+# and every temporary comes from an allocator and goes back as soon as it is used.
+
+#: PyTorch's keywords that these ops do not take, with the value that means "not used":
+#: passing that value is accepted, any other is refused by name (never silently ignored).
+_UNSUPPORTED = {
+    "conv2d": {"dilation": 1, "groups": 1},
+    "max_pool2d": {"dilation": 1, "ceil_mode": False, "return_indices": False},
+    "avg_pool2d": {"ceil_mode": False, "count_include_pad": True, "divisor_override": None},
+}
+# NOTE: every product of a convolution is one 2-D product for the whole batch, its columns
+# laid out channels first, (C*kh*kw, N*Ho*Wo): measured against one product per image
+# (batched, columns (N, C*kh*kw, Ho*Wo)) on ResNet-50's layers, it is as fast or faster on
+# each (up to 2x on 7x7 images, where per-image products are thin), and it runs on the
+# device's 2-D product (the CPU's chosen CBLAS) rather than a batched one, for the price of
+# transposing the output and g between (N, O, ...) and (O, N, ...): benchmarks/bench_conv.py.
+
+
+def _refuse_keywords(op: str, given: dict[str, Any]) -> None:
+    """TypeError for a keyword the op does not know; ValueError for one of PyTorch's that
+    blockrt does not implement, unless it has its no-op value."""
+    known = _UNSUPPORTED[op]
+    for name, value in given.items():
+        if name not in known:
+            raise TypeError(f"{op}() got an unexpected keyword argument {name!r}")
+        default = known[name]
+        same = value is default or (
+            not isinstance(value, (bool, np.bool_)) and isinstance(default, int)
+            and not isinstance(default, bool)
+            and (value == default or value in ((default, default), [default, default])))
+        if not same:
+            raise ValueError(f"{op}: {name}={_brief(value)} is not supported (blockrt's {op} "
+                             f"has no {name}; only {name}={default!r}, PyTorch's default)")
+
+
+def _pair(op: str, what: str, value: Any, least: int) -> tuple[int, int]:
+    """An int or a pair of ints (height, width), each at least `least`."""
+    items = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+    if len(items) != 2 or any(isinstance(v, (bool, np.bool_)) or
+                              not isinstance(v, numbers.Integral) for v in items):
+        raise TypeError(f"{op}: {what} must be an int or a pair of ints, got {_brief(value)}")
+    pair = (int(items[0]), int(items[1]))
+    if min(pair) < least:
+        raise ValueError(f"{op}: {what} must be at least {least}, got {_brief(value)}")
+    return pair
+
+
+def _image(op: str, x: Tensor, what: str = "x") -> tuple[int, int, int, int]:
+    if x.ndim != 4:
+        raise ValueError(f"{op}: {what} must be 4-D (batch, channels, height, width), got "
+                         f"shape {x.shape}")
+    return x.shape
+
+
+def _geometry(op: str, shape: tuple[int, ...], kernel: tuple[int, int],
+              stride: tuple[int, int], padding: tuple[int, int]) -> tuple:
+    """(kernel, stride, padding, padded size, output size), each an (h, w) pair; ValueError
+    when the kernel does not fit in the padded input."""
+    h, w = shape[2:]
+    padded = (h + 2 * padding[0], w + 2 * padding[1])
+    if kernel[0] > padded[0] or kernel[1] > padded[1]:
+        raise ValueError(f"{op}: the kernel {kernel[0]}x{kernel[1]} is bigger than the padded "
+                         f"input {padded[0]}x{padded[1]} (input {h}x{w}, padding "
+                         f"{padding[0]},{padding[1]})")
+    size = ((padded[0] - kernel[0]) // stride[0] + 1, (padded[1] - kernel[1]) // stride[1] + 1)
+    return kernel, stride, padding, padded, size
+
+
+def _window(xp: Tensor, geometry: tuple, i: int, j: int) -> Tensor:
+    """The (N, C, Ho, Wo) view of the padded `xp` that window offset (i, j) reads."""
+    (_, _), (sh, sw), _, _, (ho, wo) = geometry
+    n, c = xp.shape[:2]
+    sn, sc, sy, sx = xp.strides
+    return xp._view((n, c, ho, wo), (sn, sc, sy * sh, sx * sw), xp.offset + i * sy + j * sx)
+
+
+def _columns(xp: Tensor, geometry: tuple) -> Tensor:
+    """im2col: the windows of the padded `xp` as one strided view, (C, kh, kw, N, Ho, Wo),
+    copied into a contiguous (C*kh*kw, N*Ho*Wo) tensor."""
+    (kh, kw), (sh, sw), _, _, (ho, wo) = geometry
+    n, c = xp.shape[:2]
+    sn, sc, sy, sx = xp.strides
+    windows = xp._view((c, kh, kw, n, ho, wo), (sc, sy, sx, sn, sy * sh, sx * sw), xp.offset)
+    columns = copy(windows)
+    windows.release()
+    view = columns.reshape(c * kh * kw, n * ho * wo)
+    columns.release()
+    return view
+
+
+def _fill_value(like: Tensor, value: float) -> Tensor:
+    """A 0-d tensor holding `value` in like's dtype, on like's device (a fill to broadcast)."""
+    return tensor(np.full((), value, like.dtype), device=like.device,
+                  allocator=_result_allocator(like))
+
+
+def _padded(x: Tensor, padding: tuple[int, int], value: float, below: int = 0) -> Tensor:
+    """x inside a border of `value`, `padding` wide (and `below` more rows of it at the
+    bottom): a new tensor, or x itself when there is no border (the caller releases only
+    what is not x)."""
+    ph, pw = padding
+    if ph == pw == below == 0:
+        return x
+    n, c, h, w = x.shape
+    xp = Tensor._fresh((n, c, h + 2 * ph + below, w + 2 * pw), x.dtype, _result_allocator(x))
+    fill = _fill_value(x, value)
+    # NOTE: the border only, in four strips: the interior is written once, by the copy of x
+    strips = [xp[:, :, :ph]] if ph else []
+    if ph + below:
+        strips.append(xp[:, :, ph + h:])
+    if pw:
+        strips += [xp[:, :, ph:ph + h, :pw], xp[:, :, ph:ph + h, pw + w:]]
+    for strip in strips:
+        copy(fill, out=strip)
+        strip.release()
+    fill.release()
+    interior = xp[:, :, ph:ph + h, pw:pw + w]
+    copy(x, out=interior)
+    interior.release()
+    return xp
+
+
+def _interior(xp: Tensor, padding: tuple[int, int], shape: tuple[int, ...]) -> Tensor:
+    """The unpadded part of a padded gradient, as a new contiguous tensor (xp released), or
+    xp itself when there is no border (nor wide rows' extra row)."""
+    ph, pw = padding
+    h, w = shape[2:]
+    if xp.shape[2:] == (h, w):
+        return xp
+    view = xp[:, :, ph:ph + h, pw:pw + w]
+    result = copy(view)
+    view.release()
+    xp.release()
+    return result
+
+
+def _zeros_like_padded(x_shape: tuple[int, ...], geometry: tuple, like: Tensor) -> Tensor:
+    """A zeroed (N, C, Hp, Wp) tensor, for a gradient that windows add into."""
+    hp, wp = geometry[3]
+    result = Tensor._fresh((x_shape[0], x_shape[1], hp, wp), like.dtype, _result_allocator(like))
+    zero = _fill_value(like, 0.0)
+    copy(zero, out=result)
+    zero.release()
+    return result
+
+
+def _guarded(op: str, out: Tensor | None, shape: tuple[int, ...], dtype: np.dtype,
+             operands: Sequence[Tensor], labels: Sequence[str],
+             compute: Callable[[Tensor], None]) -> Tensor:
+    """Run `compute(target)` under the op's aliasing policy (NEVER): into a new tensor, or
+    into `out` when out shares no memory with an operand. An overlapping `out` raises
+    AliasingError in "raise" mode (through `_launch`, which words it) and, in "copy" mode, gets
+    the result through a temporary."""
+    like = operands[0]
+    target = _prepare_out(op, out, shape, dtype, like, operands)  # NOTE: with gradients on
+    with autograd.no_grad():
+        if out is None:
+            compute(target)
+            return target
+        inputs = [(label, t, t.shape) for label, t in zip(labels, operands)]
+        if _clashes(NEVER, out, inputs):
+            if config.get_aliasing() == "raise":
+                _launch(op, out, inputs, _no_launch)  # NOTE: raises, naming op and operands
+            temp = Tensor._fresh(shape, dtype, _result_allocator(like))
+            compute(temp)
+            copy(temp, out=out)
+            temp.release()
+            return out
+        compute(out)
+    return out
+
+
+def _wide(geometry: tuple) -> bool:
+    """Whether a convolution runs on wide rows: at stride 1, each output row as wide as a
+    padded input row (Wp, not Wo), so that window (i, j) of the columns is one flat stretch of
+    the padded image, at offset i * Wp + j, and im2col and col2im copy and add long
+    contiguous rows, not rows of Wo. The Wp - Wo columns more of each row are computed and
+    dropped (the products grow by Wp / Wo), so only where that costs at most 5%: on
+    ResNet-50's 3x3 64->64 layer at 56x56 (3.6% more) its step took 0.86 of the narrow one's
+    (median of 11 paired rounds), at 28x28 (7% more) 1.02."""
+    (kh, kw), (sh, sw), padding, (_, wp), (_, wo) = geometry
+    pointwise = kh == kw == 1 and padding == (0, 0)
+    return sh == sw == 1 and not pointwise and wp * 20 <= wo * 21
+
+
+def _conv_columns(x: Tensor, geometry: tuple) -> Tensor:
+    """x's columns, (C*kh*kw, N*Ho*Wo) (wide: (C*kh*kw, N*Ho*Wp), `_wide`): a view of x
+    itself for one image under a 1x1 kernel with stride 1 and no padding, else a new tensor
+    (padded, then im2col)."""
+    (kh, kw), (sh, sw), padding, (hp, wp), (ho, _) = geometry
+    n, c, h, w = x.shape
+    if kh == kw == sh == sw == 1 and padding == (0, 0):
+        if n == 1:
+            return x.reshape(c, h * w)  # NOTE: a view where x's strides allow
+        nchw = x.transpose(1, 0, 2, 3)
+        columns = copy(nchw)
+        nchw.release()
+        view = columns.reshape(c, n * h * w)
+        columns.release()
+        return view
+    if _wide(geometry):
+        # NOTE: one zero row below, where the last windows' dropped columns end
+        xp = _padded(x, padding, 0.0, below=1)
+        sn, sc = xp.strides[:2]
+        windows = xp._view((c, kh, kw, n, ho * wp), (sc, wp, 1, sn, 1), xp.offset)
+        columns = copy(windows)
+        windows.release()
+        xp.release()
+        view = columns.reshape(c * kh * kw, n * ho * wp)
+        columns.release()
+        return view
+    xp = _padded(x, padding, 0.0)
+    columns = _columns(xp, geometry)
+    if xp is not x:
+        xp.release()
+    return columns
+
+
+def _conv_forward(x: Tensor, weight: Tensor, bias: Tensor | None, geometry: tuple,
+                  out: Tensor) -> None:
+    """out = conv2d(x, weight) + bias, under no_grad: one product of the weight, viewed as
+    (O, C*kh*kw), and x's columns, then its (O, N, Ho, Wo) result transposed into out."""
+    (kh, kw), _, _, _, (ho, wo) = geometry
+    n, c = x.shape[:2]
+    o = weight.shape[0]
+    w2 = weight.reshape(o, c * kh * kw)
+    bias4 = None if bias is None else bias.reshape(1, o, 1, 1)
+    columns = _conv_columns(x, geometry)
+    wide = _wide(geometry)
+    if n == 1 and out.is_contiguous() and not wide:  # NOTE: (O, 1, Ho, Wo) is out's layout
+        target = out.reshape(o, ho * wo)
+        matmul(w2, columns, out=target)
+        target.release()
+        columns.release()
+        if bias4 is not None:
+            add(out, bias4, out=out)
+    else:
+        product = matmul(w2, columns)  # (o, n * positions)
+        columns.release()
+        if wide:  # NOTE: the rows' last Wp - Wo columns dropped
+            rows = product.reshape(o, n, ho, geometry[3][1])
+            nchw = rows[:, :, :, :wo].transpose(1, 0, 2, 3)
+            rows.release()
+        else:
+            nchw = product.reshape(o, n, ho, wo).transpose(1, 0, 2, 3)
+        product.release()
+        if bias4 is None:
+            copy(nchw, out=out)
+        else:  # NOTE: the transpose and the bias in one pass
+            add(nchw, bias4, out=out)
+        nchw.release()
+    w2.release()
+
+
+def _col2im(columns: Tensor, x_shape: tuple[int, ...], geometry: tuple) -> Tensor:
+    """x's gradient from its columns' gradient, (C*kh*kw, N*Ho*Wo): each of the kh * kw
+    window views of a zeroed padded tensor gets its slice added (where windows overlap, the
+    adds accumulate), and the border is cut off. `columns` is released."""
+    (kh, kw), (sh, sw), padding, _, (ho, wo) = geometry
+    n, c, h, w = x_shape
+    if kh == kw == sh == sw == 1 and padding == (0, 0):  # NOTE: the columns are x's layout
+        cnhw = columns.reshape(c, n, h, w)
+        columns.release()
+        if n == 1:
+            return cnhw.reshape(x_shape)
+        grad = copy(cnhw.transpose(1, 0, 2, 3))
+        cnhw.release()
+        return grad
+    if _wide(geometry):  # NOTE: window (i, j) is the flat stretch at i * Wp + j
+        hp, wp = geometry[3]
+        positions = ho * wp
+        parts = columns.reshape(c, kh, kw, n, positions).transpose(3, 0, 1, 2, 4)
+        columns.release()
+        grad = Tensor._fresh((n, c, hp + 1, wp), parts.dtype, _result_allocator(parts))
+        zero = _fill_value(parts, 0.0)
+        copy(zero, out=grad)
+        zero.release()
+        sn, sc = grad.strides[:2]
+        for i in range(kh):
+            for j in range(kw):
+                target = grad._view((n, c, positions), (sn, sc, 1), grad.offset + i * wp + j)
+                part = parts[:, :, i, j]
+                add(target, part, out=target)
+                target.release()
+                part.release()
+        parts.release()
+        return _interior(grad, padding, x_shape)
+    parts = columns.reshape(c, kh, kw, n, ho, wo).transpose(3, 0, 1, 2, 4, 5)
+    columns.release()
+    grad = _zeros_like_padded(x_shape, geometry, parts)
+    for i in range(kh):
+        for j in range(kw):
+            target = _window(grad, geometry, i, j)
+            part = parts[:, :, i, j]
+            add(target, part, out=target)
+            target.release()
+            part.release()
+    parts.release()
+    return _interior(grad, padding, x_shape)
+
+
+def _conv_backward(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], geometry: tuple,
+                   nx: bool, nw: bool, nb: bool) -> Callable:
+    """conv2d's backward function: from shapes, the geometry and flags only; x and the
+    weight come saved (Note [closures hold no tensors] in runtime/autograd.py). With g as
+    (O, N*Ho*Wo): the weight's gradient is g times the columns (made again) transposed, the
+    columns' gradient the weight transposed times g, and x's gradient their col2im."""
+    (kh, kw), _, _, (_, wp), (ho, wo) = geometry
+    n, c = x_shape[:2]
+    o = weight_shape[0]
+    positions = n * ho * wo
+    wide = _wide(geometry)
+
+    def fn(g: Tensor, x: Tensor | None, w: Tensor | None) -> tuple:
+        gx = gw = gb = None
+        if nb:
+            gb = sum(g, axis=(0, 2, 3))
+        if wide:  # NOTE: zeros in the dropped columns: they add nothing to either gradient
+            g2 = Tensor._fresh((o, n, ho, wp), g.dtype, _result_allocator(g))
+            if wp > wo:
+                dropped = g2[:, :, :, wo:]
+                zero = _fill_value(g, 0.0)
+                copy(zero, out=dropped)
+                zero.release()
+                dropped.release()
+            kept = g2[:, :, :, :wo]
+            copy(g.transpose(1, 0, 2, 3), out=kept)
+            kept.release()
+            g2 = g2.reshape(o, n * ho * wp)
+        elif n == 1:
+            g2 = g.reshape(o, positions)
+        else:
+            g2 = copy(g.transpose(1, 0, 2, 3)).reshape(o, positions)
+        if nw:
+            columns = _conv_columns(x, geometry)
+            # NOTE: the product as (C*kh*kw, O), then transposed: the long inner dimension
+            # N*Ho*Wo runs along both operands' rows, which OpenBLAS runs 1.5-2x faster than
+            # g2 @ columns.T on ResNet-50's shapes (benchmarks/bench_conv.py's layers)
+            transposed = matmul(columns, g2.T)
+            columns.release()
+            gw = copy(transposed.T).reshape(weight_shape)
+            transposed.release()
+        if nx:
+            w2 = w.reshape(o, c * kh * kw)
+            grad_columns = matmul(w2.T, g2)
+            w2.release()
+            gx = _col2im(grad_columns, x_shape, geometry)
+        g2.release()
+        return gx, gw, gb
+
+    return fn
+
+
+def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1,
+           padding: Any = 0, out: Tensor | None = None, **unsupported: Any) -> Tensor:
+    """The 2-D convolution (cross-correlation) of PyTorch's conv2d, NCHW.
+
+    x is (N, C, H, W), weight (O, C, kh, kw), bias (O,) or None; stride and padding an int
+    or an (h, w) pair (zero padding). Returns (N, O, Ho, Wo) with Ho = (H + 2*ph - kh) // sh
+    + 1. dilation and groups are not supported (a value other than 1 is refused).
+
+    Built from the device's copies and products (docs/layers.md): a zero-padded copy, its
+    windows copied into columns in one strided copy (im2col), and one product for the whole
+    batch. A 1x1 convolution with stride 1 and no padding needs no im2col. The backward
+    pass saves x and the weight, not the columns: it makes them again for the weight's
+    gradient, and adds the columns' gradient back through kh * kw strided views (col2im).
+    Inside `amp.autocast(half)` it computes in `half`, as torch.autocast does
+    (Note [autocast in ops]).
+
+    `out` may not share any memory with the inputs.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> x = runtime.tensor(np.arange(16.0).reshape(1, 1, 4, 4))
+        >>> w = runtime.tensor(np.ones((1, 1, 2, 2)))
+        >>> runtime.ops.conv2d(x, w, stride=2).numpy()[0, 0]
+        array([[10., 18.],
+               [42., 50.]])
+    """
+    _refuse_keywords("conv2d", unsupported)
+    if _mode.autocast is not None and out is None:
+        x, weight, bias = _autocast(x, weight, bias)
+    operands = [x, weight] if bias is None else [x, weight, bias]
+    _, dtype = _common("conv2d", operands)
+    n, c = _image("conv2d", x)[:2]
+    o, wc = _image("conv2d", weight, "weight")[:2]
+    if wc != c:
+        raise ValueError(f"conv2d: x has {c} channels (shape {x.shape}), but the weight "
+                         f"expects {wc} (shape {weight.shape}: out, in, kh, kw)")
+    if bias is not None and bias.shape != (o,):
+        raise ValueError(f"conv2d: bias has shape {bias.shape}, expected ({o},) for a weight "
+                         f"of shape {weight.shape}")
+    geometry = _geometry("conv2d", x.shape, weight.shape[2:],
+                         _pair("conv2d", "stride", stride, 1),
+                         _pair("conv2d", "padding", padding, 0))
+    shape = (n, o, *geometry[4])
+    out = _guarded("conv2d", out, shape, dtype, operands, ("x", "weight", "bias"),
+                   lambda target: _conv_forward(x, weight, bias, geometry, target))
+    if autograd.needs_grad(*operands):
+        nx, nw = x.requires_grad, weight.requires_grad
+        nb = bias is not None and bias.requires_grad
+        autograd.record("conv2d", out, operands, ("x", "weight", "bias"),
+                        _conv_backward(x.shape, weight.shape, geometry, nx, nw, nb),
+                        [("x", x if nw else None), ("weight", weight if nx else None)])
+    return out
+
+
+def _pool_geometry(op: str, x: Tensor, kernel_size: Any, stride: Any, padding: Any) -> tuple:
+    _image(op, x)
+    kernel = _pair(op, "kernel_size", kernel_size, 1)
+    steps = kernel if stride is None else _pair(op, "stride", stride, 1)
+    pads = _pair(op, "padding", padding, 0)
+    if pads[0] > kernel[0] // 2 or pads[1] > kernel[1] // 2:
+        raise ValueError(f"{op}: padding {pads[0]},{pads[1]} must be at most half the kernel "
+                         f"{kernel[0]}x{kernel[1]} (as in PyTorch), so that every window "
+                         f"holds an element of x")
+    return _geometry(op, x.shape, kernel, steps, pads)
+
+
+def _max_forward(x: Tensor, geometry: tuple, out: Tensor) -> None:
+    (kh, kw), _, padding = geometry[:3]
+    xp = _padded(x, padding, -math.inf)
+    for k in range(kh * kw):
+        window = _window(xp, geometry, *divmod(k, kw))
+        if k == 0:
+            copy(window, out=out)
+        else:  # NOTE: maximum(a, b) takes a where a is NaN or a > b: PyTorch's scan
+            _elementwise("maximum", out, window, out)
+        window.release()
+    if xp is not x:
+        xp.release()
+
+
+def _max_backward(x_shape: tuple[int, ...], geometry: tuple) -> Callable:
+    """max_pool2d's backward function: the gradient of each window goes to the element
+    PyTorch's scan picks, the first maximum in row-major order (a window holding NaN: its
+    last NaN).
+
+    Devices have no comparison kernel that makes a mask, so the choice is made of
+    `maximum_backward`'s selects, mb(g, a, b) = 0 where a < b, g / 2 where a == b, else g,
+    whose results here are exact 0, 1 and 2, and of exact sums and products of them. A
+    reverse scan over the window offsets k finds the last NaN of the windows holding NaN
+    (1 where x_k is NaN and the window is still open; products and differences only). The
+    forward scan finds the first maximum of the others: hit = mb(R, x_k, y) is 1 where x_k
+    ties the maximum and the window is still open (R = 2; 0 once placed, and from the start
+    in a window holding NaN), and R -= 2 * hit closes it. Each k then sends g where its hit
+    is 1 (mb(g, hit, 0.5): exact zeros elsewhere, never g * 0, which is NaN for an infinite
+    g). Two selects per k: each is several passes on the CPU."""
+    (kh, kw), _, padding, (hp, wp), _ = geometry
+    count = kh * kw
+
+    def fn(g: Tensor, x: Tensor, y: Tensor) -> tuple:
+        xp = _padded(x, padding, -math.inf)
+        nan_window = _elementwise("maximum_backward", None, 2.0, y, y)  # 1, or 2 with a NaN
+        # the windows holding NaN: their last NaN, by a reverse scan (products only)
+        nans = _elementwise("maximum_backward", None, 2.0, xp, xp)  # 1, or 2 at NaN
+        sub(nans, 1.0, out=nans)
+        open_nans = sub(nan_window, 1.0)  # 1 in a window holding NaN, until placed
+        nan_hits: list[Tensor | None] = [None] * count
+        for k in range(count - 1, -1, -1):
+            window = _window(nans, geometry, *divmod(k, kw))
+            nan_hits[k] = hit = mul(window, open_nans)
+            window.release()
+            sub(open_nans, hit, out=open_nans)
+        open_nans.release()
+        nans.release()
+        valid = None
+        if padding != (0, 0):  # NOTE: an all -inf window's maximum is its first element of x
+            mask = np.zeros((1, 1, hp, wp), x.dtype)
+            mask[:, :, padding[0]:hp - padding[0], padding[1]:wp - padding[1]] = 1
+            valid = tensor(mask, device=x.device, allocator=_result_allocator(x))
+        open_ties = sub(4.0, add(nan_window, nan_window))  # R: 2, or 0 with a NaN
+        nan_window.release()
+        grad = _zeros_like_padded(x_shape, geometry, g)
+        for k in range(count):
+            window = _window(xp, geometry, *divmod(k, kw))
+            hit = _elementwise("maximum_backward", None, open_ties, window, y)
+            window.release()
+            if valid is not None:
+                mask_view = _window(valid, geometry, *divmod(k, kw))
+                mul(hit, mask_view, out=hit)
+                mask_view.release()
+            sub(open_ties, hit, out=open_ties)
+            sub(open_ties, hit, out=open_ties)
+            add(hit, nan_hits[k], out=hit)
+            nan_hits[k].release()
+            nan_hits[k] = None
+            part = _elementwise("maximum_backward", None, g, hit, 0.5)
+            hit.release()
+            target = _window(grad, geometry, *divmod(k, kw))
+            add(target, part, out=target)
+            target.release()
+            part.release()
+        open_ties.release()
+        if valid is not None:
+            valid.release()
+        if xp is not x:
+            xp.release()
+        return (_interior(grad, padding, x_shape),)
+
+    return fn
+
+
+def max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0,
+               out: Tensor | None = None, **unsupported: Any) -> Tensor:
+    """PyTorch's max_pool2d, NCHW: the maximum of each kh x kw window of x (N, C, H, W),
+    `stride` apart (default: kernel_size), over x padded with -inf (`padding` at most half
+    the kernel). A NaN in a window gives NaN, as in PyTorch.
+
+    The maximum runs `maximum` over the kh * kw window views (docs/layers.md). The gradient
+    of each window goes to the element PyTorch's scan picks: its first maximum in row-major
+    order (the last NaN, in a window holding NaN). The backward pass saves x and the result.
+    dilation, ceil_mode and return_indices are not supported.
+
+    `out` may not share any memory with x.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> x = runtime.tensor(np.arange(16.0).reshape(1, 1, 4, 4))
+        >>> runtime.ops.max_pool2d(x, 2).numpy()[0, 0]
+        array([[ 5.,  7.],
+               [13., 15.]])
+    """
+    _refuse_keywords("max_pool2d", unsupported)
+    _, dtype = _common("max_pool2d", [x])
+    geometry = _pool_geometry("max_pool2d", x, kernel_size, stride, padding)
+    shape = (*x.shape[:2], *geometry[4])
+    out = _guarded("max_pool2d", out, shape, dtype, [x], ("x",),
+                   lambda target: _max_forward(x, geometry, target))
+    if autograd.needs_grad(x):
+        autograd.record("max_pool2d", out, (x,), ("x",), _max_backward(x.shape, geometry),
+                        [("x", x), ("the output", out)])
+    return out
+
+
+def _global(x_shape: tuple[int, ...], geometry: tuple) -> bool:
+    """Whether a pool's one window is the whole unpadded image (ResNet's last pool)."""
+    return geometry[2] == (0, 0) and geometry[0] == tuple(x_shape[2:])
+
+
+def _avg_forward(x: Tensor, geometry: tuple, out: Tensor) -> None:
+    (kh, kw), _, padding = geometry[:3]
+    if _global(x.shape, geometry):  # NOTE: one reduction, not kh * kw adds of (N, C, 1, 1)
+        mean(x, axis=(2, 3), keepdims=True, out=out)
+        return
+    if x.dtype in dtypes.HALVES:  # NOTE: summed in float32 and rounded once, as PyTorch's
+        wide = cast(x, _FLOAT32)
+        result = Tensor._fresh(out.shape, _FLOAT32, _result_allocator(x))
+        _avg_forward(wide, geometry, result)
+        wide.release()
+        cast(result, out.dtype, out=out)
+        result.release()
+        return
+    xp = _padded(x, padding, 0.0)
+    for k in range(kh * kw):
+        window = _window(xp, geometry, *divmod(k, kw))
+        if k == 0:
+            copy(window, out=out)
+        else:
+            add(out, window, out=out)
+        window.release()
+    if xp is not x:
+        xp.release()
+    div(out, kh * kw, out=out)  # NOTE: a division by the count, as PyTorch's
+
+
+def _avg_backward(x_shape: tuple[int, ...], geometry: tuple) -> Callable:
+    (kh, kw), _, padding = geometry[:3]
+
+    def fn(g: Tensor) -> tuple:
+        share = div(g, kh * kw)
+        if _global(x_shape, geometry):  # NOTE: the share broadcast over the image at once
+            result = Tensor._fresh(x_shape, g.dtype, _result_allocator(g))
+            copy(share, out=result)
+            share.release()
+            return (result,)
+        grad = _zeros_like_padded(x_shape, geometry, g)
+        for k in range(kh * kw):
+            target = _window(grad, geometry, *divmod(k, kw))
+            add(target, share, out=target)
+            target.release()
+        share.release()
+        return (_interior(grad, padding, x_shape),)
+
+    return fn
+
+
+def avg_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0,
+               out: Tensor | None = None, **unsupported: Any) -> Tensor:
+    """PyTorch's avg_pool2d, NCHW: the mean of each kh x kw window of x (N, C, H, W),
+    `stride` apart (default: kernel_size), over x padded with zeros that count in the mean
+    (count_include_pad=True, PyTorch's default; `padding` at most half the kernel).
+
+    The sum runs `add` over the kh * kw window views, then one division by kh * kw (a two-byte
+    x is summed in float32 and rounded once); a window as large as x is one `mean`. The
+    gradient spreads g / (kh * kw) back through the same views. ceil_mode,
+    count_include_pad=False and divisor_override are not supported.
+
+    `out` may not share any memory with x.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> x = runtime.tensor(np.arange(16.0).reshape(1, 1, 4, 4))
+        >>> runtime.ops.avg_pool2d(x, 2).numpy()[0, 0]
+        array([[ 2.5,  4.5],
+               [10.5, 12.5]])
+    """
+    _refuse_keywords("avg_pool2d", unsupported)
+    _, dtype = _common("avg_pool2d", [x])
+    geometry = _pool_geometry("avg_pool2d", x, kernel_size, stride, padding)
+    shape = (*x.shape[:2], *geometry[4])
+    out = _guarded("avg_pool2d", out, shape, dtype, [x], ("x",),
+                   lambda target: _avg_forward(x, geometry, target))
+    if autograd.needs_grad(x):
+        autograd.record("avg_pool2d", out, (x,), ("x",), _avg_backward(x.shape, geometry))
+    return out
+
+
+__all__ += ["conv2d", "max_pool2d", "avg_pool2d"]
+ALIASING_POLICY.update(dict.fromkeys(("conv2d", "max_pool2d", "avg_pool2d"), NEVER))
 
 
 def _reduce(op: str, x: Tensor, axis: Any, keepdims: bool, out: Tensor | None) -> Tensor:
