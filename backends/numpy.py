@@ -452,6 +452,9 @@ class NumpyDevice(Device):
     def _reduce(self, name, x, axis, keepdims, out) -> None:
         _reduce(name, x, axis, keepdims, out)
 
+    def _reduce_max(self, x, axis, keepdims, out) -> None:
+        np.maximum.reduce(x, axis=axis, keepdims=keepdims, out=out)  # NOTE: NaN propagates
+
     # NOTE: the host formulas are the CPU's own (the base's default runs them on copies)
     _cross_entropy = staticmethod(numpy_cross_entropy)
     _cross_entropy_backward = staticmethod(numpy_cross_entropy_backward)

@@ -426,7 +426,7 @@ def test_an_unknown_kernel_is_a_value_error_listing_the_known_ones(device, call,
         assert name in str(caught.value)
 
 
-REDUCE_REFERENCE = {"sum": np.sum, "mean": np.mean}
+REDUCE_REFERENCE = {"sum": np.sum, "mean": np.mean, "max": np.max}
 
 
 def sample(shape: tuple[int, ...], positive: bool = False) -> np.ndarray:
