@@ -153,7 +153,8 @@ def programs(draw):
     count = 2
     for _ in range(draw(st.integers(1, 12))):
         kind = draw(st.sampled_from(["unary", "binary", "scalar", "matmul", "sum", "view",
-                                     "inplace", "update"]))
+                                     "inplace", "update", "softmax", "layer_norm",
+                                     "attention"]))
         pick = st.integers(0, count - 1)
         if kind == "unary":
             steps.append(("unary", draw(st.sampled_from(UNARY)), (draw(pick),), None))
@@ -169,6 +170,13 @@ def programs(draw):
             steps.append(("sum", "sum", (draw(pick),), draw(st.sampled_from([0, 1]))))
         elif kind == "view":
             steps.append(("view", "T", (draw(pick),), None))
+        elif kind == "softmax":
+            steps.append(("softmax", draw(st.sampled_from(["softmax", "log_softmax"])),
+                          (draw(pick),), draw(st.sampled_from([0, -1]))))
+        elif kind == "layer_norm":
+            steps.append(("layer_norm", "layer_norm", (draw(pick), draw(pick)), None))
+        elif kind == "attention":
+            steps.append(("attention", "attention", (draw(pick), draw(pick)), draw(st.booleans())))
         elif kind == "update":
             steps.append(("update", draw(st.sampled_from(["add", "sub"])),
                           (draw(pick), draw(pick), draw(pick)),
@@ -202,6 +210,19 @@ def run_program(program, a, b):
             values.append(ops.sum(xs[0], axis=extra, keepdims=True))
         elif kind == "view":
             values.append(xs[0].T)
+        elif kind == "softmax":
+            values.append(getattr(ops, name)(xs[0], extra))
+        elif kind == "layer_norm":  # over the last axis, y's first row as the weight if it fits
+            x, y = xs
+            weight = y[0] if y.shape[-1] == x.shape[-1] else None
+            values.append(ops.layer_norm(x, x.shape[-1], weight, None, 1e-3))
+        elif kind == "attention":  # x's rows as one head's sequence: a batched product of
+            x, y = xs              # transposed 4-D views, a mask, softmax and a product
+            rows, cols = x.shape
+            q = x.reshape(1, rows, 1, cols).transpose(0, 2, 1, 3)
+            v = q if y.shape != x.shape else y.reshape(1, rows, 1, cols).transpose(0, 2, 1, 3)
+            out = ops.scaled_dot_product_attention(q, q, v, is_causal=extra)
+            values.append(out.transpose(0, 2, 1, 3).reshape(rows, cols))
         elif kind == "update":  # t = copy(x); t -= k * (l @ r), as an optimizer updates
             x, y, z = xs
             target = ops.copy(x)
