@@ -308,6 +308,36 @@ def test_checkpointing_cuts_activation_memory_on_a_deep_net():
     assert reports["sqrt"]["activation_bytes"] * 2 < reports[None]["activation_bytes"]
 
 
+@pytest.mark.parametrize("options", [dict(checkpoint="sqrt"), dict(memory_budget=3000)],
+                         ids=["sqrt", "budget"])
+def test_recomputation_never_applies_an_in_place_write_twice(options):
+    """exp(e, out=e) between segments: a clone of the segment that holds the write would run
+    it again on the kept e, which holds exp(e) already (found with softmax, issue 30)."""
+    w = runtime.tensor(np.linspace(-1, 1, 36).reshape(6, 6), requires_grad=True)
+
+    def step(x):
+        h = x
+        for _ in range(6):
+            a = ops.matmul(h, w)
+            with runtime.no_grad():
+                e = ops.sub(a, 1.0)
+                ops.exp(e, out=e)
+                y = ops.div(e, 2.0)
+            h = ops.mul(a, y)
+        loss = ops.sum(h)
+        loss.backward()
+        grad, w.grad = w.grad, None
+        return loss, grad
+
+    x = np.linspace(-1, 1, 24).reshape(4, 6)
+    want = [t.numpy() for t in step(runtime.tensor(x))]
+    graph = runtime.graph(step, plan="static", **options)
+    for _ in range(2):
+        for got, expected in zip(graph(x), want):
+            np.testing.assert_array_equal(got.numpy(), expected)
+    assert graph.memory_report()["recomputed"] > 0
+
+
 def test_a_tensor_the_user_keeps_is_never_recycled():
     kept = []
 
