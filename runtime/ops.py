@@ -1070,9 +1070,8 @@ def softmax(x: Tensor, axis: int = -1, out: Tensor | None = None) -> Tensor:
             top = amax(wide, ax, keepdims=True)
             shifted = sub(wide, top)
             _release(top, wide if wide is not x else None)
-            # NOTE: no in-place writes in a forward op: a graph under checkpoint="sqrt"
-            # recomputes an intermediate without a later in-place write to it (docs/
-            # layers-attention.md)
+            # NOTE: no in-place writes in a forward op: a checkpointed graph keeps a segment
+            # that writes in place into an earlier block (runtime/graph/checkpoint.py)
             e = _exp(shifted)
             shifted.release()
             total = sum(e, ax, keepdims=True)
