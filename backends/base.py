@@ -78,8 +78,9 @@ UNARY_KERNELS = optable.kernels(1)
 #: Binary kernels' inputs are broadcast by the runtime to the output's shape.
 BINARY_KERNELS = optable.kernels(2)
 TERNARY_KERNELS = optable.kernels(3)
-#: Reductions over an axis (or all axes).
-REDUCE_KERNELS = ("sum", "mean")
+#: Reductions over an axis (or all axes). "max" is `_reduce_max`'s (a default made of the
+#: required hooks, `Device.DEFAULT_HOOKS`); "sum" and "mean" are `_reduce`'s.
+REDUCE_KERNELS = ("sum", "mean", "max")
 #: The default `Device.fused` runs a chain in blocks of about this many bytes per operand (L2).
 FUSED_BLOCK_BYTES = 64 << 10
 #: The two-byte floats: every kernel computes them in float32 and rounds each result to the
@@ -398,6 +399,7 @@ class Device:
         "_gather": "the copy kernel, one row at a time",
         "_scatter_add": "the add kernel in place, one row at a time, in index order",
         "_from_host": "staged in raw memory of its own by `copyin`, moved by the copy kernel",
+        "_reduce_max": "on the host: `to_host`, NumPy's maximum reduction, `_from_host`",
     }
 
     name: str = "device"
@@ -613,14 +615,26 @@ class Device:
 
     def reduce(self, name: str, x: Any, axis: tuple[int, ...] | None, keepdims: bool,
                out: Any) -> None:
-        """out = sum or mean of x over `axis` (None: all axes); out never overlaps x."""
+        """out = sum, mean or max of x over `axis` (None: all axes); out never overlaps x.
+
+        "max" propagates NaN (a NaN among the elements gives NaN, as torch.amax and np.max)
+        and refuses an empty reduction (an axis of size 0, or x empty with axis None) with a
+        ValueError before writing anything; "sum" of nothing is +0, "mean" of nothing NaN."""
         if name not in REDUCE_KERNELS:
             raise ValueError(f"unknown reduction {name!r}; known: {', '.join(REDUCE_KERNELS)}")
         self._check_computes(name, (x,), out)
+        if name == "max":
+            reduced = range(len(x.shape)) if axis is None else axis
+            if any(x.shape[i] == 0 for i in reduced):
+                raise ValueError(f"reduce: max over no element: axis {axis} of shape "
+                                 f"{tuple(x.shape)} has size 0, and a maximum of nothing has "
+                                 f"no value")
+            hook = self._reduce_max
+        else:
+            hook = functools.partial(self._reduce, name)
         if out.dtype in HALVES and not self.capabilities.half_kernels:
-            return self._in_float32(lambda x, o: self._reduce(name, x, axis, keepdims, o), (x,),
-                                    (out,))
-        self._reduce(name, x, axis, keepdims, out)
+            return self._in_float32(lambda x, o: hook(x, axis, keepdims, o), (x,), (out,))
+        hook(x, axis, keepdims, out)
 
     def cross_entropy(self, logits: Any, labels: Any, losses: Any, probs: Any) -> None:
         """Softmax cross-entropy per row, computed stably (the row maximum is subtracted first).
@@ -993,6 +1007,15 @@ class Device:
     def _reduce(self, name: str, x: Any, axis: tuple[int, ...] | None, keepdims: bool,
                 out: Any) -> None:
         raise _missing(self, "_reduce")
+
+    def _reduce_max(self, x: Any, axis: tuple[int, ...] | None, keepdims: bool,
+                    out: Any) -> None:
+        """On the host: x read back (`to_host`), NumPy's maximum reduction (NaN propagates),
+        the result copied into out; a backend writes a kernel of its own for speed. x has an
+        element in every reduced position (`reduce` refused empty reductions)."""
+        host = np.empty(tuple(out.shape), out.dtype)
+        np.maximum.reduce(self.to_host(x), axis=axis, keepdims=keepdims, out=host)
+        self._from_host(host, out)
 
     def _cross_entropy(self, logits: Any, labels: Any, losses: Any, probs: Any) -> None:
         """On the host, by the CPU's formula (`numpy_cross_entropy`, which checks the labels

@@ -503,6 +503,10 @@ class CudaDevice(Device):
             cp.true_divide(out, count, out=out)
 
     @_on_stream
+    def _reduce_max(self, x, axis, keepdims, out) -> None:
+        _cupy().max(x, axis=axis, out=out, keepdims=keepdims)  # NOTE: NaN propagates, as here
+
+    @_on_stream
     def _cross_entropy(self, logits, labels, losses, probs) -> None:
         cp = _cupy()
         classes = logits.shape[1]

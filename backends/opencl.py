@@ -554,11 +554,14 @@ class OpenCLDevice(Device):
         acc = "double" if self.fp64 else ctype
         io_x, io_out = _storage(x.dtype), _storage(out.dtype)
         key = ("reduce", name, ctype, len(kdims), len(rdims), io_x, io_out)
-        kernel = self._kernel(key, lambda: _reduce_source(name == "mean", ctype, acc,
-                                                          len(kdims), len(rdims), io_x, io_out))
+        kernel = self._kernel(key, lambda: _reduce_source(name, ctype, acc, len(kdims),
+                                                          len(rdims), io_x, io_out))
         numbers = [n_out, n_red, *kdims, *ksteps[0], *ksteps[1], *rdims, *rsteps[0]]
         self._run(kernel, (-(-n_out // GROUP) * GROUP,), (GROUP,), out.base_data, offset_o,
                   x.base_data, offset_x, *numbers)
+
+    def _reduce_max(self, x, axis, keepdims, out) -> None:
+        self._reduce("max", x, axis, keepdims, out)  # NOTE: the reductions' kernel, a max step
 
     def _matmul(self, a, b, out) -> None:
         self._product(a, b, out, 1.0, 0.0)
@@ -820,13 +823,20 @@ __kernel void k({", ".join(params)}, long n{_longs([f"n{d}" for d in range(ndim)
 """
 
 
-def _reduce_source(mean: bool, ctype: str, acc: str, nkept: int, nred: int,
+#: Each reduction's start and step on `total` (of type A) with the element `v`: max keeps a
+#: NaN once it meets one (v > total is false for a NaN on either side), as np.max and torch.amax
+_REDUCE_STEPS = {"sum": ("0", "total += v;"), "mean": ("0", "total += v;"),
+                 "max": ("-INFINITY", "total = (isnan(total) || total >= v) ? total : v;")}
+
+
+def _reduce_source(name: str, ctype: str, acc: str, nkept: int, nred: int,
                    io_x: tuple[str, str, str], io_out: tuple[str, str, str]) -> str:
     kept = [f"k{d}" for d in range(nkept)]
     kept_steps = [f"x_o_s{d}" for d in range(nkept)] + [f"out_o_s{d}" for d in range(nkept)]
     red = [f"r{d}" for d in range(nred)]
     red_steps = [f"p_s{d}" for d in range(nred)]
-    result = "total / (A)n_red" if mean else "total"
+    result = "total / (A)n_red" if name == "mean" else "total"
+    start, step = _REDUCE_STEPS[name]
     return f"""{_header(ctype)}{_FP64 if acc == "double" else ""}typedef {acc} A;
 __kernel void k(__global {io_out[0]}* out, long out_o, __global const {io_x[0]}* x, long x_o,
                 long n_out, long n_red{_longs(kept + kept_steps + red + red_steps)})
@@ -834,11 +844,12 @@ __kernel void k(__global {io_out[0]}* out, long out_o, __global const {io_x[0]}*
     long i = get_global_id(0);
     if (i >= n_out) return;
 {_walk("i", "k", ["x_o", "out_o"], nkept)}
-    A total = 0;
+    A total = {start};
     for (long j = 0; j < n_red; j++) {{
         long p = x_o;
 {_walk("j", "r", ["p"], nred)}
-        total += ({ctype}){io_x[1].format(p="x", i="p")};
+        A v = ({ctype}){io_x[1].format(p="x", i="p")};
+        {step}
     }}
     T v = (T)({result});
     {io_out[2].format(p="out", i="out_o")};

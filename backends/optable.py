@@ -154,6 +154,8 @@ class Op:
 
 
 _TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+_SQRT_HALF = math.sqrt(0.5)
+_ONE_OVER_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 #: Every elementwise op, in the order of their kernel codes in C.
 OPS: tuple[Op, ...] = (
@@ -217,6 +219,20 @@ OPS: tuple[Op, ...] = (
         >>> runtime.ops.erf(runtime.tensor(np.float64([0.0, 0.5]))).numpy()
         array([0.        , 0.52049988])
     """),
+    # NOTE: PyTorch's exact GELU, in its order: x * 0.5 * (1 + erf(x * sqrt(1/2)))
+    Op("gelu", ("x",), mul(mul(X0, 0.5), add(1.0, erf(mul(X0, _SQRT_HALF)))),
+       (call("gelu_backward", G, X0),),
+       doc="""The Gaussian error linear unit elementwise, exactly: x * Phi(x), Phi the standard
+    normal's distribution function, computed as x * 0.5 * (1 + erf(x / sqrt(2))) (PyTorch's
+    `gelu` with approximate="none", in its order).
+
+    The gradient is g * (Phi(x) + x * exp(-x**2 / 2) / sqrt(2 pi)), as PyTorch's.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> runtime.ops.gelu(runtime.tensor(np.float64([-1.0, 0.0, 1.0]))).numpy()
+        array([-0.15865525,  0.        ,  0.84134475])
+    """),
     Op("maximum", ("a", "b"), select(either(isnan(X0), gt(X0, X1)), X0, X1),
        (call("maximum_backward", G, X0, X1), call("maximum_backward", G, X1, X0)),
        doc="""The larger of a and b elementwise, with broadcasting; a NaN in either
@@ -276,6 +292,15 @@ OPS: tuple[Op, ...] = (
        mul(X0, select(gt(X1, 0.0), 1.0, select(lt(X1, 0.0), -1.0, 0.0))), public=False),
     Op("erf_backward", ("g", "x"), mul(X0, mul(exp(mul(mul(X1, X1), -1.0)), _TWO_OVER_SQRT_PI)),
        public=False),
+    # NOTE: PyTorch's: g * (cdf + x * pdf), cdf = 0.5 * (1 + erf(x * sqrt(1/2))), pdf =
+    # exp(-0.5 * x * x) / sqrt(2 pi)
+    Op("gelu_backward", ("g", "x"),
+       mul(X0, add(mul(add(1.0, erf(mul(X1, _SQRT_HALF))), 0.5),
+                   mul(X1, mul(exp(mul(mul(X1, -0.5), X1)), _ONE_OVER_SQRT_2PI)))),
+       public=False),
+    # NOTE: g where x equals the maximum y, +0 elsewhere (a product, so an infinite g gives
+    # NaN there, as PyTorch's mask product): amax's gradient (runtime/ops.py)
+    Op("amax_backward", ("g", "x", "y"), mul(X0, select(eq(X1, X2), 1.0, 0.0)), public=False),
     # NOTE: torch.maximum's: g where a > b, g / 2 at a tie, +0 where a < b (NaN: all of g)
     Op("maximum_backward", ("g", "a", "b"), select(lt(X1, X2), 0.0, select(eq(X1, X2),
                                                                         mul(X0, 0.5), X0)),

@@ -49,10 +49,10 @@ from backends.base import (
     Device,
 )
 
-__all__ = ["BF16", "CROSS_ENTROPY_ULPS", "F16", "F32", "F64", "FLOATS", "REDUCTION_ROUNDINGS",
-           "RULES", "SIGMOID_ULPS_OF_HALF", "STORED", "TRANSCENDENTAL_ULPS", "assert_close",
-           "assert_reduced", "assert_same_bits", "chains", "check_device", "edges", "numbers",
-           "run_on", "storable", "to_device", "unfused", "values"]
+__all__ = ["BF16", "CROSS_ENTROPY_ULPS", "F16", "F32", "F64", "FLOATS", "GELU_ULPS_OF_ONE",
+           "REDUCTION_ROUNDINGS", "RULES", "SIGMOID_ULPS_OF_HALF", "STORED", "TRANSCENDENTAL_ULPS",
+           "assert_close", "assert_reduced", "assert_same_bits", "chains", "check_device", "edges",
+           "numbers", "run_on", "storable", "to_device", "unfused", "values"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16, F32, F64 = np.dtype("float16"), np.dtype("float32"), np.dtype("float64")
@@ -92,6 +92,14 @@ TRANSCENDENTAL_ULPS.update({("erf_backward", dtype): TRANSCENDENTAL_ULPS["exp", 
 #: dtype (float32 for the halves), plus one ULP of the result's dtype for the final rounding;
 #: the largest seen on PoCL over the same sweeps: 2 (float32, 1.19e-7), 1 (float64).
 SIGMOID_ULPS_OF_HALF = 2
+#: gelu, x * 0.5 * (1 + erf(x / sqrt 2)), and its gradient, g * (0.5 * (1 + erf(x / sqrt 2)) +
+#: x * exp(-x * x / 2) / sqrt(2 pi)), add 1 to erf: for x < 0 the sum cancels, and erf's error
+#: (a few ULPs of 1) survives as an absolute error, huge in ULPs of a result near 0 (as
+#: sigmoid's). So their bound is absolute and reads the operands: this many ULPs of 1 in the
+#: compute dtype times what multiplies the sum (0.5 |x|; |g| (0.5 + |x| / sqrt(2 pi)) for the
+#: gradient, exp's error on its second term included), plus two ULPs of the result's dtype for
+#: the roundings after it.
+GELU_ULPS_OF_ONE = 4
 #: A reduction's order is each backend's own (NumPy sums pairwise, PoCL in double, the naive
 #: device one element after another): two sums of n terms differ by at most twice the bound of
 #: one, 2 (n - 1) u sum|x| (u the unit roundoff of the compute dtype), plus one ULP of the
@@ -231,9 +239,25 @@ def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
                              f"the CPU's {want[i]!r} ({int(want.view(bits)[i]):#x})")
 
 
-def assert_close(name: str, got: np.ndarray, want: np.ndarray, what: str) -> None:
+def _gelu_bound(name: str, operands: Sequence[Any], want: np.ndarray) -> np.ndarray:
+    """gelu's and gelu_backward's absolute bound on `operands` (GELU_ULPS_OF_ONE)."""
+    if len(operands) != optable.BY_NAME[name].arity:
+        raise ValueError(f"assert_close: {name}'s bound reads its operands; pass them")
+    one = float(np.spacing(_compute(want.dtype).type(1.0)))
+    wide = [np.broadcast_to(_wide(np.asarray(x)), want.shape) for x in operands]
+    with np.errstate(all="ignore"):
+        if name == "gelu":
+            scale = 0.5 * np.abs(wide[0])
+        else:
+            scale = np.abs(wide[0]) * (0.5 + np.abs(wide[1]) / math.sqrt(2 * math.pi))
+        return GELU_ULPS_OF_ONE * one * scale + 2 * _ulp(want)
+
+
+def assert_close(name: str, got: np.ndarray, want: np.ndarray, what: str,
+                 operands: Sequence[Any] = ()) -> None:
     """Within the stated bound of the transcendental kernel `name`; NaN where the CPU has NaN,
-    and a zero where both give one of the CPU's sign."""
+    and a zero where both give one of the CPU's sign. gelu's and gelu_backward's bounds read
+    the kernel's `operands` (arrays of the result's shape, or numbers)."""
     got, want = got.reshape(-1), want.reshape(-1)
     dtype = want.dtype
     nan = _nan(want)
@@ -242,7 +266,14 @@ def assert_close(name: str, got: np.ndarray, want: np.ndarray, what: str) -> Non
         raise AssertionError(f"{what}: element {i} is {got[i]!r}, the CPU's {want[i]!r} "
                              f"(NaN in one only)")
     wide_got, wide_want = _wide(got), _wide(want)
-    if name == "sigmoid":
+    if name in ("gelu", "gelu_backward"):
+        shape = next((np.shape(x) for x in operands if np.ndim(x)), want.shape)
+        flat = [np.asarray(x).reshape(-1) if np.shape(x) == shape and np.ndim(x) else x
+                for x in operands]
+        bound = _gelu_bound(name, flat, want)
+        with np.errstate(invalid="ignore"):
+            far = ~nan & ~((wide_got == wide_want) | (np.abs(wide_got - wide_want) <= bound))
+    elif name == "sigmoid":
         half_ulp = float(np.spacing(_compute(dtype).type(0.5)))
         bound = SIGMOID_ULPS_OF_HALF * half_ulp + _ulp(want)
         with np.errstate(invalid="ignore"):
@@ -280,7 +311,11 @@ def assert_reduced(name: str, x: np.ndarray, axis: tuple[int, ...] | None, keepd
                    got: np.ndarray, want: np.ndarray, what: str) -> None:
     """A reduction `name` of x over `axis` against the CPU's: NaN and infinities where the CPU
     has them, a sum of zeros (or of nothing) bit for bit (+0.0; a mean of nothing NaN), the
-    rest within the bound of its order (REDUCTION_ROUNDINGS)."""
+    rest within the bound of its order (REDUCTION_ROUNDINGS); a max exactly (any order gives
+    it; a tie of zeros may keep either sign)."""
+    if name == "max":
+        _assert_within(got, want, np.zeros(np.shape(want)), what)
+        return
     wide = _wide(x)
     count = x.size if axis is None else math.prod(x.shape[i] for i in axis)
     with np.errstate(all="ignore"):
@@ -639,11 +674,12 @@ def _operands(name: str, dtype: np.dtype) -> list[np.ndarray]:
     return [np.arange(n) % 3 == 0 if x is None else x for x in found]
 
 
-def _compare(name: str, got: np.ndarray, want: np.ndarray, what: str) -> None:
+def _compare(name: str, got: np.ndarray, want: np.ndarray, what: str,
+             operands: Sequence[Any] = ()) -> None:
     if optable.BY_NAME[name].exact:
         assert_same_bits(got, want, what)
     else:
-        assert_close(name, got, want, what)
+        assert_close(name, got, want, what, operands)
 
 
 def _elementwise(device: Device, name: str, operands: Sequence[Any], dtype: np.dtype,
@@ -656,7 +692,8 @@ def _elementwise(device: Device, name: str, operands: Sequence[Any], dtype: np.d
 
     want = run_on(_cpu(), call, operands, shape, dtype)
     got = run_on(device, call, operands, shape, dtype)
-    _compare(name, got, want, f"[{rule}] {type(device).__name__} {device.name}: {what}")
+    _compare(name, got, want, f"[{rule}] {type(device).__name__} {device.name}: {what}",
+             operands)
 
 
 def check_elementwise_kernels(device: Device, examples: int = 20) -> None:
@@ -707,7 +744,8 @@ def check_kernel_layouts(device: Device, examples: int = 20) -> None:
         got = _read_back(device, out, rule, what)
         want = run_on(_cpu(), lambda d, *v: d.elementwise(name, v[:-1], v[-1]),
                       [p.logical for p in inputs], shape, dtype)
-        _compare(name, got, want, f"[{rule}] {type(device).__name__} {device.name}: {what}")
+        _compare(name, got, want, f"[{rule}] {type(device).__name__} {device.name}: {what}",
+                 [p.logical for p in inputs])
 
     run()
 
@@ -806,7 +844,8 @@ def check_products(device: Device, examples: int = 20) -> None:
 
 def check_reductions(device: Device, examples: int = 20) -> None:
     """sum and mean over any axes (keepdims too) within the bound of their order of the CPU's;
-    over nothing, +0 and NaN."""
+    over nothing, +0 and NaN; max exactly the CPU's (NaN where a NaN is among the elements),
+    and over nothing a ValueError with out as it was."""
     rule = "reductions"
     floats = _floats(device)
 
@@ -816,6 +855,12 @@ def check_reductions(device: Device, examples: int = 20) -> None:
         def call(d: Device, x: Any, out: Any) -> None:
             d.reduce(name, x, axis, keepdims, out)
 
+        reduced = range(x.ndim) if axis is None else axis
+        if name == "max" and any(x.shape[i] == 0 for i in reduced):
+            _refuses_empty_max(device, x, axis, keepdims, shape,
+                               f"[{rule}] {type(device).__name__} {device.name}: max({x.dtype}) "
+                               f"of {x.shape} over {axis}, keepdims={keepdims}")
+            return
         want = run_on(_cpu(), call, [x], shape, x.dtype)
         got = run_on(device, call, [x], shape, x.dtype)
         assert_reduced(name, x, axis, keepdims, got, want,
@@ -844,6 +889,21 @@ def check_reductions(device: Device, examples: int = 20) -> None:
         check(name, x.reshape(rows, cols), axis, keepdims)
 
     run()
+
+
+def _refuses_empty_max(device: Device, x: np.ndarray, axis: tuple[int, ...] | None,
+                       keepdims: bool, shape: tuple, what: str) -> None:
+    """A max over no element raises ValueError and leaves out as it was."""
+    view = to_device(device, x)
+    start = np.full(shape, 7, x.dtype)
+    out = to_device(device, start)
+    try:
+        device.reduce("max", view, axis, keepdims, out)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"{what}: a max over no element raised nothing")
+    assert_same_bits(device.to_host(out), start, f"{what}: out after the refused max")
 
 
 def check_cross_entropy(device: Device, examples: int = 20) -> None:
@@ -1095,7 +1155,7 @@ def check_half_kernels(device: Device, examples: int = 20) -> None:
                     took = device._half_elementwise(op.name, views, out)
             got = device.to_host(out)
             if took:
-                _compare(op.name, got, want, f"{what}, its hook on the halves")
+                _compare(op.name, got, want, f"{what}, its hook on the halves", operands)
             else:
                 assert_same_bits(got, sentinel, f"{what}: _half_elementwise returned False "
                                                 f"but wrote out")
@@ -1114,6 +1174,11 @@ def check_half_kernels(device: Device, examples: int = 20) -> None:
         bound = 2 * 5 * float(np.finfo(F32).eps) * np.abs(_wide(a)).sum(0) + _ulp(want)
         _assert_within(got, want, bound, f"[{rule}] {type(device).__name__} {device.name}: "
                                          f"_reduce on {dtype} views")
+        want = run_on(cpu, lambda d, a, o: d.reduce("max", a, (0,), False, o), [a], (7,), dtype)
+        got = run_on(device, lambda d, a, o: d._reduce_max(a, (0,), False, o), [a], (7,),
+                     dtype)
+        assert_same_bits(got, want, f"[{rule}] {type(device).__name__} {device.name}: "
+                                    f"_reduce_max on {dtype} views")
 
 
 def check_fast_kernels(device: Device, examples: int = 20) -> None:
@@ -1169,12 +1234,12 @@ def _fast_against_public(device: Device, name: str, kernel: Callable[..., None],
     with np.errstate(all="ignore"):
         want = run_on(device, public, broadcast, shape, dtype)
         _compare(name, run_on(device, fast, inputs, shape, dtype), want,
-                 f"{what}, the row broadcast by the kernel")
+                 f"{what}, the row broadcast by the kernel", broadcast)
         if op.arity > 1:
             mixed = [matrix, number, number][:op.arity]
             want = run_on(device, public, mixed, shape, dtype)
             _compare(name, run_on(device, fast, mixed, shape, dtype), want,
-                     f"{what} with a number")
+                     f"{what} with a number", mixed)
 
 
 def check_host_memory(device: Device, examples: int = 20) -> None:

@@ -582,6 +582,80 @@ def mse(prediction: Tensor, target: Any) -> Tensor:
 
 
 # ---------------------------------------- normalisation and activation layers
+class GELU(Module):
+    """The Gaussian error linear unit elementwise, exactly: x * Phi(x) (`ops.gelu`; PyTorch's
+    nn.GELU with approximate="none", the only form here)."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate != "none":
+            raise ValueError(f"GELU: approximate={approximate!r} is not implemented; only "
+                             f"'none' (the exact form, with erf)")
+        self.approximate = approximate
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.gelu(x)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class LayerNorm(Module):
+    """Layer normalisation over the last dimensions, `normalized_shape` (an int or a tuple):
+    (x - mean) / sqrt(var + eps) * weight + bias, the variance biased (`ops.layer_norm`);
+    PyTorch's nn.LayerNorm. `weight` starts at ones and `bias` at zeros, each of
+    normalized_shape; with `elementwise_affine=False` there are neither, and with `bias=False`
+    no bias. Inside `amp.autocast` it computes in float32 and returns float32, as
+    torch.autocast runs layer_norm.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> from runtime import nn
+        >>> norm = nn.LayerNorm(4)
+        >>> norm(runtime.tensor(np.float32([[0, 1, 2, 3]]))).numpy().round(3)
+        array([[-1.342, -0.447,  0.447,  1.342]], dtype=float32)
+    """
+
+    def __init__(self, normalized_shape: Any, eps: float = 1e-5,
+                 elementwise_affine: bool = True, bias: bool = True, *, dtype: Any = "float32",
+                 device: Any = None, allocator: Allocator | None = None) -> None:
+        super().__init__()
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (normalized_shape,)
+        if not isinstance(normalized_shape, (tuple, list)) or not normalized_shape or any(
+                isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral) or n <= 0
+                for n in normalized_shape):
+            raise ValueError(f"LayerNorm: normalized_shape must be a positive int or a "
+                             f"non-empty tuple of them, got {_brief(normalized_shape)}")
+        if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real) or not (
+                0 <= float(eps) < math.inf):
+            raise ValueError(f"LayerNorm: eps must be a finite number >= 0, got {_brief(eps)}")
+        self.normalized_shape = tuple(int(n) for n in normalized_shape)
+        self.eps = float(eps)
+        self.elementwise_affine = as_flag(elementwise_affine, "LayerNorm: elementwise_affine")
+        dtype = as_dtype(dtype, "LayerNorm")
+        if not dtypes.is_float(dtype):
+            raise TypeError(f"LayerNorm: parameters are a float dtype (float16, bfloat16, "
+                            f"float32, float64), got dtype {dtype}")
+        checked_nbytes(self.normalized_shape, dtype, "LayerNorm: weight")
+        self.weight = self.bias = None
+        if self.elementwise_affine:
+            self.weight = tensor(np.ones(self.normalized_shape, dtype), device=device,
+                                 allocator=allocator, requires_grad=True)
+            if as_flag(bias, "LayerNorm: bias"):
+                self.bias = tensor(np.zeros(self.normalized_shape, dtype), device=device,
+                                   allocator=allocator, requires_grad=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}")
+
+
+__all__ += ["GELU", "LayerNorm"]
+
 
 
 def train_step(model: Module, optimizer: Optimizer, loss: Any = softmax_cross_entropy, *,

@@ -1926,6 +1926,465 @@ def mean(x: Tensor, axis: Any = None, keepdims: bool = False,
 
 
 # ---------------------------------------- softmax and layer norm
+# NOTE: the table's ops this section calls, bound by name (made by `_public` above)
+_exp, _log, _sqrt, _where = (globals()[name] for name in ("exp", "log", "sqrt", "where"))
+
+
+def _composite_out(op: str, out: Tensor | None, shape: tuple[int, ...], dtype: np.dtype,
+                   like: Tensor, inputs: Sequence[tuple[str, Tensor]]) -> tuple[Tensor, Tensor]:
+    """`out=` of an op composed of other ops, whose output may share no memory with its inputs
+    (NEVER): `_prepare_out`'s checks, then `_launch`'s aliasing test against `inputs`, (label,
+    tensor) pairs. Returns (target, out): the tensor the composed ops write, out itself, or a
+    temporary where out overlaps an input in "copy" mode (`_finish` copies it into out)."""
+    out = _prepare_out(op, out, shape, dtype, like, [t for _, t in inputs])
+    clashes = _clashes(NEVER, out, [(label, t, t.shape) for label, t in inputs])
+    if not clashes:
+        return out, out
+    if config.get_aliasing() == "raise":
+        raise AliasingError(
+            f"{op}: the output {aliasing.describe('out', out.block.id, out.layout())} overlaps "
+            f"{'; '.join(clashes)}. The output of {op} may not share memory with any input. "
+            f"Use a separate output, or runtime.set_aliasing('copy') to compute through a "
+            f"temporary")
+    return Tensor._fresh(shape, dtype, _result_allocator(out)), out
+
+
+def _finish(target: Tensor, out: Tensor) -> Tensor:
+    """out, with the composed result copied in from `target` where they differ."""
+    if target is not out:
+        copy(target, out=out)
+        target.release()
+    return out
+
+
+def _wide(x: Tensor) -> Tensor:
+    """x in float32 where it is two-byte (a composed op computes in float32 and rounds its
+    result once, as its kernels would: Note [two-byte floats compute in float32] in
+    backends/base.py), else x itself."""
+    return cast(x, _FLOAT32) if x.dtype in dtypes.HALVES else x
+
+
+def _into(result: Tensor, target: Tensor) -> None:
+    """Put `result` (float32 for a two-byte target, else target's dtype) into target, rounding
+    once where it is two-byte."""
+    if result is target:
+        return
+    if result.dtype != target.dtype:
+        cast(result, target.dtype, out=target)
+    else:
+        copy(result, out=target)
+
+
+def _release(*tensors: Tensor | None) -> None:
+    for t in tensors:
+        if t is not None:
+            t.release()
+
+
+def _one_axis(op: str, axis: Any, x: Tensor) -> int:
+    """`axis` as one axis of x in [0, ndim), or a TypeError/ValueError naming it."""
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, numbers.Integral):
+        raise TypeError(f"{op}: axis must be one int, got {_brief(axis)}")
+    if x.ndim == 0:
+        raise ValueError(f"{op}: x is 0-dimensional (shape ()), it has no axis {axis} to "
+                         f"normalise over; reshape it to (1,) first")
+    return as_axes(op, axis, x.ndim)[0]
+
+
+def _autocast_float32(*operands: Any) -> tuple[Any, ...]:
+    """Inside `amp.autocast`, two-byte tensors cast to float32 (softmax, log_softmax and
+    layer_norm are on torch.autocast's float32 list: Note [autocast in ops]); else as they
+    are."""
+    return tuple(cast(t, _FLOAT32) if isinstance(t, Tensor) and t.dtype in dtypes.HALVES
+                 else t for t in operands)
+
+
+def amax(x: Tensor, axis: Any = None, keepdims: bool = False,
+         out: Tensor | None = None) -> Tensor:
+    """The maximum over `axis` (an int, a tuple, or None for all), as torch.amax and np.max: a
+    NaN among the elements gives NaN. An axis of size 0 is a ValueError (a maximum of nothing
+    has no value).
+
+    The gradient goes to the elements equal to their maximum; where several tie, each gets an
+    equal share (g / count), as PyTorch's amax (a NaN maximum gives NaN gradients along it).
+    `out` may not share any memory with x.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> x = runtime.tensor(np.float32([[1.0, 5.0, 2.0], [-1.0, np.nan, 0.0]]))
+        >>> runtime.ops.amax(x, axis=1).numpy()
+        array([ 5., nan], dtype=float32)
+    """
+    device, dtype = _common("amax", [x])
+    axes = as_axes("amax", axis, x.ndim)
+    keepdims = as_flag(keepdims, "amax: keepdims")
+    reduced = range(x.ndim) if axes is None else axes
+    for i in reduced:
+        if x.shape[i] == 0:
+            raise ValueError(f"amax: axis {i} of x's shape {x.shape} has size 0, and a "
+                             f"maximum of no element has no value")
+    shape = tuple(1 if i in reduced else n for i, n in enumerate(x.shape) if keepdims or
+                  i not in reduced)
+    done = _fast_launch("amax", True, out, shape, dtype, (x,), _reduce_kernel,
+                        (device, "max", axes, keepdims))
+    if done is not None:
+        out = done
+    else:
+        out = _prepare_out("amax", out, shape, dtype, x, (x,))
+        _launch("amax", out, [("x", x, x.shape)],
+                lambda v, o: device.reduce("max", v[0], axes, keepdims, o))
+    if autograd.needs_grad(x):
+        # NOTE: shapes and axes only: Note [closures hold no tensors] in runtime/autograd.py
+        kept = tuple(1 if i in reduced else n for i, n in enumerate(x.shape))
+
+        def fn(g: Tensor, x: Tensor, y: Tensor) -> tuple:
+            g = g if g.ndim == 0 or g.shape == kept else g.reshape(kept)
+            y = y if y.ndim == 0 or y.shape == kept else y.reshape(kept)
+            mask = _elementwise("amax_backward", None, 1.0, x, y)  # 1 at each maximum
+            count = sum(mask, axis=axes, keepdims=True)
+            mask.release()
+            share = div(g, count, out=count)
+            result = _elementwise("amax_backward", None, share, x, y)
+            share.release()
+            return (result,)
+
+        autograd.record("amax", out, (x,), ("x",), fn, [("x", x), ("the output", out)])
+    return out
+
+
+def softmax(x: Tensor, axis: int = -1, out: Tensor | None = None) -> Tensor:
+    """exp(x) / sum(exp(x)) along `axis`, computed stably (the maximum along the axis is
+    subtracted first); PyTorch's softmax. A row of -inf gives NaN there, as in PyTorch.
+
+    The backward pass is one expression of the output y, y * (g - sum(g * y)), not the chain
+    of the forward ops. A two-byte x is computed in float32 and rounded once; inside
+    `amp.autocast` it is cast to float32 first and the result is float32, as torch.autocast
+    (Note [autocast in ops]). `out` may not share any memory with x.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> x = runtime.tensor(np.float64([[1.0, 2.0, 3.0], [0.0, 0.0, -np.inf]]))
+        >>> runtime.ops.softmax(x, axis=-1).numpy().round(4)
+        array([[0.09  , 0.2447, 0.6652],
+               [0.5   , 0.5   , 0.    ]])
+    """
+    if _mode.autocast is not None and out is None:
+        (x,) = _autocast_float32(x)
+    device, dtype = _common("softmax", [x])
+    ax = _one_axis("softmax", axis, x)
+    target, out = _composite_out("softmax", out, x.shape, dtype, x, [("x", x)])
+    with autograd.no_grad():
+        if x.size == 0:
+            copy(x, out=target)
+        else:
+            wide = _wide(x)
+            top = amax(wide, ax, keepdims=True)
+            shifted = sub(wide, top)
+            _release(top, wide if wide is not x else None)
+            # NOTE: no in-place writes in a forward op: a checkpointed graph keeps a segment
+            # that writes in place into an earlier block (runtime/graph/checkpoint.py)
+            e = _exp(shifted)
+            shifted.release()
+            total = sum(e, ax, keepdims=True)
+            narrow = target.dtype != e.dtype
+            div(e, total, out=e if narrow else target)
+            if narrow:
+                cast(e, target.dtype, out=target)
+            _release(e, total)
+    _finish(target, out)
+    if autograd.needs_grad(x):
+        def fn(g: Tensor, y: Tensor) -> tuple:
+            gw, yw = _wide(g), _wide(y)
+            t = mul(gw, yw)
+            s = sum(t, ax, keepdims=True)
+            sub(gw, s, out=t)
+            mul(yw, t, out=t)
+            _release(s, gw if gw is not g else None, yw if yw is not y else None)
+            return (t if t.dtype == g.dtype else _narrowed(t, g.dtype),)
+
+        autograd.record("softmax", out, (x,), ("x",), fn, [("the output", out)])
+    return out
+
+
+def _narrowed(t: Tensor, dtype: np.dtype) -> Tensor:
+    """t cast to `dtype`, t released."""
+    result = cast(t, dtype)
+    t.release()
+    return result
+
+
+def log_softmax(x: Tensor, axis: int = -1, out: Tensor | None = None) -> Tensor:
+    """log(softmax(x)) along `axis`, computed stably as (x - m) - log(sum(exp(x - m))), m the
+    maximum along the axis; PyTorch's log_softmax.
+
+    The backward pass is g - exp(y) * sum(g) of the output y. Two-byte floats and autocast as
+    `softmax`. `out` may not share any memory with x.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> x = runtime.tensor(np.float64([1000.0, 1000.0]))
+        >>> runtime.ops.log_softmax(x).numpy()
+        array([-0.69314718, -0.69314718])
+    """
+    if _mode.autocast is not None and out is None:
+        (x,) = _autocast_float32(x)
+    device, dtype = _common("log_softmax", [x])
+    ax = _one_axis("log_softmax", axis, x)
+    target, out = _composite_out("log_softmax", out, x.shape, dtype, x, [("x", x)])
+    with autograd.no_grad():
+        if x.size == 0:
+            copy(x, out=target)
+        else:
+            wide = _wide(x)
+            top = amax(wide, ax, keepdims=True)
+            shifted = sub(wide, top)
+            _release(top, wide if wide is not x else None)
+            e = _exp(shifted)
+            total = sum(e, ax, keepdims=True)
+            e.release()
+            # NOTE: no in-place write, as in softmax
+            logs = _log(total)
+            total.release()
+            total = logs
+            narrow = target.dtype != shifted.dtype
+            sub(shifted, total, out=shifted if narrow else target)
+            if narrow:
+                cast(shifted, target.dtype, out=target)
+            _release(shifted, total)
+    _finish(target, out)
+    if autograd.needs_grad(x):
+        def fn(g: Tensor, y: Tensor) -> tuple:
+            gw, yw = _wide(g), _wide(y)
+            s = sum(gw, ax, keepdims=True)
+            t = _exp(yw)
+            mul(t, s, out=t)
+            sub(gw, t, out=t)
+            _release(s, gw if gw is not g else None, yw if yw is not y else None)
+            return (t if t.dtype == g.dtype else _narrowed(t, g.dtype),)
+
+        autograd.record("log_softmax", out, (x,), ("x",), fn, [("the output", out)])
+    return out
+
+
+def _normalized(x: Tensor, normalized_shape: Any, weight: Tensor | None,
+                bias: Tensor | None, eps: Any) -> tuple[tuple[int, ...], float]:
+    """layer_norm's normalized axes and eps, or a TypeError/ValueError naming the numbers."""
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape,
+                                                                          (bool, np.bool_)):
+        normalized_shape = (int(normalized_shape),)
+    if not isinstance(normalized_shape, (tuple, list)) or not all(
+            isinstance(n, numbers.Integral) and not isinstance(n, (bool, np.bool_))
+            for n in normalized_shape):
+        raise TypeError(f"layer_norm: normalized_shape is an int or a tuple of ints, got "
+                        f"{_brief(normalized_shape)}")
+    dims = tuple(int(n) for n in normalized_shape)
+    if not dims or dims != x.shape[x.ndim - len(dims):] or len(dims) > x.ndim:
+        raise ValueError(f"layer_norm: normalized_shape {dims} must be the last "
+                         f"{len(dims) or 'one or more'} dimensions of x, whose shape is "
+                         f"{x.shape}")
+    for label, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (not isinstance(t, Tensor) or t.shape != dims):
+            raise ValueError(f"layer_norm: {label} has shape "
+                             f"{getattr(t, 'shape', type(t).__name__)}, expected {dims} "
+                             f"(normalized_shape)")
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real) or not (
+            0 <= float(eps) < math.inf):
+        raise ValueError(f"layer_norm: eps must be a finite number >= 0, got {_brief(eps)}")
+    return tuple(range(x.ndim - len(dims), x.ndim)), float(eps)
+
+
+def layer_norm(x: Tensor, normalized_shape: Any, weight: Tensor | None = None,
+               bias: Tensor | None = None, eps: float = 1e-5,
+               out: Tensor | None = None) -> Tensor:
+    """Layer normalisation over the last dimensions of x, `normalized_shape` (an int or a
+    tuple): (x - mean) / sqrt(var + eps) * weight + bias, the variance biased (divided by the
+    count, not count - 1); PyTorch's layer_norm. `weight` and `bias` have normalized_shape, or
+    are None.
+
+    The backward pass is one expression, as PyTorch's: with xhat the normalised x and
+    rstd = 1 / sqrt(var + eps), gx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat)),
+    gw = g * weight; weight's gradient sums g * xhat, bias's g, over the leading dimensions.
+    Two-byte floats compute in float32 and round once; inside `amp.autocast` two-byte
+    operands are cast to float32 first and the result is float32, as torch.autocast. `out` may
+    not share any memory with the inputs.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> x = runtime.tensor(np.float64([[1.0, 2.0, 3.0]]))
+        >>> runtime.ops.layer_norm(x, 3).numpy().round(4)
+        array([[-1.2247,  0.    ,  1.2247]])
+    """
+    if _mode.autocast is not None and out is None:
+        x, weight, bias = _autocast_float32(x, weight, bias)
+    operands = [t for t in (x, weight, bias) if t is not None]
+    device, dtype = _common("layer_norm", operands)
+    axes, eps = _normalized(x, normalized_shape, weight, bias, eps)
+    inputs = [(label, t) for label, t in (("x", x), ("weight", weight), ("bias", bias))
+              if t is not None]
+    target, out = _composite_out("layer_norm", out, x.shape, dtype, x, inputs)
+    recording = autograd.needs_grad(*operands)
+    with autograd.no_grad():
+        wide = _wide(x)
+        centre = mean(wide, axes, keepdims=True)
+        centred = sub(wide, centre)
+        _release(centre, wide if wide is not x else None)
+        # NOTE: no in-place writes, as in softmax
+        square = mul(centred, centred)
+        variance = mean(square, axes, keepdims=True)
+        square.release()
+        shifted = add(variance, eps)
+        root = _sqrt(shifted)
+        rstd = div(1.0, root)
+        _release(variance, shifted, root)
+        xhat = mul(centred, rstd)
+        centred.release()
+        # NOTE: the last step writes the target itself where it has the compute dtype
+        last = target if target.dtype == xhat.dtype else None
+        result = xhat
+        if weight is not None:
+            w = _wide(weight)
+            result = mul(xhat, w, out=last if bias is None else None)
+            _release(w if w is not weight else None)
+        if bias is not None:
+            b = _wide(bias)
+            scaled = result
+            result = add(scaled, b, out=last)
+            if scaled is not xhat:
+                scaled.release()
+            _release(b if b is not bias else None)
+        _into(result, target)
+        if result is not target and result is not xhat:
+            result.release()
+    _finish(target, out)
+    if not recording:
+        _release(xhat, rstd)
+        return out
+    # NOTE: axes and flags only: Note [closures hold no tensors] in runtime/autograd.py
+    leading = tuple(range(x.ndim - len(axes)))
+    nw, nb = weight is not None and weight.requires_grad, bias is not None and bias.requires_grad
+
+    def fn(g: Tensor, xhat: Tensor, rstd: Tensor, weight: Tensor | None) -> tuple:
+        gw = _wide(g)
+        if weight is not None:
+            w = _wide(weight)
+            gy = mul(gw, w)
+            _release(w if w is not weight else None)
+        else:
+            gy = gw
+        a = mean(gy, axes, keepdims=True)
+        t = mul(gy, xhat)
+        b = mean(t, axes, keepdims=True)
+        mul(xhat, b, out=t)
+        sub(gy, t, out=t)
+        sub(t, a, out=t)
+        mul(t, rstd, out=t)
+        _release(a, b, gy if gy is not gw else None)
+        gx = t if t.dtype == g.dtype else _narrowed(t, g.dtype)
+        g_weight = g_bias = None
+        if nw:
+            product = mul(gw, xhat)
+            g_weight = sum(product, leading) if leading else product
+            if leading:
+                product.release()
+            if g_weight.dtype != weight.dtype:
+                g_weight = _narrowed(g_weight, weight.dtype)
+        if nb:
+            g_bias = sum(gw, leading) if leading else copy(gw)
+            if g_bias.dtype != g.dtype:
+                g_bias = _narrowed(g_bias, g.dtype)
+        _release(gw if gw is not g else None)
+        return gx, g_weight, g_bias
+
+    autograd.record("layer_norm", out, (x, weight, bias), ("x", "weight", "bias"), fn,
+                    [("xhat", xhat), ("rstd", rstd), ("weight", weight)])
+    _release(xhat, rstd)  # NOTE: the node keeps its own handles
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_mask(rows: int, cols: int, dtype: np.dtype) -> np.ndarray:
+    """-inf above the diagonal, 0 on and below it (PyTorch's is_causal: query i attends to
+    keys 0..i, the mask aligned to the top left)."""
+    mask = np.triu(np.full((rows, cols), -np.inf, dtype), 1)
+    mask.flags.writeable = False
+    return mask
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
+                                 attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: float | None = None,
+                                 out: Tensor | None = None) -> Tensor:
+    """softmax(query @ key^T * scale + mask) @ value, PyTorch's F.scaled_dot_product_attention:
+    query (..., L, E), key (..., S, E), value (..., S, Ev), the leading (batch, head)
+    dimensions broadcast; returns (..., L, Ev). `scale` defaults to 1 / sqrt(E). `is_causal`
+    lets query i attend to keys 0..i only (a -inf upper triangle is added to the scores);
+    `attn_mask` is a bool Tensor (True: may attend) or a float Tensor added to the scores,
+    broadcast to (..., L, S). Dropout is not implemented: `dropout_p` must be 0.
+
+    Composed of ops, each with its own backward: a product by the scale, batched `matmul`,
+    the mask, `softmax` and `matmul` (so graphs capture, plan and fuse it as those ops).
+    `out` may not share any memory with the inputs.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> q = runtime.tensor(np.ones((1, 2, 3, 4), np.float32))
+        >>> y = runtime.ops.scaled_dot_product_attention(q, q, q, is_causal=True)
+        >>> y.shape
+        (1, 2, 3, 4)
+    """
+    for label, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"scaled_dot_product_attention: {label} must be a Tensor, got "
+                            f"{type(t).__name__} {_brief(t)}")
+        if t.ndim < 2:
+            raise ValueError(f"scaled_dot_product_attention: {label} needs at least 2 "
+                             f"dimensions (..., sequence, features), got shape {t.shape}")
+    if query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"scaled_dot_product_attention: query {query.shape}, key {key.shape} "
+                         f"and value {value.shape} do not fit: query and key share the last "
+                         f"dimension (E), key and value the one before it (S)")
+    if isinstance(dropout_p, (bool, np.bool_)) or dropout_p != 0:
+        raise ValueError(f"scaled_dot_product_attention: dropout is not implemented, dropout_p "
+                         f"must be 0, got {_brief(dropout_p)}")
+    is_causal = as_flag(is_causal, "scaled_dot_product_attention: is_causal")
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention: pass attn_mask or is_causal=True, not "
+                         "both (as PyTorch)")
+    if scale is None:
+        scale = 1 / math.sqrt(query.shape[-1]) if query.shape[-1] else 1.0
+    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scaled_dot_product_attention: scale must be a number, got "
+                        f"{_brief(scale)}")
+    rows, cols = query.shape[-2], key.shape[-2]
+    scores = matmul(mul(query, scale), _swap_last(key))
+    if is_causal:
+        mask = tensor(_causal_mask(rows, cols, scores.dtype), device=scores.device,
+                      allocator=_result_allocator(scores))
+        scores = add(scores, mask)
+    elif attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            raise TypeError(f"scaled_dot_product_attention: attn_mask must be a Tensor, got "
+                            f"{type(attn_mask).__name__} {_brief(attn_mask)}")
+        if attn_mask.dtype == np.bool_:
+            scores = _where(attn_mask, scores, -math.inf)
+        else:
+            scores = add(scores, attn_mask)
+    weights = softmax(scores, -1)
+    scores.release()
+    if out is None:
+        return matmul(weights, value)
+    # NOTE: out may share no memory with query and key either
+    inputs = [("query", query), ("key", key), ("value", value)]
+    target, out = _composite_out("scaled_dot_product_attention", out,
+                                 _matmul_shape(weights, value), weights.dtype, query, inputs)
+    matmul(weights, value, out=target)
+    weights.release()
+    return _finish(target, out)
+
+
+__all__ += ["amax", "softmax", "log_softmax", "layer_norm", "scaled_dot_product_attention"]
+ALIASING_POLICY.update(dict.fromkeys(("amax", "softmax", "log_softmax", "layer_norm",
+                                      "scaled_dot_product_attention"), NEVER))
 
 
 def _linear_kernel(x: Any, weight: Any, bias: Any, out: Any, device: Any) -> None:

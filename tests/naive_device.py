@@ -8,7 +8,8 @@ NumPy's own overlap handling (it buffers overlapping ufunc operands) never rescu
 - `matmul` is BLAS with beta=0: `out` is zeroed first, then `out[i, j] += a[i, k] * b[k, j]` is
   accumulated over k, so a zeroed or half-accumulated `out` is what a later read of an
   overlapping input sees;
-- `sum` / `mean` zero `out` first and accumulate element by element in the same way;
+- `sum` / `mean` zero `out` first and accumulate element by element in the same way, and
+  `max` sets `out` to -inf first and keeps the larger element by element (a NaN once met);
 - elementwise kernels compute `out[idx] = f(x[idx])` element by element;
 - `gather` and `scatter_add` are the base Device's defaults, made of the kernels above (a row
   copy, an in-place row add), so the defaults are checked here too.
@@ -107,3 +108,16 @@ class NaiveDevice(NumpyDevice):
     _gather = Device._gather
     _scatter_add = Device._scatter_add
     _from_host = Device._from_host
+
+    def _reduce_max(self, x: np.ndarray, axis: tuple[int, ...] | None, keepdims: bool,
+                    out: np.ndarray) -> None:
+        axes = tuple(range(x.ndim)) if axis is None else axis
+        out[...] = -np.inf
+        for index in np.ndindex(x.shape):
+            if keepdims:
+                target = tuple(0 if d in axes else i for d, i in enumerate(index))
+            else:
+                target = tuple(i for d, i in enumerate(index) if d not in axes)
+            value, best = x[index], out[target]
+            if not np.isnan(best) and (value > best or np.isnan(value)):
+                out[target] = value

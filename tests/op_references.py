@@ -58,6 +58,8 @@ REFERENCES: dict[str, Reference] = {
     "sqrt": Reference(np.sqrt, lambda t, x: t.sqrt(x), "positive"),
     "abs": Reference(np.abs, lambda t, x: t.abs(x), "apart"),
     "erf": Reference(_erf, lambda t, x: t.erf(x)),
+    "gelu": Reference(lambda x: 0.5 * x * (1 + _erf(x / math.sqrt(2))),
+                      lambda t, x: t.nn.functional.gelu(x)),
     "maximum": Reference(np.maximum, lambda t, a, b: t.maximum(a, b), "apart"),
     "where_finite": Reference(lambda a, b: np.where(np.isfinite(a), a, b),
                               lambda t, a, b: t.where(t.isfinite(a), a, b)),
@@ -67,6 +69,10 @@ REFERENCES: dict[str, Reference] = {
     "relu_backward": Reference(lambda g, y: np.where(y > 0, g, 0 * g)),
     "abs_backward": Reference(lambda g, x: g * _sign(x)),
     "erf_backward": Reference(lambda g, x: g * 2 / math.sqrt(math.pi) * np.exp(-x * x)),
+    "gelu_backward": Reference(
+        lambda g, x: g * (0.5 * (1 + _erf(x / math.sqrt(2)))
+                          + x * np.exp(-x * x / 2) / math.sqrt(2 * math.pi))),
+    "amax_backward": Reference(lambda g, x, y: g * (x == y)),
     "maximum_backward": Reference(
         lambda g, a, b: np.where(a < b, 0.0, np.where(a == b, g / 2, g))),
 }

@@ -814,10 +814,14 @@ def test_every_op_declares_a_policy_and_keeps_it():
             condition = runtime.tensor(np.eye(3, dtype=bool))
             args = tuple(condition if kind == optable.BOOL else x
                          for kind in optable.BY_NAME[name].operand_kinds)
-        kwargs = {"axis": 0, "keepdims": True} if name in ("sum", "mean") else {}
+        kwargs = {"axis": 0, "keepdims": True} if name in ("sum", "mean", "amax") else {}
         out = x
-        if name in ("sum", "mean"):
+        if name in ("sum", "mean", "amax"):
             out = x[:1]
+        elif name == "layer_norm":
+            args = (x, 3)
+        elif name == "scaled_dot_product_attention":
+            args = (x, x, x)
         elif name == "cross_entropy":
             args, out = (x, np.array([0, 1, 2])), x[0]
         elif name == "cast":

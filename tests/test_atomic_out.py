@@ -524,7 +524,7 @@ KERNEL_CALLS = {
     "unknown-unary": (ValueError, lambda d, x, out, p, lab: d.unary("cube", x, out)),
     "unknown-binary": (ValueError, lambda d, x, out, p, lab: d.binary("pow", x, x, out)),
     "unknown-reduction": (ValueError,
-                          lambda d, x, out, p, lab: d.reduce("max", x, None, True, out[:1, :1])),
+                          lambda d, x, out, p, lab: d.reduce("prod", x, None, True, out[:1, :1])),
     "fused-unknown-kernel": (ValueError, lambda d, x, out, p, lab: d.fused(
         [("exp", (("input", 0),), x.dtype), ("cube", (("link", 0),), x.dtype)], [x], out)),
     "fused-later-link": (ValueError, lambda d, x, out, p, lab: d.prepare_fused(

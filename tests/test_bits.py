@@ -103,7 +103,7 @@ def test_unary_kernels_give_the_cpus_bits(name, data, dtype):
     for device, result in got.items():
         what = f"{name}({dtype}) on {device}"
         if name in TRANSCENDENTAL:
-            assert_close(name, result, want, what)
+            assert_close(name, result, want, what, [x])
         else:
             assert_same_bits(result, want, what)
 
@@ -135,7 +135,7 @@ def test_inexact_binary_kernels_agree_within_their_bounds(name, data, dtype):
     b = data.draw(values(dtype, n), label="b")
     want, got = _each_device(lambda d, a, b, out: d.binary(name, a, b, out), [a, b], (n,), dtype)
     for device, result in got.items():
-        assert_close(name, result, want, f"{name}({dtype}) on {device}")
+        assert_close(name, result, want, f"{name}({dtype}) on {device}", [a, b])
 
 
 @pytest.mark.parametrize("name", TERNARY_KERNELS)
@@ -243,7 +243,7 @@ def test_transcendental_bounds_over_every_half_value(name, dtype):
     x = _every(dtype)
     want, got = _each_device(lambda d, x, out: d.unary(name, x, out), [x], x.shape, dtype)
     for device, result in got.items():
-        assert_close(name, result, want, f"{name}({dtype}) on {device}, every value")
+        assert_close(name, result, want, f"{name}({dtype}) on {device}, every value", [x])
 
 
 @pytest.mark.slow
@@ -260,7 +260,7 @@ def test_transcendental_bounds_over_sampled_values(name, dtype):
     want, got = _each_device(lambda d, x, out: d.unary(name, x, out), [x], x.shape, dtype,
                              skip=("naive",))
     for device, result in got.items():
-        assert_close(name, result, want, f"{name}({dtype}) on {device}, sampled")
+        assert_close(name, result, want, f"{name}({dtype}) on {device}, sampled", [x])
 
 
 # ---------------------------------------------------------------------- the CPU's fast path

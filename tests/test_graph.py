@@ -153,7 +153,8 @@ def programs(draw):
     count = 2
     for _ in range(draw(st.integers(1, 12))):
         kind = draw(st.sampled_from(["unary", "binary", "scalar", "matmul", "sum", "view",
-                                     "inplace", "update"]))
+                                     "inplace", "update", "softmax", "layer_norm",
+                                     "attention"]))
         pick = st.integers(0, count - 1)
         if kind == "unary":
             steps.append(("unary", draw(st.sampled_from(UNARY)), (draw(pick),), None))
@@ -169,6 +170,13 @@ def programs(draw):
             steps.append(("sum", "sum", (draw(pick),), draw(st.sampled_from([0, 1]))))
         elif kind == "view":
             steps.append(("view", "T", (draw(pick),), None))
+        elif kind == "softmax":
+            steps.append(("softmax", draw(st.sampled_from(["softmax", "log_softmax"])),
+                          (draw(pick),), draw(st.sampled_from([0, -1]))))
+        elif kind == "layer_norm":
+            steps.append(("layer_norm", "layer_norm", (draw(pick), draw(pick)), None))
+        elif kind == "attention":
+            steps.append(("attention", "attention", (draw(pick), draw(pick)), draw(st.booleans())))
         elif kind == "update":
             steps.append(("update", draw(st.sampled_from(["add", "sub"])),
                           (draw(pick), draw(pick), draw(pick)),
@@ -202,6 +210,19 @@ def run_program(program, a, b):
             values.append(ops.sum(xs[0], axis=extra, keepdims=True))
         elif kind == "view":
             values.append(xs[0].T)
+        elif kind == "softmax":
+            values.append(getattr(ops, name)(xs[0], extra))
+        elif kind == "layer_norm":  # over the last axis, y's first row as the weight if it fits
+            x, y = xs
+            weight = y[0] if y.shape[-1] == x.shape[-1] else None
+            values.append(ops.layer_norm(x, x.shape[-1], weight, None, 1e-3))
+        elif kind == "attention":  # x's rows as one head's sequence: a batched product of
+            x, y = xs              # transposed 4-D views, a mask, softmax and a product
+            rows, cols = x.shape
+            q = x.reshape(1, rows, 1, cols).transpose(0, 2, 1, 3)
+            v = q if y.shape != x.shape else y.reshape(1, rows, 1, cols).transpose(0, 2, 1, 3)
+            out = ops.scaled_dot_product_attention(q, q, v, is_causal=extra)
+            values.append(out.transpose(0, 2, 1, 3).reshape(rows, cols))
         elif kind == "update":  # t = copy(x); t -= k * (l @ r), as an optimizer updates
             x, y, z = xs
             target = ops.copy(x)
@@ -285,6 +306,36 @@ def test_checkpointing_cuts_activation_memory_on_a_deep_net():
         reports[checkpoint] = graph.memory_report()
     assert reports["sqrt"]["recomputed"] > 0
     assert reports["sqrt"]["activation_bytes"] * 2 < reports[None]["activation_bytes"]
+
+
+@pytest.mark.parametrize("options", [dict(checkpoint="sqrt"), dict(memory_budget=3000)],
+                         ids=["sqrt", "budget"])
+def test_recomputation_never_applies_an_in_place_write_twice(options):
+    """exp(e, out=e) between segments: a clone of the segment that holds the write would run
+    it again on the kept e, which holds exp(e) already (found with softmax, issue 30)."""
+    w = runtime.tensor(np.linspace(-1, 1, 36).reshape(6, 6), requires_grad=True)
+
+    def step(x):
+        h = x
+        for _ in range(6):
+            a = ops.matmul(h, w)
+            with runtime.no_grad():
+                e = ops.sub(a, 1.0)
+                ops.exp(e, out=e)
+                y = ops.div(e, 2.0)
+            h = ops.mul(a, y)
+        loss = ops.sum(h)
+        loss.backward()
+        grad, w.grad = w.grad, None
+        return loss, grad
+
+    x = np.linspace(-1, 1, 24).reshape(4, 6)
+    want = [t.numpy() for t in step(runtime.tensor(x))]
+    graph = runtime.graph(step, plan="static", **options)
+    for _ in range(2):
+        for got, expected in zip(graph(x), want):
+            np.testing.assert_array_equal(got.numpy(), expected)
+    assert graph.memory_report()["recomputed"] > 0
 
 
 def test_a_tensor_the_user_keeps_is_never_recycled():

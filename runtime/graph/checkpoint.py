@@ -126,9 +126,23 @@ def _dropped(program: list[Instruction], intermediate: frozenset[int] | set[int]
                 home = segment_of.get(operand.block.id)
                 if home is not None and home < s:
                     later_reads.add(operand.block.id)
+    # NOTE: a segment that writes into a block that held data before it began (made by an
+    # earlier instruction, or read before any write: outside data) cannot run again: the block
+    # holds the value after that write, and a clone would apply it twice (exp(e, out=e) run
+    # again on the e that is exp(e) already). Such a segment keeps its results.
+    first_write: dict[int, int] = {}
+    outside: set[int] = set()
+    for i, instr in enumerate(program):
+        for operand in instr.inputs:
+            if operand.block.id not in first_write:
+                outside.add(operand.block.id)
+        for operand in instr.outputs:
+            first_write.setdefault(operand.block.id, i)
     dropped: list[set[int]] = []
     for s, members in enumerate(segments):
-        if not drop[s] or not members:
+        rewrites = any(o.block.id in outside or first_write[o.block.id] < members[0]
+                       for i in members for o in program[i].outputs) if members else False
+        if not drop[s] or not members or rewrites:
             dropped.append(set())
             continue
         boundary = {o.block.id for o in program[members[-1]].outputs}
