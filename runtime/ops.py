@@ -1426,7 +1426,7 @@ def _guarded(op: str, out: Tensor | None, shape: tuple[int, ...], dtype: np.dtyp
     return out
 
 
-def _wide(geometry: tuple) -> bool:
+def _wide_rows(geometry: tuple) -> bool:
     """Whether a convolution runs on wide rows: at stride 1, each output row as wide as a
     padded input row (Wp, not Wo), so that window (i, j) of the columns is one flat stretch of
     the padded image, at offset i * Wp + j, and im2col and col2im copy and add long
@@ -1454,7 +1454,7 @@ def _conv_columns(x: Tensor, geometry: tuple) -> Tensor:
         view = columns.reshape(c, n * h * w)
         columns.release()
         return view
-    if _wide(geometry):
+    if _wide_rows(geometry):
         # NOTE: one zero row below, where the last windows' dropped columns end
         xp = _padded(x, padding, 0.0, below=1)
         sn, sc = xp.strides[:2]
@@ -1482,7 +1482,7 @@ def _conv_forward(x: Tensor, weight: Tensor, bias: Tensor | None, geometry: tupl
     w2 = weight.reshape(o, c * kh * kw)
     bias4 = None if bias is None else bias.reshape(1, o, 1, 1)
     columns = _conv_columns(x, geometry)
-    wide = _wide(geometry)
+    wide = _wide_rows(geometry)
     if n == 1 and out.is_contiguous() and not wide:  # NOTE: (O, 1, Ho, Wo) is out's layout
         target = out.reshape(o, ho * wo)
         matmul(w2, columns, out=target)
@@ -1522,7 +1522,7 @@ def _col2im(columns: Tensor, x_shape: tuple[int, ...], geometry: tuple) -> Tenso
         grad = copy(cnhw.transpose(1, 0, 2, 3))
         cnhw.release()
         return grad
-    if _wide(geometry):  # NOTE: window (i, j) is the flat stretch at i * Wp + j
+    if _wide_rows(geometry):  # NOTE: window (i, j) is the flat stretch at i * Wp + j
         hp, wp = geometry[3]
         positions = ho * wp
         parts = columns.reshape(c, kh, kw, n, positions).transpose(3, 0, 1, 2, 4)
@@ -1565,7 +1565,7 @@ def _conv_backward(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], geom
     n, c = x_shape[:2]
     o = weight_shape[0]
     positions = n * ho * wo
-    wide = _wide(geometry)
+    wide = _wide_rows(geometry)
 
     def fn(g: Tensor, x: Tensor | None, w: Tensor | None) -> tuple:
         gx = gw = gb = None

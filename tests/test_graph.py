@@ -335,7 +335,13 @@ def test_recomputation_never_applies_an_in_place_write_twice(options):
     for _ in range(2):
         for got, expected in zip(graph(x), want):
             np.testing.assert_array_equal(got.numpy(), expected)
-    assert graph.memory_report()["recomputed"] > 0
+    report = graph.memory_report()
+    if "memory_budget" in options and not runtime.get_default_device().capabilities.host_memory:
+        # NOTE: a device whose memory is not the host's may move a tensor out instead (OpenCL
+        # under test_conformance): the budget is met either way, the equality above must hold
+        assert report["recomputed"] + report["moved"] > 0, report
+    else:
+        assert report["recomputed"] > 0, report
 
 
 def test_a_tensor_the_user_keeps_is_never_recycled():
