@@ -71,11 +71,11 @@ def test_train_resnet_learns_at_small_size():
     for package in ("sklearn", "tqdm"):
         pytest.importorskip(package, reason=f"the demo needs {package} (the demo/test extras)")
     result = subprocess.run([sys.executable, str(EXAMPLES / "train_resnet.py"), "--no-progress",
-                             "--epochs", "2", "--width", "4", "--batch", "64"],
+                             "--epochs", "2", "--width", "8", "--batch", "16"],
                             capture_output=True, text=True, timeout=300, check=False)
     line = next(x for x in result.stdout.splitlines() if "test accuracy" in x)
     accuracy = float(line.split("test accuracy")[1].split()[0])
-    assert accuracy >= 0.8, (line, result.stderr[-2000:])
+    assert accuracy >= 0.85, (line, result.stderr[-2000:])  # 0.94 seen
     assert "planned_bytes" in result.stdout and "blockrt memory summary" in result.stdout
 
 
