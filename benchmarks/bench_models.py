@@ -1,0 +1,279 @@
+"""The seeds' tables on blockrt: ResNet-50 and a BERT-base-shaped encoder, peak memory and step
+time of blockrt eager, its memory plans and budgets, against PyTorch eager, in one run.
+
+SINGA (seed 003) cut ResNet-50's peak memory by 32-34% with its buffered graph at 1.03x the
+time; Graphcore (seed 001) reports 2-3x from liveness-based reuse and about 4x from
+recomputation. The networks and the training step are benchmarks/model_zoo.py's (ResNet-50 at
+batch 4, 224x224, 1000 classes; the encoder at 12 layers, width 768, sequence 128, batch 4;
+softmax cross-entropy, plain SGD lr 0.01, so no optimizer state: every byte above the
+parameters and inputs is the step's own). Every contender starts from the same weights
+(blockrt's, copied into PyTorch through state_dict) and runs the same fixed batch.
+
+Contenders: PyTorch eager; blockrt eager; `runtime.graph(step, plan=...)` for "recycle" and
+"static"; the static plan under `memory_budget` at half and a quarter of the static step's
+peak and at the least any choice reaches (`BudgetError.least_bytes`).
+
+Peak: the most bytes allocated at once during one step above what was allocated before it.
+blockrt: every allocation of the contender (its parameters, the graph, eager temporaries) goes
+through a StatisticsAdaptor over a direct allocator, the device's default while it runs; the
+peak over its first step (a graph's capture runs the step once on its plan) less the bytes
+allocated before the step (parameters) and what the graph holds outside its plan (its input
+copies, the loss). PyTorch: the CPU allocator's allocations and frees as torch.profiler records
+them in one warm step (bench_budget.torch_peak). Activations: what the plan keeps from forward
+to backward (`memory_report()["activation_bytes"]`; PyTorch's is not reported). Time: the
+fastest of `--steps` steps after the first; the contenders run one after another, PyTorch first
+and again last, so a change of the machine's speed shows as two PyTorch times (2 threads
+everywhere; these machines are shared and noisy).
+
+Run: python benchmarks/bench_models.py [--quick] [--models resnet50,bert] [--steps N]
+                                       [--json PATH] [--plot PNG]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# NOTE: before NumPy loads its BLAS
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")
+os.environ.setdefault("MKL_NUM_THREADS", "2")
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_budget import torch_peak
+from model_zoo import (
+    blockrt_encoder,
+    blockrt_resnet50,
+    copy_weights,
+    torch_encoder,
+    torch_resnet50,
+)
+from timing import cpu_name
+
+import allocators
+import runtime
+from allocators import StatisticsAdaptor, format_bytes
+from runtime import nn
+
+LR = 0.01
+
+
+@dataclass
+class Model:
+    """A network of the zoo, at a size, with its fixed batch."""
+
+    name: str
+    make_blockrt: Callable[[], nn.Module]
+    make_torch: Callable[[], Any]
+    x: np.ndarray
+    labels: np.ndarray
+    shape: str
+
+
+@dataclass
+class Result:
+    contender: str
+    peak: int
+    step_s: float
+    activations: int | None = None
+    report: dict = field(default_factory=dict)
+    #: a graph's most bytes at a scheduled step (what a budget counts)
+    top: int = 0
+
+
+def models(quick: bool) -> list[Model]:
+    rng = np.random.default_rng(0)
+    batch, side = (2, 64) if quick else (4, 224)
+    layers, sequence = (2, 32) if quick else (12, 128)
+    return [
+        Model("resnet50", blockrt_resnet50, torch_resnet50,
+              rng.standard_normal((batch, 3, side, side), dtype=np.float32),
+              rng.integers(0, 1000, batch), f"batch {batch}, {side}x{side}"),
+        Model("bert", lambda: blockrt_encoder(layers), lambda: torch_encoder(layers),
+              rng.standard_normal((batch, sequence, 768), dtype=np.float32),
+              rng.integers(0, 2, batch), f"{layers} layers, width 768, sequence {sequence}, "
+                                         f"batch {batch}"),
+    ]
+
+
+def timed(step: Callable[[], Any], steps: int) -> float:
+    best = float("inf")
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run_torch(model: Model, weights: nn.Module, steps: int) -> Result:
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(2)
+    twin = model.make_torch()
+    copy_weights(weights, twin)
+    opt = torch.optim.SGD(twin.parameters(), lr=LR)
+    x, y = torch.from_numpy(model.x), torch.from_numpy(model.labels)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(twin(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    step()  # NOTE: warm: the profiler's peak is a later step's
+    peak = torch_peak(step)
+    return Result("PyTorch eager", peak, timed(step, steps))
+
+
+def run_blockrt(model: Model, weights: nn.Module, steps: int, contender: str,
+                **options: Any) -> Result:
+    """One blockrt contender: eager (`options` None) or a graph with `options`."""
+    stats = StatisticsAdaptor(allocators.create("direct", "cpu"))
+    previous = runtime.get_default_allocator("cpu")
+    runtime.set_default_allocator(stats, "cpu")
+    try:
+        net = model.make_blockrt()
+        net.load_state_dict(weights.state_dict())
+        train = nn.train_step(net, nn.SGD(net.parameters(), lr=LR))
+        x = runtime.tensor(model.x)
+        before = stats.stats()["allocated_bytes"]
+        if contender == "blockrt eager":
+            train(x, model.labels).item()
+            peak = stats.stats()["peak_allocated_bytes"] - before
+            return Result(contender, peak, timed(lambda: train(x, model.labels).item(), steps))
+        graph = runtime.graph(train, allocator=stats, **options)
+        graph(x, model.labels).item()
+        capture = graph._last
+        # NOTE: what the graph holds outside its plan and made in the step (its input copies,
+        # the loss); the module's state was there before
+        state = {id(t.block) for t in net.state_dict().values()}
+        held = {id(b): b for b in [h.block for h in capture.placeholders if h is not None]
+                + [b for b in capture.outside if b._allocation is not None
+                   and b.allocator is stats and id(b) not in state]}
+        peak = (stats.stats()["peak_allocated_bytes"] - before
+                - sum(b._allocation.size for b in held.values()))
+        report = graph.memory_report()
+        result = Result(contender, peak, timed(lambda: graph(x, model.labels).item(), steps),
+                        report.get("activation_bytes"), report)
+        result.top = max(graph.timeline())
+        graph.release()
+        return result
+    finally:
+        runtime.set_default_allocator(previous, "cpu")
+        gc.collect()
+
+
+def least_budget(model: Model, weights: nn.Module) -> int:
+    """The least bytes any choice of the static plan reaches."""
+    net = model.make_blockrt()
+    net.load_state_dict(weights.state_dict())
+    graph = runtime.graph(nn.train_step(net, nn.SGD(net.parameters(), lr=LR)),
+                          memory_budget=0)
+    try:
+        graph(runtime.tensor(model.x), model.labels)
+    except runtime.BudgetError as error:
+        return error.least_bytes
+    raise AssertionError("a budget of 0 bytes was met")
+
+
+def measure(model: Model, steps: int) -> list[Result]:
+    nn.manual_seed(0)
+    weights = model.make_blockrt()
+    results = [run_torch(model, weights, steps),
+               run_blockrt(model, weights, steps, "blockrt eager"),
+               run_blockrt(model, weights, steps, 'plan="recycle"', plan="recycle"),
+               run_blockrt(model, weights, steps, 'plan="static"', plan="static")]
+    top = results[-1].top
+    least = least_budget(model, weights)
+    for budget in sorted({max(least, top // 2), max(least, top // 4), least}, reverse=True):
+        results.append(run_blockrt(model, weights, steps, f"budget {format_bytes(budget)}",
+                                   plan="static", memory_budget=budget))
+    again = run_torch(model, weights, steps)
+    again.contender = "PyTorch eager, again"
+    results.append(again)
+    return results
+
+
+def table(model: Model, results: list[Result]) -> str:
+    torch_peak_bytes = results[0].peak
+    torch_s = min(results[0].step_s, results[-1].step_s)
+    static = next(r for r in results if r.contender == 'plan="static"')
+    lines = [f"{model.name} ({model.shape}):", "",
+             "| contender | peak | peak / PyTorch | step (s) | time / PyTorch | activations | "
+             "activations / static |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        acts = format_bytes(r.activations) if r.activations is not None else ""
+        ratio = (f"{static.activations / r.activations:.2f}x less"
+                 if r.activations and static.activations and r is not static else "")
+        lines.append(f"| {r.contender} | {format_bytes(r.peak)} | "
+                     f"{r.peak / torch_peak_bytes:.2f} | {r.step_s:.3f} | "
+                     f"{r.step_s / torch_s:.2f} | {acts} | {ratio} |")
+    return "\n".join(lines)
+
+
+def plot_timelines(model: Model, path: str) -> None:
+    """The bytes held at each scheduled step of one training step of `model` under the
+    recycle and static plans, and the bytes of the intermediates live at each step (what any
+    placement must hold there: the seeds' pictures), as a PNG."""
+    nn.manual_seed(0)
+    weights = model.make_blockrt()
+    lines = {}
+    for plan in ("recycle", "static"):  # NOTE: "none" holds every buffer apart: off the scale
+        net = model.make_blockrt()
+        net.load_state_dict(weights.state_dict())
+        graph = runtime.graph(nn.train_step(net, nn.SGD(net.parameters(), lr=LR)), plan=plan)
+        graph(runtime.tensor(model.x), model.labels)
+        lines[plan] = graph.timeline()
+        if plan == "static":
+            lines["live intermediates"] = graph.timeline(live=True)
+        graph.release()
+    runtime.plot_memory_timeline(lines, path, f"{model.name} ({model.shape}): one training "
+                                              f"step (SGD)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
+    parser.add_argument("--models", default="resnet50,bert")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per contender")
+    parser.add_argument("--json", help="write every figure here too")
+    parser.add_argument("--plot", metavar="PNG", help="also draw resnet50's memory timeline "
+                        "under each plan here (matplotlib)")
+    args = parser.parse_args()
+    wanted = args.models.split(",")
+    chosen = [m for m in models(args.quick) if m.name in wanted]
+    if not chosen:
+        parser.error(f"--models: none of {wanted} is resnet50 or bert")
+    print(f"{cpu_name()}, 2 threads, NumPy {np.__version__}; "
+          f"load {os.getloadavg()[0]:.2f}")
+    records = {}
+    for model in chosen:
+        results = measure(model, args.steps)
+        print()
+        print(table(model, results))
+        records[model.name] = [{k: v for k, v in r.__dict__.items() if k != "report"}
+                               for r in results]
+    print(f"\nload {os.getloadavg()[0]:.2f} after")
+    if args.plot:
+        plot_timelines(models(args.quick)[0], args.plot)
+        print(f"memory timeline written to {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
