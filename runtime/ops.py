@@ -734,22 +734,12 @@ def batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor | Non
     def per_channel(t: Tensor) -> Tensor:
         return _widened(t, wide).reshape(along)
 
-    xw = _widened(x, wide)
     if training:
-        axes = (0, *range(2, x.ndim))
-        mean_ = mean(xw, axis=axes, keepdims=True)
-        centered = sub(xw, mean_)
-        squares = sum(mul(centered, centered), axis=axes, keepdims=True)
-        var = div(squares, float(count))  # NOTE: biased, as PyTorch normalises
-        normalised = mul(centered, div(1.0, _elementwise("sqrt", None, add(var, eps))))
-        if running_mean is not None:
-            with autograd.no_grad():
-                _running_update(running_mean, mean_.reshape(channels), momentum)
-                _running_update(running_var, div(squares, float(count - 1)).reshape(channels),
-                                momentum)
-    else:
-        scale = div(1.0, _elementwise("sqrt", None, add(per_channel(running_var), eps)))
-        normalised = mul(sub(xw, per_channel(running_mean)), scale)
+        return _batch_norm_training(x, running_mean, running_var, weight, bias, momentum, eps,
+                                    out, count, per_channel)
+    xw = _widened(x, wide)
+    scale = div(1.0, _elementwise("sqrt", None, add(per_channel(running_var), eps)))
+    normalised = mul(sub(xw, per_channel(running_mean)), scale)
     y = normalised
     if weight is not None:
         y = mul(y, per_channel(weight))
@@ -758,6 +748,96 @@ def batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor | Non
     if y.dtype != x.dtype:
         return cast(y, x.dtype, out=out)
     return y if out is None else copy(y, out=out)
+
+
+def _batch_norm_training(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+                         weight: Tensor | None, bias: Tensor | None, momentum: Any, eps: float,
+                         out: Tensor | None, count: int,
+                         per_channel: Callable[[Tensor], Tensor]) -> Tensor:
+    """batch_norm with the batch's statistics, as one autograd node: the forward pass runs
+    without recording and saves only the normalised x (one activation, as PyTorch's saves its
+    input) and the per-channel 1 / sqrt(var + eps); the backward pass is PyTorch's formula,
+    gx = rstd * (gy - mean(gy) - xhat * mean(gy * xhat)) over every axis but 1, gy = g * weight,
+    weight's gradient the sum of g * xhat, bias's the sum of g. Composed of ops, autograd would
+    keep the centred and the normalised x for every layer."""
+    channels = x.shape[1]
+    axes = (0, *range(2, x.ndim))
+    recording = autograd.needs_grad(*(t for t in (x, weight, bias) if t is not None))
+    with autograd.no_grad():
+        xw = _widened(x, _wide_dtype(x.dtype))
+        mean_ = mean(xw, axis=axes, keepdims=True)
+        centered = sub(xw, mean_)
+        if xw is not x:
+            xw.release()
+        square = mul(centered, centered)
+        squares = sum(square, axis=axes, keepdims=True)
+        square.release()
+        var = div(squares, float(count))  # NOTE: biased, as PyTorch normalises
+        shifted = add(var, eps)
+        root = _elementwise("sqrt", None, shifted)
+        rstd = div(1.0, root)
+        _release(var, shifted, root)
+        xhat = mul(centered, rstd)
+        centered.release()
+        if running_mean is not None:
+            _running_update(running_mean, mean_.reshape(channels), momentum)
+            unbiased = div(squares, float(count - 1))
+            _running_update(running_var, unbiased.reshape(channels), momentum)
+            unbiased.release()
+        _release(mean_, squares)
+        y = xhat
+        if weight is not None:
+            y = mul(y, per_channel(weight))
+        if bias is not None:
+            scaled = y
+            y = add(scaled, per_channel(bias))
+            if scaled is not xhat:
+                scaled.release()
+        if y.dtype != x.dtype:
+            result = cast(y, x.dtype, out=out)
+        else:
+            result = y if out is None else copy(y, out=out)
+        if y is not result and y is not xhat:
+            y.release()
+    if not recording:
+        _release(xhat if xhat is not result else None, rstd)
+        return result
+    # NOTE: axes, flags and per_channel (which holds a dtype and a shape) only: Note [closures
+    # hold no tensors] in runtime/autograd.py
+    nw, nb = weight is not None and weight.requires_grad, bias is not None and bias.requires_grad
+
+    def fn(g: Tensor, xhat: Tensor, rstd: Tensor, weight: Tensor | None) -> tuple:
+        gw = _widened(g, xhat.dtype)
+        gy = mul(gw, per_channel(weight)) if weight is not None else gw
+        a = mean(gy, axis=axes, keepdims=True)
+        t = mul(gy, xhat)
+        b = mean(t, axis=axes, keepdims=True)
+        mul(xhat, b, out=t)
+        sub(gy, t, out=t)
+        sub(t, a, out=t)
+        mul(t, rstd, out=t)
+        _release(a, b, gy if gy is not gw else None)
+        gx = t if t.dtype == g.dtype else _narrowed(t, g.dtype)
+        g_weight = g_bias = None
+        if nw:
+            product = mul(gw, xhat)
+            g_weight = sum(product, axis=axes)
+            product.release()
+            if g_weight.dtype != weight.dtype:
+                g_weight = _narrowed(g_weight, weight.dtype)
+        if nb:
+            g_bias = sum(gw, axis=axes)
+            if g_bias.dtype != bias_dtype:
+                g_bias = _narrowed(g_bias, bias_dtype)
+        _release(gw if gw is not g else None)
+        return gx, None, None, g_weight, g_bias
+
+    bias_dtype = bias.dtype if bias is not None else None
+    autograd.record("batch_norm", result, (x, running_mean, running_var, weight, bias),
+                    ("x", "running_mean", "running_var", "weight", "bias"), fn,
+                    [("xhat", xhat), ("rstd", rstd), ("weight", weight)])
+    _release(xhat if xhat is not result else None, rstd)  # NOTE: the node keeps its own handles
+    return result
 
 
 def _running_update(stat: Tensor, batch: Tensor, momentum: float | Tensor) -> None:
