@@ -1323,8 +1323,10 @@ RULES: dict[str, Callable[..., None]] = {
 }
 
 
-def check_device(device: Device, examples: int = 20, rules: Sequence[str] | None = None) -> None:
-    """Check every rule of `RULES` (or those named in `rules`) on `device`, in order.
+def check_device(device: Device, examples: int = 20,
+                 rules: Sequence[str] | None = None) -> list[str]:
+    """Check every rule of `RULES` (or those named in `rules`) on `device`, in order; return
+    the names of the rules it checked.
 
     Raises:
         AssertionError: the first rule the device breaks, named in brackets, with what was
@@ -1335,6 +1337,7 @@ def check_device(device: Device, examples: int = 20, rules: Sequence[str] | None
         >>> import backends
         >>> from backends import testing
         >>> testing.check_device(backends.get_device("cpu"), examples=2, rules=["views"])
+        ['views']
     """
     names = list(RULES) if rules is None else list(rules)
     unknown = [name for name in names if name not in RULES]
@@ -1343,3 +1346,4 @@ def check_device(device: Device, examples: int = 20, rules: Sequence[str] | None
                          f"{', '.join(RULES)}")
     for name in names:
         RULES[name](device, examples=examples)
+    return names

@@ -63,8 +63,9 @@ def _close(got: np.ndarray, want: np.ndarray, dtype: np.dtype) -> None:
                                **TOL[np.dtype(dtype)])
 
 
-def _compare(fn_ours, fn_torch, arrays, device, dtype, grads=True) -> None:
-    """Forward and the gradient of every input (weighted by fixed numbers) against PyTorch."""
+def _compare(fn_ours, fn_torch, arrays, device, dtype, grads=True) -> int:
+    """Forward and the gradient of every input (weighted by fixed numbers) against PyTorch;
+    returns how many arrays it compared (the value, and each input's gradient)."""
     stored = [a.astype(dtype) for a in arrays]
     ours = [runtime.tensor(a, device=device, requires_grad=grads) for a in stored]
     theirs = [_torch(a, grads) for a in stored]
@@ -73,12 +74,15 @@ def _compare(fn_ours, fn_torch, arrays, device, dtype, grads=True) -> None:
     assert out.dtype == np.dtype(dtype) and out.shape == tuple(ref.shape)
     _close(out.numpy(), _host(ref), dtype)
     if not grads:
-        return
+        return 1
     weights = np.random.default_rng(3).uniform(0.5, 1.5, out.shape)
     ops.sum(ops.mul(out, runtime.tensor(weights.astype(dtype), device=device))).backward()
     (ref * _torch(weights.astype(dtype), False)).sum().backward()
+    compared = 1
     for mine, theirs_ in zip(ours, theirs):
         _close(mine.grad.numpy(), _host(theirs_.grad), dtype)
+        compared += 1
+    return compared
 
 
 # ---------------------------------------------------------------------- amax
@@ -90,8 +94,8 @@ def test_amax_and_its_gradient_match_torch_ties_split_evenly(device, axis, keepd
     x = rng.integers(-3, 4, (3, 4, 5)).astype(np.float64)  # many ties
     dims = tuple(range(3)) if axis is None else axis
     for dtype in _floats(device):
-        _compare(lambda t: ops.amax(t, axis, keepdims),
-                 lambda t: torch.amax(t, dims, keepdims), [x], device, dtype)
+        assert _compare(lambda t: ops.amax(t, axis, keepdims),
+                 lambda t: torch.amax(t, dims, keepdims), [x], device, dtype) == 2
 
 
 @pytest.mark.parametrize("device", DEVICES, ids=DEVICE_IDS)
@@ -139,8 +143,8 @@ SOFTMAXES = [("softmax", F.softmax), ("log_softmax", F.log_softmax)]
 def test_softmaxes_and_gradients_match_torch(device, name, reference, axis):
     x = np.random.default_rng(2).normal(0, 4, (3, 5, 6))
     for dtype in _floats(device):
-        _compare(lambda t: getattr(ops, name)(t, axis), lambda t: reference(t, axis),
-                 [x], device, dtype)
+        assert _compare(lambda t: getattr(ops, name)(t, axis), lambda t: reference(t, axis),
+                 [x], device, dtype) == 2
 
 
 @pytest.mark.parametrize(("name", "reference"), SOFTMAXES, ids=[n for n, _ in SOFTMAXES])
@@ -148,8 +152,8 @@ def test_softmaxes_and_gradients_match_torch(device, name, reference, axis):
 def test_softmaxes_of_halves_within_rounding_of_torch(name, reference, dtype):
     x = np.random.default_rng(3).normal(0, 2, (4, 9))
     for device in DEVICES:
-        _compare(lambda t: getattr(ops, name)(t), lambda t: reference(t, -1), [x], device,
-                 dtype)
+        assert _compare(lambda t: getattr(ops, name)(t), lambda t: reference(t, -1), [x], device,
+                 dtype) == 2
 
 
 @pytest.mark.parametrize("device", DEVICES, ids=DEVICE_IDS)
@@ -176,8 +180,8 @@ def test_softmax_over_any_axis_of_any_shape_matches_torch(shape, data, log):
     seed = data.draw(st.integers(0, 2 ** 16), label="seed")
     x = np.random.default_rng(seed).normal(0, 3, shape)
     name, reference = SOFTMAXES[log]
-    _compare(lambda t: getattr(ops, name)(t, axis), lambda t: reference(t, axis), [x],
-             DEVICES[0], FLOAT64)
+    assert _compare(lambda t: getattr(ops, name)(t, axis), lambda t: reference(t, axis), [x],
+             DEVICES[0], FLOAT64) == 2
 
 
 @given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=3), data=st.data())
@@ -187,8 +191,8 @@ def test_amax_over_any_axes_matches_torch(shape, data):
                      label="axes")
     keepdims = data.draw(st.booleans(), label="keepdims")
     x = np.random.default_rng(len(shape)).integers(-2, 3, shape).astype(np.float64)
-    _compare(lambda t: ops.amax(t, tuple(axes), keepdims),
-             lambda t: torch.amax(t, tuple(axes), keepdims), [x], DEVICES[0], FLOAT64)
+    assert _compare(lambda t: ops.amax(t, tuple(axes), keepdims),
+             lambda t: torch.amax(t, tuple(axes), keepdims), [x], DEVICES[0], FLOAT64) == 2
 
 
 def test_softmax_finite_differences():
@@ -243,7 +247,7 @@ def test_layer_norm_and_gradients_match_torch(device, normalized, affine):
         return F.layer_norm(x, normalized, *p, eps=1e-5)
 
     for dtype in _floats(device):
-        _compare(ours, theirs, [x, *params], device, dtype)
+        assert _compare(ours, theirs, [x, *params], device, dtype) == 2 + len(params)
 
 
 @pytest.mark.parametrize("dtype", HALVES, ids=str)
@@ -251,8 +255,9 @@ def test_layer_norm_of_halves_within_rounding_of_torch(dtype):
     rng = np.random.default_rng(7)
     x, w, b = rng.normal(0, 2, (3, 8)), rng.normal(1, 0.2, 8), rng.normal(0, 0.2, 8)
     for device in DEVICES:
-        _compare(lambda *t: ops.layer_norm(t[0], 8, t[1], t[2]),
-                 lambda *t: F.layer_norm(t[0], (8,), t[1], t[2]), [x, w, b], device, dtype)
+        assert _compare(lambda *t: ops.layer_norm(t[0], 8, t[1], t[2]),
+                 lambda *t: F.layer_norm(t[0], (8,), t[1], t[2]), [x, w, b], device,
+                 dtype) == 4
 
 
 def test_layer_norm_finite_differences():
@@ -305,7 +310,8 @@ def test_layer_norm_module_as_torch():
 def test_gelu_module_as_torch():
     x = np.linspace(-6, 6, 49)
     for dtype in (FLOAT32, FLOAT64):
-        _compare(lambda t: nn.GELU()(t), lambda t: torch.nn.GELU()(t), [x], DEVICES[0], dtype)
+        assert _compare(lambda t: nn.GELU()(t), lambda t: torch.nn.GELU()(t), [x],
+                        DEVICES[0], dtype) == 2
     with pytest.raises(ValueError, match="approximate='tanh' is not implemented"):
         nn.GELU("tanh")
     check_gradients(lambda t: ops.gelu(t), x[::4], rtol=1e-6, atol=1e-8)
@@ -367,7 +373,7 @@ def test_batched_matmul_broadcasts_as_torch(device, a_shape, b_shape):
     rng = np.random.default_rng(12)
     a, b = rng.normal(size=a_shape), rng.normal(size=b_shape)
     for dtype in _floats(device):
-        _compare(ops.matmul, torch.matmul, [a, b], device, dtype)
+        assert _compare(ops.matmul, torch.matmul, [a, b], device, dtype) == 3
 
 
 @pytest.mark.parametrize("device", DEVICES, ids=DEVICE_IDS)
@@ -383,7 +389,7 @@ def test_transposed_views_into_products_as_torch(device):
         return (h @ h.transpose(-1, -2)).permute(0, 2, 1, 3).reshape(2, 5, 15)
 
     for dtype in _floats(device):
-        _compare(ours, theirs, [x], device, dtype)
+        assert _compare(ours, theirs, [x], device, dtype) == 2
 
 
 # ---------------------------------------------------------------------- attention
@@ -403,9 +409,9 @@ def test_scaled_dot_product_attention_matches_torch(device, mask):
             theirs = {"attn_mask": torch.from_numpy(host)}
         else:
             mine = theirs = extra
-        _compare(lambda *t, kw=mine: ops.scaled_dot_product_attention(*t, **kw),
+        assert _compare(lambda *t, kw=mine: ops.scaled_dot_product_attention(*t, **kw),
                  lambda *t, kw=theirs: F.scaled_dot_product_attention(*t, **kw), [q, k, v],
-                 device, dtype)
+                 device, dtype) == 4
 
 
 @pytest.mark.parametrize("dtype", HALVES, ids=str)
@@ -413,9 +419,9 @@ def test_scaled_dot_product_attention_of_halves_within_rounding_of_torch(dtype):
     rng = np.random.default_rng(17)
     q, k, v = (rng.normal(size=(2, 5, 4)) for _ in range(3))
     for device in DEVICES:
-        _compare(lambda *t: ops.scaled_dot_product_attention(*t, is_causal=True),
+        assert _compare(lambda *t: ops.scaled_dot_product_attention(*t, is_causal=True),
                  lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), [q, k, v],
-                 device, dtype, grads=False)
+                 device, dtype, grads=False) == 1
 
 
 def test_the_ops_on_the_overlap_unsafe_naive_device_give_the_cpus_results():

@@ -60,8 +60,9 @@ def _close(mine: runtime.Tensor, theirs: torch.Tensor, dtype: np.dtype) -> None:
 
 def _conv_against_torch(device: str, dtype: np.dtype, n: int, c: int, o: int, hw: tuple,
                         kernel: tuple, stride: tuple, padding: tuple, bias: bool,
-                        seed: int = 0) -> None:
-    """conv2d's value and the gradients of x, weight and bias against PyTorch's."""
+                        seed: int = 0) -> int:
+    """conv2d's value and the gradients of x, weight and bias against PyTorch's; returns how
+    many arrays it compared."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, c, *hw)).astype(dtype)
     w = rng.standard_normal((o, c, *kernel)).astype(dtype)
@@ -81,6 +82,7 @@ def _conv_against_torch(device: str, dtype: np.dtype, n: int, c: int, o: int, hw
     _close(mw.grad, tw.grad, dtype)
     if bias:
         _close(mb.grad, tb.grad, dtype)
+    return 4 if bias else 3
 
 
 #: (n, c, o, (h, w), kernel, stride, padding): a plain 3x3, a strided and padded one, a 1x1
@@ -108,12 +110,12 @@ CONV_CASES = [
 def test_conv2d_and_its_gradients_match_pytorch(device, dtype, case):
     if dtype not in backends.get_device(device).capabilities.compute_dtypes:
         pytest.skip(f"{device} does not compute {dtype} (an OpenCL device without cl_khr_fp64)")
-    _conv_against_torch(device, dtype, *case, bias=True)
+    assert _conv_against_torch(device, dtype, *case, bias=True) == 4
 
 
 @needs_torch
 def test_conv2d_without_bias_and_with_pairs_given_as_lists():
-    _conv_against_torch("cpu", F64, 2, 2, 3, (6, 5), (3, 2), [2, 1], [0, 1], bias=False)
+    assert _conv_against_torch("cpu", F64, 2, 2, 3, (6, 5), (3, 2), [2, 1], [0, 1], bias=False) == 3
 
 
 @needs_torch
@@ -130,10 +132,10 @@ def test_strided_inputs_and_weights_give_the_contiguous_ones_results(device):
         mx = _ours(big, device)[:, :, ::2, :]
         mw = _ours(np.ascontiguousarray(weight.transpose(0, 1, 3, 2)), device).transpose(
             0, 1, 3, 2)
-        expected = F.conv2d(torch.tensor(x), torch.tensor(weight), padding=padding)
-        _close(ops.conv2d(mx, mw, padding=padding), expected, F32)
+        expected = F.conv2d(torch.tensor(x), torch.tensor(weight), padding=padding).numpy()
         for n in (1, 2):
-            _close(ops.conv2d(mx[:n], mw, padding=padding), expected[:n], F32)
+            np.testing.assert_allclose(ops.conv2d(mx[:n], mw, padding=padding).numpy(),
+                                       expected[:n], *TOLERANCE[F32])
 
 
 @needs_torch
@@ -151,7 +153,9 @@ def test_conv2d_matches_pytorch_on_drawn_geometries(n, c, o, h, w, kh, kw, sh, s
             ops.conv2d(runtime.tensor(np.zeros((n, c, h, w))),
                        runtime.tensor(np.zeros((o, c, kh, kw))), padding=(ph, pw))
         return
-    _conv_against_torch("cpu", F64, n, c, o, (h, w), (kh, kw), (sh, sw), (ph, pw), bias, seed)
+    compared = _conv_against_torch("cpu", F64, n, c, o, (h, w), (kh, kw), (sh, sw), (ph, pw),
+                                   bias, seed)
+    assert compared == (4 if bias else 3)
 
 
 @needs_torch
@@ -166,7 +170,8 @@ def test_conv2d_on_wide_rows_matches_pytorch(n, c, o, h, w, kh, kw, ph, pw, seed
         return
     geometry = ops._geometry("conv2d", (n, c, h, w), (kh, kw), (1, 1), (ph, pw))
     assert ops._wide_rows(geometry) or (kh == kw == 1 and (ph, pw) == (0, 0))
-    _conv_against_torch("cpu", F64, n, c, o, (h, w), (kh, kw), (1, 1), (ph, pw), True, seed)
+    assert _conv_against_torch("cpu", F64, n, c, o, (h, w), (kh, kw), (1, 1), (ph, pw), True,
+                               seed) == 4
 
 
 @needs_torch
@@ -233,8 +238,9 @@ def test_gradients_match_finite_differences(dtype):
 
 # ---------------------------------------------------------------------- pooling
 def _pool_against_torch(device: str, dtype: np.dtype, x: np.ndarray, kind: str, kernel, stride,
-                        padding, exact: bool = False) -> None:
-    """A pool's value and x's gradient against PyTorch's (`exact`: bit for bit)."""
+                        padding, exact: bool = False) -> int:
+    """A pool's value and x's gradient against PyTorch's (`exact`: bit for bit); returns how
+    many arrays it compared."""
     rng = np.random.default_rng(7)
     tx = torch.tensor(x, requires_grad=True)
     reference = F.max_pool2d if kind == "max" else F.avg_pool2d
@@ -253,6 +259,7 @@ def _pool_against_torch(device: str, dtype: np.dtype, x: np.ndarray, kind: str, 
     else:
         _close(got, expected, dtype)
         _close(mx.grad, tx.grad, dtype)
+    return 2
 
 
 @needs_torch
@@ -265,7 +272,7 @@ def test_pools_and_their_gradients_match_pytorch(device, dtype, kind, kernel, st
     if dtype not in backends.get_device(device).capabilities.compute_dtypes:
         pytest.skip(f"{device} does not compute {dtype} (an OpenCL device without cl_khr_fp64)")
     x = np.random.default_rng(8).standard_normal((2, 3, 7, 6)).astype(dtype)
-    _pool_against_torch(device, dtype, x, kind, kernel, stride, padding)
+    assert _pool_against_torch(device, dtype, x, kind, kernel, stride, padding) == 2
 
 
 @needs_torch
@@ -286,7 +293,7 @@ def test_pools_match_pytorch_on_drawn_geometries(n, c, h, w, kh, kw, sh, sw, ph,
         with pytest.raises(ValueError, match="bigger than the padded input"):
             pool(runtime.tensor(x), (kh, kw), (sh, sw), (ph, pw))
         return
-    _pool_against_torch("cpu", F64, x, kind, (kh, kw), (sh, sw), (ph, pw))
+    assert _pool_against_torch("cpu", F64, x, kind, (kh, kw), (sh, sw), (ph, pw)) == 2
 
 
 @needs_torch
@@ -301,20 +308,20 @@ def test_max_pool_sends_each_gradient_to_the_element_pytorchs_scan_picks(device,
     rng = np.random.default_rng(seed)
     x = rng.choice(np.float32([0.0, 1.0, 2.0, -np.inf, np.nan]), size=(2, 2, 5, 5),
                    p=[0.3, 0.3, 0.2, 0.1, 0.1])
-    _pool_against_torch(device, F32, x, "max", 3, stride, padding, exact=True)
+    assert _pool_against_torch(device, F32, x, "max", 3, stride, padding, exact=True) == 2
 
 
 @needs_torch
 def test_max_pool_with_padding_ignores_the_border_when_a_window_is_all_minus_infinity():
     x = np.full((1, 1, 4, 4), -np.inf, np.float32)
-    _pool_against_torch("cpu", F32, x, "max", 3, 2, 1, exact=True)
+    assert _pool_against_torch("cpu", F32, x, "max", 3, 2, 1, exact=True) == 2
 
 
 @needs_torch
 def test_max_pool_of_resnet_shape_and_avg_pool_of_a_whole_image():
     x = np.random.default_rng(9).standard_normal((1, 2, 16, 16)).astype(np.float32)
-    _pool_against_torch("cpu", F32, x, "max", 3, 2, 1)
-    _pool_against_torch("cpu", F32, x, "avg", 16, None, 0)
+    assert _pool_against_torch("cpu", F32, x, "max", 3, 2, 1) == 2
+    assert _pool_against_torch("cpu", F32, x, "avg", 16, None, 0) == 2
 
 
 # ---------------------------------------------------------------------- out=
@@ -417,10 +424,14 @@ def test_bad_input_is_refused_with_the_numbers(call, error, words):
 
 
 def test_pytorchs_defaults_of_unsupported_keywords_are_accepted():
-    x = _image(1, 2, 4, 4)
-    ops.conv2d(x, _image(2, 2, 1, 1), dilation=1, groups=1)
-    ops.max_pool2d(x, 2, dilation=(1, 1), ceil_mode=False, return_indices=False)
-    ops.avg_pool2d(x, 2, ceil_mode=False, count_include_pad=True, divisor_override=None)
+    x, w = _image(1, 2, 4, 4), _image(2, 2, 1, 1)
+    pairs = [(ops.conv2d(x, w, dilation=1, groups=1), ops.conv2d(x, w)),
+             (ops.max_pool2d(x, 2, dilation=(1, 1), ceil_mode=False, return_indices=False),
+              ops.max_pool2d(x, 2)),
+             (ops.avg_pool2d(x, 2, ceil_mode=False, count_include_pad=True,
+                             divisor_override=None), ops.avg_pool2d(x, 2))]
+    for with_keywords, default in pairs:
+        np.testing.assert_array_equal(with_keywords.numpy(), default.numpy())
 
 
 # ---------------------------------------------------------------------- memory
