@@ -237,28 +237,6 @@ class Deferred:
     def __bool__(self) -> bool:
         return bool(self.ask())
 
-    # NOTE: the queue hooks, called only where `queues` is claimed
-    def _home_queue(self) -> Any:
-        raise _missing(self, "_home_queue")
-
-    def _queue_key(self, queue: Any) -> int:
-        raise _missing(self, "_queue_key")
-
-    def _record_event(self, queue: Any) -> Any:
-        raise _missing(self, "_record_event")
-
-    def _event_done(self, event: Any) -> bool:
-        raise _missing(self, "_event_done")
-
-    def _wait_event(self, event: Any) -> None:
-        raise _missing(self, "_wait_event")
-
-    def _join(self, waiter: Any, signaller: Any) -> None:
-        raise _missing(self, "_join")
-
-    def _synchronize(self) -> None:
-        raise _missing(self, "_synchronize")
-
     def __repr__(self) -> str:
         return f"Deferred({self.what!r})"  # NOTE: not asked: a repr has no side effect
 

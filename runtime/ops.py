@@ -1857,16 +1857,7 @@ def max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0
         array([[ 5.,  7.],
                [13., 15.]])
     """
-    _refuse_keywords("max_pool2d", unsupported)
-    _, dtype = _common("max_pool2d", [x])
-    geometry = _pool_geometry("max_pool2d", x, kernel_size, stride, padding)
-    shape = (*x.shape[:2], *geometry[4])
-    out = _guarded("max_pool2d", out, shape, dtype, [x], ("x",),
-                   lambda target: _max_forward(x, geometry, target))
-    if autograd.needs_grad(x):
-        autograd.record("max_pool2d", out, (x,), ("x",), _max_backward(x.shape, geometry),
-                        [("x", x), ("the output", out)])
-    return out
+    return _pool("max_pool2d", x, kernel_size, stride, padding, out, unsupported)
 
 
 def _global(x_shape: tuple[int, ...], geometry: tuple) -> bool:
@@ -1941,14 +1932,26 @@ def avg_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0
         array([[ 2.5,  4.5],
                [10.5, 12.5]])
     """
-    _refuse_keywords("avg_pool2d", unsupported)
-    _, dtype = _common("avg_pool2d", [x])
-    geometry = _pool_geometry("avg_pool2d", x, kernel_size, stride, padding)
+    return _pool("avg_pool2d", x, kernel_size, stride, padding, out, unsupported)
+
+
+def _pool(op: str, x: Tensor, kernel_size: Any, stride: Any, padding: Any,
+          out: Tensor | None, unsupported: dict[str, Any]) -> Tensor:
+    """max_pool2d and avg_pool2d: the checks, the forward pass under the NEVER policy and the
+    record (max's backward reads x and its result, avg's neither)."""
+    _refuse_keywords(op, unsupported)
+    _, dtype = _common(op, [x])
+    geometry = _pool_geometry(op, x, kernel_size, stride, padding)
     shape = (*x.shape[:2], *geometry[4])
-    out = _guarded("avg_pool2d", out, shape, dtype, [x], ("x",),
-                   lambda target: _avg_forward(x, geometry, target))
+    forward = _max_forward if op == "max_pool2d" else _avg_forward
+    out = _guarded(op, out, shape, dtype, [x], ("x",),
+                   lambda target: forward(x, geometry, target))
     if autograd.needs_grad(x):
-        autograd.record("avg_pool2d", out, (x,), ("x",), _avg_backward(x.shape, geometry))
+        if op == "max_pool2d":
+            autograd.record(op, out, (x,), ("x",), _max_backward(x.shape, geometry),
+                            [("x", x), ("the output", out)])
+        else:
+            autograd.record(op, out, (x,), ("x",), _avg_backward(x.shape, geometry))
     return out
 
 
