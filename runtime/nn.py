@@ -694,16 +694,19 @@ def train_step(model: Module, optimizer: Optimizer, loss: Any = softmax_cross_en
         optimizer.prepare()  # NOTE: every allocation first: Note [the commit point]
         if scaler is not None:
             scaler.prepare(optimizer)
-        if half is None:
-            value = loss(model(x), target)
-        else:
-            with amp.autocast(half):
+        # NOTE: the forward pass's state writes (batch norm's running statistics) wait for the
+        # commit point: Note [state writes wait for the commit point] in runtime/ops.py
+        with ops.state_writes() as writes:
+            if half is None:
                 value = loss(model(x), target)
+            else:
+                with amp.autocast(half):
+                    value = loss(model(x), target)
+            (value if scaler is None else scaler.scale(value)).backward()
+            writes.commit()
         if scaler is None:
-            value.backward()
             optimizer.step()
         else:
-            scaler.scale(value).backward()
             scaler.step(optimizer)
             scaler.update()
         optimizer.zero_grad()
@@ -946,7 +949,7 @@ class _BatchNorm(Module):
         the batch is normalised, so a refused call counts nothing)."""
         wide = ops._wide_dtype(x.dtype)
         with no_grad():
-            count = ops.cast(self.num_batches_tracked, wide, exact=False)
+            count = ops.cast(ops._current_state(self.num_batches_tracked), wide, exact=False)
             return ops.div(1.0, ops.add(count, 1.0, out=count), out=count)
 
     def extra_repr(self) -> str:

@@ -15,10 +15,12 @@ partially overlapping operands, on any backend.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -673,7 +675,8 @@ def batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor | Non
     In training (`training=True`) mean and var are the batch's, over every axis but 1 (var
     biased), and the gradient flows through them; running_mean and running_var (when given)
     are then updated in place, running = (1 - momentum) * running + momentum * batch, with
-    the unbiased variance (the sum of squares over n - 1). In evaluation the running
+    the unbiased variance (the sum of squares over n - 1): here, or at the step's commit point
+    inside `state_writes()` (which `nn.train_step` opens). In evaluation the running
     statistics are used and left as they are. float16 and bfloat16 x compute in float32 and
     round the result once; their per-channel operands may be float32.
 
@@ -738,6 +741,7 @@ def batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor | Non
         return _batch_norm_training(x, running_mean, running_var, weight, bias, momentum, eps,
                                     out, count, per_channel)
     xw = _widened(x, wide)
+    running_mean, running_var = _current_state(running_mean), _current_state(running_var)
     scale = div(1.0, _elementwise("sqrt", None, add(per_channel(running_var), eps)))
     normalised = mul(sub(xw, per_channel(running_mean)), scale)
     y = normalised
@@ -840,29 +844,125 @@ def _batch_norm_training(x: Tensor, running_mean: Tensor | None, running_var: Te
     return result
 
 
+# Note [state writes wait for the commit point]: batch norm's running statistics and count
+# are state a training step writes in its forward pass, long before the optimizer's update.
+# Written there, they would move the step's commit point (Note [the commit point] in
+# runtime/nn.py) to the first batch norm: a failed backward would leave them updated (and a
+# retried step update them twice), a captured "recycle" or "none" replay would have to make
+# the whole step's allocations before its first layer, and checkpointing could recompute no
+# segment that holds one (runtime/graph/checkpoint.py: a segment that writes into earlier data
+# cannot run again). So inside `state_writes()` (which `nn.train_step` opens) each new value
+# is computed into a fresh tensor where the old code wrote, and `StateWrites.commit` copies
+# them all into their state at the commit point; a later read of that state in the same step
+# (a layer called twice) reads the pending value, so the arithmetic is PyTorch's exactly.
+# Outside `state_writes()` the writes happen where they are computed, as PyTorch's.
+class StateWrites:
+    """The state writes of one training step's forward pass held until its commit point
+    (Note [state writes wait for the commit point]): `current(state)` is the value a read
+    sees, `put(state, value)` holds a new value, `commit()` writes them all, `discard()`
+    drops them."""
+
+    def __init__(self) -> None:
+        #: id of the state tensor -> (state, its pending value); the state is held, so the
+        #: id names it while the entry lives
+        self._pending: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def current(self, state: Tensor) -> Tensor:
+        entry = self._pending.get(id(state))
+        return state if entry is None else entry[1]
+
+    def put(self, state: Tensor, value: Tensor) -> None:
+        entry = self._pending.get(id(state))
+        self._pending[id(state)] = (state, value)
+        if entry is not None and entry[1] is not value:
+            entry[1].release()
+
+    def commit(self) -> None:
+        """Copy every pending value into its state (allocating nothing) and forget them."""
+        pending, self._pending = self._pending, {}
+        with autograd.no_grad():
+            for state, value in pending.values():
+                copy(value, out=state)
+                value.release()
+
+    def discard(self) -> None:
+        """Drop every pending value: the state stays as it was before the step."""
+        pending, self._pending = self._pending, {}
+        for _, value in pending.values():
+            value.release()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+_STATE_WRITES = threading.local()
+
+
+def _state_writes() -> StateWrites | None:
+    """The innermost open `state_writes()` of this thread, or None."""
+    stack = getattr(_STATE_WRITES, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def state_writes() -> Iterator[StateWrites]:
+    """Hold the state writes of the forward passes inside (batch norm's running statistics
+    and num_batches_tracked) until the caller's `commit()`; what is still pending when the
+    block ends is committed then, or dropped if the block raises (the state is then as it was
+    before), Note [state writes wait for the commit point]."""
+    writes = StateWrites()
+    stack = _STATE_WRITES.__dict__.setdefault("stack", [])
+    stack.append(writes)
+    try:
+        yield writes
+    except BaseException:
+        stack.pop()
+        writes.discard()
+        raise
+    stack.pop()
+    writes.commit()
+
+
+def _current_state(state: Tensor) -> Tensor:
+    """`state` as the step has it now: its pending value inside `state_writes()`, else itself."""
+    writes = _state_writes()
+    return state if writes is None else writes.current(state)
+
+
 def _running_update(stat: Tensor, batch: Tensor, momentum: float | Tensor) -> None:
-    """stat = momentum * batch + (1 - momentum) * stat in place, in batch's dtype (PyTorch's
-    update, as its CPU kernel writes it), rounded once into a two-byte stat. `momentum` may
-    be a 0-d Tensor of batch's dtype (BatchNorm's cumulative average, `momentum=None`)."""
+    """stat = momentum * batch + (1 - momentum) * stat, in batch's dtype (PyTorch's update,
+    as its CPU kernel writes it), rounded once into a two-byte stat: in place, or held until
+    the commit point inside `state_writes()`. `momentum` may be a 0-d Tensor of batch's dtype
+    (BatchNorm's cumulative average, `momentum=None`)."""
+    writes = _state_writes()
+    old = stat if writes is None else writes.current(stat)
     rest = sub(1.0, momentum) if isinstance(momentum, Tensor) else 1.0 - momentum
-    update = add(mul(batch, momentum), mul(_widened(stat, batch.dtype), rest))
-    if stat.dtype == update.dtype:
+    update = add(mul(batch, momentum), mul(_widened(old, batch.dtype), rest))
+    if writes is not None:
+        writes.put(stat, update if stat.dtype == update.dtype else _narrowed(update, stat.dtype))
+    elif stat.dtype == update.dtype:
         copy(update, out=stat)
     else:
         cast(update, stat.dtype, out=stat)
 
 
 def _count_up(counter: Tensor) -> Tensor:
-    """counter += 1 in place, for an integer Tensor of any shape (BatchNorm's
-    num_batches_tracked): on the host, between a read and a write of the device's memory, since
-    the devices' arithmetic kernels take floats only. Recorded as one op, so a captured graph
-    counts at every replay."""
+    """counter += 1, for an integer Tensor of any shape (BatchNorm's num_batches_tracked): on
+    the host, between a read and a write of the device's memory, since the devices' arithmetic
+    kernels take floats only; in place, or held until the commit point inside
+    `state_writes()`. Recorded as one op, so a captured graph counts at every replay."""
     device = counter.device
 
     def run(v: list, o: Any) -> None:
         device.from_host(device.to_host(v[0]) + 1, o)
 
-    return _launch("count_up", counter, [("counter", counter, counter.shape)], run)
+    writes = _state_writes()
+    if writes is None:
+        return _launch("count_up", counter, [("counter", counter, counter.shape)], run)
+    new = Tensor._fresh(counter.shape, counter.dtype, _result_allocator(counter))
+    _launch("count_up", new, [("counter", writes.current(counter), counter.shape)], run)
+    writes.put(counter, new)
+    return new
 
 
 def _indices(op: str, indices: Any, weight: Tensor) -> Tensor:
