@@ -878,11 +878,14 @@ class StateWrites:
             entry[1].release()
 
     def commit(self) -> None:
-        """Copy every pending value into its state (allocating nothing) and forget them."""
+        """Copy every pending value into its state (allocating nothing) and forget them. Each
+        copy is the op "commit_state", which a captured schedule runs after every instruction
+        recorded before it (runtime/graph/schedule.py), as here."""
         pending, self._pending = self._pending, {}
-        with autograd.no_grad():
+        with autograd.no_grad(), tape.phase("update"):
             for state, value in pending.values():
-                copy(value, out=state)
+                _launch("commit_state", state, [("value", value, state.shape)],
+                        _copy_kernel(state.device))
                 value.release()
 
     def discard(self) -> None:
@@ -896,6 +899,10 @@ class StateWrites:
 
 
 _STATE_WRITES = threading.local()
+
+
+def _copy_kernel(device: Any) -> Callable[..., None]:
+    return lambda v, o: device.unary("copy", v[0], o)
 
 
 def _state_writes() -> StateWrites | None:
@@ -1165,7 +1172,8 @@ ALIASING_POLICY.update({"batch_norm": NEVER, "embedding": NEVER, "embedding_back
                         # NOTE: x * mask: out may be x itself
                         "dropout": ELEMENTWISE,
                         # NOTE: both write their state in place (the identical view)
-                        "count_up": ELEMENTWISE, "dropout_mask": ELEMENTWISE})
+                        "count_up": ELEMENTWISE, "dropout_mask": ELEMENTWISE,
+                        "commit_state": NEVER})
 
 
 

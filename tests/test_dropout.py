@@ -183,8 +183,8 @@ def test_in_evaluation_a_captured_step_draws_nothing_and_reads_the_running_stati
 
 @pytest.mark.skipif("opencl" not in backends.available(), reason="no OpenCL device (PoCL) here")
 @pytest.mark.parametrize("options", [dict(plan="static", checkpoint="sqrt"),
-                                     dict(plan="recycle", memory_budget="least")],
-                         ids=["static-sqrt", "recycle-budget"])
+                                     dict(plan="static", memory_budget="least")],
+                         ids=["static-sqrt", "static-budget"])
 def test_on_opencl_a_captured_training_step_equals_eager_bit_for_bit(options):
     """On OpenCL a budget may also move results to host memory and back (PoCL's memory is
     not the runtime's host memory): masks and statistics come through as on the CPU."""

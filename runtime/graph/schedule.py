@@ -10,24 +10,35 @@ from runtime.tape import Instruction
 
 #: Ops whose kernels check their data and may raise (cross_entropy's labels).
 _RAISES_ON_DATA = frozenset({"cross_entropy"})
+#: Ops that run after every instruction recorded before them: a training step's held state
+#: writes (Note [state writes wait for the commit point] in runtime/ops.py), which hazards
+#: alone would let run as soon as their value is made, in the forward pass.
+_BARRIERS = frozenset({"commit_state"})
 
 
 def _dependencies(program: Sequence[Instruction],
                   intermediate: frozenset[int] = frozenset()) -> list[set[int]]:
     """Predecessors of each instruction: read-after-write, write-after-read, write-after-write
-    on blocks (whole blocks: conservative for disjoint views of one block); and a write to a
-    block that outlives the step (state, outputs) waits for every earlier instruction that may
-    raise on its data, so a replay that raises there has written nothing that lasts, as the
-    function called directly would not have (an SGD momentum update needs no gradient and
-    would otherwise run first)."""
+    on blocks (whole blocks: conservative for disjoint views of one block); a barrier
+    (`_BARRIERS`) after every instruction before it; and a write to a block that outlives the
+    step (state, outputs) waits for every earlier instruction that may raise on its data, so
+    a replay that raises there has written nothing that lasts, as the function called
+    directly would not have (an SGD momentum update needs no gradient and would otherwise
+    run first)."""
     last_write: dict[int, int] = {}
     readers: dict[int, list[int]] = {}
     preds: list[set[int]] = []
     raisers: list[int] = []
+    covered, barrier = 0, None  # NOTE: every instruction before `covered` precedes `barrier`
     for j, instr in enumerate(program):
         before: set[int] = set()
         if raisers and any(o.block.id not in intermediate for o in instr.outputs):
             before.update(raisers)
+        if instr.op in _BARRIERS:
+            before.update(range(covered, j))
+            if barrier is not None:
+                before.add(barrier)
+            covered, barrier = j, j
         if instr.op in _RAISES_ON_DATA:
             raisers.append(j)
         for operand in instr.inputs:
