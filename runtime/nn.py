@@ -583,18 +583,26 @@ def mse(prediction: Tensor, target: Any) -> Tensor:
 
 # ---------------------------------------- normalisation and activation layers
 class GELU(Module):
-    """The Gaussian error linear unit elementwise, exactly: x * Phi(x) (`ops.gelu`; PyTorch's
-    nn.GELU with approximate="none", the only form here)."""
+    """The Gaussian error linear unit elementwise (`ops.gelu`; PyTorch's nn.GELU):
+    approximate="none" computes x * Phi(x) exactly (with erf), "tanh" PyTorch's tanh
+    approximation; any other value is a ValueError.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> from runtime import nn
+        >>> nn.GELU("tanh")(runtime.tensor(np.float64([1.0]))).numpy()
+        array([0.84119199])
+    """
 
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
-        if approximate != "none":
-            raise ValueError(f"GELU: approximate={approximate!r} is not implemented; only "
-                             f"'none' (the exact form, with erf)")
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU: approximate must be 'none' or 'tanh' (PyTorch's), got "
+                             f"{approximate!r}")
         self.approximate = approximate
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.gelu(x)
+        return ops.gelu(x, approximate=self.approximate)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"

@@ -512,6 +512,33 @@ def _public(op: optable.Op) -> Callable[..., Tensor]:
 #: The public elementwise ops of backends/optable.py, in its order.
 ELEMENTWISE_OPS = tuple(op.name for op in optable.OPS if op.public)
 globals().update({name: _public(optable.BY_NAME[name]) for name in ELEMENTWISE_OPS})
+#: GELU's forms (`approximate`), PyTorch's names, and the table op of each.
+_GELU_FORMS = {"none": "gelu", "tanh": "gelu_tanh"}
+
+
+def gelu(x: Operand, approximate: str = "none", out: Tensor | None = None) -> Tensor:
+    """The Gaussian error linear unit elementwise, PyTorch's `gelu(x, approximate)`.
+
+    approximate="none": exactly, x * Phi(x), Phi the standard normal's distribution function,
+    as x * 0.5 * (1 + erf(x / sqrt(2))); "tanh": the tanh approximation, 0.5 * x * (1 +
+    tanh(sqrt(2 / pi) * (x + 0.044715 * x**3))) (`gelu_tanh`). Each in PyTorch's order, with
+    PyTorch's gradient. Any other `approximate` is a ValueError. `out` may be x.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> x = runtime.tensor(np.float64([-1.0, 0.0, 1.0]))
+        >>> runtime.ops.gelu(x).numpy()
+        array([-0.15865525,  0.        ,  0.84134475])
+        >>> runtime.ops.gelu(x, approximate="tanh").numpy()
+        array([-0.15880801,  0.        ,  0.84119199])
+    """
+    name = _GELU_FORMS.get(approximate) if isinstance(approximate, str) else None
+    if name is None:
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh' (PyTorch's), got "
+                         f"{_brief(approximate)}")
+    return _elementwise(name, out, x)
+
+
 # NOTE: the names the rest of this module calls, bound for readers and linters alike
 add, sub, mul, div, neg, copy, where_finite = (globals()[name] for name in (
     "add", "sub", "mul", "div", "neg", "copy", "where_finite"))

@@ -307,14 +307,29 @@ def test_layer_norm_module_as_torch():
                                atol=1e-6)
 
 
-def test_gelu_module_as_torch():
+@pytest.mark.parametrize("device", DEVICES, ids=DEVICE_IDS)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_module_and_op_as_torch(device, approximate):
+    """Both forms, the module and the op, value and gradient against PyTorch's, and against
+    finite differences."""
     x = np.linspace(-6, 6, 49)
-    for dtype in (FLOAT32, FLOAT64):
-        assert _compare(lambda t: nn.GELU()(t), lambda t: torch.nn.GELU()(t), [x],
-                        DEVICES[0], dtype) == 2
-    with pytest.raises(ValueError, match="approximate='tanh' is not implemented"):
-        nn.GELU("tanh")
-    check_gradients(lambda t: ops.gelu(t), x[::4], rtol=1e-6, atol=1e-8)
+    for dtype in _floats(device):
+        assert _compare(lambda t: nn.GELU(approximate)(t),
+                        lambda t: torch.nn.GELU(approximate)(t), [x], device, dtype) == 2
+        assert _compare(lambda t: ops.gelu(t, approximate),
+                        lambda t: torch.nn.functional.gelu(t, approximate=approximate), [x],
+                        device, dtype) == 2
+    assert repr(nn.GELU(approximate)) == repr(torch.nn.GELU(approximate))
+    check_gradients(lambda t: ops.gelu(t, approximate=approximate), x[::4], rtol=1e-6,
+                    atol=1e-8)
+
+
+@pytest.mark.parametrize("bad", ["Tanh", "erf", None, 1])
+def test_gelu_refuses_an_unknown_approximation(bad):
+    with pytest.raises(ValueError, match=r"approximate must be 'none' or 'tanh'.*got"):
+        nn.GELU(bad)
+    with pytest.raises(ValueError, match=r"gelu: approximate must be 'none' or 'tanh'.*got"):
+        ops.gelu(runtime.tensor(np.zeros(2)), approximate=bad)
 
 
 # ---------------------------------------------------------------------- out= and overlaps
