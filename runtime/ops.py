@@ -915,7 +915,54 @@ def _indices(op: str, indices: Any, weight: Tensor) -> Tensor:
                   allocator=_result_allocator(weight))
 
 
-def embedding(indices: Any, weight: Tensor, out: Tensor | None = None) -> Tensor:
+def _padding_index(op: str, padding_idx: Any, rows: int) -> int | None:
+    """`padding_idx` as a row in [0, rows), a negative one counted from the end (PyTorch's
+    rule), or None; TypeError for a non-integer, ValueError naming the bounds outside them."""
+    if padding_idx is None:
+        return None
+    if isinstance(padding_idx, (bool, np.bool_)) or not isinstance(padding_idx,
+                                                                  numbers.Integral):
+        raise TypeError(f"{op}: padding_idx must be an int or None, got {_brief(padding_idx)}")
+    if not -rows <= padding_idx < rows:
+        raise ValueError(f"{op}: padding_idx {padding_idx} is outside [-{rows}, {rows}) for "
+                         f"{rows} embeddings")
+    return int(padding_idx) % rows
+
+
+def _renorm_rows(weight: Tensor, flat: Tensor, max_norm: float, norm_type: float) -> None:
+    """PyTorch's embedding_renorm_ in place, as one recorded launch (so a captured graph
+    renormalises at every replay): each distinct row that `flat` names whose norm exceeds
+    max_norm is scaled by max_norm / (norm + 1e-7). On the host: the indices and the weight
+    are read back and the weight written whole (a table of R rows costs two copies of it)."""
+    device = weight.device
+    dtype = weight.dtype
+    compute = _FLOAT64 if dtype == _FLOAT64 else _FLOAT32
+
+    def run(v: list, o: Any) -> None:
+        table = device.to_host(v[0])
+        rows = np.unique(device.to_host(v[1]))
+        if rows.size == 0:
+            return
+        picked = table[rows].astype(np.float64)
+        norms = np.linalg.norm(picked, ord=norm_type, axis=1)
+        over = norms > max_norm
+        if not over.any():
+            return
+        # NOTE: the scale in double, then a product in the compute dtype rounded once, as
+        # PyTorch's `row *= scale` on a float32, half or float64 row
+        scale = (max_norm / (norms[over] + 1e-7)).astype(compute)
+        scaled = table[rows[over]].astype(compute) * scale[:, None]
+        table = table.copy()
+        table[rows[over]] = scaled.astype(dtype)
+        device.from_host(table, o)
+
+    _launch("embedding_renorm", weight, [("weight", weight, weight.shape),
+                                          ("indices", flat, flat.shape)], run)
+
+
+def embedding(indices: Any, weight: Tensor, padding_idx: int | None = None,
+              max_norm: float | None = None, norm_type: float = 2.0,
+              out: Tensor | None = None) -> Tensor:
     """Rows of `weight` (num_embeddings, embedding_dim) picked by integer `indices` (any
     shape): the result has shape indices.shape + (embedding_dim,), PyTorch's
     `torch.nn.functional.embedding`. The weight's gradient adds the gradient of every use of a
@@ -925,6 +972,12 @@ def embedding(indices: Any, weight: Tensor, out: Tensor | None = None) -> Tensor
     `indices` is an integer Tensor on weight's device or an array-like of ints; each must lie
     in [0, num_embeddings): ValueError naming the first that does not and the row count,
     before anything is written. `out` may not share memory with the weight.
+
+    As PyTorch's: the row `padding_idx` (negative: counted from the end) gets no gradient;
+    with `max_norm`, each distinct row looked up whose `norm_type`-norm is above max_norm is
+    first scaled in place to max_norm / (norm + 1e-7) of itself (not recorded for gradients:
+    PyTorch's embedding_renorm_; the weight's version moves, so a product that saved the same
+    weight refuses its backward, as PyTorch's does).
 
     Example:
         >>> import numpy as np, runtime
@@ -940,6 +993,10 @@ def embedding(indices: Any, weight: Tensor, out: Tensor | None = None) -> Tensor
     if weight.ndim != 2:
         raise ValueError(f"{op}: weight must be 2-D (num_embeddings, embedding_dim), got shape "
                          f"{weight.shape}")
+    padding = _padding_index(op, padding_idx, weight.shape[0])
+    if max_norm is not None:
+        max_norm = _number(op, "max_norm", max_norm, -math.inf)
+        norm_type = _number(op, "norm_type", norm_type, -math.inf)
     index = _indices(op, indices, weight)
     device, dtype = weight.device, weight.dtype
     rows, dim = weight.shape
@@ -953,6 +1010,8 @@ def embedding(indices: Any, weight: Tensor, out: Tensor | None = None) -> Tensor
         _refuse_overlaps(op, out, [("weight", weight, weight.shape)])
         target = Tensor._fresh((count, dim), dtype, _result_allocator(weight))
     with autograd.no_grad():
+        if max_norm is not None:
+            _renorm_rows(weight, flat, max_norm, norm_type)
         _launch(op, target, [("weight", weight, weight.shape), ("indices", flat, flat.shape)],
                 lambda v, o: device.gather(v[0], v[1], o))
         if target.block is not out.block:
@@ -965,6 +1024,12 @@ def embedding(indices: Any, weight: Tensor, out: Tensor | None = None) -> Tensor
             _launch("embedding_backward", result, [("grad", g2, g2.shape),
                                                    ("indices", index, index.shape)],
                     lambda v, o: _scatter_rows(device, v[0], v[1], o))
+            if padding is not None:  # NOTE: the padding row's uses add nothing, as PyTorch's
+                row = result[padding]
+                zero = _fill_value(result, 0.0)
+                copy(zero, out=row)
+                zero.release()
+                row.release()
             return (result,)
 
         autograd.record(op, out, (weight,), ("weight",), fn, [("indices", flat)])
@@ -1092,7 +1157,8 @@ ALIASING_POLICY.update({"batch_norm": NEVER, "embedding": NEVER, "embedding_back
                         # NOTE: x * mask: out may be x itself
                         "dropout": ELEMENTWISE,
                         # NOTE: both write their state in place (the identical view)
-                        "count_up": ELEMENTWISE, "dropout_mask": ELEMENTWISE})
+                        "count_up": ELEMENTWISE, "dropout_mask": ELEMENTWISE,
+                        "embedding_renorm": ELEMENTWISE})
 
 
 
