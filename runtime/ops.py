@@ -2176,13 +2176,18 @@ def _release(*tensors: Tensor | None) -> None:
             t.release()
 
 
-def _one_axis(op: str, axis: Any, x: Tensor) -> int:
-    """`axis` as one axis of x in [0, ndim), or a TypeError/ValueError naming it."""
+def _one_axis(op: str, axis: Any, x: Tensor) -> int | tuple[()]:
+    """`axis` as one axis of x in [0, ndim), or a TypeError/ValueError naming it. A 0-d x
+    takes axis 0 or -1, as in PyTorch, which normalises it as one element: then the axes are
+    (), so that its maximum and sum are the element itself (softmax 1, log_softmax 0; NaN
+    for an infinity or a NaN)."""
     if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, numbers.Integral):
         raise TypeError(f"{op}: axis must be one int, got {_brief(axis)}")
     if x.ndim == 0:
-        raise ValueError(f"{op}: x is 0-dimensional (shape ()), it has no axis {axis} to "
-                         f"normalise over; reshape it to (1,) first")
+        if axis not in (0, -1):
+            raise ValueError(f"{op}: axis {axis} is out of range for a 0-dimensional x "
+                             f"(shape ()): it takes axis 0 or -1, as in PyTorch")
+        return ()
     return as_axes(op, axis, x.ndim)[0]
 
 

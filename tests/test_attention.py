@@ -212,9 +212,36 @@ def test_softmax_refuses_bad_axes_by_name():
         ops.softmax(x, (0, 1))
     with pytest.raises(TypeError, match="log_softmax: axis must be one int"):
         ops.log_softmax(x, None)
-    with pytest.raises(ValueError, match="0-dimensional"):
-        ops.softmax(runtime.tensor(np.float64(1.0)))
+    for op, axis in ((ops.softmax, 1), (ops.log_softmax, -2)):
+        with pytest.raises(ValueError, match=f"{op.__name__}: axis {axis} is out of range for "
+                                             "a 0-dimensional x .* axis 0 or -1"):
+            op(runtime.tensor(np.float64(1.0)), axis)
+        with pytest.raises(IndexError, match="Dimension out of range"):  # NOTE: PyTorch too
+            getattr(torch, op.__name__)(torch.tensor(1.0), axis)
     assert ops.softmax(runtime.tensor(np.ones((2, 0))), -1).shape == (2, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=DEVICE_IDS)
+@pytest.mark.parametrize("axis", [0, -1])
+@pytest.mark.parametrize("value", [2.5, -1e30, np.inf, -np.inf, np.nan])
+def test_softmax_of_a_0d_tensor_is_pytorchs(device, axis, value):
+    """A 0-d x is one element to normalise, as in PyTorch: softmax 1 and log_softmax 0 with
+    gradient 0, NaN for an infinity or a NaN; eagerly and in a captured graph."""
+    for op in (ops.softmax, ops.log_softmax):
+        for dtype in _floats(device):
+            x = runtime.tensor(np.array(value, dtype), device=device, requires_grad=True)
+            y = op(x, axis)
+            y.backward(runtime.tensor(np.array(1.5, dtype), device=device))
+            tx = torch.tensor(np.array(value, dtype), requires_grad=True)
+            ty = getattr(torch, op.__name__)(tx, axis)
+            ty.backward(torch.tensor(np.array(1.5, dtype)))
+            assert y.shape == () and y.dtype == dtype
+            np.testing.assert_array_equal(y.numpy(), ty.detach().numpy())
+            np.testing.assert_array_equal(x.grad.numpy(), tx.grad.numpy())
+            captured = runtime.graph(lambda t, op=op: op(t, axis), plan="static")
+            for _ in range(2):  # NOTE: a NaN's sign is the machine's (docs/testing.md)
+                got = captured(np.array(value, dtype)).numpy()
+                assert got.tobytes() == y.numpy().tobytes() or np.isnan(got) and np.isnan(y.numpy())
 
 
 def test_softmax_under_autocast_runs_in_float32():
