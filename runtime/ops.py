@@ -2513,13 +2513,18 @@ def _causal_mask(rows: int, cols: int, dtype: np.dtype) -> np.ndarray:
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  attn_mask: Tensor | None = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None,
+                                 generator: Generator | None = None,
                                  out: Tensor | None = None) -> Tensor:
     """softmax(query @ key^T * scale + mask) @ value, PyTorch's F.scaled_dot_product_attention:
     query (..., L, E), key (..., S, E), value (..., S, Ev), the leading (batch, head)
     dimensions broadcast; returns (..., L, Ev). `scale` defaults to 1 / sqrt(E). `is_causal`
     lets query i attend to keys 0..i only (a -inf upper triangle is added to the scores);
     `attn_mask` is a bool Tensor (True: may attend) or a float Tensor added to the scores,
-    broadcast to (..., L, S). Dropout is not implemented: `dropout_p` must be 0.
+    broadcast to (..., L, S). With `dropout_p` > 0 the attention weights go through
+    `dropout` (always, as PyTorch's: the function has no training flag), each zeroed with
+    probability dropout_p and the rest scaled by 1 / (1 - dropout_p); the masks come from
+    `generator` (default: `default_generator`), so a captured graph draws the eager masks and
+    a recomputed segment reuses them (docs/layers-state.md). They are not PyTorch's draws.
 
     Composed of ops, each with its own backward: a product by the scale, batched `matmul`,
     the mask, `softmax` and `matmul` (so graphs capture, plan and fuse it as those ops).
@@ -2543,9 +2548,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         raise ValueError(f"scaled_dot_product_attention: query {query.shape}, key {key.shape} "
                          f"and value {value.shape} do not fit: query and key share the last "
                          f"dimension (E), key and value the one before it (S)")
-    if isinstance(dropout_p, (bool, np.bool_)) or dropout_p != 0:
-        raise ValueError(f"scaled_dot_product_attention: dropout is not implemented, dropout_p "
-                         f"must be 0, got {_brief(dropout_p)}")
+    dropout_p = _number("scaled_dot_product_attention", "dropout_p", dropout_p, 0.0, 1.0)
+    if generator is not None and not isinstance(generator, Generator):
+        raise TypeError(f"scaled_dot_product_attention: generator must be an ops.Generator or "
+                        f"None, got {_brief(generator)}")
     is_causal = as_flag(is_causal, "scaled_dot_product_attention: is_causal")
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: pass attn_mask or is_causal=True, not "
@@ -2571,6 +2577,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
             scores = add(scores, attn_mask)
     weights = softmax(scores, -1)
     scores.release()
+    if dropout_p > 0:
+        dropped = dropout(weights, dropout_p, generator=generator)
+        weights.release()
+        weights = dropped
     if out is None:
         return matmul(weights, value)
     # NOTE: out may share no memory with query and key either

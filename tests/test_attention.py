@@ -6,6 +6,8 @@ checkpointing and a memory budget, equals the eager step bit for bit."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -489,8 +491,10 @@ def test_scaled_dot_product_attention_refuses_bad_input_by_number():
     q = runtime.tensor(np.ones((2, 3, 4)))
     with pytest.raises(ValueError, match=r"query \(2, 3, 4\), key \(2, 3, 5\) and value"):
         ops.scaled_dot_product_attention(q, runtime.tensor(np.ones((2, 3, 5))), q)
-    with pytest.raises(ValueError, match="dropout_p must be 0, got 0.1"):
-        ops.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"dropout_p must lie in \[0.0, 1.0\], got 1.5"):
+        ops.scaled_dot_product_attention(q, q, q, dropout_p=1.5)
+    with pytest.raises(TypeError, match="generator must be an ops.Generator or None, got 7"):
+        ops.scaled_dot_product_attention(q, q, q, dropout_p=0.1, generator=7)
     with pytest.raises(ValueError, match="not both"):
         ops.scaled_dot_product_attention(q, q, q, runtime.tensor(np.zeros((3, 3))),
                                          is_causal=True)
@@ -636,3 +640,113 @@ def _modules(module: nn.Module):
     for child in module._modules.values():
         yield from _modules(child)
 
+
+
+# ---------------------------------------------------------------------- attention dropout
+def _dropout_mask(device, shape, p, seed, dtype) -> np.ndarray:
+    """The kept (scaled) entries of the attention weights that `seed`'s first draw gives:
+    with value the identity, attention returns the dropped weights themselves (no weight of
+    a finite score is 0, so a 0 is a dropped entry)."""
+    rows, cols = shape[-2:]
+    q = runtime.tensor(np.zeros((*shape[:-1], 2), dtype), device=device)
+    k = runtime.tensor(np.zeros((*shape[:-2], cols, 2), dtype), device=device)
+    eye = np.broadcast_to(np.eye(cols, dtype=dtype), (*shape[:-2], cols, cols)).copy()
+    dropped = ops.scaled_dot_product_attention(q, k, runtime.tensor(eye, device=device),
+                                               dropout_p=p, generator=ops.Generator(seed))
+    return dropped.numpy() != 0
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=DEVICE_IDS)
+@pytest.mark.parametrize("p", [0.2, 0.6])
+def test_attention_dropout_drops_about_p_and_scales_the_rest(device, p):
+    """value = the identity: the output is the dropped weights, softmax * mask / (1 - p)."""
+    rng = np.random.default_rng(21)
+    q, k = (rng.normal(size=(2, 4, 32, 8)).astype(np.float32) for _ in range(2))
+    eye = np.broadcast_to(np.eye(32, dtype=np.float32), (2, 4, 32, 32)).copy()
+    got = ops.scaled_dot_product_attention(
+        *(runtime.tensor(a, device=device) for a in (q, k, eye)), dropout_p=p,
+        generator=ops.Generator(3)).numpy()
+    weights = _host(torch.softmax(torch.from_numpy(q) @ torch.from_numpy(k).transpose(-1, -2)
+                                  / math.sqrt(8), -1))
+    kept = got != 0
+    # NOTE: 8192 draws: the fraction dropped is p within 5 standard deviations
+    assert abs((1 - kept.mean()) - p) < 5 * math.sqrt(p * (1 - p) / kept.size)
+    np.testing.assert_allclose(got[kept], weights[kept] / np.float32(1 - p), rtol=2e-6)
+    again = ops.scaled_dot_product_attention(
+        *(runtime.tensor(a, device=device) for a in (q, k, eye)), dropout_p=p,
+        generator=ops.Generator(3)).numpy()
+    assert again.tobytes() == got.tobytes()  # NOTE: a seed's first mask, on any device
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=DEVICE_IDS)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_attention_dropout_gradients_equal_pytorchs_with_the_same_mask(device, is_causal):
+    """The mask the seed draws, read back (`_dropout_mask`), applied by hand in PyTorch:
+    the value and the gradients of query, key and value agree."""
+    rng = np.random.default_rng(22)
+    q, k, v = (rng.normal(size=(2, 3, 5, 4)) for _ in range(3))
+    p = 0.3
+    for dtype in _floats(device):
+        kept = _dropout_mask(device, (2, 3, 5, 5), p, 11, dtype)
+        assert 0 < kept.mean() < 1
+
+        def by_hand(tq, tk, tv, kept=kept):
+            scores = tq @ tk.transpose(-1, -2) / math.sqrt(4)
+            if is_causal:
+                scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1),
+                                            -math.inf)
+            weights = torch.softmax(scores, -1) * torch.from_numpy(kept) / (1 - p)
+            return weights @ tv
+
+        assert _compare(lambda *t: ops.scaled_dot_product_attention(
+            *t, dropout_p=p, is_causal=is_causal, generator=ops.Generator(11)),
+            by_hand, [q, k, v], device, dtype) == 4
+
+
+class _DroppedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.head = nn.Dense(6, 18), nn.Dense(16 * 6, 3)
+        self.generator = ops.Generator(5)
+
+    def forward(self, x):
+        batch = x.shape[0]
+        qkv = self.qkv(x).reshape(batch, 16, 3, 2, 3)  # (batch, seq, q/k/v, heads, dim)
+        q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        y = ops.scaled_dot_product_attention(q, k, v, dropout_p=0.4, is_causal=True,
+                                             generator=self.generator)
+        return self.head(ops.relu(y.transpose(0, 2, 1, 3).reshape(batch, 16 * 6)))
+
+
+@pytest.mark.parametrize("options", [
+    dict(plan="static"), dict(plan="static", checkpoint="sqrt"),
+    dict(plan="static", memory_budget="least"),
+], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_attention_dropout_in_a_captured_step_equals_eager_bit_for_bit(options):
+    """A recomputed segment (checkpoint, budget) multiplies by the masks the step drew, not
+    new ones: the losses, parameters and the generator's count are the eager steps'."""
+    rng = np.random.default_rng(23)
+    batches = [(rng.normal(size=(3, 16, 6)).astype(np.float32), rng.integers(0, 3, 3))
+               for _ in range(3)]
+
+    def make():
+        nn.manual_seed(2)
+        model = _DroppedAttention()
+        return model, nn.train_step(model, nn.Adam(model.parameters(), lr=0.05))
+
+    eager_model, eager = make()
+    want = [eager(runtime.tensor(x), runtime.tensor(y)).numpy().tobytes() for x, y in batches]
+    model, step = make()
+    if options.get("memory_budget") == "least":
+        try:
+            runtime.graph(make()[1], memory_budget=1, plan=options["plan"])(*batches[0])
+        except runtime.BudgetError as error:
+            options = {**options, "memory_budget": error.least_bytes}
+    graph = runtime.graph(step, **options)
+    assert [graph(x, y).numpy().tobytes() for x, y in batches] == want
+    for name, value in eager_model.state_dict().items():
+        assert model.state_dict()[name].numpy().tobytes() == value.numpy().tobytes(), name
+    count = model.generator.state(model.head.weight).numpy()[1]
+    assert count == eager_model.generator.state(eager_model.head.weight).numpy()[1] == 3
+    if len(options) > 1:
+        assert graph.memory_report()["recomputed"] + graph.memory_report()["moved"] > 0
