@@ -156,6 +156,12 @@ class Op:
 _TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
 _SQRT_HALF = math.sqrt(0.5)
 _ONE_OVER_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+#: GELU's tanh form, PyTorch's constants: kBeta = M_SQRT2 * M_2_SQRTPI * 0.5 (sqrt(2 / pi),
+#: the C literals' doubles multiplied as C does) and kKappa; 3 * kKappa folded in double
+_GELU_BETA = 1.41421356237309504880 * 1.12837916709551257390 * 0.5
+_GELU_KAPPA = 0.044715
+_GELU_INNER = mul(_GELU_BETA, add(X0, mul(_GELU_KAPPA, mul(mul(X0, X0), X0))))
+_GELU_INNER_1 = mul(_GELU_BETA, add(X1, mul(_GELU_KAPPA, mul(mul(X1, X1), X1))))
 
 #: Every elementwise op, in the order of their kernel codes in C.
 OPS: tuple[Op, ...] = (
@@ -233,6 +239,21 @@ OPS: tuple[Op, ...] = (
         >>> runtime.ops.gelu(runtime.tensor(np.float64([-1.0, 0.0, 1.0]))).numpy()
         array([-0.15865525,  0.        ,  0.84134475])
     """),
+    # NOTE: PyTorch's tanh form, in its order: 0.5 * x * (1 + tanh(kBeta * (x + kKappa * x**3)))
+    Op("gelu_tanh", ("x",), mul(mul(0.5, X0), add(1.0, tanh(_GELU_INNER))),
+       (call("gelu_tanh_backward", G, X0),),
+       doc="""GELU's tanh approximation elementwise, 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x +
+    0.044715 * x**3))): PyTorch's `gelu` with approximate="tanh", in its order (x**3 as
+    x * x * x, PyTorch's vectorised loop). `ops.gelu(x, approximate="tanh")` runs it.
+
+    The gradient is PyTorch's: g * (0.5 * (1 + t) + 0.5 * x * (1 - t**2) * sqrt(2 / pi) *
+    (1 + 3 * 0.044715 * x**2)), t the tanh above.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> runtime.ops.gelu_tanh(runtime.tensor(np.float64([-1.0, 0.0, 1.0]))).numpy()
+        array([-0.15880801,  0.        ,  0.84119199])
+    """),
     Op("maximum", ("a", "b"), select(either(isnan(X0), gt(X0, X1)), X0, X1),
        (call("maximum_backward", G, X0, X1), call("maximum_backward", G, X1, X0)),
        doc="""The larger of a and b elementwise, with broadcasting; a NaN in either
@@ -297,6 +318,13 @@ OPS: tuple[Op, ...] = (
     Op("gelu_backward", ("g", "x"),
        mul(X0, add(mul(add(1.0, erf(mul(X1, _SQRT_HALF))), 0.5),
                    mul(X1, mul(exp(mul(mul(X1, -0.5), X1)), _ONE_OVER_SQRT_2PI)))),
+       public=False),
+    # NOTE: PyTorch's: g * (left' + right'), left = 0.5 * x, right = 1 + t, left' = 0.5 *
+    # right, right' = left * (1 - t * t) * kBeta * (1 + 3 * kKappa * x * x)
+    Op("gelu_tanh_backward", ("g", "x"),
+       mul(X0, add(mul(0.5, add(1.0, tanh(_GELU_INNER_1))),
+                   mul(mul(mul(0.5, X1), sub(1.0, mul(tanh(_GELU_INNER_1), tanh(_GELU_INNER_1)))),
+                       mul(_GELU_BETA, add(1.0, mul(3.0 * _GELU_KAPPA, mul(X1, X1))))))),
        public=False),
     # NOTE: g where x equals the maximum y, +0 elsewhere (a product, so an infinite g gives
     # NaN there, as PyTorch's mask product): amax's gradient (runtime/ops.py)

@@ -49,8 +49,9 @@ from backends.base import (
     Device,
 )
 
-__all__ = ["BF16", "CROSS_ENTROPY_ULPS", "F16", "F32", "F64", "FLOATS", "GELU_ULPS_OF_ONE",
-           "REDUCTION_ROUNDINGS", "RULES", "SIGMOID_ULPS_OF_HALF", "STORED", "TRANSCENDENTAL_ULPS",
+__all__ = ["BF16", "CROSS_ENTROPY_ULPS", "F16", "F32", "F64", "FLOATS", "GELU_TANH_ULPS_OF_ONE",
+           "GELU_ULPS_OF_ONE", "REDUCTION_ROUNDINGS", "RULES", "SIGMOID_ULPS_OF_HALF", "STORED",
+           "TRANSCENDENTAL_ULPS",
            "assert_close", "assert_reduced", "assert_same_bits", "chains", "check_device", "edges",
            "numbers", "run_on", "storable", "to_device", "unfused", "values"]
 
@@ -100,6 +101,13 @@ SIGMOID_ULPS_OF_HALF = 2
 #: gradient, exp's error on its second term included), plus two ULPs of the result's dtype for
 #: the roundings after it.
 GELU_ULPS_OF_ONE = 4
+#: gelu_tanh, 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x**3), and its gradient
+#: cancel as gelu's do, so their bound reads the operands as gelu's: this many ULPs of 1 (tanh's
+#: error, and u's five roundings, which move tanh by at most 0.45 of u's relative error:
+#: u sech(u)**2 <= 0.45) times 0.5 |x| (|g| (0.5 + sqrt(2 / pi) |x| (1 + 3 * 0.044715 x**2))
+#: for the gradient, where t = tanh(u) also enters through 1 - t**2), plus two ULPs of the
+#: result's dtype.
+GELU_TANH_ULPS_OF_ONE = 8
 #: A reduction's order is each backend's own (NumPy sums pairwise, PoCL in double, the naive
 #: device one element after another): two sums of n terms differ by at most twice the bound of
 #: one, 2 (n - 1) u sum|x| (u the unit roundoff of the compute dtype), plus one ULP of the
@@ -239,18 +247,28 @@ def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
                              f"the CPU's {want[i]!r} ({int(want.view(bits)[i]):#x})")
 
 
+#: The kernels whose bound is `_gelu_bound`'s.
+_GELU_KERNELS = ("gelu", "gelu_backward", "gelu_tanh", "gelu_tanh_backward")
+
+
 def _gelu_bound(name: str, operands: Sequence[Any], want: np.ndarray) -> np.ndarray:
-    """gelu's and gelu_backward's absolute bound on `operands` (GELU_ULPS_OF_ONE)."""
+    """The absolute bound of gelu, gelu_tanh and their gradients on `operands`
+    (GELU_ULPS_OF_ONE, GELU_TANH_ULPS_OF_ONE)."""
     if len(operands) != optable.BY_NAME[name].arity:
         raise ValueError(f"assert_close: {name}'s bound reads its operands; pass them")
     one = float(np.spacing(_compute(want.dtype).type(1.0)))
     wide = [np.broadcast_to(_wide(np.asarray(x)), want.shape) for x in operands]
+    ulps = GELU_TANH_ULPS_OF_ONE if name.startswith("gelu_tanh") else GELU_ULPS_OF_ONE
     with np.errstate(all="ignore"):
-        if name == "gelu":
+        if name in ("gelu", "gelu_tanh"):
             scale = 0.5 * np.abs(wide[0])
-        else:
+        elif name == "gelu_backward":
             scale = np.abs(wide[0]) * (0.5 + np.abs(wide[1]) / math.sqrt(2 * math.pi))
-        return GELU_ULPS_OF_ONE * one * scale + 2 * _ulp(want)
+        else:
+            x = np.abs(wide[1])
+            scale = np.abs(wide[0]) * (0.5 + math.sqrt(2 / math.pi) * x
+                                       * (1 + 3 * 0.044715 * x * x))
+        return ulps * one * scale + 2 * _ulp(want)
 
 
 def assert_close(name: str, got: np.ndarray, want: np.ndarray, what: str,
@@ -266,7 +284,7 @@ def assert_close(name: str, got: np.ndarray, want: np.ndarray, what: str,
         raise AssertionError(f"{what}: element {i} is {got[i]!r}, the CPU's {want[i]!r} "
                              f"(NaN in one only)")
     wide_got, wide_want = _wide(got), _wide(want)
-    if name in ("gelu", "gelu_backward"):
+    if name in _GELU_KERNELS:
         shape = next((np.shape(x) for x in operands if np.ndim(x)), want.shape)
         flat = [np.asarray(x).reshape(-1) if np.shape(x) == shape and np.ndim(x) else x
                 for x in operands]

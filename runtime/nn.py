@@ -583,18 +583,26 @@ def mse(prediction: Tensor, target: Any) -> Tensor:
 
 # ---------------------------------------- normalisation and activation layers
 class GELU(Module):
-    """The Gaussian error linear unit elementwise, exactly: x * Phi(x) (`ops.gelu`; PyTorch's
-    nn.GELU with approximate="none", the only form here)."""
+    """The Gaussian error linear unit elementwise (`ops.gelu`; PyTorch's nn.GELU):
+    approximate="none" computes x * Phi(x) exactly (with erf), "tanh" PyTorch's tanh
+    approximation; any other value is a ValueError.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> from runtime import nn
+        >>> nn.GELU("tanh")(runtime.tensor(np.float64([1.0]))).numpy()
+        array([0.84119199])
+    """
 
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
-        if approximate != "none":
-            raise ValueError(f"GELU: approximate={approximate!r} is not implemented; only "
-                             f"'none' (the exact form, with erf)")
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU: approximate must be 'none' or 'tanh' (PyTorch's), got "
+                             f"{approximate!r}")
         self.approximate = approximate
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.gelu(x)
+        return ops.gelu(x, approximate=self.approximate)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"
@@ -985,28 +993,54 @@ class Embedding(Module):
 
     Args:
         num_embeddings, embedding_dim: positive sizes.
+        padding_idx: a row (negative: counted from the end, stored as its positive index)
+            that starts at zeros and gets no gradient, or None.
+        max_norm, norm_type: with max_norm, each row looked up whose norm_type-norm is above
+            max_norm is scaled down to it in place first (`ops.embedding`).
         dtype, device, allocator: where the weight lives.
         rng: a numpy Generator or seed for the initial values (default: `manual_seed`'s).
+
+    Example:
+        >>> from runtime import nn
+        >>> nn.Embedding(10, 3, padding_idx=-1, max_norm=1.0)
+        Embedding(10, 3, padding_idx=9, max_norm=1.0)
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, dtype: Any = "float32",
-                 device: Any = None, allocator: Allocator | None = None,
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 padding_idx: int | None = None, max_norm: float | None = None,
+                 norm_type: float = 2.0, *, dtype: Any = "float32", device: Any = None,
+                 allocator: Allocator | None = None,
                  rng: np.random.Generator | int | None = None) -> None:
         super().__init__()
         self.num_embeddings = _positive_int("Embedding: num_embeddings", num_embeddings)
         self.embedding_dim = _positive_int("Embedding: embedding_dim", embedding_dim)
+        self.padding_idx = ops._padding_index("Embedding", padding_idx, self.num_embeddings)
+        if max_norm is not None:
+            max_norm = ops._number("Embedding", "max_norm", max_norm, -math.inf)
+        self.max_norm = max_norm
+        self.norm_type = ops._number("Embedding", "norm_type", norm_type, -math.inf)
         dtype = _float_dtype(dtype, "Embedding")
         shape = (self.num_embeddings, self.embedding_dim)
         checked_nbytes(shape, dtype, "Embedding: weight")
         generator = _rng if rng is None else _generator(rng)
-        self.weight = tensor(generator.standard_normal(shape).astype(dtype), device=device,
-                             allocator=allocator, requires_grad=True)
+        values = generator.standard_normal(shape).astype(dtype)
+        if self.padding_idx is not None:  # NOTE: PyTorch's reset_parameters zeroes it
+            values[self.padding_idx] = 0
+        self.weight = tensor(values, device=device, allocator=allocator, requires_grad=True)
 
     def forward(self, indices: Any) -> Tensor:
-        return ops.embedding(indices, self.weight)
+        return ops.embedding(indices, self.weight, self.padding_idx, self.max_norm,
+                             self.norm_type)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        text = f"{self.num_embeddings}, {self.embedding_dim}"
+        if self.padding_idx is not None:
+            text += f", padding_idx={self.padding_idx}"
+        if self.max_norm is not None:
+            text += f", max_norm={self.max_norm}"
+        if self.norm_type != 2:
+            text += f", norm_type={self.norm_type}"
+        return text
 
 
 class Dropout(Module):

@@ -514,6 +514,33 @@ def _public(op: optable.Op) -> Callable[..., Tensor]:
 #: The public elementwise ops of backends/optable.py, in its order.
 ELEMENTWISE_OPS = tuple(op.name for op in optable.OPS if op.public)
 globals().update({name: _public(optable.BY_NAME[name]) for name in ELEMENTWISE_OPS})
+#: GELU's forms (`approximate`), PyTorch's names, and the table op of each.
+_GELU_FORMS = {"none": "gelu", "tanh": "gelu_tanh"}
+
+
+def gelu(x: Operand, approximate: str = "none", out: Tensor | None = None) -> Tensor:
+    """The Gaussian error linear unit elementwise, PyTorch's `gelu(x, approximate)`.
+
+    approximate="none": exactly, x * Phi(x), Phi the standard normal's distribution function,
+    as x * 0.5 * (1 + erf(x / sqrt(2))); "tanh": the tanh approximation, 0.5 * x * (1 +
+    tanh(sqrt(2 / pi) * (x + 0.044715 * x**3))) (`gelu_tanh`). Each in PyTorch's order, with
+    PyTorch's gradient. Any other `approximate` is a ValueError. `out` may be x.
+
+    Example:
+        >>> import numpy as np, runtime
+        >>> x = runtime.tensor(np.float64([-1.0, 0.0, 1.0]))
+        >>> runtime.ops.gelu(x).numpy()
+        array([-0.15865525,  0.        ,  0.84134475])
+        >>> runtime.ops.gelu(x, approximate="tanh").numpy()
+        array([-0.15880801,  0.        ,  0.84119199])
+    """
+    name = _GELU_FORMS.get(approximate) if isinstance(approximate, str) else None
+    if name is None:
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh' (PyTorch's), got "
+                         f"{_brief(approximate)}")
+    return _elementwise(name, out, x)
+
+
 # NOTE: the names the rest of this module calls, bound for readers and linters alike
 add, sub, mul, div, neg, copy, where_finite = (globals()[name] for name in (
     "add", "sub", "mul", "div", "neg", "copy", "where_finite"))
@@ -995,7 +1022,54 @@ def _indices(op: str, indices: Any, weight: Tensor) -> Tensor:
                   allocator=_result_allocator(weight))
 
 
-def embedding(indices: Any, weight: Tensor, out: Tensor | None = None) -> Tensor:
+def _padding_index(op: str, padding_idx: Any, rows: int) -> int | None:
+    """`padding_idx` as a row in [0, rows), a negative one counted from the end (PyTorch's
+    rule), or None; TypeError for a non-integer, ValueError naming the bounds outside them."""
+    if padding_idx is None:
+        return None
+    if isinstance(padding_idx, (bool, np.bool_)) or not isinstance(padding_idx,
+                                                                  numbers.Integral):
+        raise TypeError(f"{op}: padding_idx must be an int or None, got {_brief(padding_idx)}")
+    if not -rows <= padding_idx < rows:
+        raise ValueError(f"{op}: padding_idx {padding_idx} is outside [-{rows}, {rows}) for "
+                         f"{rows} embeddings")
+    return int(padding_idx) % rows
+
+
+def _renorm_rows(weight: Tensor, flat: Tensor, max_norm: float, norm_type: float) -> None:
+    """PyTorch's embedding_renorm_ in place, as one recorded launch (so a captured graph
+    renormalises at every replay): each distinct row that `flat` names whose norm exceeds
+    max_norm is scaled by max_norm / (norm + 1e-7). On the host: the indices and the weight
+    are read back and the weight written whole (a table of R rows costs two copies of it)."""
+    device = weight.device
+    dtype = weight.dtype
+    compute = _FLOAT64 if dtype == _FLOAT64 else _FLOAT32
+
+    def run(v: list, o: Any) -> None:
+        table = device.to_host(v[0])
+        rows = np.unique(device.to_host(v[1]))
+        if rows.size == 0:
+            return
+        picked = table[rows].astype(np.float64)
+        norms = np.linalg.norm(picked, ord=norm_type, axis=1)
+        over = norms > max_norm
+        if not over.any():
+            return
+        # NOTE: the scale in double, then a product in the compute dtype rounded once, as
+        # PyTorch's `row *= scale` on a float32, half or float64 row
+        scale = (max_norm / (norms[over] + 1e-7)).astype(compute)
+        scaled = table[rows[over]].astype(compute) * scale[:, None]
+        table = table.copy()
+        table[rows[over]] = scaled.astype(dtype)
+        device.from_host(table, o)
+
+    _launch("embedding_renorm", weight, [("weight", weight, weight.shape),
+                                          ("indices", flat, flat.shape)], run)
+
+
+def embedding(indices: Any, weight: Tensor, padding_idx: int | None = None,
+              max_norm: float | None = None, norm_type: float = 2.0,
+              out: Tensor | None = None) -> Tensor:
     """Rows of `weight` (num_embeddings, embedding_dim) picked by integer `indices` (any
     shape): the result has shape indices.shape + (embedding_dim,), PyTorch's
     `torch.nn.functional.embedding`. The weight's gradient adds the gradient of every use of a
@@ -1005,6 +1079,12 @@ def embedding(indices: Any, weight: Tensor, out: Tensor | None = None) -> Tensor
     `indices` is an integer Tensor on weight's device or an array-like of ints; each must lie
     in [0, num_embeddings): ValueError naming the first that does not and the row count,
     before anything is written. `out` may not share memory with the weight.
+
+    As PyTorch's: the row `padding_idx` (negative: counted from the end) gets no gradient;
+    with `max_norm`, each distinct row looked up whose `norm_type`-norm is above max_norm is
+    first scaled in place to max_norm / (norm + 1e-7) of itself (not recorded for gradients:
+    PyTorch's embedding_renorm_; the weight's version moves, so a product that saved the same
+    weight refuses its backward, as PyTorch's does).
 
     Example:
         >>> import numpy as np, runtime
@@ -1020,6 +1100,10 @@ def embedding(indices: Any, weight: Tensor, out: Tensor | None = None) -> Tensor
     if weight.ndim != 2:
         raise ValueError(f"{op}: weight must be 2-D (num_embeddings, embedding_dim), got shape "
                          f"{weight.shape}")
+    padding = _padding_index(op, padding_idx, weight.shape[0])
+    if max_norm is not None:
+        max_norm = _number(op, "max_norm", max_norm, -math.inf)
+        norm_type = _number(op, "norm_type", norm_type, -math.inf)
     index = _indices(op, indices, weight)
     device, dtype = weight.device, weight.dtype
     rows, dim = weight.shape
@@ -1033,6 +1117,8 @@ def embedding(indices: Any, weight: Tensor, out: Tensor | None = None) -> Tensor
         _refuse_overlaps(op, out, [("weight", weight, weight.shape)])
         target = Tensor._fresh((count, dim), dtype, _result_allocator(weight))
     with autograd.no_grad():
+        if max_norm is not None:
+            _renorm_rows(weight, flat, max_norm, norm_type)
         _launch(op, target, [("weight", weight, weight.shape), ("indices", flat, flat.shape)],
                 lambda v, o: device.gather(v[0], v[1], o))
         if target.block is not out.block:
@@ -1045,6 +1131,12 @@ def embedding(indices: Any, weight: Tensor, out: Tensor | None = None) -> Tensor
             _launch("embedding_backward", result, [("grad", g2, g2.shape),
                                                    ("indices", index, index.shape)],
                     lambda v, o: _scatter_rows(device, v[0], v[1], o))
+            if padding is not None:  # NOTE: the padding row's uses add nothing, as PyTorch's
+                row = result[padding]
+                zero = _fill_value(result, 0.0)
+                copy(zero, out=row)
+                zero.release()
+                row.release()
             return (result,)
 
         autograd.record(op, out, (weight,), ("weight",), fn, [("indices", flat)])
@@ -1173,7 +1265,7 @@ ALIASING_POLICY.update({"batch_norm": NEVER, "embedding": NEVER, "embedding_back
                         "dropout": ELEMENTWISE,
                         # NOTE: both write their state in place (the identical view)
                         "count_up": ELEMENTWISE, "dropout_mask": ELEMENTWISE,
-                        "commit_state": NEVER})
+                        "embedding_renorm": ELEMENTWISE, "commit_state": NEVER})
 
 
 
@@ -1660,6 +1752,25 @@ def _conv_columns(x: Tensor, geometry: tuple) -> Tensor:
     return columns
 
 
+def _zero_dropped(columns: Tensor, geometry: tuple) -> None:
+    """Write zeros into the Wp - Wo dropped columns of each row of wide columns (C*kh*kw,
+    N*Ho*Wp), in place, before they meet a gradient's product or col2im: a dropped column
+    reads (or adds into) the next positions of the padded image, so where x or the weight
+    holds an infinity or a NaN, the 0 that g has there would make NaN of it (0 * inf), where
+    PyTorch's gradient has the infinity. One strided fill of 2-D rows, about 1/30 of the
+    columns' bytes under a 3x3 kernel on ResNet-50's 56x56 layer (about 1% of its step)."""
+    (_, _), _, _, (_, wp), (_, wo) = geometry
+    if wp == wo:
+        return
+    rows = columns.reshape(columns.shape[0] * columns.shape[1] // wp, wp)
+    dropped = rows[:, wo:]
+    rows.release()
+    zero = _fill_value(columns, 0.0)
+    copy(zero, out=dropped)
+    zero.release()
+    dropped.release()
+
+
 def _conv_forward(x: Tensor, weight: Tensor, bias: Tensor | None, geometry: tuple,
                   out: Tensor) -> None:
     """out = conv2d(x, weight) + bias, under no_grad: one product of the weight, viewed as
@@ -1759,24 +1870,22 @@ def _conv_backward(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], geom
         gx = gw = gb = None
         if nb:
             gb = sum(g, axis=(0, 2, 3))
-        if wide:  # NOTE: zeros in the dropped columns: they add nothing to either gradient
-            g2 = Tensor._fresh((o, n, ho, wp), g.dtype, _result_allocator(g))
-            if wp > wo:
-                dropped = g2[:, :, :, wo:]
-                zero = _fill_value(g, 0.0)
-                copy(zero, out=dropped)
-                zero.release()
-                dropped.release()
-            kept = g2[:, :, :, :wo]
+        if wide:  # NOTE: zeros in the dropped columns, and in the columns they meet below
+            g2 = Tensor._fresh((o, n * ho * wp), g.dtype, _result_allocator(g))
+            _zero_dropped(g2, geometry)
+            rows = g2.reshape(o, n, ho, wp)
+            kept = rows[:, :, :, :wo]
+            rows.release()
             copy(g.transpose(1, 0, 2, 3), out=kept)
             kept.release()
-            g2 = g2.reshape(o, n * ho * wp)
         elif n == 1:
             g2 = g.reshape(o, positions)
         else:
             g2 = copy(g.transpose(1, 0, 2, 3)).reshape(o, positions)
         if nw:
             columns = _conv_columns(x, geometry)
+            if wide:
+                _zero_dropped(columns, geometry)
             # NOTE: the product as (C*kh*kw, O), then transposed: the long inner dimension
             # N*Ho*Wo runs along both operands' rows, which OpenBLAS runs 1.5-2x faster than
             # g2 @ columns.T on ResNet-50's shapes (benchmarks/bench_conv.py's layers)
@@ -1788,6 +1897,8 @@ def _conv_backward(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], geom
             w2 = w.reshape(o, c * kh * kw)
             grad_columns = matmul(w2.T, g2)
             w2.release()
+            if wide:
+                _zero_dropped(grad_columns, geometry)
             gx = _col2im(grad_columns, x_shape, geometry)
         g2.release()
         return gx, gw, gb
@@ -2172,13 +2283,18 @@ def _release(*tensors: Tensor | None) -> None:
             t.release()
 
 
-def _one_axis(op: str, axis: Any, x: Tensor) -> int:
-    """`axis` as one axis of x in [0, ndim), or a TypeError/ValueError naming it."""
+def _one_axis(op: str, axis: Any, x: Tensor) -> int | tuple[()]:
+    """`axis` as one axis of x in [0, ndim), or a TypeError/ValueError naming it. A 0-d x
+    takes axis 0 or -1, as in PyTorch, which normalises it as one element: then the axes are
+    (), so that its maximum and sum are the element itself (softmax 1, log_softmax 0; NaN
+    for an infinity or a NaN)."""
     if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, numbers.Integral):
         raise TypeError(f"{op}: axis must be one int, got {_brief(axis)}")
     if x.ndim == 0:
-        raise ValueError(f"{op}: x is 0-dimensional (shape ()), it has no axis {axis} to "
-                         f"normalise over; reshape it to (1,) first")
+        if axis not in (0, -1):
+            raise ValueError(f"{op}: axis {axis} is out of range for a 0-dimensional x "
+                             f"(shape ()): it takes axis 0 or -1, as in PyTorch")
+        return ()
     return as_axes(op, axis, x.ndim)[0]
 
 
@@ -2504,13 +2620,18 @@ def _causal_mask(rows: int, cols: int, dtype: np.dtype) -> np.ndarray:
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  attn_mask: Tensor | None = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None,
+                                 generator: Generator | None = None,
                                  out: Tensor | None = None) -> Tensor:
     """softmax(query @ key^T * scale + mask) @ value, PyTorch's F.scaled_dot_product_attention:
     query (..., L, E), key (..., S, E), value (..., S, Ev), the leading (batch, head)
     dimensions broadcast; returns (..., L, Ev). `scale` defaults to 1 / sqrt(E). `is_causal`
     lets query i attend to keys 0..i only (a -inf upper triangle is added to the scores);
     `attn_mask` is a bool Tensor (True: may attend) or a float Tensor added to the scores,
-    broadcast to (..., L, S). Dropout is not implemented: `dropout_p` must be 0.
+    broadcast to (..., L, S). With `dropout_p` > 0 the attention weights go through
+    `dropout` (always, as PyTorch's: the function has no training flag), each zeroed with
+    probability dropout_p and the rest scaled by 1 / (1 - dropout_p); the masks come from
+    `generator` (default: `default_generator`), so a captured graph draws the eager masks and
+    a recomputed segment reuses them (docs/layers-state.md). They are not PyTorch's draws.
 
     Composed of ops, each with its own backward: a product by the scale, batched `matmul`,
     the mask, `softmax` and `matmul` (so graphs capture, plan and fuse it as those ops).
@@ -2534,9 +2655,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         raise ValueError(f"scaled_dot_product_attention: query {query.shape}, key {key.shape} "
                          f"and value {value.shape} do not fit: query and key share the last "
                          f"dimension (E), key and value the one before it (S)")
-    if isinstance(dropout_p, (bool, np.bool_)) or dropout_p != 0:
-        raise ValueError(f"scaled_dot_product_attention: dropout is not implemented, dropout_p "
-                         f"must be 0, got {_brief(dropout_p)}")
+    dropout_p = _number("scaled_dot_product_attention", "dropout_p", dropout_p, 0.0, 1.0)
+    if generator is not None and not isinstance(generator, Generator):
+        raise TypeError(f"scaled_dot_product_attention: generator must be an ops.Generator or "
+                        f"None, got {_brief(generator)}")
     is_causal = as_flag(is_causal, "scaled_dot_product_attention: is_causal")
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: pass attn_mask or is_causal=True, not "
@@ -2562,6 +2684,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
             scores = add(scores, attn_mask)
     weights = softmax(scores, -1)
     scores.release()
+    if dropout_p > 0:
+        dropped = dropout(weights, dropout_p, generator=generator)
+        weights.release()
+        weights = dropped
     if out is None:
         return matmul(weights, value)
     # NOTE: out may share no memory with query and key either

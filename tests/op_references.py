@@ -27,6 +27,14 @@ def _sign(x: np.ndarray) -> np.ndarray:
     return np.where(x > 0, 1.0, np.where(x < 0, -1.0, 0.0))
 
 
+def _gelu_tanh_slope(x: np.ndarray) -> np.ndarray:
+    """d/dx of 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x**3), by the product and
+    chain rules (written from the formula, not from PyTorch's kernel)."""
+    c = math.sqrt(2 / math.pi)
+    t = np.tanh(c * (x + 0.044715 * x ** 3))
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t ** 2) * c * (1 + 3 * 0.044715 * x ** 2)
+
+
 @dataclass(frozen=True)
 class Reference:
     """An op's reference.
@@ -60,6 +68,9 @@ REFERENCES: dict[str, Reference] = {
     "erf": Reference(_erf, lambda t, x: t.erf(x)),
     "gelu": Reference(lambda x: 0.5 * x * (1 + _erf(x / math.sqrt(2))),
                       lambda t, x: t.nn.functional.gelu(x)),
+    "gelu_tanh": Reference(
+        lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
+        lambda t, x: t.nn.functional.gelu(x, approximate="tanh")),
     "maximum": Reference(np.maximum, lambda t, a, b: t.maximum(a, b), "apart"),
     "where_finite": Reference(lambda a, b: np.where(np.isfinite(a), a, b),
                               lambda t, a, b: t.where(t.isfinite(a), a, b)),
@@ -72,6 +83,7 @@ REFERENCES: dict[str, Reference] = {
     "gelu_backward": Reference(
         lambda g, x: g * (0.5 * (1 + _erf(x / math.sqrt(2)))
                           + x * np.exp(-x * x / 2) / math.sqrt(2 * math.pi))),
+    "gelu_tanh_backward": Reference(lambda g, x: g * _gelu_tanh_slope(x)),
     "amax_backward": Reference(lambda g, x, y: g * (x == y)),
     "maximum_backward": Reference(
         lambda g, a, b: np.where(a < b, 0.0, np.where(a == b, g / 2, g))),

@@ -6,6 +6,8 @@ checkpointing and a memory budget, equals the eager step bit for bit."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -212,9 +214,36 @@ def test_softmax_refuses_bad_axes_by_name():
         ops.softmax(x, (0, 1))
     with pytest.raises(TypeError, match="log_softmax: axis must be one int"):
         ops.log_softmax(x, None)
-    with pytest.raises(ValueError, match="0-dimensional"):
-        ops.softmax(runtime.tensor(np.float64(1.0)))
+    for op, axis in ((ops.softmax, 1), (ops.log_softmax, -2)):
+        with pytest.raises(ValueError, match=f"{op.__name__}: axis {axis} is out of range for "
+                                             "a 0-dimensional x .* axis 0 or -1"):
+            op(runtime.tensor(np.float64(1.0)), axis)
+        with pytest.raises(IndexError, match="Dimension out of range"):  # NOTE: PyTorch too
+            getattr(torch, op.__name__)(torch.tensor(1.0), axis)
     assert ops.softmax(runtime.tensor(np.ones((2, 0))), -1).shape == (2, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=DEVICE_IDS)
+@pytest.mark.parametrize("axis", [0, -1])
+@pytest.mark.parametrize("value", [2.5, -1e30, np.inf, -np.inf, np.nan])
+def test_softmax_of_a_0d_tensor_is_pytorchs(device, axis, value):
+    """A 0-d x is one element to normalise, as in PyTorch: softmax 1 and log_softmax 0 with
+    gradient 0, NaN for an infinity or a NaN; eagerly and in a captured graph."""
+    for op in (ops.softmax, ops.log_softmax):
+        for dtype in _floats(device):
+            x = runtime.tensor(np.array(value, dtype), device=device, requires_grad=True)
+            y = op(x, axis)
+            y.backward(runtime.tensor(np.array(1.5, dtype), device=device))
+            tx = torch.tensor(np.array(value, dtype), requires_grad=True)
+            ty = getattr(torch, op.__name__)(tx, axis)
+            ty.backward(torch.tensor(np.array(1.5, dtype)))
+            assert y.shape == () and y.dtype == dtype
+            np.testing.assert_array_equal(y.numpy(), ty.detach().numpy())
+            np.testing.assert_array_equal(x.grad.numpy(), tx.grad.numpy())
+            captured = runtime.graph(lambda t, op=op: op(t, axis), plan="static")
+            for _ in range(2):  # NOTE: a NaN's sign is the machine's (docs/testing.md)
+                got = captured(np.array(value, dtype)).numpy()
+                assert got.tobytes() == y.numpy().tobytes() or np.isnan(got) and np.isnan(y.numpy())
 
 
 def test_softmax_under_autocast_runs_in_float32():
@@ -307,14 +336,29 @@ def test_layer_norm_module_as_torch():
                                atol=1e-6)
 
 
-def test_gelu_module_as_torch():
+@pytest.mark.parametrize("device", DEVICES, ids=DEVICE_IDS)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_module_and_op_as_torch(device, approximate):
+    """Both forms, the module and the op, value and gradient against PyTorch's, and against
+    finite differences."""
     x = np.linspace(-6, 6, 49)
-    for dtype in (FLOAT32, FLOAT64):
-        assert _compare(lambda t: nn.GELU()(t), lambda t: torch.nn.GELU()(t), [x],
-                        DEVICES[0], dtype) == 2
-    with pytest.raises(ValueError, match="approximate='tanh' is not implemented"):
-        nn.GELU("tanh")
-    check_gradients(lambda t: ops.gelu(t), x[::4], rtol=1e-6, atol=1e-8)
+    for dtype in _floats(device):
+        assert _compare(lambda t: nn.GELU(approximate)(t),
+                        lambda t: torch.nn.GELU(approximate)(t), [x], device, dtype) == 2
+        assert _compare(lambda t: ops.gelu(t, approximate),
+                        lambda t: torch.nn.functional.gelu(t, approximate=approximate), [x],
+                        device, dtype) == 2
+    assert repr(nn.GELU(approximate)) == repr(torch.nn.GELU(approximate))
+    check_gradients(lambda t: ops.gelu(t, approximate=approximate), x[::4], rtol=1e-6,
+                    atol=1e-8)
+
+
+@pytest.mark.parametrize("bad", ["Tanh", "erf", None, 1])
+def test_gelu_refuses_an_unknown_approximation(bad):
+    with pytest.raises(ValueError, match=r"approximate must be 'none' or 'tanh'.*got"):
+        nn.GELU(bad)
+    with pytest.raises(ValueError, match=r"gelu: approximate must be 'none' or 'tanh'.*got"):
+        ops.gelu(runtime.tensor(np.zeros(2)), approximate=bad)
 
 
 # ---------------------------------------------------------------------- out= and overlaps
@@ -447,8 +491,10 @@ def test_scaled_dot_product_attention_refuses_bad_input_by_number():
     q = runtime.tensor(np.ones((2, 3, 4)))
     with pytest.raises(ValueError, match=r"query \(2, 3, 4\), key \(2, 3, 5\) and value"):
         ops.scaled_dot_product_attention(q, runtime.tensor(np.ones((2, 3, 5))), q)
-    with pytest.raises(ValueError, match="dropout_p must be 0, got 0.1"):
-        ops.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"dropout_p must lie in \[0.0, 1.0\], got 1.5"):
+        ops.scaled_dot_product_attention(q, q, q, dropout_p=1.5)
+    with pytest.raises(TypeError, match="generator must be an ops.Generator or None, got 7"):
+        ops.scaled_dot_product_attention(q, q, q, dropout_p=0.1, generator=7)
     with pytest.raises(ValueError, match="not both"):
         ops.scaled_dot_product_attention(q, q, q, runtime.tensor(np.zeros((3, 3))),
                                          is_causal=True)
@@ -594,3 +640,113 @@ def _modules(module: nn.Module):
     for child in module._modules.values():
         yield from _modules(child)
 
+
+
+# ---------------------------------------------------------------------- attention dropout
+def _dropout_mask(device, shape, p, seed, dtype) -> np.ndarray:
+    """The kept (scaled) entries of the attention weights that `seed`'s first draw gives:
+    with value the identity, attention returns the dropped weights themselves (no weight of
+    a finite score is 0, so a 0 is a dropped entry)."""
+    rows, cols = shape[-2:]
+    q = runtime.tensor(np.zeros((*shape[:-1], 2), dtype), device=device)
+    k = runtime.tensor(np.zeros((*shape[:-2], cols, 2), dtype), device=device)
+    eye = np.broadcast_to(np.eye(cols, dtype=dtype), (*shape[:-2], cols, cols)).copy()
+    dropped = ops.scaled_dot_product_attention(q, k, runtime.tensor(eye, device=device),
+                                               dropout_p=p, generator=ops.Generator(seed))
+    return dropped.numpy() != 0
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=DEVICE_IDS)
+@pytest.mark.parametrize("p", [0.2, 0.6])
+def test_attention_dropout_drops_about_p_and_scales_the_rest(device, p):
+    """value = the identity: the output is the dropped weights, softmax * mask / (1 - p)."""
+    rng = np.random.default_rng(21)
+    q, k = (rng.normal(size=(2, 4, 32, 8)).astype(np.float32) for _ in range(2))
+    eye = np.broadcast_to(np.eye(32, dtype=np.float32), (2, 4, 32, 32)).copy()
+    got = ops.scaled_dot_product_attention(
+        *(runtime.tensor(a, device=device) for a in (q, k, eye)), dropout_p=p,
+        generator=ops.Generator(3)).numpy()
+    weights = _host(torch.softmax(torch.from_numpy(q) @ torch.from_numpy(k).transpose(-1, -2)
+                                  / math.sqrt(8), -1))
+    kept = got != 0
+    # NOTE: 8192 draws: the fraction dropped is p within 5 standard deviations
+    assert abs((1 - kept.mean()) - p) < 5 * math.sqrt(p * (1 - p) / kept.size)
+    np.testing.assert_allclose(got[kept], weights[kept] / np.float32(1 - p), rtol=2e-6)
+    again = ops.scaled_dot_product_attention(
+        *(runtime.tensor(a, device=device) for a in (q, k, eye)), dropout_p=p,
+        generator=ops.Generator(3)).numpy()
+    assert again.tobytes() == got.tobytes()  # NOTE: a seed's first mask, on any device
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=DEVICE_IDS)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_attention_dropout_gradients_equal_pytorchs_with_the_same_mask(device, is_causal):
+    """The mask the seed draws, read back (`_dropout_mask`), applied by hand in PyTorch:
+    the value and the gradients of query, key and value agree."""
+    rng = np.random.default_rng(22)
+    q, k, v = (rng.normal(size=(2, 3, 5, 4)) for _ in range(3))
+    p = 0.3
+    for dtype in _floats(device):
+        kept = _dropout_mask(device, (2, 3, 5, 5), p, 11, dtype)
+        assert 0 < kept.mean() < 1
+
+        def by_hand(tq, tk, tv, kept=kept):
+            scores = tq @ tk.transpose(-1, -2) / math.sqrt(4)
+            if is_causal:
+                scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1),
+                                            -math.inf)
+            weights = torch.softmax(scores, -1) * torch.from_numpy(kept) / (1 - p)
+            return weights @ tv
+
+        assert _compare(lambda *t: ops.scaled_dot_product_attention(
+            *t, dropout_p=p, is_causal=is_causal, generator=ops.Generator(11)),
+            by_hand, [q, k, v], device, dtype) == 4
+
+
+class _DroppedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.head = nn.Dense(6, 18), nn.Dense(16 * 6, 3)
+        self.generator = ops.Generator(5)
+
+    def forward(self, x):
+        batch = x.shape[0]
+        qkv = self.qkv(x).reshape(batch, 16, 3, 2, 3)  # (batch, seq, q/k/v, heads, dim)
+        q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        y = ops.scaled_dot_product_attention(q, k, v, dropout_p=0.4, is_causal=True,
+                                             generator=self.generator)
+        return self.head(ops.relu(y.transpose(0, 2, 1, 3).reshape(batch, 16 * 6)))
+
+
+@pytest.mark.parametrize("options", [
+    dict(plan="static"), dict(plan="static", checkpoint="sqrt"),
+    dict(plan="static", memory_budget="least"),
+], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_attention_dropout_in_a_captured_step_equals_eager_bit_for_bit(options):
+    """A recomputed segment (checkpoint, budget) multiplies by the masks the step drew, not
+    new ones: the losses, parameters and the generator's count are the eager steps'."""
+    rng = np.random.default_rng(23)
+    batches = [(rng.normal(size=(3, 16, 6)).astype(np.float32), rng.integers(0, 3, 3))
+               for _ in range(3)]
+
+    def make():
+        nn.manual_seed(2)
+        model = _DroppedAttention()
+        return model, nn.train_step(model, nn.Adam(model.parameters(), lr=0.05))
+
+    eager_model, eager = make()
+    want = [eager(runtime.tensor(x), runtime.tensor(y)).numpy().tobytes() for x, y in batches]
+    model, step = make()
+    if options.get("memory_budget") == "least":
+        try:
+            runtime.graph(make()[1], memory_budget=1, plan=options["plan"])(*batches[0])
+        except runtime.BudgetError as error:
+            options = {**options, "memory_budget": error.least_bytes}
+    graph = runtime.graph(step, **options)
+    assert [graph(x, y).numpy().tobytes() for x, y in batches] == want
+    for name, value in eager_model.state_dict().items():
+        assert model.state_dict()[name].numpy().tobytes() == value.numpy().tobytes(), name
+    count = model.generator.state(model.head.weight).numpy()[1]
+    assert count == eager_model.generator.state(eager_model.head.weight).numpy()[1] == 3
+    if len(options) > 1:
+        assert graph.memory_report()["recomputed"] + graph.memory_report()["moved"] > 0

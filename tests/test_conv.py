@@ -174,6 +174,51 @@ def test_conv2d_on_wide_rows_matches_pytorch(n, c, o, h, w, kh, kw, ph, pw, seed
                                seed) == 4
 
 
+def _same_non_finite(mine: np.ndarray, theirs: np.ndarray) -> int:
+    """NaN where PyTorch has NaN, each infinity with PyTorch's sign, the finite rest close;
+    returns how many non-finite elements PyTorch's array holds."""
+    np.testing.assert_array_equal(np.isnan(mine), np.isnan(theirs))
+    np.testing.assert_array_equal(np.isposinf(mine), np.isposinf(theirs))
+    np.testing.assert_array_equal(np.isneginf(mine), np.isneginf(theirs))
+    finite = np.isfinite(theirs)
+    np.testing.assert_allclose(mine[finite], theirs[finite], *TOLERANCE[np.dtype(mine.dtype)])
+    return int((~finite).sum())
+
+
+@needs_torch
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("where", ["x", "weight"])
+@pytest.mark.parametrize("width", [44, 6], ids=["wide-rows", "narrow"])
+def test_gradients_with_infinities_and_nan_are_pytorchs(device, where, width):
+    """An infinity of each sign and a NaN in x (or two infinities in the weight): the
+    gradients hold NaN and infinities where PyTorch's do. On wide rows a dropped column reads
+    the next row's first columns; its zero of g must not meet them (0 * inf = NaN). The
+    weight's case has no padding: an infinite tap over zero padding is NaN in PyTorch's
+    im2col path and ours, but its oneDNN path skips the padding (docs/layers.md)."""
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((2, 3, 5, width)).astype(np.float32)
+    w = rng.standard_normal((2, 3, 3, 3)).astype(np.float32)
+    if where == "x":  # NOTE: at a row's ends, which the dropped columns of wide rows read
+        x[0, 0, 1, 0], x[1, 2, 2, -1], x[0, 1, 3, 1] = np.inf, -np.inf, np.nan
+    else:
+        w[0, 0, 1, 2], w[1, 2, 0, 0] = np.inf, -np.inf
+    padding = 1 if where == "x" else 0
+    geometry = ops._geometry("conv2d", x.shape, (3, 3), (1, 1), (padding, padding))
+    assert ops._wide_rows(geometry) == (width == 44)
+    tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    expected = F.conv2d(tx, tw, padding=padding)
+    weights = rng.uniform(0.5, 1.5, tuple(expected.shape)).astype(np.float32)
+    (expected * torch.tensor(weights)).sum().backward()
+    mx, mw = _ours(x, device, True), _ours(w, device, True)
+    got = ops.conv2d(mx, mw, padding=padding)
+    ops.sum(ops.mul(got, _ours(weights, device))).backward()
+    assert _same_non_finite(got.numpy(), expected.detach().numpy()) > 0
+    held = [_same_non_finite(mine.grad.numpy(), theirs.grad.numpy())
+            for mine, theirs in ((mx, tx), (mw, tw))]
+    # NOTE: the gradient of the other operand is where the non-finite values land
+    assert held[1 if where == "x" else 0] > 0
+
+
 @needs_torch
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("device", DEVICES)

@@ -182,3 +182,126 @@ def test_the_kit_rule_catches_a_planted_bug(device_class, message):
     with pytest.raises(AssertionError, match=r"^\[gather and scatter\] " + device_class.__name__
                        + ".*" + message):
         testing.check_device(device, examples=60, rules=["gather and scatter"])
+
+
+# ---------------------------------------------------------------------- padding_idx, max_norm
+#: (padding_idx, max_norm, norm_type): a padding row, a negative one with a renorm, renorms
+#: under the 1-, infinity- and 3-norms (the padding row itself renormalised too)
+OPTIONS = [(5, None, 2.0), (-1, 1.5, 2.0), (None, 1.0, 1.0), (0, 2.0, float("inf")),
+           (2, 3.0, 3.0)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+def test_padding_idx_and_max_norm_match_pytorch(kind, dtype, options):
+    """Rows, the weight's gradient and the weight after the renorm against PyTorch's, with
+    repeated indices (row 5 three times: renormalised once; the padding row's uses add
+    nothing)."""
+    torch = _torch()
+    padding_idx, max_norm, norm_type = options
+    rng = np.random.default_rng(7)
+    table = (rng.standard_normal((6, 4)) * 2).astype(dtype)
+    table[1] *= 0.05  # NOTE: a row looked up whose norm is under every max_norm
+    indices = np.array([[5, 0, 5], [2, 5, 1]])
+    g = rng.standard_normal((2, 3, 4)).astype(dtype)
+    w = runtime.tensor(table, device=backends.get_device(kind), requires_grad=True)
+    y = ops.embedding(indices, w, padding_idx, max_norm, norm_type)
+    y.backward(runtime.tensor(g, device=w.device))
+    tw = torch.tensor(table, requires_grad=True)
+    ty = torch.nn.functional.embedding(torch.tensor(indices), tw, padding_idx, max_norm,
+                                       norm_type)
+    ty.backward(torch.tensor(g))
+    tolerance = dict(rtol=2e-7, atol=0) if dtype == "float32" else dict(rtol=1e-15, atol=0)
+    renormed = tw.detach().numpy()
+    np.testing.assert_allclose(w.numpy(), renormed, **tolerance)
+    assert (renormed != table).any() == (max_norm is not None)
+    np.testing.assert_array_equal(w.numpy()[[1, 3, 4]], table[[1, 3, 4]])  # NOTE: left alone
+    np.testing.assert_allclose(y.numpy(), ty.detach().numpy(), **tolerance)
+    assert y.numpy().tobytes() == w.numpy()[indices].tobytes()  # NOTE: the renormed rows
+    np.testing.assert_array_equal(w.grad.numpy(), tw.grad.numpy())  # NOTE: sums in one order
+    if padding_idx is not None:
+        assert not w.grad.numpy()[padding_idx].any()
+
+
+def test_the_padding_row_gets_no_gradient_even_from_non_finite_uses():
+    w = runtime.tensor(np.ones((3, 2)), requires_grad=True)
+    y = ops.embedding([1, 0, 1], w, padding_idx=1)
+    y.backward(runtime.tensor(np.array([[np.inf, np.nan], [2.0, 3.0], [1.0, 1.0]])))
+    assert w.grad.numpy().tolist() == [[2.0, 3.0], [0.0, 0.0], [0.0, 0.0]]
+
+
+def test_the_layer_takes_pytorchs_padding_idx_and_max_norm():
+    torch = _torch()
+    layer = nn.Embedding(10, 3, padding_idx=-2, max_norm=1.0, rng=0)
+    assert layer.padding_idx == 8
+    assert not layer.weight.numpy()[8].any() and layer.weight.numpy()[7].all()
+    assert repr(layer) == repr(torch.nn.Embedding(10, 3, padding_idx=-2, max_norm=1.0))
+    assert repr(nn.Embedding(4, 2, norm_type=1.0)) == repr(torch.nn.Embedding(4, 2,
+                                                                              norm_type=1.0))
+    assert repr(nn.Embedding(4, 2, max_norm=2.0, norm_type=1.0)) == repr(
+        torch.nn.Embedding(4, 2, max_norm=2.0, norm_type=1.0))
+    rows = layer([[7, 8], [7, 3]])
+    norms = np.linalg.norm(layer.weight.numpy()[[3, 7]], axis=1)
+    assert (norms <= 1.0 + 1e-6).all()
+    assert not rows.numpy()[0, 1].any()
+
+
+@pytest.mark.parametrize(("call", "error", "message"), [
+    (lambda w: ops.embedding([0], w, padding_idx=4), ValueError,
+     r"embedding: padding_idx 4 is outside \[-4, 4\) for 4 embeddings"),
+    (lambda w: ops.embedding([0], w, padding_idx=-5), ValueError,
+     r"embedding: padding_idx -5 is outside \[-4, 4\)"),
+    (lambda w: ops.embedding([0], w, padding_idx=1.0), TypeError,
+     "embedding: padding_idx must be an int or None, got 1.0"),
+    (lambda w: ops.embedding([0], w, max_norm="1"), TypeError,
+     "embedding: max_norm must be a number"),
+    (lambda w: ops.embedding([0], w, max_norm=float("nan")), ValueError,
+     "embedding: max_norm must lie in"),
+    (lambda w: nn.Embedding(4, 2, padding_idx=4), ValueError,
+     r"Embedding: padding_idx 4 is outside \[-4, 4\) for 4 embeddings"),
+    (lambda w: nn.Embedding(4, 2, max_norm=True), TypeError, "Embedding: max_norm must be a"),
+])
+def test_bad_padding_idx_and_max_norm_are_named_with_the_numbers(call, error, message):
+    w = runtime.tensor(np.ones((4, 2)))
+    with pytest.raises(error, match=message):
+        call(w)
+    assert w.numpy().tolist() == [[1.0, 1.0]] * 4
+
+
+class _Bag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 3, padding_idx=0, max_norm=0.8)
+        self.head = nn.Dense(6, 3)
+
+    def forward(self, indices):
+        h = self.embed(indices)
+        return self.head(h.reshape(h.shape[0], 6))
+
+
+@pytest.mark.parametrize("options", [
+    dict(plan="static"), dict(plan="static", checkpoint="sqrt"),
+    dict(plan="recycle", memory_budget=1 << 12),
+], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_a_captured_step_renormalises_at_every_replay_as_eager(options):
+    """The renorm is one recorded launch: each replay renormalises the rows of its own
+    indices, bit for bit as the eager steps do, under a checkpoint and a budget too."""
+    rng = np.random.default_rng(3)
+    batches = [(rng.integers(0, 7, (5, 2)), rng.integers(0, 3, 5)) for _ in range(3)]
+
+    def make():
+        nn.manual_seed(1)
+        model = _Bag()
+        with runtime.no_grad():  # NOTE: rows large enough that every lookup renormalises
+            ops.mul(model.embed.weight, 3.0, out=model.embed.weight)
+        return model, nn.train_step(model, nn.SGD(model.parameters(), lr=0.5))
+
+    eager_model, eager = make()
+    want = [eager(runtime.tensor(x), runtime.tensor(y)).numpy().tobytes() for x, y in batches]
+    model, step = make()
+    graph = runtime.graph(step, **options)
+    assert [graph(x, y).numpy().tobytes() for x, y in batches] == want
+    for name, value in eager_model.state_dict().items():
+        assert model.state_dict()[name].numpy().tobytes() == value.numpy().tobytes(), name
+    assert not model.embed.weight.numpy()[0].any()  # NOTE: the padding row never learns
