@@ -129,7 +129,9 @@ def _dropped(program: list[Instruction], intermediate: frozenset[int] | set[int]
     # NOTE: a segment that writes into a block that held data before it began (made by an
     # earlier instruction, or read before any write: outside data) cannot run again: the block
     # holds the value after that write, and a clone would apply it twice (exp(e, out=e) run
-    # again on the e that is exp(e) already). Such a segment keeps its results.
+    # again on the e that is exp(e) already). Such a segment keeps its results. A state
+    # update (`_updates_state`: a dropout draw moving its generator's count on) is not run
+    # again but copied (`_clone_segment`), so it does not keep its segment.
     first_write: dict[int, int] = {}
     outside: set[int] = set()
     for i, instr in enumerate(program):
@@ -141,7 +143,8 @@ def _dropped(program: list[Instruction], intermediate: frozenset[int] | set[int]
     dropped: list[set[int]] = []
     for s, members in enumerate(segments):
         rewrites = any(o.block.id in outside or first_write[o.block.id] < members[0]
-                       for i in members for o in program[i].outputs) if members else False
+                       for i in members if not _updates_state(program[i], intermediate)
+                       for o in program[i].outputs)
         if not drop[s] or not members or rewrites:
             dropped.append(set())
             continue
