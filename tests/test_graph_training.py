@@ -82,6 +82,21 @@ def test_random_training_programs_replay_as_eager_under_every_plan_and_checkpoin
         np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@settings(max_examples=40, deadline=None)
+@given(program=training_programs(), checkpoint=st.sampled_from([None, "sqrt"]))
+def test_recycle_never_plans_more_than_static_on_a_training_step(program, checkpoint):
+    # recycle takes the tail's arena at the commit point, apart from the buffers still live
+    # then; where that would hold more than the static arena it takes the static placement
+    # (runtime/graph/memory.py, `_recycle_or_one_arena`)
+    x, t = data(program)[0]
+    tops = {}
+    for plan in ("recycle", "static"):
+        graph = runtime.graph(build(program)[2], plan=plan, checkpoint=checkpoint)
+        graph(x, t)
+        tops[plan] = max(graph.timeline(), default=0)
+    assert tops["recycle"] <= tops["static"]
+
+
 def test_fresh_sets_every_field_init_sets():
     allocator = runtime.get_default_allocator("cpu")
     shape, dtype = (3, 2), np.dtype(np.float32)

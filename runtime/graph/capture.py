@@ -163,7 +163,8 @@ def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[T
         fused = _fuse_steps(scheduled, tape.intermediate, allocator.device, fuse=options.fuse,
                             in_place=options.fuse and options.plan != "none")
         memory = _plan_memory(fused, tape, recorder.made_here, plan=options.plan,
-                              alignment=alignment, device=allocator.device)
+                              alignment=alignment, device=allocator.device,
+                              size=allocator.allocation_size)
         peak = max(_timeline(memory, options.plan, len(fused.steps), allocator.allocation_size),
                    default=0)
         return (scheduled, fused, memory), peak

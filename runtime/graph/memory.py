@@ -11,6 +11,7 @@ A new kind of replay, or a phase that moves a write to state earlier, must keep 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,10 +25,13 @@ from runtime.graph.program import Fused, MemoryPlan, Recorded, _Step
 
 
 def _plan_memory(fused: Fused, recorded: Recorded, made_here: Callable[[Block], bool], *,
-                 plan: str, alignment: int, device: Any) -> MemoryPlan:
+                 plan: str, alignment: int, device: Any,
+                 size: Callable[[int], int]) -> MemoryPlan:
     """Phase 5: lifetimes of `fused`'s buffers, their static placement, the commit point, the
-    allocations of a "none" or "recycle" replay, and the fused chains' scratch on `device`
-    (one allocation of the graph's allocator, held by the capture like a static arena)."""
+    allocations of a "none" or "recycle" replay (compared at the allocator's `size` of each
+    request with the static placement: `_recycle_or_one_arena`), and the fused chains'
+    scratch on `device` (one allocation of the graph's allocator, held by the capture like a
+    static arena)."""
     scratch: dict[tuple, int] = {}
     scratch_bytes = 0
     for key in _scratch_keys(fused.steps, device):
@@ -48,10 +52,28 @@ def _plan_memory(fused: Fused, recorded: Recorded, made_here: Callable[[Block], 
         if plan == "recycle":
             ends.setdefault(life.last, []).append(life.key)
     tail_plan = planner.plan(tail, alignment=alignment) if plan == "recycle" and tail else None
-    return MemoryPlan(lifetimes=lifetimes,
-                      static_plan=planner.plan(lifetimes, alignment=alignment),
-                      commit=commit, state=state, starts=starts, ends=ends, tail=tail,
-                      tail_plan=tail_plan, scratch=scratch, scratch_bytes=scratch_bytes)
+    memory = MemoryPlan(lifetimes=lifetimes,
+                        static_plan=planner.plan(lifetimes, alignment=alignment),
+                        commit=commit, state=state, starts=starts, ends=ends, tail=tail,
+                        tail_plan=tail_plan, tail_at=commit, scratch=scratch,
+                        scratch_bytes=scratch_bytes)
+    return _recycle_or_one_arena(memory, len(fused.steps), size) if plan == "recycle" else memory
+
+
+def _recycle_or_one_arena(memory: MemoryPlan, n: int, size: Callable[[int], int]
+                          ) -> MemoryPlan:
+    """"recycle"'s plan, or the static placement where that holds fewer bytes at once: every
+    buffer in one arena taken before the first step (also where the allocator's rounding of
+    many small requests outweighs what recycling saves). Recycle frees the buffers first used
+    before the commit point as they die and takes the tail's arena at the commit, planned
+    apart from those still live then, so the two can sit on top of each other: a training
+    step's commit point is its first update, and SGD's updates, folded into the products,
+    begin with the backward pass, while the forward pass's activations are all live."""
+    most = max(_timeline(memory, "recycle", n, size), default=0)
+    if most <= max(_timeline(memory, "static", n, size), default=0):
+        return memory
+    return dataclasses.replace(memory, starts={}, ends={}, tail=memory.lifetimes,
+                               tail_plan=memory.static_plan, tail_at=0)
 
 
 def _timeline(memory: MemoryPlan, plan: str, n: int, size: Callable[[int], int]) -> list[int]:
@@ -60,7 +82,7 @@ def _timeline(memory: MemoryPlan, plan: str, n: int, size: Callable[[int], int])
     ("static": the arena throughout; "none": nothing goes back before the end of the step;
     "recycle": live bytes, and the tail arena from the commit point on), the scratch of the
     fused chains held throughout."""
-    commit = memory.commit
+    commit = memory.tail_at
     held = size(memory.scratch_bytes) if memory.scratch else 0
     if plan == "static":
         arena = size(memory.static_plan.planned_bytes) if memory.static_plan.offsets else 0

@@ -72,10 +72,13 @@ class MemoryPlan:
     starts: dict[int, list[planner.Lifetime]]
     #: step position -> buffers freed just after it ("recycle")
     ends: dict[int, list[int]]
-    #: buffers first used at or after `commit`: allocated just before it
+    #: buffers first used at or after `tail_at`: allocated just before it
     tail: list[planner.Lifetime]
     #: "recycle": `tail` placed in one arena
     tail_plan: planner.Plan | None
+    #: where `tail` is taken: `commit`, or 0 where "recycle" would hold more with the tail
+    #: apart than the static arena (`memory._recycle_or_one_arena`)
+    tail_at: int
     #: the fused chains' scratch arrays (`Device.fused_scratch` keys) -> byte offset in one
     #: allocation of `scratch_bytes`, taken at the first replay and held by the capture
     scratch: dict[tuple, int]

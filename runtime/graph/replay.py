@@ -65,7 +65,7 @@ def _replay(capture: _Capture, plan: str) -> None:
         return
     _run_init(capture)
     allocator, starts, ends = capture.allocator, capture.memory.starts, capture.memory.ends
-    commit = capture.memory.commit
+    commit = capture.memory.tail_at  # NOTE: the commit point, or 0: MemoryPlan.tail_at
     memory: Memory = {}
     allocations: dict[int, Allocation] = {}
     live = peak = 0
