@@ -373,6 +373,8 @@ class Device:
         "_cross_entropy_backward": "on the host, by the CPU's formula",
         "_sub_scaled": "the mul and sub kernels (one fused chain where `compiles_fused`)",
         "_gemm": "the product into scratch, then one fused pass for alpha and beta",
+        "_prepared_gemm": "a function that calls `_gemm` on the views (`prepare_gemm`)",
+        "_prepared_matmul": "a function that calls `_matmul` on the views (`prepare_matmul`)",
         "_widened": "a cast into float32 scratch",
         "_gather": "the copy kernel, one row at a time",
         "_scatter_add": "the add kernel in place, one row at a time, in index order",
@@ -581,6 +583,32 @@ class Device:
                                                                float(beta)),
                                     (a, b), (out,), read=beta != 0)
         self._gemm(a, b, out, float(alpha), float(beta))
+
+    def prepare_gemm(self, a: Any, b: Any, out: Any, alpha: float = 1.0,
+                     beta: float = 0.0) -> Callable[[], None]:
+        """`gemm(a, b, out, alpha, beta)` checked and set up once, as a function that runs
+        it: for a caller that runs the same product on the same views many times (a graph's
+        replay), as `prepare_fused` is for chains. The same result as `gemm`, bit for bit."""
+        self._check_computes("gemm", (a, b), out)
+        alpha, beta = float(alpha), float(beta)
+        if out.dtype in HALVES and not self.capabilities.half_kernels:
+            return lambda: self.gemm(a, b, out, alpha, beta)
+        return self._prepared_gemm(a, b, out, alpha, beta)
+
+    def prepare_matmul(self, a: Any, b: Any, out: Any) -> Callable[[], None]:
+        """`matmul(a, b, out)` checked and set up once, as a function that runs it (as
+        `prepare_gemm`); the same result as `matmul`, bit for bit."""
+        self._check_computes("matmul", (a, b), out)
+        if out.dtype in HALVES and not self.capabilities.half_kernels:
+            return lambda: self.matmul(a, b, out)
+        return self._prepared_matmul(a, b, out)
+
+    def _prepared_gemm(self, a: Any, b: Any, out: Any, alpha: float,
+                       beta: float) -> Callable[[], None]:
+        return lambda: self._gemm(a, b, out, alpha, beta)
+
+    def _prepared_matmul(self, a: Any, b: Any, out: Any) -> Callable[[], None]:
+        return lambda: self._matmul(a, b, out)
 
     def plan_products(self, products: Sequence[tuple[Any, Any, Any, bool]]) -> None:
         """Hear which 2-D products a captured graph runs at every step, as (a, b, out,

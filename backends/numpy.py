@@ -457,6 +457,25 @@ class NumpyDevice(Device):
         if out.ndim != 2 or blas is None or not blas.products or not blas(a, b, out, 1.0, 0.0):
             np.matmul(a, b, out=out)
 
+    def _prepared_gemm(self, a, b, out, alpha, beta):
+        # NOTE: the CBLAS call `_gemm` makes, its arguments converted once (not while a
+        # Chooser is still measuring two libraries: it has no `bind`, and each call decides)
+        bind = getattr(_blas.find(), "bind", None)
+        run = None if bind is None else bind(a, b, out, alpha, beta)
+        return run if run is not None else super()._prepared_gemm(a, b, out, alpha, beta)
+
+    def _prepared_matmul(self, a, b, out):
+        # NOTE: where `_matmul` sends a 2-D product: np.matmul, or the CBLAS (bound once)
+        if out.ndim == 2:
+            blas = _blas.find()
+            if blas is None or not blas.products:
+                return functools.partial(np.matmul, a, b, out=out)
+            bind = getattr(blas, "bind", None)
+            run = None if bind is None else bind(a, b, out, 1.0, 0.0)
+            if run is not None:
+                return run
+        return super()._prepared_matmul(a, b, out)
+
     def _plan_products(self, products) -> None:
         _blas.expect(products)  # while the CBLAS is being chosen, these are what it times
 

@@ -221,11 +221,12 @@ def _bind_product(step: _Step, capture: _Capture, memory: Memory) -> Callable[[]
     out = _view(chain[-1].outputs[0], capture, memory)
     if step.product != "into":
         alpha, beta = step.product
-        return lambda: device.gemm(a, b, out, alpha, beta)
+        return device.prepare_gemm(a, b, out, alpha, beta)
     rest = _bind_fused(_Step(chain, step.internal), capture, memory, head)
+    product = device.prepare_matmul(a, b, out)  # NOTE: as the op computes it: bit-identical
 
     def run() -> None:
-        device.matmul(a, b, out)  # NOTE: as the op itself computes it: bit-identical
+        product()
         rest()
 
     return run
