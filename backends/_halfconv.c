@@ -1049,58 +1049,80 @@ sum_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 #include "_erf_table.h"
 
-/* C's erf of float32s in double, rounded once to float32, in about a third of C's time: a
- * polynomial of backends/_erf_table.h (about 1e-16 relative error) rounded to float32, and
- * C's erf itself wherever the polynomial lies within 2**-40 of a value where the rounding
- * changes (or |x| >= 4, or NaN): C's erf is within an ULP of the exact value, so elsewhere
- * the two round alike (backends/_erf_gen.py; tests/test_halfconv.py holds them equal). The
- * polynomials run over a block first, a loop with no call in it, so that the elements'
- * chains of products overlap in the pipeline; then the roundings and their checks. */
-static double
-erf_polynomial(double ax)
-{
-    if (!(ax < ERF_PIECES / (double)ERF_STEPS)) {
-        return 0.0;  /* NOTE: |x| >= 4 or NaN: C's erf decides (`erf_block`) */
-    }
-    if (ax < 1.0 / ERF_STEPS) {
-        double s = ax * ax, q = erf_small[ERF_TERMS - 1];
-        for (int k = ERF_TERMS - 2; k >= 0; k--) {
-            q = q * s + erf_small[k];
-        }
-        return ax * q;
-    }
-#if ERF_DEGREE != 12
-#error "erf_polynomial evaluates degree 12 (backends/_erf_gen.py's DEGREE)"
+/* C's erf of float32s in double, rounded once to float32, in a fraction of C's time:
+ * polynomials of backends/_erf_table.h (at most 3.5e-16 relative error) rounded to float32,
+ * and C's erf itself wherever a polynomial's value lies within 2**-40 of a value where the
+ * rounding changes (or |x| >= 4, or NaN): C's erf is within an ULP of the exact value, so
+ * elsewhere the two round alike (backends/_erf_gen.py; tests/test_halfconv.py holds them
+ * equal on 2**24 values, and `python -m backends._erf_gen --check` found them equal on every
+ * float32). Two passes over a block: the core polynomial on every element, a loop the
+ * compiler vectorises (AVX2 where the CPU has it; no FMA, so each product and sum rounds as
+ * written), marking the elements it cannot settle; then those, one at a time. */
+#define ERF_NEAR 0x1p-40
+
+#define ERF_CORE(NAME, ATTR)                                                                  \
+ATTR static void                                                                              \
+NAME(float *out, unsigned char *unsettled, const float *a, Py_ssize_t m)                      \
+{                                                                                             \
+    for (Py_ssize_t i = 0; i < m; i++) {                                                      \
+        double x = a[i], ax = fabs(x), s = x * x, q = erf_core[ERF_CORE_DEGREE];              \
+        for (int k = ERF_CORE_DEGREE - 1; k >= 0; k--) {                                      \
+            q = q * s + erf_core[k];                                                          \
+        }                                                                                     \
+        double y = ax * q;                                                                    \
+        float f = (float)y;                                                                   \
+        int settled = (ax < ERF_CORE_END) & ((float)(y * (1.0 - ERF_NEAR)) == f)              \
+                      & ((float)(y * (1.0 + ERF_NEAR)) == f);                                 \
+        out[i] = copysignf(f, a[i]);                                                          \
+        unsettled[i] = (unsigned char)!settled;                                               \
+    }                                                                                         \
+}
+ERF_CORE(erf_core_portable, )
+#if HAVE_X86
+ERF_CORE(erf_core_avx2, __attribute__((target("avx2"))))
 #endif
-    int piece = (int)(ax * ERF_STEPS);
-    const double *c = erf_pieces[piece - 1];
-    double t = ax - (piece + 0.5) / ERF_STEPS;
-    /* NOTE: Estrin's scheme, not Horner's: its products are independent, where Horner's
-     * chain of 12 waits on each (about 2.5x the time here) */
-    double t2 = t * t, t4 = t2 * t2, t8 = t4 * t4;
-    double p01 = c[0] + c[1] * t, p23 = c[2] + c[3] * t, p45 = c[4] + c[5] * t;
-    double p67 = c[6] + c[7] * t, p89 = c[8] + c[9] * t, p1011 = c[10] + c[11] * t;
-    double low = (p01 + p23 * t2) + (p45 + p67 * t2) * t4;
-    double high = (p89 + p1011 * t2) + c[12] * t4;
-    return low + high * t8;
+#undef ERF_CORE
+
+/* One element the core left: its piece's polynomial from ERF_CORE_END to 4, else (or near a
+ * rounding boundary) C's erf. */
+static float
+erf_one(float value)
+{
+    double x = value, ax = fabs(x);
+    if (ax >= ERF_CORE_END && ax < ERF_PIECES / (double)ERF_STEPS) {
+        int piece = (int)(ax * ERF_STEPS);
+        const double *c = erf_pieces[piece - 1];
+        double t = ax - (piece + 0.5) / ERF_STEPS, y = c[ERF_DEGREE];
+        for (int k = ERF_DEGREE - 1; k >= 0; k--) {
+            y = y * t + c[k];
+        }
+        float f = (float)y;
+        if ((float)(y * (1.0 - ERF_NEAR)) == f && (float)(y * (1.0 + ERF_NEAR)) == f) {
+            return copysignf(f, value);
+        }
+    }
+    return (float)erf(x);  /* NOTE: C's own value decides */
 }
 
 static void
 erf_block(float *out, const float *a, Py_ssize_t n)
 {
-    double y[256];
+    unsigned char unsettled[256];
+    float x[256];  /* NOTE: the block's inputs, kept: out may be a itself */
     for (Py_ssize_t s = 0; s < n; s += 256) {
         Py_ssize_t m = n - s < 256 ? n - s : 256;
-        for (Py_ssize_t i = 0; i < m; i++) {
-            y[i] = erf_polynomial(fabs((double)a[s + i]));
+        memcpy(x, a + s, (size_t)m * sizeof(float));
+#if HAVE_X86
+        if (use_avx2) {
+            erf_core_avx2(out + s, unsettled, x, m);
+        } else
+#endif
+        {
+            erf_core_portable(out + s, unsettled, x, m);
         }
         for (Py_ssize_t i = 0; i < m; i++) {
-            float x = a[s + i], f = (float)y[i];
-            int near = (float)(y[i] * (1.0 - 0x1p-40)) != f || (float)(y[i] * (1.0 + 0x1p-40)) != f;
-            if (near || !(fabsf(x) < ERF_PIECES / (float)ERF_STEPS)) {
-                out[s + i] = (float)erf((double)x);  /* NOTE: C's own value decides */
-            } else {
-                out[s + i] = copysignf(f, x);
+            if (unsettled[i]) {
+                out[s + i] = erf_one(x[i]);
             }
         }
     }
