@@ -20,6 +20,9 @@
  * the sum over rows on contiguous float32 and float64 arrays, vectorised loops, with NumPy's
  * bits. Every op's code and loops come from backends/optable.py through the header
  * _optable.h, generated as the extension is built: `ops` names the op of each code.
+ * erf_op(kind, out, a) is the CPU's erf (C's, in double; float32 through the polynomials of
+ * _erf_table.h with C's bits), max_pool and max_pool_backward its max pooling (PyTorch's
+ * scan and indices; `numpy_max_pool2d` in backends/base.py is their twin).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
