@@ -43,5 +43,5 @@ setup(ext_modules=[
     Extension("allocators._speedups", ["allocators/_speedups.c"], optional=True),
     Extension("runtime._dispatch", ["runtime/_dispatch.c"], optional=True),
     Extension("backends._halfconv", ["backends/_halfconv.c"], optional=True,
-              depends=["backends/_optable.h"]),
+              depends=["backends/_optable.h", "backends/_erf_table.h"]),
 ])

@@ -20,10 +20,14 @@
  * the sum over rows on contiguous float32 and float64 arrays, vectorised loops, with NumPy's
  * bits. Every op's code and loops come from backends/optable.py through the header
  * _optable.h, generated as the extension is built: `ops` names the op of each code.
+ * erf_op(kind, out, a) is the CPU's erf (C's, in double; float32 through the polynomials of
+ * _erf_table.h with C's bits), max_pool and max_pool_backward its max pooling (PyTorch's
+ * scan and indices; `numpy_max_pool2d` in backends/base.py is their twin).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 
@@ -1046,10 +1050,92 @@ sum_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 #undef PICK
 
+#include "_erf_table.h"
+
+/* C's erf of float32s in double, rounded once to float32, in a fraction of C's time:
+ * polynomials of backends/_erf_table.h (at most 3.5e-16 relative error) rounded to float32,
+ * and C's erf itself wherever a polynomial's value lies within 2**-40 of a value where the
+ * rounding changes (or |x| >= 4, or NaN): C's erf is within an ULP of the exact value, so
+ * elsewhere the two round alike (backends/_erf_gen.py; tests/test_halfconv.py holds them
+ * equal on 2**24 values, and `python -m backends._erf_gen --check` found them equal on every
+ * float32). Two passes over a block: the core polynomial on every element, a loop the
+ * compiler vectorises (AVX2 where the CPU has it; no FMA, so each product and sum rounds as
+ * written), marking the elements it cannot settle; then those, one at a time. */
+#define ERF_NEAR 0x1p-40
+
+#define ERF_CORE(NAME, ATTR)                                                                  \
+ATTR static void                                                                              \
+NAME(float *out, unsigned char *unsettled, const float *a, Py_ssize_t m)                      \
+{                                                                                             \
+    for (Py_ssize_t i = 0; i < m; i++) {                                                      \
+        double x = a[i], ax = fabs(x), s = x * x, q = erf_core[ERF_CORE_DEGREE];              \
+        for (int k = ERF_CORE_DEGREE - 1; k >= 0; k--) {                                      \
+            q = q * s + erf_core[k];                                                          \
+        }                                                                                     \
+        double y = ax * q;                                                                    \
+        float f = (float)y;                                                                   \
+        int settled = (ax < ERF_CORE_END) & ((float)(y * (1.0 - ERF_NEAR)) == f)              \
+                      & ((float)(y * (1.0 + ERF_NEAR)) == f);                                 \
+        out[i] = copysignf(f, a[i]);                                                          \
+        unsettled[i] = (unsigned char)!settled;                                               \
+    }                                                                                         \
+}
+ERF_CORE(erf_core_portable, )
+#if HAVE_X86
+ERF_CORE(erf_core_avx2, __attribute__((target("avx2"))))
+#endif
+#undef ERF_CORE
+
+/* One element the core left: its piece's polynomial from ERF_CORE_END to 4, else (or near a
+ * rounding boundary) C's erf. */
+static float
+erf_one(float value)
+{
+    double x = value, ax = fabs(x);
+    if (ax >= ERF_CORE_END && ax < ERF_PIECES / (double)ERF_STEPS) {
+        int piece = (int)(ax * ERF_STEPS);
+        const double *c = erf_pieces[piece - 1];
+        double t = ax - (piece + 0.5) / ERF_STEPS, y = c[ERF_DEGREE];
+        for (int k = ERF_DEGREE - 1; k >= 0; k--) {
+            y = y * t + c[k];
+        }
+        float f = (float)y;
+        if ((float)(y * (1.0 - ERF_NEAR)) == f && (float)(y * (1.0 + ERF_NEAR)) == f) {
+            return copysignf(f, value);
+        }
+    }
+    return (float)erf(x);  /* NOTE: C's own value decides */
+}
+
+static void
+erf_block(float *out, const float *a, Py_ssize_t n)
+{
+    unsigned char unsettled[256];
+    float x[256];  /* NOTE: the block's inputs, kept: out may be a itself */
+    for (Py_ssize_t s = 0; s < n; s += 256) {
+        Py_ssize_t m = n - s < 256 ? n - s : 256;
+        memcpy(x, a + s, (size_t)m * sizeof(float));
+#if HAVE_X86
+        if (use_avx2) {
+            erf_core_avx2(out + s, unsettled, x, m);
+        } else
+#endif
+        {
+            erf_core_portable(out + s, unsettled, x, m);
+        }
+        for (Py_ssize_t i = 0; i < m; i++) {
+            if (unsettled[i]) {
+                out[s + i] = erf_one(x[i]);
+            }
+        }
+    }
+}
+
 /* erf_op(kind, out, a): C's erf of each element of a contiguous float32 (kind 0: computed in
- * double, rounded once) or float64 (kind 1) array into out of its shape (out may be a): the
- * CPU device's erf, the same bits as math.erf (backends/_erf.py). False, nothing written,
- * for anything else. */
+ * double, rounded once, by `erf_block`) or float64 (kind 1) array into out of its shape (out
+ * may be a): the CPU device's erf, the same bits as math.erf (backends/_erf.py); kind 2, the
+ * float32 loop on C's erf alone (the specification `erf_block` is held to). False, nothing
+ * written, for anything else. */
 static PyObject *
 erf_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1057,8 +1143,18 @@ erf_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_TypeError, "erf_op(kind, out, a) takes 3 arguments, got %zd", nargs);
         return NULL;
     }
-    long kind;
-    Py_ssize_t itemsize = float_kind(args[0], "erf_op", &kind);
+    long kind = PyLong_AsLong(args[0]);
+    if (kind == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    int plain = kind == 2;
+    kind = plain ? 0 : kind;
+    PyObject *kind_object = PyLong_FromLong(kind);
+    if (kind_object == NULL) {
+        return NULL;
+    }
+    Py_ssize_t itemsize = float_kind(kind_object, "erf_op", &kind);
+    Py_DECREF(kind_object);
     if (itemsize == 0) {
         return NULL;
     }
@@ -1081,7 +1177,231 @@ erf_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         } else {
             float *o = views[0].buf;
             const float *a = views[1].buf;
-            for (Py_ssize_t i = 0; i < n; i++) o[i] = (float)erf((double)a[i]);
+            if (plain) {
+                for (Py_ssize_t i = 0; i < n; i++) o[i] = (float)erf((double)a[i]);
+            } else {
+                erf_block(o, a, n);
+            }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    return released(views, held, refuse);
+}
+
+/* Max pooling, PyTorch's CPU scan (`numpy_max_pool2d` in backends/base.py is its twin and
+ * specification): each window's elements of x in row-major order, the padding skipped, a
+ * running maximum from -inf, an element taken where it is greater or NaN (the first maximum,
+ * or the last NaN), its index h * W + w within the plane starting at the window's first
+ * element (a window of -inf). One output row at a time, its running maxima and indices kept
+ * in place in out and `where`: for each window offset the loop runs along the row, whose
+ * outputs are independent, so their selects overlap in the pipeline (a scan of one window
+ * at a time is one chain of dependent selects). The selects are integer masks: written as
+ * `take ? v : b`, gcc 12 made them branches, which mispredict on random data (20.8 against
+ * 7.8 ms of CPU time for the forward of ResNet-50's pool, AMD EPYC family 25 model 17). */
+#define MAX_POOL(T, U, NAME)                                                                  \
+static void                                                                                   \
+NAME(T *out, int64_t *where, Py_ssize_t row_stride, const T *x, Py_ssize_t planes,           \
+     Py_ssize_t h, Py_ssize_t w, Py_ssize_t ho, Py_ssize_t wo, const Py_ssize_t *geometry)   \
+{                                                                                             \
+    Py_ssize_t kh = geometry[0], kw = geometry[1], sh = geometry[2], sw = geometry[3];        \
+    Py_ssize_t ph = geometry[4], pw = geometry[5];                                            \
+    for (Py_ssize_t p = 0; p < planes; p++) {                                                 \
+        const T *plane = x + p * h * w;                                                       \
+        for (Py_ssize_t oy = 0; oy < ho; oy++) {                                              \
+            T *restrict best = out + (p * ho + oy) * wo;                                      \
+            int64_t *restrict at = where + (p * ho + oy) * row_stride;                        \
+            Py_ssize_t y0 = oy * sh - ph, y1 = y0 + kh < h ? y0 + kh : h;                     \
+            y0 = y0 < 0 ? 0 : y0;                                                             \
+            for (Py_ssize_t ox = 0; ox < wo; ox++) {                                          \
+                Py_ssize_t x0 = ox * sw - pw;                                                 \
+                best[ox] = -INFINITY;                                                         \
+                at[ox] = y0 * w + (x0 < 0 ? 0 : x0);                                          \
+            }                                                                                 \
+            for (Py_ssize_t y = y0; y < y1; y++) {                                            \
+                const T *restrict row = plane + y * w;                                        \
+                for (Py_ssize_t j = 0; j < kw; j++) {                                         \
+                    /* the outputs whose column ox * sw - pw + j lies in [0, w) */            \
+                    Py_ssize_t lo = j >= pw ? 0 : (pw - j + sw - 1) / sw;                     \
+                    Py_ssize_t hi = (w - 1 + pw - j) / sw + 1;                                \
+                    hi = hi < wo ? hi : wo;                                                   \
+                    for (Py_ssize_t ox = lo; ox < hi; ox++) {                                 \
+                        Py_ssize_t c = ox * sw - pw + j;                                      \
+                        T v = row[c], b = best[ox];                                           \
+                        U vbits, bbits;                                                       \
+                        memcpy(&vbits, &v, sizeof v);                                         \
+                        memcpy(&bbits, &b, sizeof b);                                         \
+                        /* masks of all ones where taken: selects with no branch */           \
+                        U take = (U)0 - (U)((v > b) | (v != v));                              \
+                        int64_t take_at = -(int64_t)((v > b) | (v != v));                     \
+                        bbits = (vbits & take) | (bbits & ~take);                             \
+                        memcpy(&best[ox], &bbits, sizeof b);                                  \
+                        at[ox] = ((int64_t)(y * w + c) & take_at) | (at[ox] & ~take_at);      \
+                    }                                                                         \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+}
+MAX_POOL(float, uint32_t, max_pool_f32)
+MAX_POOL(double, uint64_t, max_pool_f64)
+#undef MAX_POOL
+
+/* Max pooling's backward: out = zeros, then grad added at each index, plane by plane, each
+ * plane's outputs in row-major order (PyTorch's CPU order). The indices were checked. */
+#define MAX_POOL_BACKWARD(T, NAME)                                                            \
+static void                                                                                   \
+NAME(T *out, const T *grad, const int64_t *indices, Py_ssize_t planes, Py_ssize_t size,       \
+     Py_ssize_t count)                                                                        \
+{                                                                                             \
+    memset(out, 0, (size_t)(planes * size) * sizeof(T));                                      \
+    for (Py_ssize_t p = 0; p < planes; p++) {                                                 \
+        T *o = out + p * size;                                                                \
+        const T *g = grad + p * count;                                                        \
+        const int64_t *at = indices + p * count;                                              \
+        for (Py_ssize_t i = 0; i < count; i++) {                                              \
+            o[at[i]] += g[i];                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+}
+MAX_POOL_BACKWARD(float, max_pool_backward_f32)
+MAX_POOL_BACKWARD(double, max_pool_backward_f64)
+#undef MAX_POOL_BACKWARD
+
+/* Whether two buffers share no byte. */
+static int
+apart(const Py_buffer *a, const Py_buffer *b)
+{
+    uintptr_t ab = (uintptr_t)a->buf, bb = (uintptr_t)b->buf;
+    return ab + (uintptr_t)a->len <= bb || bb + (uintptr_t)b->len <= ab;
+}
+
+/* max_pool(kind, out, indices, x, kh, kw, sh, sw, ph, pw): max pooling of a C-contiguous 4-D
+ * float32 (kind 0) or float64 (kind 1) x into out (N, C, Ho, Wo) of its dtype and the int64
+ * indices of out's shape (or None); every window holds an element of x (the caller checked
+ * the geometry; checked again here). False, nothing written, for anything else. */
+static PyObject *
+max_pool(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 10) {
+        PyErr_Format(PyExc_TypeError, "max_pool(kind, out, indices, x, kh, kw, sh, sw, ph, pw) "
+                     "takes 10 arguments, got %zd", nargs);
+        return NULL;
+    }
+    long kind;
+    Py_ssize_t itemsize = float_kind(args[0], "max_pool", &kind);
+    if (itemsize == 0) {
+        return NULL;
+    }
+    Py_ssize_t geometry[6];
+    for (int k = 0; k < 6; k++) {
+        geometry[k] = PyLong_AsSsize_t(args[4 + k]);
+        if (geometry[k] == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    int want = args[2] != Py_None;
+    Py_buffer views[3];  /* out, x, indices */
+    int held = 0, refuse = acquire(args[1], &views[0], 1);
+    held += !refuse;
+    if (!refuse) {
+        refuse = acquire(args[3], &views[1], 0);
+        held += !refuse;
+    }
+    if (!refuse && want) {
+        refuse = acquire(args[2], &views[2], 1);
+        held += !refuse;
+    }
+    if (!refuse) {
+        Py_buffer *o = &views[0], *x = &views[1];
+        refuse = !(o->itemsize == itemsize && x->itemsize == itemsize && o->ndim == 4
+                   && x->ndim == 4 && o->shape[0] == x->shape[0] && o->shape[1] == x->shape[1]
+                   && apart(o, x));
+        refuse = refuse || (want && !(same_shape(&views[2], o, 8) && apart(&views[2], o)
+                                      && apart(&views[2], x)));
+        for (int d = 0; d < 2 && !refuse; d++) {
+            Py_ssize_t k = geometry[d], s = geometry[2 + d], pad = geometry[4 + d];
+            refuse = !(k >= 1 && s >= 1 && pad >= 0 && pad <= k / 2
+                       && x->shape[2 + d] + 2 * pad >= k
+                       && o->shape[2 + d] == (x->shape[2 + d] + 2 * pad - k) / s + 1);
+        }
+    }
+    if (!refuse) {
+        Py_ssize_t planes = views[1].shape[0] * views[1].shape[1];
+        Py_ssize_t h = views[1].shape[2], w = views[1].shape[3];
+        Py_ssize_t ho = views[0].shape[2], wo = views[0].shape[3];
+        /* without indices, one row of scratch for them, used again for every row */
+        int64_t *where = want ? views[2].buf : malloc((size_t)wo * sizeof(int64_t));
+        Py_ssize_t row_stride = want ? wo : 0;
+        if (where == NULL) {
+            refuse = 1;  /* NOTE: the twin runs */
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            if (kind) {
+                max_pool_f64(views[0].buf, where, row_stride, views[1].buf, planes, h, w, ho,
+                             wo, geometry);
+            } else {
+                max_pool_f32(views[0].buf, where, row_stride, views[1].buf, planes, h, w, ho,
+                             wo, geometry);
+            }
+            Py_END_ALLOW_THREADS
+            if (!want) {
+                free(where);
+            }
+        }
+    }
+    return released(views, held, refuse);
+}
+
+/* max_pool_backward(kind, out, grad, indices): `max_pool`'s gradient, C-contiguous float32
+ * (kind 0) or float64 (kind 1) out (N, C, H, W) and grad (N, C, Ho, Wo), int64 indices of
+ * grad's shape, each in [0, H * W) (checked before anything is written). False, nothing
+ * written, for anything else. */
+static PyObject *
+max_pool_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "max_pool_backward(kind, out, grad, indices) takes 4 "
+                     "arguments, got %zd", nargs);
+        return NULL;
+    }
+    long kind;
+    Py_ssize_t itemsize = float_kind(args[0], "max_pool_backward", &kind);
+    if (itemsize == 0) {
+        return NULL;
+    }
+    Py_buffer views[3];  /* out, grad, indices */
+    int held = 0, refuse = 0;
+    while (held < 3 && !refuse) {
+        if ((refuse = acquire(args[1 + held], &views[held], held == 0))) {
+            break;
+        }
+        held++;
+    }
+    if (!refuse) {
+        Py_buffer *o = &views[0], *g = &views[1], *at = &views[2];
+        refuse = !(o->itemsize == itemsize && o->ndim == 4 && g->ndim == 4
+                   && g->itemsize == itemsize && same_shape(at, g, 8)
+                   && g->shape[0] == o->shape[0] && g->shape[1] == o->shape[1]
+                   && apart(o, g) && apart(o, at));
+    }
+    Py_ssize_t planes = 0, size = 0, count = 0;
+    if (!refuse) {
+        planes = views[0].shape[0] * views[0].shape[1];
+        size = views[0].shape[2] * views[0].shape[3];
+        count = views[1].shape[2] * views[1].shape[3];
+        const int64_t *at = views[2].buf;
+        for (Py_ssize_t i = 0; i < planes * count && !refuse; i++) {
+            refuse = at[i] < 0 || at[i] >= size;  /* NOTE: the twin raises, naming it */
+        }
+    }
+    if (!refuse) {
+        Py_BEGIN_ALLOW_THREADS
+        if (kind) {
+            max_pool_backward_f64(views[0].buf, views[1].buf, views[2].buf, planes, size,
+                                  count);
+        } else {
+            max_pool_backward_f32(views[0].buf, views[1].buf, views[2].buf, planes, size,
+                                  count);
         }
         Py_END_ALLOW_THREADS
     }
@@ -1112,8 +1432,16 @@ static PyMethodDef methods[] = {
      "sum_rows(kind, out, a): the sum of a contiguous 2-D float32 (kind 0) or float64 (kind "
      "1) array over its rows, in order; False when it cannot take the call."},
     {"erf_op", (PyCFunction)(void (*)(void))erf_op, METH_FASTCALL,
-     "erf_op(kind, out, a): C's erf on a contiguous float32 (kind 0, in double) or float64 "
-     "(kind 1) array; False when it cannot take the call."},
+     "erf_op(kind, out, a): C's erf on a contiguous float32 (kind 0, in double, rounded "
+     "once; kind 2 the same on C's erf alone) or float64 (kind 1) array; False when it "
+     "cannot take the call."},
+    {"max_pool", (PyCFunction)(void (*)(void))max_pool, METH_FASTCALL,
+     "max_pool(kind, out, indices, x, kh, kw, sh, sw, ph, pw): PyTorch's max pooling of a "
+     "contiguous float32 (kind 0) or float64 (kind 1) NCHW x, with int64 indices (or None); "
+     "False when it cannot take the call."},
+    {"max_pool_backward", (PyCFunction)(void (*)(void))max_pool_backward, METH_FASTCALL,
+     "max_pool_backward(kind, out, grad, indices): zeros, then grad added at the indices of "
+     "each plane in order; False when it cannot take the call."},
     {"set_f16c", set_f16c, METH_O,
      "set_f16c(flag): use the CPU's F16C instructions when flag and present; returns whether "
      "they are used."},

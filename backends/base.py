@@ -191,6 +191,51 @@ def numpy_cross_entropy_backward(probs: np.ndarray, labels: np.ndarray, grad: np
     np.multiply(out, grad[:, None], out=out)
 
 
+def numpy_max_pool2d(x: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int],
+                     padding: tuple[int, int], out: np.ndarray,
+                     indices: np.ndarray | None) -> None:
+    """`Device.max_pool2d` on NumPy arrays, PyTorch's CPU scan: each window's elements of x in
+    row-major order, the padding skipped, a running maximum that starts at -inf and an
+    element taken where it is greater or NaN (so the first maximum, or the last NaN), its
+    index starting at the window's first element of x (where every element is -inf). One
+    vectorised step per window offset; the default of `Device._max_pool2d`, on the host."""
+    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
+    n, c, h, w = x.shape
+    ho, wo = out.shape[2:]
+    xp = np.full((n, c, h + 2 * ph, w + 2 * pw), -np.inf, x.dtype)  # NOTE: never taken
+    xp[:, :, ph:ph + h, pw:pw + w] = x
+    rows, cols = np.arange(ho) * sh - ph, np.arange(wo) * sw - pw
+    best = np.full((n, c, ho, wo), -np.inf, x.dtype)
+    where = np.empty((n, c, ho, wo), np.int64)
+    where[...] = np.maximum(rows, 0)[:, None] * w + np.maximum(cols, 0)
+    for i in range(kh):
+        for j in range(kw):
+            v = xp[:, :, i:i + sh * (ho - 1) + 1:sh, j:j + sw * (wo - 1) + 1:sw]
+            with np.errstate(invalid="ignore"):  # NOTE: a NaN compared is no signal here
+                take = (v > best) | np.isnan(v)
+            np.copyto(best, v, where=take)
+            np.copyto(where, (rows + i)[:, None] * w + (cols + j), where=take)
+    out[...] = best
+    if indices is not None:
+        indices[...] = where
+
+
+def numpy_max_pool2d_backward(grad: np.ndarray, indices: np.ndarray, out: np.ndarray) -> None:
+    """`Device.max_pool2d_backward` on NumPy arrays: zeros, then each output's gradient
+    added at its index, plane by plane and in each plane in row-major order (`np.add.at`,
+    one addition at a time, as PyTorch's CPU kernel adds them)."""
+    n, c, h, w = out.shape
+    planes = n * c
+    flat = np.asarray(indices).reshape(planes, -1)
+    if flat.size and (flat.min() < 0 or flat.max() >= h * w):
+        raise ValueError(f"max_pool2d_backward: an index is outside [0, {h * w}) for a "
+                         f"{h}x{w} plane")
+    total = np.zeros((planes, h * w), out.dtype)
+    np.add.at(total, (_rows(planes)[:, None], flat),
+              np.asarray(grad, out.dtype).reshape(planes, -1))
+    out[...] = total.reshape(out.shape)
+
+
 def _missing(device: Device, hook: str) -> NotImplementedError:
     name = type(device).__name__
     return NotImplementedError(f"{name} does not implement the Device hook {hook}()")
@@ -380,6 +425,9 @@ class Device:
         "_scatter_add": "the add kernel in place, one row at a time, in index order",
         "_from_host": "staged in raw memory of its own by `copyin`, moved by the copy kernel",
         "_reduce_max": "on the host: `to_host`, NumPy's maximum reduction, `_from_host`",
+        "_max_pool2d": "on the host, by the CPU's formula (`numpy_max_pool2d`)",
+        "_max_pool2d_backward": "on the host, by the CPU's formula "
+                                "(`numpy_max_pool2d_backward`)",
     }
 
     name: str = "device"
@@ -697,6 +745,65 @@ class Device:
         if out.dtype in HALVES:
             return self._in_float32(self._scatter_add, (src, indices), (out,), read=True)
         self._scatter_add(src, indices, out)
+
+    def max_pool2d(self, x: Any, kernel: tuple[int, int], stride: tuple[int, int],
+                   padding: tuple[int, int], out: Any, indices: Any = None) -> None:
+        """PyTorch's max pooling of the 4-D view x (N, C, H, W) into out (N, C, Ho, Wo), and
+        where each maximum was into the int64 view `indices` (out's shape; None: not wanted),
+        as PyTorch's indices: h * W + w within the (n, c) plane. Each window (kernel, stride,
+        padding: (h, w) pairs) is scanned in row-major order over its elements of x (the
+        padding is no element): the first maximum is taken, or the last NaN; a window of -inf
+        gives -inf at its first element of x. Moves values, so out is bits of x. The outputs
+        overlap neither x nor each other.
+
+        Raises ValueError, before anything is written, for a geometry whose windows do not
+        make out's shape or may hold no element of x (padding above half the kernel)."""
+        self._check_computes("max_pool2d", (x,), out)
+        self._check_pool("max_pool2d", tuple(x.shape), kernel, stride, padding,
+                         tuple(out.shape))
+        if indices is not None and (np.dtype(indices.dtype) != np.int64
+                                    or tuple(indices.shape) != tuple(out.shape)):
+            raise ValueError(f"max_pool2d: indices must be int64 of shape {tuple(out.shape)}, "
+                             f"got {indices.dtype} {tuple(indices.shape)}")
+        if not out.size:
+            return
+        if out.dtype in HALVES:  # NOTE: exact either way: the maximum moves a widened value
+            return self._in_float32(
+                lambda a, o, *i: self._max_pool2d(a, kernel, stride, padding, o, (*i, None)[0]),
+                (x,), (out,) if indices is None else (out, indices))
+        self._max_pool2d(x, kernel, stride, padding, out, indices)
+
+    def max_pool2d_backward(self, grad: Any, indices: Any, out: Any) -> None:
+        """x's gradient of `max_pool2d`: out (N, C, H, W) = zeros, then grad (N, C, Ho, Wo)
+        added at each output's index in its (n, c) plane, one addition at a time, plane by
+        plane and in row-major order within each (PyTorch's CPU order). `indices` are those
+        `max_pool2d` wrote (autograd saves them with their version): each lies in [0, H * W).
+        A float16 or bfloat16 out accumulates in float32 and is rounded once (Note [two-byte
+        floats compute in float32]). out overlaps neither input."""
+        self._check_computes("max_pool2d_backward", (grad,), out)
+        if tuple(grad.shape) != tuple(indices.shape) or len(out.shape) != 4 or \
+                tuple(grad.shape[:2]) != tuple(out.shape[:2]):
+            raise ValueError(f"max_pool2d_backward: grad {tuple(grad.shape)}, indices "
+                             f"{tuple(indices.shape)} and out {tuple(out.shape)} do not "
+                             f"match")
+        if out.dtype in HALVES:
+            return self._in_float32(self._max_pool2d_backward, (grad, indices), (out,))
+        self._max_pool2d_backward(grad, indices, out)
+
+    def _check_pool(self, kernel_name: str, shape: tuple[int, ...], kernel: tuple[int, int],
+                    stride: tuple[int, int], padding: tuple[int, int],
+                    out_shape: tuple[int, ...]) -> None:
+        """ValueError unless every window holds an element of x and they make out_shape."""
+        if len(shape) != 4 or min(*kernel, *stride) < 1 or min(padding) < 0 or \
+                padding[0] > kernel[0] // 2 or padding[1] > kernel[1] // 2:
+            raise ValueError(f"{kernel_name}: x {shape}, kernel {kernel}, stride {stride}, "
+                             f"padding {padding}: not a geometry whose every window holds an "
+                             f"element of x")
+        size = tuple((n + 2 * p - k) // s + 1
+                     for n, k, s, p in zip(shape[2:], kernel, stride, padding))
+        if min(size) < 1 or out_shape != (*shape[:2], *size):
+            raise ValueError(f"{kernel_name}: out has shape {out_shape}, the windows make "
+                             f"{(*shape[:2], *size)}")
 
     def from_host(self, host: np.ndarray, view: Any) -> None:
         """Write the host array `host` (the view's shape and dtype) into the native view
@@ -1052,6 +1159,23 @@ class Device:
         for i, row in enumerate(self.to_host(indices).tolist()):
             target = out[row:row + 1]
             self._binary("add", target, src[i:i + 1], target)
+
+    def _max_pool2d(self, x: Any, kernel: tuple[int, int], stride: tuple[int, int],
+                    padding: tuple[int, int], out: Any, indices: Any) -> None:
+        """On the host, by the CPU's formula (`numpy_max_pool2d`): a backend writes a kernel
+        of its own for speed."""
+        host_out = np.empty(tuple(out.shape), out.dtype)
+        host_indices = None if indices is None else np.empty(tuple(out.shape), np.int64)
+        numpy_max_pool2d(self.to_host(x), kernel, stride, padding, host_out, host_indices)
+        self._from_host(host_out, out)
+        if indices is not None:
+            self._from_host(host_indices, indices)
+
+    def _max_pool2d_backward(self, grad: Any, indices: Any, out: Any) -> None:
+        """On the host, by the CPU's formula (`numpy_max_pool2d_backward`)."""
+        host_out = np.empty(tuple(out.shape), out.dtype)
+        numpy_max_pool2d_backward(self.to_host(grad), self.to_host(indices), host_out)
+        self._from_host(host_out, out)
 
     def _to_host(self, view: Any) -> np.ndarray:
         """The copy kernel moves the view (any strides) into contiguous raw memory of its own,

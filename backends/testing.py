@@ -47,12 +47,15 @@ from backends.base import (
     UNARY_KERNELS,
     Capabilities,
     Device,
+    numpy_max_pool2d,
+    numpy_max_pool2d_backward,
 )
 
 __all__ = ["BF16", "CROSS_ENTROPY_ULPS", "F16", "F32", "F64", "FLOATS", "GELU_TANH_ULPS_OF_ONE",
            "GELU_ULPS_OF_ONE", "REDUCTION_ROUNDINGS", "RULES", "SIGMOID_ULPS_OF_HALF", "STORED",
            "TRANSCENDENTAL_ULPS",
-           "assert_close", "assert_reduced", "assert_same_bits", "chains", "check_device", "edges",
+           "assert_close", "assert_reduced", "assert_same_bits", "chains", "check_device",
+           "check_max_pool", "edges",
            "numbers", "run_on", "storable", "to_device", "unfused", "values"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -1316,6 +1319,52 @@ def check_queues(device: Device, examples: int = 20) -> None:
         _fail(rule, device, "queue_key took an object that is no queue")
 
 
+def check_max_pool(device: Device, examples: int = 20) -> None:
+    """max_pool2d gives the bits and the indices of PyTorch's CPU scan (`numpy_max_pool2d`):
+    the first maximum of each window in row-major order, the last NaN, a window of -inf at
+    its first element of x, the padding never taken; its backward gives the bits of
+    `numpy_max_pool2d_backward` (the additions in its order; the two-byte floats accumulated
+    in float32 and rounded once). Values drawn from a few, with NaN and -inf, so that windows
+    tie."""
+    rule = "max pooling"
+    floats = _floats(device)
+
+    @_draws(examples)
+    def run(data: Any) -> None:
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+        kernel = (data.draw(st.integers(1, 3), label="kh"), data.draw(st.integers(1, 3)))
+        stride = (data.draw(st.integers(1, 3), label="sh"), data.draw(st.integers(1, 3)))
+        padding = (data.draw(st.integers(0, kernel[0] // 2), label="ph"),
+                   data.draw(st.integers(0, kernel[1] // 2)))
+        shape = (data.draw(st.integers(1, 2), label="n"), data.draw(st.integers(1, 3)),
+                 data.draw(st.integers(kernel[0], 7), label="h"),
+                 data.draw(st.integers(kernel[1], 7), label="w"))
+        size = tuple((n + 2 * p - k) // s + 1
+                     for n, k, s, p in zip(shape[2:], kernel, stride, padding))
+        out_shape = (*shape[:2], *size)
+        dtype = data.draw(st.sampled_from(floats), label="dtype")
+        x = rng.choice(np.float32([0.0, 1.0, 2.0, -np.inf, np.nan]), size=shape).astype(dtype)
+        want = np.empty(out_shape, dtype)
+        want_at = np.empty(out_shape, np.int64)
+        numpy_max_pool2d(x, kernel, stride, padding, want, want_at)
+        views = [to_device(device, a) for a in (x, np.zeros(out_shape, dtype),
+                                                np.full(out_shape, -7, np.int64))]
+        device.max_pool2d(views[0], kernel, stride, padding, views[1], views[2])
+        what = (f"[{rule}] {type(device).__name__} {device.name}: max_pool2d {shape} kernel "
+                f"{kernel} stride {stride} padding {padding} ({dtype})")
+        assert_same_bits(device.to_host(views[1]), want, what)
+        assert_same_bits(device.to_host(views[2]), want_at, f"{what}, its indices")
+        g = rng.standard_normal(out_shape).astype(dtype)
+        wide = g.astype(np.float32) if dtype in HALVES else g
+        expected = np.empty(shape, wide.dtype)
+        numpy_max_pool2d_backward(wide, want_at, expected)
+        got = run_on(device, lambda d, g, i, o: d.max_pool2d_backward(g, i, o), [g, want_at],
+                     shape, dtype)
+        assert_same_bits(got, expected.astype(dtype), f"{what}, its backward")
+
+    run()
+
+
 #: The rules, by name, in the order `check_device` runs them.
 RULES: dict[str, Callable[..., None]] = {
     "required hooks": check_required_hooks,
@@ -1333,6 +1382,7 @@ RULES: dict[str, Callable[..., None]] = {
     "reductions": check_reductions,
     "cross entropy": check_cross_entropy,
     "gather and scatter": check_gather_scatter,
+    "max pooling": check_max_pool,
     "fused chains": check_fused_chains,
     "half kernels": check_half_kernels,
     "fast kernels": check_fast_kernels,

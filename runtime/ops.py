@@ -57,6 +57,7 @@ _FLOAT_SET = frozenset(dtypes.FLOATS)
 #: The largest finite value of each float dtype, as a Python float.
 _LARGEST = {dtype: float(np.finfo(dtype).max) for dtype in FLOAT_DTYPES}
 _FLOAT32 = np.dtype("float32")
+_INT64 = np.dtype("int64")
 _FLOAT64 = np.dtype("float64")
 
 #: a Tensor, or a Python/NumPy real number for binary ops
@@ -1529,13 +1530,16 @@ def _check_labels(labels: np.ndarray, classes: int) -> None:
 
 # ---------------------------------------------------------------------- reductions
 # ---------------------------------------- convolution and pooling
-# conv2d, max_pool2d and avg_pool2d launch no kernel of their own (docs/layers.md). A padded
-# copy of x (the `copy` kernel, broadcasting one number into the border), its sliding windows
-# as one strided view (`Tensor._view`: window offsets are strides too) copied into a contiguous
-# column tensor (im2col), and products (`matmul`) make a convolution; pooling runs `maximum` or
+# conv2d and avg_pool2d launch no kernel of their own (docs/layers.md). A padded copy of x
+# (the `copy` kernel, broadcasting one number into the border), its sliding windows as one
+# strided view (`Tensor._view`: window offsets are strides too) copied into a contiguous
+# column tensor (im2col), and products (`matmul`) make a convolution; average pooling runs
 # `add` over the kh * kw window views. So they run on every device that runs the table's
 # kernels and products, inside a graph capture too (each step is an op with its own launch),
-# and every temporary comes from an allocator and goes back as soon as it is used.
+# and every temporary comes from an allocator and goes back as soon as it is used. Max
+# pooling is the device's kernel pair (`Device.max_pool2d`, which keeps where each maximum
+# came from, and `Device.max_pool2d_backward`, which adds the gradient there), whose
+# default every device has (on the host, by the CPU's NumPy formula).
 
 #: PyTorch's keywords that these ops do not take, with the value that means "not used":
 #: passing that value is accepted, any other is refused by name (never silently ignored).
@@ -1972,86 +1976,29 @@ def _pool_geometry(op: str, x: Tensor, kernel_size: Any, stride: Any, padding: A
     return _geometry(op, x.shape, kernel, steps, pads)
 
 
-def _max_forward(x: Tensor, geometry: tuple, out: Tensor) -> None:
-    (kh, kw), _, padding = geometry[:3]
-    xp = _padded(x, padding, -math.inf)
-    for k in range(kh * kw):
-        window = _window(xp, geometry, *divmod(k, kw))
-        if k == 0:
-            copy(window, out=out)
-        else:  # NOTE: maximum(a, b) takes a where a is NaN or a > b: PyTorch's scan
-            _elementwise("maximum", out, window, out)
-        window.release()
-    if xp is not x:
-        xp.release()
+def _max_forward(x: Tensor, geometry: tuple, out: Tensor, indices: Tensor | None) -> None:
+    """The device's max pooling kernel (`Device.max_pool2d`): out, and where each maximum
+    came from into `indices` (int64, PyTorch's h * W + w in the plane) when a gradient wants
+    them."""
+    kernel, stride, padding = geometry[:3]
+    device = x.device
+    _launch("max_pool2d", out, [("x", x, x.shape)],
+            lambda v, o, *at: device.max_pool2d(v[0], kernel, stride, padding, o,
+                                                at[0] if at else None),
+            also=() if indices is None else (indices,))
 
 
-def _max_backward(x_shape: tuple[int, ...], geometry: tuple) -> Callable:
-    """max_pool2d's backward function: the gradient of each window goes to the element
-    PyTorch's scan picks, the first maximum in row-major order (a window holding NaN: its
-    last NaN).
+def _max_backward(x_shape: tuple[int, ...]) -> Callable:
+    """max_pool2d's backward function: each output's gradient added at the index its
+    forward kept (`Device.max_pool2d_backward`), PyTorch's order of additions."""
 
-    Devices have no comparison kernel that makes a mask, so the choice is made of
-    `maximum_backward`'s selects, mb(g, a, b) = 0 where a < b, g / 2 where a == b, else g,
-    whose results here are exact 0, 1 and 2, and of exact sums and products of them. A
-    reverse scan over the window offsets k finds the last NaN of the windows holding NaN
-    (1 where x_k is NaN and the window is still open; products and differences only). The
-    forward scan finds the first maximum of the others: hit = mb(R, x_k, y) is 1 where x_k
-    ties the maximum and the window is still open (R = 2; 0 once placed, and from the start
-    in a window holding NaN), and R -= 2 * hit closes it. Each k then sends g where its hit
-    is 1 (mb(g, hit, 0.5): exact zeros elsewhere, never g * 0, which is NaN for an infinite
-    g). Two selects per k: each is several passes on the CPU."""
-    (kh, kw), _, padding, (hp, wp), _ = geometry
-    count = kh * kw
-
-    def fn(g: Tensor, x: Tensor, y: Tensor) -> tuple:
-        xp = _padded(x, padding, -math.inf)
-        nan_window = _elementwise("maximum_backward", None, 2.0, y, y)  # 1, or 2 with a NaN
-        # the windows holding NaN: their last NaN, by a reverse scan (products only)
-        nans = _elementwise("maximum_backward", None, 2.0, xp, xp)  # 1, or 2 at NaN
-        sub(nans, 1.0, out=nans)
-        open_nans = sub(nan_window, 1.0)  # 1 in a window holding NaN, until placed
-        nan_hits: list[Tensor | None] = [None] * count
-        for k in range(count - 1, -1, -1):
-            window = _window(nans, geometry, *divmod(k, kw))
-            nan_hits[k] = hit = mul(window, open_nans)
-            window.release()
-            sub(open_nans, hit, out=open_nans)
-        open_nans.release()
-        nans.release()
-        valid = None
-        if padding != (0, 0):  # NOTE: an all -inf window's maximum is its first element of x
-            mask = np.zeros((1, 1, hp, wp), x.dtype)
-            mask[:, :, padding[0]:hp - padding[0], padding[1]:wp - padding[1]] = 1
-            valid = tensor(mask, device=x.device, allocator=_result_allocator(x))
-        open_ties = sub(4.0, add(nan_window, nan_window))  # R: 2, or 0 with a NaN
-        nan_window.release()
-        grad = _zeros_like_padded(x_shape, geometry, g)
-        for k in range(count):
-            window = _window(xp, geometry, *divmod(k, kw))
-            hit = _elementwise("maximum_backward", None, open_ties, window, y)
-            window.release()
-            if valid is not None:
-                mask_view = _window(valid, geometry, *divmod(k, kw))
-                mul(hit, mask_view, out=hit)
-                mask_view.release()
-            sub(open_ties, hit, out=open_ties)
-            sub(open_ties, hit, out=open_ties)
-            add(hit, nan_hits[k], out=hit)
-            nan_hits[k].release()
-            nan_hits[k] = None
-            part = _elementwise("maximum_backward", None, g, hit, 0.5)
-            hit.release()
-            target = _window(grad, geometry, *divmod(k, kw))
-            add(target, part, out=target)
-            target.release()
-            part.release()
-        open_ties.release()
-        if valid is not None:
-            valid.release()
-        if xp is not x:
-            xp.release()
-        return (_interior(grad, padding, x_shape),)
+    def fn(g: Tensor, indices: Tensor) -> tuple:
+        device = g.device
+        result = Tensor._fresh(x_shape, g.dtype, _result_allocator(g))
+        _launch("max_pool2d_backward", result, [("grad", g, g.shape),
+                                                ("indices", indices, indices.shape)],
+                lambda v, o: device.max_pool2d_backward(v[0], v[1], o))
+        return (result,)
 
     return fn
 
@@ -2062,10 +2009,12 @@ def max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0
     `stride` apart (default: kernel_size), over x padded with -inf (`padding` at most half
     the kernel). A NaN in a window gives NaN, as in PyTorch.
 
-    The maximum runs `maximum` over the kh * kw window views (docs/layers.md). The gradient
-    of each window goes to the element PyTorch's scan picks: its first maximum in row-major
-    order (the last NaN, in a window holding NaN). The backward pass saves x and the result.
-    dilation, ceil_mode and return_indices are not supported.
+    One kernel of the device (`Device.max_pool2d`) scans each window as PyTorch's CPU does
+    and keeps where its maximum came from (int64, as PyTorch's indices), when x needs a
+    gradient; the backward pass saves those indices (not x) and adds each output's gradient
+    at its index (`Device.max_pool2d_backward`, in PyTorch's order): to the first maximum of
+    each window in row-major order, the last NaN in a window holding NaN, the first element
+    of x in a window of -inf. dilation, ceil_mode and return_indices are not supported.
 
     `out` may not share any memory with x.
 
@@ -2162,20 +2111,24 @@ def _pool(op: str, x: Tensor, kernel_size: Any, stride: Any, padding: Any,
     _, dtype = _common(op, [x])
     geometry = _pool_geometry(op, x, kernel_size, stride, padding)
     shape = (*x.shape[:2], *geometry[4])
-    forward = _max_forward if op == "max_pool2d" else _avg_forward
-    out = _guarded(op, out, shape, dtype, [x], ("x",),
-                   lambda target: forward(x, geometry, target))
-    if autograd.needs_grad(x):
-        if op == "max_pool2d":
-            autograd.record(op, out, (x,), ("x",), _max_backward(x.shape, geometry),
-                            [("x", x), ("the output", out)])
-        else:
+    if op == "avg_pool2d":
+        out = _guarded(op, out, shape, dtype, [x], ("x",),
+                       lambda target: _avg_forward(x, geometry, target))
+        if autograd.needs_grad(x):
             autograd.record(op, out, (x,), ("x",), _avg_backward(x.shape, geometry))
+        return out
+    grad = autograd.needs_grad(x)
+    indices = Tensor._fresh(shape, _INT64, _result_allocator(x)) if grad else None
+    out = _guarded(op, out, shape, dtype, [x], ("x",),
+                   lambda target: _max_forward(x, geometry, target, indices))
+    if grad:
+        autograd.record(op, out, (x,), ("x",), _max_backward(x.shape), [("indices", indices)])
     return out
 
 
 __all__ += ["conv2d", "max_pool2d", "avg_pool2d"]
-ALIASING_POLICY.update(dict.fromkeys(("conv2d", "max_pool2d", "avg_pool2d"), NEVER))
+ALIASING_POLICY.update(dict.fromkeys(("conv2d", "max_pool2d", "max_pool2d_backward",
+                                      "avg_pool2d"), NEVER))
 
 
 def _reduce(op: str, x: Tensor, axis: Any, keepdims: bool, out: Tensor | None) -> Tensor:

@@ -22,6 +22,7 @@ from test_autograd import check_gradients
 import allocators
 import backends
 import runtime
+from backends.testing import assert_same_bits
 from runtime import amp, dtypes, nn, ops
 
 try:
@@ -363,6 +364,57 @@ def test_max_pool_with_padding_ignores_the_border_when_a_window_is_all_minus_inf
 
 
 @needs_torch
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize(("kernel", "stride", "padding"), [(3, 2, 1), ((2, 3), (1, 2), (1, 1))])
+def test_max_pool_in_every_dtype_is_pytorchs_bit_for_bit(device, dtype, kernel, stride, padding):
+    """Ties, NaN and -inf in every float dtype the op takes: the value, and a gradient of
+    small integers (sums exact in every dtype), equal PyTorch's on the same values in
+    float32, bit for bit."""
+    wanted = np.dtype(dtypes.BFLOAT16) if dtype == "bfloat16" else np.dtype(dtype)
+    if wanted not in backends.get_device(device).capabilities.compute_dtypes:
+        pytest.skip(f"{device} does not compute {dtype}")
+    rng = np.random.default_rng(11)
+    values = np.float32([0.0, 1.0, 2.0, -np.inf, np.nan])
+    x = rng.choice(values, size=(2, 3, 7, 6), p=[0.3, 0.3, 0.2, 0.1, 0.1]).astype(wanted)
+    tx = torch.tensor(x.astype(np.float32), requires_grad=True)
+    expected = F.max_pool2d(tx, kernel, stride, padding)
+    weights = rng.integers(1, 9, tuple(expected.shape)).astype(wanted)
+    (expected * torch.tensor(weights.astype(np.float32))).sum().backward()
+    mx = _ours(x, device, True)
+    got = ops.max_pool2d(mx, kernel, stride, padding)
+    assert got.dtype == wanted
+    ops.sum(ops.mul(got, _ours(weights, device))).backward()
+    assert mx.grad.dtype == wanted
+    np.testing.assert_array_equal(got.numpy().astype(np.float32), expected.detach().numpy())
+    np.testing.assert_array_equal(mx.grad.numpy().astype(np.float32), tx.grad.numpy())
+    with runtime.no_grad():  # NOTE: no indices wanted: the same maxima
+        plain = ops.max_pool2d(_ours(x, device), kernel, stride, padding)
+    np.testing.assert_array_equal(plain.numpy().astype(np.float32), expected.detach().numpy())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_max_pool_of_a_strided_x_is_the_contiguous_ones(device):
+    """A strided x (the CPU's NumPy formula, where a contiguous one runs its C kernel) gives
+    the same values and gradient, bit for bit."""
+    rng = np.random.default_rng(12)
+    x = rng.choice(np.float32([0.0, 1.0, 2.0, np.nan, -np.inf]), size=(2, 3, 9, 8))
+    g = rng.standard_normal((2, 3, 5, 4)).astype(np.float32)
+    results = []
+    for strided in (False, True):
+        base = _ours(np.ascontiguousarray(x.transpose(0, 1, 3, 2)) if strided else x,
+                     device, True)
+        mx = base.transpose(0, 1, 3, 2) if strided else base
+        assert mx.is_contiguous() != strided
+        y = ops.max_pool2d(mx, 3, 2, 1)
+        y.backward(_ours(g, device))
+        results.append((y.numpy(), base.grad.numpy().transpose(0, 1, 3, 2) if strided
+                         else base.grad.numpy()))
+    for mine, theirs in zip(*results):
+        assert_same_bits(np.ascontiguousarray(mine), np.ascontiguousarray(theirs), "max_pool2d")
+
+
+@needs_torch
 def test_max_pool_of_resnet_shape_and_avg_pool_of_a_whole_image():
     x = np.random.default_rng(9).standard_normal((1, 2, 16, 16)).astype(np.float32)
     assert _pool_against_torch("cpu", F32, x, "max", 3, 2, 1) == 2
@@ -502,13 +554,14 @@ def test_the_backward_pass_keeps_x_and_the_weight_not_the_columns():
 
 
 # ---------------------------------------------------------------------- a conv net in a graph
-def conv_net(seed: int = 0) -> nn.Sequential:
+def conv_net(seed: int = 0, depth: int = 3) -> nn.Sequential:
+    """`depth` 3x3 convolutions, a max pool, a 1x1 convolution, an average pool, a Dense."""
     nn.manual_seed(seed)
-    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(),
-                         nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),
-                         nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
-                         nn.Conv2d(4, 4, 1), nn.ReLU(), nn.AvgPool2d(2), nn.Flatten(),
-                         nn.Dense(16, 3))
+    layers = [nn.Conv2d(2, 4, 3, padding=1), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()]
+    return nn.Sequential(*layers, nn.MaxPool2d(3, 2, 1), nn.Conv2d(4, 4, 1), nn.ReLU(),
+                         nn.AvgPool2d(2), nn.Flatten(), nn.Dense(16, 3))
 
 
 def conv_batches(count: int = 3) -> list:
@@ -517,13 +570,14 @@ def conv_batches(count: int = 3) -> list:
             for _ in range(count)]
 
 
-def _conv_step() -> tuple[nn.Module, object]:
-    model = conv_net()
+def _conv_step(depth: int = 3) -> tuple[nn.Module, object]:
+    model = conv_net(depth=depth)
     return model, nn.train_step(model, nn.SGD(model.parameters(), lr=0.1, momentum=0.9))
 
 
-def _trained(graph_options: dict | None) -> tuple[list[float], list[np.ndarray]]:
-    model, step = _conv_step()
+def _trained(graph_options: dict | None,
+             depth: int = 3) -> tuple[list[float], list[np.ndarray]]:
+    model, step = _conv_step(depth)
     if graph_options is not None:
         step = runtime.graph(step, **graph_options)
     losses = [step(runtime.tensor(x) if graph_options is None else x, y).item()
@@ -544,12 +598,14 @@ def test_a_conv_nets_training_step_replays_bit_for_bit_as_eager(options):
 
 @pytest.mark.parametrize("plan", ["static", "recycle"])
 def test_a_conv_net_under_a_memory_budget_replays_bit_for_bit_as_eager(plan):
-    eager_losses, eager_params = _trained(None)
+    # NOTE: five 3x3 convolutions: at three, the step's peak is where no recompute lowers it
+    depth = 5
+    eager_losses, eager_params = _trained(None, depth)
     x, y = conv_batches()[0]
     with pytest.raises(runtime.BudgetError) as caught:
-        runtime.graph(_conv_step()[1], plan=plan, memory_budget=0)(x, y)
+        runtime.graph(_conv_step(depth)[1], plan=plan, memory_budget=0)(x, y)
     budget = caught.value.least_bytes  # NOTE: the least any choice of keeping reaches
-    model, step = _conv_step()
+    model, step = _conv_step(depth)
     graph = runtime.graph(step, plan=plan, memory_budget=budget)
     losses = [graph(x, y).item() for x, y in conv_batches()]
     params = [p.numpy() for p in model.parameters()]

@@ -179,6 +179,15 @@ class ClaimsQueuesItHasNot(NumpyDevice):
         lambda self, *args: None)
 
 
+class PoolSkipsNaN(NumpyDevice):
+    """Planted: max pooling that passes NaN by (a scan on `v > best` alone)."""
+
+    def _max_pool2d(self, x, kernel, stride, padding, out, indices) -> None:
+        with np.errstate(invalid="ignore"):
+            clean = np.where(np.isnan(x), -np.inf, x).astype(x.dtype)
+        super()._max_pool2d(clean, kernel, stride, padding, out, indices)
+
+
 class NoTernary(Device):
     """Planted: a device that writes everything but `_ternary`."""
 
@@ -206,6 +215,7 @@ PLANTED = [
     (HalfHookWritesAndDeclines, "half kernels", "returned False but wrote out"),
     (ClaimsQueuesItHasNot, "queues", "claims queues but has no home queue"),
     (NoTernary, "required hooks", "^.*_ternary not written"),
+    (PoolSkipsNaN, "max pooling", r"max_pool2d \(\d, \d, \d, \d\) kernel"),
 ]
 
 

@@ -5,6 +5,7 @@ opened, so `make asan` runs this file under the sanitizers."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import ml_dtypes
@@ -375,3 +376,33 @@ def test_float_op_declines_what_it_cannot_take_and_writes_nothing(conv):
         conv.float_op(relu, 2, a.copy(), a)
     with pytest.raises(TypeError, match="takes 4 or 5 arguments"):
         conv.float_op(relu, 0, a.copy())
+
+
+# ---------------------------------------------------------------------- erf
+def _float32_erf_values() -> np.ndarray:
+    """Every 256th float32 bit pattern (both signs, every exponent), the float32s within a few
+    ULPs of each joint of `erf_block`'s pieces (k / 16) and of 4, where C's erf takes over,
+    and the special values."""
+    sampled = np.arange(0, 1 << 32, 256, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    joints = np.float32(np.arange(1, 65) / 16)
+    near = (joints.view(np.uint32)[:, None] + np.arange(-4, 5, dtype=np.int64)[None, :])
+    near = near.astype(np.uint32).view(np.float32).ravel()
+    special = np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 1e-38, 3.9999998,
+                          4.0, 4.0000005, 10.0])
+    return np.concatenate([sampled, near, -near, special])
+
+
+def test_the_float32_erf_is_cs_erf_rounded_once(conv):
+    """`erf_op` kind 0 (`erf_block`: polynomials, and C's erf near a rounding boundary) gives
+    the bits of kind 2 (C's erf in double on every element, rounded once), on 2**24 + 1164
+    values, on the AVX2 path and the portable one; `python -m backends._erf_gen --check`
+    compares all 2**32."""
+    module = conv
+    x = _float32_erf_values()
+    fast, plain = np.empty_like(x), np.empty_like(x)
+    assert module.erf_op(0, fast, x) and module.erf_op(2, plain, x)
+    assert _equal_or_both_nan(fast, plain)
+    in_place = x.copy()  # NOTE: out may be the input itself
+    assert module.erf_op(0, in_place, in_place) and _equal_or_both_nan(in_place, plain)
+    spot = x[::4099]
+    assert _equal_or_both_nan(plain[::4099], np.float32([math.erf(v) for v in spot.tolist()]))
