@@ -41,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import operator
 import threading
 import weakref
@@ -306,9 +307,18 @@ def _start(root: Tensor, gradient: Tensor, retain_graph: bool) -> None:
 
 
 # ---------------------------------------------------------------------- gradient-ready hooks
+class _HookRef(weakref.ref):
+    """A weak reference to a ready hook, with the serial number of its registration."""
+
+    __slots__ = ("serial",)
+
+
 #: by leaf id, a weak reference to the hook object registered on it (the hook holds the leaf,
 #: so the id stays the leaf's while the hook lives): Note [gradient-ready hooks]
-_ready_hooks: dict[int, weakref.ref] = {}
+_ready_hooks: dict[int, _HookRef] = {}
+#: registration order: leaves whose gradients are whole at the same node are reported
+#: latest-registered first (a model's parameters in reverse, as backward meets them)
+_serials = itertools.count()
 
 
 def register_ready_hook(leaf: Tensor, hook: Any) -> Callable[[], None]:
@@ -340,7 +350,8 @@ def register_ready_hook(leaf: Tensor, hook: Any) -> Callable[[], None]:
     if held is not None and held() is not None:
         raise AutogradError(f"register_ready_hook: {describe(leaf)} has a ready hook already "
                             f"(one per leaf: wrap the model in one DistributedDataParallel)")
-    ref = weakref.ref(hook, lambda _, key=key: _forget(key))
+    ref = _HookRef(hook, lambda _, key=key: _forget(key))
+    ref.serial = next(_serials)
     _ready_hooks[key] = ref
 
     def remove() -> None:
@@ -363,6 +374,7 @@ def _run_hooked(root: Node, gradient: Tensor, retain_graph: bool
     order = list(reversed(_topological(root)))
     hooks: dict[int, Any] = {}
     last: dict[int, int] = {}  # leaf id -> the position of the last node that adds to it
+    serial: dict[int, int] = {}
     for position, node in enumerate(order):
         for entry in node.inputs:
             if entry is not None and not isinstance(entry, Node):
@@ -371,8 +383,11 @@ def _run_hooked(root: Node, gradient: Tensor, retain_graph: bool
                 if hook is not None:
                     hooks[id(entry)] = hook
                     last[id(entry)] = position
+                    serial[id(entry)] = ref.serial
     if not hooks:
         return _run(root, gradient, retain_graph)
+    # NOTE: by position, then latest registered first
+    last = dict(sorted(last.items(), key=lambda item: (item[1], -serial[item[0]])))
     reported: set[int] = set()
 
     def done(position: int, leaves: dict[int, tuple[Tensor, Tensor]],

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import sys
 import time
 from typing import Any
@@ -39,7 +40,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["CollectiveTimeoutError", "DistributedError", "Group", "RankFailedError", "Work",
-           "init"]
+           "init", "mpiexec"]
 
 #: seconds a collective may take before `CollectiveTimeoutError`, unless `init(timeout=)` or
 #: the environment (`BLOCKRT_DIST_TIMEOUT`, read once, by `init`) says otherwise
@@ -301,3 +302,18 @@ def init(backend: str = "mpi", timeout: float | None = None) -> Group:
     # NOTE: registered after mpi4py's own finalize (imported above), so it runs before it
     atexit.register(_exit_hook)
     return group
+
+
+def mpiexec() -> str:
+    """The path of the MPI launcher to start ranks with: the `mpiexec` beside this Python (the
+    `mpich` wheel installs it there), else the first on PATH.
+
+    Raises:
+        FileNotFoundError: there is none (pip install mpi4py mpich).
+    """
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
+    if found is None:
+        raise FileNotFoundError("no mpiexec beside this Python or on PATH: pip install mpi4py "
+                                "mpich (or blockrt[mpi])")
+    return found

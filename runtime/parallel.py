@@ -20,10 +20,10 @@ ZeRO (Rajbhandari et al. 2020): each bucket is padded to a multiple of the group
 rank r owns part r of it: a flat "shard parameter" with its own gradient, and so its own
 optimizer state (the optimizer sees only the shard parameters). Stage 1 all-reduces the
 bucket as data parallel does and keeps its part; stage 2 reduce-scatters, so the full
-gradients live only in the bucket buffers, two at a time (the one filling and the one in
-flight), and leave the pass as soon as they are copied in. After the optimizer's step the
-shards are all-gathered into a host copy of every bucket, and once every bucket has arrived
-the parameters are written (`gather`).
+gradients live only in one bucket buffer, which the next bucket takes once the bucket before
+has been reduced (a layer's backward later), and leave the pass as soon as they are copied
+in. After the optimizer's step the shards are all-gathered into a host copy of every bucket,
+and once every bucket has arrived the parameters are written (`gather`).
 
 Host staging: a device whose memory is the host's (the CPU) is read and written through its
 NumPy views; any other (OpenCL, CUDA) through copies to and from the host.
@@ -137,10 +137,11 @@ class Reducer:
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         #: ZeRO: this rank's shard parameter of each bucket (made by `make_shards`)
         self.shards: list[Tensor] = []
-        #: stage 0 and 1: one buffer per bucket, kept from step to step; stage 2: free buffers
-        #: of the largest bucket's size (two in use at most)
+        #: stage 0 and 1: one buffer per bucket, kept from step to step; stage 2: one buffer
+        #: of the largest bucket's size, by the bucket it holds now
         self._buffers: dict[int, np.ndarray] = {}
         self._spare: list[np.ndarray] = []
+        #: stage 2, during a pass: each bucket's part of the sum, received
         self._recv: dict[int, np.ndarray] = {}
         self._next = 0  # the next bucket to start (they start in index order)
         self._in_pass = False
@@ -206,8 +207,8 @@ class Reducer:
             if self.stage == 1:
                 buffer = self._buffers[bucket.index]
                 part = buffer[self.group.rank * bucket.part:(self.group.rank + 1) * bucket.part]
-            else:
-                part = self._recv[bucket.index]
+            else:  # NOTE: each received part goes as its gradient is made
+                part = self._recv.pop(bucket.index)
             averaged = (part / part.dtype.type(size)).astype(shard.dtype)
             grads.append((shard, tensor(averaged, device=shard.device,
                                         allocator=shard.block.allocator)))
@@ -250,17 +251,18 @@ class Reducer:
         return buffer
 
     def _stage2_buffer(self, bucket: _Bucket) -> np.ndarray:
-        """A buffer for `bucket` from the two of stage 2 (of the largest bucket's size): when
-        both are busy, wait for the older bucket's reduce-scatter and take its buffer."""
-        if len(self._buffers) >= 2:
-            oldest = min(self._buffers)
-            work = self.buckets[oldest].work
+        """Stage 2's one buffer (of the largest bucket's size) for `bucket`: while the bucket
+        before is still reducing, wait for it first. That wait is short or none: between a
+        bucket's last gradient and the next bucket's first lies a layer's backward, which its
+        reduce-scatter overlaps."""
+        for held in sorted(self._buffers):
+            work = self.buckets[held].work
             if work is None:
-                raise RuntimeError("ZeRO stage 2: a third bucket began to fill before the "
-                                   "first was complete (buckets complete in order unless a "
-                                   "parameter is used in several places)")
+                # NOTE: that bucket is not complete yet (a parameter it holds is used again
+                # later in backward): a second buffer, until the end of the pass
+                continue
             work.wait()
-            self._spare.append(self._buffers.pop(oldest).base)
+            self._spare.append(self._buffers.pop(held).base)
         if not self._spare:
             size = max(b.padded for b in self.buckets)
             self._spare.append(np.zeros(size, bucket.staging))
@@ -269,9 +271,11 @@ class Reducer:
         return buffer
 
     def _release_buffers(self) -> None:
-        """Stage 2: every bucket's reduce-scatter is done; its buffers are free again."""
+        """Stage 2: every bucket's reduce-scatter is done; one buffer is kept for the next."""
         for index in list(self._buffers):
             self._spare.append(self._buffers.pop(index).base)
+        self._spare.sort(key=lambda buffer: buffer.nbytes)
+        del self._spare[1:]
 
     def _start_ready_buckets(self) -> None:
         """Start, in index order, every bucket whose gradients are all in."""
@@ -281,9 +285,7 @@ class Reducer:
             buffer = self._buffers[bucket.index]
             what = f"bucket {bucket.index} of {len(self.buckets)}"
             if self.stage == 2:
-                recv = self._recv.get(bucket.index)
-                if recv is None:
-                    recv = self._recv[bucket.index] = np.zeros(bucket.part, bucket.staging)
+                recv = self._recv[bucket.index] = np.empty(bucket.part, bucket.staging)
                 bucket.work = group.reduce_scatter(buffer, recv, f"reduce-scatter of {what}")
             else:
                 bucket.work = group.allreduce(buffer, f"all-reduce of {what}")
@@ -294,6 +296,7 @@ class Reducer:
         other ranks, whose collectives would otherwise wait for this one's (Note [a collective
         never hangs] in runtime/distributed.py)."""
         self._in_pass = False
+        self._recv.clear()
         for bucket in self.buckets:
             bucket.grads.clear()
         if not isinstance(error, distributed.DistributedError):
@@ -337,7 +340,7 @@ class Reducer:
 
     # ------------------------------------------------------------------ reports
     def buffer_bytes(self) -> int:
-        """Host bytes the reducer holds now (bucket buffers, and stage 2's received parts)."""
+        """Host bytes the reducer holds now: the bucket buffers (stage 2: its one buffer)."""
         if self.stage == 2:
             held = sum(b.base.nbytes for b in self._buffers.values())
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -125,12 +126,12 @@ def test_zero_stages_equal_data_parallel_with_a_shard_of_the_state(ranks, tmp_pa
             assert sharded["optimizer_state_bytes"] <= (
                 dp["optimizer_state_bytes"] + 2 * padding) / ranks
             assert sharded["gradient_bytes"] <= (dp["gradient_bytes"] + padding) / ranks
-        # data parallel keeps every gradient and a host buffer of every bucket; stage 2 its
-        # parts and two buckets' buffers (the one filling, the one in flight)
-        dp_total = dp["gradient_bytes"] + dp["bucket_bytes"]
-        two_total = two["gradient_bytes"] + two["bucket_bytes"]
-        assert two_total <= (dp_total + 2 * padding) / ranks + 2 * two["largest_bucket_bytes"]
-        assert two_total < 0.8 * dp_total
+        # the issue's bound: stage 2's optimizer state, gradients and buffers are 1/N of data
+        # parallel's optimizer state and gradients, plus one bucket
+        dp_total = dp["optimizer_state_bytes"] + dp["gradient_bytes"]
+        two_total = two["optimizer_state_bytes"] + two["gradient_bytes"] + two["bucket_bytes"]
+        assert two_total <= (dp_total + 3 * padding) / ranks + two["largest_bucket_bytes"]
+        assert two["bucket_bytes"] == two["largest_bucket_bytes"] < dp["bucket_bytes"] / 2
 
 
 @needs_mpi
@@ -295,3 +296,25 @@ def test_ddp_refuses_bad_arguments_clearly():
         nn.DistributedDataParallel(model, object())
     with pytest.raises(TypeError, match="wraps a Module"):
         nn.DistributedDataParallel("model", object())
+
+
+# ---------------------------------------------------------------------- the demo
+@needs_mpi
+def test_the_demo_on_two_ranks_reaches_one_process_accuracy(tmp_path):
+    pytest.importorskip("sklearn", reason="the demo needs scikit-learn (the demo extra)")
+    script = ROOT / "examples" / "train_mlp.py"
+    common = ["--epochs", "1", "--batch", "32", "--no-progress", "--seed", "3", "--plot"]
+
+    def accuracies(*more: str) -> tuple[float, float]:
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1", BLOCKRT_BLAS="openblas")
+        done = subprocess.run([sys.executable, str(script), *common, *more], env=env,
+                              capture_output=True, text=True, timeout=90, cwd=ROOT)
+        found = re.search(r"train accuracy ([\d.]+), test accuracy ([\d.]+)", done.stdout)
+        assert found, done.stdout[-2000:] + done.stderr[-2000:]
+        return float(found[1]), float(found[2])
+
+    one = accuracies(str(tmp_path / "one.png"))
+    two = accuracies(str(tmp_path / "two.png"), "--ranks", "2")
+    # the same steps within float32 rounding: at most one image of 1347 / 450 apart
+    assert abs(one[0] - two[0]) <= 1 / 1347 + 1e-9 and abs(one[1] - two[1]) <= 1 / 450 + 1e-9
+    assert one[1] > 0.9  # it learned
