@@ -1,8 +1,8 @@
 """Data-parallel training over MPI on this machine: step time, overlap, per-rank memory.
 
 The model is the benchmark MLP of `--config` (blockrt/models.py; M: batch 256, width 1024,
-4 hidden layers, 16.8 MB of float32 parameters), trained eagerly with `nn.train_step` (data
-parallel does not go through a captured graph yet: docs/distributed.md). Three figures:
+4 hidden layers, 16.8 MB of float32 parameters), trained with `nn.train_step` and plain SGD,
+eagerly and captured by `runtime.graph` (static plan). Three figures:
 
 1. **Step time for the same global batch**, in interleaved rounds (each round runs every case
    once, in a fresh launch, so that all see the same machine load; the median of each case's
@@ -10,8 +10,9 @@ parallel does not go through a captured graph yet: docs/distributed.md). Three f
    - `1 process, 2 threads`: one process, the whole batch, OPENBLAS_NUM_THREADS=2 (baseline);
    - `1 rank, 1 thread`: the same under `mpiexec -n 1` with DistributedDataParallel;
    - `2 ranks, 1 thread each`: `mpiexec -n 2 -bind-to core`, half the batch per rank, the
-     gradients all-reduced in buckets (the `--bucket-mb` cap) during backward.
-2. **Overlap**: in the 2-rank case, for each step, the share of the all-reduce time (from each
+     gradients all-reduced in buckets (the `--bucket-mb` cap) during backward;
+   each eagerly and under the static plan (`, static`; against the static baseline).
+2. **Overlap**: in the eager 2-rank case, for each step, the share of the all-reduce time (from each
    bucket's start to when it was seen complete) that lies before backward's end (the
    reducer's `finish`), i.e. hidden behind the rest of backward; and a timeline plot of one
    step of rank 0 (`--plot`).
@@ -96,6 +97,8 @@ def worker(args: argparse.Namespace) -> None:
     if args.worker == "single":
         opt = nn.SGD(model.parameters(), lr=0.01)
         step = nn.train_step(model, opt)
+        if args.plan != "eager":
+            step = blockrt.graph(step, plan=args.plan)
         rows = slice(None)
         group = None
     else:
@@ -112,6 +115,8 @@ def worker(args: argparse.Namespace) -> None:
         else:
             opt = nn.ZeroRedundancyOptimizer(ddp, nn.Adam, lr=1e-3)
         step = nn.train_step(ddp, opt)
+        if args.plan != "eager":
+            step = blockrt.graph(step, plan=args.plan)
         part = cfg.batch // group.size
         rows = slice(group.rank * part, (group.rank + 1) * part)
     xb, yb = blockrt.tensor(x[rows]), y[rows]
@@ -124,7 +129,7 @@ def worker(args: argparse.Namespace) -> None:
         elapsed = time.perf_counter() - start
         if index >= WARMUP:
             times.append(elapsed * 1e3)
-            if group is not None and group.size > 1:
+            if group is not None and group.size > 1 and args.plan == "eager":
                 timeline = dict(ddp.reducer.timeline, step_start=start,
                                 step_end=start + elapsed)
                 shares.append(_hidden_share(timeline))
@@ -158,19 +163,25 @@ def worker(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------- the driver
 CASES = {
-    "1 process, 2 threads": ("single", 1, "2"),
-    "1 rank, 1 thread": ("ddp", 1, "1"),
-    "2 ranks, 1 thread each": ("ddp", 2, "1"),
+    "1 process, 2 threads": ("single", 1, "2", "eager"),
+    "1 rank, 1 thread": ("ddp", 1, "1", "eager"),
+    "2 ranks, 1 thread each": ("ddp", 2, "1", "eager"),
+    "1 process, 2 threads, static": ("single", 1, "2", "static"),
+    "1 rank, 1 thread, static": ("ddp", 1, "1", "static"),
+    "2 ranks, 1 thread each, static": ("ddp", 2, "1", "static"),
 }
+#: each case's baseline: one process over the whole batch, two BLAS threads, the same mode
+BASELINE = {"eager": "1 process, 2 threads", "static": "1 process, 2 threads, static"}
 
 
-def launch(kind: str, ranks: int, threads: str, args: argparse.Namespace) -> dict:
+def launch(kind: str, ranks: int, threads: str, args: argparse.Namespace,
+           plan: str = "eager") -> dict:
     from runtime import distributed
 
     env = dict(os.environ, OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads,
                MKL_NUM_THREADS=threads, BLOCKRT_BLAS="openblas")
     own = [sys.executable, __file__, "--worker", kind, "--config", args.config,
-           "--steps", str(args.steps), "--bucket-mb", str(args.bucket_mb)]
+           "--steps", str(args.steps), "--bucket-mb", str(args.bucket_mb), "--plan", plan]
     if kind == "single":
         command = own
     else:
@@ -225,22 +236,21 @@ def driver(args: argparse.Namespace) -> None:
     timeline = None
     for _ in range(args.rounds):
         medians = {}
-        for name, (kind, ranks, threads) in CASES.items():
-            result = launch(kind, ranks, threads, args)
+        for name, (kind, ranks, threads, plan) in CASES.items():
+            result = launch(kind, ranks, threads, args, plan)
             medians[name] = statistics.median(result["times_ms"])
             rounds[name].append(medians[name])
-            if ranks > 1:
+            if ranks > 1 and plan == "eager":
                 shares.extend(result["shares"])
                 timeline = result["timeline"]
-        base = medians["1 process, 2 threads"]
-        for name in CASES:
-            ratios[name].append(medians[name] / base)
-    cfg_line = f"config {args.config}, eager steps, bucket cap {args.bucket_mb} MiB"
+        for name, (*_, plan) in CASES.items():
+            ratios[name].append(medians[name] / medians[BASELINE[plan]])
+    cfg_line = f"config {args.config}, bucket cap {args.bucket_mb} MiB"
     print(f"\nstep time for the same global batch ({cfg_line}; {args.rounds} rounds of "
           f"{args.steps} steps after {WARMUP} warm-up):")
-    print(f"{'case':<26} {'median ms':>10} {'best round':>11} {'x baseline':>11}")
+    print(f"{'case':<32} {'median ms':>10} {'best round':>11} {'x baseline':>11}")
     for name in CASES:
-        print(f"{name:<26} {statistics.median(rounds[name]):>10.1f} {min(rounds[name]):>11.1f} "
+        print(f"{name:<32} {statistics.median(rounds[name]):>10.1f} {min(rounds[name]):>11.1f} "
               f"{statistics.median(ratios[name]):>11.2f}")
     hidden = [h / t for h, t in shares if t > 0]
     total_ms = statistics.median([t for _, t in shares]) * 1e3
@@ -250,7 +260,8 @@ def driver(args: argparse.Namespace) -> None:
           f"the buckets' collectives are in flight {total_ms:.1f} ms of the step (median), "
           f"{exposed_ms:.1f} ms of it after backward's end")
     if args.plot and timeline is not None:
-        plot(timeline, args.plot, f"data parallel, 2 ranks, {cfg_line}: one step of rank 0")
+        plot(timeline, args.plot, f"data parallel, 2 ranks, {cfg_line}, eager: one step of "
+                                  f"rank 0")
         print(f"timeline written to {args.plot}")
 
     print("\nmemory per rank with Adam, 2 ranks (DistributedDataParallel.memory_report), MiB:")
@@ -288,6 +299,7 @@ def main() -> None:
     parser.add_argument("--plot", default="distributed_timeline.png")
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--plan", default="eager", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)

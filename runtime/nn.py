@@ -1629,16 +1629,21 @@ class DistributedDataParallel(Module):
     ranks, ZeRO's stages: use it with `ZeroRedundancyOptimizer(ddp, nn.Adam, ...)`, which
     updates this rank's shard and gathers the parameters.
 
+    Inside `runtime.graph` (data parallel on the CPU), each bucket's all-reduce is an
+    instruction of the plan and its buffer is placed by the static plan (Note [collectives
+    in a plan] in runtime/parallel.py).
+
     Launched as `mpiexec -n N python train.py` (docs/distributed.md). A failed or lost rank
     makes the others raise within the group's timeout, before any write to state (Note [a
     collective never hangs] in runtime/distributed.py).
 
     Example:
+        >>> import runtime
         >>> from runtime import distributed, nn
         >>> group = distributed.init()
         >>> model = nn.Sequential(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 3))
         >>> ddp = nn.DistributedDataParallel(model, group)
-        >>> step = nn.train_step(ddp, nn.SGD(ddp.parameters(), lr=0.1))
+        >>> step = runtime.graph(nn.train_step(ddp, nn.SGD(ddp.parameters(), lr=0.1)))
     """
 
     def __init__(self, module: Module, group: Any, bucket_cap_mb: float = 25.0,

@@ -37,9 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from runtime import distributed
-from runtime._tensor import Tensor, tensor
+from runtime import distributed, tape
+from runtime._tensor import Tensor, empty, tensor
 from runtime.autograd import no_grad, register_ready_hook
+from runtime.errors import GraphCaptureError
 
 __all__ = ["Reducer", "bucket_plan"]
 
@@ -144,6 +145,8 @@ class Reducer:
         #: stage 2, during a pass: each bucket's part of the sum, received
         self._recv: dict[int, np.ndarray] = {}
         self._next = 0  # the next bucket to start (they start in index order)
+        #: while capturing: each started bucket's flat tensor (Note [collectives in a plan])
+        self._tokens: dict[int, Tensor] = {}
         self._in_pass = False
         #: per step: (bucket, start, seen complete) times, and backward's start and end, for
         #: the overlap figures (`timeline`)
@@ -156,6 +159,12 @@ class Reducer:
         if not self._in_pass:
             self._begin_pass()
         bucket = self._bucket_of[id(leaf)]
+        recorder = tape.active()
+        if recorder is not None:  # NOTE: Note [collectives in a plan]
+            bucket.grads[id(leaf)] = grad
+            bucket.waiting.discard(id(leaf))
+            self._record_starts(recorder)
+            return False
         self._stage_in(bucket, leaf, grad)
         self._start_ready_buckets()
         self.group.progress()
@@ -171,6 +180,9 @@ class Reducer:
 
     def _finish(self) -> list[tuple[Tensor, Tensor]]:
         self.timeline["backward_end"] = time.perf_counter()
+        recorder = tape.active()
+        if recorder is not None:
+            return self._record_finish(recorder)
         extra: list[tuple[Tensor, Tensor]] = []
         if self.stage == 0:
             # NOTE: a parameter without a gradient on this rank gets zeros in the sum, and the
@@ -297,10 +309,99 @@ class Reducer:
         never hangs] in runtime/distributed.py)."""
         self._in_pass = False
         self._recv.clear()
+        self._tokens.clear()
         for bucket in self.buckets:
             bucket.grads.clear()
-        if not isinstance(error, distributed.DistributedError):
+        # NOTE: a refused capture ran no collective, and every rank refuses it alike
+        if not isinstance(error, (distributed.DistributedError, GraphCaptureError)):
             self.group.fail(error)
+
+    # ------------------------------------------------------------------ inside a capture
+    # Note [collectives in a plan]: while `runtime.graph` captures a step, the reducer
+    # records instructions instead of running collectives. Per bucket, in index order as its
+    # last gradient comes in, "allreduce_start": it reads the bucket's gradients and writes a
+    # flat bucket tensor made in the capture (so the static plan places the buffer, and MPI
+    # reduces in the arena), copying them in and starting the non-blocking all-reduce; at the
+    # pass's end one "allreduce_wait", which reads every bucket tensor and writes every
+    # gradient: it waits for each bucket's all-reduce (Note [a collective never hangs] in
+    # runtime/distributed.py) and writes the averages over the gradients. The schedule's
+    # hazards then order each start after its gradients, the wait after every start, and
+    # every read of a gradient (the update, and SGD's product fold) after the wait; the
+    # parameters are written only after it (the commit point). Devices whose memory is the
+    # host's only: others are refused at capture, and train eagerly.
+    def _record_starts(self, recorder: Any) -> None:
+        while self._next < len(self.buckets) and not self.buckets[self._next].waiting:
+            bucket = self.buckets[self._next]
+            self._record_start(recorder, bucket)
+            self._next += 1
+
+    def _record_start(self, recorder: Any, bucket: _Bucket) -> None:
+        grads = [bucket.grads[id(p)] for p in bucket.params]
+        first = grads[0]
+        if self.stage or not first.device.capabilities.host_memory or \
+                bucket.staging != bucket.dtype:
+            raise GraphCaptureError(
+                f"DistributedDataParallel inside runtime.graph runs data parallel "
+                f"(zero_stage=0) on a device whose memory is the host's, in float32 or "
+                f"float64; this is zero_stage={self.stage} on {first.device.name} in "
+                f"{bucket.dtype}: call the step without runtime.graph (eagerly)")
+        flat = empty((bucket.padded,), bucket.staging, device=first.device,
+                     allocator=first.block.allocator)
+        reducer, index = self, bucket.index
+
+        def run(views: list, out: Any) -> None:  # NOTE: Note [closures hold no tensors]
+            reducer._replay_start(index, views, out)
+
+        recorder.record("allreduce_start", "never", run, [(g, g.shape) for g in grads],
+                        [flat], None)
+        self._tokens[bucket.index] = flat
+
+    def _record_finish(self, recorder: Any) -> list[tuple[Tensor, Tensor]]:
+        extra = []
+        for bucket in self.buckets:
+            for p in bucket.params:
+                if id(p) in bucket.waiting:  # NOTE: zeros, as eagerly (a recorded load)
+                    grad = tensor(np.zeros(p.shape, p.dtype), device=p.device,
+                                  allocator=p.block.allocator)
+                    bucket.grads[id(p)] = grad
+                    bucket.waiting.discard(id(p))
+                    extra.append((p, grad))
+        self._record_starts(recorder)
+        flats = [self._tokens.pop(b.index) for b in self.buckets]
+        grads = [b.grads[id(p)] for b in self.buckets for p in b.params]
+        reducer = self
+
+        def run(views: list, *outs: Any) -> None:  # NOTE: Note [closures hold no tensors]
+            reducer._replay_wait(views, outs)
+
+        recorder.record("allreduce_wait", "never", run, [(f, f.shape) for f in flats], grads,
+                        None)
+        for bucket in self.buckets:
+            bucket.grads.clear()
+        return extra
+
+    def _replay_start(self, index: int, views: list, out: np.ndarray) -> None:
+        if index == 0:
+            self.timeline = {"backward_start": time.perf_counter()}
+        bucket = self.buckets[index]
+        for view, offset, p in zip(views, bucket.offsets, bucket.params):
+            np.copyto(out[offset:offset + p.size].reshape(p.shape), view)
+        out[bucket.numel:] = 0
+        bucket.work = self.group.allreduce(out, f"all-reduce of bucket {index} of "
+                                                f"{len(self.buckets)} (in a graph)")
+
+    def _replay_wait(self, views: list, outs: tuple) -> None:
+        self.timeline["backward_end"] = time.perf_counter()
+        self.group.wait_all([b.work for b in self.buckets])
+        self.timeline["reduced"] = time.perf_counter()
+        self.timeline["buckets"] = [(b.index, b.nbytes, b.work.started, b.work.completed)
+                                    for b in self.buckets]
+        size, at = self.group.size, 0
+        for bucket, flat in zip(self.buckets, views):
+            for offset, p in zip(bucket.offsets, bucket.params):
+                np.divide(flat[offset:offset + p.size].reshape(p.shape), size, out=outs[at])
+                at += 1
+            bucket.work = None
 
     # ------------------------------------------------------------------ ZeRO
     def make_shards(self) -> list[Tensor]:

@@ -85,15 +85,25 @@ def test_ddp_equals_the_full_batch_step_and_ranks_stay_identical(ranks, device, 
     assert done.returncode == 0, done.stderr[-3000:]
     results = _ranks(tmp_path, ranks)
     reference = _reference(worker.model(1), nn.SGD, lr=0.1, momentum=0.9)
+    plain = _reference(worker.model(1), nn.SGD, lr=0.1)
     assert int(results[0]["buckets"]) > 1  # the worker's small cap makes several buckets
+    start = worker.params_of(worker.model(1))
     moved = 0.0
     for name, expected in reference.items():
         for result in results[1:]:
             assert np.array_equal(result[name], results[0][name]), name  # bit for bit
         np.testing.assert_allclose(results[0][name], expected, rtol=1e-5, atol=1e-6,
                                    err_msg=name)
-        moved = max(moved, float(np.abs(expected - worker.params_of(worker.model(1))[name])
-                                 .max()))
+        moved = max(moved, float(np.abs(expected - start[name]).max()))
+        if device != "cpu":
+            assert "on a device whose memory is the host's" in str(results[0]["graph_refused"])
+            continue
+        # inside runtime.graph, with and without the fold of plain SGD into the product
+        for key, want in ((f"graph0.9/{name}", expected), (f"graph0.0/{name}", plain[name])):
+            for result in results[1:]:
+                assert np.array_equal(result[key], results[0][key]), key
+            np.testing.assert_allclose(results[0][key], want, rtol=1e-5, atol=1e-6,
+                                       err_msg=key)
     assert moved > 1e-3  # the steps changed the parameters: the comparison says something
 
 

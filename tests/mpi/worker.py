@@ -17,6 +17,7 @@ import sys
 import numpy as np
 
 import backends
+import runtime
 from runtime import distributed, nn, tensor
 
 STEPS = 3
@@ -57,7 +58,6 @@ def params_of(m: nn.Module) -> dict[str, np.ndarray]:
 def main() -> None:
     scenario, device_name, out = sys.argv[1], sys.argv[2], sys.argv[3]
     device = backends.get_device(device_name)
-    import runtime
 
     runtime.set_default_device(device)
     group = distributed.init(timeout=float(os.environ.get("WORKER_TIMEOUT", "20")))
@@ -71,6 +71,24 @@ def main() -> None:
             step(xb, yb)
         result.update(params_of(ddp.module))
         result["buckets"] = np.array(len(ddp.reducer.buckets))
+        ddp.reducer.close()
+        # the same inside runtime.graph's static plan, plain SGD too (its product fold)
+        for momentum in (0.9, 0.0):
+            ddp = nn.DistributedDataParallel(model(1), group, bucket_cap_mb=0.0005)
+            step = runtime.graph(nn.train_step(ddp, nn.SGD(ddp.parameters(), lr=0.1,
+                                                           momentum=momentum)))
+            if not device.capabilities.host_memory:  # refused at capture: eagerly instead
+                try:
+                    step(xb, yb)
+                except runtime.GraphCaptureError as error:
+                    result["graph_refused"] = np.array(str(error))
+                ddp.reducer.close()
+                break
+            for _ in range(STEPS):
+                step(xb, yb)
+            for name, value in params_of(ddp.module).items():
+                result[f"graph{momentum}/{name}"] = value
+            ddp.reducer.close()
     elif scenario == "zero":
         for stage in (0, 1, 2):
             ddp = nn.DistributedDataParallel(wide_model(2), group, bucket_cap_mb=0.0011,
