@@ -46,6 +46,9 @@ __all__ = ["CollectiveTimeoutError", "DistributedError", "Group", "RankFailedErr
 #: the environment (`BLOCKRT_DIST_TIMEOUT`, read once, by `init`) says otherwise
 DEFAULT_TIMEOUT = 300.0
 
+#: the environment variable that sets the default timeout
+TIMEOUT_ENV = "BLOCKRT_DIST_TIMEOUT"
+
 #: the tag of failure notices on the group's control communicator
 _FAILED = 17
 
@@ -286,7 +289,14 @@ def init(backend: str = "mpi", timeout: float | None = None) -> Group:
         raise ValueError(f"distributed.init: unknown backend {backend!r}; blockrt's groups "
                          f"run over MPI (backend='mpi')")
     if timeout is None:
-        timeout = float(os.environ.get("BLOCKRT_DIST_TIMEOUT", DEFAULT_TIMEOUT))
+        text = os.environ.get(TIMEOUT_ENV, "") or str(DEFAULT_TIMEOUT)
+        try:
+            timeout = float(text)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds") from None
+    if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+        raise ValueError(f"distributed.init: the timeout must be a positive number of "
+                         f"seconds, got {timeout!r}")
     if _world is not None:
         _world.timeout = float(timeout)
         return _world

@@ -231,6 +231,11 @@ class Reducer:
 
     # ------------------------------------------------------------------ steps of the pass
     def _begin_pass(self) -> None:
+        if self.stage and not self.shards:
+            raise RuntimeError(f"DistributedDataParallel(zero_stage={self.stage}) keeps the "
+                               f"gradients of this rank's shards only: update them with "
+                               f"nn.ZeroRedundancyOptimizer(ddp, optimizer_class, ...), not an "
+                               f"optimizer over ddp.parameters()")
         self._in_pass = True
         self._next = 0
         self.timeline = {"backward_start": time.perf_counter()}

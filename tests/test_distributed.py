@@ -49,7 +49,10 @@ def _mpi_missing() -> str | None:
 
 needs_mpi = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
 DEVICES = ["cpu", pytest.param("opencl", marks=pytest.mark.skipif(
-    "opencl" not in backends.available(), reason="no OpenCL device"))]
+    "opencl" not in backends.available(), reason="no OpenCL device")),
+    # NOTE: through the host, as OpenCL; every rank on the one GPU is fine for that
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        "cuda" not in backends.available(), reason="no CUDA device (CuPy and a GPU)"))]
 
 
 def _launch(ranks: int, scenario: str, device: str, out: pathlib.Path, *launcher: str,
