@@ -148,8 +148,9 @@ def test_zero_stages_equal_data_parallel_with_a_shard_of_the_state(ranks, tmp_pa
 
 
 @needs_mpi
-def test_a_rank_that_raises_makes_the_others_fail_at_once_unchanged(tmp_path):
-    done = _launch(3, "raise", "cpu", tmp_path, timeout=60, worker_timeout=30)
+@pytest.mark.parametrize("scenario", ["raise", "raise-graph"])
+def test_a_rank_that_raises_makes_the_others_fail_at_once_unchanged(scenario, tmp_path):
+    done = _launch(3, scenario, "cpu", tmp_path, timeout=60, worker_timeout=30)
     assert done.returncode != 0
     assert "ValueError: an injected failure on rank 1" in done.stderr
     for rank in (0, 2):

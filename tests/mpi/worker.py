@@ -5,8 +5,9 @@
 Each rank trains a tiny model on its part of a fixed batch and writes what it ended with to
 OUTDIR/rank<r>.npz (parameters, memory reports), which the test compares with a single
 process's full-batch steps. SCENARIO: "ddp" (SGD with momentum, small buckets), "zero"
-(Adam data parallel beside ZeRO stages 1 and 2), "raise" / "die" (rank 1 fails at the second
-step; the others record whether their parameters are as before it, then fail too).
+(Adam data parallel beside ZeRO stages 1 and 2), "raise" / "die" / "raise-graph" (rank 1 fails
+before a step, eagerly or between replays of a captured step; the others record whether their
+parameters are as before it, then fail too).
 """
 
 from __future__ import annotations
@@ -107,13 +108,16 @@ def main() -> None:
                 result[f"stage{stage}/report/{key}"] = np.array(value)
             opt.zero_grad()
             ddp.reducer.close()
-    elif scenario in ("raise", "die"):
+    elif scenario in ("raise", "die", "raise-graph"):
         ddp = nn.DistributedDataParallel(model(3), group)
         step = nn.train_step(ddp, nn.SGD(ddp.parameters(), lr=0.1, momentum=0.9))
+        if scenario == "raise-graph":  # the failure meets a replay of the captured step
+            step = runtime.graph(step)
+            step(xb, yb)
         step(xb, yb)
         before = params_of(ddp.module)
         if group.rank == 1:
-            if scenario == "raise":
+            if scenario != "die":
                 raise ValueError("an injected failure on rank 1")
             os._exit(3)
         try:
