@@ -10,7 +10,9 @@ eagerly and captured by `runtime.graph` (static plan). Three figures:
    - `1 process, 2 threads`: one process, the whole batch, OPENBLAS_NUM_THREADS=2 (baseline);
    - `1 rank, 1 thread`: the same under `mpiexec -n 1` with DistributedDataParallel;
    - `2 ranks, 1 thread each`: `mpiexec -n 2 -bind-to core`, half the batch per rank, the
-     gradients all-reduced in buckets (the `--bucket-mb` cap) during backward;
+     gradients all-reduced in buckets (the `--bucket-mb` cap) during backward; and again
+     without the helper thread that moves MPI on during backward (Note [progress in the
+     background] in runtime/distributed.py: `no progress thread`, eager only);
    each eagerly and under the static plan (`, static`; against the static baseline).
 2. **Overlap**: in the eager 2-rank case, for each step, the share of the all-reduce time
    hidden behind backward: 1 - (the wait for the buckets after backward's end) / (the time
@@ -110,10 +112,13 @@ def worker(args: argparse.Namespace) -> None:
         from runtime import distributed
 
         group = distributed.init()
+        group.background_progress = args.worker != "ddp-calls"
+        if os.environ.get("BENCH_POLL"):  # NOTE: for trying other intervals by hand
+            group.poll_interval = float(os.environ["BENCH_POLL"])
         zero = {"ddp": 0, "zero1": 1, "zero2": 2}.get(args.worker, 0)
         ddp = nn.DistributedDataParallel(model, group, bucket_cap_mb=args.bucket_mb,
                                          zero_stage=zero)
-        if args.worker == "ddp":
+        if args.worker in ("ddp", "ddp-calls"):
             opt = nn.SGD(ddp.parameters(), lr=0.01)
         elif args.worker == "adam":
             opt = nn.Adam(ddp.parameters(), lr=1e-3)
@@ -173,6 +178,7 @@ CASES = {
     "1 process, 2 threads": ("single", 1, "2", "eager"),
     "1 rank, 1 thread": ("ddp", 1, "1", "eager"),
     "2 ranks, 1 thread each": ("ddp", 2, "1", "eager"),
+    "2 ranks, no progress thread": ("ddp-calls", 2, "1", "eager"),
     "1 process, 2 threads, static": ("single", 1, "2", "static"),
     "1 rank, 1 thread, static": ("ddp", 1, "1", "static"),
     "2 ranks, 1 thread each, static": ("ddp", 2, "1", "static"),
@@ -241,6 +247,8 @@ def driver(args: argparse.Namespace) -> None:
     ratios: dict[str, list[float]] = {name: [] for name in CASES}
     hidden: list[float] = []
     exposed: list[float] = []
+    hidden_calls: list[float] = []
+    exposed_calls: list[float] = []
     alone: list[float] = []
     timeline = None
     for _ in range(args.rounds):
@@ -250,10 +258,15 @@ def driver(args: argparse.Namespace) -> None:
             medians[name] = statistics.median(result["times_ms"])
             rounds[name].append(medians[name])
             if ranks > 1 and plan == "eager":
-                exposed.extend(result["exposed"])
-                alone.append(result["alone"])
-                hidden.extend(max(0.0, 1 - e / result["alone"]) for e in result["exposed"])
-                timeline = result["timeline"]
+                kind_hidden = [max(0.0, 1 - e / result["alone"]) for e in result["exposed"]]
+                if kind == "ddp":
+                    exposed.extend(result["exposed"])
+                    alone.append(result["alone"])
+                    hidden.extend(kind_hidden)
+                    timeline = result["timeline"]
+                else:
+                    hidden_calls.extend(kind_hidden)
+                    exposed_calls.extend(result["exposed"])
         for name, (*_, plan) in CASES.items():
             ratios[name].append(medians[name] / medians[BASELINE[plan]])
     cfg_line = f"config {args.config}, bucket cap {args.bucket_mb} MiB"
@@ -269,6 +282,9 @@ def driver(args: argparse.Namespace) -> None:
           f"all-reduce alone): waits of "
           f"{statistics.median(exposed) * 1e3:.1f} ms (median) against "
           f"{statistics.median(alone) * 1e3:.1f} ms alone")
+    print(f"without the progress thread (MPI moved on only between gradients): median "
+          f"{statistics.median(hidden_calls):.0%}, waits of "
+          f"{statistics.median(exposed_calls) * 1e3:.1f} ms (median)")
     if args.plot and timeline is not None:
         plot(timeline, args.plot, f"data parallel, 2 ranks, {cfg_line}, eager: one step of "
                                   f"rank 0")
@@ -293,7 +309,9 @@ def driver(args: argparse.Namespace) -> None:
         pathlib.Path(args.json).write_text(json.dumps({
             "cpu": cpu_name(), "load_before": load_before, "load_after": load_after,
             "config": args.config, "rounds_ms": rounds, "ratios": ratios,
-            "hidden": hidden, "exposed_s": exposed, "alone_s": alone, "memory": memory},
+            "hidden": hidden, "exposed_s": exposed, "alone_s": alone,
+            "hidden_without_thread": hidden_calls, "exposed_without_thread_s": exposed_calls,
+            "memory": memory},
             indent=1))
 
 

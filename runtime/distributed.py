@@ -16,7 +16,9 @@ launcher (MPICH's mpiexec ends the whole job when a process exits abnormally) or
 launcher keeps the others running (`mpiexec -disable-auto-cleanup`), by the timeout:
 `CollectiveTimeoutError` names the collective, its size, the elapsed time and the group. After
 either error the group is broken: every later collective refuses at once, and the process
-leaves with `os._exit` instead of MPI's finalize, which would wait for the lost rank. The
+leaves with `os._exit` instead of MPI's finalize, which would wait for the lost rank. It
+waits a second first: MPICH's launcher ends the whole job as soon as one process exits with an
+error, and the others should have said why by then. The
 callers start every collective of a step before their first write to state and wait for all of
 them before it (Note [the commit point] in runtime/nn.py), so a failed collective leaves
 parameters, gradients and optimizer state as they were.
@@ -34,6 +36,7 @@ import atexit
 import os
 import shutil
 import sys
+import threading
 import time
 from typing import Any
 
@@ -81,6 +84,12 @@ class Work:
 
     def test(self) -> bool:
         """True once the collective is complete (its buffers may then be read and reused)."""
+        if self.completed is None:
+            with self.group._lock:  # NOTE: MPI forbids testing one request from two threads
+                self._test_locked()
+        return self.completed is not None
+
+    def _test_locked(self) -> bool:
         if self.completed is None and self.request.Test():
             self.completed = time.perf_counter()
         return self.completed is not None
@@ -125,6 +134,13 @@ class Group:
         self.broken: str | None = None
         #: started collectives not yet seen complete (tested by `progress`)
         self._in_flight: list[Work] = []
+        #: Note [progress in the background]: whether a helper thread tests the collectives
+        #: in flight while `poll_in_background(True)` holds, and how often (seconds)
+        self.background_progress = True
+        self.poll_interval = 2e-4
+        self._lock = threading.Lock()
+        self._polling = threading.Event()
+        self._poller: threading.Thread | None = None
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, buffer: np.ndarray, what: str = "all-reduce") -> Work:
@@ -171,7 +187,42 @@ class Group:
         its own calls, so the callers test while they compute (a backward pass, between
         gradients) for the transfers to overlap the computation."""
         if self._in_flight:
-            self._in_flight = [work for work in self._in_flight if not work.test()]
+            with self._lock:
+                self._in_flight = [w for w in self._in_flight if not w._test_locked()]
+
+    def poll_in_background(self, on: bool) -> None:
+        """Start (True) or stop (False) testing the collectives in flight from a helper
+        thread, every `poll_interval` seconds: Note [progress in the background]. Nothing
+        where `background_progress` is False."""
+        if not on:
+            self._polling.clear()
+            return
+        if not self.background_progress:
+            return
+        if self._poller is None:
+            self._poller = threading.Thread(target=self._poll, name="blockrt-mpi-progress",
+                                            daemon=True)
+            self._poller.start()
+        self._polling.set()
+
+    # Note [progress in the background]: MPICH moves a non-blocking collective on only
+    # inside an MPI call of the process, and a transfer through shared memory takes several
+    # (a 4 MiB all-reduce of two ranks about 6, each doing a share of the copies and sums).
+    # Tested only between gradients, a bucket started in backward moves on a few times and
+    # completes in the wait after backward. So while the reducer has buckets in flight, a
+    # helper thread tests them every `poll_interval`: it runs while the main thread is in a
+    # product or a NumPy kernel (both release the GIL), which is where backward spends its
+    # time. Tests hold the group's lock (MPI forbids testing one request from two threads
+    # at once; mpi4py initialises MPI_THREAD_MULTIPLE). The thread waits on an event when
+    # there is nothing to do, and makes no MPI call then (so MPI's finalize never meets it).
+    def _poll(self) -> None:
+        while True:
+            self._polling.wait()
+            if self._in_flight:
+                self.progress()
+            else:
+                self._polling.clear()
+            time.sleep(self.poll_interval)
 
     def wait_all(self, works: list[Work]) -> None:
         """Wait until every work of `works` is complete: Note [a collective never hangs].
@@ -227,6 +278,10 @@ class Group:
                     pass
 
     def _break(self, why: str) -> None:
+        self._polling.clear()
+        # NOTE: a rank gives the others a moment to report before it leaves: the launcher
+        # may end the job as soon as one process exits with an error
+        _grace[0] = max(_grace[0], min(GRACE_SECONDS, self.timeout))
         if self.broken is None:
             self.broken = why
             _leave_hard.add(id(self))
@@ -238,7 +293,8 @@ class Group:
 
     def _started(self, request: Any, what: str, nbytes: int) -> Work:
         work = Work(self, request, what, nbytes)
-        self._in_flight.append(work)
+        with self._lock:
+            self._in_flight.append(work)
         return work
 
     def __repr__(self) -> str:
@@ -252,8 +308,14 @@ _leave_hard: set[int] = set()
 _world: Group | None = None
 
 
+#: seconds a rank whose group broke waits before it leaves (Note [a collective never hangs])
+GRACE_SECONDS = 1.0
+_grace = [0.0]
+
+
 def _exit_hook() -> None:
     if _leave_hard:
+        time.sleep(_grace[0])
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

@@ -200,6 +200,7 @@ class Reducer:
                     if id(p) in bucket.waiting:
                         self._stage_in(bucket, p, None)
         self._start_ready_buckets()
+        self.group.poll_in_background(False)
         self.group.wait_all([b.work for b in self.buckets if b.work is not None])
         self.timeline["reduced"] = time.perf_counter()
         self.timeline["buckets"] = [(b.index, b.nbytes, b.work.started, b.work.completed)
@@ -307,12 +308,14 @@ class Reducer:
             else:
                 bucket.work = group.allreduce(buffer, f"all-reduce of {what}")
             self._next += 1
+            group.poll_in_background(True)  # NOTE: Note [progress in the background]
 
     def abandon(self, error: BaseException) -> None:
         """The pass failed part-way (here or in backward): forget its gradients, and tell the
         other ranks, whose collectives would otherwise wait for this one's (Note [a collective
         never hangs] in runtime/distributed.py)."""
         self._in_pass = False
+        self.group.poll_in_background(False)
         self._recv.clear()
         self._tokens.clear()
         for bucket in self.buckets:
@@ -394,9 +397,11 @@ class Reducer:
         out[bucket.numel:] = 0
         bucket.work = self.group.allreduce(out, f"all-reduce of bucket {index} of "
                                                 f"{len(self.buckets)} (in a graph)")
+        self.group.poll_in_background(True)  # NOTE: Note [progress in the background]
 
     def _replay_wait(self, views: list, outs: tuple) -> None:
         self.timeline["backward_end"] = time.perf_counter()
+        self.group.poll_in_background(False)
         self.group.wait_all([b.work for b in self.buckets])
         self.timeline["reduced"] = time.perf_counter()
         self.timeline["buckets"] = [(b.index, b.nbytes, b.work.started, b.work.completed)
