@@ -274,6 +274,10 @@ def add_demo_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         help="float32 (default), or mixed precision in float16 (with loss "
                              "scaling) or bfloat16")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--ranks", type=int_in(1, 64), default=1,
+                        help="train data-parallel on this many processes under MPI's mpiexec, "
+                             "each on its part of every batch (default: 1; needs the `mpi` "
+                             "extra; docs/distributed.md)")
     return parser
 
 

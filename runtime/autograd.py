@@ -41,8 +41,10 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import operator
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -56,7 +58,8 @@ from runtime.upcalls import OPS  # NOTE: Note [calls up to ops] in runtime/upcal
 #: (docs/architecture.md), so it is not imported, not even for a type checker.
 Tensor = Any
 
-__all__ = ["Node", "backward", "enable_grad", "is_grad_enabled", "no_grad", "record"]
+__all__ = ["Node", "backward", "enable_grad", "is_grad_enabled", "no_grad", "record",
+           "register_ready_hook"]
 
 #: backward(grad, *saved) -> one gradient (or None) per input of the node.
 BackwardFn = Callable[..., Sequence[Any]]
@@ -293,11 +296,122 @@ def _start(root: Tensor, gradient: Tensor, retain_graph: bool) -> None:
     if root._node is None:
         _store_leaf(root, gradient)
         return
-    pairs = None if _engine is None else _engine(root._node, gradient, retain_graph)
-    if pairs is None:  # NOTE: no C engine, or it handed the pass back (the fast path is off)
-        pairs = _run(root._node, gradient, retain_graph)
+    if _ready_hooks:  # NOTE: Note [gradient-ready hooks]: the Python engine reports leaves
+        pairs = _run_hooked(root._node, gradient, retain_graph)
+    else:
+        pairs = None if _engine is None else _engine(root._node, gradient, retain_graph)
+        if pairs is None:  # NOTE: no C engine, or it handed the pass back (the fast path is off)
+            pairs = _run(root._node, gradient, retain_graph)
     for leaf, grad in pairs:
         _store_leaf(leaf, grad)
+
+
+# ---------------------------------------------------------------------- gradient-ready hooks
+class _HookRef(weakref.ref):
+    """A weak reference to a ready hook, with the serial number of its registration."""
+
+    __slots__ = ("serial",)
+
+
+#: by leaf id, a weak reference to the hook object registered on it (the hook holds the leaf,
+#: so the id stays the leaf's while the hook lives): Note [gradient-ready hooks]
+_ready_hooks: dict[int, _HookRef] = {}
+#: registration order: leaves whose gradients are whole at the same node are reported
+#: latest-registered first (a model's parameters in reverse, as backward meets them)
+_serials = itertools.count()
+
+
+def register_ready_hook(leaf: Tensor, hook: Any) -> Callable[[], None]:
+    """Tell `hook` about `leaf`'s gradient in every backward pass, as soon as the pass has
+    computed all of it, and return a function that takes the registration back.
+
+    Note [gradient-ready hooks]: `hook.ready(leaf, grad)` is called once per pass for each
+    registered leaf that got a gradient, right after the last node that adds to it ran (the
+    rest of the pass has not run yet; PyTorch's post-accumulate-grad hook, which its DDP
+    Reducer uses to start a bucket's all-reduce). It returns True where it took the gradient
+    (the pass then forgets it and stores nothing for that leaf), False where the pass keeps
+    it. Once every gradient of the pass is computed and before any is stored in `.grad`,
+    `hook.finish()` is called once for each hook that saw a leaf of the pass, and returns
+    (leaf, gradient) pairs to store as well (new tensors, or gradients it was handed and
+    wrote in place). Either may raise: nothing has been stored then, so every `.grad` is as
+    it was (Note [the commit point] in runtime/nn.py). Where the pass fails (in a hook or in
+    a backward function), `hook.abandon(error)` is called on every hook of the pass before
+    the error goes on. The hook object is held weakly: a
+    registration ends with it. While any hook is registered, passes run in the Python engine
+    (`_run`, the specification of the C one), which knows when a leaf's gradient is whole.
+
+    Raises:
+        AutogradError: `leaf` is not a leaf that requires a gradient, or has a hook already.
+    """
+    if not _is_tensor(leaf) or not leaf._requires_grad or leaf._node is not None:
+        raise AutogradError("register_ready_hook: takes a leaf tensor that requires grad")
+    key = id(leaf)
+    held = _ready_hooks.get(key)
+    if held is not None and held() is not None:
+        raise AutogradError(f"register_ready_hook: {describe(leaf)} has a ready hook already "
+                            f"(one per leaf: wrap the model in one DistributedDataParallel)")
+    ref = _HookRef(hook, lambda _, key=key: _forget(key))
+    ref.serial = next(_serials)
+    _ready_hooks[key] = ref
+
+    def remove() -> None:
+        if _ready_hooks.get(key) is ref:
+            del _ready_hooks[key]
+
+    return remove
+
+
+def _forget(key: int) -> None:
+    held = _ready_hooks.get(key)
+    if held is not None and held() is None:
+        del _ready_hooks[key]
+
+
+def _run_hooked(root: Node, gradient: Tensor, retain_graph: bool
+                ) -> list[tuple[Tensor, Tensor]]:
+    """`_run` with the ready hooks of Note [gradient-ready hooks]: each hooked leaf's gradient
+    is reported after the last node that adds to it, and the hooks' `finish` after the pass."""
+    order = list(reversed(_topological(root)))
+    hooks: dict[int, Any] = {}
+    last: dict[int, int] = {}  # leaf id -> the position of the last node that adds to it
+    serial: dict[int, int] = {}
+    for position, node in enumerate(order):
+        for entry in node.inputs:
+            if entry is not None and not isinstance(entry, Node):
+                ref = _ready_hooks.get(id(entry))
+                hook = None if ref is None else ref()
+                if hook is not None:
+                    hooks[id(entry)] = hook
+                    last[id(entry)] = position
+                    serial[id(entry)] = ref.serial
+    if not hooks:
+        return _run(root, gradient, retain_graph)
+    # NOTE: by position, then latest registered first
+    last = dict(sorted(last.items(), key=lambda item: (item[1], -serial[item[0]])))
+    reported: set[int] = set()
+
+    def done(position: int, leaves: dict[int, tuple[Tensor, Tensor]],
+             handed: dict[int, Tensor]) -> None:
+        for key in [key for key, at in last.items() if at <= position]:
+            del last[key]
+            if key not in leaves:
+                continue  # NOTE: no gradient reached this leaf in this pass
+            reported.add(key)
+            leaf, grad = leaves[key]
+            if hooks[key].ready(leaf, grad):
+                # NOTE: taken: the pass holds it no longer, so its memory may go back now
+                del leaves[key], handed[id(grad)]
+            leaf = grad = None
+
+    try:
+        pairs = _run(root, gradient, retain_graph, order=order, after_node=done)
+        for hook in {id(hook): hook for key, hook in hooks.items() if key in reported}.values():
+            pairs.extend(hook.finish())
+    except BaseException as error:
+        for hook in {id(hook): hook for hook in hooks.values()}.values():
+            hook.abandon(error)
+        raise
+    return pairs
 
 
 #: The C engine (`runtime._dispatch.backward`, the same steps as `_run`; None while the fast
@@ -306,7 +420,9 @@ _engine: Callable[[Node, Tensor, bool], list[tuple[Tensor, Tensor]] | None] | No
     None if _dispatch is None else _dispatch.backward)
 
 
-def _run(root: Node, gradient: Tensor, retain_graph: bool) -> list[tuple[Tensor, Tensor]]:
+def _run(root: Node, gradient: Tensor, retain_graph: bool, order: list[Node] | None = None,
+         after_node: Callable[[int, dict, dict], None] | None = None
+         ) -> list[tuple[Tensor, Tensor]]:
     """The backward pass from `root` with `gradient`: every node's backward function, in
     reverse topological order. Returns each leaf with its gradient (owned: nothing else holds
     its memory), for `_store_leaf`.
@@ -330,9 +446,13 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> list[tuple[Tensor,
     # allocates nothing, so an OutOfMemoryError midway leaves every `.grad` as it was:
     # Note [the commit point] in runtime/nn.py
     leaves: dict[int, tuple[Tensor, Tensor]] = {}
-    for node in reversed(_topological(root)):
+    if order is None:
+        order = list(reversed(_topological(root)))
+    for position, node in enumerate(order):
         g = grads.pop(node, None)
         if g is None:
+            if after_node is not None:
+                after_node(position, leaves, handed)
             continue  # nothing flowed here
         del handed[id(g)]
         results = node.backward_fn(g, *node.unpack())
@@ -371,6 +491,8 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool) -> list[tuple[Tensor,
             handed[id(grad)] = grad
         # NOTE: nothing of this node outlives it: Note [the backward engine]
         results = grad = r = None
+        if after_node is not None:  # NOTE: Note [gradient-ready hooks]
+            after_node(position, leaves, handed)
     return list(leaves.values())
 
 

@@ -1649,3 +1649,155 @@ class Adam(Optimizer):
     def _options(self) -> str:
         return (f"lr={self.lr}, betas={self.betas}, eps={self.eps}, "
                 f"weight_decay={self.weight_decay}")
+
+
+# ---------------------------------------------------------------------- more than one process
+# NOTE: the machinery is runtime/parallel.py (Note [buckets in backward]); these are its faces
+class DistributedDataParallel(Module):
+    """`module` trained data-parallel across `group` (`runtime.distributed.init()`): each rank
+    runs it on its own part of the batch, and the gradients are averaged across the ranks
+    during backward, in buckets of at most `bucket_cap_mb` MiB (PyTorch DDP's default 25),
+    each bucket's non-blocking all-reduce started as soon as its last gradient is ready
+    (Note [buckets in backward] in runtime/parallel.py). Rank 0's parameters are broadcast to
+    every rank first, so the ranks start, and stay, bit for bit the same. An optimizer over
+    `ddp.parameters()` (the module's) then takes the same step on every rank.
+
+    `zero_stage` 1 or 2 shards the optimizer state (1) and the gradients too (2) across the
+    ranks, ZeRO's stages: use it with `ZeroRedundancyOptimizer(ddp, nn.Adam, ...)`, which
+    updates this rank's shard and gathers the parameters.
+
+    Inside `runtime.graph` (data parallel on the CPU), each bucket's all-reduce is an
+    instruction of the plan and its buffer is placed by the static plan (Note [collectives
+    in a plan] in runtime/parallel.py).
+
+    Launched as `mpiexec -n N python train.py` (docs/distributed.md). A failed or lost rank
+    makes the others raise within the group's timeout, before any write to state (Note [a
+    collective never hangs] in runtime/distributed.py).
+
+    Example:
+        >>> import runtime
+        >>> from runtime import distributed, nn
+        >>> group = distributed.init()
+        >>> model = nn.Sequential(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 3))
+        >>> ddp = nn.DistributedDataParallel(model, group)
+        >>> step = runtime.graph(nn.train_step(ddp, nn.SGD(ddp.parameters(), lr=0.1)))
+    """
+
+    def __init__(self, module: Module, group: Any, bucket_cap_mb: float = 25.0,
+                 zero_stage: int = 0) -> None:
+        super().__init__()
+        from runtime import distributed, parallel
+
+        if not isinstance(module, Module):
+            raise TypeError(f"DistributedDataParallel wraps a Module, got {_brief(module)}")
+        if not isinstance(group, distributed.Group):
+            raise TypeError(f"DistributedDataParallel: group must be a distributed.Group "
+                            f"(distributed.init()), got {_brief(group)}")
+        cap = _check_number("DistributedDataParallel: bucket_cap_mb", bucket_cap_mb, 0.0,
+                            low_open=True)
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"DistributedDataParallel: zero_stage is 0 (data parallel), 1 "
+                             f"(optimizer state sharded) or 2 (gradients too), got "
+                             f"{zero_stage!r}")
+        self.module = module
+        object.__setattr__(self, "group", group)
+        object.__setattr__(self, "zero_stage", zero_stage)
+        params = module.parameters()
+        if not params:
+            raise ValueError("DistributedDataParallel: the module has no parameters")
+        parallel.broadcast_parameters(params, group)
+        object.__setattr__(self, "reducer",
+                           parallel.Reducer(params, group, max(1, int(cap * (1 << 20))),
+                                            stage=zero_stage))
+
+    def forward(self, *args: Any) -> Any:
+        return self.module(*args)
+
+    def memory_report(self, optimizer: Any = None) -> dict[str, int]:
+        """This rank's memory for training, in bytes: `parameter_bytes`; `gradient_bytes`,
+        the gradients a step keeps (`.grad` of the parameters, or of the shards under ZeRO);
+        `bucket_bytes`, the host buffers of the buckets (kept from step to step; stage 2: two
+        buckets and this rank's parts); `optimizer_state_bytes` of `optimizer` (its state
+        tensors: momentum, Adam's moments); and `rank`, `size`, `zero_stage`, `buckets`,
+        `largest_bucket_bytes`."""
+        reducer = self.reducer
+        params = self.module.parameters()
+        if self.zero_stage:
+            grads = [s.grad for s in reducer.shards]
+        else:
+            grads = [p.grad for p in params]
+        report = {"rank": self.group.rank, "size": self.group.size,
+                  "zero_stage": self.zero_stage, "buckets": len(reducer.buckets),
+                  "largest_bucket_bytes": max(b.nbytes for b in reducer.buckets),
+                  "parameter_bytes": sum(p.nbytes for p in params),
+                  "gradient_bytes": sum(g.nbytes for g in grads if g is not None),
+                  "bucket_bytes": reducer.buffer_bytes(),
+                  "optimizer_state_bytes": 0}
+        if optimizer is not None:
+            inner = getattr(optimizer, "optimizer", optimizer)
+            report["optimizer_state_bytes"] = sum(
+                t.nbytes for state in inner.state.values() for t in state.values()
+                if isinstance(t, Tensor))
+        return report
+
+    def extra_repr(self) -> str:
+        return (f"rank={self.group.rank}, size={self.group.size}, "
+                f"buckets={len(self.reducer.buckets)}, zero_stage={self.zero_stage}")
+
+
+class ZeroRedundancyOptimizer:
+    """ZeRO's sharded optimizer over a `DistributedDataParallel(..., zero_stage=1 or 2)`:
+    `optimizer_class(shards, **options)` keeps the state of this rank's shards only (1/N of
+    it), and `step()` updates them, then all-gathers every rank's shards and writes the
+    module's parameters, once every bucket has arrived (all of them or none: Note [the
+    commit point]). The results equal data parallel's with `optimizer_class` over every
+    parameter: the optimizers here are elementwise. `train_step(ddp, opt)` takes it as an
+    optimizer.
+
+    Example:
+        >>> from runtime import distributed, nn
+        >>> model = nn.Sequential(nn.Dense(4, 3))
+        >>> ddp = nn.DistributedDataParallel(model, distributed.init(), zero_stage=2)
+        >>> opt = nn.ZeroRedundancyOptimizer(ddp, nn.Adam, lr=1e-3)
+    """
+
+    def __init__(self, ddp: DistributedDataParallel, optimizer_class: type, **options: Any
+                 ) -> None:
+        if not isinstance(ddp, DistributedDataParallel) or not ddp.zero_stage:
+            raise ValueError(f"ZeroRedundancyOptimizer takes a DistributedDataParallel made "
+                             f"with zero_stage=1 or 2, got {_brief(ddp)}")
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+            raise TypeError(f"ZeroRedundancyOptimizer: optimizer_class must be an Optimizer "
+                            f"class (nn.SGD, nn.Adam), got {_brief(optimizer_class)}")
+        self.ddp = ddp
+        #: the optimizer of this rank's shard parameters
+        self.optimizer = optimizer_class(ddp.reducer.make_shards(), **options)
+
+    @property
+    def params(self) -> list[Tensor]:
+        return self.optimizer.params
+
+    @property
+    def state(self) -> dict[int, dict[str, Any]]:
+        return self.optimizer.state
+
+    def prepare(self) -> None:
+        """`Optimizer.prepare` of the shards' optimizer (Note [the commit point])."""
+        self.optimizer.prepare()
+
+    def step(self) -> None:
+        """Update this rank's shards, then gather every rank's into the parameters."""
+        if all(p.grad is None for p in self.optimizer.params):
+            return
+        self.optimizer.step()
+        self.ddp.reducer.gather()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def __repr__(self) -> str:
+        return (f"ZeroRedundancyOptimizer({self.optimizer!r}, stage {self.ddp.zero_stage}, "
+                f"rank {self.ddp.group.rank} of {self.ddp.group.size})")
+
+
+__all__ += ["DistributedDataParallel", "ZeroRedundancyOptimizer"]

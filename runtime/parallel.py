@@ -1,0 +1,479 @@
+"""Data parallelism's machinery: gradients reduced across a group in buckets during backward,
+and ZeRO's shards (runtime/nn.py's `DistributedDataParallel` and `ZeroRedundancyOptimizer`
+are its public face).
+
+Note [buckets in backward]: the parameters are split into buckets of at most `bucket_cap`
+bytes, in reverse order of `parameters()` (the order backward meets them; PyTorch's Reducer
+does the same), one dtype and device per bucket. A `Reducer` is the gradient-ready hook
+(Note [gradient-ready hooks] in runtime/autograd.py) of every parameter: as each gradient is
+whole it is copied into its bucket's host buffer, and when the bucket's last one is in, the
+bucket's non-blocking collective starts, while backward goes on computing the other
+gradients; between gradients the hook tests the collectives in flight, which is when MPI moves
+them on. Buckets start in their index order on every rank (MPI matches collectives by order),
+so a bucket that fills early waits for the ones before it. At the pass's end (`finish`) every
+collective is waited for and only then are results written: the averaged gradients into the
+gradients backward computed (data parallel, `stage=0`), or this rank's part of them into the
+gradients of its shard parameters (ZeRO, stages 1 and 2). Nothing is stored before every
+collective of the step completed (Note [the commit point] in runtime/nn.py).
+
+ZeRO (Rajbhandari et al. 2020): each bucket is padded to a multiple of the group's size, and
+rank r owns part r of it: a flat "shard parameter" with its own gradient, and so its own
+optimizer state (the optimizer sees only the shard parameters). Stage 1 all-reduces the
+bucket as data parallel does and keeps its part; stage 2 reduce-scatters, so the full
+gradients live only in one bucket buffer, which the next bucket takes once the bucket before
+has been reduced (a layer's backward later), and leave the pass as soon as they are copied
+in. After the optimizer's step the shards are all-gathered into a host copy of every bucket,
+and once every bucket has arrived the parameters are written (`gather`).
+
+Host staging: a device whose memory is the host's (the CPU) is read and written through its
+NumPy views; any other (OpenCL, CUDA) through copies to and from the host.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from runtime import distributed, tape
+from runtime._tensor import Tensor, empty, tensor
+from runtime.autograd import no_grad, register_ready_hook
+from runtime.errors import GraphCaptureError
+
+__all__ = ["Reducer", "bucket_plan"]
+
+#: PyTorch DDP's default bucket size (bucket_cap_mb=25)
+DEFAULT_BUCKET_BYTES = 25 << 20
+
+
+def _staging_dtype(dtype: np.dtype) -> np.dtype:
+    """The host dtype a gradient is summed in: its own for float32 / float64; float32 for the
+    two-byte floats, which MPI has no standard type for (rounded back once, as the ops do)."""
+    return dtype if dtype in (np.float32, np.float64) else np.dtype(np.float32)
+
+
+def bucket_plan(params: list[Tensor], cap: int) -> list[list[int]]:
+    """The buckets, as lists of indices into `params`: reverse order, a new bucket where the
+    dtype or the device changes or the next gradient would take it past `cap` bytes (a
+    gradient larger than `cap` gets a bucket of its own). Note [buckets in backward]."""
+    buckets: list[list[int]] = []
+    size, key = 0, None
+    for index in reversed(range(len(params))):
+        p = params[index]
+        nbytes = p.size * _staging_dtype(p.dtype).itemsize
+        here = (p.dtype, id(p.device))
+        if not buckets or here != key or size + nbytes > cap:
+            buckets.append([])
+            size, key = 0, here
+        buckets[-1].append(index)
+        size += nbytes
+    return buckets
+
+
+def _read(t: Tensor, out: np.ndarray) -> None:
+    """Copy `t` into the flat host array `out` (of t's size): through its NumPy view where the
+    device's memory is the host's, else through a copy to the host."""
+    if t.device.capabilities.host_memory:
+        np.copyto(out.reshape(t.shape), t._native_read("all-reduce"), casting="unsafe")
+    else:
+        out[...] = t.numpy().reshape(-1)
+
+
+def _write(t: Tensor, flat: np.ndarray, divisor: int) -> None:
+    """Write `flat / divisor` (a host array of t's size) into `t`, rounded to t's dtype."""
+    shaped = flat.reshape(t.shape)
+    if t.device.capabilities.host_memory and t.dtype == flat.dtype:
+        target = t._native_write("all-reduce")
+        np.divide(shaped, divisor, out=target)
+        t.block.mark_written()
+        return
+    value = (shaped / flat.dtype.type(divisor)).astype(t.dtype)
+    with no_grad():
+        t[...] = value
+
+
+class _Bucket:
+    """One bucket: its parameters, where each sits in the flat buffer, and this step's state."""
+
+    def __init__(self, index: int, params: list[Tensor], size: int) -> None:
+        self.index = index
+        self.params = params
+        #: element offsets of each parameter in the flat buffer
+        self.offsets: list[int] = []
+        numel = 0
+        for p in params:
+            self.offsets.append(numel)
+            numel += p.size
+        self.numel = numel
+        #: the padded length (a multiple of the group's size) and this rank's part of it
+        self.padded = -(-numel // size) * size
+        self.part = self.padded // size
+        self.dtype = params[0].dtype
+        self.staging = _staging_dtype(self.dtype)
+        self.nbytes = self.padded * self.staging.itemsize
+        self.slot = {id(p): i for i, p in enumerate(params)}
+        # per step
+        self.waiting: set[int] = set()
+        self.grads: dict[int, Tensor] = {}
+        self.buffer: np.ndarray | None = None
+        self.work: distributed.Work | None = None
+
+
+class Reducer:
+    """The gradient-ready hook of a model's parameters (Note [buckets in backward]).
+
+    `stage` 0 averages every gradient in place (data parallel); 1 and 2 keep this rank's
+    part of the averaged gradients as the gradients of the shard parameters (ZeRO).
+    """
+
+    def __init__(self, params: list[Tensor], group: distributed.Group, bucket_cap: int,
+                 stage: int = 0) -> None:
+        self.params = params
+        self.group = group
+        self.stage = stage
+        self.buckets = [_Bucket(i, [params[j] for j in indices], group.size)
+                        for i, indices in enumerate(bucket_plan(params, bucket_cap))]
+        self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+        #: ZeRO: this rank's shard parameter of each bucket (made by `make_shards`)
+        self.shards: list[Tensor] = []
+        #: stage 0 and 1: one buffer per bucket, kept from step to step; stage 2: one buffer
+        #: of the largest bucket's size, by the bucket it holds now
+        self._buffers: dict[int, np.ndarray] = {}
+        self._spare: list[np.ndarray] = []
+        #: stage 2, during a pass: each bucket's part of the sum, received
+        self._recv: dict[int, np.ndarray] = {}
+        self._next = 0  # the next bucket to start (they start in index order)
+        #: while capturing: each started bucket's flat tensor (Note [collectives in a plan])
+        self._tokens: dict[int, Tensor] = {}
+        self._in_pass = False
+        #: per step: (bucket, start, seen complete) times, and backward's start and end, for
+        #: the overlap figures (`timeline`)
+        self.timeline: dict[str, Any] = {}
+        self._removers = [register_ready_hook(p, self) for p in params]
+
+    # ------------------------------------------------------------------ the hook
+    def ready(self, leaf: Tensor, grad: Tensor) -> bool:
+        """A gradient is whole: stage it; start its bucket's collective if it was the last."""
+        if not self._in_pass:
+            self._begin_pass()
+        bucket = self._bucket_of[id(leaf)]
+        recorder = tape.active()
+        if recorder is not None:  # NOTE: Note [collectives in a plan]
+            bucket.grads[id(leaf)] = grad
+            bucket.waiting.discard(id(leaf))
+            self._record_starts(recorder)
+            return False
+        self._stage_in(bucket, leaf, grad)
+        self._start_ready_buckets()
+        self.group.progress()
+        return self.stage != 0
+
+    def finish(self) -> list[tuple[Tensor, Tensor]]:
+        """Every bucket started and waited for; then the results written (Note [buckets in
+        backward]). Returns the gradients to store that backward did not compute itself."""
+        try:
+            return self._finish()
+        finally:
+            self._in_pass = False
+
+    def _finish(self) -> list[tuple[Tensor, Tensor]]:
+        self.timeline["backward_end"] = time.perf_counter()
+        recorder = tape.active()
+        if recorder is not None:
+            return self._record_finish(recorder)
+        extra: list[tuple[Tensor, Tensor]] = []
+        if self.stage == 0:
+            # NOTE: a parameter without a gradient on this rank gets zeros in the sum, and the
+            # averaged gradient is stored for it, so that every rank updates the same ones
+            for bucket in self.buckets:
+                for p in bucket.params:
+                    if id(p) in bucket.waiting:
+                        grad = tensor(np.zeros(p.shape, p.dtype), device=p.device,
+                                      allocator=p.block.allocator)
+                        self._stage_in(bucket, p, grad)
+                        extra.append((p, grad))
+        else:
+            for bucket in self.buckets:
+                for p in list(bucket.params):
+                    if id(p) in bucket.waiting:
+                        self._stage_in(bucket, p, None)
+        self._start_ready_buckets()
+        self.group.poll_in_background(False)
+        self.group.wait_all([b.work for b in self.buckets if b.work is not None])
+        self.timeline["reduced"] = time.perf_counter()
+        self.timeline["buckets"] = [(b.index, b.nbytes, b.work.started, b.work.completed)
+                                    for b in self.buckets if b.work is not None]
+        size = self.group.size
+        if self.stage == 0:
+            for bucket in self.buckets:
+                buffer = self._buffers[bucket.index]
+                for p, offset in zip(bucket.params, bucket.offsets):
+                    _write(bucket.grads[id(p)], buffer[offset:offset + p.size], size)
+                bucket.grads.clear()
+                bucket.work = None
+            return extra
+        # ZeRO: this rank's part of each averaged bucket becomes its shard's gradient
+        grads = []
+        for bucket, shard in zip(self.buckets, self.shards):
+            if self.stage == 1:
+                buffer = self._buffers[bucket.index]
+                part = buffer[self.group.rank * bucket.part:(self.group.rank + 1) * bucket.part]
+            else:  # NOTE: each received part goes as its gradient is made
+                part = self._recv.pop(bucket.index)
+            averaged = (part / part.dtype.type(size)).astype(shard.dtype)
+            grads.append((shard, tensor(averaged, device=shard.device,
+                                        allocator=shard.block.allocator)))
+            bucket.work = None
+        if self.stage == 2:
+            self._release_buffers()
+        return grads
+
+    # ------------------------------------------------------------------ steps of the pass
+    def _begin_pass(self) -> None:
+        if self.stage and not self.shards:
+            raise RuntimeError(f"DistributedDataParallel(zero_stage={self.stage}) keeps the "
+                               f"gradients of this rank's shards only: update them with "
+                               f"nn.ZeroRedundancyOptimizer(ddp, optimizer_class, ...), not an "
+                               f"optimizer over ddp.parameters()")
+        self._in_pass = True
+        self._next = 0
+        self.timeline = {"backward_start": time.perf_counter()}
+        for bucket in self.buckets:
+            bucket.waiting = {id(p) for p in bucket.params}
+            bucket.grads.clear()
+            bucket.work = None
+
+    def _stage_in(self, bucket: _Bucket, p: Tensor, grad: Tensor | None) -> None:
+        """Copy p's gradient (None: zeros) into its bucket's buffer."""
+        buffer = self._buffer(bucket)
+        offset = bucket.offsets[bucket.slot[id(p)]]
+        target = buffer[offset:offset + p.size]
+        if grad is None:
+            target[...] = 0
+        else:
+            _read(grad, target)
+            if self.stage == 0:
+                bucket.grads[id(p)] = grad
+        bucket.waiting.discard(id(p))
+
+    def _buffer(self, bucket: _Bucket) -> np.ndarray:
+        buffer = self._buffers.get(bucket.index)
+        if buffer is None:
+            if self.stage == 2:
+                buffer = self._stage2_buffer(bucket)
+            else:
+                buffer = np.zeros(bucket.padded, bucket.staging)
+            self._buffers[bucket.index] = buffer
+        return buffer
+
+    def _stage2_buffer(self, bucket: _Bucket) -> np.ndarray:
+        """Stage 2's one buffer (of the largest bucket's size) for `bucket`: while the bucket
+        before is still reducing, wait for it first. That wait is short or none: between a
+        bucket's last gradient and the next bucket's first lies a layer's backward, which its
+        reduce-scatter overlaps."""
+        for held in sorted(self._buffers):
+            work = self.buckets[held].work
+            if work is None:
+                # NOTE: that bucket is not complete yet (a parameter it holds is used again
+                # later in backward): a second buffer, until the end of the pass
+                continue
+            work.wait()
+            self._spare.append(self._buffers.pop(held).base)
+        if not self._spare:
+            size = max(b.padded for b in self.buckets)
+            self._spare.append(np.zeros(size, bucket.staging))
+        buffer = self._spare.pop()[:bucket.padded]
+        buffer[bucket.numel:] = 0
+        return buffer
+
+    def _release_buffers(self) -> None:
+        """Stage 2: every bucket's reduce-scatter is done; one buffer is kept for the next."""
+        for index in list(self._buffers):
+            self._spare.append(self._buffers.pop(index).base)
+        self._spare.sort(key=lambda buffer: buffer.nbytes)
+        del self._spare[1:]
+
+    def _start_ready_buckets(self) -> None:
+        """Start, in index order, every bucket whose gradients are all in."""
+        group = self.group
+        while self._next < len(self.buckets) and not self.buckets[self._next].waiting:
+            bucket = self.buckets[self._next]
+            buffer = self._buffers[bucket.index]
+            what = f"bucket {bucket.index} of {len(self.buckets)}"
+            if self.stage == 2:
+                recv = self._recv[bucket.index] = np.empty(bucket.part, bucket.staging)
+                bucket.work = group.reduce_scatter(buffer, recv, f"reduce-scatter of {what}")
+            else:
+                bucket.work = group.allreduce(buffer, f"all-reduce of {what}")
+            self._next += 1
+            group.poll_in_background(True)  # NOTE: Note [progress in the background]
+
+    def abandon(self, error: BaseException) -> None:
+        """The pass failed part-way (here or in backward): forget its gradients, and tell the
+        other ranks, whose collectives would otherwise wait for this one's (Note [a collective
+        never hangs] in runtime/distributed.py)."""
+        self._in_pass = False
+        self.group.poll_in_background(False)
+        self._recv.clear()
+        self._tokens.clear()
+        for bucket in self.buckets:
+            bucket.grads.clear()
+        # NOTE: a refused capture ran no collective, and every rank refuses it alike
+        if not isinstance(error, (distributed.DistributedError, GraphCaptureError)):
+            self.group.fail(error)
+
+    # ------------------------------------------------------------------ inside a capture
+    # Note [collectives in a plan]: while `runtime.graph` captures a step, the reducer
+    # records instructions instead of running collectives. Per bucket, in index order as its
+    # last gradient comes in, "allreduce_start": it reads the bucket's gradients and writes a
+    # flat bucket tensor made in the capture (so the static plan places the buffer, and MPI
+    # reduces in the arena), copying them in and starting the non-blocking all-reduce; at the
+    # pass's end one "allreduce_wait", which reads every bucket tensor and writes every
+    # gradient: it waits for each bucket's all-reduce (Note [a collective never hangs] in
+    # runtime/distributed.py) and writes the averages over the gradients. The schedule's
+    # hazards then order each start after its gradients, the wait after every start, and
+    # every read of a gradient (the update, and SGD's product fold) after the wait; the
+    # parameters are written only after it (the commit point). Devices whose memory is the
+    # host's only: others are refused at capture, and train eagerly.
+    def _record_starts(self, recorder: Any) -> None:
+        while self._next < len(self.buckets) and not self.buckets[self._next].waiting:
+            bucket = self.buckets[self._next]
+            self._record_start(recorder, bucket)
+            self._next += 1
+
+    def _record_start(self, recorder: Any, bucket: _Bucket) -> None:
+        grads = [bucket.grads[id(p)] for p in bucket.params]
+        first = grads[0]
+        if self.stage or not first.device.capabilities.host_memory or \
+                bucket.staging != bucket.dtype:
+            raise GraphCaptureError(
+                f"DistributedDataParallel inside runtime.graph runs data parallel "
+                f"(zero_stage=0) on a device whose memory is the host's, in float32 or "
+                f"float64; this is zero_stage={self.stage} on {first.device.name} in "
+                f"{bucket.dtype}: call the step without runtime.graph (eagerly)")
+        flat = empty((bucket.padded,), bucket.staging, device=first.device,
+                     allocator=first.block.allocator)
+        reducer, index = self, bucket.index
+
+        def run(views: list, out: Any) -> None:  # NOTE: Note [closures hold no tensors]
+            reducer._replay_start(index, views, out)
+
+        recorder.record("allreduce_start", "never", run, [(g, g.shape) for g in grads],
+                        [flat], None)
+        self._tokens[bucket.index] = flat
+
+    def _record_finish(self, recorder: Any) -> list[tuple[Tensor, Tensor]]:
+        extra = []
+        for bucket in self.buckets:
+            for p in bucket.params:
+                if id(p) in bucket.waiting:  # NOTE: zeros, as eagerly (a recorded load)
+                    grad = tensor(np.zeros(p.shape, p.dtype), device=p.device,
+                                  allocator=p.block.allocator)
+                    bucket.grads[id(p)] = grad
+                    bucket.waiting.discard(id(p))
+                    extra.append((p, grad))
+        self._record_starts(recorder)
+        flats = [self._tokens.pop(b.index) for b in self.buckets]
+        grads = [b.grads[id(p)] for b in self.buckets for p in b.params]
+        reducer = self
+
+        def run(views: list, *outs: Any) -> None:  # NOTE: Note [closures hold no tensors]
+            reducer._replay_wait(views, outs)
+
+        recorder.record("allreduce_wait", "never", run, [(f, f.shape) for f in flats], grads,
+                        None)
+        for bucket in self.buckets:
+            bucket.grads.clear()
+        return extra
+
+    def _replay_start(self, index: int, views: list, out: np.ndarray) -> None:
+        if index == 0:
+            self.timeline = {"backward_start": time.perf_counter()}
+        bucket = self.buckets[index]
+        for view, offset, p in zip(views, bucket.offsets, bucket.params):
+            np.copyto(out[offset:offset + p.size].reshape(p.shape), view)
+        out[bucket.numel:] = 0
+        bucket.work = self.group.allreduce(out, f"all-reduce of bucket {index} of "
+                                                f"{len(self.buckets)} (in a graph)")
+        self.group.poll_in_background(True)  # NOTE: Note [progress in the background]
+
+    def _replay_wait(self, views: list, outs: tuple) -> None:
+        self.timeline["backward_end"] = time.perf_counter()
+        self.group.poll_in_background(False)
+        self.group.wait_all([b.work for b in self.buckets])
+        self.timeline["reduced"] = time.perf_counter()
+        self.timeline["buckets"] = [(b.index, b.nbytes, b.work.started, b.work.completed)
+                                    for b in self.buckets]
+        size, at = self.group.size, 0
+        for bucket, flat in zip(self.buckets, views):
+            for offset, p in zip(bucket.offsets, bucket.params):
+                np.divide(flat[offset:offset + p.size].reshape(p.shape), size, out=outs[at])
+                at += 1
+            bucket.work = None
+
+    # ------------------------------------------------------------------ ZeRO
+    def make_shards(self) -> list[Tensor]:
+        """This rank's shard parameter of each bucket: a flat leaf tensor that requires a
+        gradient, holding part `rank` of the bucket's parameters (padded with zeros)."""
+        if not self.shards:
+            rank = self.group.rank
+            for bucket in self.buckets:
+                flat = self._gathered_params(bucket)
+                part = flat[rank * bucket.part:(rank + 1) * bucket.part].astype(bucket.dtype)
+                first = bucket.params[0]
+                self.shards.append(tensor(part, device=first.device,
+                                          allocator=first.block.allocator,
+                                          requires_grad=True))
+        return self.shards
+
+    def _gathered_params(self, bucket: _Bucket) -> np.ndarray:
+        flat = np.zeros(bucket.padded, bucket.staging)
+        for p, offset in zip(bucket.params, bucket.offsets):
+            _read(p, flat[offset:offset + p.size])
+        return flat
+
+    def gather(self) -> None:
+        """All-gather the updated shards into a host copy of every bucket, then, once every
+        bucket has arrived, write the parameters (all of them or none)."""
+        works, gathered = [], []
+        for bucket, shard in zip(self.buckets, self.shards):
+            send = np.ascontiguousarray(shard.numpy().astype(bucket.staging, copy=False))
+            recv = np.empty(bucket.padded, bucket.staging)
+            works.append(self.group.allgather(send, recv, f"all-gather of bucket "
+                                                          f"{bucket.index}"))
+            gathered.append((bucket, send, recv))
+        self.group.wait_all(works)
+        for bucket, _, recv in gathered:  # NOTE: the commit point: every bucket is here
+            for p, offset in zip(bucket.params, bucket.offsets):
+                _write(p, recv[offset:offset + p.size], 1)
+
+    # ------------------------------------------------------------------ reports
+    def buffer_bytes(self) -> int:
+        """Host bytes the reducer holds now: the bucket buffers (stage 2: its one buffer)."""
+        if self.stage == 2:
+            held = sum(b.base.nbytes for b in self._buffers.values())
+        else:
+            held = sum(b.nbytes for b in self._buffers.values())
+        held += sum(b.nbytes for b in self._spare)
+        return held + sum(r.nbytes for r in self._recv.values())
+
+    def close(self) -> None:
+        """Take back the gradient-ready hooks."""
+        for remove in self._removers:
+            remove()
+        self._removers = []
+
+
+def broadcast_parameters(params: Iterable[Tensor], group: distributed.Group) -> None:
+    """Give every rank rank 0's parameters (so that data-parallel ranks start identical)."""
+    if group.size == 1:
+        return
+    for p in params:
+        host = np.ascontiguousarray(p.numpy())
+        group.broadcast(host.reshape(-1).view(np.uint8), 0,
+                        f"broadcast of a parameter of shape {p.shape}")
+        if group.rank != 0:
+            with no_grad():
+                p[...] = host
