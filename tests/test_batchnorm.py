@@ -259,8 +259,9 @@ def _pair(dev, momentum):
 @pytest.mark.parametrize("plan", [None, "recycle", "static"])
 def test_a_layer_called_twice_in_a_training_step_moves_its_statistics_twice(kind, momentum,
                                                                             plan):
-    # Note [state writes wait for the commit point]: inside train_step the second call reads
-    # the value the first one left pending, so the statistics are PyTorch's, eager or captured
+    # inside train_step the second call reads the value the first one left pending (Note
+    # [state writes wait for the commit point] in runtime/ops.py), so the statistics are
+    # PyTorch's, eager or captured
     dev = backends.get_device(kind)
     ours, theirs = _pair(dev, momentum)
     step = nn.train_step(ours, nn.SGD(ours.parameters(), lr=0.1))

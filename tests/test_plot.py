@@ -72,7 +72,7 @@ def test_the_plot_is_written_as_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_demo_draws_three_different_lines_of_one_training_step():
+def test_the_demo_draws_a_line_per_plan_of_one_training_step():
     for module in cli.DEMO_MODULES:
         pytest.importorskip(module, reason=f"the demo needs {module} (the demo extra)")
     spec = importlib.util.spec_from_file_location("train_mlp", cli.ROOT / "examples" /
@@ -84,5 +84,8 @@ def test_the_demo_draws_three_different_lines_of_one_training_step():
     assert list(lines) == list(blockrt.PLANS)
     assert len({len(line) for line in lines.values()}) == 1  # the same schedule under each plan
     peaks = [max(line) for line in lines.values()]
-    assert peaks[0] > peaks[1] > peaks[2] > 0, peaks  # none > recycle > static: distinct lines
+    # NOTE: none above static; recycle never above static (runtime/graph/memory.py,
+    # `_recycle_or_one_arena`): on the demo's step (Adam's commit point comes early) it takes
+    # the static placement, and its line is static's
+    assert peaks[0] > peaks[2] >= peaks[1] > 0, peaks
     assert len(set(lines["static"])) == 1  # one arena, held throughout
