@@ -119,6 +119,9 @@ class _Bucket:
         self.grads: dict[int, Tensor] = {}
         self.buffer: np.ndarray | None = None
         self.work: distributed.Work | None = None
+        #: inside a graph, on a device whose memory is not the host's: the host copy its
+        #: all-reduce runs on (made at capture, kept with the capture's replays)
+        self.host: np.ndarray | None = None
 
 
 class Reducer:
@@ -335,8 +338,8 @@ class Reducer:
     # runtime/distributed.py) and writes the averages over the gradients. The schedule's
     # hazards then order each start after its gradients, the wait after every start, and
     # every read of a gradient (the update, and SGD's product fold) after the wait; the
-    # parameters are written only after it (the commit point). Devices whose memory is the
-    # host's only: others are refused at capture, and train eagerly.
+    # parameters are written only after it (the commit point). A device whose memory is not
+    # the host's (OpenCL, CUDA) goes through a host copy of each bucket, as eagerly.
     def _record_starts(self, recorder: Any) -> None:
         while self._next < len(self.buckets) and not self.buckets[self._next].waiting:
             bucket = self.buckets[self._next]
@@ -346,15 +349,16 @@ class Reducer:
     def _record_start(self, recorder: Any, bucket: _Bucket) -> None:
         grads = [bucket.grads[id(p)] for p in bucket.params]
         first = grads[0]
-        if self.stage or not first.device.capabilities.host_memory or \
-                bucket.staging != bucket.dtype:
+        if self.stage or bucket.staging != bucket.dtype:
             raise GraphCaptureError(
                 f"DistributedDataParallel inside runtime.graph runs data parallel "
-                f"(zero_stage=0) on a device whose memory is the host's, in float32 or "
-                f"float64; this is zero_stage={self.stage} on {first.device.name} in "
-                f"{bucket.dtype}: call the step without runtime.graph (eagerly)")
+                f"(zero_stage=0) in float32 or float64; this is zero_stage={self.stage} on "
+                f"{first.device.name} in {bucket.dtype}: call the step without runtime.graph "
+                f"(eagerly)")
         flat = empty((bucket.padded,), bucket.staging, device=first.device,
                      allocator=first.block.allocator)
+        if not first.device.capabilities.host_memory:  # NOTE: host staging, as eagerly
+            bucket.host = np.zeros(bucket.padded, bucket.staging)
         reducer, index = self, bucket.index
 
         def run(views: list, out: Any) -> None:  # NOTE: Note [closures hold no tensors]
@@ -392,8 +396,13 @@ class Reducer:
         if index == 0:
             self.timeline = {"backward_start": time.perf_counter()}
         bucket = self.buckets[index]
-        for view, offset, p in zip(views, bucket.offsets, bucket.params):
-            np.copyto(out[offset:offset + p.size].reshape(p.shape), view)
+        if bucket.host is not None:  # NOTE: the planned `out` only orders the steps here
+            device, out = bucket.params[0].device, bucket.host
+            for view, offset, p in zip(views, bucket.offsets, bucket.params):
+                out[offset:offset + p.size] = device.to_host(view).reshape(-1)
+        else:
+            for view, offset, p in zip(views, bucket.offsets, bucket.params):
+                np.copyto(out[offset:offset + p.size].reshape(p.shape), view)
         out[bucket.numel:] = 0
         bucket.work = self.group.allreduce(out, f"all-reduce of bucket {index} of "
                                                 f"{len(self.buckets)} (in a graph)")
@@ -408,8 +417,14 @@ class Reducer:
                                     for b in self.buckets]
         size, at = self.group.size, 0
         for bucket, flat in zip(self.buckets, views):
+            host, device = bucket.host, bucket.params[0].device
             for offset, p in zip(bucket.offsets, bucket.params):
-                np.divide(flat[offset:offset + p.size].reshape(p.shape), size, out=outs[at])
+                if host is None:
+                    np.divide(flat[offset:offset + p.size].reshape(p.shape), size,
+                              out=outs[at])
+                else:  # NOTE: `_write`'s rounding for a device that is not the host
+                    part = host[offset:offset + p.size].reshape(p.shape)
+                    device.from_host((part / host.dtype.type(size)).astype(p.dtype), outs[at])
                 at += 1
             bucket.work = None
 
