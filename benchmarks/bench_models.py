@@ -26,7 +26,7 @@ and again last, so a change of the machine's speed shows as two PyTorch times (2
 everywhere; these machines are shared and noisy).
 
 Run: python benchmarks/bench_models.py [--quick] [--models resnet50,bert] [--steps N]
-                                       [--json PATH] [--plot PNG]
+                                       [--budgets MIB,...] [--json PATH] [--plot PNG]
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def least_budget(model: Model, weights: nn.Module) -> int:
     raise AssertionError("a budget of 0 bytes was met")
 
 
-def measure(model: Model, steps: int) -> list[Result]:
+def measure(model: Model, steps: int, budgets: list[int] | None = None) -> list[Result]:
     nn.manual_seed(0)
     weights = model.make_blockrt()
     results = [run_torch(model, weights, steps),
@@ -196,8 +196,10 @@ def measure(model: Model, steps: int) -> list[Result]:
                run_blockrt(model, weights, steps, 'plan="recycle"', plan="recycle"),
                run_blockrt(model, weights, steps, 'plan="static"', plan="static")]
     top = results[-1].top
-    least = least_budget(model, weights)
-    for budget in sorted({max(least, top // 2), max(least, top // 4), least}, reverse=True):
+    if budgets is None:
+        least = least_budget(model, weights)
+        budgets = [max(least, top // 2), max(least, top // 4), least]
+    for budget in sorted(set(budgets), reverse=True):
         results.append(run_blockrt(model, weights, steps, f"budget {format_bytes(budget)}",
                                    plan="static", memory_budget=budget))
     again = run_torch(model, weights, steps)
@@ -251,7 +253,16 @@ def main() -> int:
     parser.add_argument("--json", help="write every figure here too")
     parser.add_argument("--plot", metavar="PNG", help="also draw resnet50's memory timeline "
                         "under each plan here (matplotlib)")
+    parser.add_argument("--budgets", metavar="MIB,...", help="the memory budgets to run, in "
+                        "MiB (default: half and a quarter of the static step's peak, and the "
+                        "least any choice reaches)")
     args = parser.parse_args()
+    budgets = None
+    if args.budgets:
+        try:
+            budgets = [int(float(b) * 2**20) for b in args.budgets.split(",")]
+        except ValueError:
+            parser.error(f"--budgets: {args.budgets!r} is not a list of numbers of MiB")
     wanted = args.models.split(",")
     chosen = [m for m in models(args.quick) if m.name in wanted]
     if not chosen:
@@ -260,7 +271,7 @@ def main() -> int:
           f"load {os.getloadavg()[0]:.2f}")
     records = {}
     for model in chosen:
-        results = measure(model, args.steps)
+        results = measure(model, args.steps, budgets)
         print()
         print(table(model, results))
         records[model.name] = [{k: v for k, v in r.__dict__.items() if k != "report"}
