@@ -118,13 +118,10 @@ class Gemm:
         against 10 for `__call__` on this machine's AMD EPYC); None where `__call__` would
         return False. The function holds the three views, so the memory it names lives
         while it does."""
-        layouts = self._layouts(a, b, c)
-        if layouts is None:
+        found = self._call(a, b, c, alpha, beta)
+        if found is None:
             return None
-        (trans_a, lda), (trans_b, ldb), ldc = layouts
-        function = self._functions[c.dtype]
-        values = (_ROW_MAJOR, trans_a, trans_b, c.shape[0], c.shape[1], a.shape[1], alpha,
-                  a.ctypes.data, lda, b.ctypes.data, ldb, beta, c.ctypes.data, ldc)
+        function, values = found
         call = functools.partial(function, *(kind(value) for kind, value
                                               in zip(function.argtypes, values)))
         call.views = (a, b, c)  # type: ignore[attr-defined]
@@ -139,14 +136,24 @@ class Gemm:
 
     def __call__(self, a: np.ndarray, b: np.ndarray, c: np.ndarray, alpha: float,
                  beta: float) -> bool:
+        call = self._call(a, b, c, alpha, beta)
+        if call is None:
+            return False
+        function, values = call
+        function(*values)
+        return True
+
+    def _call(self, a: np.ndarray, b: np.ndarray, c: np.ndarray, alpha: float,
+              beta: float) -> tuple[Any, tuple] | None:
+        """The CBLAS function and the arguments of `c = alpha * a @ b + beta * c`, or None
+        where CBLAS cannot read the layouts."""
         layouts = self._layouts(a, b, c)
         if layouts is None:
-            return False
+            return None
         (trans_a, lda), (trans_b, ldb), ldc = layouts
-        self._functions[c.dtype](_ROW_MAJOR, trans_a, trans_b, c.shape[0], c.shape[1],
-                                 a.shape[1], alpha, a.ctypes.data, lda, b.ctypes.data, ldb,
-                                 beta, c.ctypes.data, ldc)
-        return True
+        return self._functions[c.dtype], (
+            _ROW_MAJOR, trans_a, trans_b, c.shape[0], c.shape[1], a.shape[1], alpha,
+            a.ctypes.data, lda, b.ctypes.data, ldb, beta, c.ctypes.data, ldc)
 
 
 def _loaded(word: str) -> list[str]:

@@ -454,39 +454,39 @@ class Conv2d(Module):
                 f"stride={self.stride}, padding={self.padding}, bias={self.bias is not None}")
 
 
-class MaxPool2d(Module):
-    """The maximum of each window (`ops.max_pool2d`); stride defaults to kernel_size."""
+class _Pool2d(Module):
+    """A pooling layer over 2-D windows: kernel_size, stride (default: kernel_size) and
+    padding as PyTorch's, checked once here; `forward` runs the subclass's `pool` op."""
+
+    #: the op, `ops.max_pool2d` or `ops.avg_pool2d`
+    pool: Any = None
 
     def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0) -> None:
         super().__init__()
-        self.kernel_size = ops._pair("MaxPool2d", "kernel_size", kernel_size, 1)
+        name = type(self).__name__
+        self.kernel_size = ops._pair(name, "kernel_size", kernel_size, 1)
         self.stride = (self.kernel_size if stride is None
-                       else ops._pair("MaxPool2d", "stride", stride, 1))
-        self.padding = ops._pair("MaxPool2d", "padding", padding, 0)
+                       else ops._pair(name, "stride", stride, 1))
+        self.padding = ops._pair(name, "padding", padding, 0)
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.max_pool2d(x, self.kernel_size, self.stride, self.padding)
+        return self.pool(x, self.kernel_size, self.stride, self.padding)
 
     def extra_repr(self) -> str:
         return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
 
 
-class AvgPool2d(Module):
+class MaxPool2d(_Pool2d):
+    """The maximum of each window (`ops.max_pool2d`); stride defaults to kernel_size."""
+
+    pool = staticmethod(ops.max_pool2d)
+
+
+class AvgPool2d(_Pool2d):
     """The mean of each window, zero padding counted (`ops.avg_pool2d`); stride defaults to
     kernel_size."""
 
-    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0) -> None:
-        super().__init__()
-        self.kernel_size = ops._pair("AvgPool2d", "kernel_size", kernel_size, 1)
-        self.stride = (self.kernel_size if stride is None
-                       else ops._pair("AvgPool2d", "stride", stride, 1))
-        self.padding = ops._pair("AvgPool2d", "padding", padding, 0)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return ops.avg_pool2d(x, self.kernel_size, self.stride, self.padding)
-
-    def extra_repr(self) -> str:
-        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
+    pool = staticmethod(ops.avg_pool2d)
 
 
 class Flatten(Module):

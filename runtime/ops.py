@@ -2328,11 +2328,42 @@ def softmax(x: Tensor, axis: int = -1, out: Tensor | None = None) -> Tensor:
         array([[0.09  , 0.2447, 0.6652],
                [0.5   , 0.5   , 0.    ]])
     """
+    return _of_shifted("softmax", x, axis, out, _softmax_tail, _softmax_derivative)
+
+
+def _softmax_tail(shifted: Tensor, ax: int, dest: Tensor | None) -> Tensor:
+    """softmax from x - max(x) (released here), into `dest` (None: into a new wide tensor)."""
+    # NOTE: no in-place writes in a forward op: a checkpointed graph keeps a segment that
+    # writes in place into an earlier block (runtime/graph/checkpoint.py)
+    e = _exp(shifted)
+    shifted.release()
+    total = sum(e, ax, keepdims=True)
+    result = div(e, total, out=e if dest is None else dest)
+    _release(total, e if dest is not None else None)
+    return result
+
+
+def _softmax_derivative(g: Tensor, y: Tensor, ax: int) -> Tensor:
+    """y * (g - sum(g * y)) along ax, g and y wide."""
+    t = mul(g, y)
+    s = sum(t, ax, keepdims=True)
+    sub(g, s, out=t)
+    mul(y, t, out=t)
+    s.release()
+    return t
+
+
+def _of_shifted(op: str, x: Tensor, axis: int, out: Tensor | None,
+                tail: Callable[[Tensor, int, Tensor | None], Tensor],
+                derivative: Callable[[Tensor, Tensor, int], Tensor]) -> Tensor:
+    """softmax or log_softmax of x along `axis`: the checks, autocast, x - max(x) in the wide
+    dtype, `tail` of it written into out (or cast into it once for a two-byte out), and the
+    backward pass `derivative(g, y, ax)` of the output y, both wide."""
     if _mode.autocast is not None and out is None:
         (x,) = _autocast_float32(x)
-    device, dtype = _common("softmax", [x])
-    ax = _one_axis("softmax", axis, x)
-    target, out = _composite_out("softmax", out, x.shape, dtype, x, [("x", x)])
+    _, dtype = _common(op, [x])
+    ax = _one_axis(op, axis, x)
+    target, out = _composite_out(op, out, x.shape, dtype, x, [("x", x)])
     with autograd.no_grad():
         if x.size == 0:
             copy(x, out=target)
@@ -2341,28 +2372,21 @@ def softmax(x: Tensor, axis: int = -1, out: Tensor | None = None) -> Tensor:
             top = amax(wide, ax, keepdims=True)
             shifted = sub(wide, top)
             _release(top, wide if wide is not x else None)
-            # NOTE: no in-place writes in a forward op: a checkpointed graph keeps a segment
-            # that writes in place into an earlier block (runtime/graph/checkpoint.py)
-            e = _exp(shifted)
-            shifted.release()
-            total = sum(e, ax, keepdims=True)
-            narrow = target.dtype != e.dtype
-            div(e, total, out=e if narrow else target)
+            narrow = target.dtype != shifted.dtype
+            result = tail(shifted, ax, None if narrow else target)
             if narrow:
-                cast(e, target.dtype, out=target)
-            _release(e, total)
+                cast(result, target.dtype, out=target)
+                result.release()
     _finish(target, out)
     if autograd.needs_grad(x):
+        # NOTE: ax and two functions only: Note [closures hold no tensors] in autograd.py
         def fn(g: Tensor, y: Tensor) -> tuple:
             gw, yw = _wide(g), _wide(y)
-            t = mul(gw, yw)
-            s = sum(t, ax, keepdims=True)
-            sub(gw, s, out=t)
-            mul(yw, t, out=t)
-            _release(s, gw if gw is not g else None, yw if yw is not y else None)
+            t = derivative(gw, yw, ax)
+            _release(gw if gw is not g else None, yw if yw is not y else None)
             return (t if t.dtype == g.dtype else _narrowed(t, g.dtype),)
 
-        autograd.record("softmax", out, (x,), ("x",), fn, [("the output", out)])
+        autograd.record(op, out, (x,), ("x",), fn, [("the output", out)])
     return out
 
 
@@ -2386,44 +2410,30 @@ def log_softmax(x: Tensor, axis: int = -1, out: Tensor | None = None) -> Tensor:
         >>> runtime.ops.log_softmax(x).numpy()
         array([-0.69314718, -0.69314718])
     """
-    if _mode.autocast is not None and out is None:
-        (x,) = _autocast_float32(x)
-    device, dtype = _common("log_softmax", [x])
-    ax = _one_axis("log_softmax", axis, x)
-    target, out = _composite_out("log_softmax", out, x.shape, dtype, x, [("x", x)])
-    with autograd.no_grad():
-        if x.size == 0:
-            copy(x, out=target)
-        else:
-            wide = _wide(x)
-            top = amax(wide, ax, keepdims=True)
-            shifted = sub(wide, top)
-            _release(top, wide if wide is not x else None)
-            e = _exp(shifted)
-            total = sum(e, ax, keepdims=True)
-            e.release()
-            # NOTE: no in-place write, as in softmax
-            logs = _log(total)
-            total.release()
-            total = logs
-            narrow = target.dtype != shifted.dtype
-            sub(shifted, total, out=shifted if narrow else target)
-            if narrow:
-                cast(shifted, target.dtype, out=target)
-            _release(shifted, total)
-    _finish(target, out)
-    if autograd.needs_grad(x):
-        def fn(g: Tensor, y: Tensor) -> tuple:
-            gw, yw = _wide(g), _wide(y)
-            s = sum(gw, ax, keepdims=True)
-            t = _exp(yw)
-            mul(t, s, out=t)
-            sub(gw, t, out=t)
-            _release(s, gw if gw is not g else None, yw if yw is not y else None)
-            return (t if t.dtype == g.dtype else _narrowed(t, g.dtype),)
+    return _of_shifted("log_softmax", x, axis, out, _log_softmax_tail,
+                       _log_softmax_derivative)
 
-        autograd.record("log_softmax", out, (x,), ("x",), fn, [("the output", out)])
-    return out
+
+def _log_softmax_tail(shifted: Tensor, ax: int, dest: Tensor | None) -> Tensor:
+    """log_softmax from x - max(x) (released here, or written over when dest is None)."""
+    e = _exp(shifted)
+    total = sum(e, ax, keepdims=True)
+    e.release()
+    logs = _log(total)  # NOTE: no in-place write, as in softmax
+    total.release()
+    result = sub(shifted, logs, out=shifted if dest is None else dest)
+    _release(logs, shifted if dest is not None else None)
+    return result
+
+
+def _log_softmax_derivative(g: Tensor, y: Tensor, ax: int) -> Tensor:
+    """g - exp(y) * sum(g) along ax, g and y wide."""
+    s = sum(g, ax, keepdims=True)
+    t = _exp(y)
+    mul(t, s, out=t)
+    sub(g, t, out=t)
+    s.release()
+    return t
 
 
 def _normalized(x: Tensor, normalized_shape: Any, weight: Tensor | None,
