@@ -2379,7 +2379,7 @@ def _of_shifted(op: str, x: Tensor, axis: int, out: Tensor | None,
                 result.release()
     _finish(target, out)
     if autograd.needs_grad(x):
-        # NOTE: ax and two functions only: Note [closures hold no tensors] in autograd.py
+        # NOTE: ax and two functions only: Note [closures hold no tensors] in runtime/autograd.py
         def fn(g: Tensor, y: Tensor) -> tuple:
             gw, yw = _wide(g), _wide(y)
             t = derivative(gw, yw, ax)
