@@ -110,6 +110,12 @@ class ReadsOutAtBetaZero(NumpyDevice):
     def _matmul(self, a: Any, b: Any, out: Any) -> None:
         self._gemm(a, b, out, 1.0, 0.0)
 
+    def scratch(self, shape: Any, dtype: Any) -> np.ndarray:
+        # NOTE: a two-byte product runs in float32 scratch that out is not copied into at beta
+        # 0; np.empty's garbage showed the planted read on some draws only, and hypothesis
+        # could not replay the one that did. NaN shows it on every draw
+        return np.full(tuple(shape), np.nan if np.dtype(dtype).kind == "f" else 0, dtype)
+
 
 class SumsTheWrongAxis(NumpyDevice):
     """Planted: a reduction over axis 0 keeps the sum of the first row."""
