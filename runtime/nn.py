@@ -1786,11 +1786,47 @@ class ZeroRedundancyOptimizer:
         self.optimizer.prepare()
 
     def step(self) -> None:
-        """Update this rank's shards, then gather every rank's into the parameters."""
+        """Update this rank's shards, then gather every rank's into the parameters. If the
+        gather fails (another rank failed or died), the shards and their optimizer state are
+        put back as they were before the step, so the whole step is undone on this rank
+        (Note [ZeRO's commit point is the gather])."""
         if all(p.grad is None for p in self.optimizer.params):
             return
-        self.optimizer.step()
-        self.ddp.reducer.gather()
+        saved = self._saved()
+        try:
+            self.optimizer.step()
+            self.ddp.reducer.gather()
+        except BaseException:
+            self._restore(saved)
+            raise
+
+    # Note [ZeRO's commit point is the gather]: under ZeRO a rank steps its own shard and that
+    # shard's optimizer state before the all-gather that brings every rank's shard into the
+    # parameters. The parameters are written only once every bucket has arrived (all or
+    # none), but the shard and its state have moved by then: if the gather fails, the shard
+    # would be one step ahead of the parameters, and a retried step would apply the update
+    # twice, while the error says the step stopped before its first write. So a step keeps a
+    # host copy of what it may write on this rank (the shards, their optimizer state and its
+    # step counts: 1/N of the parameters and of the state) and puts it back when the step
+    # fails; the copy is dropped when the step returns.
+    def _saved(self) -> tuple:
+        opt = self.optimizer
+        state = {key: {name: (value, value.numpy().copy() if isinstance(value, Tensor) else None)
+                       for name, value in entry.items()} for key, entry in opt.state.items()}
+        return ([p.numpy().copy() for p in opt.params], state, opt._taken, dict(opt._counts))
+
+    def _restore(self, saved: tuple) -> None:
+        shards, state, taken, counts = saved
+        opt = self.optimizer
+        with no_grad():
+            for p, host in zip(opt.params, shards):
+                p[...] = host
+            for key, entry in state.items():
+                opt.state[key] = {name: value for name, (value, _) in entry.items()}
+                for value, host in entry.values():
+                    if host is not None:
+                        value[...] = host
+        opt._taken, opt._counts = taken, counts
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()

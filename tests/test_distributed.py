@@ -161,6 +161,20 @@ def test_a_rank_that_raises_makes_the_others_fail_at_once_unchanged(scenario, tm
 
 
 @needs_mpi
+def test_a_zero_step_that_fails_in_the_gather_puts_back_the_shards_and_their_state(tmp_path):
+    # ranks 0 and 2 step their shards and Adam's moments, then meet rank 1's failure in the
+    # all-gather (Note [ZeRO's commit point is the gather] in runtime/nn.py)
+    done = _launch(3, "raise-zero", "cpu", tmp_path, timeout=60, worker_timeout=30)
+    assert done.returncode != 0
+    assert "an injected failure in rank 1's optimizer step" in done.stderr
+    for rank in (0, 2):
+        result = dict(np.load(tmp_path / f"rank{rank}.npz"))
+        assert "rank 1 failed" in str(result["message"])
+        assert bool(result["unchanged"])
+        assert bool(result["restored"])
+
+
+@needs_mpi
 def test_a_rank_that_dies_makes_the_others_time_out_unchanged(tmp_path):
     # the launcher keeps the others running: they must not hang, but time out, clearly
     done = _launch(2, "die", "cpu", tmp_path, "-disable-auto-cleanup", timeout=60,

@@ -7,7 +7,9 @@ OUTDIR/rank<r>.npz (parameters, memory reports), which the test compares with a 
 process's full-batch steps. SCENARIO: "ddp" (SGD with momentum, small buckets), "zero"
 (Adam data parallel beside ZeRO stages 1 and 2), "raise" / "die" / "raise-graph" (rank 1 fails
 before a step, eagerly or between replays of a captured step; the others record whether their
-parameters are as before it, then fail too).
+parameters are as before it, then fail too), "raise-zero" (rank 1 fails in its ZeRO
+optimizer step, after the others stepped their shards: they record whether their parameters,
+shards and shard state are as before it).
 """
 
 from __future__ import annotations
@@ -101,6 +103,39 @@ def main() -> None:
                 result[f"stage{stage}/report/{key}"] = np.array(value)
             opt.zero_grad()
             ddp.reducer.close()
+    elif scenario == "raise-zero":  # rank 1 fails in its optimizer step, after the others'
+        ddp = nn.DistributedDataParallel(wide_model(2), group, bucket_cap_mb=0.0011,
+                                         zero_stage=2)
+        opt = nn.ZeroRedundancyOptimizer(ddp, nn.Adam, lr=0.01)
+        step = nn.train_step(ddp, opt)
+        step(xb, yb)
+
+        def shard_state() -> dict[str, np.ndarray]:
+            found = {f"shard{k}": p.numpy().copy() for k, p in enumerate(opt.params)}
+            for k, p in enumerate(opt.params):
+                for name, value in opt.state[id(p)].items():
+                    found[f"shard{k}/{name}"] = np.asarray(
+                        value.numpy() if hasattr(value, "numpy") else value).copy()
+            return found
+
+        before, shards = params_of(ddp.module), shard_state()
+        if group.rank == 1:
+            def fail() -> None:
+                raise ValueError("an injected failure in rank 1's optimizer step")
+            opt.optimizer.step = fail
+            step(xb, yb)
+        try:
+            step(xb, yb)
+        except distributed.DistributedError as error:
+            same = all(np.array_equal(before[k], v) for k, v in params_of(ddp.module).items())
+            after = shard_state()
+            restored = after.keys() == shards.keys() and all(
+                np.array_equal(shards[k], after[k]) for k in shards)
+            np.savez(os.path.join(out, f"rank{group.rank}.npz"),
+                     message=np.array(str(error)), unchanged=np.array(same),
+                     restored=np.array(restored))
+            raise
+        raise SystemExit(f"rank {group.rank}: the step did not fail")
     elif scenario in ("raise", "die", "raise-graph"):
         ddp = nn.DistributedDataParallel(model(3), group)
         step = nn.train_step(ddp, nn.SGD(ddp.parameters(), lr=0.1, momentum=0.9))
