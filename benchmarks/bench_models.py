@@ -10,7 +10,8 @@ parameters and inputs is the step's own). Every contender starts from the same w
 (blockrt's, copied into PyTorch through state_dict) and runs the same fixed batch.
 
 Contenders: PyTorch eager; blockrt eager; `runtime.graph(step, plan=...)` for "recycle" and
-"static"; the static plan under `memory_budget` at half and a quarter of the static step's
+"static"; the static plan with checkpoint="pointwise" (Note [pointwise recompute]); the static
+plan under `memory_budget` at half and a quarter of the static step's
 peak and at the least any choice reaches (`BudgetError.least_bytes`).
 
 Peak: the most bytes allocated at once during one step above what was allocated before it.
@@ -196,12 +197,18 @@ def measure(model: Model, steps: int, budgets: list[int] | None = None) -> list[
                run_blockrt(model, weights, steps, 'plan="recycle"', plan="recycle"),
                run_blockrt(model, weights, steps, 'plan="static"', plan="static")]
     top = results[-1].top
+    results.append(run_blockrt(model, weights, steps, 'checkpoint="pointwise"', plan="static",
+                               checkpoint="pointwise"))
     if budgets is None:
         least = least_budget(model, weights)
         budgets = [max(least, top // 2), max(least, top // 4), least]
     for budget in sorted(set(budgets), reverse=True):
-        results.append(run_blockrt(model, weights, steps, f"budget {format_bytes(budget)}",
-                                   plan="static", memory_budget=budget))
+        try:
+            results.append(run_blockrt(model, weights, steps, f"budget {format_bytes(budget)}",
+                                       plan="static", memory_budget=budget))
+        except runtime.BudgetError as error:
+            print(f"{model.name}: budget {format_bytes(budget)} skipped, below the least "
+                  f"any choice reaches ({format_bytes(error.least_bytes)})")
     again = run_torch(model, weights, steps)
     again.contender = "PyTorch eager, again"
     results.append(again)

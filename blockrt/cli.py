@@ -6,7 +6,7 @@ Subcommands:
     blockrt info            Python/NumPy versions, backends and their devices, the default device,
                             the CPU's BLAS and why (--measure S|M|L|D: time a step first)
     blockrt plan            capture an MLP training step and print its memory report
-                            (--config S|M|L|D, --plan, --checkpoint sqrt, --budget BYTES,
+                            (--config S|M|L|D, --plan, --checkpoint sqrt|pointwise, --budget BYTES,
                             --plot PATH)
     blockrt demo [ARGS]     run examples/train_mlp.py (a checkout, and the `demo` extra)
     blockrt bench [NAME]    list (--list) or run benchmarks/bench_NAME.py (a checkout)
@@ -606,8 +606,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    for k, c in CONFIGS.items()) + ".")
     p.add_argument("--config", choices=list(CONFIGS), default="S", help="default: S")
     p.add_argument("--plan", choices=runtime.PLANS, default="static", help="default: static")
-    p.add_argument("--checkpoint", choices=["sqrt"], default=None,
-                   help="recompute forward results (Chen et al. 2016); default: none")
+    p.add_argument("--checkpoint", choices=["sqrt", "pointwise"], default=None,
+                   help="recompute forward results (sqrt: Chen et al. 2016's segments; "
+                        "pointwise: only what elementwise chains make again from kept data); "
+                        "default: none")
     p.add_argument("--budget", metavar="BYTES", type=int_in(0), default=None,
                    help="fit the intermediates in BYTES: keep or recompute each forward result "
                    "the backward pass reads, chosen by cost (docs/graph.md); shows the choice "

@@ -904,9 +904,11 @@ def _step(x):
                  parts("plan must be one of ('none', 'recycle', 'static'), got None"),
                  id="plan-None"),
     pytest.param(lambda: runtime.graph(_step, checkpoint="bogus"), ValueError,
-                 parts("checkpoint must be one of (None, 'sqrt'), got 'bogus'"), id="checkpoint"),
+                 parts("checkpoint must be one of (None, 'sqrt', 'pointwise'), got 'bogus'"),
+                 id="checkpoint"),
     pytest.param(lambda: runtime.graph(_step, checkpoint=3), ValueError,
-                 parts("checkpoint must be one of (None, 'sqrt'), got 3"), id="checkpoint-int"),
+                 parts("checkpoint must be one of (None, 'sqrt', 'pointwise'), got 3"),
+                 id="checkpoint-int"),
     pytest.param(lambda: runtime.graph(42), TypeError,
                  parts("graph() needs a callable, got int"), id="fn-not-callable"),
 ])

@@ -146,7 +146,7 @@ def least_budget(program: dict[str, Any], optimizer: str, plan: str, seed: int,
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(program=st.one_of(conv_programs(), attention_programs()),
        optimizer=st.sampled_from(sorted(OPTIMIZERS)), plan=st.sampled_from(PLANS),
-       rewrite=st.sampled_from([None, "sqrt", "least"]), seed=st.integers(0, 2**16))
+       rewrite=st.sampled_from([None, "sqrt", "pointwise", "least"]), seed=st.integers(0, 2**16))
 def test_random_layer_programs_replay_as_eager_bit_for_bit(program, optimizer, plan, rewrite,
                                                           seed):
     data = batches(program, seed)
@@ -156,8 +156,8 @@ def test_random_layer_programs_replay_as_eager_bit_for_bit(program, optimizer, p
     options: dict[str, Any] = {"plan": plan}
     if rewrite == "least" and plan == "none":
         rewrite = "sqrt"  # NOTE: a budget needs a plan that reuses memory
-    if rewrite == "sqrt":
-        options["checkpoint"] = "sqrt"
+    if rewrite in ("sqrt", "pointwise"):
+        options["checkpoint"] = rewrite
     elif rewrite == "least":
         options["memory_budget"] = least_budget(program, optimizer, plan, seed, data[0])
     model = build(program, seed)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import runtime
 from runtime import nn
-from runtime.graph import PLANS
+from runtime.graph import CHECKPOINTS, PLANS
 
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
 OPTIMIZERS = {
@@ -68,7 +68,7 @@ def data(program: dict[str, Any]) -> list[tuple[np.ndarray, np.ndarray]]:
 
 @settings(max_examples=150, deadline=None)
 @given(program=training_programs(), plan=st.sampled_from(PLANS),
-       checkpoint=st.sampled_from([None, "sqrt"]), fuse=st.booleans())
+       checkpoint=st.sampled_from(CHECKPOINTS), fuse=st.booleans())
 def test_random_training_programs_replay_as_eager_under_every_plan_and_checkpointing(
         program, plan, checkpoint, fuse):
     batches = data(program)
@@ -83,7 +83,7 @@ def test_random_training_programs_replay_as_eager_under_every_plan_and_checkpoin
 
 
 @settings(max_examples=40, deadline=None)
-@given(program=training_programs(), checkpoint=st.sampled_from([None, "sqrt"]))
+@given(program=training_programs(), checkpoint=st.sampled_from(CHECKPOINTS))
 def test_recycle_never_plans_more_than_static_on_a_training_step(program, checkpoint):
     # recycle takes the tail's arena at the commit point, apart from the buffers still live
     # then; where that would hold more than the static arena it takes the static placement

@@ -108,7 +108,7 @@ from runtime.tape import Tape
 __all__ = ["CHECKPOINTS", "PLANS", "BudgetError", "Graph", "graph"]
 
 PLANS = ("none", "recycle", "static")
-CHECKPOINTS = (None, "sqrt")
+CHECKPOINTS = (None, "sqrt", "pointwise")
 #: How many captures (input signatures x calling threads) a graph keeps by default.
 MAX_CAPTURES = 32
 
@@ -146,7 +146,12 @@ def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None =
         fn: called with tensors in place of its array arguments; returns a Tensor, a tuple or
             list of Tensors, or None.
         plan: "none", "recycle" or "static" (see the module docstring).
-        checkpoint: None, or "sqrt" to recompute forward results during backward.
+        checkpoint: None; "sqrt" to recompute forward results during backward from about
+            sqrt(n) segment boundaries (Chen et al.); "pointwise" to recompute only what a
+            chain of fusible elementwise ops makes again from data the backward pass keeps
+            anyway (a ReLU of batch norm's affine map), which never raises the peak and costs
+            a pass over those results (Note [pointwise recompute] in
+            runtime/graph/checkpoint.py).
         fuse: fuse elementwise chains, fold matrix products into the chains that consume them
             and reuse dying inputs in place.
         device, allocator: where array arguments and the plan's memory go (default device and

@@ -4,10 +4,15 @@ it in a half dtype while it waits, chosen by cost; then plan what is kept.
 
 The model of cost (docs/graph.md, "Memory budgets"):
 
+- **Pointwise first.** Every family below is searched twice: on the tape as captured and on
+  `checkpoint._pointwise`'s rewrite (Note [pointwise recompute]), which is also a candidate
+  itself: its recompute is one elementwise pass per result, where a unit's is a layer.
 - **Units.** The forward instructions are cut after each one whose result the backward pass
-  reads: a unit is a run of forward instructions ending with such a result (for an MLP, one
-  Dense layer and its activation). The instructions after the last one join the last unit,
-  and so does a unit whose results fit in one 64-byte alignment unit (`_units`).
+  reads, unless what else made so far is read later in the forward pass takes more bytes
+  than the unit's results: a unit is a run of
+  forward instructions ending with such a result (for an MLP, one Dense layer and its
+  activation). The instructions after the last one join the last unit, and so does a unit
+  whose results fit in one 64-byte alignment unit (`_units`).
 - **Work** is counted in floating-point operations per instruction (`flops`): 2mnk for a matrix
   product, one per element for the rest. Recomputing a unit costs its forward work again.
 - **Memory** is counted in units held at once, then checked in bytes: a choice is rewritten
@@ -30,6 +35,17 @@ The model of cost (docs/graph.md, "Memory budgets"):
   chains). Counting results alone, a recompute need not hold its boundary result (the
   backward pass has read it first): T(k - 1, s) in place of T(k, s), less work for the same
   activations but one buffer more in all, so never the cheaper fit of a byte budget.
+- **Parts by bytes and work.** The programme counts every unit alike; a conv net's units
+  differ tenfold in bytes and in work (ResNet-50: a 1x1 convolution's output is 4 times its
+  3x3 neighbour's at under half the work, a ReLU's costs a pass). One more family cuts the
+  units into parts for one level of recompute by a second programme over (where the parts so
+  far end, the bytes they keep), whose estimate of the peak while the backward pass walks a
+  part is the kept results before it, the part's own results, and what the plan that keeps
+  everything holds there besides forward results (`_segments`, `_Search.besides`); the room
+  it aims at is moved by what the real plan held, up to four plans. A part keeps every result
+  of its last unit (`_apply`'s `keep`): before, only the last instruction's, so a batch norm
+  unit dropped its 1 KiB 1 / std and recomputed its convolution for it, and every budget on
+  ResNet-50 recomputed about one whole forward pass.
 - **Search.** The budget is bytes, the DP counts units: the largest room whose real planned peak
   fits is found by a search that steps by the bytes a unit is worth, as a secant between the
   nearest probes, bisecting when that stalls (each probe is one rewrite and plan, tens of
@@ -69,7 +85,8 @@ from typing import Any
 import numpy as np
 
 from allocators import OutOfMemoryError, format_bytes
-from runtime.graph.checkpoint import _checkpoint, _recompute_sweep
+from runtime import planner
+from runtime.graph.checkpoint import _checkpoint, _pointwise, _recompute_sweep, _wanted
 from runtime.graph.move import Stored, _halve, _move
 from runtime.graph.program import Recorded
 from runtime.tape import Instruction
@@ -170,6 +187,69 @@ def _sweep(first: int, length: int, room: int, split: np.ndarray) -> _Sweep:
     return _Sweep(tuple(parts))
 
 
+#: the kept bytes `_segments` counts in steps of budget / this
+_SEGMENT_BINS = 1024
+
+
+def _segments(sizes: np.ndarray, work: np.ndarray, besides: np.ndarray, room: float
+              ) -> tuple[tuple[int, int], ...] | None:
+    """Units cut into parts (first, count) for one level of recompute, at the least work whose
+    estimated peak fits in `room` bytes; None if none does. Each part keeps its last unit's
+    results and recomputes the others from the part before it (a part of one unit recomputes
+    nothing). While the backward pass walks part j, what is live is the kept results of the
+    parts before it, all of part j's results (recomputed or kept) and what the backward pass
+    holds besides forward results there (`besides[i]` for unit i: gradients, a convolution's
+    columns), so a part may be long where the backward pass holds little and few results are
+    kept before it. `sizes` and `work` are each unit's result bytes and recompute cost: they
+    differ tenfold between units (ResNet-50: a 1x1 convolution's output is 4 times its 3x3
+    neighbour's, at under half the work), which the programme's room, counted in units, does
+    not see.
+
+    A dynamic programme over (where the parts so far end, the bytes they keep, in steps of
+    room / _SEGMENT_BINS rounded up): the least work of each."""
+    n = len(sizes)
+    step = room / _SEGMENT_BINS
+    if step <= 0:
+        return None
+    bins = _SEGMENT_BINS + 1
+    least = np.full((n + 1, bins), np.inf)
+    least[0, 0] = 0.0
+    back = np.full((n + 1, bins, 2), -1, dtype=np.int64)
+    total_bytes = np.concatenate([[0.0], np.cumsum(sizes)])
+    total_work = np.concatenate([[0.0], np.cumsum(work)])
+    for end in range(1, n + 1):
+        keep = sizes[end - 1]
+        grow = int(math.ceil(keep / step))
+        highest = 0.0
+        for start in range(end - 1, -1, -1):
+            highest = max(highest, float(besides[start]))
+            live = total_bytes[end] - total_bytes[start] + highest
+            before = int((room - live) // step)  # NOTE: the most kept bins before the part
+            if before < 0:
+                break  # NOTE: longer parts hold more
+            top = min(before, bins - 1 - grow)
+            if top < 0:
+                continue
+            candidate = least[start, :top + 1] + (total_work[end - 1] - total_work[start])
+            target = least[end, grow:grow + top + 1]
+            better = candidate < target
+            if better.any():
+                target[better] = candidate[better]
+                where = np.nonzero(better)[0]
+                back[end, where + grow, 0] = start
+                back[end, where + grow, 1] = where
+    if not np.isfinite(least[n]).any():
+        return None
+    kept = int(np.argmin(least[n]))
+    parts, end = [], n
+    while end:
+        start, before = back[end, kept]
+        parts.append((int(start), end - int(start)))
+        end, kept = int(start), int(before)
+    parts.reverse()
+    return tuple(parts)
+
+
 def _depth(sweep: _Sweep | None) -> int:
     if sweep is None:
         return 0
@@ -177,34 +257,49 @@ def _depth(sweep: _Sweep | None) -> int:
 
 
 # ---------------------------------------------------------------------- units and rewriting
-def _wanted(program: Sequence[Instruction], intermediate: frozenset[int]) -> set[int]:
-    """Intermediates written by the forward pass that an instruction after it reads."""
-    made = {o.block.id for instr in program if instr.phase == "forward" for o in instr.outputs}
-    return {o.block.id for instr in program if instr.phase != "forward"
-            for o in instr.inputs if o.block.id in made and o.block.id in intermediate}
-
-
 def _result_bytes(unit: Sequence[Instruction], wanted: set[int]) -> int:
     """Bytes of the results of `unit` that the backward pass reads."""
     return sum(o.block.nbytes for i in unit for o in i.outputs if o.block.id in wanted)
 
 
-def _units(program: Sequence[Instruction], wanted: set[int]) -> list[list[Instruction]]:
-    """The forward instructions cut after each one writing a result the backward pass reads;
-    a unit whose results fit in one alignment unit joins the one before it.
+def _units(program: Sequence[Instruction], wanted: set[int],
+           intermediate: frozenset[int]) -> list[list[Instruction]]:
+    """The forward instructions cut after each one writing a result the backward pass reads,
+    unless what else made so far is read later in the forward pass takes more bytes than the
+    unit's results (batch norm's centred x runs past its 1 / std to make x-hat: a cut between
+    them would leave a unit of 1 / std alone, and a recompute of x-hat reading the centred x,
+    held all along, so dropping x-hat would save nothing; a residual stream, as large as a
+    layer's results, crosses every cut of a transformer and stops none); a unit whose results
+    fit in one alignment unit joins the one before it.
 
     The programme counts room in units, each as if it held a layer's result. A unit whose
     results take at most the plans' 64-byte alignment (a loss's mean, a scalar) costs no room
     worth a unit, and counting it as one costs work: config D's 4-byte loss unit made 66 units
     where 65 count, 88 extra unit forwards at room 8 where 86 do. Such a unit joins the unit
     before it (recomputed with it, if at all)."""
+    forward = [instr for instr in program if instr.phase == "forward"]
+    last_read: dict[int, int] = {}
+    for position, instr in enumerate(forward):
+        for operand in instr.inputs:
+            last_read[operand.block.id] = position
     units: list[list[Instruction]] = [[]]
-    for instr in program:
-        if instr.phase != "forward":
-            continue
+    # NOTE: intermediates no backward reads that a later forward instruction reads, by id
+    crossing: dict[int, int] = {}
+    results = 0  # NOTE: bytes of the open unit's results that the backward pass reads
+    for position, instr in enumerate(forward):
         units[-1].append(instr)
-        if any(o.block.id in wanted for o in instr.outputs):
+        for o in instr.inputs:
+            if last_read[o.block.id] == position:
+                crossing.pop(o.block.id, None)
+        for o in instr.outputs:
+            if o.block.id in wanted:
+                results += o.block.nbytes
+            elif o.block.id in intermediate and last_read.get(o.block.id, -1) > position:
+                crossing[o.block.id] = o.block.nbytes
+        if any(o.block.id in wanted for o in instr.outputs) \
+                and sum(crossing.values()) <= results:
             units.append([])
+            results = 0
     if not units[-1]:
         units.pop()
     elif len(units) > 1:
@@ -238,12 +333,19 @@ def _apply(recorded: Recorded, units: list[list[Instruction]], sweep: _Sweep) ->
         where = {id(instr): position for position, instr in enumerate(program)}
         segments: list[list[int]] = []
         originals: list[list[Instruction]] = []
+        keep: list[set[int]] = []
         for first, count, _ in current.parts:
             members = [i for unit in units[first:first + count] for i in unit if id(i) in image]
             originals.append(members)
             segments.append([where[id(image[id(i)])] for i in members])
+            # NOTE: a part keeps every result of its last unit, not only the last
+            # instruction's: a unit of batch norm ends with x-hat after its 1 / std, and
+            # dropping the 1 / std would recompute the unit's convolution for 1 KiB
+            last = units[first + count - 1] if count else []
+            keep.append({o.block.id for i in last if id(i) in image
+                         for o in image[id(i)].outputs})
         drop = [True] * (len(segments) - 1) + [False]
-        program, made = _recompute_sweep(program, intermediate, segments, drop)
+        program, made = _recompute_sweep(program, intermediate, segments, drop, keep)
         for (_, _, nested), members, part_clones in zip(current.parts, originals, made):
             clones += len(part_clones)
             intermediate.update(o.block.id for c in part_clones for o in c.outputs)
@@ -357,6 +459,8 @@ class _Candidate:
     schedule: str
     moves: str
     lossy: tuple[Stored, ...] = ()
+    #: the units of the tape the choice was made on
+    units: int = 0
 
 
 class _Search:
@@ -365,11 +469,13 @@ class _Search:
     units' results to host memory with the programme on the rest, and lossy stores."""
 
     def __init__(self, recorded: Recorded, budget: int, plan_of: Callable[[Recorded], tuple],
-                 device: Any, lossy: np.dtype | None, peak: int) -> None:
+                 device: Any, lossy: np.dtype | None, peak: int, prefix: str = "") -> None:
         self.recorded, self.budget, self.plan_of, self.device = recorded, budget, plan_of, device
+        #: what every candidate's schedule starts with (the rewrite `recorded` already holds)
+        self.prefix = prefix
         self.lossy = lossy
         self.wanted = _wanted(recorded.program, recorded.intermediate)
-        self.units = _units(recorded.program, self.wanted)
+        self.units = _units(recorded.program, self.wanted, recorded.intermediate)
         self.split = _table(len(self.units))[1] if len(self.units) > 2 else None
         self.peaks: list[int] = [peak]
         self.found: list[_Candidate] = []
@@ -428,9 +534,18 @@ class _Search:
         self.peaks.append(peak)
         if peak > self.budget:
             return False
-        self.found.append(_Candidate(self.cost(recorded, copied), recorded, planned, room, depth,
-                                     schedule, moves, stored))
+        self.file(recorded, planned, room=room, depth=depth, schedule=schedule, moves=moves,
+                  copied=copied, stored=stored)
         return True
+
+    def file(self, recorded: Recorded, planned: object, *, room: int | None, depth: int,
+             schedule: str, moves: str, copied: int = 0, stored: tuple[Stored, ...] = ()
+             ) -> None:
+        """File a rewrite that fits as a candidate."""
+        if self.prefix:
+            schedule = f"{self.prefix}, {schedule}"
+        self.found.append(_Candidate(self.cost(recorded, copied), recorded, planned, room, depth,
+                                     schedule, moves, stored, units=len(self.units)))
 
     def cost(self, recorded: Recorded, copied: int) -> float:
         """Seconds the rewrite adds to a step: each added instruction's call, recompute flops,
@@ -534,6 +649,61 @@ class _Search:
         slope = self.slope / 2 if halved else self.slope
         self.boundary(2, n - 1, fits, guess=self.budget / slope - 1, slope=slope, rising=True)
 
+    def segments(self, why: str) -> None:
+        """One level of recompute whose parts are chosen by each unit's bytes, work and what
+        the backward pass holds besides forward results while it walks the unit, measured
+        on the plan that keeps everything (`_segments`). The estimate misses what the plan
+        cannot place tightly and what a recompute holds while it runs, so the room aimed at is
+        moved by what the real plan held above or below the budget: at most four plans."""
+        units, n = self.units, len(self.units)
+        if n < 3:
+            return
+        sizes = np.array([_result_bytes(unit, self.wanted) for unit in units], dtype=float)
+        work = np.array([sum(map(self.recompute_cost, unit)) for unit in units], dtype=float)
+        besides, fixed = self.besides()
+        room = self.budget - fixed
+        tried: set[tuple] = set()
+        for _ in range(4):
+            parts = _segments(sizes, work, besides, room)
+            if parts is None or parts in tried:
+                return
+            tried.add(parts)
+            dropped = sum(1 for _, count in parts if count > 1)
+            sweep = _Sweep(tuple((first, count, None) for first, count in parts)
+                           + ((n, 0, None),))
+            self.offer(_apply(self.recorded, units, sweep), room=None, depth=1, moves=why,
+                       schedule=f"{dropped} parts of {n} units recomputed once, chosen by "
+                                f"bytes and work")
+            room += self.budget - self.peaks[-1]
+
+    def besides(self) -> tuple[np.ndarray, float]:
+        """Per unit, the most bytes the plan that keeps everything holds, other than forward
+        results the backward pass reads, while the backward pass walks that unit (from the
+        first backward read of its results to that of the unit before it); and what its peak
+        holds above the bytes live at once (the chains' scratch, the placement's gaps)."""
+        (_, fused, memory), peak = self.plan_of(self.recorded)
+        steps = fused.steps
+        buffers = {fused.buffer_of.get(bid, bid) for bid in self.wanted}
+        everything = planner.live_bytes(memory.lifetimes, len(steps))
+        results = planner.live_bytes([life for life in memory.lifetimes
+                                      if life.key in buffers], len(steps))
+        other = np.array(everything, dtype=float) - np.array(results, dtype=float)
+        first_read: dict[int, int] = {}
+        for position, step in enumerate(steps):
+            for instr in step.instructions:
+                if instr.phase != "forward":
+                    for operand in instr.inputs:
+                        first_read.setdefault(operand.block.id, position)
+        starts = [min((first_read[o.block.id] for i in unit for o in i.outputs
+                       if o.block.id in self.wanted and o.block.id in first_read),
+                      default=len(steps)) for unit in self.units]
+        besides = np.zeros(len(self.units))
+        for k, start in enumerate(starts):
+            until = starts[k - 1] if k else len(steps)
+            span = other[start:max(until, start + 1)]
+            besides[k] = float(span.max()) if len(span) else 0.0
+        return besides, float(max(0, peak - max(everything, default=0)))
+
     def sqrt(self, why: str) -> None:
         """checkpoint="sqrt"'s segments, as one more candidate (a cut by instructions, not
         units, which sometimes fits the same bytes with less work)."""
@@ -607,39 +777,50 @@ def _fit(recorded: Recorded, budget: int, source: str,
     `plan_of(recorded)` schedules, fuses and plans a tape and returns (what it made, its peak in
     bytes). Raises BudgetError when nothing fits, naming the least peak reached."""
     planned, peak = plan_of(recorded)
-    search = _Search(recorded, budget, plan_of, device, lossy, peak)
-    units = search.units
     why = (f"none: the {device.name} device's memory is the host's"
            if device.capabilities.host_memory else "none: recompute costs less")
-
-    def choice(found: _Candidate | None) -> Choice:
-        if found is None:
-            return Choice(budget=budget, source=source, units=len(units), room=None, depth=0,
-                          moves=why, schedule="everything kept")
-        return Choice(budget=budget, source=source, units=len(units), room=found.room,
-                      depth=found.depth, moves=found.moves, schedule=found.schedule,
-                      lossy=found.lossy)
-
     if peak <= budget:
-        return Fitted(recorded, planned, choice(None))
-    if search.can_move:  # NOTE: first: shallow plans, and a cost that may rule out recompute
-        search.moves()
-    search.recompute(why)
-    search.sqrt(why)
-    if search.can_move:
-        search.mixes()
-    if lossy is not None and len(units) > 1:
-        search.halves(why)
-    found = search.best()
+        return Fitted(recorded, planned, Choice(budget=budget, source=source, units=len(
+            _units(recorded.program, _wanted(recorded.program, recorded.intermediate),
+                   recorded.intermediate)), room=None, depth=0, moves=why,
+            schedule="everything kept"))
+    searches = [_Search(recorded, budget, plan_of, device, lossy, peak)]
+    # NOTE: the pointwise recompute first (Note [pointwise recompute] in
+    # runtime/graph/checkpoint.py), alone and as the start of every family: it costs a pass
+    # where a segment costs a forward
+    cheap = _pointwise(recorded)
+    if cheap.recomputed:
+        cheap_planned, cheap_peak = plan_of(cheap)
+        search = _Search(cheap, budget, plan_of, device, lossy, cheap_peak,
+                         prefix=f"{cheap.recomputed} pointwise instructions recomputed")
+        searches.append(search)
+        if cheap_peak <= budget:
+            search.file(cheap, cheap_planned, room=None, depth=0, moves=why,
+                        schedule="everything else kept")
+    for search in searches:
+        units = search.units
+        if search.can_move:  # NOTE: first: shallow plans, and a cost that may rule out recompute
+            search.moves()
+        search.recompute(why)
+        search.segments(why)
+        search.sqrt(why)
+        if search.can_move:
+            search.mixes()
+        if lossy is not None and len(units) > 1:
+            search.halves(why)
+    found = min((c for search in searches for c in search.found), key=lambda c: c.cost,
+                default=None)
     if found is None:
-        least = min(search.peaks)
-        also = " or moving them to host memory" if search.can_move else ""
+        least = min(p for search in searches for p in search.peaks)
+        also = " or moving them to host memory" if searches[0].can_move else ""
         also += " or storing them lossy" if lossy is not None else ""
         raise BudgetError(
             f"{name}: a memory budget of {budget} bytes ({format_bytes(budget)}, {source}) is "
             f"below the least any choice reaches: {least} bytes ({format_bytes(least)}) of "
             f"intermediates, recomputing every forward result the backward pass reads down "
-            f"to two units kept at once{also} ({len(units)} units; {peak} bytes keeping "
-            f"everything); nothing has run",
+            f"to two units kept at once{also} ({len(searches[0].units)} units; {peak} bytes "
+            f"keeping everything); nothing has run",
             budget_bytes=budget, least_bytes=least)
-    return Fitted(found.recorded, found.planned, choice(found))
+    return Fitted(found.recorded, found.planned, Choice(
+        budget=budget, source=source, units=found.units, room=found.room, depth=found.depth,
+        moves=found.moves, schedule=found.schedule, lossy=found.lossy))

@@ -15,7 +15,7 @@ from runtime._tensor import Tensor, host_array
 from runtime.block import Block
 from runtime.errors import GraphCaptureError
 from runtime.graph.budget import BudgetError, _fit, flops
-from runtime.graph.checkpoint import _checkpoint
+from runtime.graph.checkpoint import _checkpoint, _pointwise
 from runtime.graph.fuse import _fuse_steps
 from runtime.graph.memory import _plan_memory, _timeline
 from runtime.graph.program import Fused, MemoryPlan, Recorded, _Capture, _Step
@@ -156,6 +156,8 @@ def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[T
     eager = _eager_bytes(recorded)
     if options.checkpoint == "sqrt":
         recorded = _checkpoint(recorded)
+    elif options.checkpoint == "pointwise":
+        recorded = _pointwise(recorded)
     alignment = max(allocator.device.alignment, 64)
 
     def plan_of(tape: Recorded) -> tuple[tuple[list[Instruction], Fused, MemoryPlan], int]:

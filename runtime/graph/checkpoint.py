@@ -1,5 +1,7 @@
 """Checkpointing: recompute segments of the forward pass during backward (sqrt(n) of them with
-checkpoint="sqrt"; `budget.py` chooses nested segments to fit a memory budget)."""
+checkpoint="sqrt"; `budget.py` chooses nested segments to fit a memory budget), and recompute
+pointwise results from what the backward pass keeps anyway (checkpoint="pointwise", and the
+first rewrite a memory budget tries)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import dataclasses
 import math
 from typing import Any
 
+from backends import optable
 from runtime.block import Block
 from runtime.graph.program import Recorded
 from runtime.tape import Instruction, Operand
@@ -23,6 +26,123 @@ def _checkpoint(recorded: Recorded) -> Recorded:
     return dataclasses.replace(recorded, program=program, blocks=blocks,
                                intermediate=recorded.intermediate.union(made),
                                recomputed=count)
+
+
+def _wanted(program: list[Instruction], intermediate: frozenset[int] | set[int]) -> set[int]:
+    """Intermediates written by the forward pass that an instruction after it reads."""
+    made = {o.block.id for instr in program if instr.phase == "forward" for o in instr.outputs}
+    return {o.block.id for instr in program if instr.phase != "forward"
+            for o in instr.inputs if o.block.id in made and o.block.id in intermediate}
+
+
+# Note [pointwise recompute]: most of what a conv net keeps for its backward pass comes in
+# pairs: batch norm's normalised x, and the ReLU of its affine map, which the next convolution
+# reads (ResNet-50: 54% and 45% of the bytes at the backward pass's start). The second is a
+# pointwise function of the first and two parameters, so it can be made again from what the
+# backward pass keeps anyway at the cost of one fused pass over it, where recomputing a
+# convolution costs hundreds of flops per element. checkpoint="pointwise" drops every forward
+# result the backward pass reads that such a chain makes again: its recompute is a run of
+# fusible elementwise instructions (`Op.fusible`, as the fused chains run) whose sources are
+# data from outside the graph or results that stay kept, no source written between the
+# original and the recompute, and no kept source read later than it would be anyway (so no
+# lifetime grows and the peak cannot rise; a chain's own scratch is one fused row block).
+# PyTorch's compiler makes the same call (its min-cut partitioner recomputes fusible pointwise
+# ops rather than save their results); a memory budget starts from this rewrite, since it
+# costs a few percent where segments cost a forward pass.
+#: the longest chain recomputed for one result
+_POINTWISE_CHAIN = 16
+
+
+def _pointwise(recorded: Recorded) -> Recorded:
+    """checkpoint="pointwise": `recorded` with each forward result that the backward pass
+    reads and that a pointwise chain makes again from kept data recomputed just before its
+    first backward read (Note [pointwise recompute])."""
+    program, intermediate = recorded.program, recorded.intermediate
+    wanted = _wanted(program, intermediate)
+    writers: dict[int, list[int]] = {}
+    reads: dict[int, list[int]] = {}
+    for position, instr in enumerate(program):
+        for operand in instr.outputs:
+            writers.setdefault(operand.block.id, []).append(position)
+        for operand in instr.inputs:
+            reads.setdefault(operand.block.id, []).append(position)
+    first_late = {bid: min((p for p in reads.get(bid, ()) if program[p].phase != "forward"),
+                           default=None) for bid in wanted}
+
+    def pointwise(position: int) -> bool:
+        instr = program[position]
+        op = optable.BY_NAME.get(instr.op)
+        return (instr.phase == "forward" and instr.kind == "kernel" and op is not None
+                and op.fusible and instr.policy == "elementwise" and len(instr.outputs) == 1
+                and not _updates_state(instr, intermediate))
+
+    def untouched(bid: int, after: int, before: int) -> bool:
+        return not any(after < p < before for p in writers.get(bid, ()))
+
+    dropped: dict[int, list[int]] = {}  # NOTE: result -> the positions that make it again
+    pinned: set[int] = set()  # NOTE: sources of a recompute: they stay kept
+
+    def chain(bid: int, at: int, members: set[int], sources: set[int]) -> bool:
+        """Collect the instructions that make `bid` again from kept data into `members`
+        (and what they read from outside the chain into `sources`)."""
+        made_by = writers.get(bid, [])
+        if len(made_by) != 1 or not pointwise(made_by[0]):
+            return False
+        position = made_by[0]
+        if position in members:
+            return True
+        members.add(position)
+        if len(members) > _POINTWISE_CHAIN:
+            return False
+        for operand in program[position].inputs:
+            source = operand.block.id
+            kept = source in wanted and source not in dropped
+            if source not in intermediate or kept:
+                if not untouched(source, position, at):
+                    return False
+                # NOTE: a kept source must outlive the recompute anyway
+                if kept and max(reads[source]) < at:
+                    return False
+                sources.add(source)
+            elif not chain(source, at, members, sources):
+                return False
+        return True
+
+    for bid in sorted(wanted, key=lambda b: writers[b][0]):
+        at = first_late[bid]
+        if at is None or bid in pinned:
+            continue
+        members: set[int] = set()
+        sources: set[int] = set()
+        if chain(bid, at, members, sources):
+            dropped[bid] = sorted(members)
+            pinned |= sources & wanted
+    if not dropped:
+        return recorded
+    insert_before: dict[int, list[Instruction]] = {}
+    renamed: dict[int, tuple[int, Block]] = {}  # NOTE: result -> (from position, its clone's)
+    count = 0
+    for bid, members in dropped.items():
+        clones, local = _clone_segment(program, members, {bid}, intermediate)
+        count += len(clones)
+        insert_before.setdefault(first_late[bid], []).extend(clones)
+        renamed[bid] = (first_late[bid], local[bid])
+    rewritten: list[Instruction] = []
+    for position, instr in enumerate(program):
+        rewritten.extend(insert_before.get(position, ()))
+        late = {bid: block for bid, (at, block) in renamed.items() if position >= at}
+        if late and any(o.block.id in late for o in instr.inputs):
+            instr = _reading(instr, instr.phase, late)
+        rewritten.append(instr)
+    for index, instr in enumerate(rewritten):
+        instr.index = index
+    blocks = dict(recorded.blocks)
+    made = {o.block.id: o.block for instr in rewritten for o in instr.outputs
+            if o.block.id not in blocks}
+    blocks.update(made)
+    return dataclasses.replace(recorded, program=rewritten, blocks=blocks,
+                               intermediate=recorded.intermediate.union(made),
+                               recomputed=recorded.recomputed + count)
 
 
 def _recompute_sqrt(program: list[Instruction], intermediate: frozenset[int]
@@ -55,14 +175,16 @@ def _recompute(program: list[Instruction], intermediate: frozenset[int],
 
 
 def _recompute_sweep(program: list[Instruction], intermediate: frozenset[int] | set[int],
-                     segments: list[list[int]], drop: list[bool]
+                     segments: list[list[int]], drop: list[bool],
+                     keep: list[set[int]] | None = None
                      ) -> tuple[list[Instruction], list[list[Instruction]]]:
     """`_recompute` over one sweep: `segments` are consecutive runs of positions in `program`
     (the sweep: the forward pass, or the clones that recompute a part of it), and `drop` says
     which segments give up their results that instructions outside the sweep read (each keeps
-    its last result and what a later segment reads) and recompute them from their start just
-    before the first such read. Returns the rewritten program and, per segment, its clones in
-    order (a prefix of the segment's instructions; empty when nothing is dropped).
+    its last result, the blocks `keep` names for it, and what a later segment reads) and
+    recompute them from their start just before the first such read. Returns the rewritten
+    program and, per segment, its clones in order (a prefix of the segment's instructions;
+    empty when nothing is dropped).
 
     Instructions outside the sweep that read no dropped result stay the same objects, so a
     caller can find a sweep's clones again after later rewrites (`budget._apply`)."""
@@ -71,6 +193,8 @@ def _recompute_sweep(program: list[Instruction], intermediate: frozenset[int] | 
     start = min(inside, default=len(program))
     outside_reads = _outside_reads(program, inside, start)
     dropped = _dropped(program, intermediate, segments, outside_reads, drop)
+    if keep is not None:
+        dropped = [found - kept for found, kept in zip(dropped, keep)]
     insert_before: dict[int, list[Instruction]] = {}
     renamed: dict[int, Block] = {}
     made: list[list[Instruction]] = []
