@@ -234,18 +234,21 @@ def table(model: Model, results: list[Result]) -> str:
 
 def plot_timelines(model: Model, path: str) -> None:
     """The bytes held at each scheduled step of one training step of `model` under the
-    recycle and static plans, and the bytes of the intermediates live at each step (what any
+    recycle and static plans and the static plan with checkpoint="pointwise", and the bytes of the intermediates live at each step (what any
     placement must hold there: the seeds' pictures), as a PNG."""
     nn.manual_seed(0)
     weights = model.make_blockrt()
     lines = {}
-    for plan in ("recycle", "static"):  # NOTE: "none" holds every buffer apart: off the scale
+    # NOTE: "none" holds every buffer apart: off the scale
+    for name, options in (("recycle", {"plan": "recycle"}), ("static", {"plan": "static"}),
+                          ('static, checkpoint="pointwise"',
+                           {"plan": "static", "checkpoint": "pointwise"})):
         net = model.make_blockrt()
         net.load_state_dict(weights.state_dict())
-        graph = runtime.graph(nn.train_step(net, nn.SGD(net.parameters(), lr=LR)), plan=plan)
+        graph = runtime.graph(nn.train_step(net, nn.SGD(net.parameters(), lr=LR)), **options)
         graph(runtime.tensor(model.x), model.labels)
-        lines[plan] = graph.timeline()
-        if plan == "static":
+        lines[name] = graph.timeline()
+        if name == "static":
             lines["live intermediates"] = graph.timeline(live=True)
         graph.release()
     runtime.plot_memory_timeline(lines, path, f"{model.name} ({model.shape}): one training "
