@@ -234,8 +234,9 @@ def table(model: Model, results: list[Result]) -> str:
 
 def plot_timelines(model: Model, path: str) -> None:
     """The bytes held at each scheduled step of one training step of `model` under the
-    recycle and static plans and the static plan with checkpoint="pointwise", and the bytes of the intermediates live at each step (what any
-    placement must hold there: the seeds' pictures), as a PNG."""
+    recycle and static plans and the static plan with checkpoint="pointwise", and the bytes
+    of the intermediates live at each step (what any placement must hold there: the seeds'
+    pictures), as a PNG."""
     nn.manual_seed(0)
     weights = model.make_blockrt()
     lines = {}

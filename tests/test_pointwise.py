@@ -6,6 +6,7 @@ stays for the backward pass never grows. A memory budget starts from this rewrit
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 import runtime
 from runtime import nn, ops
 from runtime.graph import CHECKPOINTS, PLANS
+from runtime.graph.checkpoint import _pointwise, _wanted
 
 
 class ConvBlock(nn.Module):
@@ -208,3 +210,53 @@ def test_random_conv_nets_replay_bit_for_bit_and_keep_no_more(layers, plan):
     assert got_params == params
     assert report["kept"] + report["recomputed"] == plain["kept"]
     assert report["activation_bytes"] <= plain["activation_bytes"]
+
+
+class Residual(nn.Module):
+    """Two residual blocks (conv, batch norm, ReLU, conv, batch norm, + input, ReLU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.Sequential(*[nn.Conv2d(2, 2, 3, padding=1, bias=False)
+                                     for _ in range(4)])
+        self.bns = nn.Sequential(*[nn.BatchNorm2d(2) for _ in range(4)])
+        self.fc = nn.Dense(2, 3)
+
+    def forward(self, x: Any) -> Any:
+        for k in (0, 2):
+            h = ops.relu(self.bns[k](self.convs[k](x)))
+            x = ops.relu(ops.add(self.bns[k + 1](self.convs[k + 1](h)), x))
+        return self.fc(ops.mean(x, axis=(2, 3)))
+
+
+def test_local_pointwise_keeps_what_a_later_unit_reads(monkeypatch):
+    # a budget's units are cut at the results the backward pass reads; `local` drops only
+    # results whose forward reads end before the next such result: the inner ReLU, not the
+    # block's output, which the block's last add reads
+    graph_module = importlib.import_module("runtime.graph")
+    seen = []
+    build = graph_module._build
+
+    def spy(recorder, **kwargs):
+        seen.append(capture_module._sort_blocks(recorder, kwargs["outputs"]))
+        return build(recorder, **kwargs)
+
+    capture_module = importlib.import_module("runtime.graph.capture")
+    monkeypatch.setattr(graph_module, "_build", spy)
+    _run(Residual, None)
+    recorded = seen[0]
+    everything = _pointwise(recorded)
+    local = _pointwise(recorded, local=True)
+    relus = sum(1 for i in recorded.program if i.phase == "forward" and i.op == "relu")
+    assert relus == 4
+    assert everything.recomputed > local.recomputed > 0
+    made = {o.block.id for i in recorded.program if i.phase == "forward" for o in i.outputs}
+    for rewritten in (everything, local):  # NOTE: a rewrite only ever stops keeping results
+        still = _wanted(rewritten.program, rewritten.intermediate) & made
+        assert still < _wanted(recorded.program, recorded.intermediate)
+    # the first block's output (its second ReLU) stays wanted under local, not under all
+    outputs = [i.outputs[0].block.id for i in recorded.program
+               if i.phase == "forward" and i.op == "relu"]
+    assert outputs[1] in _wanted(local.program, local.intermediate)
+    assert outputs[1] not in _wanted(everything.program, everything.intermediate)
+    assert outputs[0] not in _wanted(local.program, local.intermediate)

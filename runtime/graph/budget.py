@@ -788,8 +788,11 @@ def _fit(recorded: Recorded, budget: int, source: str,
     # NOTE: the pointwise recompute first (Note [pointwise recompute] in
     # runtime/graph/checkpoint.py), alone and as the start of every family: it costs a pass
     # where a segment costs a forward
-    cheap = _pointwise(recorded)
-    if cheap.recomputed:
+    for local in (False, True):
+        cheap = _pointwise(recorded, local=local)
+        if not cheap.recomputed or (local and cheap.recomputed == searches[-1].recorded
+                                    .recomputed):
+            continue
         cheap_planned, cheap_peak = plan_of(cheap)
         search = _Search(cheap, budget, plan_of, device, lossy, cheap_peak,
                          prefix=f"{cheap.recomputed} pointwise instructions recomputed")

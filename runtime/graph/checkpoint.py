@@ -5,6 +5,7 @@ first rewrite a memory budget tries)."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from typing import Any
@@ -53,10 +54,16 @@ def _wanted(program: list[Instruction], intermediate: frozenset[int] | set[int])
 _POINTWISE_CHAIN = 16
 
 
-def _pointwise(recorded: Recorded) -> Recorded:
+def _pointwise(recorded: Recorded, local: bool = False) -> Recorded:
     """checkpoint="pointwise": `recorded` with each forward result that the backward pass
     reads and that a pointwise chain makes again from kept data recomputed just before its
-    first backward read (Note [pointwise recompute])."""
+    first backward read (Note [pointwise recompute]).
+
+    `local`: only results whose last forward read comes before the next result the backward
+    pass reads is made (a ReLU between batch norm and the next convolution, not a residual
+    block's output, which the block's last add reads): a memory budget's units are cut at
+    such results, and a result dropped across them leaves each unit that reads it unable to
+    be recomputed from the units before it, so a whole residual block becomes one unit."""
     program, intermediate = recorded.program, recorded.intermediate
     wanted = _wanted(program, intermediate)
     writers: dict[int, list[int]] = {}
@@ -108,10 +115,17 @@ def _pointwise(recorded: Recorded) -> Recorded:
                 return False
         return True
 
+    made_at = sorted(writers[b][0] for b in wanted)
     for bid in sorted(wanted, key=lambda b: writers[b][0]):
         at = first_late[bid]
         if at is None or bid in pinned:
             continue
+        if local:
+            following = bisect.bisect_right(made_at, writers[bid][0])
+            last_forward = max((p for p in reads.get(bid, ()) if program[p].phase == "forward"),
+                               default=-1)
+            if following < len(made_at) and last_forward > made_at[following]:
+                continue
         members: set[int] = set()
         sources: set[int] = set()
         if chain(bid, at, members, sources):
