@@ -4,9 +4,12 @@ it in a half dtype while it waits, chosen by cost; then plan what is kept.
 
 The model of cost (docs/graph.md, "Memory budgets"):
 
-- **Pointwise first.** Every family below is searched twice: on the tape as captured and on
-  `checkpoint._pointwise`'s rewrite (Note [pointwise recompute]), which is also a candidate
-  itself: its recompute is one elementwise pass per result, where a unit's is a layer.
+- **Pointwise first.** Every family below is searched three times: on the tape as captured,
+  on `checkpoint._pointwise`'s rewrite (Note [pointwise recompute]) and on its local rewrite
+  (only results whose forward reads end before the next kept result; the full one drops a
+  residual block's output, which the block's last add reads, so its units are whole blocks).
+  Each rewrite is a candidate itself: its recompute is one elementwise pass per result, where
+  a unit's is a layer.
 - **Units.** The forward instructions are cut after each one whose result the backward pass
   reads, unless what else made so far is read later in the forward pass takes more bytes
   than the unit's results: a unit is a run of
