@@ -349,12 +349,11 @@ class Reducer:
     def _record_start(self, recorder: Any, bucket: _Bucket) -> None:
         grads = [bucket.grads[id(p)] for p in bucket.params]
         first = grads[0]
-        if self.stage or bucket.staging != bucket.dtype:
+        if self.stage:
             raise GraphCaptureError(
                 f"DistributedDataParallel inside runtime.graph runs data parallel "
-                f"(zero_stage=0) in float32 or float64; this is zero_stage={self.stage} on "
-                f"{first.device.name} in {bucket.dtype}: call the step without runtime.graph "
-                f"(eagerly)")
+                f"(zero_stage=0); this is zero_stage={self.stage} on {first.device.name}: "
+                f"call the step without runtime.graph (eagerly)")
         flat = empty((bucket.padded,), bucket.staging, device=first.device,
                      allocator=first.block.allocator)
         if not first.device.capabilities.host_memory:  # NOTE: host staging, as eagerly
@@ -400,9 +399,9 @@ class Reducer:
             device, out = bucket.params[0].device, bucket.host
             for view, offset, p in zip(views, bucket.offsets, bucket.params):
                 out[offset:offset + p.size] = device.to_host(view).reshape(-1)
-        else:
+        else:  # NOTE: a two-byte gradient widened to float32 exactly, as `_read` does
             for view, offset, p in zip(views, bucket.offsets, bucket.params):
-                np.copyto(out[offset:offset + p.size].reshape(p.shape), view)
+                np.copyto(out[offset:offset + p.size].reshape(p.shape), view, casting="unsafe")
         out[bucket.numel:] = 0
         bucket.work = self.group.allreduce(out, f"all-reduce of bucket {index} of "
                                                 f"{len(self.buckets)} (in a graph)")
@@ -419,9 +418,12 @@ class Reducer:
         for bucket, flat in zip(self.buckets, views):
             host, device = bucket.host, bucket.params[0].device
             for offset, p in zip(bucket.offsets, bucket.params):
-                if host is None:
+                if host is None and flat.dtype == p.dtype:
                     np.divide(flat[offset:offset + p.size].reshape(p.shape), size,
                               out=outs[at])
+                elif host is None:  # NOTE: `_write`'s rounding of a two-byte gradient
+                    part = flat[offset:offset + p.size].reshape(p.shape)
+                    np.copyto(outs[at], (part / flat.dtype.type(size)).astype(p.dtype))
                 else:  # NOTE: `_write`'s rounding for a device that is not the host
                     part = host[offset:offset + p.size].reshape(p.shape)
                     device.from_host((part / host.dtype.type(size)).astype(p.dtype), outs[at])

@@ -110,6 +110,24 @@ def test_ddp_equals_the_full_batch_step_and_ranks_stay_identical(ranks, device, 
 
 
 @needs_mpi
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_byte_parameters_train_data_parallel_inside_a_graph_as_eagerly(device, tmp_path):
+    # gradients are summed in float32 and rounded back once (`_staging_dtype`); a captured
+    # step does the same through its planned float32 bucket buffers
+    done = _launch(2, "ddp-half", device, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = _ranks(tmp_path, 2)
+    names = [k.split("/", 2)[2] for k in results[0] if k.startswith("float16/eager/")]
+    assert names
+    for dtype in ("float16", "bfloat16"):
+        for name in names:
+            eager = results[0][f"{dtype}/eager/{name}"]
+            assert np.array_equal(results[0][f"{dtype}/graph/{name}"], eager), (dtype, name)
+            assert np.array_equal(results[1][f"{dtype}/graph/{name}"], eager), (dtype, name)
+            assert not np.array_equal(results[0][f"{dtype}/start/{name}"], eager), name
+
+
+@needs_mpi
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_zero_stages_equal_data_parallel_with_a_shard_of_the_state(ranks, tmp_path):
     done = _launch(ranks, "zero", "cpu", tmp_path)

@@ -4,9 +4,10 @@
 
 Each rank trains a tiny model on its part of a fixed batch and writes what it ended with to
 OUTDIR/rank<r>.npz (parameters, memory reports), which the test compares with a single
-process's full-batch steps. SCENARIO: "ddp" (SGD with momentum, small buckets), "zero"
-(Adam data parallel beside ZeRO stages 1 and 2), "raise" / "die" / "raise-graph" (rank 1 fails
-before a step, eagerly or between replays of a captured step; the others record whether their
+process's full-batch steps. SCENARIO: "ddp" (SGD with momentum, small buckets), "ddp-half"
+(float16 and bfloat16 parameters, eagerly and inside runtime.graph), "zero" (Adam data
+parallel beside ZeRO stages 1 and 2), "raise" / "die" / "raise-graph" (rank 1 fails before a
+step, eagerly or between replays of a captured step; the others record whether their
 parameters are as before it, then fail too), "raise-zero" (rank 1 fails in its ZeRO
 optimizer step, after the others stepped their shards: they record whether their parameters,
 shards and shard state are as before it).
@@ -85,6 +86,24 @@ def main() -> None:
             for name, value in params_of(ddp.module).items():
                 result[f"graph{momentum}/{name}"] = value
             ddp.reducer.close()
+    elif scenario == "ddp-half":  # two-byte parameters, eagerly and inside runtime.graph
+        for dtype in ("float16", "bfloat16"):
+            for mode in ("eager", "graph"):
+                nn.manual_seed(1)
+                net = nn.Sequential(nn.Dense(5, 16, dtype=dtype), nn.Tanh(),
+                                    nn.Dense(16, 3, dtype=dtype))
+                for name, value in params_of(net).items():
+                    result[f"{dtype}/start/{name}"] = value.astype(np.float32)
+                ddp = nn.DistributedDataParallel(net, group, bucket_cap_mb=0.0005)
+                step = nn.train_step(ddp, nn.SGD(ddp.parameters(), lr=0.1, momentum=0.9))
+                if mode == "graph":
+                    step = runtime.graph(step)
+                half = tensor(xb.numpy().astype(net[0].weight.dtype), device=device)
+                for _ in range(STEPS):
+                    step(half, yb)
+                for name, value in params_of(ddp.module).items():
+                    result[f"{dtype}/{mode}/{name}"] = value.astype(np.float32)
+                ddp.reducer.close()
     elif scenario == "zero":
         for stage in (0, 1, 2):
             ddp = nn.DistributedDataParallel(wide_model(2), group, bucket_cap_mb=0.0011,
