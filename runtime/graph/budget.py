@@ -194,6 +194,8 @@ def _sweep(first: int, length: int, room: int, split: np.ndarray) -> _Sweep:
 _SEGMENT_BINS = 1024
 #: where no parts fit the estimate, the room aimed at grows by this share of the budget
 _SEGMENT_REAIM = 0.08
+#: the most plans the parts family makes
+_SEGMENT_PLANS = 6
 
 
 def _segments(sizes: np.ndarray, work: np.ndarray, besides: np.ndarray, reach: list[int],
@@ -665,7 +667,8 @@ class _Search:
         on the plan that keeps everything (`_segments`). The estimate misses what the plan
         cannot place tightly and what a recompute holds while it runs, so the room aimed at is
         moved by what the real plan held above or below the budget (or, where no parts fit
-        the estimate, grown by a share of the budget): at most five plans."""
+        the estimate, grown by a share of the budget) until a room that fits and one that
+        does not are known, then bisected: at most six plans."""
         units, n = self.units, len(self.units)
         if n < 3:
             return
@@ -683,10 +686,13 @@ class _Search:
                         reach[home[o.block.id]] = max(reach[home[o.block.id]], unit_of[id(i)])
         room = self.budget - fixed
         tried: set[tuple] = set()
-        for _ in range(5):
+        fits_at, over_at = -math.inf, math.inf  # NOTE: rooms known to fit, and not to
+        for _ in range(_SEGMENT_PLANS):
             parts = _segments(sizes, work, besides, reach, room)
-            if parts is None:  # NOTE: the estimate is above the real peak as often as below
-                room += _SEGMENT_REAIM * self.budget
+            if parts is None:  # NOTE: the estimate is above the real peak as often as below:
+                fits_at = max(fits_at, room)  # a room to go above, as one that fits is
+                room = (room + over_at) / 2 if over_at < math.inf else \
+                    room + _SEGMENT_REAIM * self.budget
                 continue
             if parts in tried:
                 return
@@ -694,10 +700,17 @@ class _Search:
             dropped = sum(1 for _, count in parts if count > 1)
             sweep = _Sweep(tuple((first, count, None) for first, count in parts)
                            + ((n, 0, None),))
-            self.offer(_apply(self.recorded, units, sweep), room=None, depth=1, moves=why,
-                       schedule=f"{dropped} parts of {n} units recomputed once, chosen by "
-                                f"bytes and work")
-            room += self.budget - self.peaks[-1]
+            fits = self.offer(_apply(self.recorded, units, sweep), room=None, depth=1,
+                              moves=why, schedule=f"{dropped} parts of {n} units recomputed "
+                                                  f"once, chosen by bytes and work")
+            if fits:
+                fits_at = max(fits_at, room)
+            else:
+                over_at = min(over_at, room)
+            if fits_at > -math.inf and over_at < math.inf:
+                room = (fits_at + over_at) / 2
+            else:
+                room += self.budget - self.peaks[-1]
 
     def besides(self) -> tuple[np.ndarray, float]:
         """Per unit, the most bytes the plan that keeps everything holds, other than forward
