@@ -45,7 +45,8 @@ The model of cost (docs/graph.md, "Memory budgets"):
   far end, the bytes they keep), whose estimate of the peak while the backward pass walks a
   part is the kept results before it, the part's own results, and what the plan that keeps
   everything holds there besides forward results (`_segments`, `_Search.besides`); the room
-  it aims at is moved by what the real plan held, up to four plans. A part keeps every result
+  it aims at is moved by what the real plan held, then bisected, up to six plans; a unit whose
+  results a later part reads (a residual block's input) counts as kept. A part keeps every result
   of its last unit (`_apply`'s `keep`): before, only the last instruction's, so a batch norm
   unit dropped its 1 KiB 1 / std and recomputed its convolution for it, and every budget on
   ResNet-50 recomputed about one whole forward pass.
