@@ -98,19 +98,52 @@ def _schedule(program: Sequence[Instruction], intermediate: frozenset[int]) -> l
                 delta -= sizes[bid]
         return delta > 0
 
+    # NOTE: whether a ready instruction grows changes only when an instruction touching one
+    # of its blocks runs, so it is kept (`growing`) and asked again only then; the ready ones
+    # that do not grow are kept in program order too (`shrinking`), so each pick is the
+    # first of those, else the first ready: the scan this replaces (the earliest that does
+    # not grow, else the earliest) took 10 s of a 30 s ResNet-50 budget capture
+    growing: dict[int, bool] = {}
+    shrinking: list[int] = []
+    waiting_on: dict[int, set[int]] = {}  # NOTE: block -> the ready instructions touching it
+
+    def arrive(j: int) -> None:
+        bisect.insort(ready, j)
+        growing[j] = grows(j)
+        if not growing[j]:
+            bisect.insort(shrinking, j)
+        for bid in touched[j]:
+            waiting_on.setdefault(bid, set()).add(j)
+
+    for j in list(ready):
+        ready.remove(j)
+        arrive(j)
     while ready:
-        # NOTE: the earliest that does not grow, else the earliest: min by (grows, j), with
-        # the scan stopping at the first that does not grow
-        at = next((k for k, j in enumerate(ready) if not grows(j)), 0)
-        pick = ready.pop(at)
+        pick = shrinking[0] if shrinking else ready[0]
+        ready.pop(bisect.bisect_left(ready, pick))
+        if not growing.pop(pick):
+            shrinking.pop(bisect.bisect_left(shrinking, pick))
         order.append(pick)
+        affected: set[int] = set()
         for bid in touched[pick]:
             born.add(bid)
             uses[bid] -= 1
+            others = waiting_on.get(bid)
+            if others is not None:
+                others.discard(pick)
+                affected |= others
+        for j in affected:
+            now = grows(j)
+            if now != growing[j]:
+                growing[j] = now
+                if now:
+                    shrinking.pop(bisect.bisect_left(shrinking, j))
+                else:
+                    bisect.insort(shrinking, j)
         for j in succs[pick]:
             waiting[j] -= 1
             if waiting[j] == 0:
-                bisect.insort(ready, j)
+                arrive(j)
     if len(order) != len(program):
         raise AssertionError("the dependency graph has a cycle")  # program order is a witness
     return order
