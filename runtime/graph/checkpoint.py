@@ -61,9 +61,9 @@ def _pointwise(recorded: Recorded, local: bool = False) -> Recorded:
 
     `local`: only results whose last forward read comes before the next result the backward
     pass reads is made (a ReLU between batch norm and the next convolution, not a residual
-    block's output, which the block's last add reads): a memory budget's units are cut at
-    such results, and a result dropped across them leaves each unit that reads it unable to
-    be recomputed from the units before it, so a whole residual block becomes one unit."""
+    block's output, which the block's last add reads). A memory budget's units are cut at
+    such results; a result dropped across them leaves each unit that reads it unable to be
+    recomputed from the units before it, so a whole residual block becomes one unit."""
     program, intermediate = recorded.program, recorded.intermediate
     wanted = _wanted(program, intermediate)
     writers: dict[int, list[int]] = {}
@@ -137,10 +137,10 @@ def _pointwise(recorded: Recorded, local: bool = False) -> Recorded:
     renamed: dict[int, tuple[int, Block]] = {}  # NOTE: result -> (from position, its clone's)
     count = 0
     for bid, members in dropped.items():
-        clones, local = _clone_segment(program, members, {bid}, intermediate)
+        clones, fresh = _clone_segment(program, members, {bid}, intermediate)
         count += len(clones)
         insert_before.setdefault(first_late[bid], []).extend(clones)
-        renamed[bid] = (first_late[bid], local[bid])
+        renamed[bid] = (first_late[bid], fresh[bid])
     rewritten: list[Instruction] = []
     for position, instr in enumerate(program):
         rewritten.extend(insert_before.get(position, ()))
