@@ -26,7 +26,7 @@ import backends
 import runtime
 from allocators import LimitAdaptor, OutOfMemoryError, StatisticsAdaptor
 from runtime import BudgetError, nn
-from runtime.graph.budget import _RATES, Rates, _sweep, _table, rates
+from runtime.graph.budget import _RATES, _SEGMENT_BINS, Rates, _segments, _sweep, _table, rates
 
 
 def deep_step(depth: int = 12, width: int = 32, seed: int = 0,
@@ -851,3 +851,57 @@ def test_the_recompute_floor_never_changes_the_choice(monkeypatch, bytes_per_flo
             if budget >= least:
                 assert chosen(True, budget) == chosen(False, budget)
     assert below and all(below)
+
+
+def _parts_estimate(parts, sizes, besides, reach, room):
+    """Whether `parts` fit `room` by `_segments`' estimate (exact bytes), and their work."""
+    kept_before = 0.0
+    for first, count in parts:
+        end = first + count
+        live = float(sum(sizes[first:end])) + float(max(besides[first:end]))
+        if kept_before + live > room:
+            return False
+        kept_before += float(sizes[end - 1]) + sum(
+            float(sizes[i]) for i in range(first, end - 1) if reach[i] >= end)
+    return True
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_parts_by_bytes_and_work_are_the_least_work_that_fits(data):
+    # `_segments` (the parts family's programme) against every way of cutting a few units:
+    # its parts cover the units in order, fit by its own estimate, and cost no more work
+    # than any cut that fits with a bin of room to spare per part (it rounds kept bytes up
+    # to bins of room / _SEGMENT_BINS)
+    n = data.draw(st.integers(1, 7), label="units")
+    sizes = np.array(data.draw(st.lists(st.integers(1, 100), min_size=n, max_size=n)), float)
+    work = np.array(data.draw(st.lists(st.integers(0, 50), min_size=n, max_size=n)), float)
+    besides = np.array(data.draw(st.lists(st.integers(0, 60), min_size=n, max_size=n)), float)
+    reach = [max(i, data.draw(st.integers(i, n - 1))) if data.draw(st.booleans()) else i
+             for i in range(n)]
+    room = float(data.draw(st.integers(50, 600), label="room"))
+    found = _segments(sizes, work, besides, reach, room)
+    cuts = []
+    for mask in range(2 ** (n - 1)):
+        ends = [i + 1 for i in range(n - 1) if mask >> i & 1] + [n]
+        parts, first = [], 0
+        for end in ends:
+            parts.append((first, end - first))
+            first = end
+        cuts.append(parts)
+
+    def cost(parts):
+        return sum(float(work[first:first + count - 1].sum()) for first, count in parts)
+
+    slack = room / _SEGMENT_BINS
+    easy = [p for p in cuts if _parts_estimate(p, sizes, besides, reach, room - n * slack)]
+    if found is None:
+        assert not easy
+        return
+    found = [tuple(p) for p in found]
+    assert [first for first, _ in found] == [sum(c for _, c in found[:k])
+                                             for k in range(len(found))]
+    assert sum(c for _, c in found) == n
+    assert _parts_estimate(found, sizes, besides, reach, room)
+    if easy:
+        assert cost(found) <= min(cost(p) for p in easy)
