@@ -343,6 +343,15 @@ _FAST_HALF = {**{name: _half_kernel(name) for name in _FAST if name != "copy"},
               "sub_scaled": _sub_scaled_kernel}
 
 
+def _bound(blas: Any, a: np.ndarray, b: np.ndarray, out: np.ndarray, alpha: float,
+           beta: float) -> Any:
+    """`blas`'s product bound to these views (`_blas.Gemm.bind`), or None: no CBLAS, layouts
+    it cannot read, or a Chooser still measuring two libraries (it has no `bind`, and each
+    call decides)."""
+    bind = getattr(blas, "bind", None)
+    return None if bind is None else bind(a, b, out, alpha, beta)
+
+
 class NumpyDevice(Device):
     """Host memory and NumPy kernels. There is one CPU device: index 0."""
 
@@ -460,10 +469,8 @@ class NumpyDevice(Device):
             np.matmul(a, b, out=out)
 
     def _prepared_gemm(self, a, b, out, alpha, beta):
-        # NOTE: the CBLAS call `_gemm` makes, its arguments converted once (not while a
-        # Chooser is still measuring two libraries: it has no `bind`, and each call decides)
-        bind = getattr(_blas.find(), "bind", None)
-        run = None if bind is None else bind(a, b, out, alpha, beta)
+        # NOTE: the CBLAS call `_gemm` makes, its arguments converted once
+        run = _bound(_blas.find(), a, b, out, alpha, beta)
         return run if run is not None else super()._prepared_gemm(a, b, out, alpha, beta)
 
     def _prepared_matmul(self, a, b, out):
@@ -472,8 +479,7 @@ class NumpyDevice(Device):
             blas = _blas.find()
             if blas is None or not blas.products:
                 return functools.partial(np.matmul, a, b, out=out)
-            bind = getattr(blas, "bind", None)
-            run = None if bind is None else bind(a, b, out, 1.0, 0.0)
+            run = _bound(blas, a, b, out, 1.0, 0.0)
             if run is not None:
                 return run
         return super()._prepared_matmul(a, b, out)

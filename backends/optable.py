@@ -160,8 +160,15 @@ _ONE_OVER_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 #: the C literals' doubles multiplied as C does) and kKappa; 3 * kKappa folded in double
 _GELU_BETA = 1.41421356237309504880 * 1.12837916709551257390 * 0.5
 _GELU_KAPPA = 0.044715
-_GELU_INNER = mul(_GELU_BETA, add(X0, mul(_GELU_KAPPA, mul(mul(X0, X0), X0))))
-_GELU_INNER_1 = mul(_GELU_BETA, add(X1, mul(_GELU_KAPPA, mul(mul(X1, X1), X1))))
+
+
+def _gelu_inner(x: Expr) -> Expr:
+    """kBeta * (x + kKappa * x**3), x**3 as x * x * x: the tanh's argument of GELU's tanh
+    form, in PyTorch's order."""
+    return mul(_GELU_BETA, add(x, mul(_GELU_KAPPA, mul(mul(x, x), x))))
+
+
+_GELU_INNER, _GELU_INNER_1 = _gelu_inner(X0), _gelu_inner(X1)
 
 #: Every elementwise op, in the order of their kernel codes in C.
 OPS: tuple[Op, ...] = (

@@ -482,10 +482,13 @@ class _Search:
     units' results to host memory with the programme on the rest, and lossy stores."""
 
     def __init__(self, recorded: Recorded, budget: int, plan_of: Callable[[Recorded], tuple],
-                 device: Any, lossy: np.dtype | None, peak: int, prefix: str = "") -> None:
+                 device: Any, lossy: np.dtype | None, planned: object, peak: int,
+                 prefix: str = "") -> None:
         self.recorded, self.budget, self.plan_of, self.device = recorded, budget, plan_of, device
         #: what every candidate's schedule starts with (the rewrite `recorded` already holds)
         self.prefix = prefix
+        #: `plan_of(recorded)`'s plan, whose peak is `peak`
+        self.planned = planned
         self.lossy = lossy
         self.wanted = _wanted(recorded.program, recorded.intermediate)
         self.units = _units(recorded.program, self.wanted, recorded.intermediate)
@@ -718,7 +721,7 @@ class _Search:
         results the backward pass reads, while the backward pass walks that unit (from the
         first backward read of its results to that of the unit before it); and what its peak
         holds above the bytes live at once (the chains' scratch, the placement's gaps)."""
-        (_, fused, memory), peak = self.plan_of(self.recorded)
+        (_, fused, memory), peak = self.planned, self.peaks[0]
         steps = fused.steps
         buffers = {fused.buffer_of.get(bid, bid) for bid in self.wanted}
         everything = planner.live_bytes(memory.lifetimes, len(steps))
@@ -816,12 +819,11 @@ def _fit(recorded: Recorded, budget: int, source: str,
     planned, peak = plan_of(recorded)
     why = (f"none: the {device.name} device's memory is the host's"
            if device.capabilities.host_memory else "none: recompute costs less")
+    searches = [_Search(recorded, budget, plan_of, device, lossy, planned, peak)]
     if peak <= budget:
-        return Fitted(recorded, planned, Choice(budget=budget, source=source, units=len(
-            _units(recorded.program, _wanted(recorded.program, recorded.intermediate),
-                   recorded.intermediate)), room=None, depth=0, moves=why,
-            schedule="everything kept"))
-    searches = [_Search(recorded, budget, plan_of, device, lossy, peak)]
+        return Fitted(recorded, planned, Choice(
+            budget=budget, source=source, units=len(searches[0].units), room=None, depth=0,
+            moves=why, schedule="everything kept"))
     # NOTE: the pointwise recompute first (Note [pointwise recompute] in
     # runtime/graph/checkpoint.py), alone and as the start of every family: it costs a pass
     # where a segment costs a forward
@@ -831,7 +833,7 @@ def _fit(recorded: Recorded, budget: int, source: str,
                                     .recomputed):
             continue
         cheap_planned, cheap_peak = plan_of(cheap)
-        search = _Search(cheap, budget, plan_of, device, lossy, cheap_peak,
+        search = _Search(cheap, budget, plan_of, device, lossy, cheap_planned, cheap_peak,
                          prefix=f"{cheap.recomputed} pointwise instructions recomputed")
         searches.append(search)
         if cheap_peak <= budget:

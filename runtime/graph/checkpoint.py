@@ -20,13 +20,41 @@ def _checkpoint(recorded: Recorded) -> Recorded:
     """Phase 2 (checkpoint="sqrt"): `recorded` with forward results that backward reads
     recomputed from segment boundaries; the clones write new intermediate blocks."""
     program, count = _recompute_sqrt(recorded.program, recorded.intermediate)
+    return _with_clones(recorded, program, count)
+
+
+def _with_clones(recorded: Recorded, program: list[Instruction], recomputed: int) -> Recorded:
+    """`recorded` with `program` in place of its own: the blocks its clones write are added
+    as intermediates, and `recomputed` counts the clones."""
     blocks = dict(recorded.blocks)
     made = {operand.block.id: operand.block for instr in program for operand in instr.outputs
             if operand.block.id not in blocks}
     blocks.update(made)
     return dataclasses.replace(recorded, program=program, blocks=blocks,
                                intermediate=recorded.intermediate.union(made),
-                               recomputed=count)
+                               recomputed=recomputed)
+
+
+def _splice(program: list[Instruction], insert_before: dict[int, list[Instruction]],
+            renamed: dict[int, tuple[int, Block]], start: int = 0,
+            inside: set[int] | frozenset[int] = frozenset()) -> list[Instruction]:
+    """`program` with clones inserted before positions (`insert_before`), and each read of a
+    block in `renamed` (block id -> (from position, its clone's block)) at or after its from
+    position, by an instruction not `inside`, pointed at the clone's block; positions from
+    `start` are scanned and renumbered."""
+    rewritten = program[:start]
+    for i in range(start, len(program)):
+        instr = program[i]
+        rewritten.extend(insert_before.get(i, ()))
+        if renamed and i not in inside:
+            late = {o.block.id: renamed[o.block.id][1] for o in instr.inputs
+                    if o.block.id in renamed and renamed[o.block.id][0] <= i}
+            if late:
+                instr = _reading(instr, instr.phase, late)
+        rewritten.append(instr)
+    for index in range(start, len(rewritten)):
+        rewritten[index].index = index
+    return rewritten
 
 
 def _wanted(program: list[Instruction], intermediate: frozenset[int] | set[int]) -> set[int]:
@@ -86,12 +114,12 @@ def _pointwise(recorded: Recorded, local: bool = False) -> Recorded:
     def untouched(bid: int, after: int, before: int) -> bool:
         return not any(after < p < before for p in writers.get(bid, ()))
 
-    dropped: dict[int, list[int]] = {}  # NOTE: result -> the positions that make it again
-    pinned: set[int] = set()  # NOTE: sources of a recompute: they stay kept
+    # NOTE: result -> the positions that make it again. Results are taken in program order,
+    # so a chain's sources (made before it) were decided first: none is dropped later
+    dropped: dict[int, list[int]] = {}
 
-    def chain(bid: int, at: int, members: set[int], sources: set[int]) -> bool:
-        """Collect the instructions that make `bid` again from kept data into `members`
-        (and what they read from outside the chain into `sources`)."""
+    def chain(bid: int, at: int, members: set[int]) -> bool:
+        """Collect the instructions that make `bid` again from kept data into `members`."""
         made_by = writers.get(bid, [])
         if len(made_by) != 1 or not pointwise(made_by[0]):
             return False
@@ -110,15 +138,14 @@ def _pointwise(recorded: Recorded, local: bool = False) -> Recorded:
                 # NOTE: a kept source must outlive the recompute anyway
                 if kept and max(reads[source]) < at:
                     return False
-                sources.add(source)
-            elif not chain(source, at, members, sources):
+            elif not chain(source, at, members):
                 return False
         return True
 
     made_at = sorted(writers[b][0] for b in wanted)
     for bid in sorted(wanted, key=lambda b: writers[b][0]):
         at = first_late[bid]
-        if at is None or bid in pinned:
+        if at is None:
             continue
         if local:
             following = bisect.bisect_right(made_at, writers[bid][0])
@@ -127,10 +154,8 @@ def _pointwise(recorded: Recorded, local: bool = False) -> Recorded:
             if following < len(made_at) and last_forward > made_at[following]:
                 continue
         members: set[int] = set()
-        sources: set[int] = set()
-        if chain(bid, at, members, sources):
+        if chain(bid, at, members):
             dropped[bid] = sorted(members)
-            pinned |= sources & wanted
     if not dropped:
         return recorded
     insert_before: dict[int, list[Instruction]] = {}
@@ -141,22 +166,8 @@ def _pointwise(recorded: Recorded, local: bool = False) -> Recorded:
         count += len(clones)
         insert_before.setdefault(first_late[bid], []).extend(clones)
         renamed[bid] = (first_late[bid], fresh[bid])
-    rewritten: list[Instruction] = []
-    for position, instr in enumerate(program):
-        rewritten.extend(insert_before.get(position, ()))
-        late = {bid: block for bid, (at, block) in renamed.items() if position >= at}
-        if late and any(o.block.id in late for o in instr.inputs):
-            instr = _reading(instr, instr.phase, late)
-        rewritten.append(instr)
-    for index, instr in enumerate(rewritten):
-        instr.index = index
-    blocks = dict(recorded.blocks)
-    made = {o.block.id: o.block for instr in rewritten for o in instr.outputs
-            if o.block.id not in blocks}
-    blocks.update(made)
-    return dataclasses.replace(recorded, program=rewritten, blocks=blocks,
-                               intermediate=recorded.intermediate.union(made),
-                               recomputed=recorded.recomputed + count)
+    return _with_clones(recorded, _splice(program, insert_before, renamed),
+                        recorded.recomputed + count)
 
 
 def _recompute_sqrt(program: list[Instruction], intermediate: frozenset[int]
@@ -210,7 +221,7 @@ def _recompute_sweep(program: list[Instruction], intermediate: frozenset[int] | 
     if keep is not None:
         dropped = [found - kept for found, kept in zip(dropped, keep)]
     insert_before: dict[int, list[Instruction]] = {}
-    renamed: dict[int, Block] = {}
+    renamed: dict[int, tuple[int, Block]] = {}
     made: list[list[Instruction]] = []
     for members, wanted in zip(segments, dropped):
         if not wanted:
@@ -220,17 +231,8 @@ def _recompute_sweep(program: list[Instruction], intermediate: frozenset[int] | 
         made.append(clones)
         at = min(outside_reads[bid] for bid in wanted)
         insert_before.setdefault(at, []).extend(clones)
-        renamed.update((bid, local[bid]) for bid in wanted)
-    rewritten = program[:start]
-    for i in range(start, len(program)):
-        instr = program[i]
-        rewritten.extend(insert_before.get(i, ()))
-        if renamed and i not in inside and any(o.block.id in renamed for o in instr.inputs):
-            instr = _reading(instr, instr.phase, renamed)
-        rewritten.append(instr)
-    for index in range(start, len(rewritten)):
-        rewritten[index].index = index
-    return rewritten, made
+        renamed.update((bid, (start, local[bid])) for bid in wanted)
+    return _splice(program, insert_before, renamed, start, inside), made
 
 
 def _outside_reads(program: list[Instruction], inside: set[int], start: int = 0

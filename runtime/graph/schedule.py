@@ -86,7 +86,7 @@ def _schedule(program: Sequence[Instruction], intermediate: frozenset[int]) -> l
             uses[bid] = uses.get(bid, 0) + 1
             sizes[bid] = operand.block.nbytes
     born: set[int] = set()
-    ready = [j for j, n in enumerate(waiting) if n == 0]  # NOTE: kept in program order
+    ready: list[int] = []  # NOTE: kept in program order
     order: list[int] = []
 
     def grows(j: int) -> bool:
@@ -115,9 +115,9 @@ def _schedule(program: Sequence[Instruction], intermediate: frozenset[int]) -> l
         for bid in touched[j]:
             waiting_on.setdefault(bid, set()).add(j)
 
-    for j in list(ready):
-        ready.remove(j)
-        arrive(j)
+    for j, count in enumerate(waiting):
+        if count == 0:
+            arrive(j)
     while ready:
         pick = shrinking[0] if shrinking else ready[0]
         ready.pop(bisect.bisect_left(ready, pick))
