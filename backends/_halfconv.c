@@ -1221,8 +1221,10 @@ NAME(T *out, int64_t *where, Py_ssize_t row_stride, const T *x, Py_ssize_t plane
                 const T *restrict row = plane + y * w;                                        \
                 for (Py_ssize_t j = 0; j < kw; j++) {                                         \
                     /* the outputs whose column ox * sw - pw + j lies in [0, w) */            \
+                    /* (a negative last column: none; C's division truncates to 0) */     \
                     Py_ssize_t lo = j >= pw ? 0 : (pw - j + sw - 1) / sw;                     \
-                    Py_ssize_t hi = (w - 1 + pw - j) / sw + 1;                                \
+                    Py_ssize_t last = w - 1 + pw - j;                                         \
+                    Py_ssize_t hi = last < 0 ? 0 : last / sw + 1;                             \
                     hi = hi < wo ? hi : wo;                                                   \
                     for (Py_ssize_t ox = lo; ox < hi; ox++) {                                 \
                         Py_ssize_t c = ox * sw - pw + j;                                      \

@@ -322,6 +322,19 @@ def test_pools_and_their_gradients_match_pytorch(device, dtype, kind, kernel, st
 
 
 @needs_torch
+@pytest.mark.parametrize("dtype", [F32, F64], ids=str)
+def test_max_pool_reads_no_column_past_the_right_edge(dtype):
+    # a 3-wide window over a 1-wide image padded by 1: kernel column 2 lies past the edge for
+    # every output; the C kernel's last output there was (w - 1 + pw - j) / sw + 1 = 1 (C's
+    # division truncates -1 / 2 to 0), so it read one element past each row: garbage, or an
+    # index outside the plane (hypothesis found it in test_pools_match_pytorch_on_drawn_...)
+    for seed in range(20):
+        x = np.random.default_rng(seed).standard_normal((2, 3, 3, 1)).astype(dtype)
+        assert _pool_against_torch("cpu", dtype, x, "max", (4, 3), (1, 2), (2, 1),
+                                   exact=True) == 2
+
+
+@needs_torch
 @settings(max_examples=40)
 @given(n=st.integers(1, 2), c=st.integers(1, 3), h=st.integers(1, 8), w=st.integers(1, 8),
        kh=st.integers(1, 4), kw=st.integers(1, 4), sh=st.integers(1, 3), sw=st.integers(1, 3),
