@@ -138,6 +138,21 @@ def test_inexact_binary_kernels_agree_within_their_bounds(name, data, dtype):
         assert_close(name, result, want, f"{name}({dtype}) on {device}", [a, b])
 
 
+@pytest.mark.parametrize("dtype", [np.dtype("float32"), np.dtype("float64")], ids=str)
+def test_erf_backward_of_a_huge_g_where_exp_is_subnormal(dtype):
+    """exp(-x * x) subnormal times a g near the largest float: the result is normal, exp's
+    error is a share of the subnormal spacing (hypothesis found g = 1.8e308, x = 26.6 4 ULPs
+    apart on PoCL); within the bound, on every device, and the same without the huge g."""
+    big, x = (3.0e38, 9.4) if dtype == np.float32 else (1.79769313e308, 26.63671875)
+    a = np.array([big, 1.0, -big], dtype)
+    b = np.array([x, 1.0, x], dtype)
+    want, got = _each_device(lambda d, a, b, out: d.binary("erf_backward", a, b, out), [a, b],
+                             (3,), dtype)
+    assert np.isfinite(want).all() and want[0] > 0 and want[2] < 0
+    for device, result in got.items():
+        assert_close("erf_backward", result, want, f"erf_backward({dtype}) on {device}", [a, b])
+
+
 @pytest.mark.parametrize("name", TERNARY_KERNELS)
 @settings(max_examples=100, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from(FLOATS), number=st.sampled_from([None, 1, 2]))
