@@ -93,6 +93,21 @@ def pool_steps(torch, kind: str, x: np.ndarray, kernel: int, stride: int,
     return {"blockrt": blockrt, "torch": pytorch}
 
 
+def whole_batch(step: Callable[[], None]) -> Callable[[], None]:
+    """`step` with every convolution in one piece, the whole batch (before Note [convolution
+    in pieces of images] in runtime/ops.py)."""
+
+    def run() -> None:
+        pieces = ops.CONV_PIECE_BYTES
+        ops.CONV_PIECE_BYTES = 1 << 62
+        try:
+            step()
+        finally:
+            ops.CONV_PIECE_BYTES = pieces
+
+    return run
+
+
 def torch_step(torch, x: np.ndarray, w: np.ndarray, b: np.ndarray, g: np.ndarray, stride: int,
                padding: int) -> Callable[[], None]:
     """The same in PyTorch."""
@@ -137,35 +152,46 @@ def main() -> None:
           f"on {blas_name()}; best of {rounds} interleaved rounds, "
           f"{datetime.date.today().isoformat()}; load average before: {load()}")
     print()
-    print("| layer | input | blockrt (ms) | PyTorch (ms) | blockrt / PyTorch (median of "
-          "rounds) |")
-    print("|---|---|---:|---:|---:|")
+    print("| layer | input | pieces | blockrt (ms) | whole batch (ms) | PyTorch (ms) | blockrt / "
+          "PyTorch (median of rounds) | blockrt / whole batch |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     rng = np.random.default_rng(0)
-    total = {"blockrt": 0.0, "torch": 0.0}
+    total = {"blockrt": 0.0, "torch": 0.0, "whole": 0.0}
     for name, c, o, k, s, p, size in LAYERS:
         x = rng.standard_normal((args.batch, c, size, size)).astype(np.float32)
         w = (rng.standard_normal((o, c, k, k)) / np.sqrt(c * k * k)).astype(np.float32)
         b = rng.standard_normal(o).astype(np.float32)
         out = (size + 2 * p - k) // s + 1
         g = rng.standard_normal((args.batch, o, out, out)).astype(np.float32)
-        contenders = {"blockrt": blockrt_step(x, w, b, g, s, p),
-                      "torch": torch_step(torch, x, w, b, g, s, p)}
+        step = blockrt_step(x, w, b, g, s, p)
+        pieces = len(ops._conv_pieces(x.shape, ops._geometry("conv2d", x.shape, (k, k), (s, s),
+                                                            (p, p)), c, x.itemsize))
+        contenders = {"blockrt": step, "torch": torch_step(torch, x, w, b, g, s, p)}
+        if pieces > 1:
+            contenders["whole"] = whole_batch(step)
         times = measure(contenders, 1, rounds)
         best = {key: min(values) for key, values in times.items()}
         ratio = statistics.median(a / b for a, b in zip(times["blockrt"], times["torch"]))
         total["blockrt"] += best["blockrt"]
         total["torch"] += best["torch"]
-        print(f"| {name} | {args.batch}x{c}x{size}x{size} | {best['blockrt']:.1f} | "
-              f"{best['torch']:.1f} | {ratio:.2f} |", flush=True)
-    print(f"| all seven (sum of bests) | | {total['blockrt']:.1f} | {total['torch']:.1f} | "
-          f"{total['blockrt'] / total['torch']:.2f} |")
+        total["whole"] += best.get("whole", best["blockrt"])
+        whole, against = "", ""
+        if pieces > 1:
+            whole = f"{best['whole']:.1f}"
+            pairs = zip(times["blockrt"], times["whole"])
+            against = f"{statistics.median(a / b for a, b in pairs):.2f}"
+        print(f"| {name} | {args.batch}x{c}x{size}x{size} | {pieces} | {best['blockrt']:.1f} | "
+              f"{whole} | {best['torch']:.1f} | {ratio:.2f} | {against} |", flush=True)
+    print(f"| all seven (sum of bests) | | | {total['blockrt']:.1f} | {total['whole']:.1f} | "
+          f"{total['torch']:.1f} | {total['blockrt'] / total['torch']:.2f} | "
+          f"{total['blockrt'] / total['whole']:.2f} |")
     for name, kind, c, size, k, s, p in POOLS:
         x = rng.standard_normal((args.batch, c, size, size)).astype(np.float32)
         times = measure(pool_steps(torch, kind, x, k, s, p), 1, rounds)
         best = {key: min(values) for key, values in times.items()}
         ratio = statistics.median(a / b for a, b in zip(times["blockrt"], times["torch"]))
-        print(f"| {name} | {args.batch}x{c}x{size}x{size} | {best['blockrt']:.1f} | "
-              f"{best['torch']:.1f} | {ratio:.2f} |", flush=True)
+        print(f"| {name} | {args.batch}x{c}x{size}x{size} | | {best['blockrt']:.1f} | | "
+              f"{best['torch']:.1f} | {ratio:.2f} | |", flush=True)
     print(f"\nload average after: {load()}")
 
 

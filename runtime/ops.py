@@ -1660,15 +1660,17 @@ def _padded(x: Tensor, padding: tuple[int, int], value: float, below: int = 0) -
     return xp
 
 
-def _interior(xp: Tensor, padding: tuple[int, int], shape: tuple[int, ...]) -> Tensor:
-    """The unpadded part of a padded gradient, as a new contiguous tensor (xp released), or
-    xp itself when there is no border (nor wide rows' extra row)."""
+def _interior(xp: Tensor, padding: tuple[int, int], shape: tuple[int, ...],
+              out: Tensor | None = None) -> Tensor:
+    """The unpadded part of a padded gradient, copied into `out` when given, else as a new
+    contiguous tensor (xp released), or xp itself when there is no border (nor wide rows'
+    extra row) and no `out`."""
     ph, pw = padding
     h, w = shape[2:]
-    if xp.shape[2:] == (h, w):
+    if xp.shape[2:] == (h, w) and out is None:
         return xp
     view = xp[:, :, ph:ph + h, pw:pw + w]
-    result = copy(view)
+    result = copy(view, out=out)
     view.release()
     xp.release()
     return result
@@ -1775,15 +1777,79 @@ def _zero_dropped(columns: Tensor, geometry: tuple) -> None:
     dropped.release()
 
 
+#: The most bytes of columns (im2col) a convolution makes at once: a batch whose columns
+#: are larger runs in pieces of whole images, each with its own columns and product
+#: (Note [convolution in pieces of images]).
+CONV_PIECE_BYTES = 1 << 20
+#: The fewest output positions (images x Ho x Wo) a piece has: thinner products run slower
+#: (Note [convolution in pieces of images])
+CONV_PIECE_POSITIONS = 3000
+
+# Note [convolution in pieces of images]: one product for the whole batch needs the whole
+# batch's columns at once: on ResNet-50's 56x56 layers at batch 4, 28.5 MiB for one 3x3
+# convolution's columns, more than any activation, and in backward its columns' gradient as
+# large again; a 1x1 convolution's columns are a transposed copy of x, its product is transposed
+# back into out, and backward transposes g and x's gradient the same way. So a convolution whose
+# columns pass CONV_PIECE_BYTES runs in pieces of whole images, as few as keep each piece's
+# columns under it, but never with fewer than CONV_PIECE_POSITIONS output positions a piece
+# (products over a 14x14 or 7x7 image are thin: 1.3-1.5x slower per image than for the batch).
+# On ResNet-50 that is every layer at 56x56 and the stem, one image a piece. A piece of one
+# image needs no transpose: a 1x1 convolution's columns are a view of x, its product is written
+# into out's image, g's image is the product's operand as it is, and x's gradient is written
+# into its image; forward and backward of the 1x1 layers at 56x56 took 0.73 of the whole batch's
+# time, the 3x3 and the stem about the same (benchmarks/bench_conv.py, "whole batch"). The
+# weight's gradient adds the pieces' products into a new tensor each time (a chain of adds,
+# never an accumulating gemm, whose bits a graph's fold would change: captured stays eager bit
+# for bit).
+
+
+def _conv_pieces(shape: tuple[int, ...], geometry: tuple, channels: int,
+                 itemsize: int) -> list[tuple[int, int]]:
+    """The (start, stop) image ranges a convolution of an x of `shape` runs in: as few as
+    keep each piece's columns within CONV_PIECE_BYTES, each with at least
+    CONV_PIECE_POSITIONS output positions (a whole image at least)."""
+    (kh, kw), _, _, (_, wp), (ho, wo) = geometry
+    n = shape[0]
+    per_image = channels * kh * kw * ho * (wp if _wide_rows(geometry) else wo) * itemsize
+    least = max(1, -(-CONV_PIECE_POSITIONS // (ho * wo)))  # NOTE: images a piece needs
+    count = min(n // least, -(-n * per_image // CONV_PIECE_BYTES))
+    if count <= 1:
+        return [(0, n)]
+    size = -(-n // count)
+    return [(start, min(n, start + size)) for start in range(0, n, size)]
+
+
 def _conv_forward(x: Tensor, weight: Tensor, bias: Tensor | None, geometry: tuple,
                   out: Tensor) -> None:
-    """out = conv2d(x, weight) + bias, under no_grad: one product of the weight, viewed as
-    (O, C*kh*kw), and x's columns, then its (O, N, Ho, Wo) result transposed into out."""
-    (kh, kw), _, _, _, (ho, wo) = geometry
-    n, c = x.shape[:2]
+    """out = conv2d(x, weight) + bias, under no_grad: in pieces of images
+    (Note [convolution in pieces of images]), each one product of the weight, viewed as
+    (O, C*kh*kw), and the piece's columns."""
+    (kh, kw) = geometry[0]
+    c = x.shape[1]
     o = weight.shape[0]
     w2 = weight.reshape(o, c * kh * kw)
     bias4 = None if bias is None else bias.reshape(1, o, 1, 1)
+    pieces = _conv_pieces(x.shape, geometry, c, x.dtype.itemsize)
+    for start, stop in pieces:
+        if len(pieces) == 1:
+            _conv_piece(x, w2, bias4, geometry, out)
+            continue
+        xs, target = x[start:stop], out[start:stop]
+        _conv_piece(xs, w2, bias4, geometry, target)
+        xs.release()
+        target.release()
+    w2.release()
+    if bias4 is not None:
+        bias4.release()
+
+
+def _conv_piece(x: Tensor, w2: Tensor, bias4: Tensor | None, geometry: tuple,
+                out: Tensor) -> None:
+    """One piece of `_conv_forward`: the product of w2 and x's columns, then its (O, N, Ho,
+    Wo) result transposed into out (one image: the product is out's layout)."""
+    (_, _), _, _, _, (ho, wo) = geometry
+    n = x.shape[0]
+    o = w2.shape[0]
     columns = _conv_columns(x, geometry)
     wide = _wide_rows(geometry)
     if n == 1 and out.is_contiguous() and not wide:  # NOTE: (O, 1, Ho, Wo) is out's layout
@@ -1793,36 +1859,37 @@ def _conv_forward(x: Tensor, weight: Tensor, bias: Tensor | None, geometry: tupl
         columns.release()
         if bias4 is not None:
             add(out, bias4, out=out)
+        return
+    product = matmul(w2, columns)  # (o, n * positions)
+    columns.release()
+    if wide:  # NOTE: the rows' last Wp - Wo columns dropped
+        rows = product.reshape(o, n, ho, geometry[3][1])
+        nchw = rows[:, :, :, :wo].transpose(1, 0, 2, 3)
+        rows.release()
     else:
-        product = matmul(w2, columns)  # (o, n * positions)
-        columns.release()
-        if wide:  # NOTE: the rows' last Wp - Wo columns dropped
-            rows = product.reshape(o, n, ho, geometry[3][1])
-            nchw = rows[:, :, :, :wo].transpose(1, 0, 2, 3)
-            rows.release()
-        else:
-            nchw = product.reshape(o, n, ho, wo).transpose(1, 0, 2, 3)
-        product.release()
-        if bias4 is None:
-            copy(nchw, out=out)
-        else:  # NOTE: the transpose and the bias in one pass
-            add(nchw, bias4, out=out)
-        nchw.release()
-    w2.release()
+        nchw = product.reshape(o, n, ho, wo).transpose(1, 0, 2, 3)
+    product.release()
+    if bias4 is None:
+        copy(nchw, out=out)
+    else:  # NOTE: the transpose and the bias in one pass
+        add(nchw, bias4, out=out)
+    nchw.release()
 
 
-def _col2im(columns: Tensor, x_shape: tuple[int, ...], geometry: tuple) -> Tensor:
+def _col2im(columns: Tensor, x_shape: tuple[int, ...], geometry: tuple,
+            out: Tensor | None = None) -> Tensor:
     """x's gradient from its columns' gradient, (C*kh*kw, N*Ho*Wo): each of the kh * kw
     window views of a zeroed padded tensor gets its slice added (where windows overlap, the
-    adds accumulate), and the border is cut off. `columns` is released."""
+    adds accumulate), and the border is cut off, into `out` when given (an (N, C, H, W)
+    view), else a new tensor. `columns` is released."""
     (kh, kw), (sh, sw), padding, _, (ho, wo) = geometry
     n, c, h, w = x_shape
     if kh == kw == sh == sw == 1 and padding == (0, 0):  # NOTE: the columns are x's layout
         cnhw = columns.reshape(c, n, h, w)
         columns.release()
-        if n == 1:
+        if n == 1 and out is None:
             return cnhw.reshape(x_shape)
-        grad = copy(cnhw.transpose(1, 0, 2, 3))
+        grad = copy(cnhw.transpose(1, 0, 2, 3), out=out)
         cnhw.release()
         return grad
     if _wide_rows(geometry):  # NOTE: window (i, j) is the flat stretch at i * Wp + j
@@ -1843,7 +1910,7 @@ def _col2im(columns: Tensor, x_shape: tuple[int, ...], geometry: tuple) -> Tenso
                 target.release()
                 part.release()
         parts.release()
-        return _interior(grad, padding, x_shape)
+        return _interior(grad, padding, x_shape, out)
     parts = columns.reshape(c, kh, kw, n, ho, wo).transpose(3, 0, 1, 2, 4, 5)
     columns.release()
     grad = _zeros_like_padded(x_shape, geometry, parts)
@@ -1855,59 +1922,99 @@ def _col2im(columns: Tensor, x_shape: tuple[int, ...], geometry: tuple) -> Tenso
             target.release()
             part.release()
     parts.release()
-    return _interior(grad, padding, x_shape)
+    return _interior(grad, padding, x_shape, out)
 
 
 def _conv_backward(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], geometry: tuple,
                    nx: bool, nw: bool, nb: bool) -> Callable:
     """conv2d's backward function: from shapes, the geometry and flags only; x and the
-    weight come saved (Note [closures hold no tensors] in runtime/autograd.py). With g as
-    (O, N*Ho*Wo): the weight's gradient is g times the columns (made again) transposed, the
+    weight come saved (Note [closures hold no tensors] in runtime/autograd.py). In the
+    forward's pieces of images (Note [convolution in pieces of images]), with g as (O,
+    N*Ho*Wo): the weight's gradient is g times the columns (made again) transposed, the
     columns' gradient the weight transposed times g, and x's gradient their col2im."""
-    (kh, kw), _, _, (_, wp), (ho, wo) = geometry
-    n, c = x_shape[:2]
+    (kh, kw) = geometry[0]
+    c = x_shape[1]
     o = weight_shape[0]
-    positions = n * ho * wo
-    wide = _wide_rows(geometry)
 
     def fn(g: Tensor, x: Tensor | None, w: Tensor | None) -> tuple:
         gx = gw = gb = None
         if nb:
             gb = sum(g, axis=(0, 2, 3))
-        if wide:  # NOTE: zeros in the dropped columns, and in the columns they meet below
-            g2 = Tensor._fresh((o, n * ho * wp), g.dtype, _result_allocator(g))
-            _zero_dropped(g2, geometry)
-            rows = g2.reshape(o, n, ho, wp)
-            kept = rows[:, :, :, :wo]
-            rows.release()
-            copy(g.transpose(1, 0, 2, 3), out=kept)
-            kept.release()
-        elif n == 1:
-            g2 = g.reshape(o, positions)
-        else:
-            g2 = copy(g.transpose(1, 0, 2, 3)).reshape(o, positions)
-        if nw:
-            columns = _conv_columns(x, geometry)
-            if wide:
-                _zero_dropped(columns, geometry)
-            # NOTE: the product as (C*kh*kw, O), then transposed: the long inner dimension
-            # N*Ho*Wo runs along both operands' rows, which OpenBLAS runs 1.5-2x faster than
-            # g2 @ columns.T on ResNet-50's shapes (benchmarks/bench_conv.py's layers)
-            transposed = matmul(columns, g2.T)
-            columns.release()
-            gw = copy(transposed.T).reshape(weight_shape)
-            transposed.release()
-        if nx:
-            w2 = w.reshape(o, c * kh * kw)
-            grad_columns = matmul(w2.T, g2)
+        pieces = _conv_pieces(x_shape, geometry, c, g.dtype.itemsize)
+        whole = len(pieces) == 1
+        w2 = w.reshape(o, c * kh * kw) if nx else None
+        if nx and not whole:
+            gx = Tensor._fresh(x_shape, g.dtype, _result_allocator(g))
+        total = None  # NOTE: the weight's gradient, (C*kh*kw, O), summed over the pieces
+        for start, stop in pieces:
+            gs = g if whole else g[start:stop]
+            xs = x if whole or x is None else x[start:stop]
+            target = None if whole or gx is None else gx[start:stop]
+            shape = (stop - start, *x_shape[1:])
+            g2 = _conv_g2(gs, geometry, o)
+            if nw:
+                product = _weight_product(xs, g2, geometry)
+                if total is None:
+                    total = product
+                else:
+                    summed = add(total, product)
+                    total.release()
+                    product.release()
+                    total = summed
+            if nx:
+                grad_columns = matmul(w2.T, g2)
+                if _wide_rows(geometry):
+                    _zero_dropped(grad_columns, geometry)
+                piece = _col2im(grad_columns, shape, geometry, target)
+                if whole:
+                    gx = piece  # NOTE: else piece is target, written in place
+            g2.release()
+            if not whole:
+                gs.release()
+                if xs is not None:
+                    xs.release()
+                if target is not None:
+                    target.release()
+        if w2 is not None:
             w2.release()
-            if wide:
-                _zero_dropped(grad_columns, geometry)
-            gx = _col2im(grad_columns, x_shape, geometry)
-        g2.release()
+        if total is not None:
+            gw = copy(total.T).reshape(weight_shape)
+            total.release()
         return gx, gw, gb
 
     return fn
+
+
+def _conv_g2(g: Tensor, geometry: tuple, o: int) -> Tensor:
+    """g (N, O, Ho, Wo) as the products' (O, N*Ho*Wo) (wide rows: (O, N*Ho*Wp), zeros in the
+    dropped columns): a view for one image, else a transposed copy."""
+    (_, _), _, _, (_, wp), (ho, wo) = geometry
+    n = g.shape[0]
+    if _wide_rows(geometry):  # NOTE: zeros in the dropped columns, and in the columns they meet
+        g2 = Tensor._fresh((o, n * ho * wp), g.dtype, _result_allocator(g))
+        _zero_dropped(g2, geometry)
+        rows = g2.reshape(o, n, ho, wp)
+        kept = rows[:, :, :, :wo]
+        rows.release()
+        copy(g.transpose(1, 0, 2, 3), out=kept)
+        kept.release()
+        return g2
+    if n == 1:
+        return g.reshape(o, ho * wo)
+    return copy(g.transpose(1, 0, 2, 3)).reshape(o, n * ho * wo)
+
+
+def _weight_product(x: Tensor, g2: Tensor, geometry: tuple) -> Tensor:
+    """x's columns times g2 transposed: the weight's gradient as (C*kh*kw, O)."""
+    columns = _conv_columns(x, geometry)
+    if _wide_rows(geometry):
+        _zero_dropped(columns, geometry)
+    # NOTE: the product as (C*kh*kw, O), then transposed: the long inner dimension N*Ho*Wo
+    # runs along both operands' rows, which OpenBLAS runs 1.5-2x faster than g2 @ columns.T
+    # on ResNet-50's shapes (benchmarks/bench_conv.py's layers)
+    product = matmul(columns, g2.T)
+    columns.release()
+    return product
 
 
 def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1,
