@@ -1410,6 +1410,74 @@ max_pool_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return released(views, held, refuse);
 }
 
+/* A 2-D transpose in tiles: out (rows, cols) = the transpose of src (cols, rows), both
+ * C-contiguous. NumPy's copy of a transposed view walks out in order and reads src a column at
+ * a time, one cache line for each element (a (512, 4608) float32 weight gradient: 12 ms, 0.75
+ * GB/s, on an AMD EPYC); a tile of TILE x TILE items is read and written in lines. */
+#define TILE 16
+#define TRANSPOSE(type, name)                                                                \
+static void                                                                                  \
+name(type *out, const type *src, Py_ssize_t rows, Py_ssize_t cols)                           \
+{                                                                                            \
+    for (Py_ssize_t i0 = 0; i0 < rows; i0 += TILE) {                                         \
+        Py_ssize_t i1 = i0 + TILE < rows ? i0 + TILE : rows;                                 \
+        for (Py_ssize_t j0 = 0; j0 < cols; j0 += TILE) {                                     \
+            Py_ssize_t j1 = j0 + TILE < cols ? j0 + TILE : cols;                             \
+            for (Py_ssize_t i = i0; i < i1; i++) {                                           \
+                for (Py_ssize_t j = j0; j < j1; j++) {                                       \
+                    out[i * cols + j] = src[j * rows + i];                                   \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+}
+TRANSPOSE(uint16_t, transpose_2)
+TRANSPOSE(uint32_t, transpose_4)
+TRANSPOSE(uint64_t, transpose_8)
+#undef TRANSPOSE
+#undef TILE
+
+/* transpose(out, src): out (rows, cols) = src (cols, rows) transposed, both C-contiguous 2-D
+ * buffers of 2-, 4- or 8-byte items that share no byte; False, nothing written, otherwise. */
+static PyObject *
+transpose(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "transpose(out, src) takes 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    Py_buffer views[2];  /* out, src */
+    int held = 0, refuse = acquire(args[0], &views[0], 1);
+    held += !refuse;
+    if (!refuse) {
+        refuse = acquire(args[1], &views[1], 0);
+        held += !refuse;
+    }
+    if (!refuse) {
+        Py_buffer *o = &views[0], *x = &views[1];
+        Py_ssize_t size = o->itemsize;
+        refuse = !(o->ndim == 2 && x->ndim == 2 && x->itemsize == size
+                   && (size == 2 || size == 4 || size == 8) && o->shape[0] == x->shape[1]
+                   && o->shape[1] == x->shape[0] && apart(o, x));
+    }
+    if (!refuse) {
+        Py_ssize_t rows = views[0].shape[0], cols = views[0].shape[1];
+        void *out = views[0].buf;
+        const void *src = views[1].buf;
+        Py_ssize_t size = views[0].itemsize;
+        Py_BEGIN_ALLOW_THREADS
+        if (size == 2) {
+            transpose_2(out, src, rows, cols);
+        } else if (size == 4) {
+            transpose_4(out, src, rows, cols);
+        } else {
+            transpose_8(out, src, rows, cols);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    return released(views, held, refuse);
+}
+
 static PyMethodDef methods[] = {
     {"widen", (PyCFunction)(void (*)(void))widen, METH_FASTCALL,
      "widen(src, dst): float16 items of src as float32 into dst (contiguous buffers)."},
@@ -1437,6 +1505,9 @@ static PyMethodDef methods[] = {
      "erf_op(kind, out, a): C's erf on a contiguous float32 (kind 0, in double, rounded "
      "once; kind 2 the same on C's erf alone) or float64 (kind 1) array; False when it "
      "cannot take the call."},
+    {"transpose", (PyCFunction)(void (*)(void))transpose, METH_FASTCALL,
+     "transpose(out, src): out (rows, cols) = src (cols, rows) transposed, in tiles; both "
+     "C-contiguous, 2-, 4- or 8-byte items, apart; False when it cannot take the call."},
     {"max_pool", (PyCFunction)(void (*)(void))max_pool, METH_FASTCALL,
      "max_pool(kind, out, indices, x, kh, kw, sh, sw, ph, pw): PyTorch's max pooling of a "
      "contiguous float32 (kind 0) or float64 (kind 1) NCHW x, with int64 indices (or None); "

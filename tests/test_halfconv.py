@@ -406,3 +406,47 @@ def test_the_float32_erf_is_cs_erf_rounded_once(conv):
     assert module.erf_op(0, in_place, in_place) and _equal_or_both_nan(in_place, plain)
     spot = x[::4099]
     assert _equal_or_both_nan(plain[::4099], np.float32([math.erf(v) for v in spot.tolist()]))
+
+
+# ---------------------------------------------------------------------- transpose
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(0, 70), cols=st.integers(0, 70),
+       dtype=st.sampled_from(["float16", "bfloat16", "float32", "float64", "int16", "uint32",
+                              "int64", "complex64"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_transpose_moves_every_item_in_tiles(rows, cols, dtype, seed):
+    """out (rows, cols) = src (cols, rows) transposed, bit for bit, over sizes that end mid
+    tile (16) and every item size it takes (NaN payloads kept: it moves bits)."""
+    conv = pytest.importorskip("backends._halfconv", reason="the C kernels are not built")
+    dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    bits = np.random.default_rng(seed).integers(0, 256, cols * rows * dtype.itemsize,
+                                                dtype=np.uint8)
+    src = bits.view(dtype).reshape(cols, rows)
+    out = np.zeros((rows, cols), dtype)
+    assert conv.transpose(out, src) is True
+    assert out.tobytes() == np.ascontiguousarray(src.T).tobytes()
+
+
+def test_transpose_declines_what_it_cannot_take_and_writes_nothing():
+    conv = pytest.importorskip("backends._halfconv", reason="the C kernels are not built")
+    src = np.arange(12, dtype=np.float32).reshape(3, 4)
+    frozen = np.zeros((4, 3), np.float32)
+    frozen.flags.writeable = False
+    memory = np.zeros(24, np.float32)
+    cases = [
+        (frozen, src),                                   # a read-only out
+        (np.zeros((3, 4), np.float32), src),             # not the transposed shape
+        (np.zeros((4, 3), np.float64), src),             # items of another size
+        (np.zeros((4, 3), np.float32), src[:, ::-1]),    # src not C-contiguous
+        (np.zeros((6, 3), np.float32)[::2], src),        # out not C-contiguous
+        (np.zeros((4, 3, 1), np.float32), src),          # 3-D
+        (np.zeros((4, 3), np.bool_), src.astype(np.bool_)),  # one-byte items
+        (np.zeros((4, 3), np.complex128), src.astype(np.complex128)),  # 16-byte items
+        (memory[:12].reshape(4, 3), memory[6:18].reshape(3, 4)),  # out overlaps src
+    ]
+    for out, x in cases:
+        before = out.copy()
+        assert conv.transpose(out, x) is False
+        assert np.array_equal(out, before)
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        conv.transpose(src)

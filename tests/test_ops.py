@@ -527,3 +527,28 @@ def test_a_reduction_over_nothing_is_silent(where, dtype, shape, axis):
     assert np.array_equal(np.isnan(mean), np.isnan(want))
     assert np.array_equal(mean[~np.isnan(mean)], want[~np.isnan(want)])
     assert not np.signbit(total).any() and not total.any()
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int8", "uint8", "int16", "uint16", "int32",
+                                   "uint32", "int64", "uint64", "float16", "bfloat16",
+                                   "float32", "float64"])
+@pytest.mark.parametrize("shape", [(70, 90), (3, 5000), (257, 33)])
+def test_a_copy_of_a_transposed_matrix_is_numpys_in_every_dtype(dtype, shape):
+    """The CPU's copy of a 2-D transpose of contiguous memory (at 4,096 items and more, in C
+    tiles where the item is 2, 4 or 8 bytes: backends/numpy.py's `_copy`), bit for bit, into
+    a new tensor and into a strided out (which NumPy's copy takes), in every dtype a tensor
+    holds (NaN payloads too: a copy moves bits)."""
+    import ml_dtypes
+
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    bits = np.random.default_rng(shape[0]).integers(0, 256, shape[0] * shape[1] * dt.itemsize,
+                                                    dtype=np.uint8)
+    values = bits.view(np.uint8 if dt == np.bool_ else dt).reshape(shape)
+    values = values.astype(bool) if dt == np.bool_ else values
+    x = runtime.tensor(values)
+    got = ops.copy(x.T)
+    assert got.shape == shape[::-1] and got.numpy().tobytes() == values.T.tobytes()
+    wide = runtime.tensor(np.zeros((shape[1], 2 * shape[0]), dt))
+    ops.copy(x.T, out=wide[:, ::2])
+    assert wide.numpy()[:, ::2].tobytes() == values.T.tobytes()
+    assert not wide.numpy()[:, 1::2].any()
