@@ -789,8 +789,8 @@ def _batch_norm_training(x: Tensor, running_mean: Tensor | None, running_var: Te
     """batch_norm with the batch's statistics, as one autograd node: the forward pass runs
     without recording and saves only the normalised x (one activation, as PyTorch's saves its
     input) and the per-channel 1 / sqrt(var + eps); the backward pass is PyTorch's formula,
-    gx = rstd * (gy - mean(gy) - xhat * mean(gy * xhat)) over every axis but 1, gy = g * weight,
-    weight's gradient the sum of g * xhat, bias's the sum of g. Composed of ops, autograd would
+    gx = rstd * weight * (g - sum(g) / count - xhat * sum(g * xhat) / count) over every axis
+    but 1, whose two sums are the bias's and the weight's gradients. Composed of ops, autograd would
     keep the centred and the normalised x for every layer."""
     channels = x.shape[1]
     axes = (0, *range(2, x.ndim))
@@ -839,28 +839,33 @@ def _batch_norm_training(x: Tensor, running_mean: Tensor | None, running_var: Te
     nw, nb = weight is not None and weight.requires_grad, bias is not None and bias.requires_grad
 
     def fn(g: Tensor, xhat: Tensor, rstd: Tensor, weight: Tensor | None) -> tuple:
+        # NOTE: the weight factored out of both means, as PyTorch's kernel does: mean(gy) =
+        # w * sum(g) / count and mean(gy * xhat) = w * sum(g * xhat) / count, the two sums
+        # the bias's and the weight's gradients; so g is multiplied once (by xhat, into the
+        # sum), not three times, and two passes over g are sums, not four
         gw = _widened(g, xhat.dtype)
-        gy = mul(gw, per_channel(weight)) if weight is not None else gw
-        a = mean(gy, axis=axes, keepdims=True)
-        t = mul(gy, xhat)
-        b = mean(t, axis=axes, keepdims=True)
-        mul(xhat, b, out=t)
-        sub(gy, t, out=t)
+        sums = sum(gw, axis=axes)
+        product = mul(gw, xhat)
+        dots = sum(product, axis=axes)
+        product.release()
+        a = div(per_channel(sums), float(count))
+        b = div(per_channel(dots), float(count))
+        scale = rstd if weight is None else mul(rstd, per_channel(weight))
+        t = mul(xhat, b)
+        sub(gw, t, out=t)
         sub(t, a, out=t)
-        mul(t, rstd, out=t)
-        _release(a, b, gy if gy is not gw else None)
+        mul(t, scale, out=t)
+        _release(a, b, scale if scale is not rstd else None)
         gx = t if t.dtype == g.dtype else _narrowed(t, g.dtype)
         g_weight = g_bias = None
         if nw:
-            product = mul(gw, xhat)
-            g_weight = sum(product, axis=axes)
-            product.release()
-            if g_weight.dtype != weight.dtype:
-                g_weight = _narrowed(g_weight, weight.dtype)
+            g_weight = dots if dots.dtype == weight.dtype else _narrowed(dots, weight.dtype)
+        else:
+            dots.release()
         if nb:
-            g_bias = sum(gw, axis=axes)
-            if g_bias.dtype != bias_dtype:
-                g_bias = _narrowed(g_bias, bias_dtype)
+            g_bias = sums if sums.dtype == bias_dtype else _narrowed(sums, bias_dtype)
+        else:
+            sums.release()
         _release(gw if gw is not g else None)
         return gx, None, None, g_weight, g_bias
 
