@@ -78,6 +78,24 @@ def test_fused_chains_give_bitwise_the_unfused_results():
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_link_read_twice_by_the_next_one_is_fused():
+    """(x - m) squared is mul(d, d): d is read twice by one link and nowhere else, so the
+    chain is one step and d never gets a buffer of its own; the same bits as unfused."""
+    def fn(x):
+        d = ops.sub(x, 0.25)
+        return ops.sum(ops.mul(d, d))
+
+    values = np.random.default_rng(3).standard_normal((300, 40))
+    results = {}
+    for fuse in (False, True):
+        graph = runtime.graph(fn, plan="static", fuse=fuse)
+        results[fuse] = graph(values).numpy()
+        report = graph.memory_report()
+        assert report["fused"] == (2 if fuse else 0), report
+    assert results[True].tobytes() == results[False].tobytes()
+    np.testing.assert_allclose(results[True], ((values - 0.25) ** 2).sum(), rtol=1e-12)
+
+
 # ---------------------------------------------------------------------- products in chains
 def test_products_fold_into_their_updates_and_activations():
     """Plain SGD: each hidden product folds into its bias + ReLU chain and each dx into ReLU's

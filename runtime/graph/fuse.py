@@ -49,7 +49,8 @@ def _fuse(scheduled: list[Instruction], intermediate: frozenset[int]) -> list[_S
             previous = scheduled[position - 1]
             link = previous.outputs[0]
             bid = link.block.id
-            if (bid in intermediate and link.whole and readers.get(bid) == [position]
+            # NOTE: a link may be read twice by the next (x - m squared: mul(d, d))
+            if (bid in intermediate and link.whole and set(readers.get(bid, ())) == {position}
                     and writers.get(bid) == [position - 1]
                     and previous.outputs[0].shape == instr.outputs[0].shape
                     and all(o.whole for o in instr.inputs if o.block.id == bid)
