@@ -300,6 +300,7 @@ def assert_close(name: str, got: np.ndarray, want: np.ndarray, what: str,
     the kernel's `operands` (arrays of the result's shape, or numbers); where rounding decides
     a GELU gradient (`_rounding_decides`), a zero of either sign, and NaN or an infinity for
     an infinite g."""
+    result_shape = np.shape(want)
     got, want = got.reshape(-1), want.reshape(-1)
     dtype = want.dtype
     nan = _nan(want)
@@ -334,7 +335,7 @@ def assert_close(name: str, got: np.ndarray, want: np.ndarray, what: str,
             # carries that error into a normal result (g = 1.8e308, x = 26.6: 4 ULPs between
             # PoCL and the CPU). So each of those ULPs is also allowed as g times 2 / sqrt(pi)
             # times that spacing
-            g = np.broadcast_to(_wide(np.asarray(operands[0])), want.shape).reshape(-1)
+            g = np.broadcast_to(_wide(np.asarray(operands[0])), result_shape).reshape(-1)
             compute = _compute(dtype)
             slack = np.abs(g) * (2 / math.sqrt(math.pi) * float(_finfo(compute).smallest_subnormal)
                                  * (TRANSCENDENTAL_ULPS["exp", compute] + 1))
