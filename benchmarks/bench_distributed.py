@@ -319,9 +319,10 @@ def driver(args: argparse.Namespace) -> None:
             undo[label] = (statistics.median(result["undo_ms"]),
                            statistics.median(result["times_ms"]))
     for label, (copy_ms, step_ms) in undo.items():
-        print(f"{label}: the host copy kept for undo (Note [ZeRO's commit point is the "
-              f"gather]) took {copy_ms:.2f} ms of a {step_ms:.1f} ms step on rank 0 "
-              f"({copy_ms / step_ms:.1%}; medians of {args.steps} steps)")
+        note = "Note [ZeRO's commit point is the gather]"
+        print(f"{label}: the host copy kept for undo ({note}) took {copy_ms:.2f} ms of a "
+              f"{step_ms:.1f} ms step on rank 0 ({copy_ms / step_ms:.1%}; medians of "
+              f"{args.steps} steps)")
     load_after = os.getloadavg()
     print(f"\nload {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} after")
     if args.json:
