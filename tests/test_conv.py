@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from test_autograd import check_gradients
 
@@ -337,14 +337,20 @@ def test_conv2d_in_pieces_and_its_gradients_match_pytorch(device, dtype, images,
        images=st.integers(1, 4), bias=st.booleans(), seed=st.integers(0, 99))
 def test_conv2d_in_drawn_pieces_matches_pytorch(n, c, o, h, w, kh, kw, sh, sw, ph, pw, images,
                                                 bias, seed):
-    if kh > h + 2 * ph or kw > w + 2 * pw:
-        return
+    assume(kh <= h + 2 * ph and kw <= w + 2 * pw)
+    geometry = ops._geometry("conv2d", (n, c, h, w), (kh, kw), (sh, sw), (ph, pw))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ops, "CONV_PIECE_BYTES", 1)
-        patch.setattr(ops, "CONV_PIECE_POSITIONS",
-                      images * ((h + 2 * ph - kh) // sh + 1) * ((w + 2 * pw - kw) // sw + 1))
-        _conv_against_torch("cpu", F64, n, c, o, (h, w), (kh, kw), (sh, sw), (ph, pw),
-                            bias=bias, seed=seed)
+        patch.setattr(ops, "CONV_PIECE_POSITIONS", images * math.prod(geometry[4]))
+        # NOTE: as many pieces as hold `images` images each at least (one: the whole batch)
+        found = ops._conv_pieces((n, c, h, w), geometry, c, 8)
+        assert len(found) == max(1, n // images), found
+        assert found[0][0] == 0 and found[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(found, found[1:]))
+        assert all(stop - start >= images for start, stop in found) or found == [(0, n)]
+        compared = _conv_against_torch("cpu", F64, n, c, o, (h, w), (kh, kw), (sh, sw),
+                                       (ph, pw), bias=bias, seed=seed)
+    assert compared == (4 if bias else 3)
 
 
 def test_pieces_hold_one_images_columns_not_the_batchs():
@@ -376,8 +382,23 @@ def test_pieces_hold_one_images_columns_not_the_batchs():
 
 @pytest.mark.parametrize("name", ["conv2d", "conv2d 1x1"])
 def test_out_gets_the_pieces_contiguous_or_strided(name, pieces):
+    """In pieces of one image, into a contiguous out and into every other column of a wider
+    tensor: the whole batch's values, and nothing written between the columns."""
+    x = runtime.tensor(np.random.default_rng(10).standard_normal((2, 2, 4, 4)))
+    expected = OPS[name](x).numpy()  # NOTE: the whole batch, one piece
     pieces(1)
-    test_out_gets_the_result_contiguous_or_strided(name)
+    kernel = 3 if name == "conv2d" else 1
+    geometry = ops._geometry("conv2d", x.shape, (kernel, kernel), (1, 1),
+                             (kernel // 2, kernel // 2))
+    assert len(ops._conv_pieces(x.shape, geometry, 2, 8)) == 2
+    out = runtime.empty((2, 2, 4, 4), "float64")
+    assert OPS[name](x, out=out) is out
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-12, atol=1e-12)
+    wide = runtime.tensor(np.full((2, 2, 4, 8), 7.0))
+    strided = wide[:, :, :, ::2]
+    assert OPS[name](x, out=strided) is strided
+    np.testing.assert_allclose(strided.numpy(), expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(wide.numpy()[:, :, :, 1::2], 7.0)
 
 
 @pytest.mark.parametrize("options", [
