@@ -148,8 +148,9 @@ def _copy(x: np.ndarray, out: np.ndarray) -> None:
     (2 vCPUs), float32: (4608, 512) 4.4 against 12.0 ms, (512, 2048) 0.95 against 2.98 ms,
     (2304, 256) 0.36 against 0.82 ms; tiles of 32, 64 and 128 were slower there (measured on
     this CPU only: BENCHMARKS.md)."""
+    # NOTE: a Fortran-ordered 2-D x is the transpose of contiguous memory, x.T that memory
     if (x.ndim == 2 and x.size >= _TILED_LEAST and x.dtype == out.dtype and _halfconv is not None
-            and out.flags.c_contiguous and x.T.flags.c_contiguous
+            and x.flags.f_contiguous and out.flags.c_contiguous
             and _halfconv.transpose(out, x.T)):
         return
     np.copyto(out, x)

@@ -165,7 +165,7 @@ def main() -> None:
         g = rng.standard_normal((args.batch, o, out, out)).astype(np.float32)
         step = blockrt_step(x, w, b, g, s, p)
         pieces = len(ops._conv_pieces(x.shape, ops._geometry("conv2d", x.shape, (k, k), (s, s),
-                                                            (p, p)), c, x.itemsize))
+                                                            (p, p)), x.itemsize))
         contenders = {"blockrt": step, "torch": torch_step(torch, x, w, b, g, s, p)}
         if pieces > 1:
             contenders["whole"] = whole_batch(step)

@@ -1808,13 +1808,13 @@ CONV_PIECE_POSITIONS = 3000
 # for bit).
 
 
-def _conv_pieces(shape: tuple[int, ...], geometry: tuple, channels: int,
-                 itemsize: int) -> list[tuple[int, int]]:
+def _conv_pieces(shape: tuple[int, ...], geometry: tuple, itemsize: int
+                 ) -> list[tuple[int, int]]:
     """The (start, stop) image ranges a convolution of an x of `shape` runs in: as few as
     keep each piece's columns within CONV_PIECE_BYTES, each with at least
     CONV_PIECE_POSITIONS output positions (a whole image at least)."""
     (kh, kw), _, _, (_, wp), (ho, wo) = geometry
-    n = shape[0]
+    n, channels = shape[:2]
     per_image = channels * kh * kw * ho * (wp if _wide_rows(geometry) else wo) * itemsize
     least = max(1, -(-CONV_PIECE_POSITIONS // (ho * wo)))  # NOTE: images a piece needs
     count = min(n // least, -(-n * per_image // CONV_PIECE_BYTES))
@@ -1829,16 +1829,12 @@ def _conv_forward(x: Tensor, weight: Tensor, bias: Tensor | None, geometry: tupl
     """out = conv2d(x, weight) + bias, under no_grad: in pieces of images
     (Note [convolution in pieces of images]), each one product of the weight, viewed as
     (O, C*kh*kw), and the piece's columns."""
-    (kh, kw) = geometry[0]
+    kh, kw = geometry[0]
     c = x.shape[1]
     o = weight.shape[0]
     w2 = weight.reshape(o, c * kh * kw)
     bias4 = None if bias is None else bias.reshape(1, o, 1, 1)
-    pieces = _conv_pieces(x.shape, geometry, c, x.dtype.itemsize)
-    for start, stop in pieces:
-        if len(pieces) == 1:
-            _conv_piece(x, w2, bias4, geometry, out)
-            continue
+    for start, stop in _conv_pieces(x.shape, geometry, x.dtype.itemsize):
         xs, target = x[start:stop], out[start:stop]
         _conv_piece(xs, w2, bias4, geometry, target)
         xs.release()
@@ -1937,7 +1933,7 @@ def _conv_backward(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], geom
     forward's pieces of images (Note [convolution in pieces of images]), with g as (O,
     N*Ho*Wo): the weight's gradient is g times the columns (made again) transposed, the
     columns' gradient the weight transposed times g, and x's gradient their col2im."""
-    (kh, kw) = geometry[0]
+    kh, kw = geometry[0]
     c = x_shape[1]
     o = weight_shape[0]
 
@@ -1945,41 +1941,34 @@ def _conv_backward(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], geom
         gx = gw = gb = None
         if nb:
             gb = sum(g, axis=(0, 2, 3))
-        pieces = _conv_pieces(x_shape, geometry, c, g.dtype.itemsize)
-        whole = len(pieces) == 1
+        pieces = _conv_pieces(x_shape, geometry, g.dtype.itemsize)
         w2 = w.reshape(o, c * kh * kw) if nx else None
-        if nx and not whole:
+        if nx and len(pieces) > 1:  # NOTE: each piece writes its images' gradient into it
             gx = Tensor._fresh(x_shape, g.dtype, _result_allocator(g))
         total = None  # NOTE: the weight's gradient, (C*kh*kw, O), summed over the pieces
         for start, stop in pieces:
-            gs = g if whole else g[start:stop]
-            xs = x if whole or x is None else x[start:stop]
-            target = None if whole or gx is None else gx[start:stop]
-            shape = (stop - start, *x_shape[1:])
+            gs = g[start:stop]
             g2 = _conv_g2(gs, geometry, o)
+            gs.release()
             if nw:
+                xs = x[start:stop]
                 product = _weight_product(xs, g2, geometry)
+                xs.release()
                 if total is None:
                     total = product
                 else:
                     summed = add(total, product)
-                    total.release()
-                    product.release()
+                    _release(total, product)
                     total = summed
             if nx:
-                grad_columns = matmul(w2.T, g2)
-                if _wide_rows(geometry):
-                    _zero_dropped(grad_columns, geometry)
-                piece = _col2im(grad_columns, shape, geometry, target)
-                if whole:
-                    gx = piece  # NOTE: else piece is target, written in place
-            g2.release()
-            if not whole:
-                gs.release()
-                if xs is not None:
-                    xs.release()
-                if target is not None:
+                shape = (stop - start, *x_shape[1:])
+                if gx is None:  # NOTE: one piece: a new tensor
+                    gx = _input_grad(w2, g2, shape, geometry, None)
+                else:
+                    target = gx[start:stop]
+                    _input_grad(w2, g2, shape, geometry, target)
                     target.release()
+            g2.release()
         if w2 is not None:
             w2.release()
         if total is not None:
@@ -1988,6 +1977,25 @@ def _conv_backward(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], geom
         return gx, gw, gb
 
     return fn
+
+
+def _input_grad(w2: Tensor, g2: Tensor, x_shape: tuple[int, ...], geometry: tuple,
+                out: Tensor | None) -> Tensor:
+    """x's gradient from the weight (O, C*kh*kw) and g2: the columns' gradient w2.T @ g2, then
+    col2im, into `out` when given (a 1x1 kernel over one image: the product writes out's
+    image, which is the columns' layout), else a new tensor."""
+    (kh, kw), (sh, sw), padding = geometry[:3]
+    n, c, h, w = x_shape
+    if (out is not None and n == 1 and kh == kw == sh == sw == 1 and padding == (0, 0)
+            and out.is_contiguous()):
+        image = out.reshape(c, h * w)
+        matmul(w2.T, g2, out=image)
+        image.release()
+        return out
+    grad_columns = matmul(w2.T, g2)
+    if _wide_rows(geometry):
+        _zero_dropped(grad_columns, geometry)
+    return _col2im(grad_columns, x_shape, geometry, out)
 
 
 def _conv_g2(g: Tensor, geometry: tuple, o: int) -> Tensor:

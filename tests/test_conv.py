@@ -301,16 +301,16 @@ def pieces(monkeypatch):
 def test_pieces_are_whole_images_within_the_bytes_and_positions_allowed(monkeypatch):
     geometry = ops._geometry("conv2d", (4, 64, 56, 56), (3, 3), (1, 1), (1, 1))
     one = 64 * 9 * 56 * 58 * 4  # NOTE: one image's wide-row columns
-    assert ops._conv_pieces((4, 64, 56, 56), geometry, 64, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert ops._conv_pieces((4, 64, 56, 56), geometry, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     monkeypatch.setattr(ops, "CONV_PIECE_BYTES", 2 * one)
-    assert ops._conv_pieces((4, 64, 56, 56), geometry, 64, 4) == [(0, 2), (2, 4)]
-    assert ops._conv_pieces((5, 64, 56, 56), geometry, 64, 4) == [(0, 2), (2, 4), (4, 5)]
+    assert ops._conv_pieces((4, 64, 56, 56), geometry, 4) == [(0, 2), (2, 4)]
+    assert ops._conv_pieces((5, 64, 56, 56), geometry, 4) == [(0, 2), (2, 4), (4, 5)]
     monkeypatch.setattr(ops, "CONV_PIECE_POSITIONS", 3 * 56 * 56)
-    assert ops._conv_pieces((4, 64, 56, 56), geometry, 64, 4) == [(0, 4)]  # NOTE: 1 piece
-    assert ops._conv_pieces((6, 64, 56, 56), geometry, 64, 4) == [(0, 3), (3, 6)]
+    assert ops._conv_pieces((4, 64, 56, 56), geometry, 4) == [(0, 4)]  # NOTE: 1 piece
+    assert ops._conv_pieces((6, 64, 56, 56), geometry, 4) == [(0, 3), (3, 6)]
     small = ops._geometry("conv2d", (4, 256, 14, 14), (3, 3), (1, 1), (1, 1))
     monkeypatch.undo()
-    assert ops._conv_pieces((4, 256, 14, 14), small, 256, 4) == [(0, 4)]  # NOTE: thin
+    assert ops._conv_pieces((4, 256, 14, 14), small, 4) == [(0, 4)]  # NOTE: thin
 
 
 @needs_torch
@@ -343,7 +343,7 @@ def test_conv2d_in_drawn_pieces_matches_pytorch(n, c, o, h, w, kh, kw, sh, sw, p
         patch.setattr(ops, "CONV_PIECE_BYTES", 1)
         patch.setattr(ops, "CONV_PIECE_POSITIONS", images * math.prod(geometry[4]))
         # NOTE: as many pieces as hold `images` images each at least (one: the whole batch)
-        found = ops._conv_pieces((n, c, h, w), geometry, c, 8)
+        found = ops._conv_pieces((n, c, h, w), geometry, 8)
         assert len(found) == max(1, n // images), found
         assert found[0][0] == 0 and found[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(found, found[1:]))
@@ -390,7 +390,7 @@ def test_out_gets_the_pieces_contiguous_or_strided(name, pieces):
     kernel = 3 if name == "conv2d" else 1
     geometry = ops._geometry("conv2d", x.shape, (kernel, kernel), (1, 1),
                              (kernel // 2, kernel // 2))
-    assert len(ops._conv_pieces(x.shape, geometry, 2, 8)) == 2
+    assert len(ops._conv_pieces(x.shape, geometry, 8)) == 2
     out = runtime.empty((2, 2, 4, 4), "float64")
     assert OPS[name](x, out=out) is out
     np.testing.assert_allclose(out.numpy(), expected, rtol=1e-12, atol=1e-12)

@@ -715,7 +715,7 @@ class _Search:
                                   moves=why, schedule=f"{dropped} parts of {n} units "
                                                       f"recomputed once, chosen by bytes and work")
                 fitted = fitted or fits
-                if fits or self.peaks[-1] <= target:
+                if fits:
                     fits_at = max(fits_at, room)
                 else:
                     over_at = min(over_at, room)
