@@ -418,7 +418,7 @@ def test_transpose_moves_every_item_in_tiles(rows, cols, dtype, seed):
     """out (rows, cols) = src (cols, rows) transposed, bit for bit, over sizes that end mid
     tile (16) and every item size it takes (NaN payloads kept: it moves bits)."""
     conv = pytest.importorskip("backends._halfconv", reason="the C kernels are not built")
-    dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    dtype = np.dtype(dtype)  # NOTE: bfloat16 by name, as ml_dtypes (imported) registers it
     bits = np.random.default_rng(seed).integers(0, 256, cols * rows * dtype.itemsize,
                                                 dtype=np.uint8)
     src = bits.view(dtype).reshape(cols, rows)
