@@ -1478,6 +1478,520 @@ transpose(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return released(views, held, refuse);
 }
 
+/* Per-channel statistics of a C-contiguous (n, c, s) float32 or float64 x, each channel's
+ * sums in double, in one fixed order (the samples in turn, each row of s in eight lanes added
+ * in pairs at its end), so a graph's replay gives eager's bits:
+ * moments(kind, mean, m2, x): mean[k] = the mean of x[:, k, :]; m2[k] = the sum of
+ * (x - mean)**2 over the same elements, a second pass around the mean in double (no
+ * cancellation, where E[x**2] - E[x]**2 loses every digit of a large mean);
+ * channel_dots(kind, sums, dots, g, y): sums[k] = the sum of g[:, k, :], dots[k] = the sum of
+ * g * y (each product in double) there. Outputs are contiguous runs of c items that share no
+ * byte with an input. Batch norm's forward and backward statistics (runtime/ops.py). */
+#define LANES 8
+#define CHANNEL_STATS(T, SUFFIX, ATTR)                                                        \
+    ATTR static double row_sum_##SUFFIX(const T *p, Py_ssize_t s, double centre)              \
+    {                                                                                        \
+        double a[LANES] = {0};                                                               \
+        Py_ssize_t j = 0;                                                                    \
+        for (; j + LANES <= s; j += LANES)                                                   \
+            for (int k = 0; k < LANES; k++) a[k] += (double)p[j + k] - centre;               \
+        for (int k = 0; j < s; j++, k++) a[k] += (double)p[j] - centre;                      \
+        return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));            \
+    }                                                                                        \
+    ATTR static double row_squares_##SUFFIX(const T *p, Py_ssize_t s, double centre)          \
+    {                                                                                        \
+        double a[LANES] = {0};                                                               \
+        Py_ssize_t j = 0;                                                                    \
+        for (; j + LANES <= s; j += LANES)                                                   \
+            for (int k = 0; k < LANES; k++) {                                                \
+                double d = (double)p[j + k] - centre;                                        \
+                a[k] += d * d;                                                               \
+            }                                                                                \
+        for (int k = 0; j < s; j++, k++) {                                                   \
+            double d = (double)p[j] - centre;                                                \
+            a[k] += d * d;                                                                   \
+        }                                                                                    \
+        return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));            \
+    }                                                                                        \
+    ATTR static double row_dots_##SUFFIX(const T *p, const T *q, Py_ssize_t s)                \
+    {                                                                                        \
+        double a[LANES] = {0};                                                               \
+        Py_ssize_t j = 0;                                                                    \
+        for (; j + LANES <= s; j += LANES)                                                   \
+            for (int k = 0; k < LANES; k++) a[k] += (double)p[j + k] * (double)q[j + k];     \
+        for (int k = 0; j < s; j++, k++) a[k] += (double)p[j] * (double)q[j];                \
+        return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));            \
+    }                                                                                        \
+    ATTR static void moments_##SUFFIX(T *mean, T *m2, const T *x, Py_ssize_t n,              \
+                                      Py_ssize_t c, Py_ssize_t s)                             \
+    {                                                                                        \
+        double count = (double)n * (double)s;                                                \
+        for (Py_ssize_t k = 0; k < c; k++) {                                                 \
+            double total = 0.0, squares = 0.0;                                               \
+            for (Py_ssize_t i = 0; i < n; i++) total += row_sum_##SUFFIX(x + (i * c + k) * s, \
+                                                                         s, 0.0);            \
+            double centre = total / count;                                                   \
+            for (Py_ssize_t i = 0; i < n; i++)                                               \
+                squares += row_squares_##SUFFIX(x + (i * c + k) * s, s, centre);             \
+            mean[k] = (T)centre;                                                             \
+            m2[k] = (T)squares;                                                              \
+        }                                                                                    \
+    }                                                                                        \
+    ATTR static void channel_dots_##SUFFIX(T *sums, T *dots, const T *g, const T *y,         \
+                                           Py_ssize_t n, Py_ssize_t c, Py_ssize_t s)          \
+    {                                                                                        \
+        for (Py_ssize_t k = 0; k < c; k++) {                                                 \
+            double total = 0.0, dot = 0.0;                                                   \
+            for (Py_ssize_t i = 0; i < n; i++) {                                             \
+                const T *p = g + (i * c + k) * s, *q = y + (i * c + k) * s;                  \
+                total += row_sum_##SUFFIX(p, s, 0.0);                                        \
+                dot += row_dots_##SUFFIX(p, q, s);                                           \
+            }                                                                                \
+            sums[k] = (T)total;                                                              \
+            dots[k] = (T)dot;                                                                \
+        }                                                                                    \
+    }
+
+CHANNEL_STATS(float, f32, )
+CHANNEL_STATS(double, f64, )
+#if HAVE_X86
+CHANNEL_STATS(float, f32_avx2, __attribute__((target("avx2"))))
+CHANNEL_STATS(double, f64_avx2, __attribute__((target("avx2"))))
+#endif
+#undef CHANNEL_STATS
+#undef LANES
+
+/* The (n, c, s) operands of moments / channel_dots: `inputs` buffers of one 3-D shape and
+ * item size, then two outputs of c items each, every output apart from every other buffer.
+ * Returns the number of buffers held (all, or fewer with *refuse set). */
+static int
+stats_views(PyObject *const *args, int inputs, Py_ssize_t itemsize, Py_buffer *views,
+            int *refuse)
+{
+    int held = 0;
+    *refuse = 0;
+    for (int k = 0; k < 2 + inputs && !*refuse; k++) {
+        *refuse = acquire(args[k], &views[k], k < 2);
+        held += !*refuse;
+    }
+    for (int k = 2; k < held && !*refuse; k++) {
+        *refuse = !(views[k].itemsize == itemsize && views[k].ndim == 3
+                    && same_shape(&views[k], &views[2], itemsize));
+    }
+    for (int k = 0; k < 2 && !*refuse; k++) {
+        *refuse = !(views[k].itemsize == itemsize && views[k].len == views[2].shape[1] * itemsize);
+        for (int other = 0; other < held && !*refuse; other++) {
+            *refuse = other != k && !apart(&views[k], &views[other]);
+        }
+    }
+    return held;
+}
+
+#if HAVE_X86
+#define PICK(NAME, SUFFIX) (use_avx2 ? NAME##_##SUFFIX##_avx2 : NAME##_##SUFFIX)
+#else
+#define PICK(NAME, SUFFIX) NAME##_##SUFFIX
+#endif
+static PyObject *
+channel_stats(const char *name, int inputs, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 + inputs) {
+        PyErr_Format(PyExc_TypeError, "%s takes %d arguments, got %zd", name, 3 + inputs, nargs);
+        return NULL;
+    }
+    long kind;
+    Py_ssize_t itemsize = float_kind(args[0], name, &kind);
+    if (itemsize == 0) {
+        return NULL;
+    }
+    Py_buffer views[4];
+    int refuse;
+    int held = stats_views(args + 1, inputs, itemsize, views, &refuse);
+    if (!refuse) {
+        Py_ssize_t n = views[2].shape[0], c = views[2].shape[1], s = views[2].shape[2];
+        void *o1 = views[0].buf, *o2 = views[1].buf;
+        const void *a = views[2].buf, *b = inputs == 2 ? views[3].buf : NULL;
+        Py_BEGIN_ALLOW_THREADS
+        if (inputs == 1 && kind) {
+            PICK(moments, f64)(o1, o2, a, n, c, s);
+        } else if (inputs == 1) {
+            PICK(moments, f32)(o1, o2, a, n, c, s);
+        } else if (kind) {
+            PICK(channel_dots, f64)(o1, o2, a, b, n, c, s);
+        } else {
+            PICK(channel_dots, f32)(o1, o2, a, b, n, c, s);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    return released(views, held, refuse);
+}
+
+static PyObject *
+moments(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return channel_stats("moments(kind, mean, m2, x)", 1, args, nargs);
+}
+
+static PyObject *
+channel_dots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return channel_stats("channel_dots(kind, sums, dots, g, y)", 2, args, nargs);
+}
+
+/* chain(plan): a fused chain of the table's ops (a graph's elementwise chain, `Device.fused`)
+ * on float32 or float64, in tiles of CHAIN_TILE items: each link's loop is the op's own
+ * (`optable_*`, one IEEE operation per step, so every link rounds as its kernel alone would
+ * and the chain gives the bits of its links run one by one), its result kept in a tile of
+ * scratch, the last link's written into out. `plan` is a contiguous int64 buffer, made by the
+ * NumPy device (backends/numpy.py, `_chain_plan`): kind (0 float32, 1 float64), links,
+ * operands, ndim (2 to CHAIN_DIMS), out's address; out's dims (out is C-contiguous); each
+ * link's code and two references (k >= 0 operand k, k < 0 link -1 - k; the second unread by
+ * a unary op); each operand's address and its ndim strides in items over out's dims (zero
+ * where it is broadcast). The last two dims are walked in tiles, the others one index at a
+ * time. out may be an operand's identical view: each tile is read before it is written. */
+#define CHAIN_TILE 512
+#define CHAIN_DIMS 8
+#define CHAIN_OPERANDS 64
+#define CHAIN_RUN(T, SUFFIX, ATTR)                                                            \
+    ATTR static void chain_##SUFFIX(const int64_t *head, const int64_t *dims,                 \
+                                    const int64_t *links, const int64_t *operands,           \
+                                    T *scratch)                                              \
+    {                                                                                        \
+        Py_ssize_t nlinks = head[1], nops = head[2], ndim = head[3];                         \
+        Py_ssize_t mid = dims[ndim - 2], inner = dims[ndim - 1], plane = mid * inner;        \
+        Py_ssize_t outer = 1, idx[CHAIN_DIMS] = {0};                                         \
+        for (Py_ssize_t d = 0; d < ndim - 2; d++) outer *= dims[d];                          \
+        T *out = (T *)(uintptr_t)head[4];                                                    \
+        T *fills = scratch + nlinks * CHAIN_TILE;                                            \
+        const T *src[CHAIN_OPERANDS], *filled[CHAIN_OPERANDS] = {NULL};                      \
+        Py_ssize_t filled_n[CHAIN_OPERANDS] = {0};                                           \
+        const int64_t step = 1 + ndim;                                                       \
+        for (Py_ssize_t o = 0; o < outer; o++) {                                             \
+            for (Py_ssize_t f0 = 0; f0 < plane; f0 += CHAIN_TILE) {                          \
+                Py_ssize_t n = plane - f0 < CHAIN_TILE ? plane - f0 : CHAIN_TILE;             \
+                for (Py_ssize_t k = 0; k < nops; k++) {                                      \
+                    const int64_t *op = operands + step * k;                                 \
+                    const T *base = (const T *)(uintptr_t)op[0];                             \
+                    for (Py_ssize_t d = 0; d < ndim - 2; d++) base += idx[d] * op[1 + d];    \
+                    Py_ssize_t sm = op[ndim - 1], si = op[ndim];                             \
+                    if (si == 1 && (sm == inner || mid == 1)) {                              \
+                        src[k] = base + f0;                                                  \
+                        continue;                                                            \
+                    }                                                                        \
+                    T *d = fills + k * CHAIN_TILE;                                           \
+                    Py_ssize_t m = f0 / inner, i = f0 % inner, left = n;                     \
+                    src[k] = d;                                                              \
+                    if (si == 0 && i + n <= inner) { /* one value: filled already? */        \
+                        const T *p = base + m * sm;                                          \
+                        if (filled[k] == p && filled_n[k] >= n) continue;                    \
+                        filled[k] = p;                                                       \
+                        filled_n[k] = n;                                                     \
+                    } else {                                                                 \
+                        filled[k] = NULL;                                                    \
+                    }                                                                        \
+                    while (left > 0) {                                                       \
+                        Py_ssize_t run = inner - i < left ? inner - i : left;                \
+                        const T *p = base + m * sm + i * si;                                 \
+                        if (si == 1) {                                                       \
+                            memcpy(d, p, (size_t)run * sizeof(T));                           \
+                        } else if (si == 0) {                                                \
+                            T v = *p;                                                        \
+                            for (Py_ssize_t r = 0; r < run; r++) d[r] = v;                   \
+                        } else {                                                             \
+                            for (Py_ssize_t r = 0; r < run; r++) d[r] = p[r * si];           \
+                        }                                                                    \
+                        d += run;                                                            \
+                        left -= run;                                                         \
+                        m++;                                                                 \
+                        i = 0;                                                               \
+                    }                                                                        \
+                }                                                                            \
+                for (Py_ssize_t l = 0; l < nlinks; l++) {                                    \
+                    const int64_t *link = links + 3 * l;                                     \
+                    T *r = l == nlinks - 1 ? out + o * plane + f0 : scratch + l * CHAIN_TILE; \
+                    const T *a = link[1] >= 0 ? src[link[1]]                                 \
+                                              : scratch + (-1 - link[1]) * CHAIN_TILE;       \
+                    const T *b = link[2] >= 0 ? src[link[2]]                                 \
+                                              : scratch + (-1 - link[2]) * CHAIN_TILE;       \
+                    if (link[0] == OP_COPY) {                                                \
+                        if (r != a) memmove(r, a, (size_t)n * sizeof(T));                    \
+                    } else {                                                                 \
+                        optable_##SUFFIX((int)link[0], r, a, b, 1, n, 0);                    \
+                    }                                                                        \
+                }                                                                            \
+            }                                                                                \
+            for (Py_ssize_t d = ndim - 3; d >= 0; d--) { /* the next outer index */          \
+                if (++idx[d] < dims[d]) break;                                               \
+                idx[d] = 0;                                                                  \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+CHAIN_RUN(float, f32, )
+CHAIN_RUN(double, f64, )
+#if HAVE_X86
+CHAIN_RUN(float, f32_avx2, __attribute__((target("avx2"))))
+CHAIN_RUN(double, f64_avx2, __attribute__((target("avx2"))))
+#endif
+#undef CHAIN_RUN
+
+static PyObject *
+chain(PyObject *self, PyObject *plan_obj)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(plan_obj, &view, PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    const int64_t *plan = view.buf;
+    Py_ssize_t count = view.len / (Py_ssize_t)sizeof(int64_t);
+    int bad = view.itemsize != 8 || count < 5;
+    int64_t nlinks = bad ? 0 : plan[1], nops = bad ? 0 : plan[2], ndim = bad ? 0 : plan[3];
+    bad = bad || plan[0] < 0 || plan[0] > 1 || nlinks < 1 || nops < 0 || nops > CHAIN_OPERANDS
+        || ndim < 2 || ndim > CHAIN_DIMS
+        || count != 5 + ndim + 3 * nlinks + (1 + ndim) * nops;
+    for (int64_t d = 0; d < ndim && !bad; d++) {
+        bad = plan[5 + d] < 0 || (d == ndim - 1 && plan[5 + d] < 1);
+    }
+    const int64_t *links = plan + 5 + ndim;
+    for (int64_t l = 0; l < nlinks && !bad; l++) {
+        const int64_t *link = links + 3 * l;
+        bad = link[0] < 0 || link[0] >= OP_COUNT;
+        for (int k = 1; k <= op_arity[bad ? 0 : link[0]] && !bad; k++) {
+            bad = link[k] >= nops || link[k] < -l;  /* an operand, or an earlier link */
+        }
+    }
+    if (bad) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "chain: the plan is malformed");
+        return NULL;
+    }
+    size_t itemsize = plan[0] ? sizeof(double) : sizeof(float);
+    void *scratch = malloc((size_t)(nlinks + nops) * CHAIN_TILE * itemsize);
+    if (scratch == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    const int64_t *dims = plan + 5, *operands = links + 3 * nlinks;
+    Py_BEGIN_ALLOW_THREADS
+    if (plan[0]) {
+        PICK(chain, f64)(plan, dims, links, operands, scratch);
+    } else {
+        PICK(chain, f32)(plan, dims, links, operands, scratch);
+    }
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+#undef PICK
+
+/* im2col(columns, x, kh, kw, sh, sw, ph, pw): a convolution's columns, (C*kh*kw, N*Ho*Wo),
+ * from a C-contiguous NCHW x of 2-, 4- or 8-byte items (bits moved, any dtype): row (c, i, j),
+ * column (n, oh, ow) holds x[n, c, oh*sh + i - ph, ow*sw + j - pw], zero outside x (the
+ * padding), written in one pass with no padded copy of x. col2im(kind, out, columns, kh, kw,
+ * sh, sw, ph, pw): its adjoint on float32 (kind 0) or float64 (kind 1): out (N, C, H, W)
+ * zeroed, then each column's item added where im2col took it from, for each element in the
+ * order of (i, j). Each returns False, having written nothing, for anything else. */
+/* The outputs ow of a row whose window column j lands inside x: [lo, hi). */
+static void
+valid_columns(Py_ssize_t j, Py_ssize_t sw, Py_ssize_t pw, Py_ssize_t w, Py_ssize_t wo,
+              Py_ssize_t *lo, Py_ssize_t *hi)
+{
+    Py_ssize_t first = pw - j > 0 ? (pw - j + sw - 1) / sw : 0;
+    Py_ssize_t last = w - 1 + pw - j;  /* the last ow * sw that lands inside */
+    Py_ssize_t end = last >= 0 ? last / sw + 1 : 0;
+    *hi = end < wo ? end : wo;
+    *lo = first < *hi ? first : *hi;
+}
+
+#define IM2COL(T, SUFFIX)                                                                     \
+    static void im2col_##SUFFIX(T *cols, const T *x, const Py_ssize_t *g)                    \
+    {                                                                                        \
+        Py_ssize_t n = g[0], c = g[1], h = g[2], w = g[3], kh = g[4], kw = g[5], sh = g[6];   \
+        Py_ssize_t sw = g[7], ph = g[8], pw = g[9], ho = g[10], wo = g[11];                  \
+        Py_ssize_t positions = n * ho * wo;                                                  \
+        for (Py_ssize_t ch = 0; ch < c; ch++)                                                \
+            for (Py_ssize_t i = 0; i < kh; i++)                                              \
+                for (Py_ssize_t j = 0; j < kw; j++) {                                        \
+                    T *row = cols + ((ch * kh + i) * kw + j) * positions;                    \
+                    Py_ssize_t lo, hi;                                                       \
+                    valid_columns(j, sw, pw, w, wo, &lo, &hi);                               \
+                    for (Py_ssize_t b = 0; b < n; b++) {                                     \
+                        const T *plane = x + (b * c + ch) * h * w;                           \
+                        for (Py_ssize_t oh = 0; oh < ho; oh++) {                             \
+                            T *dst = row + (b * ho + oh) * wo;                               \
+                            Py_ssize_t ih = oh * sh + i - ph;                                \
+                            if (ih < 0 || ih >= h || lo == hi) {                             \
+                                memset(dst, 0, (size_t)wo * sizeof(T));                      \
+                                continue;                                                    \
+                            }                                                                \
+                            const T *src = plane + ih * w + lo * sw + j - pw;                \
+                            for (Py_ssize_t ow = 0; ow < lo; ow++) dst[ow] = 0;              \
+                            if (sw == 1) {                                                   \
+                                memcpy(dst + lo, src, (size_t)(hi - lo) * sizeof(T));        \
+                            } else {                                                         \
+                                for (Py_ssize_t ow = lo; ow < hi; ow++)                      \
+                                    dst[ow] = src[(ow - lo) * sw];                           \
+                            }                                                                \
+                            for (Py_ssize_t ow = hi; ow < wo; ow++) dst[ow] = 0;             \
+                        }                                                                    \
+                    }                                                                        \
+                }                                                                            \
+    }
+IM2COL(uint16_t, 2)
+IM2COL(uint32_t, 4)
+IM2COL(uint64_t, 8)
+#undef IM2COL
+
+#define COL2IM(T, SUFFIX)                                                                     \
+    static void col2im_##SUFFIX(T *x, const T *cols, const Py_ssize_t *g)                    \
+    {                                                                                        \
+        Py_ssize_t n = g[0], c = g[1], h = g[2], w = g[3], kh = g[4], kw = g[5], sh = g[6];   \
+        Py_ssize_t sw = g[7], ph = g[8], pw = g[9], ho = g[10], wo = g[11];                  \
+        Py_ssize_t positions = n * ho * wo;                                                  \
+        memset(x, 0, (size_t)(n * c * h * w) * sizeof(T));                                   \
+        for (Py_ssize_t b = 0; b < n; b++)                                                   \
+            for (Py_ssize_t ch = 0; ch < c; ch++) {                                          \
+                T *plane = x + (b * c + ch) * h * w;                                         \
+                for (Py_ssize_t i = 0; i < kh; i++)                                          \
+                    for (Py_ssize_t j = 0; j < kw; j++) {                                    \
+                        const T *row = cols + ((ch * kh + i) * kw + j) * positions           \
+                                       + b * ho * wo;                                        \
+                        Py_ssize_t lo, hi;                                                   \
+                        valid_columns(j, sw, pw, w, wo, &lo, &hi);                           \
+                        for (Py_ssize_t oh = 0; oh < ho && lo < hi; oh++) {                  \
+                            Py_ssize_t ih = oh * sh + i - ph;                                \
+                            if (ih < 0 || ih >= h) continue;                                 \
+                            T *dst = plane + ih * w + lo * sw + j - pw;                      \
+                            const T *src = row + oh * wo + lo;                               \
+                            if (sw == 1) {                                                   \
+                                for (Py_ssize_t k = 0; k < hi - lo; k++) dst[k] += src[k];   \
+                            } else {                                                         \
+                                for (Py_ssize_t k = 0; k < hi - lo; k++)                     \
+                                    dst[k * sw] += src[k];                                   \
+                            }                                                                \
+                        }                                                                    \
+                    }                                                                        \
+            }                                                                                \
+    }
+COL2IM(float, f32)
+COL2IM(double, f64)
+#undef COL2IM
+
+/* The geometry arguments of im2col / col2im (kh, kw, sh, sw, ph, pw) after n, c, h, w of x
+ * and before ho, wo, checked against the columns' shape; 0, or -1 with an error set. */
+static int
+conv_geometry(PyObject *const *args, const Py_buffer *x, const Py_buffer *cols, Py_ssize_t *g)
+{
+    for (int k = 0; k < 6; k++) {
+        g[4 + k] = PyLong_AsSsize_t(args[k]);
+        if (g[4 + k] == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+    }
+    if (x->ndim != 4 || cols->ndim != 2) {
+        return 1;
+    }
+    for (int d = 0; d < 4; d++) {
+        g[d] = x->shape[d];
+    }
+    Py_ssize_t kh = g[4], kw = g[5], sh = g[6], sw = g[7], ph = g[8], pw = g[9];
+    if (kh < 1 || kw < 1 || sh < 1 || sw < 1 || ph < 0 || pw < 0 || g[2] + 2 * ph < kh
+        || g[3] + 2 * pw < kw) {
+        return 1;
+    }
+    g[10] = (g[2] + 2 * ph - kh) / sh + 1;
+    g[11] = (g[3] + 2 * pw - kw) / sw + 1;
+    return !(cols->shape[0] == g[1] * kh * kw && cols->shape[1] == g[0] * g[10] * g[11]);
+}
+
+static PyObject *
+im2col(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "im2col(columns, x, kh, kw, sh, sw, ph, pw) takes 8 "
+                     "arguments, got %zd", nargs);
+        return NULL;
+    }
+    Py_buffer views[2];  /* columns, x */
+    int held = 0, refuse = acquire(args[0], &views[0], 1);
+    held += !refuse;
+    if (!refuse) {
+        refuse = acquire(args[1], &views[1], 0);
+        held += !refuse;
+    }
+    Py_ssize_t g[12];
+    if (!refuse) {
+        int bad = conv_geometry(args + 2, &views[1], &views[0], g);
+        if (bad < 0) {
+            released(views, held, 1);
+            return NULL;
+        }
+        Py_ssize_t size = views[0].itemsize;
+        refuse = bad || views[1].itemsize != size || !(size == 2 || size == 4 || size == 8)
+            || !apart(&views[0], &views[1]);
+    }
+    if (!refuse) {
+        void *cols = views[0].buf;
+        const void *x = views[1].buf;
+        Py_ssize_t size = views[0].itemsize;
+        Py_BEGIN_ALLOW_THREADS
+        if (size == 2) {
+            im2col_2(cols, x, g);
+        } else if (size == 4) {
+            im2col_4(cols, x, g);
+        } else {
+            im2col_8(cols, x, g);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    return released(views, held, refuse);
+}
+
+static PyObject *
+col2im(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "col2im(kind, out, columns, kh, kw, sh, sw, ph, pw) takes "
+                     "9 arguments, got %zd", nargs);
+        return NULL;
+    }
+    long kind;
+    Py_ssize_t itemsize = float_kind(args[0], "col2im", &kind);
+    if (itemsize == 0) {
+        return NULL;
+    }
+    Py_buffer views[2];  /* out, columns */
+    int held = 0, refuse = acquire(args[1], &views[0], 1);
+    held += !refuse;
+    if (!refuse) {
+        refuse = acquire(args[2], &views[1], 0);
+        held += !refuse;
+    }
+    Py_ssize_t g[12];
+    if (!refuse) {
+        int bad = conv_geometry(args + 3, &views[0], &views[1], g);
+        if (bad < 0) {
+            released(views, held, 1);
+            return NULL;
+        }
+        refuse = bad || views[0].itemsize != itemsize || views[1].itemsize != itemsize
+            || !apart(&views[0], &views[1]);
+    }
+    if (!refuse) {
+        void *x = views[0].buf;
+        const void *cols = views[1].buf;
+        Py_BEGIN_ALLOW_THREADS
+        if (kind) {
+            col2im_f64(x, cols, g);
+        } else {
+            col2im_f32(x, cols, g);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    return released(views, held, refuse);
+}
+
 static PyMethodDef methods[] = {
     {"widen", (PyCFunction)(void (*)(void))widen, METH_FASTCALL,
      "widen(src, dst): float16 items of src as float32 into dst (contiguous buffers)."},
@@ -1515,6 +2029,24 @@ static PyMethodDef methods[] = {
     {"max_pool_backward", (PyCFunction)(void (*)(void))max_pool_backward, METH_FASTCALL,
      "max_pool_backward(kind, out, grad, indices): zeros, then grad added at the indices of "
      "each plane in order; False when it cannot take the call."},
+    {"moments", (PyCFunction)(void (*)(void))moments, METH_FASTCALL,
+     "moments(kind, mean, m2, x): per channel of a contiguous (n, c, s) float32 (kind 0) or "
+     "float64 (kind 1) x, its mean and the sum of squares around it, summed in double; False "
+     "when it cannot take the call."},
+    {"channel_dots", (PyCFunction)(void (*)(void))channel_dots, METH_FASTCALL,
+     "channel_dots(kind, sums, dots, g, y): per channel of contiguous (n, c, s) g and y, the "
+     "sum of g and of g * y, in double; False when it cannot take the call."},
+    {"im2col", (PyCFunction)(void (*)(void))im2col, METH_FASTCALL,
+     "im2col(columns, x, kh, kw, sh, sw, ph, pw): a convolution's (C*kh*kw, N*Ho*Wo) columns "
+     "of a contiguous NCHW x of 2-, 4- or 8-byte items, zeros in the padding; False when it "
+     "cannot take the call."},
+    {"col2im", (PyCFunction)(void (*)(void))col2im, METH_FASTCALL,
+     "col2im(kind, out, columns, kh, kw, sh, sw, ph, pw): im2col's adjoint on float32 (kind "
+     "0) or float64 (kind 1): out zeroed, each column item added where im2col took it; False "
+     "when it cannot take the call."},
+    {"chain", chain, METH_O,
+     "chain(plan): a fused chain of float32 or float64 links in tiles, each link the op's own "
+     "loop (the int64 plan of backends/numpy.py's `_chain_plan`)."},
     {"set_f16c", set_f16c, METH_O,
      "set_f16c(flag): use the CPU's F16C instructions when flag and present; returns whether "
      "they are used."},

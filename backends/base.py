@@ -89,6 +89,9 @@ FUSED_BLOCK_BYTES = 64 << 10
 #: 12.5 MiB (AMD EPYC family 25 model 17, 1 MiB of L2 a core; 2026-11-28): 256 KiB is as fast
 #: as the whole rows it replaces, with a quarter of 1 MiB's scratch per link.
 FUSED_PIECE_BYTES = 256 << 10
+#: The default `Device.moments` and `channel_dots` make their products and squares a few
+#: samples at a time, in scratch of at most this many items (one sample at least).
+STATS_CHUNK = 1 << 20
 #: The two-byte floats: every kernel computes them in float32 and rounds each result to the
 #: output's dtype once (Note [two-byte floats compute in float32]), as PyTorch's CPU kernels do
 #: for half and bfloat16 (their "opmath" type) and NumPy's float16 loops do op by op.
@@ -242,6 +245,55 @@ def numpy_max_pool2d_backward(grad: np.ndarray, indices: np.ndarray, out: np.nda
     out[...] = total.reshape(out.shape)
 
 
+def _window_rows(kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int],
+                 x_shape: tuple[int, ...], i: int, j: int) -> tuple[slice, slice, slice, slice]:
+    """For window element (i, j): the output rows and columns (oh, ow) whose input lies inside
+    x, and the input rows and columns they read, as slices."""
+    (sh, sw), (ph, pw) = stride, padding
+    (kh, kw), (h, w) = kernel, x_shape[2:]
+    ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+    spans = []
+    for k, s, p, n, size in ((i, sh, ph, ho, h), (j, sw, pw, wo, w)):
+        lo = max(0, -(-(p - k) // s))
+        hi = min(n, (size - 1 + p - k) // s + 1) if size - 1 + p - k >= 0 else 0
+        lo = min(lo, hi)
+        spans.append((slice(lo, hi), slice(lo * s + k - p, (hi - 1) * s + k - p + 1 if hi > lo
+                                           else lo * s + k - p, s)))
+    return spans[0][0], spans[1][0], spans[0][1], spans[1][1]
+
+
+def numpy_im2col(x: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int],
+                 padding: tuple[int, int], columns: np.ndarray) -> None:
+    """`Device.im2col` on NumPy arrays: one strided copy per window element, zeros elsewhere."""
+    n, c = x.shape[:2]
+    kh, kw = kernel
+    ho = (x.shape[2] + 2 * padding[0] - kh) // stride[0] + 1
+    wo = (x.shape[3] + 2 * padding[1] - kw) // stride[1] + 1
+    parts = columns.reshape(c, kh, kw, n, ho, wo)
+    parts[...] = 0
+    for i in range(kh):
+        for j in range(kw):
+            rows, cols, in_rows, in_cols = _window_rows(kernel, stride, padding, x.shape, i, j)
+            parts[:, i, j, :, rows, cols] = x[:, :, in_rows, in_cols].transpose(1, 0, 2, 3)
+
+
+def numpy_col2im(columns: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int],
+                 padding: tuple[int, int], out: np.ndarray) -> None:
+    """`Device.col2im` on NumPy arrays: zeros, then one strided add per window element in the
+    order of (i, j)."""
+    n, c = out.shape[:2]
+    kh, kw = kernel
+    ho = (out.shape[2] + 2 * padding[0] - kh) // stride[0] + 1
+    wo = (out.shape[3] + 2 * padding[1] - kw) // stride[1] + 1
+    parts = columns.reshape(c, kh, kw, n, ho, wo)
+    out[...] = 0
+    for i in range(kh):
+        for j in range(kw):
+            rows, cols, in_rows, in_cols = _window_rows(kernel, stride, padding, out.shape, i, j)
+            target = out[:, :, in_rows, in_cols]
+            target += parts[:, i, j, :, rows, cols].transpose(1, 0, 2, 3)
+
+
 def _missing(device: Device, hook: str) -> NotImplementedError:
     name = type(device).__name__
     return NotImplementedError(f"{name} does not implement the Device hook {hook}()")
@@ -268,6 +320,14 @@ def _fused_blocks(shape: tuple[int, ...], itemsize: int
     blocks = [(*index, slice(start, min(start + run, shape[axis])))
               for index in outer for start in range(0, shape[axis], run)]
     return (run, *shape[axis + 1:]), blocks
+
+
+def _blocked_scratch(program: Sequence[tuple[str, tuple, Any]], shape: Sequence[int],
+                     dtype: Any) -> list[tuple[tuple[int, ...], np.dtype, int]]:
+    """The scratch arrays the blocked default (`Device._blocked`) runs `program` with, for an
+    output of `shape` and `dtype`: one key (shape, dtype, link) per link but the last."""
+    block = _fused_blocks(tuple(shape), np.dtype(dtype).itemsize)[0]
+    return [(block, np.dtype(link), i) for i, (_, _, link) in enumerate(program[:-1])]
 
 
 def _check_program(program: Sequence[tuple[str, tuple, Any]]) -> None:
@@ -358,6 +418,10 @@ class Capabilities:
     #: `_plan_products` hears which 2-D products a captured graph runs at every step
     #: (`Device.plan_products`: the CPU measures which CBLAS runs them faster).
     measures_products: bool = False
+    #: `_im2col` and `_col2im` make a convolution's columns from x, and x's gradient from the
+    #: columns' gradient, each in one kernel (`Device.im2col`, `Device.col2im`); False: the
+    #: runtime makes them of copies and adds of padded views.
+    conv_columns: bool = False
     #: The device runs its copies and kernels in order on a queue (stream) and has events on
     #: queues (the queue hooks, Note [queue-ordered reuse]); False: every command is done when
     #: its call returns, `home_queue` is None and a queue asked of the device is a TypeError.
@@ -429,6 +493,7 @@ class Device:
         "compiles_fused": ("_compile_fused",),
         "gemm_accumulates": ("_gemm",),
         "measures_products": ("_plan_products",),
+        "conv_columns": ("_im2col", "_col2im"),
         "queues": ("_home_queue", "_queue_key", "_record_event", "_event_done", "_wait_event",
                    "_join", "_synchronize"),
     }
@@ -447,6 +512,8 @@ class Device:
         "_scatter_add": "the add kernel in place, one row at a time, in index order",
         "_from_host": "staged in raw memory of its own by `copyin`, moved by the copy kernel",
         "_reduce_max": "on the host: `to_host`, NumPy's maximum reduction, `_from_host`",
+        "_moments": "the reduce and elementwise kernels, a few samples at a time in scratch",
+        "_channel_dots": "the reduce and mul kernels, a few samples at a time in scratch",
         "_max_pool2d": "on the host, by the CPU's formula (`numpy_max_pool2d`)",
         "_max_pool2d_backward": "on the host, by the CPU's formula "
                                 "(`numpy_max_pool2d_backward`)",
@@ -712,6 +779,57 @@ class Device:
             return self._in_float32(lambda x, o: hook(x, axis, keepdims, o), (x,), (out,))
         hook(x, axis, keepdims, out)
 
+    def moments(self, x: Any, mean: Any, m2: Any) -> None:
+        """Per channel of x, an (N, C, S) view: mean[0, k, 0] = the mean of x[:, k, :] and
+        m2[0, k, 0] = the sum of (x - mean[0, k, 0])**2 over the same elements (batch norm's
+        statistics; the biased variance is m2 / (N * S)). mean and m2 are (1, C, 1) views of
+        x's dtype that overlap nothing. Each device sums in one fixed order of its own, so the
+        same x gives the same bits every time (a graph's replay, eager's); within a few ULPs
+        of the exact values where the device sums in double (the CPU's C kernel, OpenCL with
+        float64)."""
+        self._check_stats("moments", (x,), (mean, m2))
+        self._halves_widened(self._moments, (x,), (mean, m2))
+
+    def channel_dots(self, g: Any, y: Any, sums: Any, dots: Any) -> None:
+        """Per channel of g and y, (N, C, S) views of one shape: sums[0, k, 0] = the sum of
+        g[:, k, :] and dots[0, k, 0] = the sum of g * y there (batch norm's backward: the
+        bias's and the weight's gradients). sums and dots are (1, C, 1) views of g's dtype that
+        overlap nothing; one fixed order of additions per device, as `moments`."""
+        self._check_stats("channel_dots", (g, y), (sums, dots))
+        self._halves_widened(self._channel_dots, (g, y), (sums, dots))
+
+    def _halves_widened(self, hook: Callable[..., None], inputs: Sequence[Any],
+                        outputs: Sequence[Any]) -> None:
+        """hook(*inputs, *outputs) on float32 or float64 views: two-byte operands widened to
+        float32 scratch first (the hooks compute only those two), the results rounded once."""
+        if inputs[0].dtype not in HALVES:
+            hook(*inputs, *outputs)
+            return
+        wide = [self._widened(v) for v in inputs]
+        targets = [self.scratch(tuple(o.shape), _FLOAT32) for o in outputs]
+        hook(*wide, *targets)
+        for t, o in zip(targets, outputs):
+            self._cast(t, o)
+
+    def _check_stats(self, kernel: str, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+        """`moments` / `channel_dots`: (N, C, S) inputs of one shape, (1, C, 1) outputs, one
+        float dtype the device computes; a ValueError or TypeError naming the shapes, before
+        anything is written."""
+        shape = tuple(inputs[0].shape)
+        if len(shape) != 3 or any(tuple(v.shape) != shape for v in inputs):
+            raise ValueError(f"{kernel}: inputs must be (N, C, S) views of one shape, got "
+                             f"{', '.join(str(tuple(v.shape)) for v in inputs)}")
+        if any(tuple(v.shape) != (1, shape[1], 1) for v in outputs):
+            raise ValueError(f"{kernel}: outputs must be (1, {shape[1]}, 1) for inputs of "
+                             f"shape {shape}, got "
+                             f"{', '.join(str(tuple(v.shape)) for v in outputs)}")
+        dtype = np.dtype(inputs[0].dtype)
+        if dtype not in COMPUTE_DTYPES or any(np.dtype(v.dtype) != dtype
+                                            for v in (*inputs, *outputs)):
+            raise TypeError(f"{kernel}: every operand must have one float dtype, got "
+                            f"{', '.join(str(v.dtype) for v in (*inputs, *outputs))}")
+        self._check_computes(kernel, inputs, outputs[0])
+
     def cross_entropy(self, logits: Any, labels: Any, losses: Any, probs: Any) -> None:
         """Softmax cross-entropy per row, computed stably (the row maximum is subtracted first).
 
@@ -767,6 +885,45 @@ class Device:
         if out.dtype in HALVES:
             return self._in_float32(self._scatter_add, (src, indices), (out,), read=True)
         self._scatter_add(src, indices, out)
+
+    def im2col(self, x: Any, kernel: tuple[int, int], stride: tuple[int, int],
+               padding: tuple[int, int], columns: Any) -> None:
+        """A convolution's columns: x (N, C, H, W) into columns (C*kh*kw, N*Ho*Wo), row (c, i,
+        j) and column (n, oh, ow) holding x[n, c, oh*sh + i - ph, ow*sw + j - pw], zero where
+        that lies in the padding. Moves values (any dtype); columns overlaps nothing. Called
+        only where `conv_columns` is claimed.
+
+        Raises ValueError, before anything is written, where the shapes do not match the
+        geometry."""
+        self._check_columns("im2col", tuple(x.shape), kernel, stride, padding,
+                            tuple(columns.shape))
+        self._im2col(x, kernel, stride, padding, columns)
+
+    def col2im(self, columns: Any, kernel: tuple[int, int], stride: tuple[int, int],
+               padding: tuple[int, int], out: Any) -> None:
+        """`im2col`'s adjoint, x's gradient from its columns' gradient: out (N, C, H, W)
+        zeroed, then each item of columns (C*kh*kw, N*Ho*Wo) added where im2col took it from,
+        each element's additions in the order of (i, j); two-byte floats in float32, rounded
+        once. out overlaps nothing. Called only where `conv_columns` is claimed."""
+        self._check_computes("col2im", (columns,), out)
+        self._check_columns("col2im", tuple(out.shape), kernel, stride, padding,
+                            tuple(columns.shape))
+        self._halves_widened(lambda c, o: self._col2im(c, kernel, stride, padding, o),
+                             (columns,), (out,))
+
+    def _check_columns(self, kernel_name: str, x_shape: tuple[int, ...], kernel: tuple,
+                       stride: tuple, padding: tuple, columns_shape: tuple[int, ...]) -> None:
+        if len(x_shape) != 4:
+            raise ValueError(f"{kernel_name}: x must be (N, C, H, W), got {x_shape}")
+        (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
+        n, c, h, w = x_shape
+        ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+        want = (c * kh * kw, n * ho * wo)
+        if (min(kh, kw, sh, sw) < 1 or min(ph, pw) < 0 or h + 2 * ph < kh or w + 2 * pw < kw
+                or columns_shape != want):
+            raise ValueError(f"{kernel_name}: columns of shape {columns_shape} do not match x "
+                             f"{x_shape} under kernel {kh}x{kw}, stride {sh},{sw} and padding "
+                             f"{ph},{pw} (expected {want})")
 
     def max_pool2d(self, x: Any, kernel: tuple[int, int], stride: tuple[int, int],
                    padding: tuple[int, int], out: Any, indices: Any = None) -> None:
@@ -947,8 +1104,7 @@ class Device:
         that puts arrays of its own under these keys first (a graph, from its allocator)
         decides where the scratch lives, and no other is made. A backend that compiles the
         chain (`_compile_fused`) uses none of them."""
-        block = _fused_blocks(tuple(shape), np.dtype(dtype).itemsize)[0]
-        return [(block, np.dtype(link), i) for i, (_, _, link) in enumerate(program[:-1])]
+        return _blocked_scratch(program, shape, dtype)
 
     def _blocked(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
                  out: Any, shared: dict) -> Callable[[], None]:
@@ -958,7 +1114,7 @@ class Device:
         shape = tuple(out.shape)
         _, blocks = _fused_blocks(shape, out.dtype.itemsize)
         scratch = []
-        for key in self.fused_scratch(program, shape, out.dtype):
+        for key in _blocked_scratch(program, shape, out.dtype):
             if key not in shared:
                 shared[key] = self.scratch(key[0], key[1])
             scratch.append(shared[key])
@@ -1104,6 +1260,16 @@ class Device:
     def _cast(self, x: Any, out: Any) -> None:
         raise _missing(self, "_cast")
 
+    def _im2col(self, x: Any, kernel: tuple[int, int], stride: tuple[int, int],
+                padding: tuple[int, int], columns: Any) -> None:
+        """`im2col`; called only where `conv_columns` is claimed."""
+        raise _missing(self, "_im2col")
+
+    def _col2im(self, columns: Any, kernel: tuple[int, int], stride: tuple[int, int],
+                padding: tuple[int, int], out: Any) -> None:
+        """`col2im` on float32 / float64; called only where `conv_columns` is claimed."""
+        raise _missing(self, "_col2im")
+
     def _plan_products(self, products: list[tuple[Any, Any, Any, bool]]) -> None:
         """Hear a graph's products (`plan_products`); called only where `measures_products`
         is claimed."""
@@ -1149,6 +1315,43 @@ class Device:
         host = np.empty(tuple(out.shape), out.dtype)
         np.maximum.reduce(self.to_host(x), axis=axis, keepdims=keepdims, out=host)
         self._from_host(host, out)
+
+    def _moments(self, x: Any, mean: Any, m2: Any) -> None:
+        """The reduce and elementwise kernels: the mean, then (x - mean)**2 a few samples at a
+        time in scratch (`_summed_in_chunks`): a backend writes one kernel of its own for
+        speed, and so that nothing the size of x is made."""
+        self._reduce("mean", x, (0, 2), True, mean)
+
+        def squares(part: Any, scratch: Any) -> None:
+            self._binary("sub", part, mean, scratch)
+            self._binary("mul", scratch, scratch, scratch)
+
+        self._summed_in_chunks(squares, (x,), m2)
+
+    def _channel_dots(self, g: Any, y: Any, sums: Any, dots: Any) -> None:
+        """The reduce and mul kernels, g * y a few samples at a time in scratch, as `_moments`."""
+        self._reduce("sum", g, (0, 2), True, sums)
+        self._summed_in_chunks(lambda parts, scratch: self._binary("mul", *parts, scratch),
+                               (g, y), dots, both=True)
+
+    def _summed_in_chunks(self, make: Callable[..., None], inputs: Sequence[Any], out: Any,
+                          both: bool = False) -> None:
+        """out (1, C, 1) = the sum over axes 0 and 2 of what `make(part, scratch)` writes into
+        scratch for each run of samples of the (N, C, S) inputs (`part`: the first input's run,
+        or all the inputs' runs where `both`): runs of at most STATS_CHUNK items, their sums
+        added in order."""
+        n, c, s = (int(d) for d in inputs[0].shape)
+        step = max(1, STATS_CHUNK // max(1, c * s))
+        scratch = self.scratch((min(n, step), c, s), out.dtype)
+        partial = self.scratch((1, c, 1), out.dtype) if n > step else None
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            parts = [v[start:stop] for v in inputs]
+            room = scratch if stop - start == scratch.shape[0] else scratch[:stop - start]
+            make(parts if both else parts[0], room)
+            self._reduce("sum", room, (0, 2), True, out if start == 0 else partial)
+            if start:
+                self._binary("add", out, partial, out)
 
     def _cross_entropy(self, logits: Any, labels: Any, losses: Any, probs: Any) -> None:
         """On the host, by the CPU's formula (`numpy_cross_entropy`, which checks the labels

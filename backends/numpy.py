@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import ml_dtypes
@@ -24,8 +25,10 @@ from backends.base import (
     Capabilities,
     Deferred,
     Device,
+    numpy_col2im,
     numpy_cross_entropy,
     numpy_cross_entropy_backward,
+    numpy_im2col,
     numpy_max_pool2d,
     numpy_max_pool2d_backward,
 )
@@ -371,6 +374,84 @@ def _bound(blas: Any, a: np.ndarray, b: np.ndarray, out: np.ndarray, alpha: floa
     return None if bind is None else bind(a, b, out, alpha, beta)
 
 
+#: The most dims (after merging) and operands `_halfconv.chain` takes
+_CHAIN_DIMS, _CHAIN_OPERANDS = 8, 64
+
+
+def _chain_ops(program: Any, dtype: np.dtype) -> bool:
+    """Whether `_halfconv.chain` runs every link of `program` (an op of `_CODE`, of one or two
+    operands, of `dtype`, float32 or float64) with out of `dtype`."""
+    return dtype in _FLOAT_OP and all(
+        name in _CODE and np.dtype(link) == dtype and len(args) <= 2
+        for name, args, link in program)
+
+
+def _chain_plan(program: Any, inputs: Sequence[np.ndarray], out: np.ndarray
+                ) -> np.ndarray | None:
+    """The int64 plan of `_halfconv.chain` for a fused chain (`Device.fused`): every link an
+    op of `_CODE` of its arity, every dtype out's float32 or float64, out C-contiguous, and
+    the operands (inputs, and each number as a one-item array) laid over out's dims after
+    merging the neighbours that every operand walks alike; the plan holds the arrays it
+    points into. None where the chain is not of that form (the blocked default runs it)."""
+    kind = _FLOAT_OP.get(out.dtype)
+    if (kind is None or not out.flags.c_contiguous or out.size == 0
+            or not _chain_ops(program, out.dtype)):
+        return None
+    shape = out.shape
+    numbers: list[np.ndarray] = []
+    links: list[int] = []
+    for name, args, _ in program:
+        code = _CODE[name]
+        refs = []
+        for what, ref in args:
+            if what == "input":
+                view = inputs[ref]
+                if view.dtype != out.dtype or view.shape != shape:
+                    return None
+                refs.append(ref)
+            elif what == "link":
+                refs.append(-1 - ref)
+            else:
+                refs.append(len(inputs) + len(numbers))
+                numbers.append(np.array(ref, out.dtype).reshape((1,) * len(shape)))
+        links += [code, *refs, *(0,) * (2 - len(refs))]
+    views = [*inputs, *numbers]
+    itemsize = out.dtype.itemsize
+    if len(views) > _CHAIN_OPERANDS or any(s % itemsize for v in views for s in v.strides):
+        return None
+    dims: list[int] = []
+    steps: list[list[int]] = [[] for _ in views]
+    for axis, n in enumerate(shape):
+        if n == 1:
+            continue
+        strides = [0 if v.shape[axis] == 1 else v.strides[axis] // itemsize for v in views]
+        if dims and all(st[-1] == s * n for st, s in zip(steps, strides)):
+            dims[-1] *= n
+            for st, s in zip(steps, strides):
+                st[-1] = s
+            continue
+        dims.append(n)
+        for st, s in zip(steps, strides):
+            st.append(s)
+    if len(dims) > _CHAIN_DIMS:
+        return None
+    pad = max(0, 2 - len(dims))
+    dims = [1] * pad + dims
+    plan = [kind, len(program), len(views), len(dims), out.ctypes.data, *dims, *links]
+    for view, st in zip(views, steps):
+        plan += [view.ctypes.data, *([0] * pad + st)]
+    return _Plan(np.array(plan, np.int64), [out, *views])
+
+
+class _Plan(np.ndarray):
+    """A chain's plan that holds the arrays its addresses point into."""
+
+    def __new__(cls, plan: np.ndarray, held: list[np.ndarray]) -> _Plan:
+        obj = plan.view(cls)
+        obj.held = held
+        return obj
+
+
 class NumpyDevice(Device):
     """Host memory and NumPy kernels. There is one CPU device: index 0."""
 
@@ -379,6 +460,10 @@ class NumpyDevice(Device):
         read_only_memory=True,  # NOTE: non-writeable ndarrays
         host_memory=True,
         half_elementwise=True,  # NOTE: `_halfconv.apply`, where the extension is built
+        # NOTE: `_halfconv.chain` for float32 / float64 chains of its ops, where it is built
+        compiles_fused=_halfconv is not None,
+        # NOTE: `_halfconv.im2col` and `col2im`, one C pass each, where it is built
+        conv_columns=_halfconv is not None,
         # NOTE: the CBLAS is chosen at the first product (BLOCKRT_BLAS), not with the device
         gemm_accumulates=Deferred(lambda: _blas.find() is not None, "a CBLAS is in use"),
         measures_products=True,
@@ -513,6 +598,42 @@ class NumpyDevice(Device):
 
     def _reduce(self, name, x, axis, keepdims, out) -> None:
         _reduce(name, x, axis, keepdims, out)
+
+    def fused_scratch(self, program, shape, dtype):
+        # NOTE: a chain `_chain_plan` takes needs none (its tiles are its own); one it does
+        # not take makes its scratch when first prepared
+        if self.capabilities.compiles_fused and _chain_ops(program, np.dtype(dtype)):
+            return []
+        return super().fused_scratch(program, shape, dtype)
+
+    def _compile_fused(self, program, inputs, out):
+        plan = _chain_plan(program, inputs, out)
+        if plan is None:
+            return None
+        run = _halfconv.chain
+        return lambda: run(plan)
+
+    def _im2col(self, x, kernel, stride, padding, columns) -> None:
+        if _halfconv is None or not _halfconv.im2col(columns, x, *kernel, *stride, *padding):
+            numpy_im2col(x, kernel, stride, padding, columns)
+
+    def _col2im(self, columns, kernel, stride, padding, out) -> None:
+        kind = _FLOAT_OP.get(out.dtype)
+        if kind is None or not _halfconv.col2im(kind, out, columns, *kernel, *stride, *padding):
+            numpy_col2im(columns, kernel, stride, padding, out)
+
+    def _moments(self, x, mean, m2) -> None:
+        # NOTE: one C pass for the mean and one for the squares around it, in double, over
+        # contiguous float32 / float64 (`_halfconv.moments`); the base's chunks elsewhere:
+        # Note [batch norm's statistics in one kernel] in runtime/ops.py
+        kind = _FLOAT_OP.get(x.dtype)
+        if kind is None or not _halfconv.moments(kind, mean, m2, x):
+            super()._moments(x, mean, m2)
+
+    def _channel_dots(self, g, y, sums, dots) -> None:
+        kind = _FLOAT_OP.get(g.dtype)
+        if kind is None or not _halfconv.channel_dots(kind, sums, dots, g, y):
+            super()._channel_dots(g, y, sums, dots)
 
     def _reduce_max(self, x, axis, keepdims, out) -> None:
         np.maximum.reduce(x, axis=axis, keepdims=keepdims, out=out)  # NOTE: NaN propagates

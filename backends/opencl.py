@@ -560,6 +560,29 @@ class OpenCLDevice(Device):
         self._run(kernel, (-(-n_out // GROUP) * GROUP,), (GROUP,), out.base_data, offset_o,
                   x.base_data, offset_x, *numbers)
 
+    def _moments(self, x, mean, m2) -> None:
+        self._channel_stats("moments", (x,), (mean, m2))
+
+    def _channel_dots(self, g, y, sums, dots) -> None:
+        self._channel_stats("channel_dots", (g, y), (sums, dots))
+
+    def _channel_stats(self, name: str, inputs: tuple, outputs: tuple) -> None:
+        """`moments` and `channel_dots` (float32 / float64 views; the base widens halves): one
+        work item per channel, which sums its samples in order, in double where the device
+        has it (`_stats_source`)."""
+        n, c, s = inputs[0].shape
+        if c == 0:
+            return
+        ctype = self._type(outputs[0].dtype)
+        acc = "double" if self.fp64 else ctype
+        kernel = self._kernel(("stats", name, ctype, acc),
+                              lambda: _stats_source(name, ctype, acc))
+        args: list = []
+        for position, view in enumerate((*outputs, *inputs)):
+            offset, strides = _elements(view)
+            args += [view.base_data, offset, *(strides[1:2] if position < 2 else strides)]
+        self._run(kernel, (-(-c // GROUP) * GROUP,), (GROUP,), *args, n, c, s)
+
     def _reduce_max(self, x, axis, keepdims, out) -> None:
         self._reduce("max", x, axis, keepdims, out)  # NOTE: the reductions' kernel, a max step
 
@@ -853,6 +876,43 @@ __kernel void k(__global {io_out[0]}* out, long out_o, __global const {io_x[0]}*
     }}
     T v = (T)({result});
     {io_out[2].format(p="out", i="out_o")};
+}}
+"""
+
+
+def _stats_source(name: str, ctype: str, acc: str) -> str:
+    """OpenCL C of `moments` (mean, then the squares around it) or `channel_dots` (the sum of
+    g and of g * y): work item k sums channel k of (n, c, s) inputs, samples in order."""
+    second = "b" if name == "channel_dots" else None
+    inputs = "".join(f", __global const T* {p}, long {p}_o, long {p}_sn, long {p}_sc, long {p}_ss"
+                     for p in ("a", second) if p)
+    if second:
+        body = """        total += (A)a[p]; second += (A)a[p] * (A)b[q];"""
+        first_pass, centre = body, ""
+        second_pass = ""
+    else:
+        first_pass = """        total += (A)a[p];"""
+        centre = "    A centre = total / ((A)n * (A)s);\n"
+        second_pass = """    for (long i = 0; i < n; i++) for (long j = 0; j < s; j++) {
+        long p = a_o + i * a_sn + k * a_sc + j * a_ss;
+        A d = (A)a[p] - centre; second += d * d;
+    }
+"""
+    q = "        long q = b_o + i * b_sn + k * b_sc + j * b_ss;\n" if second else ""
+    result = "centre" if not second else "total"
+    return f"""{_header(ctype)}{_FP64 if acc == "double" else ""}typedef {acc} A;
+__kernel void k(__global T* o1, long o1_o, long o1_s, __global T* o2, long o2_o, long o2_s
+                {inputs}, long n, long c, long s)
+{{
+    long k = get_global_id(0);
+    if (k >= c) return;
+    A total = 0, second = 0;
+    for (long i = 0; i < n; i++) for (long j = 0; j < s; j++) {{
+        long p = a_o + i * a_sn + k * a_sc + j * a_ss;
+{q}{first_pass}
+    }}
+{centre}{second_pass}    o1[o1_o + k * o1_s] = (T)({result});
+    o2[o2_o + k * o2_s] = (T)second;
 }}
 """
 

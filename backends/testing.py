@@ -47,6 +47,8 @@ from backends.base import (
     UNARY_KERNELS,
     Capabilities,
     Device,
+    numpy_col2im,
+    numpy_im2col,
     numpy_max_pool2d,
     numpy_max_pool2d_backward,
 )
@@ -978,6 +980,154 @@ def _refuses_empty_max(device: Device, x: np.ndarray, axis: tuple[int, ...] | No
     assert_same_bits(device.to_host(out), start, f"{what}: out after the refused max")
 
 
+def check_channel_stats(device: Device, examples: int = 20) -> None:
+    """`moments` and `channel_dots` of (N, C, S) operands against the exact values (float64 of
+    the float64 ones' own sums aside): each within the bound of a sum of its N * S terms in
+    the compute dtype (REDUCTION_ROUNDINGS, with the roundings of the centred x or the product
+    that a composed kernel makes), NaN and infinities where the exact ones have them; the same
+    bits when run twice; outputs of a wrong shape refused before anything is written."""
+    rule = "channel statistics"
+    floats = _floats(device)
+
+    def exact(op: str, a: np.ndarray, b: np.ndarray | None) -> tuple:
+        wa = _wide(a)
+        count = a.shape[0] * a.shape[2]
+        with np.errstate(all="ignore"):
+            if op == "moments":
+                mean = np.add.reduce(wa, axis=(0, 2), keepdims=True) / max(count, 1)
+                d = wa - mean
+                return ((mean, np.add.reduce(np.abs(wa), axis=(0, 2), keepdims=True) / count),
+                        (np.add.reduce(d * d, axis=(0, 2), keepdims=True),
+                         np.add.reduce(d * d + 2 * np.abs(d * mean) + mean * mean,
+                                       axis=(0, 2), keepdims=True)))
+            wb = _wide(b)
+            return ((np.add.reduce(wa, axis=(0, 2), keepdims=True),
+                     np.add.reduce(np.abs(wa), axis=(0, 2), keepdims=True)),
+                    (np.add.reduce(wa * wb, axis=(0, 2), keepdims=True),
+                     2 * np.add.reduce(np.abs(wa * wb), axis=(0, 2), keepdims=True)))
+
+    def check(op: str, a: np.ndarray, b: np.ndarray | None) -> None:
+        n, c, s = a.shape
+        what = (f"[{rule}] {type(device).__name__} {device.name}: {op}({a.dtype}) of "
+                f"{a.shape}")
+        inputs = [a] if b is None else [a, b]
+        results = []
+        for _ in range(2):
+            views = [to_device(device, x) for x in inputs]
+            outs = [to_device(device, np.zeros((1, c, 1), a.dtype)) for _ in range(2)]
+            with np.errstate(all="ignore"):
+                getattr(device, op)(*views, *outs)
+            results.append([device.to_host(o) for o in outs])
+        for first, again in zip(*results):
+            assert_same_bits(again, first, f"{what}, run twice")
+        u = float(np.finfo(_compute(a.dtype)).eps) / 2
+        count = n * s
+        for got, (want, magnitude) in zip(results[0], exact(op, a, b)):
+            with np.errstate(all="ignore"):
+                bound = (REDUCTION_ROUNDINGS * (count + 1) * u * magnitude
+                         + _ulp(want.astype(a.dtype)))
+            _assert_within(got, want.astype(a.dtype), bound, what)
+
+    rng = np.random.default_rng(11)
+    for dtype in floats:
+        for shape in ((1, 1, 2), (2, 3, 5), (3, 0, 4), (4, 2, 1), (2, 5, 37)):
+            x = (rng.normal(2, 3, shape)).astype(dtype)
+            check("moments", x, None)
+            check("channel_dots", rng.normal(0, 1, shape).astype(dtype), x)
+        x = to_device(device, np.ones((2, 3, 4), dtype))
+        wrong = to_device(device, np.full((1, 2, 1), 7, dtype))
+        right = to_device(device, np.full((1, 3, 1), 7, dtype))
+        try:
+            device.moments(x, wrong, right)
+        except ValueError:
+            pass
+        else:
+            _check(False, rule, device, "moments took a (1, 2, 1) output for (2, 3, 4) x")
+        _check(np.all(device.to_host(right) == 7), rule, device,
+               "a refused moments wrote its other output")
+
+    @_draws(examples)
+    def run(data: Any) -> None:
+        dtype = data.draw(st.sampled_from(floats), label="dtype")
+        n, c, s = (data.draw(st.integers(1, 4)), data.draw(st.integers(1, 4)),
+                   data.draw(st.integers(1, 24)))
+        limit = math.sqrt(float(_finfo(dtype).max) / (8 * n * s))
+        x = data.draw(values(dtype, n * c * s, finite_below=limit), label="x").reshape(n, c, s)
+        if data.draw(st.booleans(), label="moments"):
+            check("moments", x, None)
+        else:
+            g = data.draw(values(dtype, n * c * s, finite_below=limit), label="g")
+            check("channel_dots", g.reshape(n, c, s), x)
+
+    run()
+
+
+def check_conv_columns(device: Device, examples: int = 20) -> None:
+    """Where `conv_columns` is claimed: `im2col` gives the reference's bits (a copy, zeros in
+    the padding; `numpy_im2col`), `col2im` the reference's sums (`numpy_col2im`) within the
+    bound of kh * kw terms each, and columns of the wrong shape are refused before anything is
+    written."""
+    rule = "convolution columns"
+    if not device.capabilities.conv_columns:
+        return
+    floats = _floats(device)
+
+    def check(x: np.ndarray, kernel: tuple, stride: tuple, padding: tuple, seed: int) -> None:
+        (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
+        n, c, h, w = x.shape
+        ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+        shape = (c * kh * kw, n * ho * wo)
+        what = (f"[{rule}] {type(device).__name__} {device.name}: {x.dtype} x {x.shape}, "
+                f"kernel {kernel}, stride {stride}, padding {padding}")
+        want = np.zeros(shape, x.dtype)
+        numpy_im2col(x, kernel, stride, padding, want)
+        got = run_on(device, lambda d, v, o: d.im2col(v, kernel, stride, padding, o), [x],
+                     shape, x.dtype)
+        assert_same_bits(got, want, f"{what}: im2col")
+        columns = np.random.default_rng(seed).normal(0, 3, shape).astype(x.dtype)
+        exact = np.zeros(x.shape)
+        numpy_col2im(_wide(columns), kernel, stride, padding, exact)
+        magnitude = np.zeros(x.shape)
+        numpy_col2im(np.abs(_wide(columns)), kernel, stride, padding, magnitude)
+        got = run_on(device, lambda d, v, o: d.col2im(v, kernel, stride, padding, o),
+                     [columns], x.shape, x.dtype)
+        u = float(np.finfo(_compute(x.dtype)).eps) / 2
+        bound = REDUCTION_ROUNDINGS * kh * kw * u * magnitude + _ulp(exact.astype(x.dtype))
+        _assert_within(got, exact.astype(x.dtype), bound, f"{what}: col2im")
+
+    rng = np.random.default_rng(17)
+    for dtype in floats:
+        for shape, kernel, stride, padding in (((2, 3, 7, 9), (3, 3), (1, 1), (1, 1)),
+                                               ((1, 2, 9, 8), (3, 2), (2, 3), (1, 0)),
+                                               ((2, 2, 5, 5), (1, 1), (2, 2), (0, 0)),
+                                               ((1, 1, 3, 3), (4, 4), (1, 1), (2, 2)),
+                                               ((1, 3, 11, 11), (7, 7), (2, 2), (3, 3))):
+            check(rng.normal(0, 3, shape).astype(dtype), kernel, stride, padding, 1)
+    x = to_device(device, np.ones((1, 2, 4, 4), F32))
+    wrong = to_device(device, np.full((18, 15), 7.0, F32))
+    try:
+        device.im2col(x, (3, 3), (1, 1), (1, 1), wrong)
+    except ValueError:
+        pass
+    else:
+        _check(False, rule, device, "im2col took (18, 15) columns for a 4x4 x (wants 18 x 16)")
+    _check(np.all(device.to_host(wrong) == 7.0), rule, device, "a refused im2col wrote")
+
+    @_draws(examples)
+    def run(data: Any) -> None:
+        dtype = data.draw(st.sampled_from(floats), label="dtype")
+        kernel = (data.draw(st.integers(1, 4)), data.draw(st.integers(1, 4)))
+        stride = (data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3)))
+        padding = (data.draw(st.integers(0, kernel[0])), data.draw(st.integers(0, kernel[1])))
+        h = data.draw(st.integers(max(1, kernel[0] - 2 * padding[0]), 9))
+        w = data.draw(st.integers(max(1, kernel[1] - 2 * padding[1]), 9))
+        n, c = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3))
+        x = data.draw(values(dtype, n * c * h * w), label="x").reshape(n, c, h, w)
+        check(x, kernel, stride, padding, data.draw(st.integers(0, 99)))
+
+    run()
+
+
 def check_cross_entropy(device: Device, examples: int = 20) -> None:
     """cross_entropy and its gradient within CROSS_ENTROPY_ULPS of the CPU's; a label outside
     [0, classes) raises ValueError before either output is written (Note [checked before
@@ -1431,6 +1581,8 @@ RULES: dict[str, Callable[..., None]] = {
     "casts": check_casts,
     "products": check_products,
     "reductions": check_reductions,
+    "channel statistics": check_channel_stats,
+    "convolution columns": check_conv_columns,
     "cross entropy": check_cross_entropy,
     "gather and scatter": check_gather_scatter,
     "max pooling": check_max_pool,

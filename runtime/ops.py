@@ -793,22 +793,20 @@ def _batch_norm_training(x: Tensor, running_mean: Tensor | None, running_var: Te
     but 1, whose two sums are the bias's and the weight's gradients. Composed of ops, autograd would
     keep the centred and the normalised x for every layer."""
     channels = x.shape[1]
-    axes = (0, *range(2, x.ndim))
     recording = autograd.needs_grad(*(t for t in (x, weight, bias) if t is not None))
     with autograd.no_grad():
         xw = _widened(x, _wide_dtype(x.dtype))
-        mean_ = mean(xw, axis=axes, keepdims=True)
-        centered = sub(xw, mean_)
-        if xw is not x:
-            xw.release()
-        square = mul(centered, centered)
-        squares = sum(square, axis=axes, keepdims=True)
-        square.release()
+        # NOTE: one kernel for both statistics, no temporary of x's size (Note [batch norm's
+        # statistics in one kernel])
+        mean_, squares = _channel_stats("moments", [("x", xw)])
         var = div(squares, float(count))  # NOTE: biased, as PyTorch normalises
         shifted = add(var, eps)
         root = _elementwise("sqrt", None, shifted)
         rstd = div(1.0, root)
         _release(var, shifted, root)
+        centered = sub(xw, mean_)  # NOTE: and the next mul: one fused chain in a graph
+        if xw is not x:
+            xw.release()
         xhat = mul(centered, rstd)
         centered.release()
         if running_mean is not None:
@@ -834,7 +832,7 @@ def _batch_norm_training(x: Tensor, running_mean: Tensor | None, running_var: Te
     if not recording:
         _release(xhat if xhat is not result else None, rstd)
         return result
-    # NOTE: axes, flags and per_channel (which holds a dtype and a shape) only: Note [closures
+    # NOTE: flags and per_channel (which holds a dtype and a shape) only: Note [closures
     # hold no tensors] in runtime/autograd.py
     nw, nb = weight is not None and weight.requires_grad, bias is not None and bias.requires_grad
 
@@ -844,29 +842,27 @@ def _batch_norm_training(x: Tensor, running_mean: Tensor | None, running_var: Te
         # the bias's and the weight's gradients; so g is multiplied once (by xhat, into the
         # sum), not three times, and two passes over g are sums, not four
         gw = _widened(g, xhat.dtype)
-        sums = sum(gw, axis=axes)
-        product = mul(gw, xhat)
-        dots = sum(product, axis=axes)
-        product.release()
-        a = div(per_channel(sums), float(count))
-        b = div(per_channel(dots), float(count))
+        sums, dots = _channel_stats("channel_dots", [("grad", gw), ("xhat", xhat)])
+        a = div(sums, float(count))
+        b = div(dots, float(count))
         scale = rstd if weight is None else mul(rstd, per_channel(weight))
+        # NOTE: four new tensors, not one written in place: a graph runs them as one fused
+        # chain, whose links never exist at full size
         t = mul(xhat, b)
-        sub(gw, t, out=t)
-        sub(t, a, out=t)
-        mul(t, scale, out=t)
-        _release(a, b, scale if scale is not rstd else None)
-        gx = t if t.dtype == g.dtype else _narrowed(t, g.dtype)
+        u = sub(gw, t)
+        t.release()
+        _release(gw if gw is not g else None)
+        t = sub(u, a)
+        u.release()
+        u = mul(t, scale)
+        _release(t, a, b, scale if scale is not rstd else None)
+        gx = u if u.dtype == g.dtype else _narrowed(u, g.dtype)
         g_weight = g_bias = None
         if nw:
-            g_weight = dots if dots.dtype == weight.dtype else _narrowed(dots, weight.dtype)
-        else:
-            dots.release()
+            g_weight = _channel_vector(dots, weight.dtype)
         if nb:
-            g_bias = sums if sums.dtype == bias_dtype else _narrowed(sums, bias_dtype)
-        else:
-            sums.release()
-        _release(gw if gw is not g else None)
+            g_bias = _channel_vector(sums, bias_dtype)
+        _release(sums, dots)
         return gx, None, None, g_weight, g_bias
 
     bias_dtype = bias.dtype if bias is not None else None
@@ -874,6 +870,44 @@ def _batch_norm_training(x: Tensor, running_mean: Tensor | None, running_var: Te
                     ("x", "running_mean", "running_var", "weight", "bias"), fn,
                     [("xhat", xhat), ("rstd", rstd), ("weight", weight)])
     _release(xhat if xhat is not result else None, rstd)  # NOTE: the node keeps its own handles
+    return result
+
+
+# Note [batch norm's statistics in one kernel]: batch norm's forward needs each channel's mean
+# and the sum of squares around it, and its backward the sums of g and of g * x-hat. Composed
+# of ops, the forward made the centred x and its square (two temporaries of x's size, four
+# passes over it: on ResNet-50 a budget's peak sat on that square) and the backward the
+# product g * x-hat. `Device.moments` and `Device.channel_dots` compute each pair in one
+# kernel that makes nothing of x's size (the CPU's: two reading passes in C, summed in double;
+# OpenCL's: one work item per channel), as PyTorch's CPU kernel does. Eager and a graph call
+# the same kernel, so a captured step keeps eager's bits; the order of the additions is the
+# device's own, so results differ from NumPy's pairwise sums by rounding only.
+def _channel_stats(op: str, inputs: list[tuple[str, Tensor]]) -> tuple[Tensor, Tensor]:
+    """`Device.moments` ("moments": the mean and the sum of squares around it) or
+    `Device.channel_dots` ("channel_dots": the sums of g and of g * y) of (N, C, ...) float32
+    / float64 tensors of one shape, over every axis but 1, under no_grad: two new (1, C, 1,
+    ...) tensors."""
+    first = inputs[0][1]
+    n, c = first.shape[:2]
+    spatial = first.size // (n * c) if n * c else 0
+    kept = (1, c) + (1,) * (first.ndim - 2)
+    results = [Tensor._fresh(kept, first.dtype, _result_allocator(first)) for _ in range(2)]
+    flat = [r.reshape(1, c, 1) for r in results]
+    views = [(label, t.reshape(n, c, spatial)) for label, t in inputs]
+    hook = first.device.moments if op == "moments" else first.device.channel_dots
+    _launch(op, flat[0], [(label, v, v.shape) for label, v in views],
+            lambda v, o, o2: hook(*v, o, o2), also=flat[1:])
+    _release(*flat, *(v for _, v in views))
+    return results[0], results[1]
+
+
+def _channel_vector(stat: Tensor, dtype: np.dtype) -> Tensor:
+    """A (1, C, 1, ...) statistic as a new (C,) tensor of `dtype` (a parameter's gradient)."""
+    vector = stat.reshape(stat.size)  # NOTE: a view of the whole block
+    if vector.dtype == dtype:
+        return vector
+    result = _narrowed(vector, dtype)
+    vector.release()
     return result
 
 
@@ -1717,17 +1751,19 @@ def _guarded(op: str, out: Tensor | None, shape: tuple[int, ...], dtype: np.dtyp
     return out
 
 
-def _wide_rows(geometry: tuple) -> bool:
+def _wide_rows(geometry: tuple, device: Any) -> bool:
     """Whether a convolution runs on wide rows: at stride 1, each output row as wide as a
     padded input row (Wp, not Wo), so that window (i, j) of the columns is one flat stretch of
     the padded image, at offset i * Wp + j, and im2col and col2im copy and add long
     contiguous rows, not rows of Wo. The Wp - Wo columns more of each row are computed and
     dropped (the products grow by Wp / Wo), so only where that costs at most 5%: on
     ResNet-50's 3x3 64->64 layer at 56x56 (3.6% more) its step took 0.86 of the narrow one's
-    (median of 11 paired rounds), at 28x28 (7% more) 1.02."""
+    (median of 11 paired rounds), at 28x28 (7% more) 1.02. Never on a device that makes the
+    columns itself (`Capabilities.conv_columns`: one pass, no padded copy)."""
     (kh, kw), (sh, sw), padding, (_, wp), (_, wo) = geometry
     pointwise = kh == kw == 1 and padding == (0, 0)
-    return sh == sw == 1 and not pointwise and wp * 20 <= wo * 21
+    return (sh == sw == 1 and not pointwise and wp * 20 <= wo * 21
+            and not device.capabilities.conv_columns)
 
 
 def _conv_columns(x: Tensor, geometry: tuple) -> Tensor:
@@ -1745,7 +1781,14 @@ def _conv_columns(x: Tensor, geometry: tuple) -> Tensor:
         view = columns.reshape(c, n * h * w)
         columns.release()
         return view
-    if _wide_rows(geometry):
+    if x.device.capabilities.conv_columns:  # NOTE: one kernel, no padded copy
+        columns = Tensor._fresh((c * kh * kw, n * ho * geometry[4][1]), x.dtype,
+                                _result_allocator(x))
+        device, kernel, stride = x.device, (kh, kw), (sh, sw)
+        _launch("im2col", columns, [("x", x, x.shape)],
+                lambda v, o: device.im2col(v[0], kernel, stride, padding, o))
+        return columns
+    if _wide_rows(geometry, x.device):
         # NOTE: one zero row below, where the last windows' dropped columns end
         xp = _padded(x, padding, 0.0, below=1)
         sn, sc = xp.strides[:2]
@@ -1808,16 +1851,17 @@ CONV_PIECE_POSITIONS = 3000
 # for bit).
 
 
-def _conv_pieces(shape: tuple[int, ...], geometry: tuple, itemsize: int
+def _conv_pieces(shape: tuple[int, ...], geometry: tuple, itemsize: int, device: Any
                  ) -> list[tuple[int, int]]:
     """The (start, stop) image ranges a convolution of an x of `shape` runs in: as few as
     keep each piece's columns within CONV_PIECE_BYTES, each with at least
     CONV_PIECE_POSITIONS output positions (a whole image at least)."""
     (kh, kw), _, _, (_, wp), (ho, wo) = geometry
     n, channels = shape[:2]
-    per_image = channels * kh * kw * ho * (wp if _wide_rows(geometry) else wo) * itemsize
+    per_image = channels * kh * kw * ho * (wp if _wide_rows(geometry, device) else wo) * itemsize
     least = max(1, -(-CONV_PIECE_POSITIONS // (ho * wo)))  # NOTE: images a piece needs
-    count = min(n // least, -(-n * per_image // CONV_PIECE_BYTES))
+    fit = max(1, CONV_PIECE_BYTES // per_image)  # NOTE: images whose columns fit the bytes
+    count = min(n // least, -(-n // fit))
     if count <= 1:
         return [(0, n)]
     size = -(-n // count)
@@ -1834,7 +1878,7 @@ def _conv_forward(x: Tensor, weight: Tensor, bias: Tensor | None, geometry: tupl
     o = weight.shape[0]
     w2 = weight.reshape(o, c * kh * kw)
     bias4 = None if bias is None else bias.reshape(1, o, 1, 1)
-    for start, stop in _conv_pieces(x.shape, geometry, x.dtype.itemsize):
+    for start, stop in _conv_pieces(x.shape, geometry, x.dtype.itemsize, x.device):
         xs, target = x[start:stop], out[start:stop]
         _conv_piece(xs, w2, bias4, geometry, target)
         xs.release()
@@ -1852,7 +1896,7 @@ def _conv_piece(x: Tensor, w2: Tensor, bias4: Tensor | None, geometry: tuple,
     n = x.shape[0]
     o = w2.shape[0]
     columns = _conv_columns(x, geometry)
-    wide = _wide_rows(geometry)
+    wide = _wide_rows(geometry, x.device)
     if n == 1 and out.is_contiguous() and not wide:  # NOTE: (O, 1, Ho, Wo) is out's layout
         target = out.reshape(o, ho * wo)
         matmul(w2, columns, out=target)
@@ -1893,7 +1937,15 @@ def _col2im(columns: Tensor, x_shape: tuple[int, ...], geometry: tuple,
         grad = copy(cnhw.transpose(1, 0, 2, 3), out=out)
         cnhw.release()
         return grad
-    if _wide_rows(geometry):  # NOTE: window (i, j) is the flat stretch at i * Wp + j
+    if columns.device.capabilities.conv_columns:  # NOTE: one kernel, no padded gradient
+        grad = out if out is not None else Tensor._fresh(x_shape, columns.dtype,
+                                                          _result_allocator(columns))
+        device = columns.device
+        _launch("col2im", grad, [("columns", columns, columns.shape)],
+                lambda v, o: device.col2im(v[0], (kh, kw), (sh, sw), padding, o))
+        columns.release()
+        return grad
+    if _wide_rows(geometry, columns.device):  # NOTE: window (i, j): the stretch at i * Wp + j
         hp, wp = geometry[3]
         positions = ho * wp
         parts = columns.reshape(c, kh, kw, n, positions).transpose(3, 0, 1, 2, 4)
@@ -1941,7 +1993,7 @@ def _conv_backward(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], geom
         gx = gw = gb = None
         if nb:
             gb = sum(g, axis=(0, 2, 3))
-        pieces = _conv_pieces(x_shape, geometry, g.dtype.itemsize)
+        pieces = _conv_pieces(x_shape, geometry, g.dtype.itemsize, g.device)
         w2 = w.reshape(o, c * kh * kw) if nx else None
         if nx and len(pieces) > 1:  # NOTE: each piece writes its images' gradient into it
             gx = Tensor._fresh(x_shape, g.dtype, _result_allocator(g))
@@ -1993,7 +2045,7 @@ def _input_grad(w2: Tensor, g2: Tensor, x_shape: tuple[int, ...], geometry: tupl
         image.release()
         return out
     grad_columns = matmul(w2.T, g2)
-    if _wide_rows(geometry):
+    if _wide_rows(geometry, g2.device):
         _zero_dropped(grad_columns, geometry)
     return _col2im(grad_columns, x_shape, geometry, out)
 
@@ -2003,7 +2055,7 @@ def _conv_g2(g: Tensor, geometry: tuple, o: int) -> Tensor:
     dropped columns): a view for one image, else a transposed copy."""
     (_, _), _, _, (_, wp), (ho, wo) = geometry
     n = g.shape[0]
-    if _wide_rows(geometry):  # NOTE: zeros in the dropped columns, and in the columns they meet
+    if _wide_rows(geometry, g.device):  # NOTE: zeros in the dropped columns and those they meet
         g2 = Tensor._fresh((o, n * ho * wp), g.dtype, _result_allocator(g))
         _zero_dropped(g2, geometry)
         rows = g2.reshape(o, n, ho, wp)
@@ -2020,7 +2072,7 @@ def _conv_g2(g: Tensor, geometry: tuple, o: int) -> Tensor:
 def _weight_product(x: Tensor, g2: Tensor, geometry: tuple) -> Tensor:
     """x's columns times g2 transposed: the weight's gradient as (C*kh*kw, O)."""
     columns = _conv_columns(x, geometry)
-    if _wide_rows(geometry):
+    if _wide_rows(geometry, x.device):
         _zero_dropped(columns, geometry)
     # NOTE: the product as (C*kh*kw, O), then transposed: the long inner dimension N*Ho*Wo
     # runs along both operands' rows, which OpenBLAS runs 1.5-2x faster than g2 @ columns.T
@@ -2248,7 +2300,8 @@ def _pool(op: str, x: Tensor, kernel_size: Any, stride: Any, padding: Any,
 
 __all__ += ["conv2d", "max_pool2d", "avg_pool2d"]
 ALIASING_POLICY.update(dict.fromkeys(("conv2d", "max_pool2d", "max_pool2d_backward",
-                                      "avg_pool2d"), NEVER))
+                                      "avg_pool2d", "moments", "channel_dots", "im2col",
+                                      "col2im"), NEVER))
 
 
 def _reduce(op: str, x: Tensor, axis: Any, keepdims: bool, out: Tensor | None) -> Tensor:

@@ -353,3 +353,95 @@ def test_a_captured_step_commits_after_its_forward_pass_and_recomputes_batch_nor
     # writes a weight in backward): the statistics' writes come no earlier
     assert reports["recycle"]["commit_step"] >= reports["untracked"]["commit_step"] > 40
     assert reports["sqrt"]["recompute_instructions"] > 0
+
+
+# ---------------------------------------------------------------------- the statistics kernels
+def _exact_moments(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    wide = x.astype(np.float64)
+    mean = wide.mean(axis=(0, 2), keepdims=True)
+    return mean, ((wide - mean) ** 2).sum(axis=(0, 2), keepdims=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "chunked"])
+def test_the_cpus_statistics_kernels_match_exact_sums_in_every_layout(dtype, layout,
+                                                                      monkeypatch):
+    """`Device.moments` / `channel_dots` on the CPU: its C kernel (contiguous float32 and
+    float64), the base's chunks where the C kernel refuses a layout (every other sample of a
+    larger x), and the base's chunks made a few samples at a time (STATS_CHUNK lowered), all
+    within float32's (float64's) rounding of the exact sums; a large mean loses nothing (the
+    squares are summed around the mean, not as E[x^2] - E[x]^2)."""
+    device = backends.get_device("cpu")
+    dtype = np.dtype(BF16 if dtype == "bfloat16" else dtype)
+    rng = np.random.default_rng(1)
+    big = rng.standard_normal((10, 5, 33)) + 1000.0
+    g = rng.standard_normal(big.shape)
+    if layout == "strided":
+        x, gx = big.astype(dtype)[::2], g.astype(dtype)[::2]
+        assert not x.flags.c_contiguous
+    else:
+        x, gx = big.astype(dtype), g.astype(dtype)
+    if layout == "chunked":
+        monkeypatch.setattr(backends.base, "STATS_CHUNK", 2 * 5 * 33 + 1)
+        hooks = [backends.base.Device._moments.__get__(device),
+                 backends.base.Device._channel_dots.__get__(device)]
+        monkeypatch.setattr(device, "_moments", hooks[0])
+        monkeypatch.setattr(device, "_channel_dots", hooks[1])
+    outs = [np.full((1, 5, 1), np.nan, dtype) for _ in range(4)]
+    device.moments(x, outs[0], outs[1])
+    device.channel_dots(gx, x, outs[2], outs[3])
+    mean, m2 = _exact_moments(x)
+    wx, wg = x.astype(np.float64), gx.astype(np.float64)
+    sums, dots = wg.sum(axis=(0, 2), keepdims=True), (wg * wx).sum(axis=(0, 2), keepdims=True)
+    u = 2.0 ** -24 if dtype != np.float64 else 2.0 ** -53
+    half = {np.dtype(np.float16): 2.0 ** -11, BF16: 2.0 ** -8}.get(dtype, u)
+    count = x.shape[0] * x.shape[2]
+    assert np.all(np.abs(outs[0].astype(np.float64) - mean) <= 4 * count * u * 1001 + half * 1001)
+    # NOTE: x - mean rounds by u * 1000 per element: that, squared and summed, bounds m2's error
+    spread = 2 * count * u * 1000 * np.abs(wx - mean).max() + 4 * count * u * m2 + half * m2
+    assert np.all(np.abs(outs[1].astype(np.float64) - m2) <= spread)
+    assert np.all(np.abs(outs[2].astype(np.float64) - sums)
+                  <= 4 * count * u * np.abs(wg).sum(axis=(0, 2), keepdims=True)
+                  + half * np.abs(sums))
+    assert np.all(np.abs(outs[3].astype(np.float64) - dots)
+                  <= 4 * count * u * np.abs(wg * wx).sum(axis=(0, 2), keepdims=True)
+                  + half * np.abs(dots))
+    if layout == "contiguous" and dtype in (np.float32, np.float64):  # NOTE: the C kernel ran
+        assert backends.numpy._halfconv is None or backends.numpy._halfconv.moments(
+            int(dtype == np.float64), np.empty(5, dtype), np.empty(5, dtype), x)
+
+
+def test_the_statistics_kernels_refuse_bad_operands_before_writing():
+    device = backends.get_device("cpu")
+    x = np.ones((2, 3, 4), np.float32)
+    mean, m2 = np.full((1, 3, 1), 7.0, np.float32), np.full((1, 3, 1), 7.0, np.float32)
+    with pytest.raises(ValueError, match=r"moments: outputs must be \(1, 3, 1\) for inputs of "
+                                         r"shape \(2, 3, 4\), got \(1, 3, 1\), \(1, 2, 1\)"):
+        device.moments(x, mean, np.zeros((1, 2, 1), np.float32))
+    with pytest.raises(ValueError, match=r"channel_dots: inputs must be \(N, C, S\) views of "
+                                         r"one shape, got \(2, 3, 4\), \(2, 3, 5\)"):
+        device.channel_dots(x, np.ones((2, 3, 5), np.float32), mean, m2)
+    with pytest.raises(TypeError, match="moments: every operand must have one float dtype, got "
+                                        "float32, float64, float32"):
+        device.moments(x, mean.astype(np.float64), m2)
+    with pytest.raises(TypeError, match="one float dtype, got int64"):
+        device.moments(np.ones((2, 3, 4), np.int64), mean.astype(np.int64), m2.astype(np.int64))
+    assert np.all(mean == 7.0) and np.all(m2 == 7.0)
+
+
+def test_a_captured_batch_norm_runs_its_normalisation_as_one_fused_pass():
+    """x - mean and the product by 1 / sqrt(var + eps) fuse in a graph (`fuse._sunk` moves
+    the subtraction down past the small ops the product waits for), the backward's four
+    elementwise ops fuse, and neither statistic makes a temporary of x's size."""
+    nn.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Flatten(), nn.Dense(8 * 36, 2))
+    step = runtime.graph(nn.train_step(model, nn.SGD(model.parameters(), lr=0.1)),
+                         plan="static")
+    x = runtime.tensor(np.random.default_rng(0).standard_normal((4, 3, 6, 6), np.float32))
+    step(x, np.array([0, 1, 0, 1])).item()
+    chains = [[i.op for i in s.instructions] for s in step._last.steps]
+    assert ["sub", "mul"] in chains
+    assert ["mul", "sub", "sub", "mul"] in chains
+    kernels = [i.op for s in step._last.steps for i in s.instructions]
+    assert kernels.count("moments") == kernels.count("channel_dots") == 1

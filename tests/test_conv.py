@@ -11,6 +11,8 @@ eager. Without PyTorch, the tests that need no reference still run.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 
 import numpy as np
@@ -45,6 +47,17 @@ def _devices() -> list:
 
 
 DEVICES = _devices()
+
+
+@contextlib.contextmanager
+def _composed(device: str = "cpu"):
+    """The device with `conv_columns` switched off: the runtime makes the columns of padded
+    copies (wide rows where they apply), as on a device without the kernels."""
+    found = backends.get_device(device)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(found, "capabilities",
+                      dataclasses.replace(found.capabilities, conv_columns=False))
+        yield found
 F32, F64 = np.dtype("float32"), np.dtype("float64")
 #: The distance allowed from PyTorch, relative and absolute, per dtype (sums in other orders)
 TOLERANCE = {F32: (2e-5, 2e-5), F64: (1e-12, 1e-12)}
@@ -170,9 +183,10 @@ def test_conv2d_on_wide_rows_matches_pytorch(n, c, o, h, w, kh, kw, ph, pw, seed
     if kh > h + 2 * ph:
         return
     geometry = ops._geometry("conv2d", (n, c, h, w), (kh, kw), (1, 1), (ph, pw))
-    assert ops._wide_rows(geometry) or (kh == kw == 1 and (ph, pw) == (0, 0))
-    assert _conv_against_torch("cpu", F64, n, c, o, (h, w), (kh, kw), (1, 1), (ph, pw), True,
-                               seed) == 4
+    with _composed() as device:
+        assert ops._wide_rows(geometry, device) or (kh == kw == 1 and (ph, pw) == (0, 0))
+        assert _conv_against_torch("cpu", F64, n, c, o, (h, w), (kh, kw), (1, 1), (ph, pw),
+                                   True, seed) == 4
 
 
 def _same_non_finite(mine: np.ndarray, theirs: np.ndarray) -> int:
@@ -190,7 +204,13 @@ def _same_non_finite(mine: np.ndarray, theirs: np.ndarray) -> int:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("where", ["x", "weight"])
 @pytest.mark.parametrize("width", [44, 6], ids=["wide-rows", "narrow"])
-def test_gradients_with_infinities_and_nan_are_pytorchs(device, where, width):
+@pytest.mark.parametrize("columns", ["device", "composed"])
+def test_gradients_with_infinities_and_nan_are_pytorchs(device, where, width, columns):
+    with _composed(device) if columns == "composed" else contextlib.nullcontext():
+        _infinities_against_pytorch(device, where, width)
+
+
+def _infinities_against_pytorch(device: str, where: str, width: int) -> None:
     """An infinity of each sign and a NaN in x (or two infinities in the weight): the
     gradients hold NaN and infinities where PyTorch's do. On wide rows a dropped column reads
     the next row's first columns; its zero of g must not meet them (0 * inf = NaN). The
@@ -205,7 +225,9 @@ def test_gradients_with_infinities_and_nan_are_pytorchs(device, where, width):
         w[0, 0, 1, 2], w[1, 2, 0, 0] = np.inf, -np.inf
     padding = 1 if where == "x" else 0
     geometry = ops._geometry("conv2d", x.shape, (3, 3), (1, 1), (padding, padding))
-    assert ops._wide_rows(geometry) == (width == 44)
+    found = backends.get_device(device)
+    assert ops._wide_rows(geometry, found) == (width == 44
+                                               and not found.capabilities.conv_columns)
     tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
     expected = F.conv2d(tx, tw, padding=padding)
     weights = rng.uniform(0.5, 1.5, tuple(expected.shape)).astype(np.float32)
@@ -298,19 +320,29 @@ def pieces(monkeypatch):
     return set_images
 
 
-def test_pieces_are_whole_images_within_the_bytes_and_positions_allowed(monkeypatch):
+@pytest.mark.parametrize("columns", ["device", "composed"])
+def test_pieces_are_whole_images_within_the_bytes_and_positions_allowed(monkeypatch, columns):
     geometry = ops._geometry("conv2d", (4, 64, 56, 56), (3, 3), (1, 1), (1, 1))
-    one = 64 * 9 * 56 * 58 * 4  # NOTE: one image's wide-row columns
-    assert ops._conv_pieces((4, 64, 56, 56), geometry, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
-    monkeypatch.setattr(ops, "CONV_PIECE_BYTES", 2 * one)
-    assert ops._conv_pieces((4, 64, 56, 56), geometry, 4) == [(0, 2), (2, 4)]
-    assert ops._conv_pieces((5, 64, 56, 56), geometry, 4) == [(0, 2), (2, 4), (4, 5)]
-    monkeypatch.setattr(ops, "CONV_PIECE_POSITIONS", 3 * 56 * 56)
-    assert ops._conv_pieces((4, 64, 56, 56), geometry, 4) == [(0, 4)]  # NOTE: 1 piece
-    assert ops._conv_pieces((6, 64, 56, 56), geometry, 4) == [(0, 3), (3, 6)]
-    small = ops._geometry("conv2d", (4, 256, 14, 14), (3, 3), (1, 1), (1, 1))
-    monkeypatch.undo()
-    assert ops._conv_pieces((4, 256, 14, 14), small, 4) == [(0, 4)]  # NOTE: thin
+    with _composed() if columns == "composed" else contextlib.nullcontext():
+        device = backends.get_device("cpu")
+        wide = ops._wide_rows(geometry, device)
+        assert wide == (columns == "composed")
+        one = 64 * 9 * 56 * (58 if wide else 56) * 4  # NOTE: one image's columns
+        pieces = lambda shape, g=geometry: ops._conv_pieces(shape, g, 4, device)  # noqa: E731
+        assert pieces((4, 64, 56, 56)) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+        monkeypatch.setattr(ops, "CONV_PIECE_BYTES", 2 * one)
+        assert pieces((4, 64, 56, 56)) == [(0, 2), (2, 4)]
+        assert pieces((5, 64, 56, 56)) == [(0, 2), (2, 4), (4, 5)]
+        monkeypatch.setattr(ops, "CONV_PIECE_BYTES", 2 * one - 1)
+        assert pieces((4, 64, 56, 56)) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+        monkeypatch.setattr(ops, "CONV_PIECE_BYTES", 2 * one)
+        monkeypatch.setattr(ops, "CONV_PIECE_POSITIONS", 3 * 56 * 56)
+        assert pieces((4, 64, 56, 56)) == [(0, 4)]  # NOTE: 1 piece
+        assert pieces((6, 64, 56, 56)) == [(0, 3), (3, 6)]
+        small = ops._geometry("conv2d", (4, 256, 14, 14), (3, 3), (1, 1), (1, 1))
+        monkeypatch.setattr(ops, "CONV_PIECE_BYTES", 1 << 20)
+        monkeypatch.setattr(ops, "CONV_PIECE_POSITIONS", 3000)
+        assert pieces((4, 256, 14, 14), small) == [(0, 4)]  # NOTE: thin
 
 
 @needs_torch
@@ -343,7 +375,7 @@ def test_conv2d_in_drawn_pieces_matches_pytorch(n, c, o, h, w, kh, kw, sh, sw, p
         patch.setattr(ops, "CONV_PIECE_BYTES", 1)
         patch.setattr(ops, "CONV_PIECE_POSITIONS", images * math.prod(geometry[4]))
         # NOTE: as many pieces as hold `images` images each at least (one: the whole batch)
-        found = ops._conv_pieces((n, c, h, w), geometry, 8)
+        found = ops._conv_pieces((n, c, h, w), geometry, 8, backends.get_device("cpu"))
         assert len(found) == max(1, n // images), found
         assert found[0][0] == 0 and found[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(found, found[1:]))
@@ -390,7 +422,7 @@ def test_out_gets_the_pieces_contiguous_or_strided(name, pieces):
     kernel = 3 if name == "conv2d" else 1
     geometry = ops._geometry("conv2d", x.shape, (kernel, kernel), (1, 1),
                              (kernel // 2, kernel // 2))
-    assert len(ops._conv_pieces(x.shape, geometry, 8)) == 2
+    assert len(ops._conv_pieces(x.shape, geometry, 8, x.device)) == 2
     out = runtime.empty((2, 2, 4, 4), "float64")
     assert OPS[name](x, out=out) is out
     np.testing.assert_allclose(out.numpy(), expected, rtol=1e-12, atol=1e-12)
@@ -765,9 +797,16 @@ def test_a_conv_net_under_a_memory_budget_replays_bit_for_bit_as_eager(plan):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_step_on_wide_rows_replays_bit_for_bit_as_eager(device):
+@pytest.mark.parametrize("columns", ["device", "composed"])
+def test_a_step_on_wide_rows_replays_bit_for_bit_as_eager(device, columns):
     """8x40 images under 3x3 kernels at stride 1: the convolutions run on wide rows (flat
-    window stretches of the padded image), captured with sqrt checkpoints too."""
+    window stretches of the padded image) where the device makes no columns itself, or on its
+    im2col and col2im kernels, captured with sqrt checkpoints too."""
+    with _composed(device) if columns == "composed" else contextlib.nullcontext():
+        _wide_rows_step(device)
+
+
+def _wide_rows_step(device: str) -> None:
     rng = np.random.default_rng(15)
     data = [(rng.standard_normal((2, 2, 8, 40)).astype(np.float32), rng.integers(0, 3, 2))
             for _ in range(2)]

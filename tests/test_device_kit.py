@@ -140,9 +140,26 @@ class WritesBeforeItChecks(NumpyDevice):
 
 
 class ClaimsCompiledChains(NumpyDevice):
-    """Planted: claims compiles_fused and writes no `_compile_fused`."""
+    """Planted: claims compiles_fused and writes no `_compile_fused` (the base's, which the
+    CPU's own replaces)."""
 
     capabilities = dataclasses.replace(NumpyDevice.capabilities, compiles_fused=True)
+    _compile_fused = Device._compile_fused
+
+
+class MomentsDropsASample(NumpyDevice):
+    """Planted: batch norm's statistics over every sample but the last."""
+
+    def _moments(self, x, mean, m2) -> None:
+        super()._moments(x[:-1] if x.shape[0] > 1 else x, mean, m2)
+
+
+class ColumnsLoseTheLastTap(NumpyDevice):
+    """Planted: im2col leaves the last window element's row of the columns zero."""
+
+    def _im2col(self, x, kernel, stride, padding, columns) -> None:
+        super()._im2col(x, kernel, stride, padding, columns)
+        columns[-1] = 0
 
 
 class HidesReadOnlyMemory(NumpyDevice):
@@ -220,6 +237,8 @@ PLANTED = [
     (WritesBeforeItChecks, "cross entropy", "a refused label left probs written"),
     (ClaimsCompiledChains, "capabilities", "claims compiles_fused but does not write "
                                            "_compile_fused"),
+    (MomentsDropsASample, "channel statistics", r"moments\(float32\) of \(2, 3, 5\)"),
+    (ColumnsLoseTheLastTap, "convolution columns", r"kernel \(3, 3\).*: im2col"),
     (HidesReadOnlyMemory, "capabilities", "writes _raw_alloc_read_only, _is_read_only but does "
                                           "not claim read_only_memory"),
     (ChainRoundsOnce, "fused chains", "chain"),

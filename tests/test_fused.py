@@ -109,3 +109,69 @@ def test_a_prepared_chain_runs_again_on_new_data_and_shares_scratch(device, rows
             np.testing.assert_allclose(device.to_host(out), expected, rtol=2e-6, atol=1e-7)
     if device.name == "cpu":  # the blocked default: one set of scratch arrays for both chains
         assert len(scratch) == len(program) - 1
+
+
+# ---------------------------------------------------------------------- the CPU's compiled chains
+def _broadcast(rng, shape, pattern, dtype):
+    """An operand of out's `shape`: "full", "channel" (axis 1 only, broadcast elsewhere), "row"
+    (the last axis only), "scalar", or "strided" (every other element of a larger array)."""
+    if pattern == "full":
+        return rng.normal(0, 3, shape).astype(dtype)
+    if pattern == "strided":
+        return rng.normal(0, 3, (*shape[:-1], 2 * shape[-1])).astype(dtype)[..., ::2]
+    kept = {"channel": 1, "row": len(shape) - 1}.get(pattern)
+    small = tuple(n if axis == kept else 1 for axis, n in enumerate(shape))
+    return np.broadcast_to(rng.normal(0, 3, small).astype(dtype), shape)
+
+
+@pytest.mark.skipif(not backends.get_device("cpu").capabilities.compiles_fused,
+                    reason="the CPU compiles fused chains only with backends._halfconv built")
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([(5,), (3, 7), (2, 3, 5, 7), (4, 16, 9, 9), (2, 3, 700), (1, 5, 1, 1)]),
+       st.lists(st.sampled_from(["full", "channel", "row", "scalar", "strided"]), min_size=3,
+                max_size=3),
+       st.sampled_from([np.float32, np.float64]), st.booleans(), st.integers(0, 2**32 - 1))
+def test_the_cpus_compiled_chain_gives_its_links_bits_on_broadcast_operands(
+        shape, patterns, dtype, in_place, seed):
+    """`_halfconv.chain` (the CPU's `_compile_fused`) over per-channel, row, scalar and strided
+    operands and numbers gives the bits of the links run one by one, into out or into one of
+    its operands (the identical view), and a prepared chain runs again on new data."""
+    device = backends.get_device("cpu")
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    inputs = [_broadcast(rng, shape, p, dtype) for p in patterns]
+    inputs[0] = rng.normal(0, 3, shape).astype(dtype)  # NOTE: a full one, which out may be
+    program = (("mul", (("input", 1), ("number", dtype.type(1.5))), dtype),
+               ("sub", (("input", 0), ("link", 0)), dtype),
+               ("copy", (("link", 1),), dtype),
+               ("relu_backward", (("link", 2), ("input", 2)), dtype),
+               ("div", (("link", 3), ("number", dtype.type(3.0))), dtype),
+               ("add", (("link", 4), ("input", 0)), dtype))
+    expected = sequential(device, program, inputs, shape, dtype)
+    out = inputs[0] if in_place else np.zeros(shape, dtype)
+    run = device._compile_fused(program, inputs, out)
+    assert callable(run), "a float chain of the CPU's ops over these layouts compiles"
+    run()
+    np.testing.assert_array_equal(out, expected)
+    if not in_place:  # NOTE: the same views, new values
+        inputs[0][...] = rng.normal(0, 3, shape)
+        run()
+        np.testing.assert_array_equal(out, sequential(device, program, inputs, shape, dtype))
+
+
+def test_the_cpu_runs_blocked_what_it_does_not_compile():
+    """A chain with an op C has no loop for (exp), a mixed dtype or a strided out is not
+    compiled (`_compile_fused` says None) and still gives its links' bits."""
+    device = backends.get_device("cpu")
+    rng = np.random.default_rng(5)
+    a = rng.normal(size=(6, 8)).astype(np.float32)
+    f32 = np.dtype(np.float32)
+    for program, out in [
+            ((("exp", (("input", 0),), f32), ("add", (("link", 0), ("input", 0)), f32)),
+             np.zeros((6, 8), np.float32)),
+            ((("mul", (("input", 0), ("input", 0)), f32),
+              ("add", (("link", 0), ("input", 0)), f32)),
+             np.zeros((6, 16), np.float32)[:, ::2])]:
+        assert device._compile_fused(program, [a], out) is None
+        device.fused(program, [a], out)
+        np.testing.assert_array_equal(out, sequential(device, program, [a], a.shape, np.float32))

@@ -478,6 +478,19 @@ class _Candidate:
     units: int = 0
 
 
+# Note [a refusal's least fits]: a BudgetError names the least peak a budget's search reached,
+# and a user (and tests/test_graph_layers.py) takes that least as the next budget. But which
+# plans a search makes depends on its budget (the rooms the programme probes are aimed at it,
+# and so are the segments' parts), and a plan's peak need not rise with its room: a refusal at
+# a budget of 1 byte planned room 3 at 8192 bytes, while at a budget of 8192 the probes went
+# from room 7 to 2 (8704) past room 3, and refused again. So where nothing fits, the
+# programme also plans its _SMALLEST_ROOMS smallest rooms, whatever the budget, and the least
+# a refusal names is the least of the plans every failed search makes (keeping everything,
+# checkpoint="sqrt", those rooms): a budget of that least finds that plan again, and fits.
+#: How many of the programme's smallest rooms a search that finds nothing plans
+_SMALLEST_ROOMS = 3
+
+
 class _Search:
     """The candidates of one `_fit`, each planned for real: rewrites of the tape by the dynamic
     programme (the largest room that fits), checkpoint="sqrt"'s segments, moves of the first
@@ -496,6 +509,10 @@ class _Search:
         self.units = _units(recorded.program, self.wanted, recorded.intermediate)
         self.split = _table(len(self.units))[1] if len(self.units) > 2 else None
         self.peaks: list[int] = [peak]
+        #: peaks of the plans made whatever the budget, where nothing fits (keeping
+        #: everything, checkpoint="sqrt", the programme's smallest rooms): BudgetError's least
+        #: is theirs, so a budget of that least fits (Note [a refusal's least fits])
+        self.fixed_peaks: list[int] = [peak]
         self.found: list[_Candidate] = []
         #: bytes over the budget keeping everything, and the bytes a unit is worth there
         self.over = peak - budget
@@ -653,19 +670,30 @@ class _Search:
                 and self.best().cost <= self.floor(first)):
             return
 
+        probed: dict[int, tuple[bool, int]] = {}
+
         def fits(room: int) -> bool:
-            recorded, depth, copied, stored = self.rewrite(room, first=first, moved=moved,
-                                                           halved=halved)
-            what = f"at most {room} of {n} units kept at once, recomputes nested {depth} deep"
-            if copied:
-                what = f"the waiting results of the first {moved} units moved, " + what
-            if stored:
-                what = f"{len(stored)} results stored lossy, " + what
-            return self.offer(recorded, room=room, depth=depth, schedule=what, moves=why,
-                              copied=copied, stored=stored)
+            if room not in probed:
+                recorded, depth, copied, stored = self.rewrite(room, first=first, moved=moved,
+                                                               halved=halved)
+                what = (f"at most {room} of {n} units kept at once, recomputes nested {depth} "
+                        f"deep")
+                if copied:
+                    what = f"the waiting results of the first {moved} units moved, " + what
+                if stored:
+                    what = f"{len(stored)} results stored lossy, " + what
+                fitted = self.offer(recorded, room=room, depth=depth, schedule=what, moves=why,
+                                    copied=copied, stored=stored)
+                probed[room] = (fitted, self.peaks[-1])
+            self.peaks.append(probed[room][1])
+            return probed[room][0]
 
         slope = self.slope / 2 if halved else self.slope
-        self.boundary(2, n - 1, fits, guess=self.budget / slope - 1, slope=slope, rising=True)
+        if not self.boundary(2, n - 1, fits, guess=self.budget / slope - 1, slope=slope,
+                             rising=True):
+            for room in range(2, min(n - 1, 2 + _SMALLEST_ROOMS - 1) + 1):
+                fits(room)
+                self.fixed_peaks.append(probed[room][1])
 
     def segments(self, why: str) -> None:
         """One level of recompute whose parts are chosen by each unit's bytes, work and what
@@ -769,6 +797,7 @@ class _Search:
         if recorded.recomputed:
             self.offer(recorded, room=None, depth=1, moves=why,
                        schedule='checkpoint="sqrt" segments')
+            self.fixed_peaks.append(self.peaks[-1])
 
     def moves(self) -> None:
         """The fewest first units moved that fit with nothing recomputed."""
@@ -871,7 +900,7 @@ def _fit(recorded: Recorded, budget: int, source: str,
     found = min((c for search in searches for c in search.found), key=lambda c: c.cost,
                 default=None)
     if found is None:
-        least = min(p for search in searches for p in search.peaks)
+        least = min(p for search in searches for p in search.fixed_peaks)
         also = " or moving them to host memory" if searches[0].can_move else ""
         also += " or storing them lossy" if lossy is not None else ""
         raise BudgetError(

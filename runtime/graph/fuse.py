@@ -20,7 +20,8 @@ def _fuse_steps(scheduled: list[Instruction], intermediate: frozenset[int], devi
     the chains that consume them) and a buffer for each planned block (`in_place`: an
     elementwise step may write over an input that dies there)."""
     if fuse:
-        steps = _attach_products(_fuse(scheduled, intermediate), intermediate, device)
+        steps = _attach_products(_fuse(_sunk(scheduled, intermediate), intermediate),
+                                 intermediate, device)
     else:
         steps = [_Step([instr]) for instr in scheduled]
     internal = set().union(*(step.internal for step in steps))
@@ -35,6 +36,68 @@ def _fusable(instr: Instruction) -> bool:
     op = optable.BY_NAME.get(instr.op)
     return (instr.kind == "kernel" and op is not None and op.fusible
             and instr.policy == "elementwise" and len(instr.outputs) == 1)
+
+
+#: The farthest (in instructions) `_sunk` moves a link down to its one reader
+_SINK_REACH = 64
+
+
+def _sunk(scheduled: list[Instruction], intermediate: frozenset[int]) -> list[Instruction]:
+    """The schedule with each fusible instruction whose result only one later fusible
+    instruction reads moved down to just before that reader, so that the two fuse: the
+    scheduler runs an instruction as soon as it frees what it makes (batch norm's x - mean,
+    the moment its mean exists), often a few small instructions before the one that reads
+    its result (the mul by 1 / sqrt(var + eps), which waits for them).
+
+    Moved only where it reads no result of the fusible instruction just before it (the two
+    may fuse where they are), nothing between writes what it reads or touches its result, at most
+    _SINK_REACH instructions down, and where at most one input dies at it, one that could
+    hold its result in place (`_donates`): so no step holds more bytes than before (between,
+    that input lives on where the result did; at the chain, the chain's result takes its
+    buffer where the reader's result took the moved one's). Values are unchanged: only
+    independent instructions trade places."""
+    readers = _positions(scheduled, "inputs")
+    writers = _positions(scheduled, "outputs")
+    landing: dict[int, list[int]] = {}  # NOTE: reader position -> moved positions, in order
+    for i, instr in enumerate(scheduled):
+        if not _fusable(instr):
+            continue
+        link = instr.outputs[0]
+        bid = link.block.id
+        reads = sorted(set(readers.get(bid, ())))
+        if (bid not in intermediate or not link.whole or writers.get(bid) != [i]
+                or len(reads) != 1 or not i + 1 < reads[0] <= i + _SINK_REACH):
+            continue
+        p = reads[0]
+        reader = scheduled[p]
+        if (not _fusable(reader) or reader.outputs[0].shape != link.shape
+                or not all(o.whole for o in reader.inputs if o.block.id == bid)):
+            continue
+        mine = {o.block.id for o in instr.inputs}
+        if any(o.block.id in mine for k in range(i + 1, p) for o in scheduled[k].outputs):
+            continue
+        if i and _fusable(scheduled[i - 1]) and scheduled[i - 1].outputs[0].block.id in mine:
+            continue  # NOTE: it may end a chain where it is; moved, that link would be made
+        dying = {o.block.id: o for o in instr.inputs
+                 if o.block.id in intermediate and max(readers[o.block.id]) == i
+                 and max(writers.get(o.block.id, [-1])) < i}
+        if len(dying) > 1 or not all(_donates(o, link) for o in dying.values()):
+            continue
+        landing.setdefault(p, []).append(i)
+    if not landing:
+        return scheduled
+    moved = {i for group in landing.values() for i in group}
+    order: list[Instruction] = []
+
+    def emit(k: int) -> None:
+        for m in landing.get(k, ()):
+            emit(m)
+        order.append(scheduled[k])
+
+    for k in range(len(scheduled)):
+        if k not in moved:
+            emit(k)
+    return order
 
 
 def _fuse(scheduled: list[Instruction], intermediate: frozenset[int]) -> list[_Step]:
@@ -259,10 +322,18 @@ def _linear_form(chain: Sequence[Instruction], product: int,
     return form if form is not None and form[0] != 0.0 else None
 
 
+def _donates(operand: Operand, out: Operand) -> bool:
+    """Whether `operand`, dying at the step that writes `out`, could hold out in place: both
+    cover their blocks whole, with one size, shape and dtype."""
+    return (operand.whole and operand.block.nbytes == out.block.nbytes
+            and operand.shape == out.shape and operand.dtype == out.dtype)
+
+
 def _buffers(steps: list[_Step], planned: set[int], in_place: bool,
              fresh: set[int] = frozenset()) -> tuple[dict[int, int], int]:
     """Map each planned block to a buffer: its own, or (in place) the buffer of an elementwise
-    input that dies at the step writing it, when both cover their blocks whole with one size.
+    step's input (any link's, for a chain) that dies at the step writing it, when both cover
+    their blocks whole with one size (`_donates`).
     Blocks in `fresh` always get their own (a product is written into them before the chain
     that reads the dying inputs runs)."""
     flat = [(position, instr) for position, step in enumerate(steps)
@@ -279,6 +350,10 @@ def _buffers(steps: list[_Step], planned: set[int], in_place: bool,
     reused = 0
     taken: set[int] = set()
     for position, instr in flat:
+        # NOTE: a chain's result may take the buffer of any link's dying input: each runs
+        # element by element (row block by row block), every link reading an element before
+        # the last writes it
+        reads = [o for i in steps[position].instructions for o in i.inputs]
         for out in instr.outputs:
             bid = out.block.id
             if bid not in planned or bid in buffer_of:
@@ -286,12 +361,10 @@ def _buffers(steps: list[_Step], planned: set[int], in_place: bool,
             donor = None
             if in_place and instr.policy == "elementwise" and out.whole \
                     and first_write[bid] == position and bid not in fresh:
-                for operand in instr.inputs:
+                for operand in reads:
                     source = operand.block.id
-                    if (source in buffer_of and source not in taken and operand.whole
-                            and last_use[source] == position
-                            and operand.block.nbytes == out.block.nbytes
-                            and operand.shape == out.shape and operand.dtype == out.dtype):
+                    if (source in buffer_of and source not in taken
+                            and last_use[source] == position and _donates(operand, out)):
                         donor = source
                         break
             if donor is None:
