@@ -15,6 +15,7 @@ Run: [OMP_NUM_THREADS=1] python benchmarks/bench_conv.py [--quick] [--rounds 15]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import statistics
@@ -28,6 +29,7 @@ os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
 
 import numpy as np
 
+import backends
 import runtime
 from runtime import ops
 
@@ -108,6 +110,24 @@ def whole_batch(step: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
+def composed(step: Callable[[], None]) -> Callable[[], None]:
+    """`step` on the CPU device with `conv_columns` off: the columns made of a padded copy and
+    one strided copy, x's gradient of window adds into a padded tensor (wide rows where they
+    apply), as before the C im2col and col2im (what a device without them runs)."""
+    device = backends.get_device("cpu")
+    off = dataclasses.replace(device.capabilities, conv_columns=False)
+
+    def run() -> None:
+        saved = device.capabilities
+        device.capabilities = off
+        try:
+            step()
+        finally:
+            device.capabilities = saved
+
+    return run
+
+
 def torch_step(torch, x: np.ndarray, w: np.ndarray, b: np.ndarray, g: np.ndarray, stride: int,
                padding: int) -> Callable[[], None]:
     """The same in PyTorch."""
@@ -152,11 +172,13 @@ def main() -> None:
           f"on {blas_name()}; best of {rounds} interleaved rounds, "
           f"{datetime.date.today().isoformat()}; load average before: {load()}")
     print()
-    print("| layer | input | pieces | blockrt (ms) | whole batch (ms) | PyTorch (ms) | blockrt / "
-          "PyTorch (median of rounds) | blockrt / whole batch |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| layer | input | pieces | blockrt (ms) | whole batch (ms) | composed columns (ms) | "
+          "PyTorch (ms) | blockrt / PyTorch (median of rounds) | blockrt / whole batch | "
+          "blockrt / composed |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     rng = np.random.default_rng(0)
-    total = {"blockrt": 0.0, "torch": 0.0, "whole": 0.0}
+    total = {"blockrt": 0.0, "torch": 0.0, "whole": 0.0, "composed": 0.0}
+    cpu = backends.get_device("cpu")
     for name, c, o, k, s, p, size in LAYERS:
         x = rng.standard_normal((args.batch, c, size, size)).astype(np.float32)
         w = (rng.standard_normal((o, c, k, k)) / np.sqrt(c * k * k)).astype(np.float32)
@@ -165,33 +187,41 @@ def main() -> None:
         g = rng.standard_normal((args.batch, o, out, out)).astype(np.float32)
         step = blockrt_step(x, w, b, g, s, p)
         pieces = len(ops._conv_pieces(x.shape, ops._geometry("conv2d", x.shape, (k, k), (s, s),
-                                                            (p, p)), x.itemsize))
+                                                            (p, p)), x.itemsize, cpu))
         contenders = {"blockrt": step, "torch": torch_step(torch, x, w, b, g, s, p)}
         if pieces > 1:
             contenders["whole"] = whole_batch(step)
+        columns = k > 1 and cpu.capabilities.conv_columns  # NOTE: a 1x1 layer makes none
+        if columns:
+            contenders["composed"] = composed(step)
         times = measure(contenders, 1, rounds)
         best = {key: min(values) for key, values in times.items()}
         ratio = statistics.median(a / b for a, b in zip(times["blockrt"], times["torch"]))
         total["blockrt"] += best["blockrt"]
         total["torch"] += best["torch"]
         total["whole"] += best.get("whole", best["blockrt"])
-        whole, against = "", ""
-        if pieces > 1:
-            whole = f"{best['whole']:.1f}"
-            pairs = zip(times["blockrt"], times["whole"])
-            against = f"{statistics.median(a / b for a, b in pairs):.2f}"
+        total["composed"] += best.get("composed", best["blockrt"])
+        cells = {}
+        for key in ("whole", "composed"):
+            cells[key] = ("", "")
+            if key in times:
+                pairs = zip(times["blockrt"], times[key])
+                cells[key] = (f"{best[key]:.1f}",
+                              f"{statistics.median(a / b for a, b in pairs):.2f}")
         print(f"| {name} | {args.batch}x{c}x{size}x{size} | {pieces} | {best['blockrt']:.1f} | "
-              f"{whole} | {best['torch']:.1f} | {ratio:.2f} | {against} |", flush=True)
+              f"{cells['whole'][0]} | {cells['composed'][0]} | {best['torch']:.1f} | "
+              f"{ratio:.2f} | {cells['whole'][1]} | {cells['composed'][1]} |", flush=True)
     print(f"| all seven (sum of bests) | | | {total['blockrt']:.1f} | {total['whole']:.1f} | "
-          f"{total['torch']:.1f} | {total['blockrt'] / total['torch']:.2f} | "
-          f"{total['blockrt'] / total['whole']:.2f} |")
+          f"{total['composed']:.1f} | {total['torch']:.1f} | "
+          f"{total['blockrt'] / total['torch']:.2f} | {total['blockrt'] / total['whole']:.2f} | "
+          f"{total['blockrt'] / total['composed']:.2f} |")
     for name, kind, c, size, k, s, p in POOLS:
         x = rng.standard_normal((args.batch, c, size, size)).astype(np.float32)
         times = measure(pool_steps(torch, kind, x, k, s, p), 1, rounds)
         best = {key: min(values) for key, values in times.items()}
         ratio = statistics.median(a / b for a, b in zip(times["blockrt"], times["torch"]))
-        print(f"| {name} | {args.batch}x{c}x{size}x{size} | | {best['blockrt']:.1f} | | "
-              f"{best['torch']:.1f} | {ratio:.2f} | |", flush=True)
+        print(f"| {name} | {args.batch}x{c}x{size}x{size} | | {best['blockrt']:.1f} | | | "
+              f"{best['torch']:.1f} | {ratio:.2f} | | |", flush=True)
     print(f"\nload average after: {load()}")
 
 
