@@ -512,7 +512,8 @@ class Device:
         "_scatter_add": "the add kernel in place, one row at a time, in index order",
         "_from_host": "staged in raw memory of its own by `copyin`, moved by the copy kernel",
         "_reduce_max": "on the host: `to_host`, NumPy's maximum reduction, `_from_host`",
-        "_moments": "the reduce and elementwise kernels, a few samples at a time in scratch",
+        "_moments": "the reduce and elementwise kernels, channel by channel, a few samples at a "
+                    "time in scratch",
         "_channel_dots": "the reduce and mul kernels, a few samples at a time in scratch",
         "_max_pool2d": "on the host, by the CPU's formula (`numpy_max_pool2d`)",
         "_max_pool2d_backward": "on the host, by the CPU's formula "
@@ -1317,16 +1318,18 @@ class Device:
         self._from_host(host, out)
 
     def _moments(self, x: Any, mean: Any, m2: Any) -> None:
-        """The reduce and elementwise kernels: the mean, then (x - mean)**2 a few samples at a
-        time in scratch (`_summed_in_chunks`): a backend writes one kernel of its own for
-        speed, and so that nothing the size of x is made."""
+        """The reduce and elementwise kernels: the mean, read back to the host, then channel by
+        channel (x - mean)**2 a few samples at a time in scratch (`_summed_in_chunks`; the
+        kernels take operands of out's shape or numbers, so each channel's mean is a number):
+        a backend writes one kernel of its own for speed."""
         self._reduce("mean", x, (0, 2), True, mean)
+        for k, centre in enumerate(self.to_host(mean).reshape(-1)):
 
-        def squares(part: Any, scratch: Any) -> None:
-            self._binary("sub", part, mean, scratch)
-            self._binary("mul", scratch, scratch, scratch)
+            def squares(part: Any, scratch: Any, centre: Any = centre) -> None:
+                self._binary("sub", part, centre, scratch)
+                self._binary("mul", scratch, scratch, scratch)
 
-        self._summed_in_chunks(squares, (x,), m2)
+            self._summed_in_chunks(squares, (x[:, k:k + 1, :],), m2[:, k:k + 1, :])
 
     def _channel_dots(self, g: Any, y: Any, sums: Any, dots: Any) -> None:
         """The reduce and mul kernels, g * y a few samples at a time in scratch, as `_moments`."""

@@ -503,6 +503,15 @@ class CudaDevice(Device):
             cp.true_divide(out, count, out=out)
 
     @_on_stream
+    def _moments(self, x, mean, m2) -> None:
+        # NOTE: CuPy broadcasts the mean itself; its temporaries come from CuPy's current
+        # allocator, as cross_entropy's do (untested here: no GPU was at hand)
+        cp = _cupy()
+        self._reduce("mean", x, (0, 2), True, mean)
+        centred = x - mean
+        cp.sum(centred * centred, axis=(0, 2), dtype=m2.dtype, out=m2, keepdims=True)
+
+    @_on_stream
     def _reduce_max(self, x, axis, keepdims, out) -> None:
         _cupy().max(x, axis=axis, out=out, keepdims=keepdims)  # NOTE: NaN propagates, as here
 

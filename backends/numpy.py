@@ -462,8 +462,9 @@ class NumpyDevice(Device):
         half_elementwise=True,  # NOTE: `_halfconv.apply`, where the extension is built
         # NOTE: `_halfconv.chain` for float32 / float64 chains of its ops, where it is built
         compiles_fused=_halfconv is not None,
-        # NOTE: `_halfconv.im2col` and `col2im`, one C pass each, where it is built
-        conv_columns=_halfconv is not None,
+        # NOTE: `_halfconv.im2col` and `col2im`, one C pass each (their NumPy references
+        # without the extension)
+        conv_columns=True,
         # NOTE: the CBLAS is chosen at the first product (BLOCKRT_BLAS), not with the device
         gemm_accumulates=Deferred(lambda: _blas.find() is not None, "a CBLAS is in use"),
         measures_products=True,
@@ -606,12 +607,14 @@ class NumpyDevice(Device):
             return []
         return super().fused_scratch(program, shape, dtype)
 
-    def _compile_fused(self, program, inputs, out):
-        plan = _chain_plan(program, inputs, out)
-        if plan is None:
-            return None
-        run = _halfconv.chain
-        return lambda: run(plan)
+    if _halfconv is not None:  # NOTE: written where `compiles_fused` is claimed, as the kit holds
+
+        def _compile_fused(self, program, inputs, out):
+            plan = _chain_plan(program, inputs, out)
+            if plan is None:
+                return None
+            run = _halfconv.chain
+            return lambda: run(plan)
 
     def _im2col(self, x, kernel, stride, padding, columns) -> None:
         if _halfconv is None or not _halfconv.im2col(columns, x, *kernel, *stride, *padding):

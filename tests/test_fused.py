@@ -159,6 +159,8 @@ def test_the_cpus_compiled_chain_gives_its_links_bits_on_broadcast_operands(
         np.testing.assert_array_equal(out, sequential(device, program, inputs, shape, dtype))
 
 
+@pytest.mark.skipif(not backends.get_device("cpu").capabilities.compiles_fused,
+                    reason="the CPU compiles fused chains only with backends._halfconv built")
 def test_the_cpu_runs_blocked_what_it_does_not_compile():
     """A chain with an op C has no loop for (exp), a mixed dtype or a strided out is not
     compiled (`_compile_fused` says None) and still gives its links' bits."""
