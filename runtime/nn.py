@@ -1716,10 +1716,10 @@ class DistributedDataParallel(Module):
     def memory_report(self, optimizer: Any = None) -> dict[str, int]:
         """This rank's memory for training, in bytes: `parameter_bytes`; `gradient_bytes`,
         the gradients a step keeps (`.grad` of the parameters, or of the shards under ZeRO);
-        `bucket_bytes`, the host buffers of the buckets (kept from step to step; stage 2: two
-        buckets and this rank's parts); `optimizer_state_bytes` of `optimizer` (its state
-        tensors: momentum, Adam's moments); and `rank`, `size`, `zero_stage`, `buckets`,
-        `largest_bucket_bytes`."""
+        `bucket_bytes`, the host buffers of the buckets (kept from step to step; under ZeRO
+        one bucket's, or two while one is incomplete, and this rank's parts);
+        `optimizer_state_bytes` of `optimizer` (its state tensors: momentum, Adam's moments);
+        and `rank`, `size`, `zero_stage`, `buckets`, `largest_bucket_bytes`."""
         reducer = self.reducer
         params = self.module.parameters()
         if self.zero_stage:

@@ -141,11 +141,13 @@ class Reducer:
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         #: ZeRO: this rank's shard parameter of each bucket (made by `make_shards`)
         self.shards: list[Tensor] = []
-        #: stage 0 and 1: one buffer per bucket, kept from step to step; stage 2: one buffer
-        #: of the largest bucket's size, by the bucket it holds now
+        #: stage 0: one buffer per bucket, kept from step to step; ZeRO: one buffer of the
+        #: largest bucket's size (two while a bucket is still incomplete), by the bucket it
+        #: holds now
         self._buffers: dict[int, np.ndarray] = {}
         self._spare: list[np.ndarray] = []
-        #: stage 2, during a pass: each bucket's part of the sum, received
+        #: ZeRO, during a pass: this rank's part of each bucket's sum (stage 2: received;
+        #: stage 1: copied out of its all-reduced buffer before another bucket took it)
         self._recv: dict[int, np.ndarray] = {}
         self._next = 0  # the next bucket to start (they start in index order)
         #: while capturing: each started bucket's flat tensor (Note [collectives in a plan])
@@ -220,18 +222,21 @@ class Reducer:
         # ZeRO: this rank's part of each averaged bucket becomes its shard's gradient
         grads = []
         for bucket, shard in zip(self.buckets, self.shards):
-            if self.stage == 1:
-                buffer = self._buffers[bucket.index]
-                part = buffer[self.group.rank * bucket.part:(self.group.rank + 1) * bucket.part]
-            else:  # NOTE: each received part goes as its gradient is made
+            if bucket.index in self._recv:  # NOTE: each part goes as its gradient is made
                 part = self._recv.pop(bucket.index)
+            else:  # NOTE: stage 1, a bucket whose buffer no other bucket took
+                part = self._part(bucket, self._buffers[bucket.index])
             averaged = (part / part.dtype.type(size)).astype(shard.dtype)
             grads.append((shard, tensor(averaged, device=shard.device,
                                         allocator=shard.block.allocator)))
             bucket.work = None
-        if self.stage == 2:
-            self._release_buffers()
+        self._release_buffers()
         return grads
+
+    def _part(self, bucket: _Bucket, buffer: np.ndarray) -> np.ndarray:
+        """This rank's part of an all-reduced bucket's buffer (stage 1)."""
+        rank = self.group.rank
+        return buffer[rank * bucket.part:(rank + 1) * bucket.part]
 
     # ------------------------------------------------------------------ steps of the pass
     def _begin_pass(self) -> None:
@@ -264,18 +269,18 @@ class Reducer:
     def _buffer(self, bucket: _Bucket) -> np.ndarray:
         buffer = self._buffers.get(bucket.index)
         if buffer is None:
-            if self.stage == 2:
-                buffer = self._stage2_buffer(bucket)
+            if self.stage:
+                buffer = self._shared_buffer(bucket)
             else:
                 buffer = np.zeros(bucket.padded, bucket.staging)
             self._buffers[bucket.index] = buffer
         return buffer
 
-    def _stage2_buffer(self, bucket: _Bucket) -> np.ndarray:
-        """Stage 2's one buffer (of the largest bucket's size) for `bucket`: while the bucket
-        before is still reducing, wait for it first. That wait is short or none: between a
-        bucket's last gradient and the next bucket's first lies a layer's backward, which its
-        reduce-scatter overlaps."""
+    def _shared_buffer(self, bucket: _Bucket) -> np.ndarray:
+        """ZeRO's one buffer (of the largest bucket's size) for `bucket`: while the bucket
+        before is still reducing, wait for it first (stage 1 then copies this rank's part of
+        its sum out). That wait is short or none: between a bucket's last gradient and the
+        next bucket's first lies a layer's backward, which its collective overlaps."""
         for held in sorted(self._buffers):
             work = self.buckets[held].work
             if work is None:
@@ -283,6 +288,8 @@ class Reducer:
                 # later in backward): a second buffer, until the end of the pass
                 continue
             work.wait()
+            if self.stage == 1:
+                self._recv[held] = self._part(self.buckets[held], self._buffers[held]).copy()
             self._spare.append(self._buffers.pop(held).base)
         if not self._spare:
             size = max(b.padded for b in self.buckets)
@@ -292,7 +299,7 @@ class Reducer:
         return buffer
 
     def _release_buffers(self) -> None:
-        """Stage 2: every bucket's reduce-scatter is done; one buffer is kept for the next."""
+        """ZeRO: every bucket's collective is done; one buffer is kept for the next pass."""
         for index in list(self._buffers):
             self._spare.append(self._buffers.pop(index).base)
         self._spare.sort(key=lambda buffer: buffer.nbytes)
@@ -469,7 +476,7 @@ class Reducer:
     # ------------------------------------------------------------------ reports
     def buffer_bytes(self) -> int:
         """Host bytes the reducer holds now: the bucket buffers (stage 2: its one buffer)."""
-        if self.stage == 2:
+        if self.stage:
             held = sum(b.base.nbytes for b in self._buffers.values())
         else:
             held = sum(b.nbytes for b in self._buffers.values())

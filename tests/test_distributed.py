@@ -156,12 +156,16 @@ def test_zero_stages_equal_data_parallel_with_a_shard_of_the_state(ranks, tmp_pa
             assert sharded["optimizer_state_bytes"] <= (
                 dp["optimizer_state_bytes"] + 2 * padding) / ranks
             assert sharded["gradient_bytes"] <= (dp["gradient_bytes"] + padding) / ranks
-        # the issue's bound: stage 2's optimizer state, gradients and buffers are 1/N of data
-        # parallel's optimizer state and gradients, plus one bucket
+        # the issue's bound: each stage's optimizer state, gradients and buffers are 1/N of
+        # data parallel's optimizer state and gradients, plus one bucket (stage 1 too: its
+        # buckets take turns in one buffer, each part copied out once its all-reduce is done)
         dp_total = dp["optimizer_state_bytes"] + dp["gradient_bytes"]
-        two_total = two["optimizer_state_bytes"] + two["gradient_bytes"] + two["bucket_bytes"]
-        assert two_total <= (dp_total + 3 * padding) / ranks + two["largest_bucket_bytes"]
-        assert two["bucket_bytes"] == two["largest_bucket_bytes"] < dp["bucket_bytes"] / 2
+        for sharded in (one, two):
+            total = (sharded["optimizer_state_bytes"] + sharded["gradient_bytes"]
+                     + sharded["bucket_bytes"])
+            assert total <= (dp_total + 3 * padding) / ranks + sharded["largest_bucket_bytes"]
+            assert (sharded["bucket_bytes"] == sharded["largest_bucket_bytes"]
+                    < dp["bucket_bytes"] / 2)
 
 
 @needs_mpi
