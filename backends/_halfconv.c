@@ -128,6 +128,21 @@ typedef void (*loop_fn)(const void *src, void *dst, Py_ssize_t n);
 
 static int use_avx2 = 0;
 
+/* The loop NAME (sub_scaled's, float_op's, ...) for T (SUFFIX f32 or f64): the AVX2 variant
+ * where the CPU has it. FLOAT_VARIANTS(LOOP) instantiates a loop macro LOOP(T, SUFFIX, ATTR)
+ * for each variant PICK chooses among. */
+#if HAVE_X86
+#define PICK(NAME, SUFFIX) (use_avx2 ? NAME##_##SUFFIX##_avx2 : NAME##_##SUFFIX)
+#define FLOAT_VARIANTS(LOOP)                                                                  \
+    LOOP(float, f32, )                                                                       \
+    LOOP(double, f64, )                                                                      \
+    LOOP(float, f32_avx2, __attribute__((target("avx2"))))                                   \
+    LOOP(double, f64_avx2, __attribute__((target("avx2"))))
+#else
+#define PICK(NAME, SUFFIX) NAME##_##SUFFIX
+#define FLOAT_VARIANTS(LOOP) LOOP(float, f32, ) LOOP(double, f64, )
+#endif
+
 static void
 widen_loop(const void *src, void *dst, Py_ssize_t n)
 {
@@ -771,13 +786,6 @@ sub_scaled_f64_avx2(double *out, const double *a, const double *b, double s, Py_
 #endif
 #undef SUB_BODY
 
-/* The loop NAME (sub_scaled's, float_op's) for T (SUFFIX f32 or f64): the AVX2 variant where
- * the CPU has it. */
-#if HAVE_X86
-#define PICK(NAME, SUFFIX) (use_avx2 ? NAME##_##SUFFIX##_avx2 : NAME##_##SUFFIX)
-#else
-#define PICK(NAME, SUFFIX) NAME##_##SUFFIX
-#endif
 
 /* Two-byte items: the chunk of b widened, multiplied, rounded to the dtype and widened back
  * (the scratch of the two-kernel path, in registers' stead); a's chunk widened; the difference
@@ -924,12 +932,7 @@ sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }                                                                                    \
     }
 
-SUM_ROWS(float, f32, )
-SUM_ROWS(double, f64, )
-#if HAVE_X86
-SUM_ROWS(float, f32_avx2, __attribute__((target("avx2"))))
-SUM_ROWS(double, f64_avx2, __attribute__((target("avx2"))))
-#endif
+FLOAT_VARIANTS(SUM_ROWS)
 #undef SUM_ROWS
 #undef SUM_ALIGN
 
@@ -1048,7 +1051,6 @@ sum_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     return released(views, held, refuse);
 }
-#undef PICK
 
 #include "_erf_table.h"
 
@@ -1552,12 +1554,7 @@ transpose(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }                                                                                    \
     }
 
-CHANNEL_STATS(float, f32, )
-CHANNEL_STATS(double, f64, )
-#if HAVE_X86
-CHANNEL_STATS(float, f32_avx2, __attribute__((target("avx2"))))
-CHANNEL_STATS(double, f64_avx2, __attribute__((target("avx2"))))
-#endif
+FLOAT_VARIANTS(CHANNEL_STATS)
 #undef CHANNEL_STATS
 #undef LANES
 
@@ -1587,11 +1584,6 @@ stats_views(PyObject *const *args, int inputs, Py_ssize_t itemsize, Py_buffer *v
     return held;
 }
 
-#if HAVE_X86
-#define PICK(NAME, SUFFIX) (use_avx2 ? NAME##_##SUFFIX##_avx2 : NAME##_##SUFFIX)
-#else
-#define PICK(NAME, SUFFIX) NAME##_##SUFFIX
-#endif
 static PyObject *
 channel_stats(const char *name, int inputs, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1727,12 +1719,7 @@ channel_dots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }                                                                                    \
     }
 
-CHAIN_RUN(float, f32, )
-CHAIN_RUN(double, f64, )
-#if HAVE_X86
-CHAIN_RUN(float, f32_avx2, __attribute__((target("avx2"))))
-CHAIN_RUN(double, f64_avx2, __attribute__((target("avx2"))))
-#endif
+FLOAT_VARIANTS(CHAIN_RUN)
 #undef CHAIN_RUN
 
 static PyObject *
@@ -1783,7 +1770,6 @@ chain(PyObject *self, PyObject *plan_obj)
     PyBuffer_Release(&view);
     Py_RETURN_NONE;
 }
-#undef PICK
 
 /* im2col(columns, x, kh, kw, sh, sw, ph, pw): a convolution's columns, (C*kh*kw, N*Ho*Wo),
  * from a C-contiguous NCHW x of 2-, 4- or 8-byte items (bits moved, any dtype): row (c, i, j),

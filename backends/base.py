@@ -61,7 +61,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -245,53 +245,51 @@ def numpy_max_pool2d_backward(grad: np.ndarray, indices: np.ndarray, out: np.nda
     out[...] = total.reshape(out.shape)
 
 
-def _window_rows(kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int],
-                 x_shape: tuple[int, ...], i: int, j: int) -> tuple[slice, slice, slice, slice]:
-    """For window element (i, j): the output rows and columns (oh, ow) whose input lies inside
-    x, and the input rows and columns they read, as slices."""
-    (sh, sw), (ph, pw) = stride, padding
-    (kh, kw), (h, w) = kernel, x_shape[2:]
-    ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
-    spans = []
-    for k, s, p, n, size in ((i, sh, ph, ho, h), (j, sw, pw, wo, w)):
-        lo = max(0, -(-(p - k) // s))
-        hi = min(n, (size - 1 + p - k) // s + 1) if size - 1 + p - k >= 0 else 0
-        lo = min(lo, hi)
-        spans.append((slice(lo, hi), slice(lo * s + k - p, (hi - 1) * s + k - p + 1 if hi > lo
-                                           else lo * s + k - p, s)))
-    return spans[0][0], spans[1][0], spans[0][1], spans[1][1]
+def _conv_output(x_shape: Sequence[int], kernel: tuple[int, int], stride: tuple[int, int],
+                 padding: tuple[int, int]) -> tuple[int, int]:
+    """(Ho, Wo) of a convolution or a pool of an (N, C, H, W) x."""
+    (h, w), (kh, kw), (sh, sw), (ph, pw) = x_shape[2:], kernel, stride, padding
+    return (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+
+
+def _column_windows(columns: np.ndarray, x_shape: Sequence[int], kernel: tuple[int, int],
+                    stride: tuple[int, int], padding: tuple[int, int]
+                    ) -> Iterator[tuple[np.ndarray, tuple]]:
+    """Per window element (i, j), in that order: the (N, C, rows, cols) view of the columns
+    (C*kh*kw, N*Ho*Wo) whose input lies inside x, and the index of x they read (the padding
+    is nobody's)."""
+    n, c = x_shape[:2]
+    (kh, kw), out = kernel, _conv_output(x_shape, kernel, stride, padding)
+    parts = columns.reshape(c, kh, kw, n, *out)
+    for i in range(kh):
+        for j in range(kw):
+            spans = []
+            for k, s, p, n_out, size in zip((i, j), stride, padding, out, x_shape[2:]):
+                lo = min(max(0, -(-(p - k) // s)), n_out)
+                hi = max(lo, min(n_out, (size - 1 + p - k) // s + 1))
+                spans.append((slice(lo, hi), slice(lo * s + k - p, (hi - 1) * s + k - p + 1, s)
+                              if hi > lo else slice(0, 0)))
+            (rows, in_rows), (cols, in_cols) = spans
+            yield (parts[:, i, j, :, rows, cols].transpose(1, 0, 2, 3),
+                   (slice(None), slice(None), in_rows, in_cols))
 
 
 def numpy_im2col(x: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int],
                  padding: tuple[int, int], columns: np.ndarray) -> None:
-    """`Device.im2col` on NumPy arrays: one strided copy per window element, zeros elsewhere."""
-    n, c = x.shape[:2]
-    kh, kw = kernel
-    ho = (x.shape[2] + 2 * padding[0] - kh) // stride[0] + 1
-    wo = (x.shape[3] + 2 * padding[1] - kw) // stride[1] + 1
-    parts = columns.reshape(c, kh, kw, n, ho, wo)
-    parts[...] = 0
-    for i in range(kh):
-        for j in range(kw):
-            rows, cols, in_rows, in_cols = _window_rows(kernel, stride, padding, x.shape, i, j)
-            parts[:, i, j, :, rows, cols] = x[:, :, in_rows, in_cols].transpose(1, 0, 2, 3)
+    """`Device.im2col` on NumPy arrays: zeros, then one strided copy per window element."""
+    columns[...] = 0
+    for part, index in _column_windows(columns, x.shape, kernel, stride, padding):
+        part[...] = x[index]
 
 
 def numpy_col2im(columns: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int],
                  padding: tuple[int, int], out: np.ndarray) -> None:
     """`Device.col2im` on NumPy arrays: zeros, then one strided add per window element in the
     order of (i, j)."""
-    n, c = out.shape[:2]
-    kh, kw = kernel
-    ho = (out.shape[2] + 2 * padding[0] - kh) // stride[0] + 1
-    wo = (out.shape[3] + 2 * padding[1] - kw) // stride[1] + 1
-    parts = columns.reshape(c, kh, kw, n, ho, wo)
     out[...] = 0
-    for i in range(kh):
-        for j in range(kw):
-            rows, cols, in_rows, in_cols = _window_rows(kernel, stride, padding, out.shape, i, j)
-            target = out[:, :, in_rows, in_cols]
-            target += parts[:, i, j, :, rows, cols].transpose(1, 0, 2, 3)
+    for part, index in _column_windows(columns, out.shape, kernel, stride, padding):
+        target = out[index]
+        target += part
 
 
 def _missing(device: Device, hook: str) -> NotImplementedError:
@@ -918,7 +916,7 @@ class Device:
             raise ValueError(f"{kernel_name}: x must be (N, C, H, W), got {x_shape}")
         (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
         n, c, h, w = x_shape
-        ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+        ho, wo = _conv_output(x_shape, kernel, stride, padding)
         want = (c * kh * kw, n * ho * wo)
         if (min(kh, kw, sh, sw) < 1 or min(ph, pw) < 0 or h + 2 * ph < kh or w + 2 * pw < kw
                 or columns_shape != want):
@@ -979,8 +977,7 @@ class Device:
             raise ValueError(f"{kernel_name}: x {shape}, kernel {kernel}, stride {stride}, "
                              f"padding {padding}: not a geometry whose every window holds an "
                              f"element of x")
-        size = tuple((n + 2 * p - k) // s + 1
-                     for n, k, s, p in zip(shape[2:], kernel, stride, padding))
+        size = _conv_output(shape, kernel, stride, padding)
         if min(size) < 1 or out_shape != (*shape[:2], *size):
             raise ValueError(f"{kernel_name}: out has shape {out_shape}, the windows make "
                              f"{(*shape[:2], *size)}")
@@ -1325,8 +1322,8 @@ class Device:
         self._reduce("mean", x, (0, 2), True, mean)
         for k, centre in enumerate(self.to_host(mean).reshape(-1)):
 
-            def squares(part: Any, scratch: Any, centre: Any = centre) -> None:
-                self._binary("sub", part, centre, scratch)
+            def squares(parts: list, scratch: Any, centre: Any = centre) -> None:
+                self._binary("sub", parts[0], centre, scratch)
                 self._binary("mul", scratch, scratch, scratch)
 
             self._summed_in_chunks(squares, (x[:, k:k + 1, :],), m2[:, k:k + 1, :])
@@ -1335,14 +1332,13 @@ class Device:
         """The reduce and mul kernels, g * y a few samples at a time in scratch, as `_moments`."""
         self._reduce("sum", g, (0, 2), True, sums)
         self._summed_in_chunks(lambda parts, scratch: self._binary("mul", *parts, scratch),
-                               (g, y), dots, both=True)
+                               (g, y), dots)
 
-    def _summed_in_chunks(self, make: Callable[..., None], inputs: Sequence[Any], out: Any,
-                          both: bool = False) -> None:
-        """out (1, C, 1) = the sum over axes 0 and 2 of what `make(part, scratch)` writes into
-        scratch for each run of samples of the (N, C, S) inputs (`part`: the first input's run,
-        or all the inputs' runs where `both`): runs of at most STATS_CHUNK items, their sums
-        added in order."""
+    def _summed_in_chunks(self, make: Callable[..., None], inputs: Sequence[Any],
+                          out: Any) -> None:
+        """out (1, C, 1) = the sum over axes 0 and 2 of what `make(parts, scratch)` writes into
+        scratch for each run of samples of the (N, C, S) inputs (`parts`: the inputs' runs):
+        runs of at most STATS_CHUNK items, their sums added in order."""
         n, c, s = (int(d) for d in inputs[0].shape)
         step = max(1, STATS_CHUNK // max(1, c * s))
         scratch = self.scratch((min(n, step), c, s), out.dtype)
@@ -1351,7 +1347,7 @@ class Device:
             stop = min(n, start + step)
             parts = [v[start:stop] for v in inputs]
             room = scratch if stop - start == scratch.shape[0] else scratch[:stop - start]
-            make(parts if both else parts[0], room)
+            make(parts, room)
             self._reduce("sum", room, (0, 2), True, out if start == 0 else partial)
             if start:
                 self._binary("add", out, partial, out)

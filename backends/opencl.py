@@ -881,25 +881,26 @@ __kernel void k(__global {io_out[0]}* out, long out_o, __global const {io_x[0]}*
 
 
 def _stats_source(name: str, ctype: str, acc: str) -> str:
-    """OpenCL C of `moments` (mean, then the squares around it) or `channel_dots` (the sum of
-    g and of g * y): work item k sums channel k of (n, c, s) inputs, samples in order."""
-    second = "b" if name == "channel_dots" else None
+    """OpenCL C of `moments` (the mean, then a second pass for the squares around it) or
+    `channel_dots` (the sums of g and of g * y in one pass): work item k sums channel k of
+    (n, c, s) inputs, samples in order."""
+    dots = name == "channel_dots"
     inputs = "".join(f", __global const T* {p}, long {p}_o, long {p}_sn, long {p}_sc, long {p}_ss"
-                     for p in ("a", second) if p)
-    if second:
-        body = """        total += (A)a[p]; second += (A)a[p] * (A)b[q];"""
-        first_pass, centre = body, ""
-        second_pass = ""
+                     for p in (("a", "b") if dots else ("a",)))
+
+    def walk(body: str) -> str:  # NOTE: every element of channel k; p into a (q into b)
+        at = "".join(f"        long {q} = {v}_o + i * {v}_sn + k * {v}_sc + j * {v}_ss;\n"
+                     for q, v in (("p", "a"), ("q", "b"))[:2 if dots else 1])
+        return (f"    for (long i = 0; i < n; i++) for (long j = 0; j < s; j++) {{\n{at}"
+                f"        {body}\n    }}\n")
+
+    if dots:
+        passes = walk("total += (A)a[p]; second += (A)a[p] * (A)b[q];")
+        first = "total"
     else:
-        first_pass = """        total += (A)a[p];"""
-        centre = "    A centre = total / ((A)n * (A)s);\n"
-        second_pass = """    for (long i = 0; i < n; i++) for (long j = 0; j < s; j++) {
-        long p = a_o + i * a_sn + k * a_sc + j * a_ss;
-        A d = (A)a[p] - centre; second += d * d;
-    }
-"""
-    q = "        long q = b_o + i * b_sn + k * b_sc + j * b_ss;\n" if second else ""
-    result = "centre" if not second else "total"
+        passes = (walk("total += (A)a[p];") + "    A centre = total / ((A)n * (A)s);\n"
+                  + walk("A d = (A)a[p] - centre; second += d * d;"))
+        first = "centre"
     return f"""{_header(ctype)}{_FP64 if acc == "double" else ""}typedef {acc} A;
 __kernel void k(__global T* o1, long o1_o, long o1_s, __global T* o2, long o2_o, long o2_s
                 {inputs}, long n, long c, long s)
@@ -907,11 +908,7 @@ __kernel void k(__global T* o1, long o1_o, long o1_s, __global T* o2, long o2_o,
     long k = get_global_id(0);
     if (k >= c) return;
     A total = 0, second = 0;
-    for (long i = 0; i < n; i++) for (long j = 0; j < s; j++) {{
-        long p = a_o + i * a_sn + k * a_sc + j * a_ss;
-{q}{first_pass}
-    }}
-{centre}{second_pass}    o1[o1_o + k * o1_s] = (T)({result});
+{passes}    o1[o1_o + k * o1_s] = (T)({first});
     o2[o2_o + k * o2_s] = (T)second;
 }}
 """

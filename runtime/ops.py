@@ -894,7 +894,7 @@ def _channel_stats(op: str, inputs: list[tuple[str, Tensor]]) -> tuple[Tensor, T
     results = [Tensor._fresh(kept, first.dtype, _result_allocator(first)) for _ in range(2)]
     flat = [r.reshape(1, c, 1) for r in results]
     views = [(label, t.reshape(n, c, spatial)) for label, t in inputs]
-    hook = first.device.moments if op == "moments" else first.device.channel_dots
+    hook = getattr(first.device, op)  # NOTE: Device.moments or Device.channel_dots
     _launch(op, flat[0], [(label, v, v.shape) for label, v in views],
             lambda v, o, o2: hook(*v, o, o2), also=flat[1:])
     _release(*flat, *(v for _, v in views))
@@ -1769,8 +1769,8 @@ def _wide_rows(geometry: tuple, device: Any) -> bool:
 def _conv_columns(x: Tensor, geometry: tuple) -> Tensor:
     """x's columns, (C*kh*kw, N*Ho*Wo) (wide: (C*kh*kw, N*Ho*Wp), `_wide`): a view of x
     itself for one image under a 1x1 kernel with stride 1 and no padding, else a new tensor
-    (padded, then im2col)."""
-    (kh, kw), (sh, sw), padding, (hp, wp), (ho, _) = geometry
+    (padded, then im2col; on a device that makes them itself, its `Device.im2col`)."""
+    (kh, kw), (sh, sw), padding, (hp, wp), (ho, wo) = geometry
     n, c, h, w = x.shape
     if kh == kw == sh == sw == 1 and padding == (0, 0):
         if n == 1:
@@ -1782,8 +1782,7 @@ def _conv_columns(x: Tensor, geometry: tuple) -> Tensor:
         columns.release()
         return view
     if x.device.capabilities.conv_columns:  # NOTE: one kernel, no padded copy
-        columns = Tensor._fresh((c * kh * kw, n * ho * geometry[4][1]), x.dtype,
-                                _result_allocator(x))
+        columns = Tensor._fresh((c * kh * kw, n * ho * wo), x.dtype, _result_allocator(x))
         device, kernel, stride = x.device, (kh, kw), (sh, sw)
         _launch("im2col", columns, [("x", x, x.shape)],
                 lambda v, o: device.im2col(v[0], kernel, stride, padding, o))

@@ -207,12 +207,23 @@ def _same_non_finite(mine: np.ndarray, theirs: np.ndarray) -> int:
 @pytest.mark.parametrize("columns", ["device", "composed"])
 def test_gradients_with_infinities_and_nan_are_pytorchs(device, where, width, columns):
     with _composed(device) if columns == "composed" else contextlib.nullcontext():
-        _infinities_against_pytorch(device, where, width)
+        found = backends.get_device(device)
+        padding = 1 if where == "x" else 0
+        geometry = ops._geometry("conv2d", (2, 3, 5, width), (3, 3), (1, 1), (padding, padding))
+        # NOTE: the path under test: wide rows where the columns are composed
+        assert ops._wide_rows(geometry, found) == (width == 44
+                                                   and not found.capabilities.conv_columns)
+        held = _infinities_against_pytorch(device, where, width)
+    # NOTE: non-finite values where PyTorch has them, in the output and in the gradient of
+    # the other operand (`_same_non_finite` compares them element by element and counts them)
+    assert held["output"] > 0
+    assert held["weight" if where == "x" else "x"] > 0
 
 
-def _infinities_against_pytorch(device: str, where: str, width: int) -> None:
+def _infinities_against_pytorch(device: str, where: str, width: int) -> dict[str, int]:
     """An infinity of each sign and a NaN in x (or two infinities in the weight): the
-    gradients hold NaN and infinities where PyTorch's do. On wide rows a dropped column reads
+    output's and the gradients' NaN and infinities where PyTorch's are (asserted), counted per
+    array ("output", "x", "weight"). On wide rows a dropped column reads
     the next row's first columns; its zero of g must not meet them (0 * inf = NaN). The
     weight's case has no padding: an infinite tap over zero padding is NaN in PyTorch's
     im2col path and ours, but its oneDNN path skips the padding (docs/layers.md)."""
@@ -224,10 +235,6 @@ def _infinities_against_pytorch(device: str, where: str, width: int) -> None:
     else:
         w[0, 0, 1, 2], w[1, 2, 0, 0] = np.inf, -np.inf
     padding = 1 if where == "x" else 0
-    geometry = ops._geometry("conv2d", x.shape, (3, 3), (1, 1), (padding, padding))
-    found = backends.get_device(device)
-    assert ops._wide_rows(geometry, found) == (width == 44
-                                               and not found.capabilities.conv_columns)
     tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
     expected = F.conv2d(tx, tw, padding=padding)
     weights = rng.uniform(0.5, 1.5, tuple(expected.shape)).astype(np.float32)
@@ -235,11 +242,9 @@ def _infinities_against_pytorch(device: str, where: str, width: int) -> None:
     mx, mw = _ours(x, device, True), _ours(w, device, True)
     got = ops.conv2d(mx, mw, padding=padding)
     ops.sum(ops.mul(got, _ours(weights, device))).backward()
-    assert _same_non_finite(got.numpy(), expected.detach().numpy()) > 0
-    held = [_same_non_finite(mine.grad.numpy(), theirs.grad.numpy())
-            for mine, theirs in ((mx, tx), (mw, tw))]
-    # NOTE: the gradient of the other operand is where the non-finite values land
-    assert held[1 if where == "x" else 0] > 0
+    return {"output": _same_non_finite(got.numpy(), expected.detach().numpy()),
+            "x": _same_non_finite(mx.grad.numpy(), tx.grad.numpy()),
+            "weight": _same_non_finite(mw.grad.numpy(), tw.grad.numpy())}
 
 
 @needs_torch

@@ -673,25 +673,25 @@ class _Search:
         probed: dict[int, tuple[bool, int]] = {}
 
         def fits(room: int) -> bool:
-            if room not in probed:
-                recorded, depth, copied, stored = self.rewrite(room, first=first, moved=moved,
-                                                               halved=halved)
-                what = (f"at most {room} of {n} units kept at once, recomputes nested {depth} "
-                        f"deep")
-                if copied:
-                    what = f"the waiting results of the first {moved} units moved, " + what
-                if stored:
-                    what = f"{len(stored)} results stored lossy, " + what
-                fitted = self.offer(recorded, room=room, depth=depth, schedule=what, moves=why,
-                                    copied=copied, stored=stored)
-                probed[room] = (fitted, self.peaks[-1])
-            self.peaks.append(probed[room][1])
-            return probed[room][0]
+            if room in probed:  # NOTE: planned already; its peak is the last one seen again
+                self.peaks.append(probed[room][1])
+                return probed[room][0]
+            recorded, depth, copied, stored = self.rewrite(room, first=first, moved=moved,
+                                                           halved=halved)
+            what = f"at most {room} of {n} units kept at once, recomputes nested {depth} deep"
+            if copied:
+                what = f"the waiting results of the first {moved} units moved, " + what
+            if stored:
+                what = f"{len(stored)} results stored lossy, " + what
+            fitted = self.offer(recorded, room=room, depth=depth, schedule=what, moves=why,
+                                copied=copied, stored=stored)
+            probed[room] = (fitted, self.peaks[-1])
+            return fitted
 
         slope = self.slope / 2 if halved else self.slope
         if not self.boundary(2, n - 1, fits, guess=self.budget / slope - 1, slope=slope,
                              rising=True):
-            for room in range(2, min(n - 1, 2 + _SMALLEST_ROOMS - 1) + 1):
+            for room in range(2, min(n - 1, _SMALLEST_ROOMS + 1) + 1):
                 fits(room)
                 self.fixed_peaks.append(probed[room][1])
 
