@@ -1996,7 +1996,7 @@ def _conv_backward(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], geom
         w2 = w.reshape(o, c * kh * kw) if nx else None
         if nx and len(pieces) > 1:  # NOTE: each piece writes its images' gradient into it
             gx = Tensor._fresh(x_shape, g.dtype, _result_allocator(g))
-        total = None  # NOTE: the weight's gradient, (C*kh*kw, O), summed over the pieces
+        total = None  # NOTE: the weight's gradient, (O, C*kh*kw), summed over the pieces
         for start, stop in pieces:
             gs = g[start:stop]
             g2 = _conv_g2(gs, geometry, o)
@@ -2023,7 +2023,7 @@ def _conv_backward(x_shape: tuple[int, ...], weight_shape: tuple[int, ...], geom
         if w2 is not None:
             w2.release()
         if total is not None:
-            gw = copy(total.T).reshape(weight_shape)
+            gw = total.reshape(weight_shape)
             total.release()
         return gx, gw, gb
 
@@ -2068,15 +2068,24 @@ def _conv_g2(g: Tensor, geometry: tuple, o: int) -> Tensor:
     return copy(g.transpose(1, 0, 2, 3)).reshape(o, n * ho * wo)
 
 
+# Note [the weight's gradient in the weight's layout]: the weight's gradient is the product
+# g2 @ columns.T, (O, C*kh*kw), which is the 4-D weight's own layout, so no transposed copy
+# follows it and SGD's update reads it reshaped: a graph folds that update into the product, one
+# accumulating gemm into the weight's memory (runtime/graph/fuse.py, `_folding`). The other
+# orientation, columns @ g2.T then a transposed copy, was chosen first on a measurement that no
+# longer holds: summed over ResNet-50's layer shapes at batch 4 the two products took 153.6 and
+# 156.7 ms (AMD EPYC, OpenBLAS 0.3.31, 2 threads; per shape 0.85-1.16 of each other), and the
+# transposed copies 20-37 ms more a step. Measured on this CPU only: the choice has no knob,
+# since a copy and an update pass saved cost the same on any CPU.
+
+
 def _weight_product(x: Tensor, g2: Tensor, geometry: tuple) -> Tensor:
-    """x's columns times g2 transposed: the weight's gradient as (C*kh*kw, O)."""
+    """g2 times x's columns transposed: the weight's gradient as (O, C*kh*kw), the weight's
+    own layout (Note [the weight's gradient in the weight's layout])."""
     columns = _conv_columns(x, geometry)
     if _wide_rows(geometry, x.device):
         _zero_dropped(columns, geometry)
-    # NOTE: the product as (C*kh*kw, O), then transposed: the long inner dimension N*Ho*Wo
-    # runs along both operands' rows, which OpenBLAS runs 1.5-2x faster than g2 @ columns.T
-    # on ResNet-50's shapes (benchmarks/bench_conv.py's layers)
-    product = matmul(columns, g2.T)
+    product = matmul(g2, columns.T)
     columns.release()
     return product
 
