@@ -1,0 +1,356 @@
+"""Issue 31's table in one call: the MLP training step on a GPU, PyTorch eager, PyTorch's step
+captured as a CUDA graph, blockrt eager and blockrt static, in float32 and in mixed bfloat16,
+with the device memory each step occupies (`.ci/cuda-bench` runs it; GPU time is short).
+
+The model and step are benchmarks/mlp_reference.py's (`depth` hidden Dense layers of `width`
+with ReLU, a Dense classifier to 10 classes, softmax cross-entropy, plain SGD lr 0.01), every
+contender from the same weights (`init_params`) on the same batch. Mixed bfloat16: blockrt's
+`nn.train_step(..., precision="bfloat16")` (the forward pass and loss under
+`amp.autocast`, float32 masters, no scaler), PyTorch's forward and loss under
+`torch.autocast(device, torch.bfloat16)`.
+
+PyTorch's CUDA graph: the whole step (forward, loss, backward, the SGD update) captured once
+with `torch.cuda.graph` after warm-up steps on a side stream, gradients kept between steps
+(PyTorch's whole-network capture recipe), then replayed; each replay reads the batch from the
+captured input tensors.
+
+Time: ms per step, the contenders in one process, in rounds of `number` steps each followed by
+the device's synchronize, the order rotated every round; the median over rounds of each
+contender's round time per step. Memory (`--memory S,L`, CUDA only): each contender in a fresh
+process, the driver's view (`cudaMemGetInfo`: total less free, every pool included) after its
+warm-up less before its model was built.
+
+`--device cpu` runs the same harness on the CPU (no CUDA graph, no memory table): it is how CI
+checks the script while no GPU is at hand; its figures are not this issue's.
+
+Run: python benchmarks/bench_cuda.py [--device cuda] [--configs S,M,L] [--rounds 5]
+     [--precisions float32,bfloat16] [--memory S,L] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mlp_reference import (  # noqa: E402
+    CONFIGS,
+    LR,
+    ContenderUnavailable,
+    blockrt_model,
+    init_params,
+    make_batch,
+)
+from timing import cpu_name  # noqa: E402
+
+#: contender name -> (framework, mode); each runs in every precision asked for
+CONTENDERS = {
+    "torch-eager": ("torch", "eager"),
+    "torch-graph": ("torch", "graph"),
+    "blockrt-eager": ("blockrt", "eager"),
+    "blockrt-static": ("blockrt", "static"),
+}
+PRECISIONS = ("float32", "bfloat16")
+
+
+def steps_per_round(config: Any, device: str) -> int:
+    """Steps in one timed round: about 20 ms of work at 20 TFLOP/s on a GPU (50 GFLOP/s on a
+    CPU), at least 2 and at most 50."""
+    rate = 20e12 if device == "cuda" else 50e9
+    flops = 6 * config.batch * config.width ** 2 * (config.depth + 1)
+    return max(2, min(50, int(0.02 * rate // flops)))
+
+
+def torch_step(config: Any, precision: str, mode: str, device: str) -> Callable[[], Any]:
+    """PyTorch's step on `device`: eager, or (`mode="graph"`, CUDA only) captured once by
+    `torch.cuda.graph` and replayed."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError as e:
+        raise ContenderUnavailable(f"torch is not importable ({e})") from e
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ContenderUnavailable("torch has no CUDA device here")
+    if mode == "graph" and device != "cuda":
+        raise ContenderUnavailable("a CUDA graph needs a CUDA device")
+    x, labels = make_batch(config)
+    layers: list[Any] = []
+    params = init_params(config)
+    for i, (weight, bias) in enumerate(params):
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0])
+        with torch.no_grad():
+            linear.weight.copy_(torch.from_numpy(weight))
+            linear.bias.copy_(torch.from_numpy(bias))
+        layers.append(linear)
+        if i < len(params) - 1:
+            layers.append(torch.nn.ReLU())
+    model = torch.nn.Sequential(*layers).to(device)
+    parameters = list(model.parameters())
+    tx, tlabels = torch.from_numpy(x).to(device), torch.from_numpy(labels).to(device)
+    half = None if precision == "float32" else getattr(torch, precision)
+
+    def step() -> Any:
+        if mode == "eager":
+            model.zero_grad(set_to_none=True)
+        if half is None:
+            loss = F.cross_entropy(model(tx), tlabels)
+        else:
+            with torch.autocast(device, dtype=half):
+                loss = F.cross_entropy(model(tx), tlabels)
+        loss.backward()
+        with torch.no_grad():
+            for parameter in parameters:
+                parameter.add_(parameter.grad, alpha=-LR)
+        return loss
+
+    if mode == "eager":
+        return step
+    # NOTE: PyTorch's whole-network capture: warm up on a side stream, gradients kept (not set
+    # to None) so that backward writes the captured buffers, then capture one step
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            model.zero_grad(set_to_none=False)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    model.zero_grad(set_to_none=False)
+    with torch.cuda.graph(graph):
+        loss = step()
+
+    def replay() -> Any:
+        graph.replay()
+        return loss  # NOTE: the captured loss tensor, written by each replay
+
+    return replay
+
+
+def blockrt_step(config: Any, precision: str, mode: str, device: str) -> Callable[[], Any]:
+    """blockrt's step (`nn.train_step`) on `device`, eager or captured by `runtime.graph`
+    under the static plan."""
+    import backends
+    import runtime
+    from runtime import nn
+
+    if device not in backends.available():
+        raise ContenderUnavailable(f"blockrt has no {device!r} backend here "
+                                   f"(available: {', '.join(backends.available())})")
+    x, labels = make_batch(config)
+    model, opt, _ = blockrt_model(init_params(config), LR, device=device)
+    step = nn.train_step(model, opt, precision=precision)
+    tx, tlabels = runtime.tensor(x, device=device), runtime.tensor(labels, device=device)
+    run = runtime.graph(step, plan="static", device=device) if mode == "static" else step
+    return lambda: run(tx, tlabels)
+
+
+def make(name: str, config: Any, precision: str, device: str) -> Callable[[], Any]:
+    """The contender's step: a call that queues one training step and returns its loss (a
+    tensor of either framework, read with `.item()`)."""
+    framework, mode = CONTENDERS[name]
+    build = torch_step if framework == "torch" else blockrt_step
+    return build(config, precision, mode, device)
+
+
+def losses(config: Any, precision: str, device: str, steps: int = 3
+           ) -> dict[str, list[float]]:
+    """Each contender's losses over `steps` steps from the same weights and batch (the ones
+    that run here): every contender trains the same model the same way."""
+    found = {}
+    for name in CONTENDERS:
+        try:
+            run = make(name, config, precision, device)
+        except ContenderUnavailable:
+            continue
+        found[name] = [float(run().item()) for _ in range(steps)]
+    return found
+
+
+def synchronizer(device: str) -> Callable[[], None]:
+    """Waits for everything queued on `device` by either framework."""
+    if device != "cuda":
+        return lambda: None
+    calls = []
+    try:
+        import cupy
+        calls.append(cupy.cuda.Device().synchronize)
+    except ImportError:
+        pass
+    try:
+        import torch
+        if torch.cuda.is_available():
+            calls.append(torch.cuda.synchronize)
+    except ImportError:
+        pass
+
+    def sync() -> None:
+        for call in calls:
+            call()
+    return sync
+
+
+def time_config(key: str, device: str, precisions: list[str], rounds: int
+                ) -> tuple[dict[str, float], dict[str, str]]:
+    """ms per step of every contender that runs here, and why the others do not."""
+    config = CONFIGS[key]
+    steps: dict[str, Callable[[], Any]] = {}
+    missing: dict[str, str] = {}
+    for precision in precisions:
+        for name in CONTENDERS:
+            label = f"{name} {precision}"
+            try:
+                steps[label] = make(name, config, precision, device)
+            except ContenderUnavailable as e:
+                missing[label] = str(e)
+    sync = synchronizer(device)
+    number = steps_per_round(config, device)
+    for run in steps.values():  # NOTE: warm-up: a capture, first-touch memory, kernel builds
+        for _ in range(2):
+            run()
+        sync()
+    times: dict[str, list[float]] = {label: [] for label in steps}
+    order = list(steps)
+    for r in range(rounds):
+        for label in order[r % len(order):] + order[:r % len(order)]:
+            run = steps[label]
+            start = time.perf_counter()
+            for _ in range(number):
+                run()
+            sync()
+            times[label].append((time.perf_counter() - start) / number * 1e3)
+    return {label: statistics.median(t) for label, t in times.items()}, missing
+
+
+def memory_of(key: str, name: str, precision: str) -> int:
+    """Device bytes one contender's step occupies, measured in this (fresh) process."""
+    import cupy
+
+    sync = synchronizer("cuda")
+    cupy.cuda.Device().use()
+    try:
+        import torch
+        if torch.cuda.is_available():
+            torch.zeros(1, device="cuda")  # NOTE: both contexts exist before the baseline
+    except ImportError:
+        pass
+    sync()
+    free, total = cupy.cuda.runtime.memGetInfo()
+    before = total - free
+    run = make(name, CONFIGS[key], precision, "cuda")
+    for _ in range(3):
+        run()
+    sync()
+    free, total = cupy.cuda.runtime.memGetInfo()
+    return total - free - before
+
+
+def memory_table(keys: list[str], precisions: list[str]) -> dict[str, Any]:
+    print("| config | precision | " + " | ".join(CONTENDERS) + " |")
+    print("|---|---|" + "---:|" * len(CONTENDERS))
+    found: dict[str, Any] = {}
+    for key in keys:
+        for precision in precisions:
+            cells = []
+            for name in CONTENDERS:
+                done = subprocess.run(
+                    [sys.executable, __file__, "--measure-memory", f"{key},{name},{precision}"],
+                    capture_output=True, text=True, timeout=180)
+                last = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
+                if done.returncode == 0 and last and last[0].isdigit():
+                    found[f"{key} {name} {precision}"] = int(last[0])
+                    cells.append(f"{int(last[0]) / 2**20:.0f} MiB")
+                else:
+                    why = (done.stderr.strip().splitlines() or ["failed"])[-1]
+                    cells.append(f"({why[:60]})")
+            print(f"| {key} | {precision} | " + " | ".join(cells) + " |")
+    return found
+
+
+def gpu_name() -> str:
+    try:
+        import cupy
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        return props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    except Exception as e:  # noqa: BLE001  (any failure: say so in the header)
+        return f"no GPU name ({type(e).__name__})"
+
+
+def versions() -> str:
+    parts = [f"Python {sys.version.split()[0]}"]
+    for module in ("numpy", "cupy", "torch"):
+        try:
+            parts.append(f"{module} {__import__(module).__version__}")
+        except ImportError:
+            parts.append(f"no {module}")
+    return ", ".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--configs", default="S,M,L")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--memory", default="", metavar="CONFIGS",
+                        help="configs of the device-memory table, such as S,L (CUDA only; a "
+                             "fresh process a cell)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--measure-memory", help=argparse.SUPPRESS)  # NOTE: the child
+    args = parser.parse_args()
+    if args.measure_memory:
+        key, name, precision = args.measure_memory.split(",")
+        print(memory_of(key, name, precision))
+        return
+    keys = [k for k in args.configs.split(",") if k]
+    precisions = [p for p in args.precisions.split(",") if p]
+    memory = [k for k in args.memory.split(",") if k]
+    unknown = (sorted(set(keys + memory) - set(CONFIGS))
+               + sorted(set(precisions) - set(PRECISIONS)))
+    if unknown:
+        parser.error(f"unknown configs or precisions {unknown}: configs are "
+                     f"{sorted(CONFIGS)}, precisions {list(PRECISIONS)}")
+    where = gpu_name() if args.device == "cuda" else "the CPU"
+    print(f"The MLP step on {where}; host {cpu_name()}; {versions()}; "
+          f"1-minute load {os.getloadavg()[0]:.2f}")
+    print()
+    print("| config | precision | " + " | ".join(CONTENDERS) + " | blockrt static / torch graph "
+          "| blockrt static / torch eager |")
+    print("|---|---|" + "---:|" * (len(CONTENDERS) + 2))
+    record: dict[str, Any] = {"device": args.device, "gpu": where, "host": cpu_name(),
+                              "versions": versions(), "ms": {}, "missing": {}}
+    for key in keys:
+        ms, missing = time_config(key, args.device, precisions, args.rounds)
+        record["ms"][key], record["missing"][key] = ms, missing
+        for precision in precisions:
+            row = [ms.get(f"{name} {precision}") for name in CONTENDERS]
+            cells = [f"{v:.3f}" if v is not None else "n/a" for v in row]
+            mine = ms.get(f"blockrt-static {precision}")
+            ratios = [f"{mine / ms[f'torch-{m} {precision}']:.2f}"
+                      if mine and f"torch-{m} {precision}" in ms else "n/a"
+                      for m in ("graph", "eager")]
+            print(f"| {key} | {precision} | " + " | ".join(cells + ratios) + " |")
+    reasons = {why for per in record["missing"].values() for why in per.values()}
+    for why in sorted(reasons):
+        print(f"- not run: {why}")
+    if args.memory:
+        print()
+        if args.device != "cuda":
+            print("- the memory table is CUDA's only (the driver's view)")
+        else:
+            record["memory_bytes"] = memory_table(memory, precisions)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""benchmarks/bench_cuda.py (issue 31's GPU table, run by .ci/cuda-bench): its contenders train
+the same model the same way, and the script runs end to end. On the CPU here (CI has no GPU);
+the same checks on CUDA run where a GPU is at hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import bench_cuda  # noqa: E402
+
+import backends  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if "cuda" in backends.available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("precision", "rtol", "moved"),
+                         [("float32", 1e-5, 0.01), ("bfloat16", 2e-4, 0.1)])
+def test_every_contender_trains_the_same_step(device, precision, rtol, moved):
+    """The losses agree, and so does how far three steps moved them (about 3e-4 of the loss:
+    rtol alone would not see a contender that skipped its update)."""
+    found = bench_cuda.losses(bench_cuda.CONFIGS["S"], precision, device)
+    assert {"blockrt-eager", "blockrt-static"} <= set(found)
+    if device == "cuda" and importlib.util.find_spec("torch") is not None:
+        assert "torch-graph" in found
+    first = found["blockrt-eager"]
+    assert first[-1] < first[0]  # three steps on one batch lower its loss
+    for name, values in found.items():
+        np.testing.assert_allclose(values, first, rtol=rtol, err_msg=name)
+        np.testing.assert_allclose(values[-1] - values[0], first[-1] - first[0], rtol=moved,
+                                   err_msg=name)
+
+
+def test_the_script_prints_the_table_and_says_what_did_not_run(tmp_path):
+    out = tmp_path / "figures.json"
+    done = subprocess.run([sys.executable, str(BENCH / "bench_cuda.py"), "--device", "cpu",
+                           "--configs", "S", "--rounds", "1", "--precisions", "float32",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    record = json.loads(out.read_text())
+    ms = record["ms"]["S"]
+    assert ms["blockrt-eager float32"] > 0 and ms["blockrt-static float32"] > 0
+    assert record["missing"]["S"]["torch-graph float32"] == "a CUDA graph needs a CUDA device"
+    assert "| S | float32 |" in done.stdout
+    assert "not run: a CUDA graph needs a CUDA device" in done.stdout
+
+
+def test_unknown_configs_are_refused_with_the_known_ones():
+    done = subprocess.run([sys.executable, str(BENCH / "bench_cuda.py"), "--device", "cpu",
+                           "--configs", "S,XL"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "XL" in done.stderr and "'S'" in done.stderr
