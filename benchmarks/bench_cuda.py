@@ -42,7 +42,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mlp_reference import (  # noqa: E402
+from mlp_reference import (
     CONFIGS,
     LR,
     ContenderUnavailable,
@@ -50,7 +50,7 @@ from mlp_reference import (  # noqa: E402
     init_params,
     make_batch,
 )
-from timing import cpu_name  # noqa: E402
+from timing import cpu_name
 
 #: contender name -> (framework, mode); each runs in every precision asked for
 CONTENDERS = {
@@ -280,7 +280,7 @@ def gpu_name() -> str:
         import cupy
         props = cupy.cuda.runtime.getDeviceProperties(0)
         return props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    except Exception as e:  # noqa: BLE001  (any failure: say so in the header)
+    except Exception as e:
         return f"no GPU name ({type(e).__name__})"
 
 
