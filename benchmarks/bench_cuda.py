@@ -318,6 +318,11 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown configs or precisions {unknown}: configs are "
                      f"{sorted(CONFIGS)}, precisions {list(PRECISIONS)}")
+    if args.device == "cuda":
+        import backends
+        if "cuda" not in backends.available():
+            parser.error(f"blockrt has no CUDA device here (available: "
+                         f"{', '.join(backends.available())}); --device cpu checks the harness")
     where = gpu_name() if args.device == "cuda" else "the CPU"
     print(f"The MLP step on {where}; host {cpu_name()}; {versions()}; "
           f"1-minute load {os.getloadavg()[0]:.2f}")

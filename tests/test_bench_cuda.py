@@ -60,3 +60,11 @@ def test_unknown_configs_are_refused_with_the_known_ones():
                            "--configs", "S,XL"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "XL" in done.stderr and "'S'" in done.stderr
+
+
+@pytest.mark.skipif("cuda" in backends.available(), reason="a CUDA device is here")
+def test_without_a_gpu_the_cuda_table_says_so():
+    done = subprocess.run([sys.executable, str(BENCH / "bench_cuda.py"), "--configs", "S"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "no CUDA device here" in done.stderr and "--device cpu" in done.stderr
