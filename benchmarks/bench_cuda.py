@@ -10,9 +10,9 @@ contender from the same weights (`init_params`) on the same batch. Mixed bfloat1
 `torch.autocast(device, torch.bfloat16)`.
 
 PyTorch's CUDA graph: the whole step (forward, loss, backward, the SGD update) captured once
-with `torch.cuda.graph` after warm-up steps on a side stream, gradients kept between steps
-(PyTorch's whole-network capture recipe), then replayed; each replay reads the batch from the
-captured input tensors.
+with `torch.cuda.graph` after warm-up steps on a side stream, the gradients set to None before
+the capture so that its backward writes them (PyTorch's whole-network capture recipe), then
+replayed; each replay reads the batch from the captured input tensors.
 
 Time: ms per step, the contenders in one process, in rounds of `number` steps each followed by
 the device's synchronize, the order rotated every round; the median over rounds of each
@@ -114,17 +114,22 @@ def torch_step(config: Any, precision: str, mode: str, device: str) -> Callable[
 
     if mode == "eager":
         return step
-    # NOTE: PyTorch's whole-network capture: warm up on a side stream, gradients kept (not set
-    # to None) so that backward writes the captured buffers, then capture one step
+    # NOTE: PyTorch's whole-network capture: warm up on a side stream, then capture one step
+    # with the gradients set to None first, so that the captured backward writes them (into
+    # the graph's own pool) rather than adding to them: each replay is one whole step
+    initial = [p.detach().clone() for p in parameters]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):
-            model.zero_grad(set_to_none=False)
+            model.zero_grad(set_to_none=True)
             step()
     torch.cuda.current_stream().wait_stream(side)
+    with torch.no_grad():  # NOTE: the first replay is the first step, as every contender's
+        for parameter, value in zip(parameters, initial):
+            parameter.copy_(value)
     graph = torch.cuda.CUDAGraph()
-    model.zero_grad(set_to_none=False)
+    model.zero_grad(set_to_none=True)
     with torch.cuda.graph(graph):
         loss = step()
 
