@@ -216,12 +216,18 @@ def time_config(key: str, device: str, precisions: list[str], rounds: int
                 steps[label] = make(name, config, precision, device)
             except ContenderUnavailable as e:
                 missing[label] = str(e)
+            except Exception as e:  # NOTE: GPU time is short: the rest still runs
+                missing[label] = f"failed: {type(e).__name__}: {e}"
     sync = synchronizer(device)
     number = steps_per_round(config, device)
-    for run in steps.values():  # NOTE: warm-up: a capture, first-touch memory, kernel builds
-        for _ in range(2):
-            run()
-        sync()
+    for label, run in list(steps.items()):  # NOTE: warm-up: a capture, first touches, builds
+        try:
+            for _ in range(2):
+                run()
+            sync()
+        except Exception as e:  # NOTE: as above
+            missing[label] = f"failed in warm-up: {type(e).__name__}: {e}"
+            del steps[label]
     times: dict[str, list[float]] = {label: [] for label in steps}
     order = list(steps)
     for r in range(rounds):
