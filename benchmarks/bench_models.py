@@ -26,8 +26,14 @@ fastest of `--steps` steps after the first; the contenders run one after another
 and again last, so a change of the machine's speed shows as two PyTorch times (2 threads
 everywhere; these machines are shared and noisy).
 
+With --interleaved ROUNDS, PyTorch eager, the static plan and the static plan under each
+--budgets point are also timed side by side in one process, every contender once a round
+(PyTorch first in even rounds, last in odd ones): the medians of the per-round ratios are the
+figures to compare, since the sequential times carry the load of their own minute.
+
 Run: python benchmarks/bench_models.py [--quick] [--models resnet50,bert] [--steps N]
-                                       [--budgets MIB,...] [--json PATH] [--plot PNG]
+                                       [--budgets MIB,...] [--interleaved ROUNDS]
+                                       [--json PATH] [--plot PNG]
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -215,6 +222,72 @@ def measure(model: Model, steps: int, budgets: list[int] | None = None) -> list[
     return results
 
 
+def torch_step(model: Model, weights: nn.Module) -> Callable[[], float]:
+    """PyTorch's training step (as `run_torch` times it), warm."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(2)
+    twin = model.make_torch()
+    copy_weights(weights, twin)
+    opt = torch.optim.SGD(twin.parameters(), lr=LR)
+    x, y = torch.from_numpy(model.x), torch.from_numpy(model.labels)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(twin(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    step()
+    return step
+
+
+def interleaved(model: Model, rounds: int, budgets: list[int]) -> dict[str, list[float]]:
+    """Step times of PyTorch eager, the static plan and the static plan under each budget, all
+    in this process, in `rounds` rounds that each run every contender once: PyTorch first in
+    even rounds and last in odd ones, so that the machine's speed of the moment falls on all
+    of them alike."""
+    nn.manual_seed(0)
+    weights = model.make_blockrt()
+    steps = {"PyTorch eager": torch_step(model, weights)}
+    x = runtime.tensor(model.x)
+    configs = [('plan="static"', {})] + [(f"budget {format_bytes(b)}", {"memory_budget": b})
+                                        for b in sorted(set(budgets), reverse=True)]
+    for label, options in configs:
+        net = model.make_blockrt()
+        net.load_state_dict(weights.state_dict())
+        graph = runtime.graph(nn.train_step(net, nn.SGD(net.parameters(), lr=LR)),
+                              plan="static", **options)
+        graph(x, model.labels).item()  # NOTE: the capture
+        steps[label] = lambda graph=graph: graph(x, model.labels).item()
+    times: dict[str, list[float]] = {label: [] for label in steps}
+    order = list(steps.items())
+    for r in range(rounds):
+        for label, step in (order if r % 2 == 0 else order[::-1]):
+            start = time.perf_counter()
+            step()
+            times[label].append(time.perf_counter() - start)
+    return times
+
+
+def interleaved_table(model: Model, times: dict[str, list[float]]) -> str:
+    """Best and median step of each contender, and the medians over rounds of its step's
+    ratio to PyTorch's and to the static plan's in the same round."""
+    def ratio(label: str, to: str) -> float:
+        return statistics.median(a / b for a, b in zip(times[label], times[to]))
+
+    lines = [f"{model.name} ({model.shape}), {len(times['PyTorch eager'])} interleaved rounds:",
+             "", "| contender | best (s) | median (s) | / PyTorch (median of rounds) | "
+             "/ static |", "|---|---:|---:|---:|---:|"]
+    static = 'plan="static"'
+    for label, values in times.items():
+        lines.append(f"| {label} | {min(values):.3f} | {statistics.median(values):.3f} | "
+                     f"{ratio(label, 'PyTorch eager'):.2f} | {ratio(label, static):.2f} |")
+    return "\n".join(lines)
+
+
 def table(model: Model, results: list[Result]) -> str:
     torch_peak_bytes = results[0].peak
     torch_s = min(results[0].step_s, results[-1].step_s)
@@ -264,6 +337,9 @@ def main() -> int:
     parser.add_argument("--json", help="write every figure here too")
     parser.add_argument("--plot", metavar="PNG", help="also draw resnet50's memory timeline "
                         "under each plan here (matplotlib)")
+    parser.add_argument("--interleaved", type=int, metavar="ROUNDS", help="also time PyTorch, "
+                        "the static plan and each --budgets point side by side in one process, "
+                        "this many rounds")
     parser.add_argument("--budgets", metavar="MIB,...", help="the memory budgets to run, in "
                         "MiB (default: half and a quarter of the static step's peak, and the "
                         "least any choice reaches)")
@@ -287,6 +363,12 @@ def main() -> int:
         print(table(model, results))
         records[model.name] = [{k: v for k, v in r.__dict__.items() if k != "report"}
                                for r in results]
+    if args.interleaved:
+        for model in chosen:
+            times = interleaved(model, args.interleaved, budgets or [])
+            print()
+            print(interleaved_table(model, times))
+            records[f"{model.name} interleaved"] = times
     print(f"\nload {os.getloadavg()[0]:.2f} after")
     if args.plot:
         plot_timelines(models(args.quick)[0], args.plot)
