@@ -804,11 +804,10 @@ def _batch_norm_training(x: Tensor, running_mean: Tensor | None, running_var: Te
         root = _elementwise("sqrt", None, shifted)
         rstd = div(1.0, root)
         _release(var, shifted, root)
-        centered = sub(xw, mean_)  # NOTE: and the next mul: one fused chain in a graph
+        xhat = _pointwise([("sub", (("input", 0), ("input", 1))),
+                           ("mul", (("link", 0), ("input", 2)))], [xw, mean_, rstd])
         if xw is not x:
             xw.release()
-        xhat = mul(centered, rstd)
-        centered.release()
         if running_mean is not None:
             _running_update(running_mean, mean_.reshape(channels), momentum)
             unbiased = div(squares, float(count - 1))
@@ -816,13 +815,14 @@ def _batch_norm_training(x: Tensor, running_mean: Tensor | None, running_var: Te
             unbiased.release()
         _release(mean_, squares)
         y = xhat
-        if weight is not None:
+        if weight is not None and bias is not None:
+            y = _pointwise([("mul", (("input", 0), ("input", 1))),
+                            ("add", (("link", 0), ("input", 2)))],
+                           [xhat, per_channel(weight), per_channel(bias)])
+        elif weight is not None:
             y = mul(y, per_channel(weight))
-        if bias is not None:
-            scaled = y
-            y = add(scaled, per_channel(bias))
-            if scaled is not xhat:
-                scaled.release()
+        elif bias is not None:
+            y = add(y, per_channel(bias))
         if y.dtype != x.dtype:
             result = cast(y, x.dtype, out=out)
         else:
@@ -846,16 +846,12 @@ def _batch_norm_training(x: Tensor, running_mean: Tensor | None, running_var: Te
         a = div(sums, float(count))
         b = div(dots, float(count))
         scale = rstd if weight is None else mul(rstd, per_channel(weight))
-        # NOTE: four new tensors, not one written in place: a graph runs them as one fused
-        # chain, whose links never exist at full size
-        t = mul(xhat, b)
-        u = sub(gw, t)
-        t.release()
-        _release(gw if gw is not g else None)
-        t = sub(u, a)
-        u.release()
-        u = mul(t, scale)
-        _release(t, a, b, scale if scale is not rstd else None)
+        # NOTE: ((g - xhat * b) - a) * scale: one pass eagerly, one fused chain in a graph
+        u = _pointwise([("mul", (("input", 0), ("input", 1))),
+                        ("sub", (("input", 2), ("link", 0))),
+                        ("sub", (("link", 1), ("input", 3))),
+                        ("mul", (("link", 2), ("input", 4)))], [xhat, b, gw, a, scale])
+        _release(gw if gw is not g else None, a, b, scale if scale is not rstd else None)
         gx = u if u.dtype == g.dtype else _narrowed(u, g.dtype)
         g_weight = g_bias = None
         if nw:
@@ -871,6 +867,41 @@ def _batch_norm_training(x: Tensor, running_mean: Tensor | None, running_var: Te
                     [("xhat", xhat), ("rstd", rstd), ("weight", weight)])
     _release(xhat if xhat is not result else None, rstd)  # NOTE: the node keeps its own handles
     return result
+
+
+# Note [an op's pointwise formula in one pass]: an op whose result is a pointwise formula of
+# several tensors (batch norm's x-hat, its affine map, its backward) writes the formula once, as
+# links of backends/optable.py's ops (`_pointwise`). Eagerly, on a device that compiles fused
+# chains, the links run as one `Device.fused` pass into one new tensor, so no link's result
+# exists at full size; inside a capture, and elsewhere, each link is its own op, which a graph
+# fuses with its neighbours. A compiled chain rounds each link as the link's own kernel does
+# (`Device.fused`'s contract, which the device kit's "fused chains" rule holds every device
+# to), so both ways give one result, bit for bit, and a captured step keeps eager's bits.
+#: (op, args) links: each arg ("input", k), ("link", j) or ("number", value)
+Links = Sequence[tuple[str, tuple]]
+
+
+def _pointwise(links: Links, inputs: Sequence[Tensor]) -> Tensor:
+    """The formula `links` over `inputs` (each broadcast to the result's shape) as a new
+    tensor (Note [an op's pointwise formula in one pass]), under no_grad."""
+    first = inputs[0]
+    device, dtype = first.device, first.dtype
+    shape = np.broadcast_shapes(*(t.shape for t in inputs))
+    if (tape.active() is not None or not device.capabilities.compiles_fused
+            or dtype not in (np.float32, np.float64)
+            or any(t.dtype != dtype or t.device is not device for t in inputs)):
+        results: list[Tensor] = []
+        for name, args in links:
+            operands = [inputs[ref] if kind == "input" else results[ref] if kind == "link"
+                        else ref for kind, ref in args]
+            results.append(_elementwise(name, None, *operands))
+        _release(*results[:-1])
+        return results[-1]
+    out = Tensor._fresh(tuple(shape), dtype, _result_allocator(first))
+    program = [(name, args, dtype) for name, args in links]
+    _launch("pointwise", out, [(f"operand {k}", t, tuple(shape)) for k, t in enumerate(inputs)],
+            lambda v, o: device.fused(program, v, o))
+    return out
 
 
 # Note [batch norm's statistics in one kernel]: batch norm's forward needs each channel's mean
@@ -2070,13 +2101,15 @@ def _conv_g2(g: Tensor, geometry: tuple, o: int) -> Tensor:
 
 # Note [the weight's gradient in the weight's layout]: the weight's gradient is the product
 # g2 @ columns.T, (O, C*kh*kw), which is the 4-D weight's own layout, so no transposed copy
-# follows it and SGD's update reads it reshaped: a graph folds that update into the product, one
-# accumulating gemm into the weight's memory (runtime/graph/fuse.py, `_folding`). The other
-# orientation, columns @ g2.T then a transposed copy, was chosen first on a measurement that no
-# longer holds: summed over ResNet-50's layer shapes at batch 4 the two products took 153.6 and
-# 156.7 ms (AMD EPYC, OpenBLAS 0.3.31, 2 threads; per shape 0.85-1.16 of each other), and the
-# transposed copies 20-37 ms more a step. Measured on this CPU only: the choice has no knob,
-# since a copy and an update pass saved cost the same on any CPU.
+# follows it: an optimizer reads the product reshaped. The other orientation, columns @ g2.T
+# then a transposed copy, was chosen first on a measurement that no longer holds: summed over
+# ResNet-50's layer shapes at batch 4 the two products took 153.6 and 156.7 ms (AMD EPYC,
+# OpenBLAS 0.3.31, 2 threads; per shape 0.85-1.16 of each other), and the transposed copies
+# 20-37 ms more a step. Measured on this CPU only: the choice has no knob, since a copy saved
+# costs the same on any CPU. A graph does not fold plain SGD's update into this product (an
+# accumulating gemm: `runtime/graph/fuse.py`, `_folding`, takes only a product of the
+# update's own shape): OpenBLAS's kernel for it may round alpha * product + out once, and a
+# captured step must keep eager's bits (tests/test_graph_layers.py's programs found it).
 
 
 def _weight_product(x: Tensor, g2: Tensor, geometry: tuple) -> Tensor:
@@ -2309,7 +2342,7 @@ def _pool(op: str, x: Tensor, kernel_size: Any, stride: Any, padding: Any,
 __all__ += ["conv2d", "max_pool2d", "avg_pool2d"]
 ALIASING_POLICY.update(dict.fromkeys(("conv2d", "max_pool2d", "max_pool2d_backward",
                                       "avg_pool2d", "moments", "channel_dots", "im2col",
-                                      "col2im"), NEVER))
+                                      "col2im", "pointwise"), NEVER))
 
 
 def _reduce(op: str, x: Tensor, axis: Any, keepdims: bool, out: Tensor | None) -> Tensor:

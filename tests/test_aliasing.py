@@ -798,12 +798,13 @@ def test_every_op_declares_a_policy_and_keeps_it():
     backward_kernels = {op.name for op in optable.OPS if not op.public}
     internal = {"cross_entropy_backward", "sub_scaled"}  # autograd's, an optimizer's update
     # NOTE: embedding's and max pooling's backward, batch norm's statistics and a
-    # convolution's columns and their adjoint (fresh outs, or an image of a fresh gradient),
+    # convolution's columns and their adjoint (fresh outs, or an image of a fresh gradient), an
+    # op's pointwise formula in one pass (a fresh out),
     # BatchNorm's count, dropout's draw and embedding's max_norm renorm (in place), a training
     # step's held state writes (a copy of a fresh value into state: ops.state_writes)
     unlaunched = {"cross_entropy_backward", "embedding_backward", "max_pool2d_backward",
                   "count_up", "dropout_mask", "embedding_renorm", "commit_state", "moments",
-                  "channel_dots", "im2col", "col2im"}
+                  "channel_dots", "im2col", "col2im", "pointwise"}
     internal |= unlaunched
     assert set(ops.ALIASING_POLICY) == public | backward_kernels | internal
     assert ops.ALIASING_POLICY["cross_entropy_backward"] == ops.NEVER  # autograd's, fresh out

@@ -445,3 +445,52 @@ def test_a_captured_batch_norm_runs_its_normalisation_as_one_fused_pass():
     assert ["mul", "sub", "sub", "mul"] in chains
     kernels = [i.op for s in step._last.steps for i in s.instructions]
     assert kernels.count("moments") == kernels.count("channel_dots") == 1
+
+
+@pytest.mark.parametrize("device", [d for d in ("cpu", "opencl") if d in backends.available()])
+def test_an_eager_batch_norm_makes_each_pointwise_formula_in_one_pass(device):
+    """Eagerly, x-hat, the affine map and x's gradient are one `Device.fused` pass each where
+    the device compiles chains (Note [an op's pointwise formula in one pass]): two tensors of
+    x's size in the forward pass and one in the backward (four and four as separate ops), and
+    the bits of the ops run one by one (inside a capture, which records them so)."""
+    if not backends.get_device(device).capabilities.compiles_fused:
+        pytest.skip(f"{device} runs fused chains in blocks here (no compiled chains)")
+    import allocators
+
+    rng = np.random.default_rng(5)
+    values = rng.standard_normal((4, 3, 5, 5)).astype(np.float32)
+    grad = rng.standard_normal((4, 3, 5, 5)).astype(np.float32)
+    traced = allocators.TraceAdaptor(allocators.create("direct", device))
+    bn = nn.BatchNorm2d(3, device=device)
+    with runtime.no_grad():
+        bn.weight[...] = rng.uniform(0.5, 1.5, 3).astype(np.float32)
+        bn.bias[...] = rng.uniform(-0.5, 0.5, 3).astype(np.float32)
+    x = runtime.tensor(values, device=device, allocator=traced, requires_grad=True)
+    full = x.nbytes
+
+    def made() -> int:
+        return sum(1 for e in traced.events if e.action == "alloc" and e.nbytes >= full)
+
+    gradient = runtime.tensor(grad, device=device, allocator=traced)
+    start = made()
+    y = bn(x)
+    forward = made() - start
+    y.backward(gradient)
+    assert forward == 2, forward  # NOTE: x-hat (kept for backward) and y
+    # NOTE: backward: the pass's copy of `gradient`, then x's gradient, and nothing else
+    assert made() - start - forward == 2
+
+    def step(bn: nn.Module, x: runtime.Tensor) -> runtime.Tensor:
+        y = bn(x)
+        ops.sum(ops.mul(y, runtime.tensor(grad, device=device))).backward()
+        return y
+
+    eager_bn = nn.BatchNorm2d(3, device=device)
+    eager_bn.load_state_dict(bn.state_dict())
+    captured_bn = nn.BatchNorm2d(3, device=device)
+    captured_bn.load_state_dict(bn.state_dict())
+    xe = runtime.tensor(values, device=device, requires_grad=True)
+    ye = step(eager_bn, xe)
+    graph = runtime.graph(lambda v: step(captured_bn, v), device=device, plan="static")
+    yc = graph(values)
+    assert ye.numpy().tobytes() == yc.numpy().tobytes()

@@ -278,20 +278,13 @@ def _folding(step: _Step, head: Instruction, out: Operand,
     if any(o.block.id == product.block.id and (o.shape != out.shape or not o.whole)
            for i in step.instructions for o in i.inputs):
         return None
-    same = product.shape == out.shape
-    # NOTE: a product whose chain reads it reshaped (a convolution's weight gradient, (O,
-    # C*kh*kw), updating the 4-D weight: Note [the weight's gradient in the weight's layout]
-    # in runtime/ops.py) accumulates into out's memory as the product's shape
-    reshaped = (product.whole and out.whole and product.block.nbytes == out.block.nbytes)
-    if product.dtype != out.dtype or not (same or reshaped):
+    if product.dtype != out.dtype or product.shape != out.shape:
         return None
     if head.op == "matmul" or len(head.inputs) == 2:
         form = _linear_form(step.instructions, product.block.id, out)
         if form is not None and device.capabilities.gemm_accumulates \
                 and out.dtype in (np.float32, np.float64):
             return form
-    if not same:
-        return None
     if any(o.block.id == out.block.id for i in step.instructions for o in i.inputs):
         return None
     if len(head.inputs) > 2 and product.dtype in dtypes.HALVES:

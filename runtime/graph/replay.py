@@ -218,12 +218,7 @@ def _bind_product(step: _Step, capture: _Capture, memory: Memory) -> Callable[[]
     head, chain = step.instructions[0], step.instructions[1:]
     device = capture.device
     a, b = (_view(operand, capture, memory) for operand in head.inputs[:2])
-    result = chain[-1].outputs[0]
-    if step.product != "into":  # NOTE: out's memory as the product's shape (`_folding`)
-        shape = head.outputs[0].shape
-        strides = tuple(s * result.dtype.itemsize for s in contiguous_strides(shape))
-        result = Operand(result.block, result.offset, shape, strides, result.dtype)
-    out = _view(result, capture, memory)
+    out = _view(chain[-1].outputs[0], capture, memory)
     if step.product != "into":
         alpha, beta = step.product
         return device.prepare_gemm(a, b, out, alpha, beta)
