@@ -202,3 +202,24 @@ def test_blockrt_info_lists_each_c_path_in_use_or_not_and_why(value, in_use):
     for path in accelerated.paths():
         why = "in use" if in_use else f"off: {accelerated.PURE_PYTHON_ENV}={value}"
         assert f"  {path.module}: {why} ({path.runs}; {path.source})" in result.stdout
+
+
+# ---------------------------------------------------------------------- CI: the pure-Python build
+#: Suites whose figures or planted bugs depend on the C paths (compiled chains, the CPU's
+#: sub_scaled), rerun without them: each must pass, or skip saying why, in both builds
+PURE_PYTHON_SUITES = ["tests/test_graph.py", "tests/test_graph_docs.py", "tests/test_batchnorm.py",
+                      "tests/test_attention.py", "tests/test_graph_layers.py"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not allocators.ACCELERATED,
+                    reason="this run is pure Python already (the suites run as they are)")
+def test_the_graph_and_layer_suites_pass_in_pure_python_mode():
+    environment = {**os.environ, accelerated.PURE_PYTHON_ENV: "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           *PURE_PYTHON_SUITES, "tests/test_device_kit.py", "-k",
+                           "not torch and (not test_device_kit or ChainRoundsOnce)"],
+                          cwd=ROOT, env=environment, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "skipped" in done.stdout, done.stdout[-500:]
