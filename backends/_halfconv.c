@@ -824,6 +824,24 @@ acquire(PyObject *obj, Py_buffer *view, int output)
     return 0;
 }
 
+/* The common prologue of a kernel with one output and one input: `out` acquired writable into
+ * views[0], then `in` into views[1]; *held says how many are held. Returns True where one was
+ * refused (its layout is not a C-contiguous buffer). */
+static int
+acquire_pair(PyObject *out, PyObject *in, Py_buffer *views, int *held)
+{
+    *held = 0;
+    if (acquire(out, &views[0], 1)) {
+        return 1;
+    }
+    *held = 1;
+    if (acquire(in, &views[1], 0)) {
+        return 1;
+    }
+    *held = 2;
+    return 0;
+}
+
 /* Whether `v` has `o`'s shape and items of `itemsize` bytes. */
 static int
 same_shape(const Py_buffer *v, const Py_buffer *o, Py_ssize_t itemsize)
@@ -1305,12 +1323,7 @@ max_pool(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     int want = args[2] != Py_None;
     Py_buffer views[3];  /* out, x, indices */
-    int held = 0, refuse = acquire(args[1], &views[0], 1);
-    held += !refuse;
-    if (!refuse) {
-        refuse = acquire(args[3], &views[1], 0);
-        held += !refuse;
-    }
+    int held, refuse = acquire_pair(args[1], args[3], views, &held);
     if (!refuse && want) {
         refuse = acquire(args[2], &views[2], 1);
         held += !refuse;
@@ -1449,12 +1462,7 @@ transpose(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_buffer views[2];  /* out, src */
-    int held = 0, refuse = acquire(args[0], &views[0], 1);
-    held += !refuse;
-    if (!refuse) {
-        refuse = acquire(args[1], &views[1], 0);
-        held += !refuse;
-    }
+    int held, refuse = acquire_pair(args[0], args[1], views, &held);
     if (!refuse) {
         Py_buffer *o = &views[0], *x = &views[1];
         Py_ssize_t size = o->itemsize;
@@ -1900,12 +1908,7 @@ im2col(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_buffer views[2];  /* columns, x */
-    int held = 0, refuse = acquire(args[0], &views[0], 1);
-    held += !refuse;
-    if (!refuse) {
-        refuse = acquire(args[1], &views[1], 0);
-        held += !refuse;
-    }
+    int held, refuse = acquire_pair(args[0], args[1], views, &held);
     Py_ssize_t g[12];
     if (!refuse) {
         int bad = conv_geometry(args + 2, &views[1], &views[0], g);
@@ -1948,12 +1951,7 @@ col2im(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_buffer views[2];  /* out, columns */
-    int held = 0, refuse = acquire(args[1], &views[0], 1);
-    held += !refuse;
-    if (!refuse) {
-        refuse = acquire(args[2], &views[1], 0);
-        held += !refuse;
-    }
+    int held, refuse = acquire_pair(args[1], args[2], views, &held);
     Py_ssize_t g[12];
     if (!refuse) {
         int bad = conv_geometry(args + 3, &views[0], &views[1], g);

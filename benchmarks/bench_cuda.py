@@ -49,6 +49,7 @@ from mlp_reference import (
     blockrt_model,
     init_params,
     make_batch,
+    make_torch,
 )
 from timing import cpu_name
 
@@ -82,20 +83,11 @@ def torch_step(config: Any, precision: str, mode: str, device: str) -> Callable[
         raise ContenderUnavailable("torch has no CUDA device here")
     if mode == "graph" and device != "cuda":
         raise ContenderUnavailable("a CUDA graph needs a CUDA device")
-    x, labels = make_batch(config)
-    layers: list[Any] = []
-    params = init_params(config)
-    for i, (weight, bias) in enumerate(params):
-        linear = torch.nn.Linear(weight.shape[1], weight.shape[0])
-        with torch.no_grad():
-            linear.weight.copy_(torch.from_numpy(weight))
-            linear.bias.copy_(torch.from_numpy(bias))
-        layers.append(linear)
-        if i < len(params) - 1:
-            layers.append(torch.nn.ReLU())
-    model = torch.nn.Sequential(*layers).to(device)
+    # NOTE: mlp_reference's PyTorch model (its layers, the same weights), moved to `device`
+    model, _, tx, tlabels = make_torch(init_params(config), *make_batch(config)).state
+    model = model.to(device)
     parameters = list(model.parameters())
-    tx, tlabels = torch.from_numpy(x).to(device), torch.from_numpy(labels).to(device)
+    tx, tlabels = tx.to(device), tlabels.to(device)
     half = None if precision == "float32" else getattr(torch, precision)
 
     def step() -> Any:
@@ -181,21 +173,20 @@ def losses(config: Any, precision: str, device: str, steps: int = 3
 
 
 def synchronizer(device: str) -> Callable[[], None]:
-    """Waits for everything queued on `device` by either framework."""
-    if device != "cuda":
-        return lambda: None
+    """Waits for everything queued on `device` by either framework: blockrt's device's own
+    synchronize (None on the CPU, which has no queue), and PyTorch's where it has CUDA."""
+    import backends
+
     calls = []
-    try:
-        import cupy
-        calls.append(cupy.cuda.Device().synchronize)
-    except ImportError:
-        pass
-    try:
-        import torch
-        if torch.cuda.is_available():
-            calls.append(torch.cuda.synchronize)
-    except ImportError:
-        pass
+    if device in backends.available() and backends.get_device(device).home_queue is not None:
+        calls.append(backends.get_device(device).synchronize)
+    if device == "cuda":
+        try:
+            import torch
+            if torch.cuda.is_available():
+                calls.append(torch.cuda.synchronize)
+        except ImportError:
+            pass
 
     def sync() -> None:
         for call in calls:

@@ -123,7 +123,8 @@ def timed(step: Callable[[], Any], steps: int) -> float:
     return best
 
 
-def run_torch(model: Model, weights: nn.Module, steps: int) -> Result:
+def torch_step(model: Model, weights: nn.Module) -> Callable[[], float]:
+    """PyTorch's training step from blockrt's `weights` (SGD, 2 threads), run once: warm."""
     import torch
     import torch.nn.functional as F
 
@@ -140,7 +141,19 @@ def run_torch(model: Model, weights: nn.Module, steps: int) -> Result:
         opt.step()
         return loss.item()
 
-    step()  # NOTE: warm: the profiler's peak is a later step's
+    step()
+    return step
+
+
+def blockrt_step(model: Model, weights: nn.Module) -> tuple[nn.Module, Callable[..., Any]]:
+    """A new copy of the network holding `weights`, and its training step (SGD)."""
+    net = model.make_blockrt()
+    net.load_state_dict(weights.state_dict())
+    return net, nn.train_step(net, nn.SGD(net.parameters(), lr=LR))
+
+
+def run_torch(model: Model, weights: nn.Module, steps: int) -> Result:
+    step = torch_step(model, weights)  # NOTE: warm: the profiler's peak is a later step's
     peak = torch_peak(step)
     return Result("PyTorch eager", peak, timed(step, steps))
 
@@ -152,9 +165,7 @@ def run_blockrt(model: Model, weights: nn.Module, steps: int, contender: str,
     previous = runtime.get_default_allocator("cpu")
     runtime.set_default_allocator(stats, "cpu")
     try:
-        net = model.make_blockrt()
-        net.load_state_dict(weights.state_dict())
-        train = nn.train_step(net, nn.SGD(net.parameters(), lr=LR))
+        net, train = blockrt_step(model, weights)
         x = runtime.tensor(model.x)
         before = stats.stats()["allocated_bytes"]
         if contender == "blockrt eager":
@@ -185,10 +196,7 @@ def run_blockrt(model: Model, weights: nn.Module, steps: int, contender: str,
 
 def least_budget(model: Model, weights: nn.Module) -> int:
     """The least bytes any choice of the static plan reaches."""
-    net = model.make_blockrt()
-    net.load_state_dict(weights.state_dict())
-    graph = runtime.graph(nn.train_step(net, nn.SGD(net.parameters(), lr=LR)),
-                          memory_budget=0)
+    graph = runtime.graph(blockrt_step(model, weights)[1], memory_budget=0)
     try:
         graph(runtime.tensor(model.x), model.labels)
     except runtime.BudgetError as error:
@@ -222,28 +230,6 @@ def measure(model: Model, steps: int, budgets: list[int] | None = None) -> list[
     return results
 
 
-def torch_step(model: Model, weights: nn.Module) -> Callable[[], float]:
-    """PyTorch's training step (as `run_torch` times it), warm."""
-    import torch
-    import torch.nn.functional as F
-
-    torch.set_num_threads(2)
-    twin = model.make_torch()
-    copy_weights(weights, twin)
-    opt = torch.optim.SGD(twin.parameters(), lr=LR)
-    x, y = torch.from_numpy(model.x), torch.from_numpy(model.labels)
-
-    def step() -> float:
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(twin(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    step()
-    return step
-
-
 def interleaved(model: Model, rounds: int, budgets: list[int]) -> dict[str, list[float]]:
     """Step times of PyTorch eager, the static plan and the static plan under each budget, all
     in this process, in `rounds` rounds that each run every contender once: PyTorch first in
@@ -256,10 +242,7 @@ def interleaved(model: Model, rounds: int, budgets: list[int]) -> dict[str, list
     configs = [('plan="static"', {})] + [(f"budget {format_bytes(b)}", {"memory_budget": b})
                                         for b in sorted(set(budgets), reverse=True)]
     for label, options in configs:
-        net = model.make_blockrt()
-        net.load_state_dict(weights.state_dict())
-        graph = runtime.graph(nn.train_step(net, nn.SGD(net.parameters(), lr=LR)),
-                              plan="static", **options)
+        graph = runtime.graph(blockrt_step(model, weights)[1], plan="static", **options)
         graph(x, model.labels).item()  # NOTE: the capture
         steps[label] = lambda graph=graph: graph(x, model.labels).item()
     times: dict[str, list[float]] = {label: [] for label in steps}
@@ -317,9 +300,7 @@ def plot_timelines(model: Model, path: str) -> None:
     for name, options in (("recycle", {"plan": "recycle"}), ("static", {"plan": "static"}),
                           ('static, checkpoint="pointwise"',
                            {"plan": "static", "checkpoint": "pointwise"})):
-        net = model.make_blockrt()
-        net.load_state_dict(weights.state_dict())
-        graph = runtime.graph(nn.train_step(net, nn.SGD(net.parameters(), lr=LR)), **options)
+        graph = runtime.graph(blockrt_step(model, weights)[1], **options)
         graph(runtime.tensor(model.x), model.labels)
         lines[name] = graph.timeline()
         if name == "static":

@@ -897,9 +897,9 @@ def _pointwise(links: Links, inputs: Sequence[Tensor]) -> Tensor:
             results.append(_elementwise(name, None, *operands))
         _release(*results[:-1])
         return results[-1]
-    out = Tensor._fresh(tuple(shape), dtype, _result_allocator(first))
+    out = Tensor._fresh(shape, dtype, _result_allocator(first))
     program = [(name, args, dtype) for name, args in links]
-    _launch("pointwise", out, [(f"operand {k}", t, tuple(shape)) for k, t in enumerate(inputs)],
+    _launch("pointwise", out, [(f"operand {k}", t, shape) for k, t in enumerate(inputs)],
             lambda v, o: device.fused(program, v, o))
     return out
 

@@ -475,7 +475,8 @@ class Reducer:
 
     # ------------------------------------------------------------------ reports
     def buffer_bytes(self) -> int:
-        """Host bytes the reducer holds now: the bucket buffers (stage 2: its one buffer)."""
+        """Host bytes the reducer holds now: the bucket buffers (ZeRO: its shared one, two
+        while a bucket is incomplete)."""
         if self.stage:
             held = sum(b.base.nbytes for b in self._buffers.values())
         else:

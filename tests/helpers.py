@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import pathlib
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -143,3 +147,15 @@ def same_bits(a: Any, b: Any) -> bool:
         return False
     bits = f"u{a.dtype.itemsize}"
     return bool(np.array_equal(a.reshape(-1).view(bits), b.reshape(-1).view(bits)))
+
+
+def pytest_in_pure_python(*args: str, timeout: float | None = None
+                          ) -> subprocess.CompletedProcess:
+    """pytest run on `args` (files, options) in a fresh process at the checkout's root with
+    BLOCKRT_PURE_PYTHON=1: the build without the C extension, as CI checks it."""
+    from backends.accelerated import PURE_PYTHON_ENV
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           *args], cwd=root, env={**os.environ, PURE_PYTHON_ENV: "1"},
+                          capture_output=True, text=True, timeout=timeout, check=False)

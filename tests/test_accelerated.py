@@ -20,6 +20,7 @@ import pytest
 
 import allocators
 from backends import accelerated
+from helpers import pytest_in_pure_python
 from runtime import _tensor, autograd, fastpath, ops
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -215,11 +216,8 @@ PURE_PYTHON_SUITES = ["tests/test_graph.py", "tests/test_graph_docs.py", "tests/
 @pytest.mark.skipif(not allocators.ACCELERATED,
                     reason="this run is pure Python already (the suites run as they are)")
 def test_the_graph_and_layer_suites_pass_in_pure_python_mode():
-    environment = {**os.environ, accelerated.PURE_PYTHON_ENV: "1"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           *PURE_PYTHON_SUITES, "tests/test_device_kit.py", "-k",
-                           "not torch and (not test_device_kit or ChainRoundsOnce)"],
-                          cwd=ROOT, env=environment, capture_output=True, text=True,
-                          timeout=600, check=False)
+    done = pytest_in_pure_python(
+        *PURE_PYTHON_SUITES, "tests/test_device_kit.py", "-k",
+        "not torch and (not test_device_kit or ChainRoundsOnce)", timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "skipped" in done.stdout, done.stdout[-500:]

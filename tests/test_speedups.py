@@ -37,7 +37,7 @@ from allocators.caching import _PRUNE_AFTER, CachingAllocator
 from allocators.pytest_plugin import soak_factor
 from allocators.sizeclass import GranuleSizeClass
 from backends.accelerated import PURE_PYTHON_ENV
-from helpers import run_threads
+from helpers import pytest_in_pure_python, run_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 KiB = 1 << 10
@@ -782,9 +782,6 @@ def test_allocators_use_the_c_lock_and_the_hot_path_steps_aside_while_it_is_held
 @pytest.mark.skipif(not allocators.ACCELERATED,
                     reason="this run is pure Python already (the suite itself covers it)")
 def test_the_allocator_tests_pass_in_pure_python_mode():
-    env = dict(os.environ, **{PURE_PYTHON_ENV: "1"})
-    files = ["tests/test_allocators.py", "tests/test_caching.py", "tests/test_adaptors.py",
-             "tests/test_speedups.py"]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           *files], cwd=ROOT, env=env, capture_output=True, text=True)
+    done = pytest_in_pure_python("tests/test_allocators.py", "tests/test_caching.py",
+                                         "tests/test_adaptors.py", "tests/test_speedups.py")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

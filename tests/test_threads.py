@@ -26,8 +26,6 @@ BLOCKRT_PURE_PYTHON=1, the build without the extension.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -44,8 +42,7 @@ import allocators
 import runtime
 from allocators import Allocation, Allocator, StatisticsAdaptor
 from allocators.testing import allocation_sizes, byte_pattern
-from backends.accelerated import PURE_PYTHON_ENV
-from helpers import run_threads
+from helpers import pytest_in_pure_python, run_threads
 from runtime import ConstantPool
 from runtime.constant import get_default_constant_pool
 
@@ -377,10 +374,7 @@ def test_the_statistics_adaptor_counts_every_threads_traffic(programs):
 @pytest.mark.skipif(not allocators.ACCELERATED,
                     reason="this run is pure Python already (the tests above cover it)")
 def test_the_thread_tests_pass_in_pure_python_mode():
-    env = dict(os.environ, **{PURE_PYTHON_ENV: "1"})
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           "tests/test_threads.py", "-k", "not pure_python_mode"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    done = pytest_in_pure_python("tests/test_threads.py", "-k", "not pure_python_mode")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "1 skipped" in done.stdout, "the C hot path test should skip without the extension"
 

@@ -349,11 +349,12 @@ def _buffers(steps: list[_Step], planned: set[int], in_place: bool,
     buffer_of: dict[int, int] = {}
     reused = 0
     taken: set[int] = set()
+    # NOTE: a chain's result may take the buffer of any link's dying input: each runs element
+    # by element (row block by row block), every link reading an element before the last
+    # writes it
+    step_reads = [[o for i in step.instructions for o in i.inputs] for step in steps]
     for position, instr in flat:
-        # NOTE: a chain's result may take the buffer of any link's dying input: each runs
-        # element by element (row block by row block), every link reading an element before
-        # the last writes it
-        reads = [o for i in steps[position].instructions for o in i.inputs]
+        reads = step_reads[position]
         for out in instr.outputs:
             bid = out.block.id
             if bid not in planned or bid in buffer_of:
