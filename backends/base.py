@@ -111,6 +111,13 @@ class BackendUnavailableError(RuntimeError):
     """A backend was asked for but cannot run here (its package or its hardware is missing)."""
 
 
+class RecordError(RuntimeError):
+    """`Device.record` could not make the work one replayable device graph; the message says
+    why (the device records none, or the work synchronised with the host, called a library
+    that cannot be recorded, ...). Nothing the work queued has run: run it again, launch by
+    launch."""
+
+
 def check_nbytes(nbytes: Any, what: str = "size") -> int:
     """Return `nbytes` as an int, or raise TypeError/ValueError naming the bad value.
 
@@ -424,6 +431,10 @@ class Capabilities:
     #: queues (the queue hooks, Note [queue-ordered reuse]); False: every command is done when
     #: its call returns, `home_queue` is None and a queue asked of the device is a TypeError.
     queues: bool = False
+    #: `_record` records the kernels and copies a function queues as one device graph that
+    #: replays them with one launch (a CUDA graph: Note [a static plan as one device graph] in
+    #: runtime/graph/replay.py); False: `record` raises RecordError.
+    records_graphs: bool = False
     #: Kernels by name for the runtime's eager fast path (Note [the eager fast path] in
     #: runtime/fastpath.py): each elementwise one called as kernel(*input_views, out_view) with
     #: inputs it broadcasts itself, "sum" and "mean" as kernel(x, out, axes, keepdims),
@@ -494,6 +505,7 @@ class Device:
         "conv_columns": ("_im2col", "_col2im"),
         "queues": ("_home_queue", "_queue_key", "_record_event", "_event_done", "_wait_event",
                    "_join", "_synchronize"),
+        "records_graphs": ("_record",),
     }
     #: The hooks whose default is made of the required ones, and what the default does: a
     #: backend may write a faster one with the same results.
@@ -1152,6 +1164,29 @@ class Device:
         nothing to wait for)."""
         if self.capabilities.queues:
             self._synchronize()
+
+    def record(self, run: Callable[[], None]) -> Any:
+        """Record the copies and kernels that `run()` queues as one device graph, without
+        running them, and return it: an object whose `launch()` queues them all again on the
+        home queue, on the same memory, with one call, and whose `checked` lists the (address,
+        bytes) ranges that host checks moved out of the graph read (`launch` runs those checks
+        first, so the graph is right only where nothing in it writes them: the caller makes
+        sure). Memory the work takes while it is recorded (a kernel's temporaries) stays with
+        the graph.
+
+        Raises:
+            RecordError: the device records no graphs (`Capabilities.records_graphs`), or the
+                work cannot be recorded (it waits for the device, reads memory back to the
+                host, calls a library that refuses to be recorded); the message says which.
+                Nothing `run` queued has run.
+        """
+        if not self.capabilities.records_graphs:
+            raise RecordError(f"{self.name} records no device graphs")
+        return self._record(run)
+
+    def _record(self, run: Callable[[], None]) -> Any:
+        """`record`; called only where `records_graphs` is claimed."""
+        raise _missing(self, "_record")
 
     # ----------------------------------------------------------------- queues
     # Note [queue-ordered reuse]: a device runs its copies and kernels on one in-order queue

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -48,8 +49,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from backends import optable
-from backends.base import HALVES, BackendUnavailableError, Capabilities, Device
+from backends import _cublas, optable
+from backends._cublas import get_float32_matmul_precision, set_float32_matmul_precision
+from backends.base import HALVES, BackendUnavailableError, Capabilities, Device, RecordError
+
+__all__ = ["CudaDevice", "get_float32_matmul_precision", "has_bfloat16",
+           "set_float32_matmul_precision", "use_with_cupy"]
 
 _ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -264,7 +269,8 @@ class CudaDevice(Device):
 
     #: cudaMalloc returns 256-byte aligned memory
     alignment = 256
-    capabilities = Capabilities(half_elementwise=True, compiles_fused=True, queues=True)
+    capabilities = Capabilities(half_elementwise=True, compiles_fused=True, queues=True,
+                                records_graphs=True)
 
     def __init__(self, index: int = 0, stream: Any = None) -> None:
         cp = _cupy()
@@ -278,6 +284,10 @@ class CudaDevice(Device):
         else:
             self.name = f"cuda:{index}@stream:{stream.ptr:#x}"
         self.stream = stream
+        #: this device's cuBLAS handles, one per thread (backends/_cublas.py)
+        self._handles = _cublas.Handles()
+        #: per thread: the `_Recording` being recorded (`_record`), else None
+        self._recording = threading.local()
 
     @classmethod
     def device_count(cls) -> int:
@@ -352,7 +362,12 @@ class CudaDevice(Device):
         cp = _cupy()
         try:
             with self.cuda_device:
-                return cp.cuda.Memory(nbytes)
+                memory = cp.cuda.Memory(nbytes)
+            recording = getattr(self._recording, "now", None)
+            if recording is not None:
+                # NOTE: taken while a graph is recorded (a scratch array): the graph keeps it
+                recording.kept.append(memory)
+            return memory
         except OverflowError as exc:  # NOTE: CuPy takes a size_t: 2**64 bytes cannot be asked
             raise MemoryError(f"cudaMalloc of {nbytes} bytes is impossible on {self.name}: more "
                               f"than a size_t holds") from exc
@@ -487,9 +502,32 @@ class CudaDevice(Device):
             return
         super().gemm(a, b, out, alpha, beta)
 
-    @_on_stream
     def _matmul(self, a, b, out) -> None:
-        _cupy().matmul(a, b, out=out)  # cuBLAS for float dtypes
+        self._prepared_matmul(a, b, out)()
+
+    def _prepared_matmul(self, a, b, out) -> Callable[[], None]:
+        """One cuBLAS call of blockrt's own (backends/_cublas.py: the same call eagerly and in
+        a recorded graph); layouts it does not run go to CuPy's matmul, which a graph cannot
+        record."""
+        try:
+            call = _cublas.prepare(self._handles, self._new_handle, a, b, out)
+        except _cublas.Unsupported:
+            return functools.partial(self._cupy_matmul, a, b, out)
+        device = self.cuda_device
+
+        def run() -> None:
+            with device:
+                call()
+        return run
+
+    def _new_handle(self) -> _cublas.Handle:
+        with self.cuda_device:
+            return _cublas.Handle(self.stream.ptr,
+                                  _cupy().cuda.Memory(_cublas.WORKSPACE_BYTES))
+
+    @_on_stream
+    def _cupy_matmul(self, a, b, out) -> None:
+        _cupy().matmul(a, b, out=out)
 
     @_on_stream
     def _reduce(self, name, x, axis, keepdims, out) -> None:
@@ -519,12 +557,13 @@ class CudaDevice(Device):
     def _cross_entropy(self, logits, labels, losses, probs) -> None:
         cp = _cupy()
         classes = logits.shape[1]
-        bad = labels[(labels < 0) | (labels >= classes)]
-        # NOTE: a host sync, before the first write: Note [checked before written] in
-        # backends/base.py
-        if bad.size:
-            raise ValueError(f"cross_entropy: label {int(bad[0])} is outside [0, {classes}) for "
-                             f"{classes} classes")
+        recording = getattr(self._recording, "now", None)
+        if recording is None:
+            _check_labels(labels, classes)
+        else:
+            # NOTE: a host read cannot be recorded: the graph's launch checks first
+            recording.checks.append(functools.partial(_check_labels, labels, classes))
+            recording.checked.append(_extent(labels))
         # NOTE: the small temporaries below come from CuPy's current allocator (its pool, or
         # blockrt after use_with_cupy); the outputs are blockrt memory.
         cp.subtract(logits, cp.max(logits, axis=1, keepdims=True), out=probs)
@@ -560,6 +599,77 @@ class CudaDevice(Device):
     @_on_stream
     def _to_host(self, view: Any) -> np.ndarray:
         return view.get(stream=self.stream)  # blocking: waits for the stream
+
+
+    def _record(self, run: Callable[[], None]) -> _Recording:
+        """Record `run()` by CUDA stream capture on the device's stream (relaxed mode), CuPy's
+        allocations meanwhile from memory the recording keeps (a kernel's temporaries then
+        have the same addresses at every launch, and nobody else is handed them)."""
+        cp = _cupy()
+        recording = _Recording(self)
+
+        def malloc(nbytes: int) -> Any:
+            memory = cp.cuda.Memory(nbytes)
+            recording.kept.append(memory)
+            return cp.cuda.MemoryPointer(memory, 0)
+
+        failure: BaseException | None = None
+        self._recording.now = recording
+        try:
+            with self.cuda_device, self.stream, cp.cuda.using_allocator(malloc):
+                self.stream.begin_capture()
+                try:
+                    run()
+                except Exception as exc:  # NOTE: reported below, once the capture has ended
+                    failure = exc
+                try:
+                    graph = self.stream.end_capture()
+                except Exception as exc:  # NOTE: an invalidated capture ends with an error
+                    failure = failure or exc
+        finally:
+            self._recording.now = None
+        if failure is not None:
+            raise RecordError(f"{self.name}: the work could not be recorded as a CUDA graph: "
+                              f"{type(failure).__name__}: {failure}") from failure
+        recording.graph = graph
+        return recording
+
+
+def _check_labels(labels: Any, classes: int) -> None:
+    """Raise ValueError where a label is outside [0, classes): a host read, so before the
+    first write (Note [checked before written] in backends/base.py)."""
+    bad = labels[(labels < 0) | (labels >= classes)]
+    if bad.size:
+        raise ValueError(f"cross_entropy: label {int(bad[0])} is outside [0, {classes}) for "
+                         f"{classes} classes")
+
+
+def _extent(view: Any) -> tuple[int, int]:
+    """(first byte's address, bytes spanned) of a CuPy view."""
+    low = sum(s * (n - 1) for s, n in zip(view.strides, view.shape) if s < 0 and n)
+    high = sum(s * (n - 1) for s, n in zip(view.strides, view.shape) if s > 0 and n)
+    return int(view.data.ptr) + low, (high - low + view.itemsize) if view.size else 0
+
+
+class _Recording:
+    """A recorded CUDA graph (`CudaDevice.record`): `launch()` runs the host checks moved out
+    of it, then queues the graph on the device's stream."""
+
+    def __init__(self, device: CudaDevice) -> None:
+        self.device = device
+        self.graph: Any = None
+        #: memory taken while recording, which the graph's kernels use at every launch
+        self.kept: list[Any] = []
+        #: host checks a recorded op moved to before the launch, and the ranges they read
+        self.checks: list[Callable[[], None]] = []
+        self.checked: list[tuple[int, int]] = []
+
+    def launch(self) -> None:
+        device = self.device
+        with device.cuda_device, device.stream:
+            for check in self.checks:
+                check()
+            self.graph.launch(device.stream)
 
 
 # ---------------------------------------------------------------------- embedding in CuPy

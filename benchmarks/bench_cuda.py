@@ -1,6 +1,8 @@
 """Issue 31's table in one call: the MLP training step on a GPU, PyTorch eager, PyTorch's step
-captured as a CUDA graph, blockrt eager and blockrt static, in float32 and in mixed bfloat16,
-with the device memory each step occupies (`.ci/cuda-bench` runs it; GPU time is short).
+captured as a CUDA graph, blockrt eager, blockrt static (replayed as one CUDA graph, as
+`runtime.graph` does on CUDA) and blockrt static launch by launch (`device_graph=False`), in
+float32 and in mixed bfloat16, with the device memory each step occupies (`.ci/cuda-bench` runs
+it; GPU time is short).
 
 The model and step are benchmarks/mlp_reference.py's (`depth` hidden Dense layers of `width`
 with ReLU, a Dense classifier to 10 classes, softmax cross-entropy, plain SGD lr 0.01), every
@@ -14,9 +16,11 @@ with `torch.cuda.graph` after warm-up steps on a side stream, the gradients set 
 the capture so that its backward writes them (PyTorch's whole-network capture recipe), then
 replayed; each replay reads the batch from the captured input tensors.
 
-Time: ms per step, the contenders in one process, in rounds of `number` steps each followed by
-the device's synchronize, the order rotated every round; the median over rounds of each
-contender's round time per step. Memory (`--memory S,L`, CUDA only): each contender in a fresh
+Time: ms per step, the contenders of one config and precision in one process (a fresh one each
+on CUDA, so that a kernel error in one contender cannot end the other figures), each built and
+warmed up in turn, then timed in rounds of `number` steps each followed by the device's
+synchronize, the order rotated every round; the median over rounds of each contender's round
+time per step. Memory (`--memory S,L`, CUDA only): each contender in a fresh
 process, the driver's view (`cudaMemGetInfo`: total less free, every pool included) after its
 warm-up less before its model was built.
 
@@ -59,6 +63,7 @@ CONTENDERS = {
     "torch-graph": ("torch", "graph"),
     "blockrt-eager": ("blockrt", "eager"),
     "blockrt-static": ("blockrt", "static"),
+    "blockrt-launches": ("blockrt", "launches"),
 }
 PRECISIONS = ("float32", "bfloat16")
 
@@ -129,12 +134,19 @@ def torch_step(config: Any, precision: str, mode: str, device: str) -> Callable[
         graph.replay()
         return loss  # NOTE: the captured loss tensor, written by each replay
 
+    # NOTE: the graph reads and writes the model's and the batch's memory at every replay, but
+    # holds no reference to them: without these, they were freed when this function returned,
+    # and their memory, handed to the next tensors PyTorch made, was written by each replay
+    # (an H200 run failed nll_loss's label assertion in the next contender's step)
+    replay.keep = (model, parameters, tx, tlabels, step)  # type: ignore[attr-defined]
+
     return replay
 
 
 def blockrt_step(config: Any, precision: str, mode: str, device: str) -> Callable[[], Any]:
     """blockrt's step (`nn.train_step`) on `device`, eager or captured by `runtime.graph`
-    under the static plan."""
+    under the static plan: replayed as one device graph where the device records one
+    ("static"), or launch by launch ("launches", `device_graph=False`)."""
     import backends
     import runtime
     from runtime import nn
@@ -146,7 +158,9 @@ def blockrt_step(config: Any, precision: str, mode: str, device: str) -> Callabl
     model, opt, _ = blockrt_model(init_params(config), LR, device=device)
     step = nn.train_step(model, opt, precision=precision)
     tx, tlabels = runtime.tensor(x, device=device), runtime.tensor(labels, device=device)
-    run = runtime.graph(step, plan="static", device=device) if mode == "static" else step
+    if mode == "eager":
+        return lambda: step(tx, tlabels)
+    run = runtime.graph(step, plan="static", device=device, device_graph=mode == "static")
     return lambda: run(tx, tlabels)
 
 
@@ -194,31 +208,33 @@ def synchronizer(device: str) -> Callable[[], None]:
     return sync
 
 
-def time_config(key: str, device: str, precisions: list[str], rounds: int
-                ) -> tuple[dict[str, float], dict[str, str]]:
-    """ms per step of every contender that runs here, and why the others do not."""
+def time_group(key: str, precision: str, device: str, rounds: int,
+               names: list[str] | None = None) -> tuple[dict[str, float], dict[str, str]]:
+    """ms per step of every contender (of `names`, default all) that runs here in one
+    precision, and why the others do not. Each contender is built and warmed up in turn (a
+    capture, first touches, kernel builds), then all are timed in interleaved rounds."""
     config = CONFIGS[key]
     steps: dict[str, Callable[[], Any]] = {}
     missing: dict[str, str] = {}
-    for precision in precisions:
-        for name in CONTENDERS:
-            label = f"{name} {precision}"
-            try:
-                steps[label] = make(name, config, precision, device)
-            except ContenderUnavailable as e:
-                missing[label] = str(e)
-            except Exception as e:  # NOTE: GPU time is short: the rest still runs
-                missing[label] = f"failed: {type(e).__name__}: {e}"
     sync = synchronizer(device)
-    number = steps_per_round(config, device)
-    for label, run in list(steps.items()):  # NOTE: warm-up: a capture, first touches, builds
+    for name in names or CONTENDERS:
+        label = f"{name} {precision}"
         try:
-            for _ in range(2):
+            run = make(name, config, precision, device)
+        except ContenderUnavailable as e:
+            missing[label] = str(e)
+            continue
+        except Exception as e:  # NOTE: GPU time is short: the rest still runs
+            missing[label] = f"failed: {type(e).__name__}: {e}"
+            continue
+        try:
+            for _ in range(3):
                 run()
             sync()
+            steps[label] = run
         except Exception as e:  # NOTE: as above
             missing[label] = f"failed in warm-up: {type(e).__name__}: {e}"
-            del steps[label]
+    number = steps_per_round(config, device)
     times: dict[str, list[float]] = {label: [] for label in steps}
     order = list(steps)
     for r in range(rounds):
@@ -230,6 +246,41 @@ def time_config(key: str, device: str, precisions: list[str], rounds: int
             sync()
             times[label].append((time.perf_counter() - start) / number * 1e3)
     return {label: statistics.median(t) for label, t in times.items()}, missing
+
+
+def time_config(key: str, device: str, precisions: list[str], rounds: int
+                ) -> tuple[dict[str, float], dict[str, str]]:
+    """`time_group` for each precision. On CUDA each framework's contenders run in a fresh
+    process of their own: an error in one contender's kernel (a device-side assert) ends its
+    process's CUDA context, and on an H200 (2026-11-28) PyTorch's eager step, run again after
+    the other contenders were built in its process, failed its nll_loss label assertion (not
+    explained yet: BENCHMARKS.md, issue 31)."""
+    ms: dict[str, float] = {}
+    missing: dict[str, str] = {}
+    for precision in precisions:
+        if device != "cuda":
+            found, why = time_group(key, precision, device, rounds)
+            ms.update(found)
+            missing.update(why)
+            continue
+        for framework in ("torch", "blockrt"):
+            names = [n for n, (f, _) in CONTENDERS.items() if f == framework]
+            done = subprocess.run(
+                [sys.executable, __file__, "--time-group",
+                 f"{key},{precision},{rounds},{'+'.join(names)}"],
+                capture_output=True, text=True, timeout=240)
+            last = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
+            try:
+                found, why = json.loads(last[0])
+            except (IndexError, ValueError):
+                errors = [line for line in done.stderr.splitlines()
+                          if "Error" in line or "error" in line] or ["no output"]
+                found, why = {}, {f"{name} {precision}": f"the process failed "
+                                  f"(exit {done.returncode}): {errors[0][:200]}"
+                                  for name in names}
+            ms.update(found)
+            missing.update(why)
+    return ms, missing
 
 
 def memory_of(key: str, name: str, precision: str) -> int:
@@ -256,13 +307,14 @@ def memory_of(key: str, name: str, precision: str) -> int:
 
 
 def memory_table(keys: list[str], precisions: list[str]) -> dict[str, Any]:
-    print("| config | precision | " + " | ".join(CONTENDERS) + " |")
-    print("|---|---|" + "---:|" * len(CONTENDERS))
+    names = [name for name in CONTENDERS if name != "blockrt-launches"]  # NOTE: static's plan
+    print("| config | precision | " + " | ".join(names) + " |")
+    print("|---|---|" + "---:|" * len(names))
     found: dict[str, Any] = {}
     for key in keys:
         for precision in precisions:
             cells = []
-            for name in CONTENDERS:
+            for name in names:
                 done = subprocess.run(
                     [sys.executable, __file__, "--measure-memory", f"{key},{name},{precision}"],
                     capture_output=True, text=True, timeout=180)
@@ -306,8 +358,14 @@ def main() -> None:
                         help="configs of the device-memory table, such as S,L (CUDA only; a "
                              "fresh process a cell)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    parser.add_argument("--measure-memory", help=argparse.SUPPRESS)  # NOTE: the child
+    parser.add_argument("--measure-memory", help=argparse.SUPPRESS)  # NOTE: the children
+    parser.add_argument("--time-group", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.time_group:
+        key, precision, rounds, names = args.time_group.split(",")
+        print(json.dumps(time_group(key, precision, args.device, int(rounds),
+                                    names.split("+"))))
+        return
     if args.measure_memory:
         key, name, precision = args.measure_memory.split(",")
         print(memory_of(key, name, precision))
@@ -330,7 +388,7 @@ def main() -> None:
           f"1-minute load {os.getloadavg()[0]:.2f}")
     print()
     print("| config | precision | " + " | ".join(CONTENDERS) + " | blockrt static / torch graph "
-          "| blockrt static / torch eager |")
+          "| blockrt static / torch eager |")  # NOTE: blockrt-launches: static, device_graph=False
     print("|---|---|" + "---:|" * (len(CONTENDERS) + 2))
     record: dict[str, Any] = {"device": args.device, "gpu": where, "host": cpu_name(),
                               "versions": versions(), "ms": {}, "missing": {}}

@@ -507,3 +507,166 @@ def test_record_queue_on_cuda_refuses_what_is_not_a_stream(gpu):
     alloc.record_queue(a, gpu.stream)  # NOTE: the home stream: nothing to join
     assert alloc.recorded_queues(a) == []
     alloc.free(a)
+
+
+# ---------------------------------------------------------------------- products and graphs
+def test_the_float32_matmul_precision_is_a_setting_with_a_checked_value():
+    from backends import cuda
+
+    assert cuda.get_float32_matmul_precision() == "highest"
+    with pytest.raises(ValueError, match="'medium'"):
+        cuda.set_float32_matmul_precision("medium")
+    assert cuda.get_float32_matmul_precision() == "highest"
+
+
+def test_without_a_device_that_records_the_report_says_why_and_the_option_is_checked():
+    from runtime import nn
+
+    model = nn.Sequential(nn.Dense(4, 3))
+    step = runtime.graph(nn.train_step(model, nn.SGD(model.parameters(), lr=0.1)))
+    x, y = np.ones((2, 4), np.float32), np.array([0, 2])
+    for _ in range(3):
+        step(x, y)
+    assert step.memory_report()["device_graph"] == "cpu records no device graphs"
+    with pytest.raises(TypeError, match="device_graph must be True or False"):
+        runtime.graph(step, device_graph="yes")
+    with pytest.raises(backends.base.RecordError, match="cpu records no device graphs"):
+        backends.get_device("cpu").record(lambda: None)
+
+
+def _layouts(rng, dtype):
+    """(a, a's view, b, b's view): host arrays and the view a product meets of each, applied
+    alike to the host array and its device copy: C order, a transposed view (backward's x.T),
+    rows of a wider array, one row, one column, batches, a transposed batch, a 2-D operand
+    broadcast over a batch, no rows."""
+    def r(*shape):
+        return rng.standard_normal(shape).astype(dtype)
+
+    same, t = (lambda v: v), (lambda v: v.T)
+    return [(r(5, 4), same, r(4, 3), same), (r(4, 5), t, r(4, 3), same),
+            (r(5, 4), same, r(3, 4), t), (r(4, 5), t, r(3, 4), t),
+            (r(7, 12), lambda v: v[:, 2:6], r(4, 9), lambda v: v[:, :6]),
+            (r(1, 4), same, r(4, 3), same), (r(5, 4), same, r(4, 1), same),
+            (r(3, 2, 4), same, r(3, 4, 5), same), (r(3, 2, 4), same, r(4, 5), same),
+            (r(3, 4, 2), lambda v: v.swapaxes(1, 2), r(3, 4, 5), same),
+            (r(0, 4), same, r(4, 3), same)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_products_through_cublas_match_numpy_in_every_layout(gpu, dtype):
+    from backends import cuda
+
+    if dtype == "bfloat16" and not cuda.has_bfloat16():
+        pytest.skip("this CuPy stores no bfloat16")
+    dtype = runtime._tensor.as_dtype(dtype)
+    rng = np.random.default_rng(11)
+    tol = {2: 1e-2, 4: 1e-5, 8: 1e-12}[dtype.itemsize]
+    for a, view_a, b, view_b in _layouts(rng, dtype):
+        want = view_a(a).astype(np.float64) @ view_b(b).astype(np.float64)
+        out = _empty(gpu, want.shape, dtype)
+        gpu.matmul(view_a(_on(gpu, a)), view_b(_on(gpu, b)), out)
+        np.testing.assert_allclose(gpu.to_host(out).astype(np.float64), want, rtol=tol,
+                                   atol=tol * max(1.0, np.abs(want).max(initial=0)),
+                                   err_msg=f"{view_a(a).shape} @ {view_b(b).shape}")
+
+
+@needs_cuda
+def test_tf32_products_are_an_opt_in_that_changes_float32_results(gpu):
+    from backends import cuda
+
+    rng = np.random.default_rng(12)
+    a = rng.standard_normal((256, 256)).astype(np.float32)
+    exact = _empty(gpu, (256, 256), np.float32)
+    gpu.matmul(_on(gpu, a), _on(gpu, a), exact)
+    fast = _empty(gpu, (256, 256), np.float32)
+    cuda.set_float32_matmul_precision("high")
+    try:
+        gpu.matmul(_on(gpu, a), _on(gpu, a), fast)
+    finally:
+        cuda.set_float32_matmul_precision("highest")
+    want = a.astype(np.float64) @ a
+    exact, fast = gpu.to_host(exact), gpu.to_host(fast)
+    np.testing.assert_allclose(exact, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(fast, want, rtol=2e-2, atol=5e-2)
+    assert np.abs(fast - want).max() > np.abs(exact - want).max()
+
+
+def _mlp_steps(precision, optimizer, device_graph, steps=5, labels=None):
+    """Losses and final parameters (host copies) of `steps` static-graph training steps."""
+    from runtime import nn
+
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((32, 16)).astype(np.float32)
+    y = rng.integers(0, 4, 32) if labels is None else labels
+    nn.manual_seed(0)
+    model = nn.Sequential(nn.Dense(16, 32, device="cuda"), nn.ReLU(),
+                          nn.Dense(32, 32, device="cuda"), nn.ReLU(),
+                          nn.Dense(32, 4, device="cuda"))
+    opt = (nn.SGD(model.parameters(), lr=0.1) if optimizer == "sgd"
+           else nn.Adam(model.parameters(), lr=1e-2))
+    step = runtime.graph(nn.train_step(model, opt, precision=precision), plan="static",
+                         device="cuda", device_graph=device_graph)
+    tx, ty = runtime.tensor(x, device="cuda"), runtime.tensor(y, device="cuda")
+    losses = [step(tx, ty).item() for _ in range(steps)]
+    return losses, [p.numpy() for p in model.parameters()], step, model, (tx, ty)
+
+
+@needs_cuda
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_a_static_step_replays_as_one_cuda_graph_with_the_launches_bits(gpu, optimizer,
+                                                                         precision):
+    from backends import cuda
+
+    if precision == "bfloat16" and not cuda.has_bfloat16():
+        pytest.skip("this CuPy stores no bfloat16")
+    graphed, graphed_params, step, _, _ = _mlp_steps(precision, optimizer, True)
+    assert step.memory_report()["device_graph"] == "recorded"
+    launched, launched_params, other, _, _ = _mlp_steps(precision, optimizer, False)
+    assert other.memory_report()["device_graph"].startswith("device_graph=False")
+    assert graphed == launched and graphed[-1] < graphed[0]
+    for p, q in zip(graphed_params, launched_params):
+        np.testing.assert_array_equal(p.view(np.uint8), q.view(np.uint8))
+
+
+@needs_cuda
+def test_a_recorded_step_still_refuses_bad_labels_before_it_writes(gpu):
+    _, _, step, model, (tx, ty) = _mlp_steps("float32", "sgd", True, steps=3)
+    assert step.memory_report()["device_graph"] == "recorded"
+    before = [p.numpy() for p in model.parameters()]
+    bad = runtime.tensor(np.full(32, 7), device="cuda")
+    with pytest.raises(ValueError, match="label 7 is outside"):
+        step(tx, bad)
+    for p, q in zip(before, model.parameters()):
+        np.testing.assert_array_equal(p, q.numpy())
+
+
+@needs_cuda
+def test_a_step_that_cannot_be_recorded_says_why_and_replays_with_the_same_bits(gpu):
+    """cross_entropy's label check reads labels that the step itself makes: it cannot move
+    before the launch, so the step is not recorded, and the report says so."""
+    from runtime import nn
+
+    results, reports = {}, {}
+    for device_graph in (True, False):
+        nn.manual_seed(0)
+        model = nn.Sequential(nn.Dense(8, 3, device="cuda"))
+        opt = nn.SGD(model.parameters(), lr=0.1)
+
+        def train(x, y, model=model, opt=opt):
+            labels = runtime.ops.copy(y)  # NOTE: made inside the step
+            loss = nn.softmax_cross_entropy(model(x), labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        step = runtime.graph(train, device="cuda", device_graph=device_graph)
+        x = runtime.tensor(np.ones((4, 8), np.float32), device="cuda")
+        y = runtime.tensor(np.array([0, 1, 2, 1]), device="cuda")
+        results[device_graph] = [step(x, y).item() for _ in range(4)]
+        reports[device_graph] = step.memory_report()["device_graph"]
+    assert results[True] == results[False]
+    assert reports[False].startswith("device_graph=False")
+    assert "which the step itself writes" in reports[True], reports[True]

@@ -139,7 +139,7 @@ def _caller() -> _Caller:
 def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None = None,
           fuse: bool = True, device: Any = None, allocator: Allocator | None = None,
           max_captures: int = MAX_CAPTURES, memory_budget: int | None = None,
-          lossy: bool | str = False) -> Graph:
+          lossy: bool | str = False, device_graph: bool = True) -> Graph:
     """Wrap `fn` (a training or inference step) as a captured, planned, replayable graph.
 
     Args:
@@ -172,6 +172,11 @@ def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None =
             results in that half dtype while they wait for the backward pass (True is
             bfloat16: float32's range, 8 bits of precision), where that costs less than
             recomputing; `memory_report()["lossy"]` names each one stored so.
+        device_graph: under plan "static", on a device that records device graphs (CUDA),
+            replay the step as one recorded graph from its second replay on (one launch, no
+            Python per kernel; the same bits: Note [a static plan as one device graph] in
+            runtime/graph/replay.py); `memory_report()["device_graph"]` says whether it is
+            one, or why not. False: replay launch by launch.
 
     Raises:
         ValueError: an unknown plan or checkpoint, max_captures below 1, a negative budget,
@@ -184,7 +189,7 @@ def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None =
         >>> step = runtime.graph(train_step, memory_budget=8 << 20)  # doctest: +SKIP
     """
     return Graph(fn, plan, checkpoint, fuse, device, allocator, max_captures, memory_budget,
-                 lossy)
+                 lossy, device_graph)
 
 
 class Graph:
@@ -206,7 +211,8 @@ class Graph:
     def __init__(self, fn: Callable[..., Any], plan: str = "static",
                  checkpoint: str | None = None, fuse: bool = True, device: Any = None,
                  allocator: Allocator | None = None, max_captures: int = MAX_CAPTURES,
-                 memory_budget: int | None = None, lossy: bool | str = False) -> None:
+                 memory_budget: int | None = None, lossy: bool | str = False,
+                 device_graph: bool = True) -> None:
         if plan not in PLANS:
             raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
         if checkpoint not in CHECKPOINTS:
@@ -228,6 +234,9 @@ class Graph:
                 raise ValueError("memory_budget chooses what to recompute itself: leave "
                                  f"checkpoint None (got {checkpoint!r})")
             memory_budget = int(memory_budget)
+        if not isinstance(device_graph, (bool, np.bool_)):
+            raise TypeError(f"device_graph must be True or False, got {device_graph!r}")
+        self.device_graph = bool(device_graph)
         self.memory_budget = memory_budget
         self.lossy = _lossy_dtype(lossy)
         self.fn = fn
@@ -342,6 +351,9 @@ class Graph:
         (the most units kept at once; None: all or not the programme's choice), depth
         (nesting of the recomputes), moves (what moved, or why nothing did), schedule (the
         choice in words).
+
+        device_graph: "recorded" where replays launch the step as one device graph, else why
+        not (Note [a static plan as one device graph] in runtime/graph/replay.py).
         """
         capture = self._require_capture()
         static = capture.memory.static_plan
@@ -359,6 +371,7 @@ class Graph:
                 "naive_bytes": capture.naive_bytes, "eager_bytes": capture.eager_bytes,
                 "peak_bytes": capture.peak_bytes,
                 "scratch_bytes": capture.memory.scratch_bytes,
+                "device_graph": "recorded" if capture.recording else capture.graph_reason,
                 **capture.stats}
 
     def timeline(self, live: bool = False) -> list[int]:
@@ -413,8 +426,19 @@ class Graph:
                          name=getattr(self.fn, "__name__", type(self.fn).__name__))
         self._refuse(capture, _argument_writes(capture))
         self._check_fits(capture)
+        capture.record_graph, capture.graph_reason = self._records(capture.device)
         capture.device.plan_products(_products(capture.steps))  # e.g. the CPU times its BLASes
         return capture
+
+    def _records(self, device: Any) -> tuple[bool, str | None]:
+        """Whether replays become one device graph, and if not, why (`memory_report`)."""
+        if self.plan != "static":
+            return False, f"plan {self.plan!r} allocates during the step: only 'static' records"
+        if not self.device_graph:
+            return False, "device_graph=False: launch by launch"
+        if not device.capabilities.records_graphs:
+            return False, f"{device.name} records no device graphs"
+        return True, "not recorded yet: the second replay records it"
 
     def _refuse(self, capture: _Capture, problem: str | None) -> None:
         """Raise GraphCaptureError with `problem` (if any), after initialising the state the

@@ -135,6 +135,22 @@ class _Capture:
     views: list[Callable[[], None]] | None = None
     #: the outside blocks' allocations `views` were bound to
     view_key: tuple = ()
+    #: buffer -> (raw, offset) that `views` were bound to
+    bound_memory: dict = field(default_factory=dict)
+    #: "static" on a device that records graphs, unless the graph said device_graph=False:
+    #: replays launch one recording (Note [a static plan as one device graph] in
+    #: runtime/graph/replay.py)
+    record_graph: bool = False
+    #: the recording of `views` (a `Device.record` result), False where it failed, None
+    #: before it was tried
+    recording: Any = None
+    #: why the steps are not one device graph (None when they are)
+    graph_reason: str | None = None
+    #: outside blocks the steps write, marked written after each launch of `recording`
+    graph_marks: list = field(default_factory=list)
+    #: raw device memory holding the bytes of the steps' loads, where `record_graph` (a load
+    #: copies from there, which a graph can record)
+    staged: list = field(default_factory=list)
     #: the most bytes the plan held at once in the last replay (the scratch included)
     peak_bytes: int = 0
     #: fused chains' block-sized scratch arrays, shared by the steps: views of

@@ -6,7 +6,10 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from allocators import Allocation, format_bytes
+from backends.base import RecordError
 from runtime._tensor import contiguous_strides
 from runtime.block import Block
 from runtime.errors import UseAfterFreeError
@@ -15,6 +18,7 @@ from runtime.graph.program import _Capture, _Step
 from runtime.tape import Instruction, Operand
 
 Memory = dict[int, tuple[Any, int]]  # buffer -> (raw memory, byte offset)
+_BYTE = np.dtype(np.uint8)
 
 
 _generation = operator.attrgetter("generation")
@@ -134,7 +138,9 @@ def _take_scratch(capture: _Capture) -> int:
 
 
 def _replay_static(capture: _Capture, held: int) -> None:
-    """Run the prebuilt steps; they are rebuilt only when an outside block's memory moved."""
+    """Run the prebuilt steps; they are rebuilt only when an outside block's memory moved.
+    From the second replay on the same views, as one device graph where the device records
+    them (Note [a static plan as one device graph])."""
     static_plan = capture.memory.static_plan
     if capture.arena is None and static_plan.offsets:
         # NOTE: also for a plan of 0 bytes (zero-size intermediates): their views need memory
@@ -148,11 +154,88 @@ def _replay_static(capture: _Capture, held: int) -> None:
         if arena is not None:
             for buffer, offset in static_plan.offsets.items():
                 memory[buffer] = (arena.raw, arena.offset + offset)
-        capture.views = [_bind(step, capture, memory) for step in capture.steps]
+        capture.views = [_bind(step, capture, memory, capture.record_graph)
+                         for step in capture.steps]
         capture.view_key = tuple(id(block._allocation) for block in capture.outside)
         capture.peak_bytes = held + (arena.size if arena is not None else 0)
+        capture.bound_memory = memory
+        capture.graph_marks = list({id(b): b for b in _outside_writes(
+            [i for step in capture.steps for i in step.instructions], capture)}.values())
+        capture.recording = None  # NOTE: one recorded on the old views is stale
+    elif capture.record_graph:
+        if capture.recording is None:
+            capture.recording = _record(capture)
+        if capture.recording:
+            capture.recording.launch()
+            for block in capture.graph_marks:
+                block.mark_written()
+            return
     for thunk in capture.views:
         thunk()
+
+
+# Note [a static plan as one device graph]: a static plan's replay runs the same kernels on
+# the same addresses at every call, which is what a device graph (a CUDA graph) holds; so on a
+# device that records them (`Capabilities.records_graphs`), the second replay on the same
+# views records the bound steps once (`Device.record`: nothing runs while it records) and
+# launches the recording, and every later replay is that one launch: no Python per kernel.
+# The first replay runs launch by launch, so that kernels are compiled, lazy memory taken and
+# the scratch allocated before anything is recorded. The input copies stay outside the graph
+# (`_copy_inputs`, before it: their sources are the caller's arrays, at new addresses each
+# call), and so do the host-side version marks of outside blocks the steps write
+# (`graph_marks`, after it). A load of host data inside the step (a constant the step makes)
+# copies bytes staged on the device once, at binding, which a graph can record. Where the
+# device cannot record the step (a kernel that reads back
+# to the host, a library that refuses to be recorded) `_record` keeps the reason, which
+# `memory_report()["device_graph"]` shows, and the replays run launch by launch as before,
+# with the same bits: a recording launches the very calls the steps make. A host check that
+# an op moved out of the graph (cross_entropy's labels: `Device.record`) runs before the launch,
+# so it must read memory the step itself does not write: the arguments' copies, state from
+# outside; one that reads what the step writes is refused, with the reason.
+
+
+def _record(capture: _Capture) -> Any:
+    """The capture's steps recorded as one device graph, or False with `graph_reason` set."""
+    views = capture.views
+    assert views is not None
+
+    def run() -> None:
+        for thunk in views:
+            thunk()
+
+    try:
+        recording = capture.device.record(run)
+        written = _written_extents(capture)
+        for start, size in recording.checked:
+            hit = next(((s, n) for s, n in written if s < start + size and start < s + n),
+                       None)
+            if hit is not None:
+                raise RecordError(
+                    f"a host check before the launch would read {size} bytes at {start:#x}, "
+                    f"which the step itself writes ({hit[1]} bytes at {hit[0]:#x}): labels "
+                    f"made inside the step are checked only when it runs launch by launch")
+    except RecordError as exc:
+        capture.graph_reason = str(exc)
+        return False
+    capture.graph_reason = None
+    return recording
+
+
+def _written_extents(capture: _Capture) -> list[tuple[int, int]]:
+    """(address, bytes) of everything the steps' instructions write."""
+    device, memory = capture.device, capture.bound_memory
+    extents = []
+    for step in capture.steps:
+        for instr in step.instructions:
+            for operand in instr.outputs:
+                raw, base = _memory_of(operand, capture, memory)
+                low = sum(s * (n - 1) for s, n in zip(operand.strides, operand.shape)
+                          if s < 0 and n)
+                high = sum(s * (n - 1) for s, n in zip(operand.strides, operand.shape)
+                           if s > 0 and n)
+                size = high - low + operand.dtype.itemsize if all(operand.shape) else 0
+                extents.append((device.address(raw) + base + operand.offset + low, size))
+    return extents
 
 
 def _memory_of(operand: Operand, capture: _Capture, memory: Memory) -> tuple[Any, int]:
@@ -178,7 +261,8 @@ def _outside_writes(instructions: Sequence[Instruction], capture: _Capture) -> l
             if o.block.id not in capture.buffer_of and o.block.id in capture.outside_ids]
 
 
-def _bind(step: _Step, capture: _Capture, memory: Memory) -> Callable[[], None]:
+def _bind(step: _Step, capture: _Capture, memory: Memory,
+          staging: bool = False) -> Callable[[], None]:
     """A function that runs `step` on views bound now. The functions hold native views and the
     instructions' `run` calls, never a Tensor (Note [closures hold no tensors] in
     runtime/autograd.py), so a bound step keeps no block alive that the plan does not."""
@@ -188,7 +272,7 @@ def _bind(step: _Step, capture: _Capture, memory: Memory) -> Callable[[], None]:
     elif len(step.instructions) > 1:
         run = _bind_fused(step, capture, memory)
     else:
-        run = _bind_one(step.instructions[0], capture, memory)
+        run = _bind_one(step.instructions[0], capture, memory, staging)
     if not marks:
         return run
 
@@ -200,11 +284,24 @@ def _bind(step: _Step, capture: _Capture, memory: Memory) -> Callable[[], None]:
     return run_and_mark
 
 
-def _bind_one(instr: Instruction, capture: _Capture, memory: Memory) -> Callable[[], None]:
+def _bind_one(instr: Instruction, capture: _Capture, memory: Memory,
+              staging: bool = False) -> Callable[[], None]:
+    """One instruction on views bound now; a load copies its host bytes, or with `staging`
+    (steps a device graph will record) bytes staged on the device once, here."""
     if instr.kind == "load":
         raw, base = _memory_of(instr.outputs[0], capture, memory)
-        offset, host, copyin = base + instr.outputs[0].offset, instr.host, capture.device.copyin
-        return lambda: copyin(raw, offset, host)
+        offset, host, device = base + instr.outputs[0].offset, instr.host, capture.device
+        if not staging:
+            return lambda: device.copyin(raw, offset, host)
+        # NOTE: a host copy cannot be recorded: the bytes wait on the device, staged once, and
+        # each step copies them there (Note [a static plan as one device graph])
+        size = np.ascontiguousarray(host).nbytes
+        staged = device.raw_alloc(max(size, 1))
+        device.copyin(staged, 0, host)
+        capture.staged.append(staged)
+        source = device._array_view(staged, 0, (size,), _BYTE, (1,))
+        target = device._array_view(raw, offset, (size,), _BYTE, (1,))
+        return lambda: device.unary("copy", source, target)
     views = [_view(a, capture, memory) if isinstance(a, Operand) else a
              for a in _arguments(instr)]
     targets = [_view(o, capture, memory) for o in instr.outputs]
@@ -243,6 +340,10 @@ def _bind_fused(step: _Step, capture: _Capture, memory: Memory,
 
 
 def _release(capture: _Capture) -> None:
+    capture.recording = None
+    for raw in capture.staged:
+        capture.device.raw_free(raw)
+    capture.staged.clear()
     if capture.arena is not None:
         capture.allocator.free(capture.arena)
         capture.arena = None
