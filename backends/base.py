@@ -1171,8 +1171,8 @@ class Device:
         home queue, on the same memory, with one call, and whose `checked` lists the (address,
         bytes) ranges that host checks moved out of the graph read (`launch` runs those checks
         first, so the graph is right only where nothing in it writes them: the caller makes
-        sure). Memory the work takes while it is recorded (a kernel's temporaries) stays with
-        the graph.
+        sure), and whose `held_bytes` is the memory the work took while it was recorded (a
+        kernel's temporaries), which stays with the graph.
 
         Raises:
             RecordError: the device records no graphs (`Capabilities.records_graphs`), or the

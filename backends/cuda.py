@@ -664,6 +664,12 @@ class _Recording:
         self.checks: list[Callable[[], None]] = []
         self.checked: list[tuple[int, int]] = []
 
+    @property
+    def held_bytes(self) -> int:
+        """Device memory the recording holds for its kernels (what they allocated while it
+        recorded): the graph's own nodes not counted."""
+        return sum(int(memory.size) for memory in self.kept)
+
     def launch(self) -> None:
         device = self.device
         with device.cuda_device, device.stream:

@@ -623,6 +623,7 @@ def test_a_static_step_replays_as_one_cuda_graph_with_the_launches_bits(gpu, opt
         pytest.skip("this CuPy stores no bfloat16")
     graphed, graphed_params, step, _, _ = _mlp_steps(precision, optimizer, True)
     assert step.memory_report()["device_graph"] == "recorded"
+    assert 0 <= step.memory_report()["device_graph_bytes"] < step.memory_report()["peak_bytes"]
     launched, launched_params, other, _, _ = _mlp_steps(precision, optimizer, False)
     assert other.memory_report()["device_graph"].startswith("device_graph=False")
     assert graphed == launched and graphed[-1] < graphed[0]

@@ -353,7 +353,9 @@ class Graph:
         choice in words).
 
         device_graph: "recorded" where replays launch the step as one device graph, else why
-        not (Note [a static plan as one device graph] in runtime/graph/replay.py).
+        not (Note [a static plan as one device graph] in runtime/graph/replay.py);
+        device_graph_bytes: the memory the recording holds beyond the plan (what its kernels
+        allocated while it recorded; 0 when there is none).
         """
         capture = self._require_capture()
         static = capture.memory.static_plan
@@ -372,6 +374,8 @@ class Graph:
                 "peak_bytes": capture.peak_bytes,
                 "scratch_bytes": capture.memory.scratch_bytes,
                 "device_graph": "recorded" if capture.recording else capture.graph_reason,
+                "device_graph_bytes": (capture.recording.held_bytes if capture.recording
+                                       else 0),
                 **capture.stats}
 
     def timeline(self, live: bool = False) -> list[int]:
