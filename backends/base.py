@@ -518,6 +518,7 @@ class Device:
         "_prepared_gemm": "a function that calls `_gemm` on the views (`prepare_gemm`)",
         "_prepared_matmul": "a function that calls `_matmul` on the views (`prepare_matmul`)",
         "_widened": "a cast into float32 scratch",
+        "_scratch": "a view of new raw memory (`raw_alloc`)",
         "_gather": "the copy kernel, one row at a time",
         "_scatter_add": "the add kernel in place, one row at a time, in index order",
         "_from_host": "staged in raw memory of its own by `copyin`, moved by the copy kernel",
@@ -582,8 +583,9 @@ class Device:
         """A new contiguous native array of `shape`, for a kernel's own temporaries (fused
         chains keep their inner results in block-sized ones). Not tracked by any allocator:
         keep them small."""
-        dtype = np.dtype(dtype)
-        shape = tuple(shape)
+        return self._scratch(tuple(shape), np.dtype(dtype))
+
+    def _scratch(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         return self._array_view(self.raw_alloc(nbytes), 0, shape, dtype,
                                 contiguous_strides(shape, dtype.itemsize))

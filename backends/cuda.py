@@ -380,6 +380,15 @@ class CudaDevice(Device):
     def _raw_free(self, raw: Any) -> None:
         pass  # cudaFree runs when the last reference to `raw` (views included) goes
 
+    @_on_stream
+    def _scratch(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        # NOTE: from CuPy's current allocator on the device's stream (its pool, or blockrt's
+        # after use_with_cupy), not one cudaMalloc each: a kernel's temporaries (a half's
+        # widened copy) come and go at every call, and the cudaFree of one waits for the whole
+        # device. The pool hands the memory out again only behind the stream's queued work.
+        # While a graph records, the recording's own allocator keeps it (`_record`).
+        return _cupy().empty(shape, dtype)
+
     def _pointer(self, raw: Any, offset: int) -> Any:
         return _cupy().cuda.MemoryPointer(raw, offset)
 

@@ -161,7 +161,12 @@ def blockrt_step(config: Any, precision: str, mode: str, device: str) -> Callabl
     if mode == "eager":
         return lambda: step(tx, tlabels)
     run = runtime.graph(step, plan="static", device=device, device_graph=mode == "static")
-    return lambda: run(tx, tlabels)
+
+    def replay() -> Any:
+        return run(tx, tlabels)
+
+    replay.graph = run  # type: ignore[attr-defined]  # NOTE: for its memory_report
+    return replay
 
 
 def make(name: str, config: Any, precision: str, device: str) -> Callable[[], Any]:
@@ -303,6 +308,11 @@ def memory_of(key: str, name: str, precision: str) -> int:
         run()
     sync()
     free, total = cupy.cuda.runtime.memGetInfo()
+    graph = getattr(run, "graph", None)
+    if graph is not None:  # NOTE: what the recording holds of it, on a line of its own
+        report = graph.memory_report()
+        print(f"# device_graph: {report['device_graph']}; device_graph_bytes "
+              f"{report['device_graph_bytes']}; peak_bytes {report['peak_bytes']}")
     return total - free - before
 
 
@@ -311,6 +321,7 @@ def memory_table(keys: list[str], precisions: list[str]) -> dict[str, Any]:
     print("| config | precision | " + " | ".join(names) + " |")
     print("|---|---|" + "---:|" * len(names))
     found: dict[str, Any] = {}
+    notes: list[str] = []
     for key in keys:
         for precision in precisions:
             cells = []
@@ -318,14 +329,19 @@ def memory_table(keys: list[str], precisions: list[str]) -> dict[str, Any]:
                 done = subprocess.run(
                     [sys.executable, __file__, "--measure-memory", f"{key},{name},{precision}"],
                     capture_output=True, text=True, timeout=180)
-                last = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
+                lines = done.stdout.strip().splitlines()
+                last = lines[-1:]
                 if done.returncode == 0 and last and last[0].isdigit():
                     found[f"{key} {name} {precision}"] = int(last[0])
                     cells.append(f"{int(last[0]) / 2**20:.0f} MiB")
+                    notes.extend(f"{key} {name} {precision}: {line[2:]}" for line in lines
+                                 if line.startswith("# "))
                 else:
                     why = (done.stderr.strip().splitlines() or ["failed"])[-1]
                     cells.append(f"({why[:60]})")
             print(f"| {key} | {precision} | " + " | ".join(cells) + " |")
+    for note in notes:
+        print(f"- {note}")
     return found
 
 
