@@ -1131,6 +1131,12 @@ class Optimizer:
         for p in self.params:
             p.grad = None
 
+    def state_tensors(self) -> list[Tensor]:
+        """The tensors of state a step writes besides the parameters: each parameter's
+        (`state`), and any the parameters share (Adam's bias corrections)."""
+        return [value for p in self.params for value in self.state[id(p)].values()
+                if isinstance(value, Tensor)]
+
     def step(self) -> None:
         """Update every parameter that has a gradient, in place.
 
@@ -1646,6 +1652,9 @@ class Adam(Optimizer):
         denominator = ops.add(denominator, self.eps, out=spare)
         self._commit(pointwise.addcdiv(p, m, denominator, step_size, out=self._target(p, 2)), p)
 
+    def state_tensors(self) -> list[Tensor]:
+        return [*super().state_tensors(), *(c for pair in self._complements for c in pair)]
+
     def _options(self) -> str:
         return (f"lr={self.lr}, betas={self.betas}, eps={self.eps}, "
                 f"weight_decay={self.weight_decay}")
@@ -1666,9 +1675,10 @@ class DistributedDataParallel(Module):
     ranks, ZeRO's stages: use it with `ZeroRedundancyOptimizer(ddp, nn.Adam, ...)`, which
     updates this rank's shard and gathers the parameters.
 
-    Inside `runtime.graph` (data parallel on the CPU), each bucket's all-reduce is an
-    instruction of the plan and its buffer is placed by the static plan (Note [collectives
-    in a plan] in runtime/parallel.py).
+    Inside `runtime.graph`, each bucket's all-reduce is an instruction of the plan and its
+    buffer is placed by the static plan (Note [collectives in a plan] in
+    runtime/parallel.py); under ZeRO its reduce-scatter, and the gather of the shards too
+    (Note [ZeRO in a plan]).
 
     Launched as `mpiexec -n N python train.py` (docs/distributed.md). A failed or lost rank
     makes the others raise within the group's timeout, before any write to state (Note [a
@@ -1792,6 +1802,13 @@ class ZeroRedundancyOptimizer:
         (Note [ZeRO's commit point is the gather])."""
         if all(p.grad is None for p in self.optimizer.params):
             return
+        if tape.active() is not None:  # NOTE: Note [ZeRO in a plan] in runtime/parallel.py
+            with no_grad():
+                restore = [(t, ops.copy(t)) for t in
+                           (*self.optimizer.params, *self.optimizer.state_tensors())]
+            self.optimizer.step()
+            self.ddp.reducer.record_gather(restore)
+            return
         saved = self._saved()
         try:
             self.optimizer.step()
@@ -1806,17 +1823,22 @@ class ZeroRedundancyOptimizer:
     # none), but the shard and its state have moved by then: if the gather fails, the shard
     # would be one step ahead of the parameters, and a retried step would apply the update
     # twice, while the error says the step stopped before its first write. So a step keeps a
-    # host copy of what it may write on this rank (the shards, their optimizer state and its
-    # step counts: 1/N of the parameters and of the state) and puts it back when the step
-    # fails; the copy is dropped when the step returns.
+    # host copy of what it may write on this rank (the shards, their optimizer state, the state
+    # they share such as Adam's bias corrections, and its step counts: 1/N of the parameters
+    # and of the state) and puts it back when the step fails; the copy is dropped when the step
+    # returns. Inside a graph the copies are planned tensors (Note [ZeRO in a plan] in
+    # runtime/parallel.py).
     def _saved(self) -> tuple:
         opt = self.optimizer
         state = {key: {name: (value, value.numpy().copy() if isinstance(value, Tensor) else None)
                        for name, value in entry.items()} for key, entry in opt.state.items()}
-        return ([p.numpy().copy() for p in opt.params], state, opt._taken, dict(opt._counts))
+        shared = [(t, t.numpy().copy()) for t in opt.state_tensors()
+                  if not any(t is v for entry in opt.state.values() for v in entry.values())]
+        return ([p.numpy().copy() for p in opt.params], state, opt._taken, dict(opt._counts),
+                shared)
 
     def _restore(self, saved: tuple) -> None:
-        shards, state, taken, counts = saved
+        shards, state, taken, counts, shared = saved
         opt = self.optimizer
         with no_grad():
             for p, host in zip(opt.params, shards):
@@ -1826,6 +1848,8 @@ class ZeroRedundancyOptimizer:
                 for value, host in entry.values():
                     if host is not None:
                         value[...] = host
+            for t, host in shared:
+                t[...] = host
         opt._taken, opt._counts = taken, counts
 
     def zero_grad(self) -> None:

@@ -150,8 +150,15 @@ class Reducer:
         #: stage 1: copied out of its all-reduced buffer before another bucket took it)
         self._recv: dict[int, np.ndarray] = {}
         self._next = 0  # the next bucket to start (they start in index order)
-        #: while capturing: each started bucket's flat tensor (Note [collectives in a plan])
+        #: while capturing: each started bucket's flat tensor (Note [collectives in a plan]);
+        #: ZeRO: the one flat tensor per staging dtype that the buckets take in turn, the
+        #: bucket whose wait is not recorded yet per staging dtype, the recorded stage 2
+        #: parts, and the shard gradients the waits write
         self._tokens: dict[int, Tensor] = {}
+        self._flats: dict[np.dtype, Tensor] = {}
+        self._unwaited: dict[np.dtype, _Bucket] = {}
+        self._parts: dict[int, Tensor] = {}
+        self._shard_grads: list[tuple[Tensor, Tensor]] = []
         self._in_pass = False
         #: per step: (bucket, start, seen complete) times, and backward's start and end, for
         #: the overlap figures (`timeline`)
@@ -169,7 +176,7 @@ class Reducer:
             bucket.grads[id(leaf)] = grad
             bucket.waiting.discard(id(leaf))
             self._record_starts(recorder)
-            return False
+            return self.stage != 0
         self._stage_in(bucket, leaf, grad)
         self._start_ready_buckets()
         self.group.progress()
@@ -328,6 +335,7 @@ class Reducer:
         self.group.poll_in_background(False)
         self._recv.clear()
         self._tokens.clear()
+        self._forget_capture()
         for bucket in self.buckets:
             bucket.grads.clear()
         # NOTE: a refused capture ran no collective, and every rank refuses it alike
@@ -357,10 +365,8 @@ class Reducer:
         grads = [bucket.grads[id(p)] for p in bucket.params]
         first = grads[0]
         if self.stage:
-            raise GraphCaptureError(
-                f"DistributedDataParallel inside runtime.graph runs data parallel "
-                f"(zero_stage=0); this is zero_stage={self.stage} on {first.device.name}: "
-                f"call the step without runtime.graph (eagerly)")
+            self._record_zero_start(recorder, bucket, grads)
+            return
         flat = empty((bucket.padded,), bucket.staging, device=first.device,
                      allocator=first.block.allocator)
         if not first.device.capabilities.host_memory:  # NOTE: host staging, as eagerly
@@ -385,6 +391,14 @@ class Reducer:
                     bucket.waiting.discard(id(p))
                     extra.append((p, grad))
         self._record_starts(recorder)
+        if self.stage:
+            for bucket in list(self._unwaited.values()):
+                self._record_zero_wait(recorder, bucket)
+            grads = self._shard_grads
+            self._forget_capture()
+            for bucket in self.buckets:
+                bucket.grads.clear()
+            return grads
         flats = [self._tokens.pop(b.index) for b in self.buckets]
         grads = [b.grads[id(p)] for b in self.buckets for p in b.params]
         reducer = self
@@ -403,13 +417,8 @@ class Reducer:
             self.timeline = {"backward_start": time.perf_counter()}
         bucket = self.buckets[index]
         if bucket.host is not None:  # NOTE: the planned `out` only orders the steps here
-            device, out = bucket.params[0].device, bucket.host
-            for view, offset, p in zip(views, bucket.offsets, bucket.params):
-                out[offset:offset + p.size] = device.to_host(view).reshape(-1)
-        else:  # NOTE: a two-byte gradient widened to float32 exactly, as `_read` does
-            for view, offset, p in zip(views, bucket.offsets, bucket.params):
-                np.copyto(out[offset:offset + p.size].reshape(p.shape), view, casting="unsafe")
-        out[bucket.numel:] = 0
+            out = bucket.host
+        _fill(bucket, views, out)
         bucket.work = self.group.allreduce(out, f"all-reduce of bucket {index} of "
                                                 f"{len(self.buckets)} (in a graph)")
         self.group.poll_in_background(True)  # NOTE: Note [progress in the background]
@@ -436,6 +445,145 @@ class Reducer:
                     device.from_host((part / host.dtype.type(size)).astype(p.dtype), outs[at])
                 at += 1
             bucket.work = None
+
+    # Note [ZeRO in a plan]: under ZeRO a captured step records, per bucket, "zero_start"
+    # (reads the bucket's gradients, writes the bucket's part of one flat tensor that the
+    # buckets take in turn, and for stage 2 the received part; copies the gradients in and
+    # starts the reduce-scatter, or the all-reduce of stage 1) and "zero_wait" (reads them,
+    # waits, writes this rank's averaged part as its shard's gradient). A bucket's wait is
+    # recorded before the next bucket's start, so the plan's hazards on the shared flat
+    # tensor order them as eagerly: the wait comes before the next bucket overwrites the
+    # buffer, and the plan holds one bucket's buffer, not every bucket's. The optimizer's
+    # step is recorded as ops on the shards, and the gather as one "zero_gather", which
+    # starts every bucket's all-gather, waits, then writes the parameters: the commit point.
+    # Before the optimizer's step the shards and the state it writes are copied
+    # (`ZeroRedundancyOptimizer.step`), and if the gather fails the copies are put back, as
+    # eagerly (Note [ZeRO's commit point is the gather] in runtime/nn.py).
+    def _forget_capture(self) -> None:
+        self._flats.clear()
+        self._unwaited.clear()
+        self._parts.clear()
+        self._shard_grads = []
+
+    def _record_zero_start(self, recorder: Any, bucket: _Bucket, grads: list[Tensor]) -> None:
+        first = grads[0]
+        flat = self._flats.get(bucket.staging)
+        if flat is None:
+            size = max(b.padded for b in self.buckets if b.staging == bucket.staging)
+            flat = self._flats[bucket.staging] = empty(
+                (size,), bucket.staging, device=first.device, allocator=first.block.allocator)
+        waiting = self._unwaited.pop(bucket.staging, None)
+        if waiting is not None:  # NOTE: recorded first: this bucket overwrites its buffer
+            self._record_zero_wait(recorder, waiting)
+        outputs = [flat[:bucket.padded]]
+        if self.stage == 2:
+            self._parts[bucket.index] = empty((bucket.part,), bucket.staging,
+                                              device=first.device,
+                                              allocator=first.block.allocator)
+            outputs.append(self._parts[bucket.index])
+        if not first.device.capabilities.host_memory:  # NOTE: host staging, as eagerly
+            bucket.host = np.zeros(bucket.padded, bucket.staging)
+        reducer, index = self, bucket.index
+
+        def run(views: list, *outs: Any) -> None:  # NOTE: Note [closures hold no tensors]
+            reducer._replay_zero_start(index, views, outs)
+
+        recorder.record("zero_start", "never", run, [(g, g.shape) for g in grads], outputs,
+                        None)
+        self._tokens[bucket.index] = outputs[0]
+        self._unwaited[bucket.staging] = bucket
+
+    def _record_zero_wait(self, recorder: Any, bucket: _Bucket) -> None:
+        shard = self.shards[bucket.index]
+        grad = empty(shard.shape, shard.dtype, device=shard.device,
+                     allocator=shard.block.allocator)
+        inputs = [self._tokens.pop(bucket.index)]
+        if self.stage == 2:
+            inputs.append(self._parts.pop(bucket.index))
+        reducer, index = self, bucket.index
+
+        def run(views: list, out: Any) -> None:  # NOTE: Note [closures hold no tensors]
+            reducer._replay_zero_wait(index, views, out)
+
+        recorder.record("zero_wait", "never", run, [(t, t.shape) for t in inputs], [grad],
+                        None)
+        self._shard_grads.append((shard, grad))
+
+    def _replay_zero_start(self, index: int, views: list, outs: tuple) -> None:
+        if index == 0:
+            self.timeline = {"backward_start": time.perf_counter()}
+        bucket = self.buckets[index]
+        flat = outs[0] if bucket.host is None else bucket.host
+        _fill(bucket, views, flat)
+        what = f"bucket {index} of {len(self.buckets)} (in a graph)"
+        if self.stage == 2:
+            recv = self._recv[index] = (outs[1] if bucket.host is None
+                                        else np.empty(bucket.part, bucket.staging))
+            bucket.work = self.group.reduce_scatter(flat, recv, f"reduce-scatter of {what}")
+        else:
+            bucket.work = self.group.allreduce(flat, f"all-reduce of {what}")
+        self.group.poll_in_background(True)  # NOTE: Note [progress in the background]
+
+    def _replay_zero_wait(self, index: int, views: list, out: Any) -> None:
+        bucket = self.buckets[index]
+        if all(b.work is None or b is bucket for b in self.buckets):
+            self.group.poll_in_background(False)
+        self.group.wait_all([bucket.work])
+        bucket.work = None
+        if self.stage == 2:
+            part = self._recv.pop(index)
+        else:
+            part = self._part(bucket, views[0] if bucket.host is None else bucket.host)
+        averaged = (part / part.dtype.type(self.group.size)).astype(out.dtype)
+        if bucket.host is None:
+            np.copyto(out, averaged.reshape(out.shape))
+        else:
+            bucket.params[0].device.from_host(averaged.reshape(out.shape), out)
+
+    def record_gather(self, restore: list[tuple[Tensor, Tensor]]) -> None:
+        """Inside a capture: record the all-gather of the updated shards into the parameters
+        (the commit point), which puts each (state, copy) pair of `restore` back if it fails
+        (Note [ZeRO in a plan])."""
+        recorder = tape.active()
+        params = [p for bucket in self.buckets for p in bucket.params]
+        targets = [t for t, _ in restore]
+        shards = [targets.index(shard) for shard in self.shards]
+        reducer, count = self, len(params)
+
+        def run(copies: list, *outs: Any) -> None:  # NOTE: Note [closures hold no tensors]
+            reducer._replay_gather(copies, outs[:count], outs[count:], shards)
+
+        recorder.record("zero_gather", "never", run, [(c, c.shape) for _, c in restore],
+                        [*params, *targets], None)
+
+    def _replay_gather(self, copies: list, params: tuple, targets: tuple,
+                       shards: list[int]) -> None:
+        device = self.buckets[0].params[0].device
+        works, gathered = [], []
+        try:
+            for bucket, at in zip(self.buckets, shards):
+                shard = targets[at]
+                host = (shard if device.capabilities.host_memory
+                        else device.to_host(shard)).reshape(-1)
+                send = np.ascontiguousarray(host.astype(bucket.staging, copy=False))
+                recv = np.empty(bucket.padded, bucket.staging)
+                works.append(self.group.allgather(send, recv, f"all-gather of bucket "
+                                                              f"{bucket.index} (in a graph)"))
+                gathered.append((bucket, send, recv))
+            self.group.wait_all(works)
+        except BaseException:
+            for copy, target in zip(copies, targets):  # NOTE: as before the step
+                device.unary("copy", copy, target)
+            raise
+        at = 0
+        for bucket, _, recv in gathered:  # NOTE: the commit point: every bucket is here
+            for p, offset in zip(bucket.params, bucket.offsets):
+                values = recv[offset:offset + p.size].reshape(p.shape).astype(p.dtype)
+                if device.capabilities.host_memory:
+                    np.copyto(params[at], values)
+                else:
+                    device.from_host(values, params[at])
+                at += 1
 
     # ------------------------------------------------------------------ ZeRO
     def make_shards(self) -> list[Tensor]:
@@ -489,6 +637,20 @@ class Reducer:
         for remove in self._removers:
             remove()
         self._removers = []
+
+
+def _fill(bucket: _Bucket, views: list, flat: np.ndarray) -> None:
+    """Inside a graph: copy a bucket's gradients (native views) into its flat buffer (a host
+    array: the planned one on the CPU, else the bucket's host copy), a two-byte gradient
+    widened to float32 exactly, as `_read` does; zero the padding."""
+    device = bucket.params[0].device
+    for view, offset, p in zip(views, bucket.offsets, bucket.params):
+        target = flat[offset:offset + p.size]
+        if bucket.host is not None:
+            target[...] = device.to_host(view).reshape(-1)
+        else:
+            np.copyto(target.reshape(p.shape), view, casting="unsafe")
+    flat[bucket.numel:] = 0
 
 
 def broadcast_parameters(params: Iterable[Tensor], group: distributed.Group) -> None:

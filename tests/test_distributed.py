@@ -128,9 +128,10 @@ def test_two_byte_parameters_train_data_parallel_inside_a_graph_as_eagerly(devic
 
 
 @needs_mpi
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_zero_stages_equal_data_parallel_with_a_shard_of_the_state(ranks, tmp_path):
-    done = _launch(ranks, "zero", "cpu", tmp_path)
+def test_zero_stages_equal_data_parallel_with_a_shard_of_the_state(ranks, device, tmp_path):
+    done = _launch(ranks, "zero", device, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     results = _ranks(tmp_path, ranks)
     reference = _reference(worker.wide_model(2), nn.Adam, lr=0.01)
@@ -140,9 +141,11 @@ def test_zero_stages_equal_data_parallel_with_a_shard_of_the_state(ranks, tmp_pa
         np.testing.assert_allclose(results[0][f"stage0/{name}"], expected, rtol=1e-4,
                                    atol=1e-5, err_msg=name)
         for stage in (1, 2):
-            for result in results:  # every rank, every stage: data parallel's bits
-                assert np.array_equal(result[f"stage{stage}/{name}"],
-                                      results[0][f"stage0/{name}"]), (stage, name)
+            for result in results:  # every rank, every stage, eager or in a graph: data
+                # parallel's bits (Note [ZeRO in a plan] in runtime/parallel.py)
+                for mode in ("stage", "graph-stage"):
+                    assert np.array_equal(result[f"{mode}{stage}/{name}"],
+                                          results[0][f"stage0/{name}"]), (mode, stage, name)
 
     def report(result, stage):
         prefix = f"stage{stage}/report/"
@@ -183,10 +186,13 @@ def test_a_rank_that_raises_makes_the_others_fail_at_once_unchanged(scenario, tm
 
 
 @needs_mpi
-def test_a_zero_step_that_fails_in_the_gather_puts_back_the_shards_and_their_state(tmp_path):
-    # ranks 0 and 2 step their shards and Adam's moments, then meet rank 1's failure in the
-    # all-gather (Note [ZeRO's commit point is the gather] in runtime/nn.py)
-    done = _launch(3, "raise-zero", "cpu", tmp_path, timeout=60, worker_timeout=30)
+@pytest.mark.parametrize("scenario", ["raise-zero", "raise-zero-graph"])
+def test_a_zero_step_that_fails_in_the_gather_puts_back_the_shards_and_their_state(scenario,
+                                                                                   tmp_path):
+    # ranks 0 and 2 step their shards, Adam's moments and its bias corrections, then meet rank
+    # 1's failure in the all-gather (Note [ZeRO's commit point is the gather] in
+    # runtime/nn.py), eagerly or in a replay of the captured step
+    done = _launch(3, scenario, "cpu", tmp_path, timeout=60, worker_timeout=30)
     assert done.returncode != 0
     assert "an injected failure in rank 1's optimizer step" in done.stderr
     for rank in (0, 2):

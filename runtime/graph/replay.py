@@ -196,8 +196,7 @@ def _replay_static(capture: _Capture, held: int) -> None:
 
 def _record(capture: _Capture) -> Any:
     """The capture's steps recorded as one device graph, or False with `graph_reason` set."""
-    views = capture.views
-    assert views is not None
+    views = capture.views or []  # NOTE: bound by `_replay_static` before it records
 
     def run() -> None:
         for thunk in views:

@@ -8,9 +8,10 @@ process's full-batch steps. SCENARIO: "ddp" (SGD with momentum, small buckets), 
 (float16 and bfloat16 parameters, eagerly and inside runtime.graph), "zero" (Adam data
 parallel beside ZeRO stages 1 and 2), "raise" / "die" / "raise-graph" (rank 1 fails before a
 step, eagerly or between replays of a captured step; the others record whether their
-parameters are as before it, then fail too), "raise-zero" (rank 1 fails in its ZeRO
-optimizer step, after the others stepped their shards: they record whether their parameters,
-shards and shard state are as before it).
+parameters are as before it, then fail too), "raise-zero" and "raise-zero-graph" (rank 1
+fails in its ZeRO optimizer step, eagerly or in a replay of the captured step, after the others
+stepped their shards: they record whether their parameters, shards and shard state are as
+before it).
 """
 
 from __future__ import annotations
@@ -115,6 +116,16 @@ def main() -> None:
                 step(xb, yb)
             for name, value in params_of(ddp.module).items():
                 result[f"stage{stage}/{name}"] = value
+            if stage:  # the same steps captured by runtime.graph (Note [ZeRO in a plan])
+                gddp = nn.DistributedDataParallel(wide_model(2), group, bucket_cap_mb=0.0011,
+                                                  zero_stage=stage)
+                graphed = runtime.graph(nn.train_step(
+                    gddp, nn.ZeroRedundancyOptimizer(gddp, nn.Adam, lr=0.01)))
+                for _ in range(STEPS):
+                    graphed(xb, yb)
+                for name, value in params_of(gddp.module).items():
+                    result[f"graph-stage{stage}/{name}"] = value
+                gddp.reducer.close()
             # the step's zero_grad dropped the gradients: count them after one more backward
             nn.softmax_cross_entropy(ddp(xb), yb).backward()
             report = ddp.memory_report(opt)
@@ -122,11 +133,15 @@ def main() -> None:
                 result[f"stage{stage}/report/{key}"] = np.array(value)
             opt.zero_grad()
             ddp.reducer.close()
-    elif scenario == "raise-zero":  # rank 1 fails in its optimizer step, after the others'
+    elif scenario in ("raise-zero", "raise-zero-graph"):  # rank 1 fails in its optimizer
+        # step (eagerly) or just before its gather (in a graph), after the others stepped
         ddp = nn.DistributedDataParallel(wide_model(2), group, bucket_cap_mb=0.0011,
                                          zero_stage=2)
         opt = nn.ZeroRedundancyOptimizer(ddp, nn.Adam, lr=0.01)
         step = nn.train_step(ddp, opt)
+        if scenario == "raise-zero-graph":
+            step = runtime.graph(step)
+            step(xb, yb)
         step(xb, yb)
 
         def shard_state() -> dict[str, np.ndarray]:
@@ -135,13 +150,20 @@ def main() -> None:
                 for name, value in opt.state[id(p)].items():
                     found[f"shard{k}/{name}"] = np.asarray(
                         value.numpy() if hasattr(value, "numpy") else value).copy()
+            for k, t in enumerate(opt.optimizer.state_tensors()):
+                found[f"state{k}"] = t.numpy().copy()
             return found
 
         before, shards = params_of(ddp.module), shard_state()
         if group.rank == 1:
-            def fail() -> None:
-                raise ValueError("an injected failure in rank 1's optimizer step")
-            opt.optimizer.step = fail
+            def fail(*args) -> None:
+                error = ValueError("an injected failure in rank 1's optimizer step")
+                group.fail(error)  # NOTE: as the reducer tells the others of a failed pass
+                raise error
+            if scenario == "raise-zero":
+                opt.optimizer.step = fail
+            else:  # NOTE: the replay's gather, which the graph calls through the reducer
+                ddp.reducer._replay_gather = fail
             step(xb, yb)
         try:
             step(xb, yb)
