@@ -1803,11 +1803,10 @@ class ZeroRedundancyOptimizer:
         if all(p.grad is None for p in self.optimizer.params):
             return
         if tape.active() is not None:  # NOTE: Note [ZeRO in a plan] in runtime/parallel.py
-            with no_grad():
-                restore = [(t, ops.copy(t)) for t in
-                           (*self.optimizer.params, *self.optimizer.state_tensors())]
+            targets = [*self.optimizer.params, *self.optimizer.state_tensors()]
+            token = self.ddp.reducer.record_save(targets)
             self.optimizer.step()
-            self.ddp.reducer.record_gather(restore)
+            self.ddp.reducer.record_gather(targets, token)
             return
         saved = self._saved()
         try:
@@ -1826,8 +1825,7 @@ class ZeroRedundancyOptimizer:
     # host copy of what it may write on this rank (the shards, their optimizer state, the state
     # they share such as Adam's bias corrections, and its step counts: 1/N of the parameters
     # and of the state) and puts it back when the step fails; the copy is dropped when the step
-    # returns. Inside a graph the copies are planned tensors (Note [ZeRO in a plan] in
-    # runtime/parallel.py).
+    # returns. Inside a graph too (Note [ZeRO in a plan] in runtime/parallel.py).
     def _saved(self) -> tuple:
         opt = self.optimizer
         state = {key: {name: (value, value.numpy().copy() if isinstance(value, Tensor) else None)

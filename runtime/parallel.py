@@ -159,6 +159,8 @@ class Reducer:
         self._unwaited: dict[np.dtype, _Bucket] = {}
         self._parts: dict[int, Tensor] = {}
         self._shard_grads: list[tuple[Tensor, Tensor]] = []
+        #: in a replay of a captured ZeRO step: the host copy `_replay_save` made
+        self._undo: list[np.ndarray] = []
         self._in_pass = False
         #: per step: (bucket, start, seen complete) times, and backward's start and end, for
         #: the overlap figures (`timeline`)
@@ -456,9 +458,11 @@ class Reducer:
     # buffer, and the plan holds one bucket's buffer, not every bucket's. The optimizer's
     # step is recorded as ops on the shards, and the gather as one "zero_gather", which
     # starts every bucket's all-gather, waits, then writes the parameters: the commit point.
-    # Before the optimizer's step the shards and the state it writes are copied
-    # (`ZeroRedundancyOptimizer.step`), and if the gather fails the copies are put back, as
-    # eagerly (Note [ZeRO's commit point is the gather] in runtime/nn.py).
+    # Before the optimizer's step "zero_save" copies the shards and the state it writes to the
+    # host, as eagerly (1/N of the parameters and of the state, outside the plan), and if the
+    # gather fails it puts the copies back (Note [ZeRO's commit point is the gather] in
+    # runtime/nn.py); a token tensor that the save writes and the gather reads keeps that
+    # order in the schedule.
     def _forget_capture(self) -> None:
         self._flats.clear()
         self._unwaited.clear()
@@ -540,24 +544,45 @@ class Reducer:
         else:
             bucket.params[0].device.from_host(averaged.reshape(out.shape), out)
 
-    def record_gather(self, restore: list[tuple[Tensor, Tensor]]) -> None:
+    def record_save(self, targets: list[Tensor]) -> Tensor:
+        """Inside a capture, before the optimizer's step: record a host copy of `targets`
+        (the shards and the state the step writes), which the gather puts back if it fails;
+        returns the token the gather reads, so the plan keeps the copy before the step and
+        the gather after it (Note [ZeRO in a plan])."""
+        recorder = tape.active()
+        first = targets[0]
+        token = empty((1,), np.dtype(np.float32), device=first.device,
+                      allocator=first.block.allocator)
+        reducer = self
+
+        def run(views: list, out: Any) -> None:  # NOTE: Note [closures hold no tensors]
+            reducer._replay_save(views)
+
+        recorder.record("zero_save", "never", run, [(t, t.shape) for t in targets], [token],
+                        None)
+        return token
+
+    def _replay_save(self, views: list) -> None:
+        device = self.buckets[0].params[0].device
+        self._undo = [np.array(v, copy=True) if device.capabilities.host_memory
+                      else device.to_host(v) for v in views]
+
+    def record_gather(self, targets: list[Tensor], token: Tensor) -> None:
         """Inside a capture: record the all-gather of the updated shards into the parameters
-        (the commit point), which puts each (state, copy) pair of `restore` back if it fails
+        (the commit point), which puts `targets` back from `record_save`'s copy if it fails
         (Note [ZeRO in a plan])."""
         recorder = tape.active()
         params = [p for bucket in self.buckets for p in bucket.params]
-        targets = [t for t, _ in restore]
-        shards = [targets.index(shard) for shard in self.shards]
+        shards = [next(k for k, t in enumerate(targets) if t is shard) for shard in self.shards]
         reducer, count = self, len(params)
 
-        def run(copies: list, *outs: Any) -> None:  # NOTE: Note [closures hold no tensors]
-            reducer._replay_gather(copies, outs[:count], outs[count:], shards)
+        def run(views: list, *outs: Any) -> None:  # NOTE: Note [closures hold no tensors]
+            reducer._replay_gather(outs[:count], outs[count:], shards)
 
-        recorder.record("zero_gather", "never", run, [(c, c.shape) for _, c in restore],
+        recorder.record("zero_gather", "never", run, [(token, token.shape)],
                         [*params, *targets], None)
 
-    def _replay_gather(self, copies: list, params: tuple, targets: tuple,
-                       shards: list[int]) -> None:
+    def _replay_gather(self, params: tuple, targets: tuple, shards: list[int]) -> None:
         device = self.buckets[0].params[0].device
         works, gathered = [], []
         try:
@@ -572,9 +597,14 @@ class Reducer:
                 gathered.append((bucket, send, recv))
             self.group.wait_all(works)
         except BaseException:
-            for copy, target in zip(copies, targets):  # NOTE: as before the step
-                device.unary("copy", copy, target)
+            for saved, target in zip(self._undo, targets):  # NOTE: as before the step
+                if device.capabilities.host_memory:
+                    np.copyto(target, saved)
+                else:
+                    device.from_host(saved, target)
             raise
+        finally:
+            self._undo = []
         at = 0
         for bucket, _, recv in gathered:  # NOTE: the commit point: every bucket is here
             for p, offset in zip(bucket.params, bucket.offsets):

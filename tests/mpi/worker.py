@@ -116,16 +116,19 @@ def main() -> None:
                 step(xb, yb)
             for name, value in params_of(ddp.module).items():
                 result[f"stage{stage}/{name}"] = value
-            if stage:  # the same steps captured by runtime.graph (Note [ZeRO in a plan])
-                gddp = nn.DistributedDataParallel(wide_model(2), group, bucket_cap_mb=0.0011,
-                                                  zero_stage=stage)
-                graphed = runtime.graph(nn.train_step(
-                    gddp, nn.ZeroRedundancyOptimizer(gddp, nn.Adam, lr=0.01)))
-                for _ in range(STEPS):
-                    graphed(xb, yb)
-                for name, value in params_of(gddp.module).items():
-                    result[f"graph-stage{stage}/{name}"] = value
-                gddp.reducer.close()
+            # the same steps captured by runtime.graph (Note [ZeRO in a plan])
+            gddp = nn.DistributedDataParallel(wide_model(2), group, bucket_cap_mb=0.0011,
+                                              zero_stage=stage)
+            graphed = runtime.graph(nn.train_step(
+                gddp, nn.Adam(gddp.parameters(), lr=0.01) if stage == 0
+                else nn.ZeroRedundancyOptimizer(gddp, nn.Adam, lr=0.01)))
+            for _ in range(STEPS):
+                graphed(xb, yb)
+            for name, value in params_of(gddp.module).items():
+                result[f"graph-stage{stage}/{name}"] = value
+            result[f"graph-stage{stage}/planned"] = np.array(
+                graphed.memory_report()["planned_bytes"])
+            gddp.reducer.close()
             # the step's zero_grad dropped the gradients: count them after one more backward
             nn.softmax_cross_entropy(ddp(xb), yb).backward()
             report = ddp.memory_report(opt)
