@@ -609,7 +609,6 @@ class CudaDevice(Device):
     def _to_host(self, view: Any) -> np.ndarray:
         return view.get(stream=self.stream)  # blocking: waits for the stream
 
-
     def _record(self, run: Callable[[], None]) -> _Recording:
         """Record `run()` by CUDA stream capture on the device's stream (relaxed mode), CuPy's
         allocations meanwhile from memory the recording keeps (a kernel's temporaries then

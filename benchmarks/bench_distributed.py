@@ -21,7 +21,8 @@ eagerly and captured by `runtime.graph` (static plan). Three figures:
    the reducer saw it complete (MPI moves a transfer on only inside MPI calls, which the
    reducer makes between gradients).
 3. **Memory per rank** with Adam on 2 ranks: data parallel, ZeRO stage 1 and stage 2
-   (`DistributedDataParallel.memory_report`).
+   (`DistributedDataParallel.memory_report`); and the same three captured by `runtime.graph`
+   (static plan): step time against eager's, in launches side by side, and the plan's bytes.
 
 Every run prints the CPU (lscpu) and the load (`os.getloadavg`) before and after.
 
@@ -161,6 +162,8 @@ def worker(args: argparse.Namespace) -> None:
         nn.softmax_cross_entropy(ddp(xb), yb).backward()
         report = ddp.memory_report(opt)
         opt.zero_grad()
+        if args.plan != "eager":  # NOTE: the captured step's own plan (Note [ZeRO in a plan])
+            report["graph_planned_bytes"] = step.memory_report()["planned_bytes"]
     if group is not None:
         import numpy as np
 
@@ -318,6 +321,19 @@ def driver(args: argparse.Namespace) -> None:
         if result["undo_ms"]:
             undo[label] = (statistics.median(result["undo_ms"]),
                            statistics.median(result["times_ms"]))
+    print("\nthe same Adam steps captured by runtime.graph (static plan), 2 ranks, rank 0: step "
+          "time against eager's (medians of the steps), and the plan's bytes:")
+    captured = {}
+    for kind, label in (("adam", "data parallel"), ("zero1", "ZeRO stage 1"),
+                        ("zero2", "ZeRO stage 2")):
+        eager_ms = statistics.median(launch(kind, 2, "1", args)["times_ms"])
+        result = launch(kind, 2, "1", args, "static")
+        static_ms = statistics.median(result["times_ms"])
+        planned = result["reports"][0]["graph_planned_bytes"]
+        captured[label] = {"eager_ms": eager_ms, "static_ms": static_ms,
+                           "planned_bytes": planned}
+        print(f"{label:<18} eager {eager_ms:7.1f} ms, static {static_ms:7.1f} ms "
+              f"({static_ms / eager_ms:.2f}x), planned {planned / 2**20:.2f} MiB")
     for label, (copy_ms, step_ms) in undo.items():
         note = "Note [ZeRO's commit point is the gather]"
         print(f"{label}: the host copy kept for undo ({note}) took {copy_ms:.2f} ms of a "
@@ -331,7 +347,7 @@ def driver(args: argparse.Namespace) -> None:
             "config": args.config, "rounds_ms": rounds, "ratios": ratios,
             "hidden": hidden, "exposed_s": exposed, "alone_s": alone,
             "hidden_without_thread": hidden_calls, "exposed_without_thread_s": exposed_calls,
-            "memory": memory, "undo_ms": undo},
+            "memory": memory, "undo_ms": undo, "captured": captured},
             indent=1))
 
 
