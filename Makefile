@@ -7,7 +7,7 @@ EXTRAS ?= test
 .PHONY: demo test check bench lint clean venv asan
 
 $(VENV)/.installed-$(EXTRAS): setup.cfg setup.py pyproject.toml allocators/_speedups.c \
-		runtime/_dispatch.c backends/_halfconv.c backends/optable.py backends/_halfconv_gen.py \
+		runtime/_dispatch.c backends/_halfconv.c backends/_torchalloc.c backends/optable.py backends/_halfconv_gen.py \
 		examples/plugin_allocator/setup.cfg
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

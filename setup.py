@@ -4,6 +4,8 @@
 path of elementwise ops) and `backends._halfconv` (float16 and bfloat16 <-> float32 conversion)
 are optional: where they cannot be compiled, blockrt installs without them and runs the same code
 in Python (allocators/_core.py, runtime/fastpath.py, np.copyto in backends/numpy.py).
+`backends._torchalloc` holds the two C functions PyTorch's pluggable CUDA allocator loads
+(`backends.cuda.use_with_torch`, which needs it).
 
 `backends/_optable.h`, the op table `_halfconv` compiles, is written here from
 backends/optable.py (Note [one declaration per op]) before anything is compiled; the two
@@ -44,4 +46,5 @@ setup(ext_modules=[
     Extension("runtime._dispatch", ["runtime/_dispatch.c"], optional=True),
     Extension("backends._halfconv", ["backends/_halfconv.c"], optional=True,
               depends=["backends/_optable.h", "backends/_erf_table.h"]),
+    Extension("backends._torchalloc", ["backends/_torchalloc.c"], optional=True),
 ])

@@ -54,7 +54,7 @@ from backends._cublas import get_float32_matmul_precision, set_float32_matmul_pr
 from backends.base import HALVES, BackendUnavailableError, Capabilities, Device, RecordError
 
 __all__ = ["CudaDevice", "get_float32_matmul_precision", "has_bfloat16",
-           "set_float32_matmul_precision", "use_with_cupy"]
+           "set_float32_matmul_precision", "use_with_cupy", "use_with_torch"]
 
 _ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -764,3 +764,44 @@ def use_with_cupy(allocator: Any) -> Callable[[int], Any]:
 
     cp.cuda.set_allocator(malloc)
     return malloc
+
+
+def use_with_torch(allocator: Any) -> Any:
+    """Make `allocator` (on a CUDA device) PyTorch's CUDA allocator for the whole process,
+    through `torch.cuda.memory.CUDAPluggableAllocator` and blockrt's compiled entry points
+    (backends/_torchbridge.py): every CUDA tensor PyTorch makes from then on is blockrt memory,
+    counted by the allocator (`blockrt.memory_summary()` shows it), and given back when
+    PyTorch frees it. Memory PyTorch takes on another stream than the device's is ordered after
+    the device's stream and recorded as used on PyTorch's, as `use_with_cupy` does.
+
+    Call it before PyTorch's first CUDA allocation: PyTorch swaps its allocator only then.
+    Returns the bridge (`errors` holds what a malloc or free raised: PyTorch itself hears an
+    out-of-memory error; `lent_bytes`).
+
+    Raises:
+        BackendUnavailableError: PyTorch without CUDA, or blockrt's entry points not built.
+        ValueError: the allocator is not on a CUDA device.
+        RuntimeError: PyTorch's allocator is already in use (PyTorch's own message).
+    """
+    from backends import _torchbridge
+
+    cp = _cupy()
+    device = allocator.device
+    if not isinstance(device, CudaDevice):
+        raise ValueError(f"use_with_torch needs an allocator on a CUDA device, not on "
+                         f"{device.name}")
+    try:
+        import torch
+    except ImportError as exc:
+        raise BackendUnavailableError(f"use_with_torch needs PyTorch ({exc})") from exc
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError(f"use_with_torch: this PyTorch ({torch.__version__}) "
+                                      f"has no CUDA device")
+    bridge = _torchbridge.Bridge(
+        allocator, lambda stream: cp.cuda.ExternalStream(stream, device.index))
+    pluggable = torch.cuda.memory.CUDAPluggableAllocator(
+        bridge.path, _torchbridge.MALLOC_NAME, _torchbridge.FREE_NAME)
+    torch.cuda.memory.change_current_allocator(pluggable)
+    bridge.install()
+    bridge.torch_allocator = pluggable  # NOTE: PyTorch keeps the library loaded through it
+    return bridge

@@ -671,3 +671,49 @@ def test_a_step_that_cannot_be_recorded_says_why_and_replays_with_the_same_bits(
     assert results[True] == results[False]
     assert reports[False].startswith("device_graph=False")
     assert "which the step itself writes" in reports[True], reports[True]
+
+
+TORCH_ON_BLOCKRT = """
+import copy, gc, numpy as np, torch
+import allocators, runtime
+from backends.cuda import use_with_torch
+alloc = allocators.create("caching", "cuda")
+bridge = use_with_torch(alloc)
+x = torch.ones(1000, device="cuda")
+assert bridge.lent_bytes >= 4000 and alloc.stats()["allocated_bytes"] >= 4000, alloc.stats()
+assert "MiB" in runtime.memory_summary({"torch": alloc}) or "KiB" in runtime.memory_summary(
+    {"torch": alloc})
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+on_cpu = copy.deepcopy(model)
+model = model.cuda()
+data = torch.randn(64, 16), torch.randint(0, 4, (64,))
+for net, dev in ((model, "cuda"), (on_cpu, "cpu")):
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net(data[0].to(dev)), data[1].to(dev))
+        loss.backward()
+        opt.step()
+for p, q in zip(model.parameters(), on_cpu.parameters()):
+    assert torch.allclose(p.cpu(), q, rtol=1e-4, atol=1e-5)
+held = bridge.lent_bytes
+del x, model, opt, loss, p
+gc.collect()
+torch.cuda.synchronize()
+assert bridge.lent_bytes < held and bridge.errors == [], (held, bridge.lent_bytes, bridge.errors)
+print("OK", held, bridge.lent_bytes)
+"""
+
+
+@needs_cuda
+def test_pytorch_trains_on_blockrts_memory(gpu):
+    """backends.cuda.use_with_torch (issue 31): PyTorch's CUDA tensors and a training step on a
+    blockrt allocator, in a process of their own (PyTorch swaps its allocator only before its
+    first CUDA allocation)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("this PyTorch has no CUDA device")
+    done = subprocess.run([sys.executable, "-c", TORCH_ON_BLOCKRT], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("OK"), done.stderr[-3000:]
