@@ -1,0 +1,152 @@
+"""backends/_cublas.py's mapping of row-major products onto column-major cuBLAS calls, checked
+on the CPU: the calls `prepare` makes go to a stand-in that computes what cuBLAS's
+`cublasGemmEx` and `cublasGemmStridedBatchedEx` compute from the same arguments (operation,
+sizes, leading dimensions, batch strides, pointers), reading and writing host memory. So every
+layout a product meets is checked in CI, where no GPU runs the real library (tests/test_cuda.py
+runs it where one does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from backends import _cublas
+
+_DTYPES = {0: np.float32, 1: np.float64}
+
+
+def _matrix(address: int, dtype, op: int, rows: int, cols: int, ld: int) -> np.ndarray:
+    """op(X) of cuBLAS, (rows, cols): X is stored column-major at `address` with leading
+    dimension `ld`, as (rows, cols) for op N and (cols, rows) for op T."""
+    size = np.dtype(dtype).itemsize
+    stored_rows, stored_cols = (rows, cols) if op == 0 else (cols, rows)
+    count = ld * (stored_cols - 1) + stored_rows if stored_cols and stored_rows else 0
+    flat = np.frombuffer((ctypes.c_char * (count * size)).from_address(address), dtype)
+    stored = np.lib.stride_tricks.as_strided(flat, (stored_rows, stored_cols), (size, ld * size))
+    return stored if op == 0 else stored.T
+
+
+class _Cublas:
+    """What the two cuBLAS calls compute (alpha 1 and beta 0, as `prepare` passes them)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def cublasGemmEx(self, handle, ta, tb, m, n, k, alpha, a, atype, lda, b, btype, ldb,
+                     beta, c, ctype, ldc, compute, algo):
+        self.calls.append("gemm")
+        return self.cublasGemmStridedBatchedEx(handle, ta, tb, m, n, k, alpha, a, atype, lda,
+                                               0, b, btype, ldb, 0, beta, c, ctype, ldc, 0, 1,
+                                               compute, algo, record=False)
+
+    def cublasGemmStridedBatchedEx(self, handle, ta, tb, m, n, k, alpha, a, atype, lda,
+                                   stride_a, b, btype, ldb, stride_b, beta, c, ctype, ldc,
+                                   stride_c, count, compute, algo, record=True):
+        if record:
+            self.calls.append("batched")
+        dtype = _DTYPES[atype]
+        size = np.dtype(dtype).itemsize
+        for i in range(count):
+            op_a = _matrix(a.value + i * stride_a * size, dtype, ta, m, k, lda)
+            op_b = _matrix(b.value + i * stride_b * size, dtype, tb, k, n, ldb)
+            out = _matrix(c.value + i * stride_c * size, dtype, 0, m, n, ldc)
+            out[...] = op_a.astype(np.float64) @ op_b
+        return 0
+
+
+class _View:
+    """A NumPy array shaped as `prepare` reads a CuPy one (`data.ptr`)."""
+
+    def __init__(self, x: np.ndarray) -> None:
+        self.x, self.shape, self.strides, self.dtype, self.ndim = (x, x.shape, x.strides,
+                                                                   x.dtype, x.ndim)
+
+    @property
+    def data(self):
+        return type("Pointer", (), {"ptr": self.x.__array_interface__["data"][0]})()
+
+
+class _Handles:
+    handle = type("Handle", (), {"ptr": None})()
+
+
+@pytest.fixture
+def cublas(monkeypatch):
+    stand_in = _Cublas()
+    monkeypatch.setattr(_cublas, "_library", [stand_in])
+    return stand_in
+
+
+def _layouts(rng, dtype):
+    def r(*shape):
+        return rng.standard_normal(shape).astype(dtype)
+
+    same, t = (lambda v: v), (lambda v: v.T)
+    return [(r(5, 4), same, r(4, 3), same), (r(4, 5), t, r(4, 3), same),
+            (r(5, 4), same, r(3, 4), t), (r(4, 5), t, r(3, 4), t),
+            (r(7, 12), lambda v: v[:, 2:6], r(4, 9), lambda v: v[:, :6]),
+            (r(1, 4), same, r(4, 3), same), (r(5, 4), same, r(4, 1), same),
+            (r(5, 1), same, r(1, 3), same),
+            (r(3, 2, 4), same, r(3, 4, 5), same), (r(3, 2, 4), same, r(4, 5), same),
+            (r(3, 4, 2), lambda v: v.swapaxes(1, 2), r(3, 4, 5), same),
+            (r(3, 2, 4), same, r(3, 5, 4), lambda v: v.swapaxes(1, 2))]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_every_layout_maps_onto_the_column_major_call_that_computes_it(cublas, dtype):
+    for a, view_a, b, view_b in _layouts(np.random.default_rng(0), dtype):
+        left, right = view_a(a), view_b(b)
+        want = left.astype(np.float64) @ right
+        out = np.full(want.shape, np.nan, dtype)
+        _cublas.prepare(_Handles(), None, _View(left), _View(right), _View(out))()
+        np.testing.assert_allclose(out, want, rtol=1e-6, err_msg=f"{left.shape} @ "
+                                   f"{right.strides} {right.shape}")
+    assert {"gemm", "batched"} <= set(cublas.calls)
+
+
+def test_an_output_with_padded_rows_is_written_in_place_and_nowhere_else(cublas):
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((5, 4)), rng.standard_normal((4, 3))
+    whole = np.zeros((5, 8))
+    _cublas.prepare(_Handles(), None, _View(a), _View(b), _View(whole[:, 1:4]))()
+    np.testing.assert_allclose(whole[:, 1:4], a @ b)
+    assert not whole[:, 0].any() and not whole[:, 4:].any()
+
+
+def test_layouts_it_cannot_run_are_refused_before_any_call(cublas):
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((6, 6))
+    checks = [
+        (a[::2, ::2], rng.standard_normal((3, 2)), np.zeros((3, 2)), "neither its rows"),
+        (rng.standard_normal((3, 4)), rng.standard_normal((4, 2)), np.zeros((2, 3)).T,
+         "rows must be contiguous"),
+        (rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal((4, 2)),
+         np.zeros((3, 2)), "float32 and float64"),
+        (rng.standard_normal((3, 0)), rng.standard_normal((0, 2)), np.zeros((3, 2)),
+         "length 0"),
+    ]
+    for left, right, out, why in checks:
+        with pytest.raises(_cublas.Unsupported, match=why):
+            _cublas.prepare(_Handles(), None, _View(left), _View(right), _View(out))
+    assert cublas.calls == []
+
+
+def test_an_empty_output_makes_no_call(cublas):
+    out = np.zeros((0, 3))
+    _cublas.prepare(_Handles(), None, _View(np.zeros((0, 4))), _View(np.ones((4, 3))),
+                    _View(out))()
+    assert cublas.calls == []
+
+
+def test_the_float32_precision_setting_is_checked_and_restored():
+    assert _cublas.get_float32_matmul_precision() == "highest"
+    _cublas.set_float32_matmul_precision("high")
+    try:
+        assert _cublas.get_float32_matmul_precision() == "high"
+    finally:
+        _cublas.set_float32_matmul_precision("highest")
+    with pytest.raises(ValueError, match="'low'"):
+        _cublas.set_float32_matmul_precision("low")
