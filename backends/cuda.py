@@ -611,20 +611,19 @@ class CudaDevice(Device):
 
     def _record(self, run: Callable[[], None]) -> _Recording:
         """Record `run()` by CUDA stream capture on the device's stream (relaxed mode), CuPy's
-        allocations meanwhile from memory the recording keeps (a kernel's temporaries then
-        have the same addresses at every launch, and nobody else is handed them)."""
+        allocations meanwhile from a memory pool of the recording's own (PyTorch's private
+        graph pool): a kernel's temporaries then have the same addresses at every launch, and
+        nobody else is handed them. A temporary freed while the step records is handed to a
+        later one of the same step, which the stream runs after it, so the pool holds the most
+        the step's temporaries take at once, not their sum."""
         cp = _cupy()
         recording = _Recording(self)
-
-        def malloc(nbytes: int) -> Any:
-            memory = cp.cuda.Memory(nbytes)
-            recording.kept.append(memory)
-            return cp.cuda.MemoryPointer(memory, 0)
-
+        with self.cuda_device:
+            recording.pool = cp.cuda.MemoryPool()
         failure: BaseException | None = None
         self._recording.now = recording
         try:
-            with self.cuda_device, self.stream, cp.cuda.using_allocator(malloc):
+            with self.cuda_device, self.stream, cp.cuda.using_allocator(recording.pool.malloc):
                 self.stream.begin_capture()
                 try:
                     run()
@@ -666,8 +665,10 @@ class _Recording:
     def __init__(self, device: CudaDevice) -> None:
         self.device = device
         self.graph: Any = None
-        #: memory taken while recording, which the graph's kernels use at every launch
+        #: memory taken while recording, which the graph's kernels use at every launch: raw
+        #: allocations, and CuPy's (its temporaries) from this pool
         self.kept: list[Any] = []
+        self.pool: Any = None
         #: host checks a recorded op moved to before the launch, and the ranges they read
         self.checks: list[Callable[[], None]] = []
         self.checked: list[tuple[int, int]] = []
@@ -676,7 +677,8 @@ class _Recording:
     def held_bytes(self) -> int:
         """Device memory the recording holds for its kernels (what they allocated while it
         recorded): the graph's own nodes not counted."""
-        return sum(int(memory.size) for memory in self.kept)
+        pooled = int(self.pool.total_bytes()) if self.pool is not None else 0
+        return pooled + sum(int(memory.size) for memory in self.kept)
 
     def launch(self) -> None:
         device = self.device
