@@ -16,11 +16,11 @@ it is done.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from backends import accelerated
 from backends.base import BackendUnavailableError
 
 #: PyTorch's signatures: malloc(size, device, stream) -> pointer; free(ptr, size, device, stream)
@@ -30,18 +30,25 @@ FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, c
 MALLOC_NAME, FREE_NAME = "blockrt_torch_malloc", "blockrt_torch_free"
 
 
+#: blockrt's compiled entry points, or None where that C path is off (asked for once, here)
+_entry_points = accelerated.load("backends._torchalloc")
+
+
 def library_path() -> str:
-    """The path of blockrt's compiled entry points (`backends._torchalloc`).
+    """The path of blockrt's compiled entry points (`backends._torchalloc`, a C path of
+    backends/accelerated.py).
 
     Raises:
-        BackendUnavailableError: it was not built (no C compiler when blockrt was installed).
+        BackendUnavailableError: its C path is off (not built, or BLOCKRT_PURE_PYTHON), with
+            the table's reason.
     """
-    spec = importlib.util.find_spec("backends._torchalloc")
-    if spec is None or not spec.origin or spec.origin.endswith(".c"):
+    module = _entry_points
+    if module is None:
+        (path,) = [p for p in accelerated.paths() if p.module == "backends._torchalloc"]
         raise BackendUnavailableError(
-            "backends._torchalloc, the compiled malloc and free that PyTorch's pluggable "
-            "allocator loads, was not built: install blockrt where a C compiler is present")
-    return spec.origin
+            f"backends._torchalloc, the compiled malloc and free that PyTorch's pluggable "
+            f"allocator loads, is {path.why}")
+    return module.__file__
 
 
 class Bridge:

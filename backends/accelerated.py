@@ -9,7 +9,7 @@ module's names from outside. None means the Python twin runs alone:
     >>> from backends import accelerated
     >>> halfconv = accelerated.load("backends._halfconv")   # the module, or None
     >>> [path.module for path in accelerated.paths()]
-    ['allocators._speedups', 'runtime._dispatch', 'backends._halfconv']
+    ['allocators._speedups', 'runtime._dispatch', 'backends._halfconv', 'backends._torchalloc']
 
 Where each twin asks (and what it binds):
 - `allocators._speedups`: `allocators/_core.py` takes its record types and allocator state,
@@ -20,7 +20,11 @@ Where each twin asks (and what it binds):
   binds `Tensor.__del__`'s release, `runtime.ops` its fast elementwise, launch and reduce once
   `runtime/fastpath.py` has configured it (Note [the eager fast path] there);
 - `backends._halfconv`: `backends/numpy.py`, the CPU device's float16 / bfloat16 conversions,
-  its vectorised float kernels and `sub_scaled`.
+  its vectorised float kernels and `sub_scaled`;
+- `backends._torchalloc`: `backends/_torchbridge.py` (imported with `backends/cuda.py`), which
+  hands its two C functions to PyTorch (`backends.cuda.use_with_torch`). It has no Python
+  twin, since PyTorch loads C by path: where it is off, `use_with_torch` is refused, saying
+  why.
 
 The environment variable BLOCKRT_PURE_PYTHON, read once when this module is first imported (as
 `allocators` is), turns every one off: 1, true, yes or on; 0, false, no, off or unset keep
@@ -102,6 +106,8 @@ _PATHS = {path.module: path for path in (
          "and backward pass", "runtime/_dispatch.c"),
     Path("backends._halfconv", "the CPU device's half conversions and kernels, its float "
          "kernels and sub_scaled", "backends/_halfconv.c"),
+    Path("backends._torchalloc", "the malloc and free PyTorch's pluggable CUDA allocator "
+         "loads (no Python twin: use_with_torch needs it)", "backends/_torchalloc.c"),
 )}
 _loaded: dict[str, ModuleType | None] = {}
 _lock = threading.Lock()

@@ -49,7 +49,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from backends import _cublas, optable
+from backends import _cublas, _torchbridge, optable
 from backends._cublas import get_float32_matmul_precision, set_float32_matmul_precision
 from backends.base import HALVES, BackendUnavailableError, Capabilities, Device, RecordError
 
@@ -785,8 +785,6 @@ def use_with_torch(allocator: Any) -> Any:
         ValueError: the allocator is not on a CUDA device.
         RuntimeError: PyTorch's allocator is already in use (PyTorch's own message).
     """
-    from backends import _torchbridge
-
     cp = _cupy()
     device = allocator.device
     if not isinstance(device, CudaDevice):

@@ -97,3 +97,16 @@ def test_freeing_memory_the_bridge_did_not_lend_frees_nothing_and_says_so(bridge
 def test_after_uninstall_malloc_returns_null(bridge):
     bridge.uninstall()
     assert bridge.malloc(16, 0, None) == 0 and bridge.errors == []
+
+
+def test_in_pure_python_mode_the_bridge_is_refused_saying_why():
+    import subprocess
+    import sys
+
+    code = ("from backends import _torchbridge\ntry:\n    _torchbridge.library_path()\n"
+            "except Exception as e:\n    print(type(e).__name__, e)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**__import__("os").environ,
+                                            "BLOCKRT_PURE_PYTHON": "1"})
+    assert done.stdout.startswith("BackendUnavailableError") and "BLOCKRT_PURE_PYTHON=1" in \
+        done.stdout, done.stdout + done.stderr
