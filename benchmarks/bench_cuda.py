@@ -257,9 +257,8 @@ def time_config(key: str, device: str, precisions: list[str], rounds: int
                 ) -> tuple[dict[str, float], dict[str, str]]:
     """`time_group` for each precision. On CUDA each framework's contenders run in a fresh
     process of their own: an error in one contender's kernel (a device-side assert) ends its
-    process's CUDA context, and on an H200 (2026-11-28) PyTorch's eager step, run again after
-    the other contenders were built in its process, failed its nll_loss label assertion (not
-    explained yet: BENCHMARKS.md, issue 31)."""
+    process's CUDA context and every later figure with it (on an H200, 2026-11-28, PyTorch's
+    CUDA-graph contender wrote into freed memory, since mended: `torch_step`)."""
     ms: dict[str, float] = {}
     missing: dict[str, str] = {}
     for precision in precisions:
