@@ -15,7 +15,11 @@ import pytest
 import allocators
 import backends
 from allocators import LimitAdaptor, OutOfMemoryError
-from backends import _torchbridge
+from backends import _torchbridge, accelerated
+
+_OFF = next(p.why for p in accelerated.paths() if p.module == "backends._torchalloc")
+needs_entry_points = pytest.mark.skipif(_torchbridge._entry_points is None,
+                                        reason=f"backends._torchalloc is {_OFF}")
 
 
 @pytest.fixture
@@ -27,12 +31,14 @@ def bridge():
     made.uninstall()
 
 
+@needs_entry_points
 def test_the_library_exports_the_entry_points_pytorch_looks_up():
     library = ctypes.CDLL(_torchbridge.library_path())
     for name in (_torchbridge.MALLOC_NAME, _torchbridge.FREE_NAME, "blockrt_torch_hooks"):
         assert hasattr(library, name), name
 
 
+@needs_entry_points
 def test_malloc_lends_the_allocators_memory_and_free_gives_it_back(bridge):
     stats = bridge.allocator.stats
     ptr = bridge.malloc(1000, 0, None)
@@ -46,6 +52,7 @@ def test_malloc_lends_the_allocators_memory_and_free_gives_it_back(bridge):
     bridge.allocator.check_invariants()
 
 
+@needs_entry_points
 def test_many_threads_malloc_and_free_with_exact_accounting(bridge):
     sizes = np.random.default_rng(0).integers(1, 1 << 16, 400)
 
@@ -68,6 +75,7 @@ def test_many_threads_malloc_and_free_with_exact_accounting(bridge):
     bridge.allocator.check_invariants()
 
 
+@needs_entry_points
 def test_a_refused_malloc_returns_null_and_keeps_the_error():
     cpu = backends.get_device("cpu")
     limited = LimitAdaptor(allocators.create("direct", cpu), limit_bytes=4096)
@@ -85,6 +93,7 @@ def test_a_refused_malloc_returns_null_and_keeps_the_error():
         bridge.uninstall()
 
 
+@needs_entry_points
 def test_freeing_memory_the_bridge_did_not_lend_frees_nothing_and_says_so(bridge):
     ptr = bridge.malloc(64, 0, None)
     bridge.free(ptr + 8, 64, 0, None)
@@ -94,6 +103,7 @@ def test_freeing_memory_the_bridge_did_not_lend_frees_nothing_and_says_so(bridge
     assert bridge.lent_bytes == 0
 
 
+@needs_entry_points
 def test_after_uninstall_malloc_returns_null(bridge):
     bridge.uninstall()
     assert bridge.malloc(16, 0, None) == 0 and bridge.errors == []
