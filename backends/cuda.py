@@ -785,11 +785,11 @@ def use_with_torch(allocator: Any) -> Any:
         ValueError: the allocator is not on a CUDA device.
         RuntimeError: PyTorch's allocator is already in use (PyTorch's own message).
     """
-    cp = _cupy()
     device = allocator.device
     if not isinstance(device, CudaDevice):
         raise ValueError(f"use_with_torch needs an allocator on a CUDA device, not on "
                          f"{device.name}")
+    cp = _cupy()
     try:
         import torch
     except ImportError as exc:

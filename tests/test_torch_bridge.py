@@ -120,3 +120,10 @@ def test_in_pure_python_mode_the_bridge_is_refused_saying_why():
                                             "BLOCKRT_PURE_PYTHON": "1"})
     assert done.stdout.startswith("BackendUnavailableError") and "BLOCKRT_PURE_PYTHON=1" in \
         done.stdout, done.stdout + done.stderr
+
+
+def test_use_with_torch_refuses_an_allocator_that_is_not_on_cuda_by_name():
+    from backends.cuda import use_with_torch
+
+    with pytest.raises(ValueError, match="needs an allocator on a CUDA device, not on cpu"):
+        use_with_torch(allocators.create("direct", backends.get_device("cpu")))
