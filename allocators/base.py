@@ -188,6 +188,31 @@ class Allocator(AllocatorState):
         self._book_free(allocation)
 
     # ------------------------------------------------------------------ queue-ordered reuse
+    def allocate_for(self, nbytes: int, queue: Any = None) -> Allocation:
+        """`allocate(nbytes)` for memory that `queue` uses (lent to a framework's queue or
+        stream): where `queue` is another than the device's home queue, `queue` first waits,
+        on the device, for what the home queue has queued (the memory's earlier users), and
+        the allocation is recorded as used on `queue` (`record_queue`), so that once freed it
+        is handed out again only after `queue` is done with it. None, the home queue, or a
+        device without queues: `allocate` alone. Note [queue-ordered reuse] in
+        backends/base.py.
+
+        Raises:
+            what `allocate` and `record_queue` raise; a refused record frees the memory first.
+        """
+        device = self.device
+        home = device.home_queue
+        if queue is None or home is None or device.queue_key(queue) == device.queue_key(home):
+            return self.allocate(nbytes)
+        device.join(queue, home)
+        allocation = self.allocate(nbytes)
+        try:
+            self.record_queue(allocation, queue)
+        except BaseException:
+            self.free(allocation)
+            raise
+        return allocation
+
     def record_queue(self, allocation: Allocation, queue: Any) -> None:
         """Note that `allocation` is used on `queue` as well as on its device's home queue
         (PyTorch's `Tensor.record_stream`).

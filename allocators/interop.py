@@ -95,14 +95,10 @@ def pyopencl_allocator(allocator: Allocator, queue: Any = None) -> Callable[[int
 
     def hook(nbytes: int) -> Any:
         nbytes = check_nbytes(nbytes, "pyopencl_allocator hook: size")
-        allocation = allocator.allocate(max(nbytes, 1))  # NOTE: OpenCL has no empty buffers
+        # NOTE: OpenCL has no empty buffers
+        allocation = allocator.allocate_for(max(nbytes, 1), queue)
         try:
             buffer = _sub_buffer(allocation)
-            if queue is not None:
-                # NOTE: the memory's earlier users come first: Note [queue-ordered reuse] in
-                # backends/base.py
-                device.join(queue, home)
-                allocator.record_queue(allocation, queue)
         except BaseException:
             allocator.free(allocation)
             raise

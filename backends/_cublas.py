@@ -143,7 +143,7 @@ class Handles(threading.local):
     handle: Handle | None = None
 
 
-def _matrix(x: Any, rows: int, cols: int, strides: tuple[int, int]) -> tuple[int, int]:
+def _matrix(rows: int, cols: int, strides: tuple[int, int]) -> tuple[int, int]:
     """(op, leading dimension) of a row-major (rows, cols) matrix with these element strides,
     as cuBLAS reads its column-major transpose: N where rows are contiguous, T where columns
     are; a size-1 axis takes any stride."""
@@ -193,8 +193,8 @@ def prepare(handles: Handles, make: Callable[[], Handle], a: Any, b: Any,
                           f"{element}: its rows must be contiguous")
     ldc = max(element[0] if m > 1 else n, 1)
     # NOTE: cuBLAS computes out^T = b^T @ a^T: b is its first operand
-    op_b, ldb = _matrix(b, k, n, tuple(s // size for s in b.strides[-2:]))
-    op_a, lda = _matrix(a, m, k, tuple(s // size for s in a.strides[-2:]))
+    op_b, ldb = _matrix(k, n, tuple(s // size for s in b.strides[-2:]))
+    op_a, lda = _matrix(m, k, tuple(s // size for s in a.strides[-2:]))
     stride_b, stride_a = _batch(b, count), _batch(a, count)
     stride_c = out.strides[0] // size if out.ndim == 3 and count > 1 else 0
     if dtype == np.float64:
@@ -207,7 +207,7 @@ def prepare(handles: Handles, make: Callable[[], Handle], a: Any, b: Any,
     kind = _DATA[dtype]
     lib = _cublas()
     pa, pb, pc = (ctypes.c_void_p(int(x.data.ptr)) for x in (a, b, out))
-    if count == 1 or (stride_a == 0 and stride_b == 0 and out.ndim == 2):
+    if count == 1:
         args = (op_b, op_a, n, m, k, ctypes.byref(one), pb, kind, ldb, pa, kind, lda,
                 ctypes.byref(zero), pc, kind, ldc, compute, _GEMM_DEFAULT)
         call, name = lib.cublasGemmEx, "cublasGemmEx"

@@ -120,22 +120,11 @@ class Bridge:
         if device != index:
             raise ValueError(f"PyTorch asked for {size} bytes on device {device}, but this "
                              f"blockrt allocator lends memory of {own.name}")
-        queue = None
-        if own.capabilities.queues and self.queue_of is not None:
-            queue = self.queue_of(stream)
-            if own.queue_key(queue) == own.queue_key(own.home_queue):
-                queue = None
-            else:  # NOTE: earlier users of the memory come first (the module docstring)
-                own.join(queue, own.home_queue)
-        allocation = self.allocator.allocate(size)
-        try:
-            if queue is not None:
-                self.allocator.record_queue(allocation, queue)
-            with self._lock:
-                self._lent[allocation.ptr] = allocation
-        except BaseException:
-            self.allocator.free(allocation)
-            raise
+        queue = (self.queue_of(stream) if own.capabilities.queues and self.queue_of is not None
+                 else None)
+        allocation = self.allocator.allocate_for(size, queue)  # NOTE: the module docstring
+        with self._lock:
+            self._lent[allocation.ptr] = allocation
         return allocation.ptr
 
     def _free(self, ptr: int | None, size: int, device: int, stream: int | None) -> None:

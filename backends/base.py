@@ -1170,8 +1170,9 @@ class Device:
     def record(self, run: Callable[[], None]) -> Any:
         """Record the copies and kernels that `run()` queues as one device graph, without
         running them, and return it: an object whose `launch()` queues them all again on the
-        home queue, on the same memory, with one call, and whose `checked` lists the (address,
-        bytes) ranges that host checks moved out of the graph read (`launch` runs those checks
+        home queue, on the same memory, with one call, and whose `checked` lists the layouts
+        (device address, shape, byte strides, itemsize) that host checks moved out of the
+        graph read (`launch` runs those checks
         first, so the graph is right only where nothing in it writes them: the caller makes
         sure), and whose `held_bytes` is the memory the work took while it was recorded (a
         kernel's temporaries), which stays with the graph.

@@ -572,7 +572,7 @@ class CudaDevice(Device):
         else:
             # NOTE: a host read cannot be recorded: the graph's launch checks first
             recording.checks.append(functools.partial(_check_labels, labels, classes))
-            recording.checked.append(_extent(labels))
+            recording.checked.append(_layout(labels))
         # NOTE: the small temporaries below come from CuPy's current allocator (its pool, or
         # blockrt after use_with_cupy); the outputs are blockrt memory.
         cp.subtract(logits, cp.max(logits, axis=1, keepdims=True), out=probs)
@@ -651,11 +651,9 @@ def _check_labels(labels: Any, classes: int) -> None:
                          f"{classes} classes")
 
 
-def _extent(view: Any) -> tuple[int, int]:
-    """(first byte's address, bytes spanned) of a CuPy view."""
-    low = sum(s * (n - 1) for s, n in zip(view.strides, view.shape) if s < 0 and n)
-    high = sum(s * (n - 1) for s, n in zip(view.strides, view.shape) if s > 0 and n)
-    return int(view.data.ptr) + low, (high - low + view.itemsize) if view.size else 0
+def _layout(view: Any) -> tuple[int, tuple, tuple, int]:
+    """A CuPy view as a layout of runtime/aliasing.py at its device address."""
+    return int(view.data.ptr), view.shape, view.strides, view.itemsize
 
 
 class _Recording:
@@ -669,9 +667,10 @@ class _Recording:
         #: allocations, and CuPy's (its temporaries) from this pool
         self.kept: list[Any] = []
         self.pool: Any = None
-        #: host checks a recorded op moved to before the launch, and the ranges they read
+        #: host checks a recorded op moved to before the launch, and the layouts they read
+        #: (offset = device address, shape, byte strides, itemsize)
         self.checks: list[Callable[[], None]] = []
-        self.checked: list[tuple[int, int]] = []
+        self.checked: list[tuple[int, tuple, tuple, int]] = []
 
     @property
     def held_bytes(self) -> int:

@@ -242,7 +242,7 @@ def time_group(key: str, precision: str, device: str, rounds: int,
     number = steps_per_round(config, device)
     times: dict[str, list[float]] = {label: [] for label in steps}
     order = list(steps)
-    for r in range(rounds):
+    for r in range(rounds if order else 0):  # NOTE: none may have run
         for label in order[r % len(order):] + order[:r % len(order)]:
             run = steps[label]
             start = time.perf_counter()
@@ -259,32 +259,36 @@ def time_config(key: str, device: str, precisions: list[str], rounds: int
     process of their own: an error in one contender's kernel (a device-side assert) ends its
     process's CUDA context and every later figure with it (on an H200, 2026-11-28, PyTorch's
     CUDA-graph contender wrote into freed memory, since mended: `torch_step`)."""
+    groups = ([[n for n, (f, _) in CONTENDERS.items() if f == framework]
+               for framework in ("torch", "blockrt")] if device == "cuda" else [list(CONTENDERS)])
     ms: dict[str, float] = {}
     missing: dict[str, str] = {}
     for precision in precisions:
-        if device != "cuda":
-            found, why = time_group(key, precision, device, rounds)
-            ms.update(found)
-            missing.update(why)
-            continue
-        for framework in ("torch", "blockrt"):
-            names = [n for n, (f, _) in CONTENDERS.items() if f == framework]
-            done = subprocess.run(
-                [sys.executable, __file__, "--time-group",
-                 f"{key},{precision},{rounds},{'+'.join(names)}"],
-                capture_output=True, text=True, timeout=240)
-            last = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
-            try:
-                found, why = json.loads(last[0])
-            except (IndexError, ValueError):
-                errors = [line for line in done.stderr.splitlines()
-                          if "Error" in line or "error" in line] or ["no output"]
-                found, why = {}, {f"{name} {precision}": f"the process failed "
-                                  f"(exit {done.returncode}): {errors[0][:200]}"
-                                  for name in names}
+        for names in groups:
+            if device != "cuda":
+                found, why = time_group(key, precision, device, rounds, names)
+            else:
+                lines, failure = _child("--time-group",
+                                        f"{key},{precision},{rounds},{'+'.join(names)}", 240)
+                found, why = json.loads(lines[-1]) if failure is None else (
+                    {}, {f"{name} {precision}": failure for name in names})
             ms.update(found)
             missing.update(why)
     return ms, missing
+
+
+def _child(option: str, value: str, timeout: float) -> tuple[list[str], str | None]:
+    """This script run in a fresh process with `option value`: its output's lines, and None,
+    or why it failed (the first line of its error output that names an error: a CUDA
+    context's teardown prints more after it)."""
+    done = subprocess.run([sys.executable, __file__, option, value], capture_output=True,
+                          text=True, timeout=timeout)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode == 0 and lines:
+        return lines, None
+    errors = [line for line in done.stderr.splitlines() if "rror" in line] or [
+        (done.stderr.strip().splitlines() or ["no output"])[-1]]
+    return lines, f"the process failed (exit {done.returncode}): {errors[0][:200]}"
 
 
 def memory_of(key: str, name: str, precision: str) -> int:
@@ -325,19 +329,14 @@ def memory_table(keys: list[str], precisions: list[str]) -> dict[str, Any]:
         for precision in precisions:
             cells = []
             for name in names:
-                done = subprocess.run(
-                    [sys.executable, __file__, "--measure-memory", f"{key},{name},{precision}"],
-                    capture_output=True, text=True, timeout=180)
-                lines = done.stdout.strip().splitlines()
-                last = lines[-1:]
-                if done.returncode == 0 and last and last[0].isdigit():
-                    found[f"{key} {name} {precision}"] = int(last[0])
-                    cells.append(f"{int(last[0]) / 2**20:.0f} MiB")
+                lines, failure = _child("--measure-memory", f"{key},{name},{precision}", 180)
+                if failure is None and lines[-1].isdigit():
+                    found[f"{key} {name} {precision}"] = int(lines[-1])
+                    cells.append(f"{int(lines[-1]) / 2**20:.0f} MiB")
                     notes.extend(f"{key} {name} {precision}: {line[2:]}" for line in lines
                                  if line.startswith("# "))
                 else:
-                    why = (done.stderr.strip().splitlines() or ["failed"])[-1]
-                    cells.append(f"({why[:60]})")
+                    cells.append(f"({(failure or 'no figure')[:60]})")
             print(f"| {key} | {precision} | " + " | ".join(cells) + " |")
     for note in notes:
         print(f"- {note}")

@@ -538,11 +538,7 @@ class Reducer:
             part = self._recv.pop(index)
         else:
             part = self._part(bucket, views[0] if bucket.host is None else bucket.host)
-        averaged = (part / part.dtype.type(self.group.size)).astype(out.dtype)
-        if bucket.host is None:
-            np.copyto(out, averaged.reshape(out.shape))
-        else:
-            bucket.params[0].device.from_host(averaged.reshape(out.shape), out)
+        bucket.params[0].device.from_host(part / part.dtype.type(self.group.size), out)
 
     def record_save(self, targets: list[Tensor]) -> Tensor:
         """Inside a capture, before the optimizer's step: record a host copy of `targets`
@@ -564,8 +560,7 @@ class Reducer:
 
     def _replay_save(self, views: list) -> None:
         device = self.buckets[0].params[0].device
-        self._undo = [np.array(v, copy=True) if device.capabilities.host_memory
-                      else device.to_host(v) for v in views]
+        self._undo = [device.to_host(v) for v in views]
 
     def record_gather(self, targets: list[Tensor], token: Tensor) -> None:
         """Inside a capture: record the all-gather of the updated shards into the parameters
@@ -584,35 +579,20 @@ class Reducer:
 
     def _replay_gather(self, params: tuple, targets: tuple, shards: list[int]) -> None:
         device = self.buckets[0].params[0].device
-        works, gathered = [], []
         try:
-            for bucket, at in zip(self.buckets, shards):
-                shard = targets[at]
-                host = (shard if device.capabilities.host_memory
-                        else device.to_host(shard)).reshape(-1)
-                send = np.ascontiguousarray(host.astype(bucket.staging, copy=False))
-                recv = np.empty(bucket.padded, bucket.staging)
-                works.append(self.group.allgather(send, recv, f"all-gather of bucket "
-                                                              f"{bucket.index} (in a graph)"))
-                gathered.append((bucket, send, recv))
-            self.group.wait_all(works)
+            received = self._allgathered([targets[at] if device.capabilities.host_memory
+                                          else device.to_host(targets[at]) for at in shards],
+                                         " (in a graph)")
         except BaseException:
             for saved, target in zip(self._undo, targets):  # NOTE: as before the step
-                if device.capabilities.host_memory:
-                    np.copyto(target, saved)
-                else:
-                    device.from_host(saved, target)
+                device.from_host(saved, target)
             raise
         finally:
             self._undo = []
         at = 0
-        for bucket, _, recv in gathered:  # NOTE: the commit point: every bucket is here
+        for bucket, recv in zip(self.buckets, received):  # NOTE: the commit point
             for p, offset in zip(bucket.params, bucket.offsets):
-                values = recv[offset:offset + p.size].reshape(p.shape).astype(p.dtype)
-                if device.capabilities.host_memory:
-                    np.copyto(params[at], values)
-                else:
-                    device.from_host(values, params[at])
+                device.from_host(recv[offset:offset + p.size], params[at])
                 at += 1
 
     # ------------------------------------------------------------------ ZeRO
@@ -639,17 +619,25 @@ class Reducer:
     def gather(self) -> None:
         """All-gather the updated shards into a host copy of every bucket, then, once every
         bucket has arrived, write the parameters (all of them or none)."""
-        works, gathered = [], []
-        for bucket, shard in zip(self.buckets, self.shards):
-            send = np.ascontiguousarray(shard.numpy().astype(bucket.staging, copy=False))
-            recv = np.empty(bucket.padded, bucket.staging)
-            works.append(self.group.allgather(send, recv, f"all-gather of bucket "
-                                                          f"{bucket.index}"))
-            gathered.append((bucket, send, recv))
-        self.group.wait_all(works)
-        for bucket, _, recv in gathered:  # NOTE: the commit point: every bucket is here
+        received = self._allgathered([shard.numpy() for shard in self.shards])
+        for bucket, recv in zip(self.buckets, received):  # NOTE: the commit point
             for p, offset in zip(bucket.params, bucket.offsets):
                 _write(p, recv[offset:offset + p.size], 1)
+
+    def _allgathered(self, shards: list[np.ndarray], where: str = "") -> list[np.ndarray]:
+        """Every bucket's all-gather of this rank's shard (a host array each, in bucket
+        order), started together and waited for together: each bucket's whole flat buffer,
+        every rank's part in it, once all have arrived."""
+        works, received, sent = [], [], []
+        for bucket, shard in zip(self.buckets, shards):
+            send = np.ascontiguousarray(shard.reshape(-1).astype(bucket.staging, copy=False))
+            recv = np.empty(bucket.padded, bucket.staging)
+            works.append(self.group.allgather(send, recv, f"all-gather of bucket "
+                                                          f"{bucket.index}{where}"))
+            sent.append(send)  # NOTE: MPI reads it until the wait
+            received.append(recv)
+        self.group.wait_all(works)
+        return received
 
     # ------------------------------------------------------------------ reports
     def buffer_bytes(self) -> int:

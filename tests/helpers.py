@@ -159,3 +159,30 @@ def pytest_in_pure_python(*args: str, timeout: float | None = None
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                            *args], cwd=root, env={**os.environ, PURE_PYTHON_ENV: "1"},
                           capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def product_layouts(rng: np.random.Generator, dtype: Any) -> list[tuple]:
+    """(a, a's view, b, b's view): host arrays and the view a matrix product meets of each,
+    applied alike to the host array and to its device copy: C order, a transposed view
+    (backward's x.T), rows of a wider array, one row, one column, an outer product, batches,
+    a 2-D operand broadcast over a batch, transposed batches, no rows."""
+    def r(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(dtype)
+
+    def same(v: Any) -> Any:
+        return v
+
+    def t(v: Any) -> Any:
+        return v.T
+
+    def swapped(v: Any) -> Any:
+        return v.swapaxes(1, 2)
+
+    return [(r(5, 4), same, r(4, 3), same), (r(4, 5), t, r(4, 3), same),
+            (r(5, 4), same, r(3, 4), t), (r(4, 5), t, r(3, 4), t),
+            (r(7, 12), lambda v: v[:, 2:6], r(4, 9), lambda v: v[:, :6]),
+            (r(1, 4), same, r(4, 3), same), (r(5, 4), same, r(4, 1), same),
+            (r(5, 1), same, r(1, 3), same),
+            (r(3, 2, 4), same, r(3, 4, 5), same), (r(3, 2, 4), same, r(4, 5), same),
+            (r(3, 4, 2), swapped, r(3, 4, 5), same), (r(3, 2, 4), same, r(3, 5, 4), swapped),
+            (r(0, 4), same, r(4, 3), same)]

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from backends import _cublas
+from helpers import product_layouts
 
 _DTYPES = {0: np.float32, 1: np.float64}
 
@@ -80,24 +81,9 @@ def cublas(monkeypatch):
     return stand_in
 
 
-def _layouts(rng, dtype):
-    def r(*shape):
-        return rng.standard_normal(shape).astype(dtype)
-
-    same, t = (lambda v: v), (lambda v: v.T)
-    return [(r(5, 4), same, r(4, 3), same), (r(4, 5), t, r(4, 3), same),
-            (r(5, 4), same, r(3, 4), t), (r(4, 5), t, r(3, 4), t),
-            (r(7, 12), lambda v: v[:, 2:6], r(4, 9), lambda v: v[:, :6]),
-            (r(1, 4), same, r(4, 3), same), (r(5, 4), same, r(4, 1), same),
-            (r(5, 1), same, r(1, 3), same),
-            (r(3, 2, 4), same, r(3, 4, 5), same), (r(3, 2, 4), same, r(4, 5), same),
-            (r(3, 4, 2), lambda v: v.swapaxes(1, 2), r(3, 4, 5), same),
-            (r(3, 2, 4), same, r(3, 5, 4), lambda v: v.swapaxes(1, 2))]
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_every_layout_maps_onto_the_column_major_call_that_computes_it(cublas, dtype):
-    for a, view_a, b, view_b in _layouts(np.random.default_rng(0), dtype):
+    for a, view_a, b, view_b in product_layouts(np.random.default_rng(0), dtype):
         left, right = view_a(a), view_b(b)
         want = left.astype(np.float64) @ right
         out = np.full(want.shape, np.nan, dtype)

@@ -16,7 +16,7 @@ import allocators
 import backends
 import runtime
 from backends.base import BINARY_KERNELS, UNARY_KERNELS
-from helpers import assert_rounded_product, float_chain, half_chain
+from helpers import assert_rounded_product, float_chain, half_chain, product_layouts
 
 NO_CUDA = "no CUDA device (cupy not installed or no GPU)"
 needs_cuda = pytest.mark.skipif("cuda" not in backends.available(), reason=NO_CUDA)
@@ -534,24 +534,6 @@ def test_without_a_device_that_records_the_report_says_why_and_the_option_is_che
         backends.get_device("cpu").record(lambda: None)
 
 
-def _layouts(rng, dtype):
-    """(a, a's view, b, b's view): host arrays and the view a product meets of each, applied
-    alike to the host array and its device copy: C order, a transposed view (backward's x.T),
-    rows of a wider array, one row, one column, batches, a transposed batch, a 2-D operand
-    broadcast over a batch, no rows."""
-    def r(*shape):
-        return rng.standard_normal(shape).astype(dtype)
-
-    same, t = (lambda v: v), (lambda v: v.T)
-    return [(r(5, 4), same, r(4, 3), same), (r(4, 5), t, r(4, 3), same),
-            (r(5, 4), same, r(3, 4), t), (r(4, 5), t, r(3, 4), t),
-            (r(7, 12), lambda v: v[:, 2:6], r(4, 9), lambda v: v[:, :6]),
-            (r(1, 4), same, r(4, 3), same), (r(5, 4), same, r(4, 1), same),
-            (r(3, 2, 4), same, r(3, 4, 5), same), (r(3, 2, 4), same, r(4, 5), same),
-            (r(3, 4, 2), lambda v: v.swapaxes(1, 2), r(3, 4, 5), same),
-            (r(0, 4), same, r(4, 3), same)]
-
-
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 def test_products_through_cublas_match_numpy_in_every_layout(gpu, dtype):
@@ -562,7 +544,7 @@ def test_products_through_cublas_match_numpy_in_every_layout(gpu, dtype):
     dtype = runtime._tensor.as_dtype(dtype)
     rng = np.random.default_rng(11)
     tol = {2: 1e-2, 4: 1e-5, 8: 1e-12}[dtype.itemsize]
-    for a, view_a, b, view_b in _layouts(rng, dtype):
+    for a, view_a, b, view_b in product_layouts(rng, dtype):
         want = view_a(a).astype(np.float64) @ view_b(b).astype(np.float64)
         out = _empty(gpu, want.shape, dtype)
         gpu.matmul(view_a(_on(gpu, a)), view_b(_on(gpu, b)), out)

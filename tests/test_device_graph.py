@@ -41,7 +41,7 @@ class _Launch:
 class RecordingDevice(NumpyDevice):
     """Host memory and kernels; `record` keeps the function (nothing runs), and each launch
     runs it again, as a device graph launches what it recorded. `refuse` makes `record` raise
-    RecordError with that reason; `checked` (a function of nothing) gives the ranges a host
+    RecordError with that reason; `checked` (a function of nothing) gives the layouts a host
     check moved out of the recording would read."""
 
     capabilities = dataclasses.replace(NumpyDevice.capabilities, records_graphs=True)
@@ -127,7 +127,7 @@ def test_a_host_check_of_memory_the_step_writes_is_refused_with_both_ranges():
     def written_by_the_step():
         capture = holder["step"]._last
         raw, offset = next(iter(capture.bound_memory.values()))
-        return [(device.address(raw) + offset, 4)]
+        return [(device.address(raw) + offset, (4,), (1,), 1)]
 
     nn.manual_seed(0)
     model = nn.Sequential(nn.Dense(6, 3, device=device))
@@ -144,7 +144,8 @@ def test_a_host_check_of_memory_the_step_writes_is_refused_with_both_ranges():
     def the_labels_copy():
         labels = holder["step"]._last.placeholders[1]
         allocation = labels.block._allocation
-        return [(device.address(allocation.raw) + allocation.offset, labels.nbytes)]
+        return [(device.address(allocation.raw) + allocation.offset, (labels.nbytes,), (1,),
+                 1)]
 
     device.checked = the_labels_copy
     step.recapture()

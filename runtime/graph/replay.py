@@ -10,6 +10,7 @@ import numpy as np
 
 from allocators import Allocation, format_bytes
 from backends.base import RecordError
+from runtime import aliasing
 from runtime._tensor import contiguous_strides
 from runtime.block import Block
 from runtime.errors import UseAfterFreeError
@@ -204,15 +205,14 @@ def _record(capture: _Capture) -> Any:
 
     try:
         recording = capture.device.record(run)
-        written = _written_extents(capture)
-        for start, size in recording.checked:
-            hit = next(((s, n) for s, n in written if s < start + size and start < s + n),
-                       None)
+        written = _written_layouts(capture)
+        for checked in recording.checked:
+            hit = next((w for w in written if aliasing.overlaps(checked, w)), None)
             if hit is not None:
                 raise RecordError(
-                    f"a host check before the launch would read {size} bytes at {start:#x}, "
-                    f"which the step itself writes ({hit[1]} bytes at {hit[0]:#x}): labels "
-                    f"made inside the step are checked only when it runs launch by launch")
+                    f"a host check before the launch would read {_span_text(checked)}, which "
+                    f"the step itself writes ({_span_text(hit)}): labels made inside the step "
+                    f"are checked only when it runs launch by launch")
     except RecordError as exc:
         capture.graph_reason = str(exc)
         return False
@@ -220,21 +220,22 @@ def _record(capture: _Capture) -> Any:
     return recording
 
 
-def _written_extents(capture: _Capture) -> list[tuple[int, int]]:
-    """(address, bytes) of everything the steps' instructions write."""
+def _written_layouts(capture: _Capture) -> list[aliasing.Layout]:
+    """Every layout the steps' instructions write, at device addresses."""
     device, memory = capture.device, capture.bound_memory
-    extents = []
+    layouts = []
     for step in capture.steps:
         for instr in step.instructions:
             for operand in instr.outputs:
                 raw, base = _memory_of(operand, capture, memory)
-                low = sum(s * (n - 1) for s, n in zip(operand.strides, operand.shape)
-                          if s < 0 and n)
-                high = sum(s * (n - 1) for s, n in zip(operand.strides, operand.shape)
-                           if s > 0 and n)
-                size = high - low + operand.dtype.itemsize if all(operand.shape) else 0
-                extents.append((device.address(raw) + base + operand.offset + low, size))
-    return extents
+                layouts.append((device.address(raw) + base + operand.offset, operand.shape,
+                                operand.strides, operand.dtype.itemsize))
+    return layouts
+
+
+def _span_text(layout: aliasing.Layout) -> str:
+    start, stop = aliasing.byte_span(layout) or (layout[0], layout[0])
+    return f"{stop - start} bytes at {start:#x}"
 
 
 def _memory_of(operand: Operand, capture: _Capture, memory: Memory) -> tuple[Any, int]:
