@@ -31,6 +31,9 @@ import numpy as np
 #: cudaDataType_t of each dtype
 _DATA = {np.dtype("float32"): 0, np.dtype("float64"): 1, np.dtype("float16"): 2,
          np.dtype(ml_dtypes.bfloat16): 14}
+#: the two-byte floats whose products cuBLAS may also store in float32, unrounded (A and B
+#: of the dtype, C float32, float32 compute: a combination cublasGemmEx lists)
+HALF_INTO_FLOAT32 = (np.dtype("float16"), np.dtype(ml_dtypes.bfloat16))
 _OP_N, _OP_T = 0, 1
 _COMPUTE_32F, _COMPUTE_64F, _COMPUTE_32F_FAST_TF32 = 68, 70, 77
 _GEMM_DEFAULT = -1
@@ -170,10 +173,13 @@ def _batch(x: Any, count: int) -> int:
 def prepare(handles: Handles, make: Callable[[], Handle], a: Any, b: Any,
             out: Any) -> Callable[[], None]:
     """out = a @ b as one cuBLAS call, its arguments made now: a function that makes the call.
-    a, b, out: CuPy arrays of one dtype of `_DATA`; 2-D, or 3-D out with a and b 3-D of the same
-    batch or 2-D (broadcast). Raises Unsupported for other layouts and dtypes."""
+    a, b, out: CuPy arrays of one dtype of `_DATA`, or a and b of one two-byte float dtype and
+    out float32 (the product accumulated in float32 and stored unrounded: `HALF_INTO_FLOAT32`);
+    2-D, or 3-D out with a and b 3-D of the same batch or 2-D (broadcast). Raises Unsupported
+    for other layouts and dtypes."""
     dtype = out.dtype
-    if dtype not in _DATA or a.dtype != dtype or b.dtype != dtype:
+    wide = dtype == np.float32 and a.dtype in HALF_INTO_FLOAT32
+    if dtype not in _DATA or a.dtype != b.dtype or not (a.dtype == dtype or wide):
         raise Unsupported(f"a product of {a.dtype} and {b.dtype} into {dtype}")
     if out.ndim not in (2, 3) or a.ndim not in (2, out.ndim) or b.ndim not in (2, out.ndim):
         raise Unsupported(f"a product of {a.ndim}-D and {b.ndim}-D operands into {out.ndim}-D")
@@ -184,36 +190,37 @@ def prepare(handles: Handles, make: Callable[[], Handle], a: Any, b: Any,
     if k == 0:
         raise Unsupported("a product over an axis of length 0")
     count = out.shape[0] if out.ndim == 3 else 1
-    size = dtype.itemsize
+    size, operand_size = dtype.itemsize, a.dtype.itemsize
     element = tuple(s // size for s in out.strides[-2:])
-    if any(s % size for s in (*a.strides, *b.strides, *out.strides)):
+    if (any(s % operand_size for s in (*a.strides, *b.strides))
+            or any(s % size for s in out.strides)):
         raise Unsupported("strides that are not whole elements")
     if not (element[1] == 1 or n == 1) or (m > 1 and element[0] < max(n, 1)):
         raise Unsupported(f"an output of shape {out.shape} with element strides "
                           f"{element}: its rows must be contiguous")
     ldc = max(element[0] if m > 1 else n, 1)
     # NOTE: cuBLAS computes out^T = b^T @ a^T: b is its first operand
-    op_b, ldb = _matrix(k, n, tuple(s // size for s in b.strides[-2:]))
-    op_a, lda = _matrix(m, k, tuple(s // size for s in a.strides[-2:]))
+    op_b, ldb = _matrix(k, n, tuple(s // operand_size for s in b.strides[-2:]))
+    op_a, lda = _matrix(m, k, tuple(s // operand_size for s in a.strides[-2:]))
     stride_b, stride_a = _batch(b, count), _batch(a, count)
     stride_c = out.strides[0] // size if out.ndim == 3 and count > 1 else 0
     if dtype == np.float64:
         compute, scalar = _COMPUTE_64F, ctypes.c_double
     else:
         compute, scalar = _COMPUTE_32F, ctypes.c_float
-        if dtype == np.float32 and _precision[0] == "high":
+        if a.dtype == np.float32 and _precision[0] == "high":
             compute = _COMPUTE_32F_FAST_TF32
     one, zero = scalar(1.0), scalar(0.0)
-    kind = _DATA[dtype]
+    kind, out_kind = _DATA[a.dtype], _DATA[dtype]
     lib = _cublas()
     pa, pb, pc = (ctypes.c_void_p(int(x.data.ptr)) for x in (a, b, out))
     if count == 1:
         args = (op_b, op_a, n, m, k, ctypes.byref(one), pb, kind, ldb, pa, kind, lda,
-                ctypes.byref(zero), pc, kind, ldc, compute, _GEMM_DEFAULT)
+                ctypes.byref(zero), pc, out_kind, ldc, compute, _GEMM_DEFAULT)
         call, name = lib.cublasGemmEx, "cublasGemmEx"
     else:
         args = (op_b, op_a, n, m, k, ctypes.byref(one), pb, kind, ldb, stride_b, pa, kind, lda,
-                stride_a, ctypes.byref(zero), pc, kind, ldc, stride_c, count, compute,
+                stride_a, ctypes.byref(zero), pc, out_kind, ldc, stride_c, count, compute,
                 _GEMM_DEFAULT)
         call, name = lib.cublasGemmStridedBatchedEx, "cublasGemmStridedBatchedEx"
     keep = (a, b, out, one, zero)  # NOTE: the arrays and scalars live as long as the call

@@ -717,6 +717,18 @@ class Device:
             return self._in_float32(self._matmul, (a, b), (out,))
         self._matmul(a, b, out)
 
+    def product_in_float32(self, a: Any, b: Any, out: Any) -> None:
+        """out = a @ b for a and b of one two-byte float dtype (HALVES) and a float32 `out`:
+        the product as a float32 `matmul` of the widened operands computes it, not rounded to
+        the operands' dtype (a linear layer adds its bias before its one rounding). A backend
+        whose library multiplies the halves themselves into float32 (cuBLAS's GemmEx)
+        overrides `_product_in_float32`; its sums may then differ from the widened product's
+        in the last place, as its two-byte `matmul` does."""
+        self._product_in_float32(a, b, out)
+
+    def _product_in_float32(self, a: Any, b: Any, out: Any) -> None:
+        self._in_float32(self.matmul, (a, b), (out,))
+
     def cast(self, x: Any, out: Any) -> None:
         """out = x converted to out's dtype (same shape; never overlapping), under the rules of
         `runtime.ops.cast` (which refuses the other pairs before a device sees them)."""

@@ -514,6 +514,21 @@ class CudaDevice(Device):
     def _matmul(self, a, b, out) -> None:
         self._prepared_matmul(a, b, out)()
 
+    def _product_in_float32(self, a, b, out) -> None:
+        """One GemmEx, half operands into a float32 output on tensor cores (`_cublas.prepare`),
+        where cuBLAS multiplies the dtype here and takes the layout; else the widened
+        product."""
+        if self._half_gemm[a.dtype]:
+            try:
+                call = _cublas.prepare(self._handles, self._new_handle, a, b, out)
+            except _cublas.Unsupported:
+                pass
+            else:
+                with self.cuda_device:
+                    call()
+                return
+        super()._product_in_float32(a, b, out)
+
     def _prepared_matmul(self, a, b, out) -> Callable[[], None]:
         """One cuBLAS call of blockrt's own (backends/_cublas.py: the same call eagerly and in
         a recorded graph); layouts it does not run go to CuPy's matmul, which a graph cannot

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import ctypes
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 from backends import _cublas
 from helpers import product_layouts
 
-_DTYPES = {0: np.float32, 1: np.float64}
+_DTYPES = {0: np.float32, 1: np.float64, 2: np.float16, 14: ml_dtypes.bfloat16}
 
 
 def _matrix(address: int, dtype, op: int, rows: int, cols: int, ld: int) -> np.ndarray:
@@ -48,13 +49,13 @@ class _Cublas:
                                    stride_c, count, compute, algo, record=True):
         if record:
             self.calls.append("batched")
-        dtype = _DTYPES[atype]
-        size = np.dtype(dtype).itemsize
+        a_type, b_type, c_type = _DTYPES[atype], _DTYPES[btype], _DTYPES[ctype]
+        a_size, b_size, c_size = (np.dtype(t).itemsize for t in (a_type, b_type, c_type))
         for i in range(count):
-            op_a = _matrix(a.value + i * stride_a * size, dtype, ta, m, k, lda)
-            op_b = _matrix(b.value + i * stride_b * size, dtype, tb, k, n, ldb)
-            out = _matrix(c.value + i * stride_c * size, dtype, 0, m, n, ldc)
-            out[...] = op_a.astype(np.float64) @ op_b
+            op_a = _matrix(a.value + i * stride_a * a_size, a_type, ta, m, k, lda)
+            op_b = _matrix(b.value + i * stride_b * b_size, b_type, tb, k, n, ldb)
+            out = _matrix(c.value + i * stride_c * c_size, c_type, 0, m, n, ldc)
+            out[...] = op_a.astype(np.float64) @ op_b.astype(np.float64)
         return 0
 
 
@@ -91,6 +92,21 @@ def test_every_layout_maps_onto_the_column_major_call_that_computes_it(cublas, d
         np.testing.assert_allclose(out, want, rtol=1e-6, err_msg=f"{left.shape} @ "
                                    f"{right.strides} {right.shape}")
     assert {"gemm", "batched"} <= set(cublas.calls)
+
+
+@pytest.mark.parametrize("half", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+def test_two_byte_operands_go_into_a_float32_product_in_every_layout(cublas, half):
+    """Half operands, a float32 output: one call with A and B of the half type and C float32
+    (the product unrounded, as a linear layer's bias is added before its one rounding)."""
+    for a, view_a, b, view_b in product_layouts(np.random.default_rng(1), np.float32):
+        left, right = view_a(a.astype(half)), view_b(b.astype(half))
+        want = left.astype(np.float64) @ right.astype(np.float64)
+        out = np.full(want.shape, np.nan, np.float32)
+        _cublas.prepare(_Handles(), None, _View(left), _View(right), _View(out))()
+        np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(_cublas.Unsupported, match="float16 and float16 into float64"):
+        _cublas.prepare(_Handles(), None, *(_View(np.ones((2, 2), t))
+                                            for t in (np.float16, np.float16, np.float64)))
 
 
 def test_an_output_with_padded_rows_is_written_in_place_and_nowhere_else(cublas):
