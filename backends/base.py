@@ -118,6 +118,19 @@ class RecordError(RuntimeError):
     launch."""
 
 
+@dataclasses.dataclass(frozen=True)
+class HostCheck:
+    """A check of an op's operand that reads it on the host, moved out of a device graph
+    (`Device.record`): `check(array)` raises, naming the bad value, where the values are
+    refused. `view` is the device memory it reads at every launch, `layout` that memory as a
+    layout of runtime/aliasing.py (device address, shape, byte strides, itemsize); an array
+    of the same values (the host array copied there) may be checked in its place."""
+
+    layout: tuple[int, tuple[int, ...], tuple[int, ...], int]
+    view: Any
+    check: Callable[[Any], None]
+
+
 def check_nbytes(nbytes: Any, what: str = "size") -> int:
     """Return `nbytes` as an int, or raise TypeError/ValueError naming the bad value.
 
@@ -1182,12 +1195,11 @@ class Device:
     def record(self, run: Callable[[], None]) -> Any:
         """Record the copies and kernels that `run()` queues as one device graph, without
         running them, and return it: an object whose `launch()` queues them all again on the
-        home queue, on the same memory, with one call, and whose `checked` lists the layouts
-        (device address, shape, byte strides, itemsize) that host checks moved out of the
-        graph read (`launch` runs those checks
-        first, so the graph is right only where nothing in it writes them: the caller makes
-        sure), and whose `held_bytes` is the memory the work took while it was recorded (a
-        kernel's temporaries), which stays with the graph.
+        home queue, on the same memory, with one call; whose `checks` are the host checks
+        (`HostCheck`) the recorded ops moved out of the graph, which the caller runs before
+        each launch (so the graph is right only where nothing in it writes what they read:
+        the caller makes sure); and whose `held_bytes` is the memory the work took while it
+        was recorded (a kernel's temporaries), which stays with the graph.
 
         Raises:
             RecordError: the device records no graphs (`Capabilities.records_graphs`), or the

@@ -51,7 +51,14 @@ import numpy as np
 
 from backends import _cublas, _torchbridge, optable
 from backends._cublas import get_float32_matmul_precision, set_float32_matmul_precision
-from backends.base import HALVES, BackendUnavailableError, Capabilities, Device, RecordError
+from backends.base import (
+    HALVES,
+    BackendUnavailableError,
+    Capabilities,
+    Device,
+    HostCheck,
+    RecordError,
+)
 
 __all__ = ["CudaDevice", "get_float32_matmul_precision", "has_bfloat16",
            "set_float32_matmul_precision", "use_with_cupy", "use_with_torch"]
@@ -586,8 +593,8 @@ class CudaDevice(Device):
             _check_labels(labels, classes)
         else:
             # NOTE: a host read cannot be recorded: the graph's launch checks first
-            recording.checks.append(functools.partial(_check_labels, labels, classes))
-            recording.checked.append(_layout(labels))
+            recording.checks.append(HostCheck(_layout(labels), labels,
+                                              functools.partial(_check_labels, classes=classes)))
         # NOTE: the small temporaries below come from CuPy's current allocator (its pool, or
         # blockrt after use_with_cupy); the outputs are blockrt memory.
         cp.subtract(logits, cp.max(logits, axis=1, keepdims=True), out=probs)
@@ -672,8 +679,8 @@ def _layout(view: Any) -> tuple[int, tuple, tuple, int]:
 
 
 class _Recording:
-    """A recorded CUDA graph (`CudaDevice.record`): `launch()` runs the host checks moved out
-    of it, then queues the graph on the device's stream."""
+    """A recorded CUDA graph (`CudaDevice.record`): `launch()` queues it on the device's
+    stream."""
 
     def __init__(self, device: CudaDevice) -> None:
         self.device = device
@@ -682,10 +689,9 @@ class _Recording:
         #: allocations, and CuPy's (its temporaries) from this pool
         self.kept: list[Any] = []
         self.pool: Any = None
-        #: host checks a recorded op moved to before the launch, and the layouts they read
-        #: (offset = device address, shape, byte strides, itemsize)
-        self.checks: list[Callable[[], None]] = []
-        self.checked: list[tuple[int, tuple, tuple, int]] = []
+        #: host checks the recorded ops moved out of the graph, for the caller to run before
+        #: each launch (`Device.record`)
+        self.checks: list[HostCheck] = []
 
     @property
     def held_bytes(self) -> int:
@@ -696,9 +702,7 @@ class _Recording:
 
     def launch(self) -> None:
         device = self.device
-        with device.cuda_device, device.stream:
-            for check in self.checks:
-                check()
+        with device.cuda_device:
             self.graph.launch(device.stream)
 
 

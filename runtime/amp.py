@@ -178,7 +178,8 @@ class _Copy:
         #: the memory the master views (block id, offset, strides): a block's id is never
         #: reused, where a new master's id() may be
         self.source = source
-        #: what `_seen` said of the master at the last eager cast; None: cast at the next use
+        #: what `dlpack.seen` said of the master's block at the last eager cast; None: cast at
+        #: the next use
         self.seen: tuple[int, int] | None = None
         #: the capture (a weak reference to its tape) that recorded the last cast, if any
         self.capture: Any = None
@@ -193,16 +194,10 @@ class _Copy:
 # export of its block lives, or for an imported block, the copy is cast at every use; and
 # since an export that begins and ends between two uses leaves no live export behind, the
 # copy also remembers how many exports of the block had begun or ended
-# (`dlpack.export_events`) and is cast again when that count moved. No check of the content
-# (a full read of the master) is needed, and no stale copy is ever read.
-def _seen(master: Tensor) -> tuple[int, int] | None:
-    """What a working copy remembers of its master at a cast: the block's version and its
-    DLPack export count, or None where writes could come unseen (Note [writes the working
-    copy cannot see])."""
-    block = master.block
-    if block.exports or isinstance(block, dlpack.ForeignBlock):
-        return None
-    return block.version, dlpack.export_events(block)
+# (`dlpack.export_events`, both read by `dlpack.seen`) and is cast again when that count
+# moved. No check of the content (a full read of the master) is needed, and no stale copy is
+# ever read. A device graph's host checks skip bytes they passed by the same rule
+# (`_run_checks` in runtime/graph/replay.py).
 
 
 def working_copy(master: Tensor, dtype: np.dtype, copies: dict[Any, _Copy],
@@ -221,14 +216,14 @@ def working_copy(master: Tensor, dtype: np.dtype, copies: dict[Any, _Copy],
         entry = copies[key] = _Copy(made, source)
     recorder = tape.active()
     if recorder is None:
-        stale = entry.seen is None or entry.seen != _seen(master)
+        stale = entry.seen is None or entry.seen != dlpack.seen(master.block)
     else:
         stale = entry.capture is None or not _capturing(entry.capture)
     if stale:
         with no_grad():
             ops.cast(master, dtype, out=entry.copy)
         if recorder is None:
-            entry.seen, entry.capture = _seen(master), None
+            entry.seen, entry.capture = dlpack.seen(master.block), None
         else:  # NOTE: recorded, not run: the next eager use casts again
             entry.seen, entry.capture = None, weakref.ref(recorder)
     return entry.copy

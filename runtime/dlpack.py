@@ -145,6 +145,16 @@ def export_events(block: Block) -> int:
     return _export_events.get(block, 0)
 
 
+def seen(block: Block) -> tuple[int, int] | None:
+    """What a reader remembers of `block` to know later that nothing wrote it since: its
+    version and its export count, or None where writes could come unseen (a live export, or
+    imported memory), so that the reader must look again (Note [writes the working copy
+    cannot see] in runtime/amp.py)."""
+    if block.exports or isinstance(block, ForeignBlock):
+        return None
+    return block.version, export_events(block)
+
+
 class _Export:
     """Holds a handle (a tensor's, or the producer's array) and shows its memory through an
     array interface. For a tensor's memory it counts as a live export of the block

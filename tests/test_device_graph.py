@@ -11,10 +11,11 @@ import dataclasses
 
 import numpy as np
 import pytest
+from test_budget import batch, deep_step, forced_rates
 
 import allocators
 import runtime
-from backends.base import RecordError
+from backends.base import HostCheck, RecordError
 from backends.numpy import NumpyDevice
 from runtime import nn
 from runtime.block import Block
@@ -26,8 +27,8 @@ class _Launch:
 
     held_bytes = 0
 
-    def __init__(self, run, checked):
-        self.run, self.checked, self.launches = run, checked, 0
+    def __init__(self, run, checks):
+        self.run, self.checks, self.launches = run, checks, 0
 
     def launch(self):
         self.launches += 1
@@ -41,8 +42,8 @@ class _Launch:
 class RecordingDevice(NumpyDevice):
     """Host memory and kernels; `record` keeps the function (nothing runs), and each launch
     runs it again, as a device graph launches what it recorded. `refuse` makes `record` raise
-    RecordError with that reason; `checked` (a function of nothing) gives the layouts a host
-    check moved out of the recording would read."""
+    RecordError with that reason; `checks` (a function of nothing) gives the host checks
+    (`HostCheck`) that a recording moved out of the graph."""
 
     capabilities = dataclasses.replace(NumpyDevice.capabilities, records_graphs=True)
 
@@ -51,12 +52,12 @@ class RecordingDevice(NumpyDevice):
         self.name = "recording"
         self.recordings: list[_Launch] = []
         self.refuse: str | None = None
-        self.checked = list
+        self.checks = list
 
     def _record(self, run):
         if self.refuse is not None:
             raise RecordError(self.refuse)
-        self.recordings.append(_Launch(run, self.checked()))
+        self.recordings.append(_Launch(run, self.checks()))
         return self.recordings[-1]
 
 
@@ -118,40 +119,113 @@ def test_a_step_the_device_cannot_record_runs_launch_by_launch_and_says_why():
         np.testing.assert_array_equal(p, q)
 
 
-def test_a_host_check_of_memory_the_step_writes_is_refused_with_both_ranges():
-    """A check moved before the launch must read what the step does not write (its inputs'
-    copies); one that reads an intermediate would see the last step's values."""
-    device = RecordingDevice()
-    holder = {}
+def labels_check(holder: dict, device: RecordingDevice, log: list):
+    """`RecordingDevice.checks` as the CUDA device's cross_entropy moves its check out of a
+    recording: one HostCheck of the graph's copy of the labels (argument 1), which logs the
+    array it is given and refuses a label outside [0, 3)."""
 
-    def written_by_the_step():
-        capture = holder["step"]._last
-        raw, offset = next(iter(capture.bound_memory.values()))
-        return [(device.address(raw) + offset, (4,), (1,), 1)]
+    def checks():
+        labels = holder["step"]._last.placeholders[1]
+        allocation = labels.block._allocation
+        offset, shape, strides, itemsize = labels.layout()
+        address = device.address(allocation.raw) + allocation.offset + offset
 
+        def check(array):
+            log.append(array)
+            bad = array[(array < 0) | (array >= 3)]
+            if bad.size:
+                raise ValueError(f"the host check: label {int(bad[0])} is outside [0, 3)")
+
+        return [HostCheck((address, shape, strides, itemsize), labels._native_read("test"),
+                          check)]
+
+    return checks
+
+
+def one_layer_step(device: RecordingDevice) -> tuple[dict, nn.Module]:
     nn.manual_seed(0)
     model = nn.Sequential(nn.Dense(6, 3, device=device))
     step = runtime.graph(nn.train_step(model, nn.SGD(model.parameters(), lr=0.1)),
                          device=device, allocator=allocators.create("direct", device))
-    holder["step"] = step
-    device.checked = written_by_the_step
+    return {"step": step}, model
+
+
+def test_a_host_check_of_memory_the_step_writes_is_refused_with_both_ranges():
+    """A check moved before the launch must read what the step does not write (its inputs'
+    copies); one that reads an intermediate would see the last step's values."""
+    device = RecordingDevice()
+    holder, _ = one_layer_step(device)
+    step = holder["step"]
+
+    def written_by_the_step():
+        raw, offset = next(iter(step._last.bound_memory.values()))
+        return [HostCheck((device.address(raw) + offset, (4,), (1,), 1), None, print)]
+
+    device.checks = written_by_the_step
     x, y = np.ones((4, 6), np.float32), np.array([0, 1, 2, 0])
     for _ in range(3):
         step(x, y)
     reason = step.memory_report()["device_graph"]
     assert "which the step itself writes" in reason and "4 bytes at 0x" in reason
 
-    def the_labels_copy():
-        labels = holder["step"]._last.placeholders[1]
-        allocation = labels.block._allocation
-        return [(device.address(allocation.raw) + allocation.offset, (labels.nbytes,), (1,),
-                 1)]
-
-    device.checked = the_labels_copy
+    device.checks = labels_check(holder, device, [])
     step.recapture()
     for _ in range(3):
         step(x, y)
     assert step.memory_report()["device_graph"] == "recorded"
+
+
+def test_host_labels_are_checked_on_the_host_and_bad_ones_refused_before_any_write():
+    """Labels passed as a host array: the check before each launch reads that array, not the
+    device (no wait for the device's queue); a bad label raises before anything is written."""
+    device = RecordingDevice()
+    log: list = []
+    holder, model = one_layer_step(device)
+    device.checks = labels_check(holder, device, log)
+    x = np.ones((4, 6), np.float32)
+    batches = [np.array([0, 1, 2, k % 3]) for k in range(5)]
+    for y in batches:
+        holder["step"](x, y)
+    assert device.recordings[0].launches == 4 and len(log) == 4
+    for checked, y in zip(log, batches[1:]):
+        assert np.shares_memory(checked, y)
+    before = [(p.version, p.numpy()) for p in model.parameters()]
+    with pytest.raises(ValueError, match="the host check: label 7 is outside"):
+        holder["step"](x, np.array([0, 7, 1, 2]))
+    for p, (version, values) in zip(model.parameters(), before):
+        assert p.version == version
+        np.testing.assert_array_equal(p.numpy(), values)
+
+
+def test_device_labels_are_checked_again_only_after_a_write_could_have_changed_them():
+    """Labels in a tensor: checked at the first launch, skipped while nothing can have written
+    them (the rule of runtime/amp.py's working copies, `dlpack.seen`), checked again after a
+    write through the runtime, at every launch while a DLPack export lives, and once after it
+    ended; a bad label written in is refused."""
+    device = RecordingDevice()
+    log: list = []
+    holder, model = one_layer_step(device)
+    device.checks = labels_check(holder, device, log)
+    step, x = holder["step"], np.ones((4, 6), np.float32)
+    labels = runtime.tensor(np.array([0, 1, 2, 0]), device=device)
+    for _ in range(4):
+        step(x, labels)
+    assert device.recordings[0].launches == 3 and len(log) == 1
+    labels[1] = 2
+    step(x, labels)
+    step(x, labels)
+    assert len(log) == 2 and log[-1][1] == 2
+    exported = np.from_dlpack(labels)
+    step(x, labels)
+    step(x, labels)
+    assert len(log) == 4
+    del exported
+    step(x, labels)
+    step(x, labels)
+    assert len(log) == 5
+    labels[2] = 3
+    with pytest.raises(ValueError, match="the host check: label 3 is outside"):
+        step(x, labels)
 
 
 def test_only_the_static_plan_records():
@@ -162,3 +236,35 @@ def test_only_the_static_plan_records():
         step(np.ones((1, 2), np.float32))
     assert step.memory_report()["device_graph"].startswith("plan 'recycle'")
     assert device.recordings == []
+
+
+class SeparateRecordingDevice(RecordingDevice):
+    """A recording device whose memory counts as not the host's (as CUDA's), so that a budget
+    may move results to host memory and back."""
+
+    capabilities = dataclasses.replace(RecordingDevice.capabilities, host_memory=False)
+
+
+def test_a_plan_that_moves_results_to_host_memory_is_not_recorded_and_keeps_its_bits():
+    """An offload reads device memory to the host each step, and its reload copies those
+    bytes back: a recording would replay the first step's bytes (a staged load) and return
+    wrong results silently (found on an H200, tests/test_graph.py under a budget). The plan
+    runs launch by launch, says why, and equals the unconstrained graph bit for bit."""
+    device = SeparateRecordingDevice()
+    x, y = batch(rows=8, width=16)
+    model, step = deep_step(6, 16, device=device)
+    reference = runtime.graph(step, device=device)
+    expected = [reference(x, y).item() for _ in range(4)]
+    want = [p.numpy() for p in model.parameters()]
+    assert device.recordings and reference.memory_report()["device_graph"] == "recorded"
+    need = reference.memory_report()["planned_bytes"]
+    model, step = deep_step(6, 16, device=device)
+    with forced_rates(device, per_byte=1e-12, per_flop=1e-9, per_element=0.0, per_call=0.0):
+        graph = runtime.graph(step, device=device, memory_budget=need * 7 // 10)
+        got = [graph(x, y).item() for _ in range(4)]
+    report = graph.memory_report()
+    assert report["moved"] > 0 and len(device.recordings) == 1
+    assert report["device_graph"].startswith("memory_budget moves results to host memory")
+    assert got == expected
+    for p, q in zip(model.parameters(), want):
+        np.testing.assert_array_equal(p.numpy(), q)

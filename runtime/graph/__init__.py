@@ -274,7 +274,7 @@ class Graph:
             _check_live(capture)
             _copy_inputs(capture, args)
             # NOTE: Note [IEEE results, no floating-point signals] in backends/base.py
-            ieee(_replay, capture, self.plan)
+            ieee(_replay, capture, self.plan, args)
             return _results(capture)
 
     def _keep(self, key: tuple, capture: _Capture) -> None:
@@ -430,18 +430,26 @@ class Graph:
                          name=getattr(self.fn, "__name__", type(self.fn).__name__))
         self._refuse(capture, _argument_writes(capture))
         self._check_fits(capture)
-        capture.record_graph, capture.graph_reason = self._records(capture.device)
+        capture.record_graph, capture.graph_reason = self._records(capture)
         capture.device.plan_products(_products(capture.steps))  # e.g. the CPU times its BLASes
         return capture
 
-    def _records(self, device: Any) -> tuple[bool, str | None]:
+    def _records(self, capture: _Capture) -> tuple[bool, str | None]:
         """Whether replays become one device graph, and if not, why (`memory_report`)."""
+        device = capture.device
         if self.plan != "static":
             return False, f"plan {self.plan!r} allocates during the step: only 'static' records"
         if not self.device_graph:
             return False, "device_graph=False: launch by launch"
         if not device.capabilities.records_graphs:
             return False, f"{device.name} records no device graphs"
+        moved = [i for step in capture.steps for i in step.instructions if i.phase == "move"]
+        if moved:
+            # NOTE: an offload reads device memory back to the host and its reload copies what
+            # it read, bytes that change every step: neither is a kernel a graph can hold
+            return False, (f"memory_budget moves results to host memory and back "
+                           f"({sum(i.op == 'offload' for i in moved)} offloads a step): "
+                           f"host copies run launch by launch")
         return True, "not recorded yet: the second replay records it"
 
     def _refuse(self, capture: _Capture, problem: str | None) -> None:

@@ -148,6 +148,11 @@ class _Capture:
     graph_reason: str | None = None
     #: outside blocks the steps write, marked written after each launch of `recording`
     graph_marks: list = field(default_factory=list)
+    #: for each of the recording's host checks, the argument whose copy it reads (an index
+    #: into `placeholders`) or None, and what the last check that passed saw of that
+    #: argument (`replay._run_checks`)
+    check_sources: list = field(default_factory=list)
+    check_seen: list = field(default_factory=list)
     #: raw device memory holding the bytes of the steps' loads, where `record_graph` (a load
     #: copies from there, which a graph can record)
     staged: list = field(default_factory=list)

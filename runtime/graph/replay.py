@@ -10,8 +10,8 @@ import numpy as np
 
 from allocators import Allocation, format_bytes
 from backends.base import RecordError
-from runtime import aliasing
-from runtime._tensor import contiguous_strides
+from runtime import aliasing, dlpack
+from runtime._tensor import Tensor, contiguous_strides, host_array
 from runtime.block import Block
 from runtime.errors import UseAfterFreeError
 from runtime.graph.fuse import _arguments, _fused_program
@@ -55,7 +55,7 @@ def _check_live(capture: _Capture) -> None:
         f"the freed block: call recapture() to capture the step again")
 
 
-def _replay(capture: _Capture, plan: str) -> None:
+def _replay(capture: _Capture, plan: str, args: Sequence[Any] = ()) -> None:
     """Run the schedule once. Every allocator call comes before the first write to state
     (Note [the commit point] in runtime/nn.py): blocks the graph keeps and the fused chains'
     scratch get memory first, "static" then takes its arena, and "none" and "recycle" take, just
@@ -66,7 +66,7 @@ def _replay(capture: _Capture, plan: str) -> None:
             block.memory_for_write("graph replay")
     held = _take_scratch(capture)
     if plan == "static":
-        _replay_static(capture, held)
+        _replay_static(capture, held, args)
         return
     _run_init(capture)
     allocator, starts, ends = capture.allocator, capture.memory.starts, capture.memory.ends
@@ -138,7 +138,7 @@ def _take_scratch(capture: _Capture) -> int:
     return capture.scratch_memory.size if capture.scratch_memory is not None else 0
 
 
-def _replay_static(capture: _Capture, held: int) -> None:
+def _replay_static(capture: _Capture, held: int, args: Sequence[Any]) -> None:
     """Run the prebuilt steps; they are rebuilt only when an outside block's memory moved.
     From the second replay on the same views, as one device graph where the device records
     them (Note [a static plan as one device graph])."""
@@ -167,6 +167,7 @@ def _replay_static(capture: _Capture, held: int) -> None:
         if capture.recording is None:
             capture.recording = _record(capture)
         if capture.recording:
+            _run_checks(capture, args)
             capture.recording.launch()
             for block in capture.graph_marks:
                 block.mark_written()
@@ -185,7 +186,9 @@ def _replay_static(capture: _Capture, held: int) -> None:
 # (`_copy_inputs`, before it: their sources are the caller's arrays, at new addresses each
 # call), and so do the host-side version marks of outside blocks the steps write
 # (`graph_marks`, after it). A load of host data inside the step (a constant the step makes)
-# copies bytes staged on the device once, at binding, which a graph can record. Where the
+# copies bytes staged on the device once, at binding, which a graph can record; a reload
+# (memory_budget's move to host memory and back) copies what its offload read this very step,
+# so a plan with moves is never recorded (`Graph._records`). Where the
 # device cannot record the step (a kernel that reads back
 # to the host, a library that refuses to be recorded) `_record` keeps the reason, which
 # `memory_report()["device_graph"]` shows, and the replays run launch by launch as before,
@@ -206,18 +209,54 @@ def _record(capture: _Capture) -> Any:
     try:
         recording = capture.device.record(run)
         written = _written_layouts(capture)
-        for checked in recording.checked:
-            hit = next((w for w in written if aliasing.overlaps(checked, w)), None)
+        for check in recording.checks:
+            hit = next((w for w in written if aliasing.overlaps(check.layout, w)), None)
             if hit is not None:
                 raise RecordError(
-                    f"a host check before the launch would read {_span_text(checked)}, which "
-                    f"the step itself writes ({_span_text(hit)}): labels made inside the step "
-                    f"are checked only when it runs launch by launch")
+                    f"a host check before the launch would read {_span_text(check.layout)}, "
+                    f"which the step itself writes ({_span_text(hit)}): labels made inside "
+                    f"the step are checked only when it runs launch by launch")
     except RecordError as exc:
         capture.graph_reason = str(exc)
         return False
     capture.graph_reason = None
+    copies = {_layout_of(holder): at for at, holder in enumerate(capture.placeholders)
+              if holder is not None}
+    capture.check_sources = [copies.get(check.layout) for check in recording.checks]
+    capture.check_seen = [None] * len(recording.checks)
     return recording
+
+
+def _layout_of(t: Tensor) -> aliasing.Layout:
+    """A tensor's memory as a layout at its device address."""
+    allocation = t.block.memory_for_write("graph replay")
+    offset, shape, strides, itemsize = t.layout()
+    return t.device.address(allocation.raw) + allocation.offset + offset, shape, strides, itemsize
+
+
+def _run_checks(capture: _Capture, args: Sequence[Any]) -> None:
+    """The recording's host checks, before its launch. One that reads the copy of an
+    argument checks a host array argument itself (no read of device memory, so no wait for
+    the device), and skips a tensor argument it passed before when nothing can have written
+    it since (`dlpack.seen`: Note [writes the working copy cannot see] in runtime/amp.py);
+    the others read the device."""
+    for at, check in enumerate(capture.recording.checks):
+        source = capture.check_sources[at]
+        if source is None:
+            check.check(check.view)
+            continue
+        arg, holder = args[source], capture.placeholders[source]
+        if not isinstance(arg, Tensor):
+            check.check(host_array(arg, None, "graph input").reshape(holder.shape))
+            continue
+        block = arg.block
+        seen = dlpack.seen(block)
+        key = None if seen is None else (block.id, block.generation, arg.offset, arg.strides,
+                                         *seen)
+        if key is None or key != capture.check_seen[at]:
+            capture.check_seen[at] = None
+            check.check(check.view)
+            capture.check_seen[at] = key
 
 
 def _written_layouts(capture: _Capture) -> list[aliasing.Layout]:
