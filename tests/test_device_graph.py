@@ -11,6 +11,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 from test_budget import batch, deep_step, forced_rates
 
 import allocators
@@ -268,3 +270,47 @@ def test_a_plan_that_moves_results_to_host_memory_is_not_recorded_and_keeps_its_
     assert got == expected
     for p, q in zip(model.parameters(), want):
         np.testing.assert_array_equal(p.numpy(), q)
+
+
+@settings(max_examples=30, deadline=None)
+@given(depth=st.integers(2, 10), width=st.sampled_from([8, 16]), rows=st.integers(1, 8),
+       seed=st.integers(0, 2**16), fraction=st.sampled_from([0.7, 0.4, 0.0]),
+       moves_cheap=st.booleans())
+def test_budgeted_steps_launch_with_the_bits_of_launch_by_launch(depth, width, rows, seed,
+                                                                 fraction, moves_cheap):
+    """Deep training steps under a budget that recomputes or moves results to host memory (a
+    device whose memory is not the host's, rates set to choose either), on a recording device:
+    recorded replays give the launch-by-launch replay's losses and parameters bit for bit, and
+    a plan with moves is never recorded."""
+    device = SeparateRecordingDevice()
+    rng = np.random.default_rng(seed)
+    batches = [(rng.standard_normal((rows, width), dtype=np.float32),
+                rng.integers(0, 10, rows)) for _ in range(4)]
+    results = {}
+    with forced_rates(device, per_byte=1e-12 if moves_cheap else 1e-3, per_flop=1e-9,
+                      per_element=0.0, per_call=0.0):
+        need = runtime.graph(deep_step(depth, width, seed, device)[1], device=device,
+                             device_graph=False)
+        need(*batches[0])
+        budget = int(need.memory_report()["planned_bytes"] * fraction)
+        try:
+            runtime.graph(deep_step(depth, width, seed, device)[1], device=device,
+                          memory_budget=budget)(*batches[0])
+        except runtime.BudgetError as refused:
+            budget = refused.least_bytes
+        for device_graph in (True, False):
+            model, step = deep_step(depth, width, seed, device)
+            graph = runtime.graph(step, device=device, device_graph=device_graph,
+                                  memory_budget=budget)
+            losses = [graph(x, y).item() for x, y in batches]
+            results[device_graph] = (losses, [p.numpy() for p in model.parameters()],
+                                     graph.memory_report())
+    (recorded, params, report), (launched, launched_params, _) = results[True], results[False]
+    np.testing.assert_array_equal(np.array(recorded), np.array(launched))
+    for p, q in zip(params, launched_params):
+        np.testing.assert_array_equal(p.view(np.uint8), q.view(np.uint8))
+    event(f"moved {bool(report['moved'])}, recomputed {bool(report['recomputed'])}")
+    if report["moved"]:
+        assert report["device_graph"].startswith("memory_budget moves results to host memory")
+    else:
+        assert report["device_graph"] == "recorded"
