@@ -272,6 +272,27 @@ def test_a_plan_that_moves_results_to_host_memory_is_not_recorded_and_keeps_its_
         np.testing.assert_array_equal(p.numpy(), q)
 
 
+def test_a_host_check_of_memory_outside_the_arguments_reads_the_device_at_every_launch():
+    """A check whose memory is no argument's copy (state from outside the step) cannot know
+    that nothing wrote it: it reads its view before every launch."""
+    device = RecordingDevice()
+    holder, _ = one_layer_step(device)
+    outside = runtime.tensor(np.array([0, 1, 2]), device=device)
+    log = []
+
+    def checks():
+        allocation = outside.block._allocation
+        offset, shape, strides, itemsize = outside.layout()
+        return [HostCheck((device.address(allocation.raw) + allocation.offset + offset, shape,
+                           strides, itemsize), outside._native_read("test"), log.append)]
+
+    device.checks = checks
+    for _ in range(5):
+        holder["step"](np.ones((4, 6), np.float32), np.array([0, 1, 2, 0]))
+    assert device.recordings[0].launches == 4 and len(log) == 4
+    assert all(np.shares_memory(view, outside._native_read("test")) for view in log)
+
+
 @settings(max_examples=30, deadline=None)
 @given(depth=st.integers(2, 10), width=st.sampled_from([8, 16]), rows=st.integers(1, 8),
        seed=st.integers(0, 2**16), fraction=st.sampled_from([0.7, 0.4, 0.0]),
