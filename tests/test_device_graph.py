@@ -301,8 +301,9 @@ def test_budgeted_steps_launch_with_the_bits_of_launch_by_launch(depth, width, r
                                                                  fraction, moves_cheap):
     """Deep training steps under a budget that recomputes or moves results to host memory (a
     device whose memory is not the host's, rates set to choose either), on a recording device:
-    recorded replays give the launch-by-launch replay's losses and parameters bit for bit, and
-    a plan with moves is never recorded."""
+    recorded replays give the launch-by-launch replay's losses and parameters bit for bit, with
+    the same allocator peak (a recording once allocated every fused chain's inner result, found
+    by tests/test_budget.py on an H200), and a plan with moves is never recorded."""
     device = SeparateRecordingDevice()
     rng = np.random.default_rng(seed)
     batches = [(rng.standard_normal((rows, width), dtype=np.float32),
@@ -321,12 +322,15 @@ def test_budgeted_steps_launch_with_the_bits_of_launch_by_launch(depth, width, r
             budget = refused.least_bytes
         for device_graph in (True, False):
             model, step = deep_step(depth, width, seed, device)
+            stats = allocators.StatisticsAdaptor(allocators.create("direct", device))
             graph = runtime.graph(step, device=device, device_graph=device_graph,
-                                  memory_budget=budget)
+                                  memory_budget=budget, allocator=stats)
             losses = [graph(x, y).item() for x, y in batches]
             results[device_graph] = (losses, [p.numpy() for p in model.parameters()],
-                                     graph.memory_report())
-    (recorded, params, report), (launched, launched_params, _) = results[True], results[False]
+                                     graph.memory_report(), stats.stats()["peak_allocated_bytes"])
+    (recorded, params, report, peak), (launched, launched_params, _, launched_peak) = (
+        results[True], results[False])
+    assert peak == launched_peak  # NOTE: a recording allocates nothing from the graph's
     np.testing.assert_array_equal(np.array(recorded), np.array(launched))
     for p, q in zip(params, launched_params):
         np.testing.assert_array_equal(p.view(np.uint8), q.view(np.uint8))

@@ -260,12 +260,15 @@ def _run_checks(capture: _Capture, args: Sequence[Any]) -> None:
 
 
 def _written_layouts(capture: _Capture) -> list[aliasing.Layout]:
-    """Every layout the steps' instructions write, at device addresses."""
+    """Every layout the steps' instructions write, at device addresses: a fused chain's inner
+    results are never in memory, and asking for theirs would allocate them."""
     device, memory = capture.device, capture.bound_memory
     layouts = []
     for step in capture.steps:
         for instr in step.instructions:
             for operand in instr.outputs:
+                if operand.block.id in step.internal:
+                    continue
                 raw, base = _memory_of(operand, capture, memory)
                 layouts.append((device.address(raw) + base + operand.offset, operand.shape,
                                 operand.strides, operand.dtype.itemsize))
