@@ -27,8 +27,11 @@ warm-up less before its model was built.
 `--device cpu` runs the same harness on the CPU (no CUDA graph, no memory table): it is how CI
 checks the script while no GPU is at hand; its figures are not this issue's.
 
+`--step-times L` prints instead the time of each step of blockrt's static replay, launch by
+launch (CUDA events around each), the longest first: where a step's time goes.
+
 Run: python benchmarks/bench_cuda.py [--device cuda] [--configs S,M,L] [--rounds 5]
-     [--precisions float32,bfloat16] [--memory S,L] [--json PATH]
+     [--precisions float32,bfloat16] [--memory S,L] [--json PATH] [--step-times CONFIGS]
 """
 
 from __future__ import annotations
@@ -343,6 +346,58 @@ def memory_table(keys: list[str], precisions: list[str]) -> dict[str, Any]:
     return found
 
 
+def step_times(key: str, precision: str, device: str, rounds: int = 3
+               ) -> list[tuple[float, str]]:
+    """The device time of each step of blockrt's static replay of `key` in `precision`, run
+    launch by launch (`device_graph=False`): (ms, what the step runs), in replay order, the
+    median over `rounds` replays. On CUDA two events around each step, each step waited for:
+    about 0.1 ms on an H200 is the floor of this (the host's launch between the events), so it
+    shows where large kernels go, not small ones. On the CPU the wall time of each step."""
+    run = blockrt_step(CONFIGS[key], precision, "launches", device)
+    for _ in range(3):
+        run()
+    capture = run.graph._last  # NOTE: the bound steps of the last capture (a benchmark's look)
+    timings: list[list[float]] = [[] for _ in capture.views]
+    sync = synchronizer(device)
+    if device == "cuda":
+        import cupy
+
+        stream = run.graph._last.device.stream
+    for _ in range(rounds):
+        sync()
+        for at, thunk in enumerate(capture.views):
+            if device == "cuda":
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record(stream)
+                thunk()
+                end.record(stream)
+                end.synchronize()
+                timings[at].append(cupy.cuda.get_elapsed_time(start, end))
+            else:
+                began = time.perf_counter()
+                thunk()
+                timings[at].append((time.perf_counter() - began) * 1e3)
+    found = []
+    for times, step in zip(timings, capture.steps):
+        head, last = step.instructions[0], step.instructions[-1].outputs[0]
+        operands = ", ".join(f"{o.dtype.name}{list(o.shape)}" for o in head.inputs[:2])
+        what = (f"{'+'.join(i.op for i in step.instructions)} ({operands}) -> "
+                f"{last.dtype.name}{list(last.shape)}")
+        found.append((statistics.median(times), what))
+    return found
+
+
+def print_step_times(keys: list[str], precisions: list[str], device: str, top: int = 12) -> None:
+    for key in keys:
+        for precision in precisions:
+            found = step_times(key, precision, device)
+            print(f"\n{key} {precision}, static launch by launch: {len(found)} steps, "
+                  f"{sum(ms for ms, _ in found):.3f} ms in all; the {top} longest:")
+            print("| ms | step |\n|---:|---|")
+            for ms, what in sorted(found, reverse=True)[:top]:
+                print(f"| {ms:.3f} | {what} |")
+
+
 def gpu_name() -> str:
     try:
         import cupy
@@ -372,6 +427,10 @@ def main() -> None:
                         help="configs of the device-memory table, such as S,L (CUDA only; a "
                              "fresh process a cell)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--step-times", default="", metavar="CONFIGS",
+                        help="instead of the table: each step's time in blockrt's static "
+                             "replay of these configs, launch by launch (where a step's time "
+                             "goes)")
     parser.add_argument("--measure-memory", help=argparse.SUPPRESS)  # NOTE: the children
     parser.add_argument("--time-group", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -387,7 +446,8 @@ def main() -> None:
     keys = [k for k in args.configs.split(",") if k]
     precisions = [p for p in args.precisions.split(",") if p]
     memory = [k for k in args.memory.split(",") if k]
-    unknown = (sorted(set(keys + memory) - set(CONFIGS))
+    steps = [k for k in args.step_times.split(",") if k]
+    unknown = (sorted(set(keys + memory + steps) - set(CONFIGS))
                + sorted(set(precisions) - set(PRECISIONS)))
     if unknown:
         parser.error(f"unknown configs or precisions {unknown}: configs are "
@@ -400,6 +460,9 @@ def main() -> None:
     where = gpu_name() if args.device == "cuda" else "the CPU"
     print(f"The MLP step on {where}; host {cpu_name()}; {versions()}; "
           f"1-minute load {os.getloadavg()[0]:.2f}")
+    if args.step_times:
+        print_step_times(steps, precisions, args.device)
+        return
     print()
     print("| config | precision | " + " | ".join(CONTENDERS) + " | blockrt static / torch graph "
           "| blockrt static / torch eager |")  # NOTE: blockrt-launches: static, device_graph=False

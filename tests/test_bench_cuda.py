@@ -76,3 +76,17 @@ def test_without_a_gpu_the_cuda_table_says_so():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "no CUDA device here" in done.stderr and "--device cpu" in done.stderr
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_step_times_cover_every_step_of_the_replay(device):
+    """`--step-times`: one time per bound step of the static replay, in replay order, each
+    named by its ops and operands (the products of S's 8 hidden layers among them)."""
+    found = bench_cuda.step_times("S", "float32", device, rounds=1)
+    run = bench_cuda.blockrt_step(bench_cuda.CONFIGS["S"], "float32", "launches", device)
+    run()
+    run()
+    assert len(found) == len(run.graph._last.steps)
+    assert all(ms >= 0 for ms, _ in found)
+    assert sum(what.startswith("linear") for _, what in found) == 9
+    assert all("float32[64, 256]" in what for _, what in found if what.startswith("linear+relu"))
