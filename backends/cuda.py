@@ -522,28 +522,27 @@ class CudaDevice(Device):
         self._prepared_matmul(a, b, out)()
 
     def _product_in_float32(self, a, b, out) -> None:
-        """One GemmEx, half operands into a float32 output on tensor cores (`_cublas.prepare`),
-        where cuBLAS multiplies the dtype here and takes the layout; else the widened
-        product."""
-        if self._half_gemm[a.dtype]:
-            try:
-                call = _cublas.prepare(self._handles, self._new_handle, a, b, out)
-            except _cublas.Unsupported:
-                pass
-            else:
-                with self.cuda_device:
-                    call()
-                return
-        super()._product_in_float32(a, b, out)
+        """One GemmEx, half operands into a float32 output on tensor cores, where cuBLAS
+        multiplies the dtype here and takes the layout; else the widened product."""
+        call = self._cublas_call(a, b, out) if self._half_gemm[a.dtype] else None
+        if call is None:
+            super()._product_in_float32(a, b, out)
+        else:
+            call()
 
     def _prepared_matmul(self, a, b, out) -> Callable[[], None]:
-        """One cuBLAS call of blockrt's own (backends/_cublas.py: the same call eagerly and in
-        a recorded graph); layouts it does not run go to CuPy's matmul, which a graph cannot
-        record."""
+        """One cuBLAS call of blockrt's own (the same call eagerly and in a recorded graph);
+        layouts it does not run go to CuPy's matmul, which a graph cannot record."""
+        call = self._cublas_call(a, b, out)
+        return functools.partial(self._cupy_matmul, a, b, out) if call is None else call
+
+    def _cublas_call(self, a, b, out) -> Callable[[], None] | None:
+        """out = a @ b as one call on this thread's handle (backends/_cublas.py), made on this
+        device, or None where `_cublas.prepare` does not take the dtypes or layout."""
         try:
             call = _cublas.prepare(self._handles, self._new_handle, a, b, out)
         except _cublas.Unsupported:
-            return functools.partial(self._cupy_matmul, a, b, out)
+            return None
         device = self.cuda_device
 
         def run() -> None:

@@ -362,7 +362,7 @@ def step_times(key: str, precision: str, device: str, rounds: int = 3
     if device == "cuda":
         import cupy
 
-        stream = run.graph._last.device.stream
+        stream = capture.device.stream
     for _ in range(rounds):
         sync()
         for at, thunk in enumerate(capture.views):

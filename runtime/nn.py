@@ -1803,7 +1803,7 @@ class ZeroRedundancyOptimizer:
         if all(p.grad is None for p in self.optimizer.params):
             return
         if tape.active() is not None:  # NOTE: Note [ZeRO in a plan] in runtime/parallel.py
-            targets = [*self.optimizer.params, *self.optimizer.state_tensors()]
+            targets = self._written()
             token = self.ddp.reducer.record_save(targets)
             self.optimizer.step()
             self.ddp.reducer.record_gather(targets, token)
@@ -1826,27 +1826,23 @@ class ZeroRedundancyOptimizer:
     # they share such as Adam's bias corrections, and its step counts: 1/N of the parameters
     # and of the state) and puts it back when the step fails; the copy is dropped when the step
     # returns. Inside a graph too (Note [ZeRO in a plan] in runtime/parallel.py).
+    def _written(self) -> list[Tensor]:
+        """What a step may write on this rank: the shards and their optimizer's state tensors
+        (Adam's shared bias corrections among them)."""
+        return [*self.optimizer.params, *self.optimizer.state_tensors()]
+
     def _saved(self) -> tuple:
         opt = self.optimizer
-        state = {key: {name: (value, value.numpy().copy() if isinstance(value, Tensor) else None)
-                       for name, value in entry.items()} for key, entry in opt.state.items()}
-        shared = [(t, t.numpy().copy()) for t in opt.state_tensors()
-                  if not any(t is v for entry in opt.state.values() for v in entry.values())]
-        return ([p.numpy().copy() for p in opt.params], state, opt._taken, dict(opt._counts),
-                shared)
+        return ([(t, t.numpy().copy()) for t in self._written()],
+                {key: dict(entry) for key, entry in opt.state.items()}, opt._taken,
+                dict(opt._counts))
 
     def _restore(self, saved: tuple) -> None:
-        shards, state, taken, counts, shared = saved
+        copies, state, taken, counts = saved
         opt = self.optimizer
+        opt.state.update(state)  # NOTE: the entries as they were, tensors and numbers
         with no_grad():
-            for p, host in zip(opt.params, shards):
-                p[...] = host
-            for key, entry in state.items():
-                opt.state[key] = {name: value for name, (value, _) in entry.items()}
-                for value, host in entry.values():
-                    if host is not None:
-                        value[...] = host
-            for t, host in shared:
+            for t, host in copies:
                 t[...] = host
         opt._taken, opt._counts = taken, counts
 

@@ -2887,19 +2887,16 @@ def _linear_kernel(x: Any, weight: Any, bias: Any, out: Any, device: Any) -> Non
 
 
 def _linear_views(device: Any, x: Any, weight_t: Any, bias: Any, out: Any) -> None:
-    """out = x @ weight_t (+ bias) on native views; a two-byte float out is computed in float32
-    and rounded once, as one op (backends/base.py HALVES)."""
-    if out.dtype in dtypes.HALVES and x.dtype == weight_t.dtype == out.dtype:
-        # NOTE: the product in float32 (on the halves themselves where the device can), the
-        # bias added in float32, one rounding
+    """out = x @ weight_t (+ bias) on native views; a two-byte float out (its operands share
+    its dtype: `_common`) is computed in float32 and rounded once, as one op (backends/base.py
+    HALVES): the product in float32 (on the halves themselves where the device can), the bias
+    added in float32, one rounding."""
+    if out.dtype in dtypes.HALVES:
         wide = device.scratch(out.shape, np.float32)
         device.product_in_float32(x, weight_t, wide)
         if bias is not None:
             device._in_float32(functools.partial(device.binary, "add"), (wide, bias), (wide,))
         device.cast(wide, out)
-        return
-    if out.dtype in dtypes.HALVES:
-        device._in_float32(functools.partial(_linear_views, device), (x, weight_t, bias), (out,))
         return
     device.matmul(x, weight_t, out)
     if bias is not None:

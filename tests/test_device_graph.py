@@ -121,27 +121,27 @@ def test_a_step_the_device_cannot_record_runs_launch_by_launch_and_says_why():
         np.testing.assert_array_equal(p, q)
 
 
-def labels_check(holder: dict, device: RecordingDevice, log: list):
+def host_check(t, check) -> HostCheck:
+    """A HostCheck of tensor `t`'s memory, as a device makes one: its layout at its device
+    address (written out here, not the replay's own helper), its native view, and `check`."""
+    allocation = t.block._allocation
+    offset, shape, strides, itemsize = t.layout()
+    return HostCheck((t.device.address(allocation.raw) + allocation.offset + offset, shape,
+                      strides, itemsize), t._native_read("test"), check)
+
+
+def labels_check(holder: dict, log: list):
     """`RecordingDevice.checks` as the CUDA device's cross_entropy moves its check out of a
     recording: one HostCheck of the graph's copy of the labels (argument 1), which logs the
     array it is given and refuses a label outside [0, 3)."""
 
-    def checks():
-        labels = holder["step"]._last.placeholders[1]
-        allocation = labels.block._allocation
-        offset, shape, strides, itemsize = labels.layout()
-        address = device.address(allocation.raw) + allocation.offset + offset
+    def check(array):
+        log.append(array)
+        bad = array[(array < 0) | (array >= 3)]
+        if bad.size:
+            raise ValueError(f"the host check: label {int(bad[0])} is outside [0, 3)")
 
-        def check(array):
-            log.append(array)
-            bad = array[(array < 0) | (array >= 3)]
-            if bad.size:
-                raise ValueError(f"the host check: label {int(bad[0])} is outside [0, 3)")
-
-        return [HostCheck((address, shape, strides, itemsize), labels._native_read("test"),
-                          check)]
-
-    return checks
+    return lambda: [host_check(holder["step"]._last.placeholders[1], check)]
 
 
 def one_layer_step(device: RecordingDevice) -> tuple[dict, nn.Module]:
@@ -170,7 +170,7 @@ def test_a_host_check_of_memory_the_step_writes_is_refused_with_both_ranges():
     reason = step.memory_report()["device_graph"]
     assert "which the step itself writes" in reason and "4 bytes at 0x" in reason
 
-    device.checks = labels_check(holder, device, [])
+    device.checks = labels_check(holder, [])
     step.recapture()
     for _ in range(3):
         step(x, y)
@@ -183,7 +183,7 @@ def test_host_labels_are_checked_on_the_host_and_bad_ones_refused_before_any_wri
     device = RecordingDevice()
     log: list = []
     holder, model = one_layer_step(device)
-    device.checks = labels_check(holder, device, log)
+    device.checks = labels_check(holder, log)
     x = np.ones((4, 6), np.float32)
     batches = [np.array([0, 1, 2, k % 3]) for k in range(5)]
     for y in batches:
@@ -207,7 +207,7 @@ def test_device_labels_are_checked_again_only_after_a_write_could_have_changed_t
     device = RecordingDevice()
     log: list = []
     holder, model = one_layer_step(device)
-    device.checks = labels_check(holder, device, log)
+    device.checks = labels_check(holder, log)
     step, x = holder["step"], np.ones((4, 6), np.float32)
     labels = runtime.tensor(np.array([0, 1, 2, 0]), device=device)
     for _ in range(4):
@@ -280,13 +280,7 @@ def test_a_host_check_of_memory_outside_the_arguments_reads_the_device_at_every_
     outside = runtime.tensor(np.array([0, 1, 2]), device=device)
     log = []
 
-    def checks():
-        allocation = outside.block._allocation
-        offset, shape, strides, itemsize = outside.layout()
-        return [HostCheck((device.address(allocation.raw) + allocation.offset + offset, shape,
-                           strides, itemsize), outside._native_read("test"), log.append)]
-
-    device.checks = checks
+    device.checks = lambda: [host_check(outside, log.append)]
     for _ in range(5):
         holder["step"](np.ones((4, 6), np.float32), np.array([0, 1, 2, 0]))
     assert device.recordings[0].launches == 4 and len(log) == 4

@@ -227,11 +227,16 @@ def _record(capture: _Capture) -> Any:
     return recording
 
 
+def _at_address(device: Any, raw: Any, base: int, layout: aliasing.Layout) -> aliasing.Layout:
+    """`layout` (its offset from `base` bytes into `raw`) at its device address."""
+    offset, shape, strides, itemsize = layout
+    return device.address(raw) + base + offset, shape, strides, itemsize
+
+
 def _layout_of(t: Tensor) -> aliasing.Layout:
     """A tensor's memory as a layout at its device address."""
     allocation = t.block.memory_for_write("graph replay")
-    offset, shape, strides, itemsize = t.layout()
-    return t.device.address(allocation.raw) + allocation.offset + offset, shape, strides, itemsize
+    return _at_address(t.device, allocation.raw, allocation.offset, t.layout())
 
 
 def _run_checks(capture: _Capture, args: Sequence[Any]) -> None:
@@ -253,8 +258,7 @@ def _run_checks(capture: _Capture, args: Sequence[Any]) -> None:
         seen = dlpack.seen(block)
         key = None if seen is None else (block.id, block.generation, arg.offset, arg.strides,
                                          *seen)
-        if key is None or key != capture.check_seen[at]:
-            capture.check_seen[at] = None
+        if key is None or key != capture.check_seen[at]:  # NOTE: a version never comes back
             check.check(check.view)
             capture.check_seen[at] = key
 
@@ -270,8 +274,8 @@ def _written_layouts(capture: _Capture) -> list[aliasing.Layout]:
                 if operand.block.id in step.internal:
                     continue
                 raw, base = _memory_of(operand, capture, memory)
-                layouts.append((device.address(raw) + base + operand.offset, operand.shape,
-                                operand.strides, operand.dtype.itemsize))
+                layouts.append(_at_address(device, raw, base, (
+                    operand.offset, operand.shape, operand.strides, operand.dtype.itemsize)))
     return layouts
 
 
