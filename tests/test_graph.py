@@ -122,6 +122,42 @@ def test_products_fold_into_their_updates_and_activations():
     assert reports[True]["planned_bytes"] <= reports[False]["planned_bytes"]
 
 
+@pytest.mark.parametrize("optimizer", [OPTIMIZERS["sgd"],
+                                       lambda ps: nn.SGD(ps, lr=0.1, momentum=0.9)],
+                         ids=["sgd", "momentum"])
+def test_fold_updates_false_gives_eager_bits_where_the_fold_may_not(optimizer):
+    """Note [a folded update's rounding]: at batch 1000 a weight gradient's inner dimension
+    spans several of a BLAS's blocks, where an accumulating gemm may round apart from eager's
+    product then update (SGD's w - lr * g, momentum's 0.9 * buf + g). fold_updates=False:
+    losses and parameters equal eager's bit for bit and no update is folded; the default
+    folds every weight update where gemm accumulates, with results within float32 rounding
+    and less memory."""
+    widths, data = (64, 300, 7), batches(3, 1000, 64, 7)
+    model, step = mlp_step(widths, optimizer)
+    eager = [step(runtime.tensor(x), y).numpy().tobytes() for x, y in data]
+    reports = {}
+    for fold in (False, True):
+        replayed_model, replayed = mlp_step(widths, optimizer)
+        graph = runtime.graph(replayed, plan="static", fold_updates=fold)
+        got = [graph(x, y).numpy().tobytes() for x, y in data]
+        pairs = list(zip(replayed_model.parameters(), model.parameters()))
+        if fold:
+            np.testing.assert_allclose(np.frombuffer(b"".join(got), np.float32),
+                                       np.frombuffer(b"".join(eager), np.float32), rtol=1e-5)
+            for a, b in pairs:
+                np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+        else:
+            assert got == eager
+            assert all(a.numpy().tobytes() == b.numpy().tobytes() for a, b in pairs)
+        reports[fold] = graph.memory_report()
+    accumulating = bool(runtime.get_default_device().capabilities.gemm_accumulates)
+    assert reports[False]["updates_folded"] == 0
+    assert reports[True]["updates_folded"] == (len(widths) - 1) * accumulating
+    assert reports[True]["planned_bytes"] <= reports[False]["planned_bytes"]
+    if accumulating:  # the weight gradients get buffers of their own
+        assert reports[True]["planned_bytes"] < reports[False]["planned_bytes"]
+
+
 def conv_step(seed=0):
     """A small convolution net's SGD step: 3x3 and 1x1 convolutions, ReLUs, a dense head."""
     nn.manual_seed(seed)
@@ -488,6 +524,8 @@ def test_capture_errors_are_clear():
         runtime.graph(lambda a: a, plan="magic")
     with pytest.raises(ValueError, match="checkpoint must be one of"):
         runtime.graph(lambda a: a, checkpoint="log")
+    with pytest.raises(TypeError, match="fold_updates must be True or False, got 'no'"):
+        runtime.graph(lambda a: a, fold_updates="no")
     with pytest.raises(runtime.GraphCaptureError, match="has not run yet"):
         runtime.graph(lambda a: a).memory_report()
 

@@ -139,7 +139,8 @@ def _caller() -> _Caller:
 def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None = None,
           fuse: bool = True, device: Any = None, allocator: Allocator | None = None,
           max_captures: int = MAX_CAPTURES, memory_budget: int | None = None,
-          lossy: bool | str = False, device_graph: bool = True) -> Graph:
+          lossy: bool | str = False, device_graph: bool = True,
+          fold_updates: bool = True) -> Graph:
     """Wrap `fn` (a training or inference step) as a captured, planned, replayable graph.
 
     Args:
@@ -177,11 +178,19 @@ def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None =
             Python per kernel; the same bits: Note [a static plan as one device graph] in
             runtime/graph/replay.py); `memory_report()["device_graph"]` says whether it is
             one, or why not. False: replay launch by launch.
+        fold_updates: True (the default): an in-place update of a matrix product's result,
+            out = alpha * product + beta * out (plain SGD's w - lr * g, momentum's buf + g), is
+            one accumulating `gemm` where the device has one: the gradient never gets a
+            buffer, but its rounding differs from eager's in the last bits
+            (`memory_report()["updates_folded"]` counts them; Note [a folded update's
+            rounding] in runtime/graph/fuse.py). False: every step equals eager bit for bit,
+            at the cost of a product-sized buffer.
 
     Raises:
         ValueError: an unknown plan or checkpoint, max_captures below 1, a negative budget,
             a budget with plan "none" or checkpoint="sqrt", or a lossy other than a bool,
             "float16" or "bfloat16".
+        TypeError: a device_graph or fold_updates other than True or False.
         BudgetError: (at the first call, before anything runs) a budget below the least peak
             any choice reaches; an OutOfMemoryError naming both.
 
@@ -189,7 +198,7 @@ def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None =
         >>> step = runtime.graph(train_step, memory_budget=8 << 20)  # doctest: +SKIP
     """
     return Graph(fn, plan, checkpoint, fuse, device, allocator, max_captures, memory_budget,
-                 lossy, device_graph)
+                 lossy, device_graph, fold_updates)
 
 
 class Graph:
@@ -212,7 +221,7 @@ class Graph:
                  checkpoint: str | None = None, fuse: bool = True, device: Any = None,
                  allocator: Allocator | None = None, max_captures: int = MAX_CAPTURES,
                  memory_budget: int | None = None, lossy: bool | str = False,
-                 device_graph: bool = True) -> None:
+                 device_graph: bool = True, fold_updates: bool = True) -> None:
         if plan not in PLANS:
             raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
         if checkpoint not in CHECKPOINTS:
@@ -234,9 +243,11 @@ class Graph:
                 raise ValueError("memory_budget chooses what to recompute itself: leave "
                                  f"checkpoint None (got {checkpoint!r})")
             memory_budget = int(memory_budget)
-        if not isinstance(device_graph, (bool, np.bool_)):
-            raise TypeError(f"device_graph must be True or False, got {device_graph!r}")
+        for name, flag in (("device_graph", device_graph), ("fold_updates", fold_updates)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         self.device_graph = bool(device_graph)
+        self.fold_updates = bool(fold_updates)
         self.memory_budget = memory_budget
         self.lossy = _lossy_dtype(lossy)
         self.fn = fn
@@ -337,7 +348,9 @@ class Graph:
         allocator handed out), activation_bytes (the most bytes of forward results live at
         once), scratch_bytes (the block-sized scratch arrays fused chains share: one allocation
         of the graph's allocator, held by the capture), plan, and counts: instructions, steps,
-        fused, products, in_place, recompute_instructions (instructions cloned to recompute),
+        fused, products, updates_folded (of those products, the updates run as one
+        accumulating gemm, see `fold_updates`), in_place, recompute_instructions (instructions
+        cloned to recompute),
         commit_step (the position of the first step that writes state: every allocation of a
         replay comes before it, Note [the commit point] in runtime/nn.py).
 
@@ -425,8 +438,8 @@ class Graph:
         capture = _build(recorder, placeholders=placeholders, outputs=outputs,
                          output_kind=kind, allocator=allocator,
                          options=Options(plan=self.plan, checkpoint=self.checkpoint,
-                                         fuse=self.fuse, memory_budget=self.memory_budget,
-                                         lossy=self.lossy),
+                                         fuse=self.fuse, fold_updates=self.fold_updates,
+                                         memory_budget=self.memory_budget, lossy=self.lossy),
                          name=getattr(self.fn, "__name__", type(self.fn).__name__))
         self._refuse(capture, _argument_writes(capture))
         self._check_fits(capture)

@@ -141,6 +141,8 @@ class Options:
     plan: str
     checkpoint: str | None
     fuse: bool
+    #: whether an update out = alpha * product + beta * out may become one accumulating gemm
+    fold_updates: bool
     #: bytes the intermediates may take at most; None: the allocator's limit, if it has one
     memory_budget: int | None = None
     #: the half dtype a budget may store kept forward results in (lossy), or None
@@ -163,7 +165,8 @@ def _build(recorder: Tape, *, placeholders: list[Tensor | None], outputs: list[T
     def plan_of(tape: Recorded) -> tuple[tuple[list[Instruction], Fused, MemoryPlan], int]:
         scheduled = _scheduled(tape)
         fused = _fuse_steps(scheduled, tape.intermediate, allocator.device, fuse=options.fuse,
-                            in_place=options.fuse and options.plan != "none")
+                            in_place=options.fuse and options.plan != "none",
+                            fold_updates=options.fold_updates)
         memory = _plan_memory(fused, tape, recorder.made_here, plan=options.plan,
                               alignment=alignment, device=allocator.device,
                               size=allocator.allocation_size)
@@ -299,6 +302,7 @@ def _counts(recorded: Recorded, scheduled: list[Instruction], fused: Fused,
                                if i.op == "reload" and i.phase == "move"),
             "fused": sum(len(s.instructions) for s in steps if len(s.instructions) > 1),
             "products": sum(1 for s in steps if s.product is not None),
+            "updates_folded": sum(1 for s in steps if isinstance(s.product, tuple)),
             "in_place": fused.in_place, "recompute_instructions": recorded.recomputed,
             "activation_bytes": planner.lower_bound(activation) if activation else 0}
 

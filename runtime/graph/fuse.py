@@ -15,13 +15,14 @@ from runtime.tape import Instruction, Operand
 
 
 def _fuse_steps(scheduled: list[Instruction], intermediate: frozenset[int], device: Any, *,
-                fuse: bool, in_place: bool) -> Fused:
+                fuse: bool, in_place: bool, fold_updates: bool) -> Fused:
     """Phase 4: the schedule as steps (`fuse`: elementwise chains fused, products folded into
-    the chains that consume them) and a buffer for each planned block (`in_place`: an
+    the chains that consume them; `fold_updates`: an update out = alpha * product + beta * out
+    may become one accumulating gemm) and a buffer for each planned block (`in_place`: an
     elementwise step may write over an input that dies there)."""
     if fuse:
         steps = _attach_products(_fuse(_sunk(scheduled, intermediate), intermediate),
-                                 intermediate, device)
+                                 intermediate, device, fold_updates)
     else:
         steps = [_Step([instr]) for instr in scheduled]
     internal = set().union(*(step.internal for step in steps))
@@ -220,14 +221,31 @@ def _products(steps: Sequence[_Step]) -> list[tuple[Operand, Operand, Operand, b
     return found
 
 
+# Note [a folded update's rounding]: eagerly, SGD's w - lr * g rounds the product g, then
+# lr * g, then the difference. Folded, one gemm(a, b, w, alpha=-lr, beta=1) adds the product
+# into w as the BLAS kernel goes: a BLAS may add alpha * (partial sum) into its output once per
+# block of the inner dimension (the batch, for a weight gradient; OpenBLAS's blocks are a few
+# hundred long), and may round alpha * sum + out once (a fused multiply-add). Either way the
+# folded step's bits may differ from eager's. Measured on an AMD EPYC with OpenBLAS 0.3.31 (an
+# MLP under SGD, 3 steps): widths (16, 64, 4) at batch 8 equal eager bit for bit, (256, 512,
+# 10) at batch 64 differ in the parameters, (64, 300, 7) at batch 1000 in the losses too. No
+# BLAS promises which rounding it does, so the difference cannot be predicted from the shapes,
+# only avoided. The fold saves the gradient's buffer (the M MLP plans 5.25 MB with it, 9.44
+# without), so it stays the default; `runtime.graph(..., fold_updates=False)` gives eager's
+# bits, the product written to a buffer of its own and the update run as eager runs it, and
+# `memory_report()["updates_folded"]` says whether a graph folded any. Every other rewrite of
+# the graph, a product written straight into its chain's output ("into") included, rounds as
+# eager does.
+
+
 def _attach_products(steps: list[_Step], intermediate: frozenset[int],
-                     device: Any) -> list[_Step]:
+                     device: Any, fold_updates: bool) -> list[_Step]:
     """Move each matrix product whose result (an intermediate) only an elementwise chain reads,
     whole, into that chain's step, so the product never gets a buffer of its own:
     - (alpha, beta): the chain computes out = alpha * product + beta * out, in place on out
-      (plain SGD's w - lr * g, momentum's buf + g), and the device's gemm accumulates: one
-      BLAS call, no pass over a gradient at all; it rounds once where the chain rounded twice
-      or three times;
+      (plain SGD's w - lr * g, momentum's buf + g), the device's gemm accumulates and
+      `fold_updates` allows it: one BLAS call, no pass over a gradient at all; it rounds
+      differently from the chain (Note [a folded update's rounding]);
     - "into": otherwise, when the chain's output has the product's shape and dtype and shares
       no block with what the step reads: the product is written straight into the output and
       the chain (with linear's bias add at its head) runs over it in place. Bit-identical.
@@ -261,7 +279,7 @@ def _attach_products(steps: list[_Step], intermediate: frozenset[int],
                                             steps[at + 1:position]
                                             for i in later.instructions for o in i.outputs):
                 continue
-            kind = _folding(step, head, out, device)
+            kind = _folding(step, head, out, device, fold_updates)
             if kind is None:
                 continue
             steps[position] = _Step([head, *step.instructions], step.internal | {bid}, kind)
@@ -270,8 +288,8 @@ def _attach_products(steps: list[_Step], intermediate: frozenset[int],
     return [step for position, step in enumerate(steps) if position not in moved]
 
 
-def _folding(step: _Step, head: Instruction, out: Operand,
-             device: Any) -> str | tuple[float, float] | None:
+def _folding(step: _Step, head: Instruction, out: Operand, device: Any,
+             fold_updates: bool) -> str | tuple[float, float] | None:
     """How `head`'s product joins `step`'s chain (see `_attach_products`), or None; `out`
     (the chain's output) is already known not to be read by the product."""
     product = head.outputs[0]
@@ -280,7 +298,7 @@ def _folding(step: _Step, head: Instruction, out: Operand,
         return None
     if product.dtype != out.dtype or product.shape != out.shape:
         return None
-    if head.op == "matmul" or len(head.inputs) == 2:
+    if fold_updates and (head.op == "matmul" or len(head.inputs) == 2):
         form = _linear_form(step.instructions, product.block.id, out)
         if form is not None and device.capabilities.gemm_accumulates \
                 and out.dtype in (np.float32, np.float64):
