@@ -22,6 +22,9 @@ Tables:
 4. The replay's check for freed blocks (issue 27): a replay first compares each block it reads
    or writes outside its plan with the generation it was captured at; the step's time with and
    without that check, interleaved, and the check alone.
+5. The SGD fold (Note [a folded update's rounding]): the static plan with each weight update
+   folded into its product, the default, against fold_updates=False: memory, whether three
+   steps give eager's bits, and step time, interleaved.
 
 Memory figures do not depend on the machine; the header names the CPU, the software, the CBLAS
 the products run on and the load all the same, for the timings of table 3.
@@ -189,10 +192,10 @@ def suite_table(mlp_ratios: list[tuple[str, float]], quick: bool) -> None:
     print(f"| **worst** | **{max(r for _, r in rows):.3f}** |")
 
 
-def checkpoint_table(config: MLPConfig, rounds: int) -> None:
-    x, y = make_batch(config)
-    graphs = {"static": training_graph(config),
-              "static + sqrt": training_graph(config, checkpoint="sqrt")}
+def interleaved(graphs: dict[str, runtime.Graph], x: np.ndarray, y: np.ndarray,
+                rounds: int) -> dict[str, list[float]]:
+    """Each graph's best of 3 steps in each of `rounds` rounds, the graphs in turn in each
+    round (after two warm-up calls of each)."""
     for graph in graphs.values():
         graph(x, y)
         graph(x, y)
@@ -205,6 +208,14 @@ def checkpoint_table(config: MLPConfig, rounds: int) -> None:
                 graph(x, y)
                 fastest = min(fastest, time.perf_counter() - start)
             per_round[name].append(fastest)
+    return per_round
+
+
+def checkpoint_table(config: MLPConfig, rounds: int) -> None:
+    x, y = make_batch(config)
+    graphs = {"static": training_graph(config),
+              "static + sqrt": training_graph(config, checkpoint="sqrt")}
+    per_round = interleaved(graphs, x, y, rounds)
     best = {name: min(times) for name, times in per_round.items()}
     paired = statistics.median(a / b for a, b in zip(per_round["static + sqrt"],
                                                     per_round["static"]))
@@ -221,6 +232,51 @@ def checkpoint_table(config: MLPConfig, rounds: int) -> None:
     print(f"| **ratio** | **{plain['activation_bytes'] / sqrt['activation_bytes']:.2f}x less** | "
           f"{plain['peak_bytes'] / sqrt['peak_bytes']:.2f}x less | | "
           f"**{best['static + sqrt'] / best['static']:.2f}x time** |")
+
+
+def fold_table(configs: dict[str, MLPConfig], rounds: int) -> None:
+    """Table 5: the SGD fold (Note [a folded update's rounding]): the static plan with each
+    weight update folded into its product (the default) and with fold_updates=False, side by
+    side: planned and peak bytes, whether 3 steps equal eager's bits, and step time
+    (interleaved rounds, best of each and the median of the rounds' ratios)."""
+    print(f"\nThe SGD fold: static plan, fold_updates True (default) against False; best step "
+          f"of {rounds} interleaved rounds of 3 steps each:\n")
+    print("| config | folded updates | planned (fold / no fold) | peak (fold / no fold) | "
+          "3 steps bit-equal to eager (fold / no fold) | ms per step (fold / no fold) | "
+          "time, no fold / fold (best, median of rounds) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, config in configs.items():
+        x, y = make_batch(config)
+        eager_model, eager_opt, _ = blockrt_model(init_params(config))
+        eager_step = nn.train_step(eager_model, eager_opt)
+        expected = [eager_step(runtime.tensor(x), runtime.tensor(y)).numpy().tobytes()
+                    for _ in range(3)]
+        expected += [p.numpy().tobytes() for p in eager_model.parameters()]
+        graphs, equal = {}, {}
+        for fold in (True, False):
+            model, opt, _ = blockrt_model(init_params(config))
+            graph = runtime.graph(nn.train_step(model, opt), fold_updates=fold)
+            got = [graph(x, y).numpy().tobytes() for _ in range(3)]
+            equal[fold] = got + [p.numpy().tobytes() for p in model.parameters()] == expected
+            graphs[fold] = graph
+        reports = {fold: graph.memory_report() for fold, graph in graphs.items()}
+        per_round = interleaved({"fold": graphs[True], "no fold": graphs[False]}, x, y, rounds)
+        best = {key: min(times) for key, times in per_round.items()}
+        paired = statistics.median(a / b for a, b in zip(per_round["no fold"],
+                                                        per_round["fold"]))
+
+        def pair(key: str) -> str:
+            return f"{format_bytes(reports[True][key])} / {format_bytes(reports[False][key])}"
+
+        print(f"| {name} {config.batch}x{config.width}x{config.depth} | "
+              f"{reports[True]['updates_folded']} | {pair('planned_bytes')} | "
+              f"{pair('peak_bytes')} | {'yes' if equal[True] else 'no'} / "
+              f"{'yes' if equal[False] else 'no'} | {best['fold'] * 1e3:.2f} / "
+              f"{best['no fold'] * 1e3:.2f} | {best['no fold'] / best['fold']:.2f}, "
+              f"{paired:.2f} |")
+        for graph in graphs.values():
+            graph.release()
+        runtime.get_default_allocator().empty_cache()
 
 
 def check_table(config: MLPConfig, rounds: int) -> None:
@@ -269,6 +325,7 @@ def main() -> None:
         checkpoint_table(configs["D"], rounds=2 if args.quick else 30)
     for config in configs.values():
         check_table(config, rounds=2 if args.quick else 30)
+    fold_table(configs, rounds=2 if args.quick else 15)
 
 
 if __name__ == "__main__":
