@@ -170,13 +170,14 @@ def _batch(x: Any, count: int) -> int:
     return x.strides[0] // x.dtype.itemsize if count > 1 else 0
 
 
-def prepare(handles: Handles, make: Callable[[], Handle], a: Any, b: Any,
-            out: Any) -> Callable[[], None]:
-    """out = a @ b as one cuBLAS call, its arguments made now: a function that makes the call.
-    a, b, out: CuPy arrays of one dtype of `_DATA`, or a and b of one two-byte float dtype and
-    out float32 (the product accumulated in float32 and stored unrounded: `HALF_INTO_FLOAT32`);
-    2-D, or 3-D out with a and b 3-D of the same batch or 2-D (broadcast). Raises Unsupported
-    for other layouts and dtypes."""
+def prepare(handles: Handles, make: Callable[[], Handle], a: Any, b: Any, out: Any,
+            alpha: float = 1.0, beta: float = 0.0) -> Callable[[], None]:
+    """out = alpha * (a @ b) + beta * out as one cuBLAS call, its arguments made now: a
+    function that makes the call (beta 0: out is not read). a, b, out: CuPy arrays of one
+    dtype of `_DATA`, or a and b of one two-byte float dtype and out float32 (the product
+    accumulated in float32 and stored unrounded: `HALF_INTO_FLOAT32`); 2-D, or 3-D out with a
+    and b 3-D of the same batch or 2-D (broadcast). Raises Unsupported for other layouts and
+    dtypes."""
     dtype = out.dtype
     wide = dtype == np.float32 and a.dtype in HALF_INTO_FLOAT32
     if dtype not in _DATA or a.dtype != b.dtype or not (a.dtype == dtype or wide):
@@ -210,20 +211,20 @@ def prepare(handles: Handles, make: Callable[[], Handle], a: Any, b: Any,
         compute, scalar = _COMPUTE_32F, ctypes.c_float
         if a.dtype == np.float32 and _precision[0] == "high":
             compute = _COMPUTE_32F_FAST_TF32
-    one, zero = scalar(1.0), scalar(0.0)
+    scale, keep_out = scalar(alpha), scalar(beta)  # NOTE: host scalars, read at each call
     kind, out_kind = _DATA[a.dtype], _DATA[dtype]
     lib = _cublas()
     pa, pb, pc = (ctypes.c_void_p(int(x.data.ptr)) for x in (a, b, out))
     if count == 1:
-        args = (op_b, op_a, n, m, k, ctypes.byref(one), pb, kind, ldb, pa, kind, lda,
-                ctypes.byref(zero), pc, out_kind, ldc, compute, _GEMM_DEFAULT)
+        args = (op_b, op_a, n, m, k, ctypes.byref(scale), pb, kind, ldb, pa, kind, lda,
+                ctypes.byref(keep_out), pc, out_kind, ldc, compute, _GEMM_DEFAULT)
         call, name = lib.cublasGemmEx, "cublasGemmEx"
     else:
-        args = (op_b, op_a, n, m, k, ctypes.byref(one), pb, kind, ldb, stride_b, pa, kind, lda,
-                stride_a, ctypes.byref(zero), pc, out_kind, ldc, stride_c, count, compute,
+        args = (op_b, op_a, n, m, k, ctypes.byref(scale), pb, kind, ldb, stride_b, pa, kind, lda,
+                stride_a, ctypes.byref(keep_out), pc, out_kind, ldc, stride_c, count, compute,
                 _GEMM_DEFAULT)
         call, name = lib.cublasGemmStridedBatchedEx, "cublasGemmStridedBatchedEx"
-    keep = (a, b, out, one, zero)  # NOTE: the arrays and scalars live as long as the call
+    keep = (a, b, out, scale, keep_out)  # NOTE: the arrays and scalars live as long as the call
 
     def run() -> None:
         handle = handles.handle

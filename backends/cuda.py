@@ -277,7 +277,7 @@ class CudaDevice(Device):
     #: cudaMalloc returns 256-byte aligned memory
     alignment = 256
     capabilities = Capabilities(half_elementwise=True, compiles_fused=True, queues=True,
-                                records_graphs=True)
+                                records_graphs=True, gemm_accumulates=True)
 
     def __init__(self, index: int = 0, stream: Any = None) -> None:
         cp = _cupy()
@@ -536,11 +536,27 @@ class CudaDevice(Device):
         call = self._cublas_call(a, b, out)
         return functools.partial(self._cupy_matmul, a, b, out) if call is None else call
 
-    def _cublas_call(self, a, b, out) -> Callable[[], None] | None:
-        """out = a @ b as one call on this thread's handle (backends/_cublas.py), made on this
-        device, or None where `_cublas.prepare` does not take the dtypes or layout."""
+    def _gemm(self, a, b, out, alpha: float, beta: float) -> None:
+        """out = alpha * (a @ b) + beta * out as one cuBLAS call (`gemm_accumulates`: a graph
+        folds an SGD update into its product, Note [a folded update's rounding]); layouts
+        cuBLAS does not take go to the base's product in scratch and a fused pass."""
+        call = self._cublas_call(a, b, out, alpha, beta)
+        if call is None:
+            super()._gemm(a, b, out, alpha, beta)
+        else:
+            call()
+
+    def _prepared_gemm(self, a, b, out, alpha: float, beta: float) -> Callable[[], None]:
+        call = self._cublas_call(a, b, out, alpha, beta)
+        return super()._prepared_gemm(a, b, out, alpha, beta) if call is None else call
+
+    def _cublas_call(self, a, b, out, alpha: float = 1.0,
+                     beta: float = 0.0) -> Callable[[], None] | None:
+        """out = alpha * (a @ b) + beta * out as one call on this thread's handle
+        (backends/_cublas.py), made on this device, or None where `_cublas.prepare` does not
+        take the dtypes or layout."""
         try:
-            call = _cublas.prepare(self._handles, self._new_handle, a, b, out)
+            call = _cublas.prepare(self._handles, self._new_handle, a, b, out, alpha, beta)
         except _cublas.Unsupported:
             return None
         device = self.cuda_device

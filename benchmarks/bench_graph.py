@@ -265,12 +265,11 @@ def fold_table(configs: dict[str, MLPConfig], rounds: int) -> None:
         paired = statistics.median(a / b for a, b in zip(per_round["no fold"],
                                                         per_round["fold"]))
 
-        def pair(key: str) -> str:
-            return f"{format_bytes(reports[True][key])} / {format_bytes(reports[False][key])}"
-
+        pair = {key: f"{format_bytes(reports[True][key])} / {format_bytes(reports[False][key])}"
+                for key in ("planned_bytes", "peak_bytes")}
         print(f"| {name} {config.batch}x{config.width}x{config.depth} | "
-              f"{reports[True]['updates_folded']} | {pair('planned_bytes')} | "
-              f"{pair('peak_bytes')} | {'yes' if equal[True] else 'no'} / "
+              f"{reports[True]['updates_folded']} | {pair['planned_bytes']} | "
+              f"{pair['peak_bytes']} | {'yes' if equal[True] else 'no'} / "
               f"{'yes' if equal[False] else 'no'} | {best['fold'] * 1e3:.2f} / "
               f"{best['no fold'] * 1e3:.2f} | {best['no fold'] / best['fold']:.2f}, "
               f"{paired:.2f} |")

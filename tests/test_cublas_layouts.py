@@ -32,7 +32,9 @@ def _matrix(address: int, dtype, op: int, rows: int, cols: int, ld: int) -> np.n
 
 
 class _Cublas:
-    """What the two cuBLAS calls compute (alpha 1 and beta 0, as `prepare` passes them)."""
+    """What the two cuBLAS calls compute: C = alpha * op(A) op(B) + beta * C, with alpha and
+    beta host scalars passed by reference (cuBLAS's host pointer mode), C not read where beta
+    is 0."""
 
     def __init__(self):
         self.calls = []
@@ -55,7 +57,8 @@ class _Cublas:
             op_a = _matrix(a.value + i * stride_a * a_size, a_type, ta, m, k, lda)
             op_b = _matrix(b.value + i * stride_b * b_size, b_type, tb, k, n, ldb)
             out = _matrix(c.value + i * stride_c * c_size, c_type, 0, m, n, ldc)
-            out[...] = op_a.astype(np.float64) @ op_b.astype(np.float64)
+            product = alpha._obj.value * (op_a.astype(np.float64) @ op_b.astype(np.float64))
+            out[...] = product if beta._obj.value == 0 else product + beta._obj.value * out
         return 0
 
 
@@ -107,6 +110,24 @@ def test_two_byte_operands_go_into_a_float32_product_in_every_layout(cublas, hal
     with pytest.raises(_cublas.Unsupported, match="float16 and float16 into float64"):
         _cublas.prepare(_Handles(), None, *(_View(np.ones((2, 2), t))
                                             for t in (np.float16, np.float16, np.float64)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_an_accumulating_product_scales_and_adds_in_every_layout(cublas, dtype):
+    """gemm's alpha and beta (`CudaDevice.gemm`, a graph's folded SGD update): out = alpha *
+    a @ b + beta * out in one call; with beta 0 a NaN in out is not read."""
+    rng = np.random.default_rng(3)
+    for a, view_a, b, view_b in product_layouts(rng, dtype):
+        left, right = view_a(a), view_b(b)
+        product = left.astype(np.float64) @ right
+        before = rng.standard_normal(product.shape).astype(dtype)
+        out = before.copy()
+        _cublas.prepare(_Handles(), None, _View(left), _View(right), _View(out), -0.25,
+                        0.5)()
+        np.testing.assert_allclose(out, -0.25 * product + 0.5 * before, rtol=1e-5, atol=1e-6)
+        out = np.full(product.shape, np.nan, dtype)
+        _cublas.prepare(_Handles(), None, _View(left), _View(right), _View(out), 2.0, 0.0)()
+        np.testing.assert_allclose(out, 2.0 * product, rtol=1e-6)
 
 
 def test_an_output_with_padded_rows_is_written_in_place_and_nowhere_else(cublas):
