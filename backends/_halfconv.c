@@ -1080,18 +1080,28 @@ sum_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
  * equal on 2**24 values, and `python -m backends._erf_gen --check` found them equal on every
  * float32). Two passes over a block: the core polynomial on every element, a loop the
  * compiler vectorises (AVX2 where the CPU has it; no FMA, so each product and sum rounds as
- * written), marking the elements it cannot settle; then those, one at a time. */
+ * written), marking the elements it cannot settle; then those, one at a time. Both
+ * polynomials are evaluated by Estrin's scheme (pairs, then pairs of pairs by powers s^2,
+ * s^4, s^8): a chain of 4 dependent steps where Horner's rule has 14, 2.3x faster on the core
+ * (measured on an AMD EPYC; FMA gained nothing there). Its rounding differs from Horner's
+ * within the 2**-40 the check allows, and `--check` found every float32 equal again, on both
+ * paths. */
 #define ERF_NEAR 0x1p-40
+#if ERF_CORE_DEGREE != 14 || ERF_DEGREE != 12
+#error "ERF_CORE and erf_one below evaluate polynomials of degrees 14 and 12 (Estrin's scheme)"
+#endif
 
 #define ERF_CORE(NAME, ATTR)                                                                  \
 ATTR static void                                                                              \
 NAME(float *out, unsigned char *unsettled, const float *a, Py_ssize_t m)                      \
 {                                                                                             \
     for (Py_ssize_t i = 0; i < m; i++) {                                                      \
-        double x = a[i], ax = fabs(x), s = x * x, q = erf_core[ERF_CORE_DEGREE];              \
-        for (int k = ERF_CORE_DEGREE - 1; k >= 0; k--) {                                      \
-            q = q * s + erf_core[k];                                                          \
-        }                                                                                     \
+        double x = a[i], ax = fabs(x), s = x * x, s2 = s * s, s4 = s2 * s2, s8 = s4 * s4;     \
+        const double *c = erf_core;                                                           \
+        double q = ((c[0] + c[1] * s) + (c[2] + c[3] * s) * s2                                \
+                    + ((c[4] + c[5] * s) + (c[6] + c[7] * s) * s2) * s4)                      \
+                   + ((c[8] + c[9] * s) + (c[10] + c[11] * s) * s2                            \
+                      + ((c[12] + c[13] * s) + c[14] * s2) * s4) * s8;                        \
         double y = ax * q;                                                                    \
         float f = (float)y;                                                                   \
         int settled = (ax < ERF_CORE_END) & ((float)(y * (1.0 - ERF_NEAR)) == f)              \
@@ -1115,10 +1125,10 @@ erf_one(float value)
     if (ax >= ERF_CORE_END && ax < ERF_PIECES / (double)ERF_STEPS) {
         int piece = (int)(ax * ERF_STEPS);
         const double *c = erf_pieces[piece - 1];
-        double t = ax - (piece + 0.5) / ERF_STEPS, y = c[ERF_DEGREE];
-        for (int k = ERF_DEGREE - 1; k >= 0; k--) {
-            y = y * t + c[k];
-        }
+        double t = ax - (piece + 0.5) / ERF_STEPS, t2 = t * t, t4 = t2 * t2, t8 = t4 * t4;
+        double y = ((c[0] + c[1] * t) + (c[2] + c[3] * t) * t2
+                    + ((c[4] + c[5] * t) + (c[6] + c[7] * t) * t2) * t4)
+                   + ((c[8] + c[9] * t) + (c[10] + c[11] * t) * t2 + c[12] * t4) * t8;
         float f = (float)y;
         if ((float)(y * (1.0 - ERF_NEAR)) == f && (float)(y * (1.0 + ERF_NEAR)) == f) {
             return copysignf(f, value);
