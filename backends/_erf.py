@@ -8,9 +8,10 @@ without the extension), with the same bits either way. So the CPU's erf is math.
 (0 ULPs; glibc's is within 1 ULP of the exact erf), and a float32 one is that float64 value
 rounded once. Measured at 64x256 float64 on this machine: the C loop about 0.2 ms, frompyfunc
 1.4 ms, np.tanh 0.03 ms (a vectorised NumPy series, tried first, took 0.9 ms: 30 Clenshaw
-steps over the array). The float32 loop gets C's bits in about half its time: polynomials in
-double (backends/_erf_table.h), rounded to float32, and C's erf itself wherever a polynomial's
-value lies near a point where the rounding changes (`erf_block` in backends/_halfconv.c; every
+steps over the array). The float32 loop gets C's bits in about a quarter of C's time (3.0
+against 12.3 ms on 1.5M GELU arguments, BENCHMARKS.md): polynomials in double
+(backends/_erf_table.h), rounded to float32, and C's erf itself wherever a polynomial's value
+lies near a point where the rounding changes (`erf_block` in backends/_halfconv.c; every
 float32 checked by `python -m backends._erf_gen --check`).
 """
 
