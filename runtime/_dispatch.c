@@ -1076,7 +1076,7 @@ python:
 /* backward(root, gradient, retain_graph): `autograd._run` (Note [the backward engine] in
  * runtime/autograd.py), the same steps in the same order: the nodes in the same topological
  * order, each node's backward function called on the same arguments, the same releases, the
- * same copies and accumulations (through `ops.copy` and `ops.add`, given to
+ * same copies and accumulations (through `ops.copy` and `autograd._accumulate`, given to
  * configure_autograd). Returns the list of (leaf, gradient) pairs that `_run` returns. What is
  * rare goes to Python: a freed node, a saved tensor whose version moved on, or saved entries of
  * another form (`Node.unpack` raises the error or unpacks), a gradient of another shape than
@@ -1085,7 +1085,7 @@ static PyTypeObject *node_type = NULL;
 static struct {
     Py_ssize_t op, inputs, shapes, labels, backward_fn, saved, freed;
 } NS;
-static PyObject *unbroadcast_fn = NULL, *add_fn = NULL, *copy_fn = NULL, *record_py = NULL;
+static PyObject *unbroadcast_fn = NULL, *accumulate_fn = NULL, *copy_fn = NULL, *record_py = NULL;
 static PyObject *s_unpack = NULL, *s_free_node = NULL, *s_shape = NULL, *s_block = NULL,
     *s_refs = NULL, *s_detach = NULL, *s_name = NULL, *s_version = NULL;
 static const char *node_slot_names[] = {
@@ -1094,9 +1094,9 @@ static const char *node_slot_names[] = {
 static PyObject *
 configure_autograd(PyObject *self, PyObject *args)
 {
-    PyObject *node, *unbroadcast, *add, *copy, *python_record;
-    if (!PyArg_ParseTuple(args, "O!OOOO", &PyType_Type, &node, &unbroadcast, &add, &copy,
-                          &python_record))
+    PyObject *node, *unbroadcast, *accumulate, *copy, *python_record;
+    if (!PyArg_ParseTuple(args, "O!OOOO", &PyType_Type, &node, &unbroadcast, &accumulate,
+                          &copy, &python_record))
         return NULL;
     if (check_slots(node, node_slot_names) < 0)
         return NULL;
@@ -1107,7 +1107,7 @@ configure_autograd(PyObject *self, PyObject *args)
         return NULL;
     set_ref((PyObject **)&node_type, node);
     set_ref(&unbroadcast_fn, unbroadcast);
-    set_ref(&add_fn, add);
+    set_ref(&accumulate_fn, accumulate);
     set_ref(&copy_fn, copy);
     set_ref(&record_py, python_record);
     Py_RETURN_NONE;
@@ -1554,7 +1554,7 @@ deliver(PyObject *entry, PyObject *grad, PyObject *grads, PyObject *handed, PyOb
             Py_DECREF(previous);
             goto fail;
         }
-        PyObject *sum = PyObject_CallFunctionObjArgs(add_fn, previous, grad, NULL);
+        PyObject *sum = PyObject_CallFunctionObjArgs(accumulate_fn, previous, grad, NULL);
         Py_DECREF(previous);
         Py_DECREF(grad);
         grad = sum;
@@ -1756,8 +1756,8 @@ static PyMethodDef methods[] = {
     {"release", release, METH_O,
      "release(tensor): Tensor.release, for Tensor.__del__"},
     {"configure_autograd", configure_autograd, METH_VARARGS,
-     "configure_autograd(Node, unbroadcast, add, copy, record): what the backward pass calls, "
-     "and the Python record"},
+     "configure_autograd(Node, unbroadcast, accumulate, copy, record): what the backward pass "
+     "calls, and the Python record"},
     {"record", (PyCFunction)(void (*)(void))record_node, METH_FASTCALL,
      "record(op, out, inputs, labels, backward_fn, save=()): autograd.record"},
     {"backward", (PyCFunction)(void (*)(void))backward, METH_FASTCALL,

@@ -262,6 +262,42 @@ def _unbroadcast(grad: Tensor, shape: tuple[int, ...]) -> Tensor:
     return summed.reshape(shape)
 
 
+def _accumulate(previous: Tensor, grad: Tensor) -> Tensor:
+    """previous + grad, where `previous` is a partial sum the pass owns (nothing else holds
+    its memory: `_owned`): written into `previous` itself where it can hold the sum (Note
+    [accumulating in place]), else a new tensor."""
+    if (previous.shape == grad.shape and previous.dtype == grad.dtype
+            and _dense(previous.shape, previous.strides)):
+        return OPS.add(previous, grad, out=previous)
+    return OPS.add(previous, grad)
+
+
+# Note [accumulating in place]: a gradient that reaches a tensor from several consumers (a
+# residual block's input, the three views q, k and v of one projection) is summed as it
+# arrives. The partial sum is the pass's own (`_owned`), so the next part is added into it,
+# not into a new tensor: no allocation, and the sum keeps the partial sum's layout. That layout
+# matters: the gradient of a view is its base's layout (`tensor._scatter_backward`), and
+# attention's q, k and v are a transposed view of one (batch, time, 3, heads, width) block,
+# so a new C-order sum of two such gradients walked that memory across its strides (BERT's
+# step: 21 ms for 12 such sums, BENCHMARKS.md), and its reshape back made a copy. Only where
+# the sum has the partial sum's dtype (no promotion) and its layout is dense in some order of
+# its axes (no element twice, so writing the sum over it is elementwise): else a new tensor,
+# as before. The same values either way; the Python engine and the C one both call this.
+
+
+def _dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether a layout (strides in elements, as a Tensor's) covers each of its elements once,
+    with no gap: its strides, sorted, are those of a C-contiguous array of its axes in that
+    order."""
+    axes = sorted(((st, n) for n, st in zip(shape, strides) if n != 1), reverse=True)
+    step = 1
+    for stride, size in reversed(axes):
+        if stride != step:
+            return False
+        step *= size
+    return True
+
+
 def _owned(grad: Tensor, handed: dict[int, Tensor]) -> Tensor:
     """`grad` if nothing else holds its memory, else a copy (so in-place accumulation into it
     can never change another gradient or a tensor the user holds)."""
@@ -430,7 +466,7 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool, order: list[Node] | N
     Note [the backward engine]: this function is the specification; the C engine
     `runtime._dispatch.backward` takes the same steps in the same order (the same calls of
     the backward functions, the same releases, copies and accumulations through `ops.copy`
-    and `ops.add`) and calls back into Python for what is rare (a freed node or a saved tensor
+    and `_accumulate`) and calls back into Python for what is rare (a freed node or a saved tensor
     written since: `Node.unpack` raises; a gradient to sum back to its input's shape:
     `_unbroadcast`). Neither keeps a gradient alive longer than the pass needs it: a partial
     sum goes as soon as the next sum replaces it, and what a node's backward function returned
@@ -475,7 +511,7 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool, order: list[Node] | N
                     grad = _owned(grad, handed)
                 else:
                     del handed[id(held[1])]
-                    grad = OPS.add(held[1], grad)
+                    grad = _accumulate(held[1], grad)
                     held = None  # NOTE: the sum replaces it: Note [the backward engine]
                 leaves[id(entry)] = (entry, grad)
                 handed[id(grad)] = grad
@@ -485,7 +521,7 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool, order: list[Node] | N
                 grad = _owned(grad, handed)
             else:
                 del handed[id(previous)]
-                grad = OPS.add(previous, grad)
+                grad = _accumulate(previous, grad)
                 previous = None
             grads[entry] = grad
             handed[id(grad)] = grad

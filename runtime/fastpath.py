@@ -60,21 +60,21 @@ _dispatch = accelerated.load("runtime._dispatch")
 ACCELERATED = _dispatch is not None and base._FP_STATE is not None
 
 
-def load(record: Callable[[str, Tensor, Any], None], add: Callable[..., Tensor],
-         copy: Callable[..., Tensor]) -> Any:
+def load(record: Callable[[str, Tensor, Any], None], copy: Callable[..., Tensor]) -> Any:
     """Configure the C extension and turn it on; return its module, or None when the fast path
-    is off. `record` is how an elementwise op's autograd record is made; `add` and `copy` are
-    what the C backward engine accumulates and copies with. Its `elementwise(op, out,
-    operands)` is the fast `ops._elementwise`; its `launch(op, never, out, shape, dtype,
-    inputs, kernel, extra)` is the fast `_prepare_out` + `_launch` of an op whose operands
-    Python checked; its `reduce` the fast sum and mean that record nothing. The C `backward`,
-    `record` and `release` that autograd and Tensor bound at their import run from now on."""
+    is off. `record` is how an elementwise op's autograd record is made; `copy` what the C
+    backward engine copies with (it accumulates with `autograd._accumulate`, as Python's).
+    Its `elementwise(op, out, operands)` is the fast `ops._elementwise`; its `launch(op,
+    never, out, shape, dtype, inputs, kernel, extra)` is the fast `_prepare_out` + `_launch`
+    of an op whose operands Python checked; its `reduce` the fast sum and mean that record
+    nothing. The C `backward`, `record` and `release` that autograd and Tensor bound at their
+    import run from now on."""
     if _dispatch is None:
         return None
     # NOTE: the C record and release hand back to these until the extension is on, so they
     # are configured whether or not it can be turned on
-    _dispatch.configure_autograd(autograd.Node, autograd._unbroadcast, add, copy,
-                                 autograd.python_record)
+    _dispatch.configure_autograd(autograd.Node, autograd._unbroadcast, autograd._accumulate,
+                                 copy, autograd.python_record)
     if not ACCELERATED:
         accelerated.refuse("runtime._dispatch", f"NumPy {np.__version__} keeps no per-context "
                            f"floating-point error state that C can set (numpy._core.umath)")

@@ -2917,7 +2917,7 @@ def _no_launch(*args: Any) -> None:
 
 
 # NOTE: Note [the eager fast path] in runtime/fastpath.py
-_dispatch = fastpath.load(_record_elementwise, add, copy)
+_dispatch = fastpath.load(_record_elementwise, copy)
 #: The C fast path of `_elementwise`, or None.
 _fast = _dispatch.elementwise if _dispatch is not None else None
 #: The C fast path of `_prepare_out` + `_launch` for matmul, linear and the reductions.

@@ -261,6 +261,74 @@ def test_a_shared_gradient_is_never_aliased_between_leaves():
     np.testing.assert_array_equal(b.grad.numpy(), [1.0, 1.0, 1.0])
 
 
+@settings(max_examples=200, deadline=None)
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=4), data=st.data())
+def test_dense_means_every_element_once_and_no_gap(shape, data):
+    """`autograd._dense` (Note [accumulating in place]) against counting: a layout is dense
+    when its element offsets are 0 .. size - 1, each once. Permutations of C order are; other
+    strides (zeros, gaps, overlaps) mostly are not."""
+    from runtime.autograd import _dense
+
+    if data.draw(st.booleans()):
+        order = data.draw(st.permutations(range(len(shape))))
+        strides, step = [0] * len(shape), 1
+        for axis in reversed(order):
+            strides[axis], step = step, step * shape[axis]
+    else:
+        strides = data.draw(st.lists(st.integers(0, 12), min_size=len(shape),
+                                     max_size=len(shape)))
+    offsets = sorted(sum(i * st_ for i, st_ in zip(index, strides))
+                     for index in np.ndindex(*shape))
+    assert _dense(tuple(shape), tuple(strides)) == (offsets == list(range(len(offsets))))
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["C engine", "Python engine"])
+def test_parts_of_a_gradient_are_summed_into_the_partial_sum(pure, monkeypatch):
+    """Note [accumulating in place]: q, k and v, views of one transposed block, send their
+    gradients to it; the second and third are added into the first's memory, in its layout
+    (the transposed view's), not into new tensors, and the values are the sums. A partial sum
+    that repeats elements (a broadcast view) gets a new tensor instead. The Python engine is
+    watched; the C one, which calls the same `_accumulate`, gives the same values
+    (tests/test_fastpath.py compares the two engines' allocations on random graphs)."""
+    from runtime import autograd
+
+    calls = []
+    if pure:
+        monkeypatch.setattr(autograd, "_engine", None)
+        accumulate = autograd._accumulate
+
+        def watched(previous, grad):
+            layout = (previous.strides, previous.block.id)
+            total = accumulate(previous, grad)
+            calls.append((layout, total is previous, (total.strides, total.block.id)))
+            return total
+
+        monkeypatch.setattr(autograd, "_accumulate", watched)
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((2, 5, 3, 4)).astype(np.float32)
+    x = runtime.tensor(base, requires_grad=True)
+    q, k, v = ops.mul(x, 1.0).transpose(2, 0, 1, 3)
+    ops.sum(ops.add(ops.mul(q, k), ops.mul(v, 3.0))).backward()
+    want = np.zeros_like(base)
+    want[:, :, 0], want[:, :, 1], want[:, :, 2] = base[:, :, 1], base[:, :, 0], 3.0
+    np.testing.assert_array_equal(x.grad.numpy(), want)
+    if pure:
+        assert len(calls) == 2
+        for layout, in_place, total in calls:
+            assert in_place and total == layout
+            assert layout[0] == (4, 60, 12, 1)  # NOTE: the transposed view's, not C order
+    # NOTE: a partial sum that repeats elements (a broadcast view) cannot hold the sum
+    from runtime._tensor import Tensor
+
+    row = runtime.tensor(np.arange(4, dtype=np.float32))
+    repeated = Tensor(row.block, (3, 4), row.dtype, (0, 1), 0)
+    part = runtime.tensor(np.ones((3, 4), np.float32))
+    total = autograd._accumulate(repeated, part)
+    assert total.block is not row.block
+    np.testing.assert_array_equal(total.numpy(), np.arange(4) + np.ones((3, 4)))
+    np.testing.assert_array_equal(row.numpy(), np.arange(4))
+
+
 def test_no_grad_records_nothing_and_nests():
     w = runtime.tensor(np.ones(2), requires_grad=True)
     with runtime.no_grad():
