@@ -183,5 +183,8 @@ def test_random_layer_programs_replay_as_eager_bit_for_bit(program, optimizer, p
         for name, value in ours.items():
             np.testing.assert_allclose(value.numpy(), theirs[name].numpy(), rtol=1e-5,
                                        atol=1e-6, err_msg=name)
+        generators = [{k: v for k, v in state(m).items() if k.startswith("generator")}
+                      for m in (model, eager_model)]
+        assert generators[0] == generators[1]  # NOTE: the masks drawn do not depend on values
     if rewrite == "least":
         assert max(graph.timeline()) <= options["memory_budget"], report

@@ -181,7 +181,7 @@ def graph(fn: Callable[..., Any], plan: str = "static", checkpoint: str | None =
         fold_updates: True (the default): an in-place update of a matrix product's result,
             out = alpha * product + beta * out (plain SGD's w - lr * g, momentum's buf + g), is
             one accumulating `gemm` where the device has one: the gradient never gets a
-            buffer, but its rounding differs from eager's in the last bits
+            buffer, but its rounding may differ from eager's in the last bits
             (`memory_report()["updates_folded"]` counts them; Note [a folded update's
             rounding] in runtime/graph/fuse.py). False: every step equals eager bit for bit,
             at the cost of a product-sized buffer.
