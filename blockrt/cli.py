@@ -7,7 +7,7 @@ Subcommands:
                             the CPU's BLAS and why (--measure S|M|L|D: time a step first)
     blockrt plan            capture an MLP training step and print its memory report
                             (--config S|M|L|D, --plan, --checkpoint sqrt|pointwise, --budget BYTES,
-                            --plot PATH)
+                            --no-fold-updates, --plot PATH)
     blockrt demo [ARGS]     run examples/train_mlp.py (a checkout, and the `demo` extra)
     blockrt bench [NAME]    list (--list) or run benchmarks/bench_NAME.py (a checkout)
 
@@ -92,13 +92,13 @@ class Parser(argparse.ArgumentParser):
 
 def training_step(cfg: MLPConfig, plan: str, checkpoint: str | None,
                   seed: int = 0, memory_budget: int | None = None,
-                  lossy: bool | str = False) -> runtime.Graph:
+                  lossy: bool | str = False, fold_updates: bool = True) -> runtime.Graph:
     """The MLP training step of benchmarks/bench_graph.py captured by `runtime.graph`.
 
     `cfg.depth` hidden Dense(width, width) layers with ReLU, a Dense(width, 10) classifier,
     softmax cross-entropy, SGD lr 0.01, `zero_grad()` at the end of the step (so gradients are
     intermediates). Weights come from `seed`; the caller runs the step. `memory_budget`:
-    bytes the intermediates may take, and `lossy` (`runtime.graph`'s options).
+    bytes the intermediates may take, `lossy` and `fold_updates` (`runtime.graph`'s options).
     """
     rng = np.random.default_rng(seed)
     layers: list[nn.Module] = []
@@ -107,7 +107,7 @@ def training_step(cfg: MLPConfig, plan: str, checkpoint: str | None,
     model = nn.Sequential(*layers, nn.Dense(cfg.width, CLASSES, rng=rng))
     opt = nn.SGD(model.parameters(), lr=0.01)
     return runtime.graph(nn.train_step(model, opt), plan=plan, checkpoint=checkpoint,
-                         memory_budget=memory_budget, lossy=lossy)
+                         memory_budget=memory_budget, lossy=lossy, fold_updates=fold_updates)
 
 
 #: Characters of a text timeline, from empty to full.
@@ -510,7 +510,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "--budget BYTES too")
     print(f"config {label}: batch {cfg.batch}, width {cfg.width}, depth {cfg.depth}; "
           f"plan {args.plan}, checkpoint {checkpoint or 'none'}"
-          + (f", memory budget {budget} B" if budget is not None else ""))
+          + (f", memory budget {budget} B" if budget is not None else "")
+          + ("" if args.fold_updates else ", updates not folded (eager's bits)"))
     plans = runtime.PLANS if args.plot else (args.plan,)
     if budget is not None:
         plans = tuple(p for p in plans if p != "none")
@@ -518,7 +519,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         x, y = _batch(cfg, args.seed)
         for plan, step in each_plan(lambda p: training_step(cfg, p, checkpoint, args.seed,
-                                                            budget, args.lossy or False),
+                                                            budget, args.lossy or False,
+                                                            args.fold_updates),
                                     x, y, plans=plans):
             timelines[plan] = step.timeline()
             if plan == args.plan:
@@ -617,6 +619,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lossy", choices=["bfloat16", "float16"], default=None,
                    help="with --budget: the budget may also store waiting forward results in "
                    "this half dtype (lossy; default: never)")
+    p.add_argument("--no-fold-updates", dest="fold_updates", action="store_false",
+                   help="do not fold SGD's updates into the weight gradients' products: every "
+                   "step then equals eager's bits, at a product-sized buffer more "
+                   "(runtime.graph's fold_updates; default: folded)")
     p.add_argument("--plot", metavar="PATH", type=png_path,
                    help="also write a PNG of the memory timeline of all three plans "
                    "(needs matplotlib: the `plot` extra)")

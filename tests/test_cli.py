@@ -111,6 +111,26 @@ def test_plan_prints_the_memory_report_of_the_chosen_plan(capsys):
         assert key in report
 
 
+def test_plan_no_fold_updates_shows_eagers_bits_cost(capsys):
+    """`--no-fold-updates` is runtime.graph's fold_updates=False: no update folded, and the
+    weight gradients get buffers of their own where the CPU's gemm accumulates."""
+    reports = {}
+    for flag in ((), ("--no-fold-updates",)):
+        status, out, err = run(capsys, "plan", "--config", "S", "--batch", "8", "--width",
+                               "32", "--depth", "3", *flag)
+        assert status == 0, err
+        assert ("updates not folded" in out.splitlines()[0]) == bool(flag)
+        reports[bool(flag)] = dict(line.split(None, 1) for line in out.splitlines()[1:])
+    assert reports[True]["updates_folded"] == "0"
+    if cli.runtime.get_default_device().capabilities.gemm_accumulates:
+        assert reports[False]["updates_folded"] == "4"
+        units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20}
+        planned = {k: float(r["planned_bytes"].split()[0]) * units[r["planned_bytes"].split()[1]]
+                   for k, r in reports.items()}
+        assert planned[True] > planned[False], planned
+    assert cli.build_parser().parse_args(["plan"]).fold_updates is True
+
+
 def test_plan_budget_shows_the_choice_and_the_timeline(capsys):
     argv = ["plan", "--config", "D", "--batch", "4", "--width", "16", "--depth", "12"]
     status, out, err = run(capsys, *argv, "--budget", "3000")

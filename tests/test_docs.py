@@ -215,7 +215,7 @@ def report_of(out: str) -> dict[str, str]:
     return {line.split()[0]: line.split(None, 1)[1] for line in out.splitlines()
             if len(line.split()) >= 2 and line.split()[0] in (
                 "plan", "checkpoint", "planned_bytes", "lower_bound_bytes", "naive_bytes",
-                "peak_bytes", "recomputed")}
+                "peak_bytes", "recomputed", "products", "updates_folded")}
 
 
 def check_info(out: str, cwd: Path) -> None:
@@ -254,6 +254,13 @@ def check_plan_budget(out: str, cwd: Path) -> None:
     assert out.splitlines()[-1].startswith("|"), out  # NOTE: the timeline
 
 
+def check_plan_no_fold(out: str, cwd: Path) -> None:
+    assert "updates not folded (eager's bits)" in out.splitlines()[0], out
+    report = report_of(out)
+    assert report["plan"] == "static" and report["updates_folded"] == "0", out
+    assert int(report["products"]) > 0, out  # NOTE: the other products still fold
+
+
 def check_demo(out: str, cwd: Path) -> None:
     result = next(line for line in out.splitlines() if "test accuracy" in line)
     assert float(result.split("test accuracy")[1].split()[0]) >= 0.97, result
@@ -276,6 +283,7 @@ CHECKS = {
     "blockrt plan --config D --checkpoint sqrt": check_plan_sqrt,
     "blockrt plan --config S --plot timeline.png": check_plan_plot,
     "blockrt plan --config D --budget 600000": check_plan_budget,
+    "blockrt plan --config S --no-fold-updates": check_plan_no_fold,
     "blockrt demo --epochs 5 --no-progress": check_demo,
     "blockrt bench --list": check_bench_list,
 }
