@@ -211,20 +211,21 @@ def prepare(handles: Handles, make: Callable[[], Handle], a: Any, b: Any, out: A
         compute, scalar = _COMPUTE_32F, ctypes.c_float
         if a.dtype == np.float32 and _precision[0] == "high":
             compute = _COMPUTE_32F_FAST_TF32
-    scale, keep_out = scalar(alpha), scalar(beta)  # NOTE: host scalars, read at each call
+    scalars = (scalar(alpha), scalar(beta))  # NOTE: host scalars, read at each call
+    alpha_ref, beta_ref = (ctypes.byref(x) for x in scalars)
     kind, out_kind = _DATA[a.dtype], _DATA[dtype]
     lib = _cublas()
     pa, pb, pc = (ctypes.c_void_p(int(x.data.ptr)) for x in (a, b, out))
     if count == 1:
-        args = (op_b, op_a, n, m, k, ctypes.byref(scale), pb, kind, ldb, pa, kind, lda,
-                ctypes.byref(keep_out), pc, out_kind, ldc, compute, _GEMM_DEFAULT)
+        args = (op_b, op_a, n, m, k, alpha_ref, pb, kind, ldb, pa, kind, lda,
+                beta_ref, pc, out_kind, ldc, compute, _GEMM_DEFAULT)
         call, name = lib.cublasGemmEx, "cublasGemmEx"
     else:
-        args = (op_b, op_a, n, m, k, ctypes.byref(scale), pb, kind, ldb, stride_b, pa, kind, lda,
-                stride_a, ctypes.byref(keep_out), pc, out_kind, ldc, stride_c, count, compute,
+        args = (op_b, op_a, n, m, k, alpha_ref, pb, kind, ldb, stride_b, pa, kind, lda,
+                stride_a, beta_ref, pc, out_kind, ldc, stride_c, count, compute,
                 _GEMM_DEFAULT)
         call, name = lib.cublasGemmStridedBatchedEx, "cublasGemmStridedBatchedEx"
-    keep = (a, b, out, scale, keep_out)  # NOTE: the arrays and scalars live as long as the call
+    keep = (a, b, out, *scalars)  # NOTE: the arrays and scalars live as long as the call
 
     def run() -> None:
         handle = handles.handle

@@ -537,18 +537,14 @@ class CudaDevice(Device):
         return functools.partial(self._cupy_matmul, a, b, out) if call is None else call
 
     def _gemm(self, a, b, out, alpha: float, beta: float) -> None:
+        self._prepared_gemm(a, b, out, alpha, beta)()
+
+    def _prepared_gemm(self, a, b, out, alpha: float, beta: float) -> Callable[[], None]:
         """out = alpha * (a @ b) + beta * out as one cuBLAS call (`gemm_accumulates`: a graph
         folds an SGD update into its product, Note [a folded update's rounding]); layouts
         cuBLAS does not take go to the base's product in scratch and a fused pass."""
         call = self._cublas_call(a, b, out, alpha, beta)
-        if call is None:
-            super()._gemm(a, b, out, alpha, beta)
-        else:
-            call()
-
-    def _prepared_gemm(self, a, b, out, alpha: float, beta: float) -> Callable[[], None]:
-        call = self._cublas_call(a, b, out, alpha, beta)
-        return super()._prepared_gemm(a, b, out, alpha, beta) if call is None else call
+        return functools.partial(super()._gemm, a, b, out, alpha, beta) if call is None else call
 
     def _cublas_call(self, a, b, out, alpha: float = 1.0,
                      beta: float = 0.0) -> Callable[[], None] | None:

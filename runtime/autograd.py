@@ -267,7 +267,7 @@ def _accumulate(previous: Tensor, grad: Tensor) -> Tensor:
     its memory: `_owned`): written into `previous` itself where it can hold the sum (Note
     [accumulating in place]), else a new tensor."""
     if (previous.shape == grad.shape and previous.dtype == grad.dtype
-            and _dense(previous.shape, previous.strides)):
+            and not previous.has_internal_overlap()):
         return OPS.add(previous, grad, out=previous)
     return OPS.add(previous, grad)
 
@@ -280,22 +280,10 @@ def _accumulate(previous: Tensor, grad: Tensor) -> Tensor:
 # attention's q, k and v are a transposed view of one (batch, time, 3, heads, width) block,
 # so a new C-order sum of two such gradients walked that memory across its strides (BERT's
 # step: 21 ms for 12 such sums, BENCHMARKS.md), and its reshape back made a copy. Only where
-# the sum has the partial sum's dtype (no promotion) and its layout is dense in some order of
-# its axes (no element twice, so writing the sum over it is elementwise): else a new tensor,
-# as before. The same values either way; the Python engine and the C one both call this.
-
-
-def _dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """Whether a layout (strides in elements, as a Tensor's) covers each of its elements once,
-    with no gap: its strides, sorted, are those of a C-contiguous array of its axes in that
-    order."""
-    axes = sorted(((st, n) for n, st in zip(shape, strides) if n != 1), reverse=True)
-    step = 1
-    for stride, size in reversed(axes):
-        if stride != step:
-            return False
-        step *= size
-    return True
+# the sum has the partial sum's dtype (no promotion) and the partial sum can be written (no
+# two indices share an element: `Tensor.has_internal_overlap`, the rule every out= obeys);
+# else a new tensor, as before. The same values either way; the Python engine and the C one
+# both call this.
 
 
 def _owned(grad: Tensor, handed: dict[int, Tensor]) -> Tensor:
@@ -469,8 +457,9 @@ def _run(root: Node, gradient: Tensor, retain_graph: bool, order: list[Node] | N
     and `_accumulate`) and calls back into Python for what is rare (a freed node or a saved tensor
     written since: `Node.unpack` raises; a gradient to sum back to its input's shape:
     `_unbroadcast`). Neither keeps a gradient alive longer than the pass needs it: a partial
-    sum goes as soon as the next sum replaces it, and what a node's backward function returned
-    goes once it is delivered (so the two engines free, and peak, at the same points).
+    sum takes the next part in place or goes as soon as the next sum replaces it, and what a
+    node's backward function returned goes once it is delivered (so the two engines free, and
+    peak, at the same points).
     `backward()` runs the C one where the fast path is on
     (Note [the eager fast path] in runtime/fastpath.py); tests/test_fastpath.py runs random
     graphs through both and compares every gradient, error, block version and allocator

@@ -263,13 +263,17 @@ def test_a_shared_gradient_is_never_aliased_between_leaves():
 
 @settings(max_examples=200, deadline=None)
 @given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=4), data=st.data())
-def test_dense_means_every_element_once_and_no_gap(shape, data):
-    """`autograd._dense` (Note [accumulating in place]) against counting: a layout is dense
-    when its element offsets are 0 .. size - 1, each once. Permutations of C order are; other
-    strides (zeros, gaps, overlaps) mostly are not."""
-    from runtime.autograd import _dense
+def test_a_partial_sum_takes_the_next_part_in_place_only_where_it_can_be_written(shape, data):
+    """`autograd._accumulate` (Note [accumulating in place]) against counting: the sum is
+    written into the partial sum only where no two of its indices share an element (its
+    offsets all differ), and always for a permutation of C order (a transposed view's
+    gradient); the values are the sum either way, and a partial sum it does not write keeps
+    its memory."""
+    from runtime import autograd
+    from runtime._tensor import Tensor
 
-    if data.draw(st.booleans()):
+    permuted = data.draw(st.booleans())
+    if permuted:
         order = data.draw(st.permutations(range(len(shape))))
         strides, step = [0] * len(shape), 1
         for axis in reversed(order):
@@ -277,9 +281,21 @@ def test_dense_means_every_element_once_and_no_gap(shape, data):
     else:
         strides = data.draw(st.lists(st.integers(0, 12), min_size=len(shape),
                                      max_size=len(shape)))
-    offsets = sorted(sum(i * st_ for i, st_ in zip(index, strides))
-                     for index in np.ndindex(*shape))
-    assert _dense(tuple(shape), tuple(strides)) == (offsets == list(range(len(offsets))))
+    offsets = [sum(i * st_ for i, st_ in zip(index, strides)) for index in np.ndindex(*shape)]
+    span = max(offsets) + 1
+    memory = runtime.tensor(np.arange(span, dtype=np.float64))
+    previous = Tensor(memory.block, tuple(shape), memory.dtype, tuple(strides), 0)
+    before = previous.numpy().copy()
+    part = runtime.tensor(np.full(shape, 0.5))
+    total = autograd._accumulate(previous, part)
+    np.testing.assert_array_equal(total.numpy(), before + 0.5)
+    in_place = total is previous
+    if in_place:
+        assert len(set(offsets)) == len(offsets)
+    else:
+        np.testing.assert_array_equal(memory.numpy(), np.arange(span))
+    if permuted:
+        assert in_place and sorted(offsets) == list(range(len(offsets)))
 
 
 @pytest.mark.parametrize("pure", [False, True], ids=["C engine", "Python engine"])

@@ -259,6 +259,8 @@ def _attach_products(steps: list[_Step], intermediate: frozenset[int],
                 readers.setdefault(operand.block.id, set()).add(position)
             for operand in instr.outputs:
                 writers.setdefault(operand.block.id, set()).add(position)
+    # NOTE: once: the CPU's capability is a Deferred, asked at each read
+    accumulate = fold_updates and bool(device.capabilities.gemm_accumulates)
     moved: set[int] = set()
     for position, step in enumerate(steps):
         if step.product is not None or not all(_fusable(i) for i in step.instructions):
@@ -279,7 +281,7 @@ def _attach_products(steps: list[_Step], intermediate: frozenset[int],
                                             steps[at + 1:position]
                                             for i in later.instructions for o in i.outputs):
                 continue
-            kind = _folding(step, head, out, device, fold_updates)
+            kind = _folding(step, head, out, accumulate)
             if kind is None:
                 continue
             steps[position] = _Step([head, *step.instructions], step.internal | {bid}, kind)
@@ -288,20 +290,21 @@ def _attach_products(steps: list[_Step], intermediate: frozenset[int],
     return [step for position, step in enumerate(steps) if position not in moved]
 
 
-def _folding(step: _Step, head: Instruction, out: Operand, device: Any,
-             fold_updates: bool) -> str | tuple[float, float] | None:
+def _folding(step: _Step, head: Instruction, out: Operand,
+             accumulate: bool) -> str | tuple[float, float] | None:
     """How `head`'s product joins `step`'s chain (see `_attach_products`), or None; `out`
-    (the chain's output) is already known not to be read by the product."""
+    (the chain's output) is already known not to be read by the product; `accumulate`:
+    whether an update may become one accumulating gemm (the device's and `fold_updates`)."""
     product = head.outputs[0]
     if any(o.block.id == product.block.id and (o.shape != out.shape or not o.whole)
            for i in step.instructions for o in i.inputs):
         return None
     if product.dtype != out.dtype or product.shape != out.shape:
         return None
-    if fold_updates and (head.op == "matmul" or len(head.inputs) == 2):
+    if accumulate and out.dtype in (np.float32, np.float64) \
+            and (head.op == "matmul" or len(head.inputs) == 2):
         form = _linear_form(step.instructions, product.block.id, out)
-        if form is not None and device.capabilities.gemm_accumulates \
-                and out.dtype in (np.float32, np.float64):
+        if form is not None:
             return form
     if any(o.block.id == out.block.id for i in step.instructions for o in i.inputs):
         return None
