@@ -11,8 +11,9 @@ rounded once. Measured at 64x256 float64 on this machine: the C loop about 0.2 m
 steps over the array). The float32 loop gets C's bits in about a quarter of C's time (3.0
 against 12.3 ms on 1.5M GELU arguments, BENCHMARKS.md): polynomials in double
 (backends/_erf_table.h), rounded to float32, and C's erf itself wherever a polynomial's value
-lies near a point where the rounding changes (`erf_block` in backends/_halfconv.c; every
-float32 checked by `python -m backends._erf_gen --check`).
+lies near a point where the rounding changes (`erf_block` in backends/_halfconv.c, on AVX-512,
+AVX2 or portable loops; every float32 checked on each by `python -m backends._erf_gen --check`).
+GELU and its gradient call that loop from one C pass each (`gelu_op`, backends/numpy.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ far below the 2**-40 that matters) where |x| < 4, rounded to float32, and C's er
 wherever that polynomial's value lies within 2**-40 (relative) of the point where rounding to
 float32 changes: C's erf is within an ULP of the exact value, so both round alike everywhere
 else. tests/test_halfconv.py compares the two on every 256th float32 and around every joint of
-the pieces; `python -m backends._erf_gen --check` compares every float32 (a few minutes).
+the pieces; `python -m backends._erf_gen --check [PATH]` compares every float32 (a few minutes)
+on the core's AVX-512, AVX2 or portable loop (PATH avx512, avx2 or portable; the fastest this
+CPU has where none is named).
 
 - |x| < CORE_END: x * q(x**2), q of degree CORE_DEGREE interpolating erf(x) / x at the
   Chebyshev points of x**2 in [0, CORE_END**2] (3.5e-16 relative error at most, measured): one
@@ -79,13 +81,25 @@ def header() -> str:
     return "\n".join(lines) + "\n"
 
 
-def check() -> int:
-    """Every float32's erf_block against C's erf rounded once; the count of differences."""
+#: The loops of the erf core `check` can run, and the set_f16c / set_avx512 flags of each.
+PATHS = {"avx512": (True, True), "avx2": (True, False), "portable": (False, False)}
+
+
+def check(path: str | None = None) -> int:
+    """Every float32's erf_block against C's erf rounded once, on `path` (a key of PATHS, or
+    None for the fastest here); the count of differences. A path this CPU lacks is refused."""
     import numpy as np
 
     from backends import accelerated
 
     halfconv = accelerated.load("backends._halfconv")
+    if path is not None:
+        f16c, avx512 = PATHS[path]
+        if (halfconv.set_f16c(f16c) != f16c and path != "portable"
+                or halfconv.set_avx512(avx512) != avx512):
+            halfconv.set_f16c(True)
+            halfconv.set_avx512(True)
+            raise SystemExit(f"this CPU cannot run the {path} loop")
     bad = 0
     chunk = 1 << 24
     out, want = np.empty(chunk, np.float32), np.empty(chunk, np.float32)
@@ -95,12 +109,18 @@ def check() -> int:
         halfconv.erf_op(2, want, x)  # NOTE: the specification: C's erf, rounded once
         same = (out.view(np.uint32) == want.view(np.uint32)) | (np.isnan(out) & np.isnan(want))
         bad += int((~same).sum())
+    halfconv.set_f16c(True)
+    halfconv.set_avx512(True)
     return bad
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--check"]:
-        count = check()
-        print(f"{count} float32 values whose erf_block is not C's erf rounded once")
+    if sys.argv[1:2] == ["--check"] and len(sys.argv) <= 3:
+        path = sys.argv[2] if len(sys.argv) == 3 else None
+        if path is not None and path not in PATHS:
+            raise SystemExit(f"--check takes one of {', '.join(PATHS)}, got {path!r}")
+        count = check(path)
+        print(f"{count} float32 values whose erf_block ({path or 'the fastest loop here'}) "
+              f"is not C's erf rounded once")
         sys.exit(count != 0)
     sys.stdout.write(header())

@@ -215,10 +215,57 @@ def _in_c(name: str, kernel: Any) -> Any:
     return binary
 
 
+#: Items per tile of `_gelu_backward`'s exp: 64 KiB of float32, which stays in a core's cache
+#: between the passes
+_GELU_TILE = 1 << 14
+
+
+def _gelu(kernel: Any) -> Any:
+    """gelu's kernel as one C pass (`_halfconv.gelu_op`) over contiguous float32 and float64 x
+    and out, else `kernel`, the formula op by op (its twin: the same bits, tests/test_halfconv.py).
+    The op by op run makes three arrays of out's size and walks them six times; the C pass
+    reads x once."""
+    def gelu(x: np.ndarray, out: np.ndarray) -> None:
+        kind = _FLOAT_OP.get(out.dtype)
+        if (kind is None or type(x) is not np.ndarray or x.dtype != out.dtype
+                or not _halfconv.gelu_op(kind, out, x)):
+            kernel(x, out=out)
+    return gelu
+
+
+def _gelu_backward(kernel: Any) -> Any:
+    """gelu_backward's kernel over contiguous float32 and float64 g, x and out of one shape,
+    in tiles: exp((x * -0.5) * x) by NumPy into a tile (the formula's own ufunc calls, so its
+    bits), then the rest of the formula in one C pass (`_halfconv.gelu_op`); else `kernel`, the
+    formula op by op, whose run makes four arrays of out's size and walks them eleven times."""
+    def gelu_backward(g: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+        kind = _FLOAT_OP.get(out.dtype)
+        if (kind is None or type(g) is not np.ndarray or type(x) is not np.ndarray
+                or not g.dtype == x.dtype == out.dtype or not g.shape == x.shape == out.shape
+                or not (g.flags.c_contiguous and x.flags.c_contiguous
+                        and out.flags.c_contiguous and out.flags.writeable)):
+            kernel(g, x, out=out)
+            return
+        gs, xs, outs = g.reshape(-1), x.reshape(-1), out.reshape(-1)
+        tile = np.empty(min(outs.size, _GELU_TILE), out.dtype)
+        for start in range(0, outs.size, _GELU_TILE):
+            part = slice(start, start + _GELU_TILE)
+            x_part = xs[part]
+            e = tile[:x_part.size]
+            np.multiply(x_part, -0.5, out=e)
+            np.multiply(e, x_part, out=e)
+            np.exp(e, out=e)
+            _halfconv.gelu_op(kind, outs[part], x_part, gs[part], e)
+    return gelu_backward
+
+
 #: Every elementwise kernel of the table, called as kernel(*inputs, out) (NumPy broadcasts the
 #: inputs) or with out=
 _KERNELS = {op.name: _in_c(op.name, _kernel(op)) if op.name in _IN_C else _kernel(op)
             for op in optable.OPS}
+if _halfconv is not None:
+    _KERNELS.update(gelu=_gelu(_KERNELS["gelu"]),
+                    gelu_backward=_gelu_backward(_KERNELS["gelu_backward"]))
 #: The kernels the eager fast path may run: it holds every operand to one dtype, so an op
 #: with a bool condition (where) is left to the Python path, which checks it
 _FAST = {op.name: _KERNELS[op.name] for op in optable.OPS

@@ -14,6 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from backends import _erf_gen
+
 
 @pytest.fixture(params=[True, False], ids=["f16c-avx2", "portable"])
 def conv(request):
@@ -392,12 +394,30 @@ def _float32_erf_values() -> np.ndarray:
     return np.concatenate([sampled, near, -near, special])
 
 
-def test_the_float32_erf_is_cs_erf_rounded_once(conv):
+@pytest.fixture(params=["avx512", "avx2", "portable"])
+def erf_path(request):
+    """`_halfconv` with the erf core on one loop (backends/_erf_gen.py's PATHS), skipped where
+    this CPU lacks it; every loop is back on afterwards."""
+    module = pytest.importorskip("backends._halfconv", reason="the C kernels are not built")
+    f16c, avx512 = _erf_gen.PATHS[request.param]
+    try:
+        if module.set_avx512(True) is False and avx512:
+            pytest.skip("this CPU has no AVX-512 (F, BW, VL and DQ)")
+        if module.set_f16c(f16c) is False and f16c:
+            pytest.skip("this CPU has no AVX2")
+        module.set_avx512(avx512)
+        yield module
+    finally:
+        module.set_f16c(True)
+        module.set_avx512(True)
+
+
+def test_the_float32_erf_is_cs_erf_rounded_once(erf_path):
     """`erf_op` kind 0 (`erf_block`: polynomials, and C's erf near a rounding boundary) gives
     the bits of kind 2 (C's erf in double on every element, rounded once), on 2**24 + 1164
-    values, on the AVX2 path and the portable one; `python -m backends._erf_gen --check`
+    values, on the AVX-512, AVX2 and portable loops; `python -m backends._erf_gen --check`
     compares all 2**32."""
-    module = conv
+    module = erf_path
     x = _float32_erf_values()
     fast, plain = np.empty_like(x), np.empty_like(x)
     assert module.erf_op(0, fast, x) and module.erf_op(2, plain, x)
@@ -406,6 +426,77 @@ def test_the_float32_erf_is_cs_erf_rounded_once(conv):
     assert module.erf_op(0, in_place, in_place) and _equal_or_both_nan(in_place, plain)
     spot = x[::4099]
     assert _equal_or_both_nan(plain[::4099], np.float32([math.erf(v) for v in spot.tolist()]))
+
+
+def _gelu_values(dtype: type, seed: int, size: int) -> np.ndarray:
+    """GELU's arguments of every kind: normal ones, wide ones (where erf's pieces and C's erf
+    take over), the special values and the subnormals, in random order."""
+    rng = np.random.default_rng(seed)
+    special = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 1e-310, 5.6568542, -5.6568542,
+               40.0, -40.0, 1e30, -1e30, 13.0, -13.0]
+    x = np.concatenate([rng.standard_normal(size), rng.uniform(-12, 12, size // 4),
+                        np.array(special)]).astype(dtype)
+    rng.shuffle(x)
+    return x
+
+
+@settings(max_examples=30, deadline=None)
+@given(dtype=st.sampled_from([np.float32, np.float64]), size=st.integers(0, 3000),
+       seed=st.integers(0, 2**32 - 1), in_place=st.sampled_from([None, "x", "g"]))
+def test_gelu_in_one_pass_has_the_formulas_bits(dtype, size, seed, in_place):
+    """The CPU's gelu and gelu_backward kernels (`_halfconv.gelu_op`, a tile of NumPy's exp
+    for the gradient) give the bits of the table's formulas run op by op (`_kernel`, their
+    twin), on every erf loop this CPU has, over sizes that end mid tile, with out the input
+    itself; a NaN need only meet a NaN."""
+    module = pytest.importorskip("backends._halfconv", reason="the C kernels are not built")
+    from backends import numpy as cpu
+    from backends import optable
+
+    x = _gelu_values(dtype, seed, size)
+    g = np.random.default_rng(seed + 1).standard_normal(x.size).astype(dtype)
+    formulas = {name: cpu._kernel(optable.BY_NAME[name]) for name in ("gelu", "gelu_backward")}
+    for f16c, avx512 in _erf_gen.PATHS.values():
+        module.set_f16c(f16c)
+        module.set_avx512(avx512)
+        try:
+            for name, inputs in (("gelu", (x,)), ("gelu_backward", (g, x))):
+                want = np.empty_like(x)
+                with np.errstate(all="ignore"):
+                    formulas[name](*inputs, out=want)
+                copies = [a.copy() for a in inputs]
+                out = (np.empty_like(x) if in_place is None
+                       else copies[0 if in_place == "g" or name == "gelu" else 1])
+                with np.errstate(all="ignore"):  # NOTE: as the device calls its kernels
+                    cpu._KERNELS[name](*copies, out=out)
+                assert _equal_or_both_nan(out, want), (name, f16c, avx512)
+        finally:
+            module.set_f16c(True)
+            module.set_avx512(True)
+
+
+def test_gelu_in_one_pass_refuses_what_it_cannot_take():
+    """gelu_op takes contiguous float32 and float64 arrays of out's shape and dtype: anything
+    else is False with nothing written (the kernels then run the formulas, with their bits), a
+    wrong count or kind an error that says so."""
+    module = pytest.importorskip("backends._halfconv", reason="the C kernels are not built")
+    from backends import numpy as cpu
+
+    x = np.linspace(-3, 3, 64, dtype=np.float32)
+    out = np.full_like(x, 7.0)
+    assert not module.gelu_op(0, out, x[::2].copy().repeat(2)[::2])  # NOTE: 32 items
+    assert not module.gelu_op(0, out, x.astype(np.float64))
+    assert not module.gelu_op(0, out[::2], x[::2])
+    assert not module.gelu_op(1, out, x)
+    assert (out == 7.0).all()
+    with pytest.raises(TypeError, match="takes 3 or 5 arguments, got 4"):
+        module.gelu_op(0, out, x, x)
+    with pytest.raises(ValueError, match="kind 3 names no dtype"):
+        module.gelu_op(3, out, x)
+    for name, inputs in (("gelu", (x[::2],)), ("gelu_backward", (x[::2], x[::2]))):
+        got, want = np.empty(32, np.float32), np.empty(32, np.float32)
+        cpu._KERNELS[name](*inputs, out=got)
+        cpu._KERNELS[name](*(a.copy() for a in inputs), out=want)
+        assert _equal_or_both_nan(got, want)
 
 
 # ---------------------------------------------------------------------- transpose
