@@ -1174,8 +1174,13 @@ def _scatter_backward(base: Tensor, view: Tensor) -> Any:
     nbytes = base.block.nbytes
 
     def backward(g: Tensor) -> tuple[Tensor]:
-        # a zeroed copy of the whole block, seen through base's and the view's layouts
-        whole = zeros(nbytes // g.dtype.itemsize, g.dtype, allocator=g.block.allocator)
+        # a zeroed copy of the whole block, seen through base's and the view's layouts; the
+        # zeros are a fill on the device (a 0-d zero broadcast), so a graph copies no host
+        # array of the block's size at each replay, nor holds one (`zeros` would)
+        whole = Tensor._fresh((nbytes // g.dtype.itemsize,), g.dtype, g.block.allocator)
+        zero = tensor(np.zeros((), g.dtype), device=g.device, allocator=g.block.allocator)
+        OPS.copy(zero, out=whole)
+        zero.release()
         OPS.copy(g, out=Tensor(whole.block, shape, g.dtype, strides, offset))
         return (Tensor(whole.block, base_shape, g.dtype, base_strides, base_offset),)
 
