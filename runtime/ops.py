@@ -2810,9 +2810,12 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     `generator` (default: `default_generator`), so a captured graph draws the eager masks and
     a recomputed segment reuses them (docs/layers-state.md). They are not PyTorch's draws.
 
-    Composed of ops, each with its own backward: a product by the scale, batched `matmul`,
-    the mask, `softmax` and `matmul` (so graphs capture, plan and fuse it as those ops).
-    `out` may not share any memory with the inputs.
+    Composed of ops: a product by the scale, batched `matmul`, the mask, `softmax` and
+    `matmul` (so graphs capture, plan and fuse it as those ops). Where it records a gradient
+    (float32 or float64 operands of the same leading dimensions, no dropout, no autocast) it
+    is one autograd node that keeps query, key, value and the mask, not the (..., L, S)
+    weights, and makes the weights again in backward, as PyTorch's CPU kernel does (Note
+    [attention recomputes its weights]). `out` may not share any memory with the inputs.
 
     Example:
         >>> import numpy as np, runtime
@@ -2845,22 +2848,14 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scaled_dot_product_attention: scale must be a number, got "
                         f"{_brief(scale)}")
-    rows, cols = query.shape[-2], key.shape[-2]
-    scores = matmul(mul(query, scale), _swap_last(key))
-    if is_causal:
-        mask = tensor(_causal_mask(rows, cols, scores.dtype), device=scores.device,
-                      allocator=_result_allocator(scores))
-        scores = add(scores, mask)
-    elif attn_mask is not None:
-        if not isinstance(attn_mask, Tensor):
-            raise TypeError(f"scaled_dot_product_attention: attn_mask must be a Tensor, got "
-                            f"{type(attn_mask).__name__} {_brief(attn_mask)}")
-        if attn_mask.dtype == np.bool_:
-            scores = _where(attn_mask, scores, -math.inf)
-        else:
-            scores = add(scores, attn_mask)
-    weights = softmax(scores, -1)
-    scores.release()
+    if attn_mask is not None and not isinstance(attn_mask, Tensor):
+        raise TypeError(f"scaled_dot_product_attention: attn_mask must be a Tensor, got "
+                        f"{type(attn_mask).__name__} {_brief(attn_mask)}")
+    inputs = [("query", query), ("key", key), ("value", value)]
+    if out is None and _recomputes_weights(query, key, value, attn_mask, dropout_p):
+        return _attention_recomputed(query, key, value, attn_mask, is_causal, scale)
+    weights, scaled = _attention_weights(query, key, scale, is_causal, attn_mask)
+    scaled.release()
     if dropout_p > 0:
         dropped = dropout(weights, dropout_p, generator=generator)
         weights.release()
@@ -2868,12 +2863,95 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     if out is None:
         return matmul(weights, value)
     # NOTE: out may share no memory with query and key either
-    inputs = [("query", query), ("key", key), ("value", value)]
     target, out = _composite_out("scaled_dot_product_attention", out,
                                  _matmul_shape(weights, value), weights.dtype, query, inputs)
     matmul(weights, value, out=target)
     weights.release()
     return _finish(target, out)
+
+
+def _attention_weights(query: Tensor, key: Tensor, scale: float, is_causal: bool,
+                       attn_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """softmax(query * scale @ key^T + mask) along the last axis, and query * scale: the
+    composed forward of attention, and the recompute in `_attention_recomputed`'s backward
+    (the same ops on the same operands, so the same bits)."""
+    scaled = mul(query, scale)
+    scores = matmul(scaled, _swap_last(key))
+    if is_causal:
+        mask = tensor(_causal_mask(query.shape[-2], key.shape[-2], scores.dtype),
+                      device=scores.device, allocator=_result_allocator(scores))
+        masked = add(scores, mask)
+        _release(scores, mask)
+        scores = masked
+    elif attn_mask is not None:
+        masked = (_where(attn_mask, scores, -math.inf) if attn_mask.dtype == np.bool_
+                  else add(scores, attn_mask))
+        scores.release()
+        scores = masked
+    weights = softmax(scores, -1)
+    scores.release()
+    return weights, scaled
+
+
+# Note [attention recomputes its weights]: composed of ops, attention keeps for backward what
+# its ops save: softmax's output, a (..., L, S) tensor, and query * scale, the product's left
+# operand; BERT-base at batch 4 and sequence 128 keeps 4.7 MB a layer of them, 56 MB over its
+# twelve, beside the query, key and value the layer keeps anyway. PyTorch's CPU kernel keeps
+# only those and the rows' log-sum-exp, and so does a flash-attention kernel on a GPU. So where
+# it records a gradient, `scaled_dot_product_attention` is one autograd node that saves query,
+# key, value and the mask, and its backward makes the weights again from them with the very ops
+# of the forward (`_attention_weights`: the same bits), then dv = w^T g, dw = g v^T, the
+# softmax's derivative ds = w * (dw - sum(dw * w)), dq = ds k * scale and dk = ds^T (q * scale):
+# one more product of query and key a layer, and no (..., L, S) tensor between the passes. The
+# composed path stays where the node could not give the composed gradients: dropout (its mask
+# would have to be kept or drawn again), a float mask that wants its own gradient, operands
+# whose leading dimensions broadcast, two-byte floats (their softmax derivative is computed in
+# float32), and autocast (backward runs without it, so a recompute would not be the forward).
+def _recomputes_weights(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None,
+                        dropout_p: float) -> bool:
+    """Whether attention records one node that recomputes its weights (Note [attention
+    recomputes its weights])."""
+    return (dropout_p == 0 and _mode.autocast is None
+            and autograd.needs_grad(query, key, value)
+            and query.dtype == key.dtype == value.dtype
+            and query.dtype in dtypes.FLOATS and query.dtype not in dtypes.HALVES
+            and query.shape[:-2] == key.shape[:-2] == value.shape[:-2]
+            and (attn_mask is None or not attn_mask.requires_grad))
+
+
+def _attention_recomputed(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None,
+                          is_causal: bool, scale: float) -> Tensor:
+    """Attention as one autograd node that saves its operands, not its weights (Note
+    [attention recomputes its weights]); no out=, which autograd does not record."""
+    with autograd.no_grad():
+        weights, scaled = _attention_weights(query, key, scale, is_causal, attn_mask)
+        scaled.release()
+        out = matmul(weights, value)
+        weights.release()
+    boolean = attn_mask is not None and attn_mask.dtype == np.bool_
+
+    # NOTE: flags and a number only: Note [closures hold no tensors] in runtime/autograd.py
+    def fn(g: Tensor, query: Tensor, key: Tensor, value: Tensor,
+           attn_mask: Tensor | None) -> tuple:
+        weights, scaled = _attention_weights(query, key, scale, is_causal, attn_mask)
+        g_value = matmul(_swap_last(weights), g)
+        g_weights = matmul(g, _swap_last(value))
+        g_scores = _softmax_derivative(g_weights, weights, weights.ndim - 1)
+        _release(weights, g_weights)
+        if boolean:  # NOTE: as the composed `_where` passes it: zeros where the mask hides
+            hidden = _where(attn_mask, g_scores, 0.0)
+            g_scores.release()
+            g_scores = hidden
+        g_query = matmul(g_scores, key)
+        mul(g_query, scale, out=g_query)
+        g_key = matmul(_swap_last(g_scores), scaled)
+        _release(g_scores, scaled)
+        return g_query, g_key, g_value
+
+    autograd.record("scaled_dot_product_attention", out, (query, key, value),
+                    ("query", "key", "value"), fn,
+                    [("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask)])
+    return out
 
 
 __all__ += ["amax", "softmax", "log_softmax", "layer_norm", "scaled_dot_product_attention"]

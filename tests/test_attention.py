@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from test_autograd import check_gradients
 from test_budget import least_bytes
 
+import allocators
 import backends
 import runtime
 from naive_device import NaiveDevice
@@ -502,6 +503,81 @@ def test_scaled_dot_product_attention_refuses_bad_input_by_number():
                                          is_causal=True)
     with pytest.raises(ValueError, match=r"at least 2 dimensions .* got shape \(4,\)"):
         ops.scaled_dot_product_attention(runtime.tensor(np.ones(4)), q, q)
+
+
+def _held_after_forward(dropout_p: float) -> tuple[int, int]:
+    """Bytes an attention forward leaves allocated (its output and what its backward keeps)
+    beyond its operands, and the output's own bytes."""
+    stats = allocators.StatisticsAdaptor(allocators.create("direct", "cpu"))
+    rng = np.random.default_rng(21)
+    q, k, v = (runtime.tensor(rng.normal(size=(2, 3, 16, 8)), allocator=stats,
+                              requires_grad=True) for _ in range(3))
+    before = stats.stats()["allocated_bytes"]
+    y = ops.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                         generator=ops.Generator(1))
+    return stats.stats()["allocated_bytes"] - before, y.nbytes
+
+
+def test_attention_keeps_no_weights_for_backward():
+    """Recording a gradient, attention keeps its operands and not its (..., L, S) weights nor
+    the scaled query (Note [attention recomputes its weights]): after the forward only the
+    output is allocated. With dropout it stays composed, and keeps them."""
+    held, output = _held_after_forward(0.0)
+    assert held == output
+    held, output = _held_after_forward(0.25)
+    weights = 2 * 3 * 16 * 16 * 8
+    assert held >= output + 2 * weights  # NOTE: softmax's output and the dropped weights
+
+
+def _attention_both_ways(monkeypatch, shapes, mask_kind, seed):
+    """Value and gradients of attention recomputing its weights, and of the composed ops."""
+    rng = np.random.default_rng(seed)
+    arrays = [rng.normal(size=shape) for shape in shapes]
+    rows, cols = shapes[0][-2], shapes[1][-2]
+    allowed = rng.random((rows, cols)) < 0.6
+    allowed[0] = False  # NOTE: a row that attends to nothing: NaN, as the composed ops give
+    masks = {"none": {}, "causal": {"is_causal": True},
+             "bool": {"attn_mask": runtime.tensor(allowed)},
+             "float": {"attn_mask": runtime.tensor(np.where(allowed, 0.5, -1e4))}}
+    upstream = runtime.tensor(rng.uniform(0.5, 1.5, shapes[0][:-1] + shapes[2][-1:]))
+    results = []
+    for recompute in (True, False):
+        if not recompute:
+            monkeypatch.setattr(ops, "_recomputes_weights", lambda *args: False)
+        tensors = [runtime.tensor(a, requires_grad=True) for a in arrays]
+        y = ops.scaled_dot_product_attention(*tensors, **masks[mask_kind])
+        ops.sum(ops.mul(y, upstream)).backward()
+        results.append([y.numpy()] + [t.grad.numpy() for t in tensors])
+    monkeypatch.undo()
+    return results
+
+
+@settings(max_examples=25, deadline=None)
+@given(lead=st.lists(st.integers(1, 3), min_size=0, max_size=2), rows=st.integers(1, 6),
+       cols=st.integers(1, 6), e=st.integers(1, 5), ev=st.integers(1, 5),
+       mask_kind=st.sampled_from(["none", "causal", "bool", "float"]),
+       seed=st.integers(0, 2**16))
+def test_recomputed_attention_gives_the_composed_gradients(lead, rows, cols, e, ev, mask_kind,
+                                                          seed):
+    """Attention that makes its weights again in backward gives the composed ops' value and
+    gradients (float64, to rounding; NaN where they give NaN: a fully masked row), over
+    leading dimensions and every mask."""
+    shapes = [(*lead, rows, e), (*lead, cols, e), (*lead, cols, ev)]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        recomputed, composed = _attention_both_ways(monkeypatch, shapes, mask_kind, seed)
+    for mine, theirs in zip(recomputed, composed):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-10, atol=1e-12)
+
+
+def test_a_float_mask_that_wants_a_gradient_gets_it():
+    """A float mask that requires a gradient keeps attention composed, and gets the gradient
+    of an added score (the scores' gradient), as PyTorch's."""
+    rng = np.random.default_rng(22)
+    q, k, v = (rng.normal(size=(2, 4, 3)) for _ in range(3))
+    mask = rng.normal(size=(4, 4))
+    assert _compare(lambda *t: ops.scaled_dot_product_attention(*t[:3], attn_mask=t[3]),
+                    lambda *t: F.scaled_dot_product_attention(*t[:3], attn_mask=t[3]),
+                    [q, k, v, mask], "cpu", np.float64) == 5
 
 
 # ---------------------------------------------------------------------- an attention block
