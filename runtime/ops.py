@@ -2758,12 +2758,15 @@ def layer_norm(x: Tensor, normalized_shape: Any, weight: Tensor | None = None,
         a = mean(gy, axes, keepdims=True)
         t = mul(gy, xhat)
         b = mean(t, axes, keepdims=True)
-        mul(xhat, b, out=t)
-        sub(gy, t, out=t)
-        sub(t, a, out=t)
-        mul(t, rstd, out=t)
+        t.release()
+        # NOTE: ((gy - xhat * b) - a) * rstd, batch norm's formula: one pass eagerly, one fused
+        # chain in a graph (Note [an op's pointwise formula in one pass])
+        u = _pointwise([("mul", (("input", 0), ("input", 1))),
+                        ("sub", (("input", 2), ("link", 0))),
+                        ("sub", (("link", 1), ("input", 3))),
+                        ("mul", (("link", 2), ("input", 4)))], [xhat, b, gy, a, rstd])
         _release(a, b, gy if gy is not gw else None)
-        gx = t if t.dtype == g.dtype else _narrowed(t, g.dtype)
+        gx = u if u.dtype == g.dtype else _narrowed(u, g.dtype)
         g_weight = g_bias = None
         if nw:
             product = mul(gw, xhat)
