@@ -882,6 +882,23 @@ same_shape(const Py_buffer *v, const Py_buffer *o, Py_ssize_t itemsize)
     return same;
 }
 
+/* `count` buffers of C-contiguous items of `itemsize` bytes and one shape acquired into views,
+ * the first writable (out); *held says how many are held. Returns True where one was refused. */
+static int
+acquire_alike(PyObject *const *arrays, int count, Py_ssize_t itemsize, Py_buffer *views,
+              int *held)
+{
+    int refuse = 0;
+    for (*held = 0; *held < count && !refuse;) {
+        if ((refuse = acquire(arrays[*held], &views[*held], *held == 0))) {
+            break;
+        }
+        refuse = !same_shape(&views[*held], &views[0], itemsize);
+        (*held)++;
+    }
+    return refuse;
+}
+
 /* The first `held` buffers released; True, or False where a layout was refused. */
 static PyObject *
 released(Py_buffer *views, int held, int refuse)
@@ -919,14 +936,7 @@ sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     static const Py_ssize_t itemsizes[4] = {4, 8, 2, 2};
     Py_ssize_t itemsize = itemsizes[kind];
     Py_buffer views[3];
-    int held = 0, refuse = 0;
-    while (held < 3 && !refuse) {
-        if ((refuse = acquire(args[1 + held], &views[held], held == 0))) {
-            break;
-        }
-        refuse = !same_shape(&views[held], &views[0], itemsize);
-        held++;
-    }
+    int held, refuse = acquire_alike(args + 1, 3, itemsize, views, &held);
     if (!refuse) {
         Py_ssize_t n = views[0].len / itemsize;
         void *o = views[0].buf;
@@ -1240,14 +1250,7 @@ erf_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_buffer views[2];
-    int held = 0, refuse = 0;
-    while (held < 2 && !refuse) {
-        if ((refuse = acquire(args[1 + held], &views[held], held == 0))) {
-            break;
-        }
-        refuse = !same_shape(&views[held], &views[0], itemsize);
-        held++;
-    }
+    int held, refuse = acquire_alike(args + 1, 2, itemsize, views, &held);
     if (!refuse) {
         Py_ssize_t n = views[0].len / itemsize;
         Py_BEGIN_ALLOW_THREADS
@@ -1318,14 +1321,7 @@ gelu_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     int backward = nargs == 5;
     Py_buffer views[4];
-    int held = 0, refuse = 0;
-    while (held < nargs - 1 && !refuse) {
-        if ((refuse = acquire(args[1 + held], &views[held], held == 0))) {
-            break;
-        }
-        refuse = !same_shape(&views[held], &views[0], itemsize);
-        held++;
-    }
+    int held, refuse = acquire_alike(args + 1, (int)nargs - 1, itemsize, views, &held);
     if (!refuse) {
         Py_ssize_t n = views[0].len / itemsize;
         Py_BEGIN_ALLOW_THREADS
