@@ -2558,13 +2558,15 @@ def _softmax_tail(shifted: Tensor, ax: int, dest: Tensor | None) -> Tensor:
 
 
 def _softmax_derivative(g: Tensor, y: Tensor, ax: int) -> Tensor:
-    """y * (g - sum(g * y)) along ax, g and y wide."""
+    """y * (g - sum(g * y)) along ax, g and y wide; the pointwise part one formula (Note [an
+    op's pointwise formula in one pass])."""
     t = mul(g, y)
     s = sum(t, ax, keepdims=True)
-    sub(g, s, out=t)
-    mul(y, t, out=t)
+    t.release()
+    result = _pointwise([("sub", (("input", 0), ("input", 1))),
+                         ("mul", (("input", 2), ("link", 0)))], [g, s, y])
     s.release()
-    return t
+    return result
 
 
 def _of_shifted(op: str, x: Tensor, axis: int, out: Tensor | None,
@@ -2641,13 +2643,13 @@ def _log_softmax_tail(shifted: Tensor, ax: int, dest: Tensor | None) -> Tensor:
 
 
 def _log_softmax_derivative(g: Tensor, y: Tensor, ax: int) -> Tensor:
-    """g - exp(y) * sum(g) along ax, g and y wide."""
+    """g - exp(y) * sum(g) along ax, g and y wide; the pointwise part one formula."""
     s = sum(g, ax, keepdims=True)
-    t = _exp(y)
-    mul(t, s, out=t)
-    sub(g, t, out=t)
+    result = _pointwise([("exp", (("input", 0),)),
+                         ("mul", (("link", 0), ("input", 1))),
+                         ("sub", (("input", 2), ("link", 1)))], [y, s, g])
     s.release()
-    return t
+    return result
 
 
 def _normalized(x: Tensor, normalized_shape: Any, weight: Tensor | None,
