@@ -2818,9 +2818,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     Composed of ops: a product by the scale, batched `matmul`, the mask, `softmax` and
     `matmul` (so graphs capture, plan and fuse it as those ops). Where it records a gradient
     (float32 or float64 operands of the same leading dimensions, no dropout, no autocast) it
-    is one autograd node that keeps query, key, value and the mask, not the (..., L, S)
-    weights, and makes the weights again in backward, as PyTorch's CPU kernel does (Note
-    [attention recomputes its weights]). `out` may not share any memory with the inputs.
+    is one autograd node that keeps query, key, value, the mask and the rows' log-sum-exp,
+    not the (..., L, S) weights, and makes the weights again in backward, as PyTorch's CPU
+    kernel does (Note [attention recomputes its weights]). `out` may not share any memory
+    with the inputs.
 
     Example:
         >>> import numpy as np, runtime
@@ -2859,8 +2860,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     inputs = [("query", query), ("key", key), ("value", value)]
     if out is None and _recomputes_weights(query, key, value, attn_mask, dropout_p):
         return _attention_recomputed(query, key, value, attn_mask, is_causal, scale)
-    weights, scaled = _attention_weights(query, key, scale, is_causal, attn_mask)
-    scaled.release()
+    weights = _attention_weights(query, key, scale, is_causal, attn_mask)
     if dropout_p > 0:
         dropped = dropout(weights, dropout_p, generator=generator)
         weights.release()
@@ -2875,11 +2875,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     return _finish(target, out)
 
 
-def _attention_weights(query: Tensor, key: Tensor, scale: float, is_causal: bool,
-                       attn_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """softmax(query * scale @ key^T + mask) along the last axis, and query * scale: the
-    composed forward of attention, and the recompute in `_attention_recomputed`'s backward
-    (the same ops on the same operands, so the same bits)."""
+def _attention_scores(query: Tensor, key: Tensor, scale: float, is_causal: bool,
+                      attn_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """query * scale @ key^T + mask, and query * scale: the scores of attention's forward, and
+    their recompute in `_attention_recomputed`'s backward (the same ops, so the same bits)."""
     scaled = mul(query, scale)
     scores = matmul(scaled, _swap_last(key))
     if is_causal:
@@ -2893,9 +2892,17 @@ def _attention_weights(query: Tensor, key: Tensor, scale: float, is_causal: bool
                   else add(scores, attn_mask))
         scores.release()
         scores = masked
+    return scores, scaled
+
+
+def _attention_weights(query: Tensor, key: Tensor, scale: float, is_causal: bool,
+                       attn_mask: Tensor | None) -> Tensor:
+    """softmax(query * scale @ key^T + mask) along the last axis: the composed forward."""
+    scores, scaled = _attention_scores(query, key, scale, is_causal, attn_mask)
+    scaled.release()
     weights = softmax(scores, -1)
     scores.release()
-    return weights, scaled
+    return weights
 
 
 # Note [attention recomputes its weights]: composed of ops, attention keeps for backward what
@@ -2904,14 +2911,17 @@ def _attention_weights(query: Tensor, key: Tensor, scale: float, is_causal: bool
 # twelve, beside the query, key and value the layer keeps anyway. PyTorch's CPU kernel keeps
 # only those and the rows' log-sum-exp, and so does a flash-attention kernel on a GPU. So where
 # it records a gradient, `scaled_dot_product_attention` is one autograd node that saves query,
-# key, value and the mask, and its backward makes the weights again from them with the very ops
-# of the forward (`_attention_weights`: the same bits), then dv = w^T g, dw = g v^T, the
-# softmax's derivative ds = w * (dw - sum(dw * w)), dq = ds k * scale and dk = ds^T (q * scale):
-# one more product of query and key a layer, and no (..., L, S) tensor between the passes. The
-# composed path stays where the node could not give the composed gradients: dropout (its mask
-# would have to be kept or drawn again), a float mask that wants its own gradient, operands
-# whose leading dimensions broadcast, two-byte floats (their softmax derivative is computed in
-# float32), and autocast (backward runs without it, so a recompute would not be the forward).
+# key, value, the mask and the rows' log-sum-exp m + log(sum(exp(s - m))) (m the row's maximum:
+# the forward computes softmax by the very ops of `softmax`, so its weights have softmax's
+# bits, and keeps m + log of the sum it divides by). Backward makes the scores again with the
+# forward's own ops (`_attention_scores`) and the weights as exp(s - lse), one fused pass (they
+# differ from the forward's by rounding), then dv = w^T g, dw = g v^T, the softmax's derivative
+# ds = w * (dw - sum(dw * w)), dq = ds k * scale and dk = ds^T (q * scale): one more product of
+# query and key a layer, and no (..., L, S) tensor between the passes. The composed path stays
+# where the node could not give the composed gradients: dropout (its mask would have to be
+# kept or drawn again), a float mask that wants its own gradient, operands whose leading
+# dimensions broadcast, two-byte floats (their softmax derivative is computed in float32), and
+# autocast (backward runs without it, so a recompute would not be the forward).
 def _recomputes_weights(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None,
                         dropout_p: float) -> bool:
     """Whether attention records one node that recomputes its weights (Note [attention
@@ -2926,19 +2936,35 @@ def _recomputes_weights(query: Tensor, key: Tensor, value: Tensor, attn_mask: Te
 
 def _attention_recomputed(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None,
                           is_causal: bool, scale: float) -> Tensor:
-    """Attention as one autograd node that saves its operands, not its weights (Note
-    [attention recomputes its weights]); no out=, which autograd does not record."""
+    """Attention as one autograd node that saves its operands and the rows' log-sum-exp, not
+    its weights (Note [attention recomputes its weights]); no out=, which autograd does not
+    record."""
     with autograd.no_grad():
-        weights, scaled = _attention_weights(query, key, scale, is_causal, attn_mask)
+        scores, scaled = _attention_scores(query, key, scale, is_causal, attn_mask)
         scaled.release()
+        ax = scores.ndim - 1
+        # NOTE: `softmax`'s own ops (`_of_shifted`, `_softmax_tail`), so softmax's bits
+        top = amax(scores, ax, keepdims=True)
+        shifted = sub(scores, top)
+        scores.release()
+        weights = _exp(shifted)
+        shifted.release()
+        total = sum(weights, ax, keepdims=True)
+        div(weights, total, out=weights)
+        logs = _log(total)
+        lse = add(top, logs)
+        _release(top, total, logs)
         out = matmul(weights, value)
         weights.release()
     boolean = attn_mask is not None and attn_mask.dtype == np.bool_
 
     # NOTE: flags and a number only: Note [closures hold no tensors] in runtime/autograd.py
-    def fn(g: Tensor, query: Tensor, key: Tensor, value: Tensor,
-           attn_mask: Tensor | None) -> tuple:
-        weights, scaled = _attention_weights(query, key, scale, is_causal, attn_mask)
+    def fn(g: Tensor, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None,
+           lse: Tensor) -> tuple:
+        scores, scaled = _attention_scores(query, key, scale, is_causal, attn_mask)
+        weights = _pointwise([("sub", (("input", 0), ("input", 1))),
+                              ("exp", (("link", 0),))], [scores, lse])
+        scores.release()
         g_value = matmul(_swap_last(weights), g)
         g_weights = matmul(g, _swap_last(value))
         g_scores = _softmax_derivative(g_weights, weights, weights.ndim - 1)
@@ -2955,7 +2981,9 @@ def _attention_recomputed(query: Tensor, key: Tensor, value: Tensor, attn_mask: 
 
     autograd.record("scaled_dot_product_attention", out, (query, key, value),
                     ("query", "key", "value"), fn,
-                    [("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask)])
+                    [("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask),
+                     ("the rows' log-sum-exp", lse)])
+    lse.release()  # NOTE: the node keeps its own handle
     return out
 
 

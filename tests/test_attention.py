@@ -519,11 +519,12 @@ def _held_after_forward(dropout_p: float) -> tuple[int, int]:
 
 
 def test_attention_keeps_no_weights_for_backward():
-    """Recording a gradient, attention keeps its operands and not its (..., L, S) weights nor
-    the scaled query (Note [attention recomputes its weights]): after the forward only the
-    output is allocated. With dropout it stays composed, and keeps them."""
+    """Recording a gradient, attention keeps its operands and the rows' log-sum-exp, not its
+    (..., L, S) weights nor the scaled query (Note [attention recomputes its weights]): after
+    the forward only the output and one float64 a row are allocated. With dropout it stays
+    composed, and keeps them."""
     held, output = _held_after_forward(0.0)
-    assert held == output
+    assert held == output + 2 * 3 * 16 * 8
     held, output = _held_after_forward(0.25)
     weights = 2 * 3 * 16 * 16 * 8
     assert held >= output + 2 * weights  # NOTE: softmax's output and the dropped weights
@@ -559,12 +560,14 @@ def _attention_both_ways(monkeypatch, shapes, mask_kind, seed):
        seed=st.integers(0, 2**16))
 def test_recomputed_attention_gives_the_composed_gradients(lead, rows, cols, e, ev, mask_kind,
                                                           seed):
-    """Attention that makes its weights again in backward gives the composed ops' value and
-    gradients (float64, to rounding; NaN where they give NaN: a fully masked row), over
-    leading dimensions and every mask."""
+    """Attention that makes its weights again in backward gives the composed ops' value bit for
+    bit and their gradients to rounding (float64; NaN where they give NaN: a fully masked row),
+    over leading dimensions and every mask."""
     shapes = [(*lead, rows, e), (*lead, cols, e), (*lead, cols, ev)]
     with pytest.MonkeyPatch.context() as monkeypatch:
         recomputed, composed = _attention_both_ways(monkeypatch, shapes, mask_kind, seed)
+    # NOTE: the forward computes softmax by softmax's own ops: the value bit for bit
+    assert recomputed[0].tobytes() == composed[0].tobytes()
     for mine, theirs in zip(recomputed, composed):
         np.testing.assert_allclose(mine, theirs, rtol=1e-10, atol=1e-12)
 
