@@ -2547,14 +2547,21 @@ def softmax(x: Tensor, axis: int = -1, out: Tensor | None = None) -> Tensor:
 
 def _softmax_tail(shifted: Tensor, ax: int, dest: Tensor | None) -> Tensor:
     """softmax from x - max(x) (released here), into `dest` (None: into a new wide tensor)."""
+    result, total = _softmax_and_sum(shifted, ax, dest)
+    total.release()
+    return result
+
+
+def _softmax_and_sum(shifted: Tensor, ax: int, dest: Tensor | None) -> tuple[Tensor, Tensor]:
+    """`_softmax_tail`, and the sum of exp(x - max(x)) it divides by."""
     # NOTE: no in-place writes in a forward op: a checkpointed graph keeps a segment that
     # writes in place into an earlier block (runtime/graph/checkpoint.py)
     e = _exp(shifted)
     shifted.release()
     total = sum(e, ax, keepdims=True)
     result = div(e, total, out=e if dest is None else dest)
-    _release(total, e if dest is not None else None)
-    return result
+    _release(e if dest is not None else None)
+    return result, total
 
 
 def _softmax_derivative(g: Tensor, y: Tensor, ax: int) -> Tensor:
@@ -2943,14 +2950,11 @@ def _attention_recomputed(query: Tensor, key: Tensor, value: Tensor, attn_mask: 
         scores, scaled = _attention_scores(query, key, scale, is_causal, attn_mask)
         scaled.release()
         ax = scores.ndim - 1
-        # NOTE: `softmax`'s own ops (`_of_shifted`, `_softmax_tail`), so softmax's bits
+        # NOTE: `softmax`'s own steps (`_of_shifted`, `_softmax_and_sum`), so softmax's bits
         top = amax(scores, ax, keepdims=True)
         shifted = sub(scores, top)
         scores.release()
-        weights = _exp(shifted)
-        shifted.release()
-        total = sum(weights, ax, keepdims=True)
-        div(weights, total, out=weights)
+        weights, total = _softmax_and_sum(shifted, ax, None)
         logs = _log(total)
         lse = add(top, logs)
         _release(top, total, logs)
