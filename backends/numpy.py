@@ -297,6 +297,29 @@ def _rows_summed(x: np.ndarray, axis: tuple[int, ...] | None, out: np.ndarray) -
             and _halfconv.sum_rows(_FLOAT_OP[x.dtype], out, x))
 
 
+def _max_rows(x: np.ndarray, axis: tuple[int, ...] | None, out: np.ndarray) -> bool:
+    """The maximum over the last axis of a contiguous float x in C (`_halfconv.max_rows`, 2.5x
+    NumPy's time on softmax's 4 x 12 x 128 x 128), with NumPy's bits: a row whose maximum is
+    NaN or zero is taken again from NumPy's own reduction, in place, since the payload of a NaN
+    and the sign of a zero follow the order in which a reduction meets them; False, nothing
+    written, where it does not apply."""
+    kind = _FLOAT_OP.get(x.dtype)
+    if (kind is None or axis != (x.ndim - 1,) or x.ndim < 1 or x.dtype != out.dtype
+            or not out.flags.c_contiguous or not _halfconv.max_rows(kind, out, x)):
+        return False
+    rows, flat = x.reshape(-1, x.shape[-1]), out.reshape(-1)
+    again = np.flatnonzero((flat == 0) | np.isnan(flat))
+    if again.size > _MAX_ROWS_AGAIN:
+        return False  # NOTE: NumPy writes every row over
+    for row in again.tolist():
+        flat[row] = np.maximum.reduce(rows[row])
+    return True
+
+
+#: The most rows `_max_rows` takes again from NumPy one by one (beyond it, NumPy takes all)
+_MAX_ROWS_AGAIN = 32
+
+
 def _sum(x: np.ndarray, out: np.ndarray, axes: tuple[int, ...] | None, keepdims: bool) -> None:
     """The fast path's sum: `_reduce("sum", ...)`, with the float case's ufunc called first
     (positional arguments: a fifth of the call's time goes to keywords)."""
@@ -686,7 +709,8 @@ class NumpyDevice(Device):
             super()._channel_dots(g, y, sums, dots)
 
     def _reduce_max(self, x, axis, keepdims, out) -> None:
-        np.maximum.reduce(x, axis=axis, keepdims=keepdims, out=out)  # NOTE: NaN propagates
+        if not _max_rows(x, axis, out):
+            np.maximum.reduce(x, axis=axis, keepdims=keepdims, out=out)  # NOTE: NaN propagates
 
     # NOTE: the host formulas are the CPU's own (the base's default runs them on copies)
     _cross_entropy = staticmethod(numpy_cross_entropy)

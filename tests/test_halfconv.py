@@ -541,3 +541,51 @@ def test_transpose_declines_what_it_cannot_take_and_writes_nothing():
         assert np.array_equal(out, before)
     with pytest.raises(TypeError, match="takes 2 arguments"):
         conv.transpose(src)
+
+
+# ---------------------------------------------------------------------- max over rows
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from([np.float32, np.float64]),
+       shape=st.lists(st.integers(1, 40), min_size=1, max_size=3), seed=st.integers(0, 2**32 - 1),
+       special=st.sampled_from(["none", "zeros", "nans", "infs", "all"]))
+def test_the_cpus_max_over_rows_has_numpys_bits(dtype, shape, seed, special):
+    """The CPU's maximum over the last axis of a contiguous float array (`_halfconv.max_rows`,
+    with NumPy's own reduction for the rows whose maximum is NaN or zero) gives NumPy's bits,
+    NaN payloads and signs of zero included, on the AVX2 lanes and the portable loop, over
+    rows shorter and longer than a vector and some rows of nothing but zeros or NaNs."""
+    pytest.importorskip("backends._halfconv", reason="the C kernels are not built")
+    from backends import _halfconv as module
+    from backends import numpy as cpu
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(dtype)
+    pool = {"none": [1.0], "zeros": [0.0, -0.0], "infs": [np.inf, -np.inf],
+            "nans": [np.nan, -np.nan, np.float64(np.nan) * -1],
+            "all": [0.0, -0.0, np.nan, -np.nan, np.inf, -np.inf]}[special]
+    pick = rng.random(shape) < 0.3
+    x[pick] = np.asarray(rng.choice(np.asarray(pool, dtype), size=int(pick.sum())), dtype)
+    if special != "none" and x.ndim > 1:
+        x[0] = pool[0]  # NOTE: a whole row of one special value
+    want = np.maximum.reduce(x, axis=-1, keepdims=True)
+    for vector in (True, False):
+        module.set_f16c(vector)
+        try:
+            got = np.full(want.shape, 7, dtype)
+            cpu.NumpyDevice()._reduce_max(x, (x.ndim - 1,), True, got)
+            assert got.tobytes() == want.tobytes(), (vector, x, got, want)
+        finally:
+            module.set_f16c(True)
+
+
+def test_max_over_rows_refuses_what_it_cannot_take():
+    module = pytest.importorskip("backends._halfconv", reason="the C kernels are not built")
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    out = np.full(3, 7, np.float32)
+    assert not module.max_rows(0, out, x[:, ::2])  # NOTE: not contiguous
+    assert not module.max_rows(0, out[:2], x)  # NOTE: not a row each
+    assert not module.max_rows(1, out, x)  # NOTE: kind and dtype disagree
+    assert not module.max_rows(0, x.reshape(-1)[:3], x)  # NOTE: out inside x
+    assert (out == 7).all()
+    with pytest.raises(TypeError, match="takes 3 arguments, got 2"):
+        module.max_rows(0, out)
+    assert module.max_rows(0, out, x) and out.tolist() == [3.0, 7.0, 11.0]
