@@ -22,8 +22,9 @@
  * _optable.h, generated as the extension is built: `ops` names the op of each code.
  * erf_op(kind, out, a) is the CPU's erf (C's, in double; float32 through the polynomials of
  * _erf_table.h with C's bits), gelu_op(kind, out, x[, g, e]) its exact GELU and GELU's
- * gradient in one pass, max_pool and max_pool_backward its max pooling (PyTorch's
- * scan and indices; `numpy_max_pool2d` in backends/base.py is their twin).
+ * gradient in one pass, max_rows(kind, out, a) its maximum over a last axis (NumPy's bits
+ * where the maximum is neither NaN nor zero), max_pool and max_pool_backward its max pooling
+ * (PyTorch's scan and indices; `numpy_max_pool2d` in backends/base.py is their twin).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1222,13 +1223,13 @@ max_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
  * float32). Two passes over a block: the core polynomial on every element, a loop the
  * compiler vectorises (AVX-512 or AVX2 where the CPU has it; no FMA, so each product and sum
  * rounds as written; AVX-512 took 2.56 against AVX2's 3.30 ms on 1.5M GELU arguments on an
- * Intel Xeon, `lscpu` family 6 model 167), marking the elements it cannot settle; then those, one at a time (their
- * indices gathered first without a branch: 4.27 -> 3.02 ms on a GELU's 1.5M arguments). Both
- * polynomials are evaluated by Estrin's scheme (pairs, then pairs of pairs by powers s^2,
- * s^4, s^8): a chain of 4 dependent steps where Horner's rule has 14, 2.3x faster on the core
- * (measured on an AMD EPYC; FMA gained nothing there). Its rounding differs from Horner's
- * within the 2**-40 the check allows, and `--check` found every float32 equal again, on both
- * paths. */
+ * Intel Xeon, `lscpu` family 6 model 167), marking the elements it cannot settle; then
+ * those, one at a time (their indices gathered first without a branch: 4.27 -> 3.02 ms on a
+ * GELU's 1.5M arguments). Both polynomials are evaluated by Estrin's scheme (pairs, then pairs
+ * of pairs by powers s^2, s^4, s^8): a chain of 4 dependent steps where Horner's rule has 14,
+ * 2.3x faster on the core (measured on an AMD EPYC; FMA gained nothing there). Its rounding
+ * differs from Horner's within the 2**-40 the check allows, and `--check` found every float32
+ * equal again, on each path. */
 #define ERF_NEAR 0x1p-40
 #if ERF_CORE_DEGREE != 14 || ERF_DEGREE != 12
 #error "ERF_CORE and erf_one below evaluate polynomials of degrees 14 and 12 (Estrin's scheme)"
