@@ -95,8 +95,7 @@ def check(path: str | None = None) -> int:
     halfconv = accelerated.load("backends._halfconv")
     if path is not None:
         f16c, avx512 = PATHS[path]
-        if (halfconv.set_f16c(f16c) != f16c and path != "portable"
-                or halfconv.set_avx512(avx512) != avx512):
+        if halfconv.set_f16c(f16c) != f16c or halfconv.set_avx512(avx512) != avx512:
             halfconv.set_f16c(True)
             halfconv.set_avx512(True)
             raise SystemExit(f"this CPU cannot run the {path} loop")

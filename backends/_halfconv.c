@@ -900,6 +900,14 @@ acquire_alike(PyObject *const *arrays, int count, Py_ssize_t itemsize, Py_buffer
     return refuse;
 }
 
+/* Whether two buffers share no byte. */
+static int
+apart(const Py_buffer *a, const Py_buffer *b)
+{
+    uintptr_t ab = (uintptr_t)a->buf, bb = (uintptr_t)b->buf;
+    return ab + (uintptr_t)a->len <= bb || bb + (uintptr_t)b->len <= ab;
+}
+
 /* The first `held` buffers released; True, or False where a layout was refused. */
 static PyObject *
 released(Py_buffer *views, int held, int refuse)
@@ -1092,8 +1100,7 @@ sum_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                    && v->shape[0] >= 1 && cols > 1 && o->len == cols * itemsize
                    && o->ndim >= 1 && o->ndim <= 2 && o->shape[o->ndim - 1] == cols);
         /* out shares no memory with a: ops' policy NEVER; checked anyway */
-        uintptr_t ob = (uintptr_t)o->buf, vb = (uintptr_t)v->buf;
-        refuse = refuse || !(ob + (uintptr_t)o->len <= vb || vb + (uintptr_t)v->len <= ob);
+        refuse = refuse || !apart(o, v);
     }
     if (!refuse) {
         Py_ssize_t rows = views[1].shape[0], cols = views[1].shape[1];
@@ -1118,18 +1125,22 @@ sum_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
  * float32 on an Intel Xeon). The value is NumPy's wherever it is neither NaN nor zero (the
  * maximum of such a row is one value, whatever order finds it); a NaN's payload and a zero's
  * sign follow the order of the reduction, so the caller takes those rows from NumPy itself
- * (backends/numpy.py). False, nothing written, for anything else. */
+ * (backends/numpy.py): returns how many there are. False, nothing
+ * written, for anything else. */
 /* NumPy's maximum of m and v: v where v > m or v is NaN (so a NaN, once met, stays). */
 #define MAX_STEP(m, v) (((v) > (m)) | ((v) != (v)) ? (v) : (m))
 #define MAX_ROWS(T, SUFFIX)                                                                   \
-    static void max_rows_##SUFFIX(T *o, const T *x, Py_ssize_t rows, Py_ssize_t cols)         \
+    static Py_ssize_t max_rows_##SUFFIX(T *o, const T *x, Py_ssize_t rows, Py_ssize_t cols)   \
     {                                                                                        \
+        Py_ssize_t again = 0;                                                                \
         for (Py_ssize_t r = 0; r < rows; r++) {                                              \
             const T *y = x + r * cols;                                                       \
             T m = y[0];                                                                      \
             for (Py_ssize_t j = 1; j < cols; j++) m = MAX_STEP(m, y[j]);                     \
             o[r] = m;                                                                        \
+            again += (m == 0) | (m != m);                                                    \
         }                                                                                    \
+        return again;                                                                        \
     }
 MAX_ROWS(float, f32)
 MAX_ROWS(double, f64)
@@ -1140,9 +1151,10 @@ MAX_ROWS(double, f64)
  * vectors of running maxima (four chains, so the blends overlap) by compare and blend (v > m,
  * or v unordered: NaN), then their lanes and the row's tail by MAX_STEP. */
 #define MAX_ROWS_AVX2(T, SUFFIX, V, LANES, LOAD, SET1, CMP, OR, BLEND, STORE)                 \
-    __attribute__((target("avx2"))) static void                                               \
+    __attribute__((target("avx2"))) static Py_ssize_t                                         \
     max_rows_##SUFFIX##_avx2(T *o, const T *x, Py_ssize_t rows, Py_ssize_t cols)              \
     {                                                                                        \
+        Py_ssize_t again = 0;                                                                \
         for (Py_ssize_t r = 0; r < rows; r++) {                                              \
             const T *y = x + r * cols;                                                       \
             V acc[4] = {SET1(y[0]), SET1(y[0]), SET1(y[0]), SET1(y[0])};                     \
@@ -1164,7 +1176,9 @@ MAX_ROWS(double, f64)
             for (int k = 1; k < LANES; k++) m = MAX_STEP(m, lanes[k]);                       \
             for (; j < cols; j++) m = MAX_STEP(m, y[j]);                                     \
             o[r] = m;                                                                        \
+            again += (m == 0) | (m != m);                                                    \
         }                                                                                    \
+        return again;                                                                        \
     }
 MAX_ROWS_AVX2(float, f32, __m256, 8, _mm256_loadu_ps, _mm256_set1_ps, _mm256_cmp_ps,
               _mm256_or_ps, _mm256_blendv_ps, _mm256_storeu_ps)
@@ -1194,22 +1208,23 @@ max_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         cols = v->ndim >= 1 ? v->shape[v->ndim - 1] : 0;
         rows = cols > 0 ? v->len / (cols * itemsize) : 0;
         refuse = !(v->itemsize == itemsize && o->itemsize == itemsize && cols >= 1
-                   && rows >= 1 && o->len == rows * itemsize);
-        uintptr_t ob = (uintptr_t)o->buf, vb = (uintptr_t)v->buf;
-        refuse = refuse || !(ob + (uintptr_t)o->len <= vb || vb + (uintptr_t)v->len <= ob);
+                   && rows >= 1 && o->len == rows * itemsize) || !apart(o, v);
     }
+    Py_ssize_t again = 0;  /* rows whose maximum is NaN or zero */
     if (!refuse) {
         void *o = views[0].buf;
         const void *a = views[1].buf;
         Py_BEGIN_ALLOW_THREADS
-        if (kind) {
-            PICK(max_rows, f64)(o, a, rows, cols);
-        } else {
-            PICK(max_rows, f32)(o, a, rows, cols);
-        }
+        again = kind ? PICK(max_rows, f64)(o, a, rows, cols)
+                     : PICK(max_rows, f32)(o, a, rows, cols);
         Py_END_ALLOW_THREADS
     }
-    return released(views, held, refuse);
+    PyObject *done = released(views, held, refuse);
+    if (done != Py_True) {
+        return done;
+    }
+    Py_DECREF(done);
+    return PyLong_FromSsize_t(again);
 }
 
 #include "_erf_table.h"
@@ -1519,14 +1534,6 @@ NAME(T *out, const T *grad, const int64_t *indices, Py_ssize_t planes, Py_ssize_
 MAX_POOL_BACKWARD(float, max_pool_backward_f32)
 MAX_POOL_BACKWARD(double, max_pool_backward_f64)
 #undef MAX_POOL_BACKWARD
-
-/* Whether two buffers share no byte. */
-static int
-apart(const Py_buffer *a, const Py_buffer *b)
-{
-    uintptr_t ab = (uintptr_t)a->buf, bb = (uintptr_t)b->buf;
-    return ab + (uintptr_t)a->len <= bb || bb + (uintptr_t)b->len <= ab;
-}
 
 /* max_pool(kind, out, indices, x, kh, kw, sh, sw, ph, pw): max pooling of a C-contiguous 4-D
  * float32 (kind 0) or float64 (kind 1) x into out (N, C, Ho, Wo) of its dtype and the int64
@@ -2264,8 +2271,8 @@ static PyMethodDef methods[] = {
      "loop (the int64 plan of backends/numpy.py's `_chain_plan`)."},
     {"max_rows", (PyCFunction)(void (*)(void))max_rows, METH_FASTCALL,
      "max_rows(kind, out, a): the maximum of each row of a contiguous float32 (kind 0) or "
-     "float64 (kind 1) a over its last axis into out (one item a row); False when it cannot "
-     "take the call."},
+     "float64 (kind 1) a over its last axis into out (one item a row); the number of rows "
+     "whose maximum is NaN or zero, or False when it cannot take the call."},
     {"gelu_op", (PyCFunction)(void (*)(void))gelu_op, METH_FASTCALL,
      "gelu_op(kind, out, x[, g, e]): exact GELU (out, x) or its gradient (out, x, g and e = "
      "exp((x * -0.5) * x)) on contiguous float32 (kind 0) or float64 (kind 1) arrays of one "

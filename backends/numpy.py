@@ -255,7 +255,11 @@ def _gelu_backward(kernel: Any) -> Any:
             np.multiply(x_part, -0.5, out=e)
             np.multiply(e, x_part, out=e)
             np.exp(e, out=e)
-            _halfconv.gelu_op(kind, outs[part], x_part, gs[part], e)
+            if not _halfconv.gelu_op(kind, outs[part], x_part, gs[part], e):
+                # NOTE: the checks above are gelu_op's own: a refusal here is a bug, never a
+                # tile silently left unwritten
+                raise RuntimeError(f"gelu_op refused a tile of {x_part.size} items that "
+                                   f"passed its checks ({out.dtype}, shape {out.shape})")
     return gelu_backward
 
 
@@ -304,15 +308,16 @@ def _max_rows(x: np.ndarray, axis: tuple[int, ...] | None, out: np.ndarray) -> b
     and the sign of a zero follow the order in which a reduction meets them; False, nothing
     written, where it does not apply."""
     kind = _FLOAT_OP.get(x.dtype)
-    if (kind is None or axis != (x.ndim - 1,) or x.ndim < 1 or x.dtype != out.dtype
-            or not out.flags.c_contiguous or not _halfconv.max_rows(kind, out, x)):
+    if (kind is None or axis != (x.ndim - 1,) or x.dtype != out.dtype
+            or not out.flags.c_contiguous):
         return False
-    rows, flat = x.reshape(-1, x.shape[-1]), out.reshape(-1)
-    again = np.flatnonzero((flat == 0) | np.isnan(flat))
-    if again.size > _MAX_ROWS_AGAIN:
-        return False  # NOTE: NumPy writes every row over
-    for row in again.tolist():
-        flat[row] = np.maximum.reduce(rows[row])
+    count = _halfconv.max_rows(kind, out, x)  # NOTE: the rows to take again, or False
+    if count is False or count > _MAX_ROWS_AGAIN:
+        return False  # NOTE: NumPy writes every row (over)
+    if count:
+        rows, flat = x.reshape(-1, x.shape[-1]), out.reshape(-1)
+        for row in np.flatnonzero((flat == 0) | np.isnan(flat)).tolist():
+            flat[row] = np.maximum.reduce(rows[row])
     return True
 
 

@@ -1101,6 +1101,16 @@ def _ones_like(t: Tensor) -> Tensor:
     return _write(out, np.ones(t.shape, t.dtype), "backward()")
 
 
+def _fill(out: Tensor, value: float) -> None:
+    """Write `value` into every element of `out` on its device: a 0-d tensor of it broadcast by
+    `copy`, so a graph records a one-item load and a fill, never a host array of out's size
+    (which it would copy at every replay, and hold)."""
+    fill = tensor(np.full((), value, out.dtype), device=out.device,
+                  allocator=out.block.allocator)
+    OPS.copy(fill, out=out)
+    fill.release()
+
+
 def _write(out: Tensor, host: np.ndarray, what: str) -> Tensor:
     """Copy `host` (of out's shape and dtype) into the new tensor `out`; return `out`."""
     recorder = tape.active()
@@ -1174,13 +1184,10 @@ def _scatter_backward(base: Tensor, view: Tensor) -> Any:
     nbytes = base.block.nbytes
 
     def backward(g: Tensor) -> tuple[Tensor]:
-        # a zeroed copy of the whole block, seen through base's and the view's layouts; the
-        # zeros are a fill on the device (a 0-d zero broadcast), so a graph copies no host
-        # array of the block's size at each replay, nor holds one (`zeros` would)
+        # a zeroed copy of the whole block, seen through base's and the view's layouts (a
+        # fill on the device: `zeros` would load a host array of the block's size)
         whole = Tensor._fresh((nbytes // g.dtype.itemsize,), g.dtype, g.block.allocator)
-        zero = tensor(np.zeros((), g.dtype), device=g.device, allocator=g.block.allocator)
-        OPS.copy(zero, out=whole)
-        zero.release()
+        _fill(whole, 0)
         OPS.copy(g, out=Tensor(whole.block, shape, g.dtype, strides, offset))
         return (Tensor(whole.block, base_shape, g.dtype, base_strides, base_offset),)
 

@@ -28,7 +28,7 @@ import numpy as np
 from backends import optable
 from backends.base import ieee
 from runtime import aliasing, autograd, config, dtypes, fastpath, tape
-from runtime._tensor import Tensor, _brief, as_axes, as_dtype, as_flag, host_array, tensor
+from runtime._tensor import Tensor, _brief, _fill, as_axes, as_dtype, as_flag, host_array, tensor
 from runtime.autograd import _mode
 from runtime.block import Block
 from runtime.errors import AliasingError, AutogradError, device_names
@@ -1204,9 +1204,7 @@ def embedding(indices: Any, weight: Tensor, padding_idx: int | None = None,
                     lambda v, o: _scatter_rows(device, v[0], v[1], o))
             if padding is not None:  # NOTE: the padding row's uses add nothing, as PyTorch's
                 row = result[padding]
-                zero = _fill_value(result, 0.0)
-                copy(zero, out=row)
-                zero.release()
+                _fill(row, 0.0)
                 row.release()
             return (result,)
 
@@ -1750,9 +1748,7 @@ def _zeros_like_padded(x_shape: tuple[int, ...], geometry: tuple, like: Tensor) 
     """A zeroed (N, C, Hp, Wp) tensor, for a gradient that windows add into."""
     hp, wp = geometry[3]
     result = Tensor._fresh((x_shape[0], x_shape[1], hp, wp), like.dtype, _result_allocator(like))
-    zero = _fill_value(like, 0.0)
-    copy(zero, out=result)
-    zero.release()
+    _fill(result, 0.0)
     return result
 
 
@@ -1849,9 +1845,7 @@ def _zero_dropped(columns: Tensor, geometry: tuple) -> None:
     rows = columns.reshape(columns.shape[0] * columns.shape[1] // wp, wp)
     dropped = rows[:, wo:]
     rows.release()
-    zero = _fill_value(columns, 0.0)
-    copy(zero, out=dropped)
-    zero.release()
+    _fill(dropped, 0.0)
     dropped.release()
 
 
@@ -1981,9 +1975,7 @@ def _col2im(columns: Tensor, x_shape: tuple[int, ...], geometry: tuple,
         parts = columns.reshape(c, kh, kw, n, positions).transpose(3, 0, 1, 2, 4)
         columns.release()
         grad = Tensor._fresh((n, c, hp + 1, wp), parts.dtype, _result_allocator(parts))
-        zero = _fill_value(parts, 0.0)
-        copy(zero, out=grad)
-        zero.release()
+        _fill(grad, 0.0)
         sn, sc = grad.strides[:2]
         for i in range(kh):
             for j in range(kw):
@@ -2592,8 +2584,7 @@ def _of_shifted(op: str, x: Tensor, axis: int, out: Tensor | None,
             copy(x, out=target)
         else:
             wide = _wide(x)
-            top = amax(wide, ax, keepdims=True)
-            shifted = sub(wide, top)
+            shifted, top = _less_max(wide, ax)
             _release(top, wide if wide is not x else None)
             narrow = target.dtype != shifted.dtype
             result = tail(shifted, ax, None if narrow else target)
@@ -2611,6 +2602,13 @@ def _of_shifted(op: str, x: Tensor, axis: int, out: Tensor | None,
 
         autograd.record(op, out, (x,), ("x",), fn, [("the output", out)])
     return out
+
+
+def _less_max(x: Tensor, ax: int) -> tuple[Tensor, Tensor]:
+    """x - max(x) along ax, and the maximum (kept dims): the first steps of softmax and
+    log_softmax, and of attention's softmax that keeps its log-sum-exp."""
+    top = amax(x, ax, keepdims=True)
+    return sub(x, top), top
 
 
 def _narrowed(t: Tensor, dtype: np.dtype) -> Tensor:
@@ -2864,7 +2862,6 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     if attn_mask is not None and not isinstance(attn_mask, Tensor):
         raise TypeError(f"scaled_dot_product_attention: attn_mask must be a Tensor, got "
                         f"{type(attn_mask).__name__} {_brief(attn_mask)}")
-    inputs = [("query", query), ("key", key), ("value", value)]
     if out is None and _recomputes_weights(query, key, value, attn_mask, dropout_p):
         return _attention_recomputed(query, key, value, attn_mask, is_causal, scale)
     weights = _attention_weights(query, key, scale, is_causal, attn_mask)
@@ -2875,6 +2872,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     if out is None:
         return matmul(weights, value)
     # NOTE: out may share no memory with query and key either
+    inputs = [("query", query), ("key", key), ("value", value)]
     target, out = _composite_out("scaled_dot_product_attention", out,
                                  _matmul_shape(weights, value), weights.dtype, query, inputs)
     matmul(weights, value, out=target)
@@ -2936,7 +2934,7 @@ def _recomputes_weights(query: Tensor, key: Tensor, value: Tensor, attn_mask: Te
     return (dropout_p == 0 and _mode.autocast is None
             and autograd.needs_grad(query, key, value)
             and query.dtype == key.dtype == value.dtype
-            and query.dtype in dtypes.FLOATS and query.dtype not in dtypes.HALVES
+            and query.dtype in (np.float32, np.float64)
             and query.shape[:-2] == key.shape[:-2] == value.shape[:-2]
             and (attn_mask is None or not attn_mask.requires_grad))
 
@@ -2950,9 +2948,8 @@ def _attention_recomputed(query: Tensor, key: Tensor, value: Tensor, attn_mask: 
         scores, scaled = _attention_scores(query, key, scale, is_causal, attn_mask)
         scaled.release()
         ax = scores.ndim - 1
-        # NOTE: `softmax`'s own steps (`_of_shifted`, `_softmax_and_sum`), so softmax's bits
-        top = amax(scores, ax, keepdims=True)
-        shifted = sub(scores, top)
+        # NOTE: `softmax`'s own steps (`_less_max`, `_softmax_and_sum`), so softmax's bits
+        shifted, top = _less_max(scores, ax)
         scores.release()
         weights, total = _softmax_and_sum(shifted, ax, None)
         logs = _log(total)

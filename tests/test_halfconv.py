@@ -581,11 +581,16 @@ def test_max_over_rows_refuses_what_it_cannot_take():
     module = pytest.importorskip("backends._halfconv", reason="the C kernels are not built")
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     out = np.full(3, 7, np.float32)
-    assert not module.max_rows(0, out, x[:, ::2])  # NOTE: not contiguous
-    assert not module.max_rows(0, out[:2], x)  # NOTE: not a row each
-    assert not module.max_rows(1, out, x)  # NOTE: kind and dtype disagree
-    assert not module.max_rows(0, x.reshape(-1)[:3], x)  # NOTE: out inside x
+    assert module.max_rows(0, out, x[:, ::2]) is False  # NOTE: not contiguous
+    assert module.max_rows(0, out[:2], x) is False  # NOTE: not a row each
+    assert module.max_rows(1, out, x) is False  # NOTE: kind and dtype disagree
+    assert module.max_rows(0, x.reshape(-1)[:3], x) is False  # NOTE: out inside x
     assert (out == 7).all()
     with pytest.raises(TypeError, match="takes 3 arguments, got 2"):
         module.max_rows(0, out)
-    assert module.max_rows(0, out, x) and out.tolist() == [3.0, 7.0, 11.0]
+    # NOTE: it returns how many rows have a maximum of NaN or zero, for NumPy to take again
+    assert module.max_rows(0, out, x) == 0 and out.tolist() == [3.0, 7.0, 11.0]
+    x[1] = -x[1] - 1
+    x[2, 3] = np.nan
+    x[0] = np.minimum(x[0], 0)
+    assert module.max_rows(0, out, x) == 2 and out[1] == -5.0
