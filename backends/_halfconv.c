@@ -1086,13 +1086,7 @@ sum_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_buffer views[2];
-    int held = 0, refuse = 0;
-    while (held < 2 && !refuse) {
-        if ((refuse = acquire(args[1 + held], &views[held], held == 0))) {
-            break;
-        }
-        held++;
-    }
+    int held = 0, refuse = acquire_pair(args[1], args[2], views, &held);
     if (!refuse) {  /* (rows, cols) into cols: (cols,) or (1, cols) */
         Py_buffer *o = &views[0], *v = &views[1];
         Py_ssize_t cols = v->ndim == 2 ? v->shape[1] : 0;
