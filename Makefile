@@ -7,7 +7,7 @@ EXTRAS ?= test
 .PHONY: demo test check bench lint clean venv asan
 
 $(VENV)/.installed-$(EXTRAS): setup.cfg setup.py pyproject.toml allocators/_speedups.c \
-		runtime/_dispatch.c backends/_halfconv.c backends/_torchalloc.c backends/optable.py backends/_halfconv_gen.py \
+		runtime/_dispatch.c backends/_halfconv.c backends/_pool.h backends/_torchalloc.c backends/optable.py backends/_halfconv_gen.py \
 		examples/plugin_allocator/setup.cfg
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -65,7 +65,7 @@ ASAN_DIR   := build/asan
 ASAN_TESTS ?= tests/test_speedups.py tests/test_caching.py tests/test_allocators.py \
               tests/test_threads.py tests/test_adaptors.py tests/test_races.py \
               tests/test_fastpath.py tests/test_ops.py tests/test_autograd.py tests/test_nn.py \
-              tests/test_halfconv.py tests/test_conv.py
+              tests/test_halfconv.py tests/test_conv.py tests/test_pool.py
 ASAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
 # The libraries of pyopencl's wheel (its OpenCL loader and PoCL), if it is installed.
 ASAN_OPENCL_LIBS = $(shell $(PY) -c 'import importlib.util as u; s = u.find_spec("pyopencl"); \

@@ -45,6 +45,6 @@ setup(ext_modules=[
     Extension("allocators._speedups", ["allocators/_speedups.c"], optional=True),
     Extension("runtime._dispatch", ["runtime/_dispatch.c"], optional=True),
     Extension("backends._halfconv", ["backends/_halfconv.c"], optional=True,
-              depends=["backends/_optable.h", "backends/_erf_table.h"]),
+              depends=["backends/_optable.h", "backends/_erf_table.h", "backends/_pool.h"]),
     Extension("backends._torchalloc", ["backends/_torchalloc.c"], optional=True),
 ])

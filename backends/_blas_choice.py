@@ -20,6 +20,8 @@ often each shape runs), never a mix; timings are per shape, for that sum and for
 info`. Products of at
 most `SMALL` multiply-adds are the exception: they go to NumPy's own BLAS whatever is chosen,
 as OpenBLAS runs them on the calling thread (no pool wakes) with the least per-call cost.
+OpenBLAS's pool is blockrt's own where the C kernels are built (Note [one pool for kernels and
+products] in backends/threads.py).
 
 How it measures, in phases (`Chooser`): the products run for real, on one library per phase.
 A warm-up on the first library comes first, untimed, until the process's loop has come round

@@ -40,6 +40,9 @@
 #define HAVE_X86 0
 #endif
 
+#include <stdio.h>
+#include "_pool.h"
+
 static int use_f16c = 0;
 
 static float
@@ -988,12 +991,12 @@ sub_scaled(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 #endif
 #define SUM_ROWS(T, SUFFIX, ATTR)                                                             \
     ATTR SUM_ALIGN static void sum_rows_##SUFFIX(T *o, const T *x, Py_ssize_t rows,            \
-                                                 Py_ssize_t cols)                            \
+                                                 Py_ssize_t cols, Py_ssize_t stride)         \
     {                                                                                        \
         /* from +0, as NumPy's sum: a column of -0.0 sums to +0.0 */                         \
         for (Py_ssize_t i = 0; i < cols; i++) o[i] = (T)0 + x[i];                            \
         for (Py_ssize_t r = 1; r < rows; r++) {                                              \
-            const T *y = x + r * cols;                                                       \
+            const T *y = x + r * stride;                                                     \
             for (Py_ssize_t i = 0; i < cols; i++) o[i] = o[i] + y[i];                        \
         }                                                                                    \
     }
@@ -1016,6 +1019,52 @@ float_kind(PyObject *arg, const char *name, long *kind)
         return 0;
     }
     return *kind ? 8 : 4;
+}
+
+typedef struct {
+    int code;
+    long kind;
+    int row;      /* b is one row of cols */
+    size_t size;  /* the item size */
+    char *o;
+    const char *a, *b;
+    Py_ssize_t rows, cols;
+} float_op_ctx;
+
+/* A part of float_op: a range of rows, or of a single row's columns (the table's loop walks
+ * rows cols apart, so only one row splits by columns). */
+static void
+float_op_part(void *arg, Py_ssize_t part, Py_ssize_t parts)
+{
+    float_op_ctx *c = arg;
+    Py_ssize_t rows = c->rows, cols = c->cols, lo, hi;
+    char *o = c->o;
+    const char *a = c->a, *b = c->b;
+    if (rows > 1) {
+        pool_range(rows, part, parts, 1, &lo, &hi);
+        size_t skip = (size_t)(lo * cols) * c->size;
+        o += skip;
+        a += skip;
+        b = b != NULL && !c->row ? b + skip : b;
+        rows = hi - lo;
+    } else {
+        pool_range(cols, part, parts, 16, &lo, &hi);
+        size_t skip = (size_t)lo * c->size;
+        o += skip;
+        a += skip;
+        b = b != NULL ? b + skip : b;
+        cols = hi - lo;
+    }
+    if (rows <= 0 || cols <= 0) {
+        return;
+    }
+    if (c->kind) {
+        PICK(optable, f64)(c->code, (double *)o, (const double *)a, (const double *)b, rows,
+                           cols, c->row);
+    } else {
+        PICK(optable, f32)(c->code, (float *)o, (const float *)a, (const float *)b, rows, cols,
+                           c->row);
+    }
 }
 
 static PyObject *
@@ -1057,19 +1106,44 @@ float_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!refuse) {
         Py_ssize_t n = views[0].len / itemsize;
         Py_ssize_t cols = row ? views[0].shape[views[0].ndim - 1] : n;
-        Py_ssize_t rows = row ? (cols ? n / cols : 0) : 1;
-        void *o = views[0].buf;
-        const void *a = views[1].buf, *b = nviews == 3 ? views[2].buf : NULL;
-        Py_BEGIN_ALLOW_THREADS
         /* NOTE: b (where given) of out's shape is one row of n */
-        if (kind) {
-            PICK(optable, f64)((int)code, o, a, b, rows, cols, row);
-        } else {
-            PICK(optable, f32)((int)code, o, a, b, rows, cols, row);
-        }
+        float_op_ctx ctx = {(int)code, kind, row, (size_t)itemsize, views[0].buf, views[1].buf,
+                            nviews == 3 ? views[2].buf : NULL, row ? (cols ? n / cols : 0) : 1,
+                            cols};
+        Py_BEGIN_ALLOW_THREADS
+        pool_run(float_op_part, &ctx, pool_parts(n * nviews, pool.grain));
         Py_END_ALLOW_THREADS
     }
     return released(views, held, refuse);
+}
+
+typedef struct {
+    long kind;
+    size_t size;
+    char *o;
+    const char *a;
+    Py_ssize_t rows, cols;
+    Py_ssize_t again[POOL_MAX];  /* max_rows: each part's rows to take again */
+} rows_ctx;
+
+/* A part of sum_rows: a range of columns, each summed over every row in order. */
+static void
+sum_rows_part(void *arg, Py_ssize_t part, Py_ssize_t parts)
+{
+    rows_ctx *c = arg;
+    Py_ssize_t lo, hi;
+    pool_range(c->cols, part, parts, 16, &lo, &hi);
+    if (lo >= hi) {
+        return;
+    }
+    size_t skip = (size_t)lo * c->size;
+    if (c->kind) {
+        PICK(sum_rows, f64)((void *)(c->o + skip), (const void *)(c->a + skip), c->rows,
+                            hi - lo, c->cols);
+    } else {
+        PICK(sum_rows, f32)((void *)(c->o + skip), (const void *)(c->a + skip), c->rows,
+                            hi - lo, c->cols);
+    }
 }
 
 static PyObject *
@@ -1097,15 +1171,10 @@ sum_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         refuse = refuse || !apart(o, v);
     }
     if (!refuse) {
-        Py_ssize_t rows = views[1].shape[0], cols = views[1].shape[1];
-        void *o = views[0].buf;
-        const void *a = views[1].buf;
+        rows_ctx ctx = {kind, (size_t)itemsize, views[0].buf, views[1].buf, views[1].shape[0],
+                        views[1].shape[1]};
         Py_BEGIN_ALLOW_THREADS
-        if (kind) {
-            PICK(sum_rows, f64)(o, a, rows, cols);
-        } else {
-            PICK(sum_rows, f32)(o, a, rows, cols);
-        }
+        pool_run(sum_rows_part, &ctx, pool_parts(ctx.rows * ctx.cols, pool.grain));
         Py_END_ALLOW_THREADS
     }
     return released(views, held, refuse);
@@ -1181,6 +1250,19 @@ MAX_ROWS_AVX2(double, f64, __m256d, 4, _mm256_loadu_pd, _mm256_set1_pd, _mm256_c
 #undef MAX_ROWS_AVX2
 #endif
 
+/* A part of max_rows: a range of rows. */
+static void
+max_rows_part(void *arg, Py_ssize_t part, Py_ssize_t parts)
+{
+    rows_ctx *c = arg;
+    Py_ssize_t lo, hi;
+    pool_range(c->rows, part, parts, 1, &lo, &hi);
+    void *o = c->o + (size_t)lo * c->size;
+    const void *a = c->a + (size_t)(lo * c->cols) * c->size;
+    c->again[part] = lo >= hi ? 0 : c->kind ? PICK(max_rows, f64)(o, a, hi - lo, c->cols)
+                                            : PICK(max_rows, f32)(o, a, hi - lo, c->cols);
+}
+
 static PyObject *
 max_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1206,12 +1288,15 @@ max_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t again = 0;  /* rows whose maximum is NaN or zero */
     if (!refuse) {
-        void *o = views[0].buf;
-        const void *a = views[1].buf;
+        rows_ctx ctx = {kind, (size_t)itemsize, views[0].buf, views[1].buf, rows, cols};
+        Py_ssize_t parts = pool_parts(rows * cols, pool.grain);
+        parts = parts < rows ? parts : rows;
         Py_BEGIN_ALLOW_THREADS
-        again = kind ? PICK(max_rows, f64)(o, a, rows, cols)
-                     : PICK(max_rows, f32)(o, a, rows, cols);
+        pool_run(max_rows_part, &ctx, parts);
         Py_END_ALLOW_THREADS
+        for (Py_ssize_t p = 0; p < parts; p++) {
+            again += ctx.again[p];
+        }
     }
     PyObject *done = released(views, held, refuse);
     if (done != Py_True) {
@@ -1395,9 +1480,12 @@ erf_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
  * them six or eleven times. False, nothing written, for anything else. */
 #define GELU_TILE(T, ERF)                                                                     \
     {                                                                                         \
-        T *o = views[0].buf;                                                                  \
-        const T *x = views[1].buf;                                                            \
-        const T *g = backward ? views[2].buf : NULL, *e = backward ? views[3].buf : NULL;     \
+        T *o = (T *)c->out + first;                                                           \
+        const T *x = (const T *)c->x + first;                                                 \
+        const T *g = c->g ? (const T *)c->g + first : NULL;                                   \
+        const T *e = c->e ? (const T *)c->e + first : NULL;                                   \
+        int backward = g != NULL;                                                             \
+        Py_ssize_t n = last - first;                                                          \
         /* NOTE: the table's constants as Python computes them, then rounded to T */         \
         const T root_half = (T)sqrt(0.5), scale = (T)(1.0 / sqrt(2.0 * 3.141592653589793));   \
         T z[256], r[256];                                                                     \
@@ -1418,6 +1506,26 @@ erf_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }                                                                                     \
     }
 
+typedef struct {
+    long kind;
+    void *out;
+    const void *x, *g, *e;  /* g and e NULL: the forward */
+    Py_ssize_t n;
+} gelu_ctx;
+
+static void
+gelu_part(void *arg, Py_ssize_t part, Py_ssize_t parts)
+{
+    gelu_ctx *c = arg;
+    Py_ssize_t first, last;
+    pool_range(c->n, part, parts, 256, &first, &last);
+    if (c->kind) {
+        GELU_TILE(double, for (Py_ssize_t i = 0; i < m; i++) r[i] = erf(z[i]))
+    } else {
+        GELU_TILE(float, erf_block(r, z, m))
+    }
+}
+
 static PyObject *
 gelu_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1435,13 +1543,10 @@ gelu_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_buffer views[4];
     int held, refuse = acquire_alike(args + 1, (int)nargs - 1, itemsize, views, &held);
     if (!refuse) {
-        Py_ssize_t n = views[0].len / itemsize;
+        gelu_ctx ctx = {kind, views[0].buf, views[1].buf, backward ? views[2].buf : NULL,
+                        backward ? views[3].buf : NULL, views[0].len / itemsize};
         Py_BEGIN_ALLOW_THREADS
-        if (kind) {
-            GELU_TILE(double, for (Py_ssize_t i = 0; i < m; i++) r[i] = erf(z[i]))
-        } else {
-            GELU_TILE(float, erf_block(r, z, m))
-        }
+        pool_run(gelu_part, &ctx, pool_parts(ctx.n, pool.grain / 8));
         Py_END_ALLOW_THREADS
     }
     return released(views, held, refuse);
@@ -1529,6 +1634,60 @@ MAX_POOL_BACKWARD(float, max_pool_backward_f32)
 MAX_POOL_BACKWARD(double, max_pool_backward_f64)
 #undef MAX_POOL_BACKWARD
 
+typedef struct {
+    long kind;
+    void *out;
+    int64_t *where;          /* the indices, or a row of scratch a part (row_stride 0) */
+    Py_ssize_t row_stride;
+    const void *x;
+    Py_ssize_t planes, h, w, ho, wo;
+    const Py_ssize_t *geometry;
+} pool_ctx;
+
+/* A part of max_pool: a range of planes. */
+static void
+max_pool_part(void *arg, Py_ssize_t part, Py_ssize_t parts)
+{
+    pool_ctx *c = arg;
+    Py_ssize_t p0, p1, out_plane = c->ho * c->wo, in_plane = c->h * c->w;
+    pool_range(c->planes, part, parts, 1, &p0, &p1);
+    if (p0 >= p1) {
+        return;
+    }
+    int64_t *where = c->row_stride ? c->where + p0 * out_plane : c->where + part * c->wo;
+    size_t item = c->kind ? sizeof(double) : sizeof(float);
+    void *out = (char *)c->out + (size_t)(p0 * out_plane) * item;
+    const void *x = (const char *)c->x + (size_t)(p0 * in_plane) * item;
+    if (c->kind) {
+        max_pool_f64(out, where, c->row_stride, x, p1 - p0, c->h, c->w, c->ho, c->wo,
+                     c->geometry);
+    } else {
+        max_pool_f32(out, where, c->row_stride, x, p1 - p0, c->h, c->w, c->ho, c->wo,
+                     c->geometry);
+    }
+}
+
+/* A part of max_pool_backward: a range of planes (planes = h, size = w, count = ho). */
+static void
+max_pool_backward_part(void *arg, Py_ssize_t part, Py_ssize_t parts)
+{
+    pool_ctx *c = arg;
+    Py_ssize_t p0, p1, size = c->w, count = c->ho;
+    pool_range(c->planes, part, parts, 1, &p0, &p1);
+    if (p0 >= p1) {
+        return;
+    }
+    size_t item = c->kind ? sizeof(double) : sizeof(float);
+    void *out = (char *)c->out + (size_t)(p0 * size) * item;
+    const void *grad = (const char *)c->x + (size_t)(p0 * count) * item;
+    const int64_t *at = c->where + p0 * count;
+    if (c->kind) {
+        max_pool_backward_f64(out, grad, at, p1 - p0, size, count);
+    } else {
+        max_pool_backward_f32(out, grad, at, p1 - p0, size, count);
+    }
+}
+
 /* max_pool(kind, out, indices, x, kh, kw, sh, sw, ph, pw): max pooling of a C-contiguous 4-D
  * float32 (kind 0) or float64 (kind 1) x into out (N, C, Ho, Wo) of its dtype and the int64
  * indices of out's shape (or None); every window holds an element of x (the caller checked
@@ -1578,20 +1737,17 @@ max_pool(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t planes = views[1].shape[0] * views[1].shape[1];
         Py_ssize_t h = views[1].shape[2], w = views[1].shape[3];
         Py_ssize_t ho = views[0].shape[2], wo = views[0].shape[3];
-        /* without indices, one row of scratch for them, used again for every row */
-        int64_t *where = want ? views[2].buf : malloc((size_t)wo * sizeof(int64_t));
-        Py_ssize_t row_stride = want ? wo : 0;
+        Py_ssize_t parts = pool_parts(planes * h * w, pool.grain);
+        parts = parts < planes ? parts : planes;
+        /* without indices, one row of scratch for them a part, used again for every row */
+        int64_t *where = want ? views[2].buf : malloc((size_t)(parts * wo) * sizeof(int64_t));
+        pool_ctx ctx = {kind, views[0].buf, where, want ? wo : 0, views[1].buf, planes, h, w,
+                        ho, wo, geometry};
         if (where == NULL) {
             refuse = 1;  /* NOTE: the twin runs */
         } else {
             Py_BEGIN_ALLOW_THREADS
-            if (kind) {
-                max_pool_f64(views[0].buf, where, row_stride, views[1].buf, planes, h, w, ho,
-                             wo, geometry);
-            } else {
-                max_pool_f32(views[0].buf, where, row_stride, views[1].buf, planes, h, w, ho,
-                             wo, geometry);
-            }
+            pool_run(max_pool_part, &ctx, parts);
             Py_END_ALLOW_THREADS
             if (!want) {
                 free(where);
@@ -1644,14 +1800,11 @@ max_pool_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     if (!refuse) {
+        pool_ctx ctx = {kind, views[0].buf, views[2].buf, 0, views[1].buf, planes, 0, size,
+                        count};
+        Py_ssize_t parts = pool_parts(planes * size, pool.grain);
         Py_BEGIN_ALLOW_THREADS
-        if (kind) {
-            max_pool_backward_f64(views[0].buf, views[1].buf, views[2].buf, planes, size,
-                                  count);
-        } else {
-            max_pool_backward_f32(views[0].buf, views[1].buf, views[2].buf, planes, size,
-                                  count);
-        }
+        pool_run(max_pool_backward_part, &ctx, parts < planes ? parts : planes);
         Py_END_ALLOW_THREADS
     }
     return released(views, held, refuse);
@@ -1664,10 +1817,11 @@ max_pool_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 #define TILE 16
 #define TRANSPOSE(type, name)                                                                \
 static void                                                                                  \
-name(type *out, const type *src, Py_ssize_t rows, Py_ssize_t cols)                           \
+name(type *out, const type *src, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t r0,           \
+     Py_ssize_t r1)                                                                          \
 {                                                                                            \
-    for (Py_ssize_t i0 = 0; i0 < rows; i0 += TILE) {                                         \
-        Py_ssize_t i1 = i0 + TILE < rows ? i0 + TILE : rows;                                 \
+    for (Py_ssize_t i0 = r0; i0 < r1; i0 += TILE) {                                          \
+        Py_ssize_t i1 = i0 + TILE < r1 ? i0 + TILE : r1;                                     \
         for (Py_ssize_t j0 = 0; j0 < cols; j0 += TILE) {                                     \
             Py_ssize_t j1 = j0 + TILE < cols ? j0 + TILE : cols;                             \
             for (Py_ssize_t i = i0; i < i1; i++) {                                           \
@@ -1681,6 +1835,29 @@ name(type *out, const type *src, Py_ssize_t rows, Py_ssize_t cols)              
 TRANSPOSE(uint16_t, transpose_2)
 TRANSPOSE(uint32_t, transpose_4)
 TRANSPOSE(uint64_t, transpose_8)
+
+typedef struct {
+    size_t size;
+    void *out;
+    const void *src;
+    Py_ssize_t rows, cols;
+} transpose_ctx;
+
+/* A part of transpose: a range of out's rows, in whole tiles. */
+static void
+transpose_part(void *arg, Py_ssize_t part, Py_ssize_t parts)
+{
+    transpose_ctx *c = arg;
+    Py_ssize_t r0, r1;
+    pool_range(c->rows, part, parts, TILE, &r0, &r1);
+    if (c->size == 2) {
+        transpose_2(c->out, c->src, c->rows, c->cols, r0, r1);
+    } else if (c->size == 4) {
+        transpose_4(c->out, c->src, c->rows, c->cols, r0, r1);
+    } else {
+        transpose_8(c->out, c->src, c->rows, c->cols, r0, r1);
+    }
+}
 #undef TRANSPOSE
 #undef TILE
 
@@ -1703,18 +1880,10 @@ transpose(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                    && o->shape[1] == x->shape[0] && apart(o, x));
     }
     if (!refuse) {
-        Py_ssize_t rows = views[0].shape[0], cols = views[0].shape[1];
-        void *out = views[0].buf;
-        const void *src = views[1].buf;
-        Py_ssize_t size = views[0].itemsize;
+        transpose_ctx ctx = {(size_t)views[0].itemsize, views[0].buf, views[1].buf,
+                             views[0].shape[0], views[0].shape[1]};
         Py_BEGIN_ALLOW_THREADS
-        if (size == 2) {
-            transpose_2(out, src, rows, cols);
-        } else if (size == 4) {
-            transpose_4(out, src, rows, cols);
-        } else {
-            transpose_8(out, src, rows, cols);
-        }
+        pool_run(transpose_part, &ctx, pool_parts(ctx.rows * ctx.cols, pool.grain));
         Py_END_ALLOW_THREADS
     }
     return released(views, held, refuse);
@@ -1765,10 +1934,11 @@ transpose(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));            \
     }                                                                                        \
     ATTR static void moments_##SUFFIX(T *mean, T *m2, const T *x, Py_ssize_t n,              \
-                                      Py_ssize_t c, Py_ssize_t s)                             \
+                                      Py_ssize_t c, Py_ssize_t s, Py_ssize_t k0,              \
+                                      Py_ssize_t k1)                                          \
     {                                                                                        \
         double count = (double)n * (double)s;                                                \
-        for (Py_ssize_t k = 0; k < c; k++) {                                                 \
+        for (Py_ssize_t k = k0; k < k1; k++) {                                               \
             double total = 0.0, squares = 0.0;                                               \
             for (Py_ssize_t i = 0; i < n; i++) total += row_sum_##SUFFIX(x + (i * c + k) * s, \
                                                                          s, 0.0);            \
@@ -1780,9 +1950,10 @@ transpose(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }                                                                                    \
     }                                                                                        \
     ATTR static void channel_dots_##SUFFIX(T *sums, T *dots, const T *g, const T *y,         \
-                                           Py_ssize_t n, Py_ssize_t c, Py_ssize_t s)          \
+                                           Py_ssize_t n, Py_ssize_t c, Py_ssize_t s,          \
+                                           Py_ssize_t k0, Py_ssize_t k1)                      \
     {                                                                                        \
-        for (Py_ssize_t k = 0; k < c; k++) {                                                 \
+        for (Py_ssize_t k = k0; k < k1; k++) {                                               \
             double total = 0.0, dot = 0.0;                                                   \
             for (Py_ssize_t i = 0; i < n; i++) {                                             \
                 const T *p = g + (i * c + k) * s, *q = y + (i * c + k) * s;                  \
@@ -1801,6 +1972,31 @@ FLOAT_VARIANTS(CHANNEL_STATS)
 /* The (n, c, s) operands of moments / channel_dots: `inputs` buffers of one 3-D shape and
  * item size, then two outputs of c items each, every output apart from every other buffer.
  * Returns the number of buffers held (all, or fewer with *refuse set). */
+typedef struct {
+    long kind;
+    int inputs;
+    void *o1, *o2;
+    const void *a, *b;
+    Py_ssize_t n, c, s;
+} stats_ctx;
+
+static void
+stats_part(void *arg, Py_ssize_t part, Py_ssize_t parts)
+{
+    stats_ctx *x = arg;
+    Py_ssize_t k0, k1;
+    pool_range(x->c, part, parts, 1, &k0, &k1);
+    if (x->inputs == 1 && x->kind) {
+        PICK(moments, f64)(x->o1, x->o2, x->a, x->n, x->c, x->s, k0, k1);
+    } else if (x->inputs == 1) {
+        PICK(moments, f32)(x->o1, x->o2, x->a, x->n, x->c, x->s, k0, k1);
+    } else if (x->kind) {
+        PICK(channel_dots, f64)(x->o1, x->o2, x->a, x->b, x->n, x->c, x->s, k0, k1);
+    } else {
+        PICK(channel_dots, f32)(x->o1, x->o2, x->a, x->b, x->n, x->c, x->s, k0, k1);
+    }
+}
+
 static int
 stats_views(PyObject *const *args, int inputs, Py_ssize_t itemsize, Py_buffer *views,
             int *refuse)
@@ -1840,19 +2036,13 @@ channel_stats(const char *name, int inputs, PyObject *const *args, Py_ssize_t na
     int refuse;
     int held = stats_views(args + 1, inputs, itemsize, views, &refuse);
     if (!refuse) {
-        Py_ssize_t n = views[2].shape[0], c = views[2].shape[1], s = views[2].shape[2];
-        void *o1 = views[0].buf, *o2 = views[1].buf;
-        const void *a = views[2].buf, *b = inputs == 2 ? views[3].buf : NULL;
+        stats_ctx ctx = {kind, inputs, views[0].buf, views[1].buf, views[2].buf,
+                         inputs == 2 ? views[3].buf : NULL, views[2].shape[0],
+                         views[2].shape[1], views[2].shape[2]};
+        Py_ssize_t items = ctx.n * ctx.c * ctx.s * inputs, parts = pool_parts(items, pool.grain);
+        parts = parts < ctx.c ? parts : ctx.c;
         Py_BEGIN_ALLOW_THREADS
-        if (inputs == 1 && kind) {
-            PICK(moments, f64)(o1, o2, a, n, c, s);
-        } else if (inputs == 1) {
-            PICK(moments, f32)(o1, o2, a, n, c, s);
-        } else if (kind) {
-            PICK(channel_dots, f64)(o1, o2, a, b, n, c, s);
-        } else {
-            PICK(channel_dots, f32)(o1, o2, a, b, n, c, s);
-        }
+        pool_run(stats_part, &ctx, parts);
         Py_END_ALLOW_THREADS
     }
     return released(views, held, refuse);
@@ -1887,19 +2077,25 @@ channel_dots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 #define CHAIN_RUN(T, SUFFIX, ATTR)                                                            \
     ATTR static void chain_##SUFFIX(const int64_t *head, const int64_t *dims,                 \
                                     const int64_t *links, const int64_t *operands,           \
-                                    T *scratch)                                              \
+                                    T *scratch, Py_ssize_t first, Py_ssize_t last)           \
     {                                                                                        \
         Py_ssize_t nlinks = head[1], nops = head[2], ndim = head[3];                         \
         Py_ssize_t mid = dims[ndim - 2], inner = dims[ndim - 1], plane = mid * inner;        \
-        Py_ssize_t outer = 1, idx[CHAIN_DIMS] = {0};                                         \
-        for (Py_ssize_t d = 0; d < ndim - 2; d++) outer *= dims[d];                          \
+        Py_ssize_t tiles = (plane + CHAIN_TILE - 1) / CHAIN_TILE, idx[CHAIN_DIMS] = {0};     \
         T *out = (T *)(uintptr_t)head[4];                                                    \
         T *fills = scratch + nlinks * CHAIN_TILE;                                            \
         const T *src[CHAIN_OPERANDS], *filled[CHAIN_OPERANDS] = {NULL};                      \
         Py_ssize_t filled_n[CHAIN_OPERANDS] = {0};                                           \
         const int64_t step = 1 + ndim;                                                       \
-        for (Py_ssize_t o = 0; o < outer; o++) {                                             \
-            for (Py_ssize_t f0 = 0; f0 < plane; f0 += CHAIN_TILE) {                          \
+        Py_ssize_t o = first / tiles;                                                        \
+        for (Py_ssize_t d = ndim - 3, rest = o; d >= 0; d--) { /* o's outer index */         \
+            idx[d] = rest % dims[d];                                                         \
+            rest /= dims[d];                                                                 \
+        }                                                                                    \
+        for (Py_ssize_t t = first; t < last; o++) {                                          \
+            Py_ssize_t t_end = (o + 1) * tiles < last ? (o + 1) * tiles : last;              \
+            for (Py_ssize_t f0 = (t - o * tiles) * CHAIN_TILE; t < t_end;                    \
+                 t++, f0 += CHAIN_TILE) {                                                    \
                 Py_ssize_t n = plane - f0 < CHAIN_TILE ? plane - f0 : CHAIN_TILE;             \
                 for (Py_ssize_t k = 0; k < nops; k++) {                                      \
                     const int64_t *op = operands + step * k;                                 \
@@ -1962,6 +2158,30 @@ channel_dots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 FLOAT_VARIANTS(CHAIN_RUN)
 #undef CHAIN_RUN
 
+typedef struct {
+    const int64_t *plan, *dims, *links, *operands;
+    char *scratch;      /* a part's scratch at part * scratch_size */
+    size_t scratch_size;
+    Py_ssize_t tiles;   /* the chain's tiles: its outer indices times each plane's tiles */
+} chain_ctx;
+
+static void
+chain_part(void *arg, Py_ssize_t part, Py_ssize_t parts)
+{
+    chain_ctx *c = arg;
+    Py_ssize_t first, last;
+    pool_range(c->tiles, part, parts, 1, &first, &last);
+    void *scratch = c->scratch + (size_t)part * c->scratch_size;
+    if (first >= last) {
+        return;
+    }
+    if (c->plan[0]) {
+        PICK(chain, f64)(c->plan, c->dims, c->links, c->operands, scratch, first, last);
+    } else {
+        PICK(chain, f32)(c->plan, c->dims, c->links, c->operands, scratch, first, last);
+    }
+}
+
 static PyObject *
 chain(PyObject *self, PyObject *plan_obj)
 {
@@ -1999,12 +2219,25 @@ chain(PyObject *self, PyObject *plan_obj)
         return PyErr_NoMemory();
     }
     const int64_t *dims = plan + 5, *operands = links + 3 * nlinks;
-    Py_BEGIN_ALLOW_THREADS
-    if (plan[0]) {
-        PICK(chain, f64)(plan, dims, links, operands, scratch);
-    } else {
-        PICK(chain, f32)(plan, dims, links, operands, scratch);
+    chain_ctx ctx = {plan, dims, links, operands, scratch, (size_t)(nlinks + nops) * CHAIN_TILE
+                     * itemsize, 1};
+    for (int64_t d = 0; d < ndim - 2; d++) {
+        ctx.tiles *= dims[d];
     }
+    Py_ssize_t plane = dims[ndim - 2] * dims[ndim - 1];
+    ctx.tiles *= (plane + CHAIN_TILE - 1) / CHAIN_TILE;
+    Py_ssize_t parts = pool_parts(ctx.tiles * CHAIN_TILE, pool.grain);
+    if (parts > 1) {
+        free(scratch);
+        scratch = malloc((size_t)parts * ctx.scratch_size);
+        if (scratch == NULL) {
+            PyBuffer_Release(&view);
+            return PyErr_NoMemory();
+        }
+        ctx.scratch = scratch;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(chain_part, &ctx, parts);
     Py_END_ALLOW_THREADS
     free(scratch);
     PyBuffer_Release(&view);
@@ -2031,12 +2264,13 @@ valid_columns(Py_ssize_t j, Py_ssize_t sw, Py_ssize_t pw, Py_ssize_t w, Py_ssize
 }
 
 #define IM2COL(T, SUFFIX)                                                                     \
-    static void im2col_##SUFFIX(T *cols, const T *x, const Py_ssize_t *g)                    \
+    static void im2col_##SUFFIX(T *cols, const T *x, const Py_ssize_t *g, Py_ssize_t c0,     \
+                                Py_ssize_t c1)                                               \
     {                                                                                        \
         Py_ssize_t n = g[0], c = g[1], h = g[2], w = g[3], kh = g[4], kw = g[5], sh = g[6];   \
         Py_ssize_t sw = g[7], ph = g[8], pw = g[9], ho = g[10], wo = g[11];                  \
         Py_ssize_t positions = n * ho * wo;                                                  \
-        for (Py_ssize_t ch = 0; ch < c; ch++)                                                \
+        for (Py_ssize_t ch = c0; ch < c1; ch++)                                              \
             for (Py_ssize_t i = 0; i < kh; i++)                                              \
                 for (Py_ssize_t j = 0; j < kw; j++) {                                        \
                     T *row = cols + ((ch * kh + i) * kw + j) * positions;                    \
@@ -2070,14 +2304,16 @@ IM2COL(uint64_t, 8)
 #undef IM2COL
 
 #define COL2IM(T, SUFFIX)                                                                     \
-    static void col2im_##SUFFIX(T *x, const T *cols, const Py_ssize_t *g)                    \
+    static void col2im_##SUFFIX(T *x, const T *cols, const Py_ssize_t *g, Py_ssize_t p0,     \
+                                Py_ssize_t p1)                                               \
     {                                                                                        \
         Py_ssize_t n = g[0], c = g[1], h = g[2], w = g[3], kh = g[4], kw = g[5], sh = g[6];   \
         Py_ssize_t sw = g[7], ph = g[8], pw = g[9], ho = g[10], wo = g[11];                  \
         Py_ssize_t positions = n * ho * wo;                                                  \
-        memset(x, 0, (size_t)(n * c * h * w) * sizeof(T));                                   \
-        for (Py_ssize_t b = 0; b < n; b++)                                                   \
-            for (Py_ssize_t ch = 0; ch < c; ch++) {                                          \
+        (void)n;                                                                             \
+        memset(x + p0 * h * w, 0, (size_t)((p1 - p0) * h * w) * sizeof(T));                  \
+        for (Py_ssize_t p = p0; p < p1; p++) { /* plane p: image b, channel ch */            \
+            Py_ssize_t b = p / c, ch = p % c;                                                \
                 T *plane = x + (b * c + ch) * h * w;                                         \
                 for (Py_ssize_t i = 0; i < kh; i++)                                          \
                     for (Py_ssize_t j = 0; j < kw; j++) {                                    \
@@ -2103,6 +2339,41 @@ IM2COL(uint64_t, 8)
 COL2IM(float, f32)
 COL2IM(double, f64)
 #undef COL2IM
+
+typedef struct {
+    int kind;  /* im2col: the item size; col2im: 0 float32, 1 float64 */
+    void *out;
+    const void *in;
+    Py_ssize_t g[12];
+} conv_ctx;
+
+static void
+im2col_part(void *arg, Py_ssize_t part, Py_ssize_t parts)
+{
+    conv_ctx *x = arg;
+    Py_ssize_t c0, c1;
+    pool_range(x->g[1], part, parts, 1, &c0, &c1);
+    if (x->kind == 2) {
+        im2col_2(x->out, x->in, x->g, c0, c1);
+    } else if (x->kind == 4) {
+        im2col_4(x->out, x->in, x->g, c0, c1);
+    } else {
+        im2col_8(x->out, x->in, x->g, c0, c1);
+    }
+}
+
+static void
+col2im_part(void *arg, Py_ssize_t part, Py_ssize_t parts)
+{
+    conv_ctx *x = arg;
+    Py_ssize_t p0, p1;
+    pool_range(x->g[0] * x->g[1], part, parts, 1, &p0, &p1);
+    if (x->kind) {
+        col2im_f64(x->out, x->in, x->g, p0, p1);
+    } else {
+        col2im_f32(x->out, x->in, x->g, p0, p1);
+    }
+}
 
 /* The geometry arguments of im2col / col2im (kh, kw, sh, sw, ph, pw) after n, c, h, w of x
  * and before ho, wo, checked against the columns' shape; 0, or -1 with an error set. */
@@ -2153,17 +2424,12 @@ im2col(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             || !apart(&views[0], &views[1]);
     }
     if (!refuse) {
-        void *cols = views[0].buf;
-        const void *x = views[1].buf;
-        Py_ssize_t size = views[0].itemsize;
+        conv_ctx ctx = {(int)views[0].itemsize, views[0].buf, views[1].buf};
+        memcpy(ctx.g, g, sizeof ctx.g);
+        Py_ssize_t parts = pool_parts(views[0].len / views[0].itemsize, pool.grain);
+        parts = parts < g[1] ? parts : g[1];
         Py_BEGIN_ALLOW_THREADS
-        if (size == 2) {
-            im2col_2(cols, x, g);
-        } else if (size == 4) {
-            im2col_4(cols, x, g);
-        } else {
-            im2col_8(cols, x, g);
-        }
+        pool_run(im2col_part, &ctx, parts);
         Py_END_ALLOW_THREADS
     }
     return released(views, held, refuse);
@@ -2195,20 +2461,105 @@ col2im(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             || !apart(&views[0], &views[1]);
     }
     if (!refuse) {
-        void *x = views[0].buf;
-        const void *cols = views[1].buf;
+        conv_ctx ctx = {(int)kind, views[0].buf, views[1].buf};
+        memcpy(ctx.g, g, sizeof ctx.g);
+        Py_ssize_t parts = pool_parts(views[1].len / itemsize, pool.grain);
+        parts = parts < g[0] * g[1] ? parts : g[0] * g[1];
         Py_BEGIN_ALLOW_THREADS
-        if (kind) {
-            col2im_f64(x, cols, g);
-        } else {
-            col2im_f32(x, cols, g);
-        }
+        pool_run(col2im_part, &ctx, parts);
         Py_END_ALLOW_THREADS
     }
     return released(views, held, refuse);
 }
 
+/* threads(n): the executors the pool splits a kernel over (the calling thread one of them),
+ * 1 to POOL_MAX, or 0 to leave it; returns the count before. */
+static PyObject *
+threads(PyObject *self, PyObject *arg)
+{
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (n < 0 || n > POOL_MAX) {
+        PyErr_Format(PyExc_ValueError, "threads: %ld is not between 1 and %d (0 leaves it)", n,
+                     POOL_MAX);
+        return NULL;
+    }
+    int before = pool.threads;
+    if (n > 0) {
+        pthread_mutex_lock(&pool.lock);
+        pool.threads = (int)n;
+        pthread_mutex_unlock(&pool.lock);
+    }
+    return PyLong_FromLong(before);
+}
+
+/* tuning(spin_ns, grain): how long an idle worker spins before it sleeps, and the fewest items
+ * of memory-bound work a part takes (each -1 to leave it); returns both before. */
+static PyObject *
+tuning(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "tuning(spin_ns, grain) takes 2 arguments, got %zd",
+                     nargs);
+        return NULL;
+    }
+    long long spin = PyLong_AsLongLong(args[0]);
+    Py_ssize_t grain = spin == -1 && PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[1]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (spin < -1 || grain < -1 || grain == 0) {
+        PyErr_Format(PyExc_ValueError, "tuning: spin_ns %lld and grain %zd must be positive "
+                     "(-1 leaves one)", spin, grain);
+        return NULL;
+    }
+    PyObject *before = Py_BuildValue("(Ln)", pool.spin_ns, pool.grain);
+    pool.spin_ns = spin >= 0 ? spin : pool.spin_ns;
+    pool.grain = grain > 0 ? grain : pool.grain;
+    return before;
+}
+
+/* blas_pool(setter, on): call OpenBLAS's `openblas_set_threads_callback_function` (its address,
+ * an int) with the pool's runner, or with NULL (OpenBLAS's own threads again). */
+typedef void (*blas_setter)(void (*)(int, pool_dojob, int, size_t, void *, int));
+
+static PyObject *
+blas_pool(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "blas_pool(setter, on) takes 2 arguments, got %zd",
+                     nargs);
+        return NULL;
+    }
+    void *address = PyLong_AsVoidPtr(args[0]);
+    int on = PyObject_IsTrue(args[1]);
+    if (PyErr_Occurred() || on < 0) {
+        return NULL;
+    }
+    if (address == NULL) {
+        PyErr_SetString(PyExc_ValueError, "blas_pool: the setter's address is NULL");
+        return NULL;
+    }
+    blas_setter setter;
+    memcpy(&setter, &address, sizeof setter);
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&pool.lock);  /* NOTE: not while a job of the pool runs */
+    setter(on ? pool_blas_jobs : NULL);
+    pthread_mutex_unlock(&pool.lock);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"threads", threads, METH_O,
+     "threads(n): the executors the pool splits a kernel over (0 leaves it); the count before."},
+    {"tuning", (PyCFunction)(void (*)(void))tuning, METH_FASTCALL,
+     "tuning(spin_ns, grain): an idle worker's spin and a part's fewest items (-1 leaves one); "
+     "both before."},
+    {"blas_pool", (PyCFunction)(void (*)(void))blas_pool, METH_FASTCALL,
+     "blas_pool(setter, on): OpenBLAS's threads callback set to the pool (on) or cleared."},
     {"widen", (PyCFunction)(void (*)(void))widen, METH_FASTCALL,
      "widen(src, dst): float16 items of src as float32 into dst (contiguous buffers)."},
     {"narrow", (PyCFunction)(void (*)(void))narrow, METH_FASTCALL,
@@ -2297,6 +2648,7 @@ PyInit__halfconv(void)
     use_avx2 = __builtin_cpu_supports("avx2");
     use_avx512 = have_avx512();
 #endif
+    pthread_atfork(NULL, NULL, pool_forked);
     PyObject *m = PyModule_Create(&module);
     PyObject *names = m ? PyTuple_New(OP_COUNT) : NULL;
     for (int k = 0; names && k < OP_COUNT; k++) {

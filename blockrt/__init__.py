@@ -60,6 +60,7 @@ from runtime import (
     get_aliasing,
     get_default_allocator,
     get_default_device,
+    get_num_threads,
     graph,
     is_grad_enabled,
     memory_summary,
@@ -72,6 +73,7 @@ from runtime import (
     set_aliasing,
     set_default_allocator,
     set_default_device,
+    set_num_threads,
     tensor,
     view,
     zeros,
@@ -88,9 +90,9 @@ __all__ = [
     "GraphCaptureError", "ReadOnlyAllocator", "ReadOnlyError", "Tensor",
     "UninitializedMemoryError", "UseAfterFreeError", "amp", "constant", "empty", "enable_grad",
     "format_report", "from_dlpack", "get_aliasing", "get_default_allocator",
-    "get_default_device", "graph", "is_grad_enabled", "memory_summary", "nn", "no_grad", "ones",
-    "ops", "overlaps", "plot_memory_timeline", "set_aliasing", "set_default_allocator",
-    "set_default_device", "tensor", "view", "zeros",
+    "get_default_device", "get_num_threads", "graph", "is_grad_enabled", "memory_summary", "nn",
+    "no_grad", "ones", "ops", "overlaps", "plot_memory_timeline", "set_aliasing",
+    "set_default_allocator", "set_default_device", "set_num_threads", "tensor", "view", "zeros",
 ]
 
 _alias.register()

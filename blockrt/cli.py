@@ -43,7 +43,7 @@ import numpy as np
 import allocators
 import backends
 import runtime
-from backends import _blas, _blas_choice, accelerated
+from backends import _blas, _blas_choice, accelerated, threads
 from blockrt.models import CLASSES, CONFIGS, MLPConfig
 from runtime import config, nn
 
@@ -377,6 +377,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print("\n".join(_c_path_lines(accelerated.paths())))
     measured = _measure(args.measure) if args.measure is not None else []
     print("\n".join(_blas_lines(_blas.report()) + measured))
+    print(threads.describe())
     print(f"backends: {', '.join(kinds)}")
     for kind in kinds:
         for dev in _devices(kind):

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+from backends.threads import get_num_threads, set_num_threads
 from runtime import amp, nn, ops
 from runtime._tensor import Tensor, empty, from_dlpack, ones, tensor, view, zeros
 from runtime.aliasing import overlaps
@@ -40,7 +41,9 @@ __all__ = ["PLANS", "AliasingError", "amp", "AutogradError", "Block", "BudgetErr
            "GraphCaptureError",
            "ReadOnlyAllocator", "ReadOnlyError", "Tensor", "UninitializedMemoryError",
            "UseAfterFreeError", "constant", "empty", "enable_grad", "format_report", "from_dlpack",
-           "get_aliasing", "get_default_allocator", "get_default_device", "graph",
+           "get_aliasing", "get_default_allocator", "get_default_device", "get_num_threads",
+           "graph",
            "is_grad_enabled", "memory_summary", "no_grad", "nn", "ones", "ops", "overlaps",
            "plot_memory_timeline", "set_aliasing", "set_default_allocator", "set_default_device",
+           "set_num_threads",
            "tensor", "view", "zeros"]
