@@ -1469,9 +1469,27 @@ erf_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return released(views, held, refuse);
 }
 
-/* gelu_op(kind, out, x[, g, e]): backends/optable.py's exact GELU, x * 0.5 * (1 + erf(x *
+/* NumPy's own exp loop for float32 and float64 (a ufunc inner loop: args, dimensions, steps,
+ * data), set by backends/numpy.py after it checked the loop's bits against np.exp
+ * (`set_exp`); NULL: gelu_op's gradient takes e from its caller. */
+typedef void (*numpy_loop)(char **args, const Py_ssize_t *dims, const Py_ssize_t *steps,
+                           void *data);
+static numpy_loop exp_loops[2];
+static void *exp_data[2];
+
+/* exp of n items of a tile in place, by NumPy's loop (`exp_loops[kind]`) */
+static void
+numpy_exp(int kind, void *tile, Py_ssize_t n, Py_ssize_t itemsize)
+{
+    char *args[2] = {tile, tile};
+    Py_ssize_t dims[1] = {n}, steps[2] = {itemsize, itemsize};
+    exp_loops[kind](args, dims, steps, exp_data[kind]);
+}
+
+/* gelu_op(kind, out, x[, g[, e]]): backends/optable.py's exact GELU, x * 0.5 * (1 + erf(x *
  * sqrt(1/2))), with out and x alone, or its gradient g * ((1 + erf(x * sqrt(1/2))) * 0.5 + x *
- * (e / sqrt(2 pi))) with g and e = exp((x * -0.5) * x) as well (NumPy's exp: the caller's),
+ * (e / sqrt(2 pi))) with g and e = exp((x * -0.5) * x) as well (NumPy's exp: the caller's, or
+ * without e NumPy's own loop on each tile, where `set_exp` gave it),
  * over contiguous float32 (kind 0) or float64 (kind 1) arrays of out's shape (out may be one of
  * them), in one pass of 256-item tiles: each operation of the formula in the table's order in
  * the dtype, one rounding each as NumPy's ufuncs round, and the CPU's erf (`erf_block`, C's
@@ -1488,14 +1506,19 @@ erf_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t n = last - first;                                                          \
         /* NOTE: the table's constants as Python computes them, then rounded to T */         \
         const T root_half = (T)sqrt(0.5), scale = (T)(1.0 / sqrt(2.0 * 3.141592653589793));   \
-        T z[256], r[256];                                                                     \
+        T z[256], r[256], w[256];                                                             \
         for (Py_ssize_t s = 0; s < n; s += 256) {                                             \
             Py_ssize_t m = n - s < 256 ? n - s : 256;                                         \
             for (Py_ssize_t i = 0; i < m; i++) z[i] = x[s + i] * root_half;                   \
             ERF;                                                                              \
+            if (backward && e == NULL) {                                                      \
+                for (Py_ssize_t i = 0; i < m; i++) w[i] = (x[s + i] * (T)-0.5) * x[s + i];     \
+                numpy_exp((int)c->kind, w, m, sizeof(T));                                     \
+            }                                                                                 \
             if (backward) {                                                                   \
                 for (Py_ssize_t i = 0; i < m; i++) {                                          \
-                    T cdf = ((T)1 + r[i]) * (T)0.5, pdf = e[s + i] * scale;                   \
+                    T cdf = ((T)1 + r[i]) * (T)0.5;                                           \
+                    T pdf = (e != NULL ? e[s + i] : w[i]) * scale;                            \
                     o[s + i] = g[s + i] * (cdf + x[s + i] * pdf);                             \
                 }                                                                             \
             } else {                                                                          \
@@ -1529,8 +1552,8 @@ gelu_part(void *arg, Py_ssize_t part, Py_ssize_t parts)
 static PyObject *
 gelu_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3 && nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "gelu_op(kind, out, x[, g, e]) takes 3 or 5 arguments, "
+    if (nargs < 3 || nargs > 5) {
+        PyErr_Format(PyExc_TypeError, "gelu_op(kind, out, x[, g[, e]]) takes 3 to 5 arguments, "
                      "got %zd", nargs);
         return NULL;
     }
@@ -1539,12 +1562,15 @@ gelu_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (itemsize == 0) {
         return NULL;
     }
-    int backward = nargs == 5;
+    int backward = nargs >= 4;
+    if (nargs == 4 && exp_loops[kind] == NULL) {
+        Py_RETURN_FALSE;  /* NOTE: no exp of NumPy's here: the caller gives e */
+    }
     Py_buffer views[4];
     int held, refuse = acquire_alike(args + 1, (int)nargs - 1, itemsize, views, &held);
     if (!refuse) {
         gelu_ctx ctx = {kind, views[0].buf, views[1].buf, backward ? views[2].buf : NULL,
-                        backward ? views[3].buf : NULL, views[0].len / itemsize};
+                        nargs == 5 ? views[3].buf : NULL, views[0].len / itemsize};
         Py_BEGIN_ALLOW_THREADS
         pool_run(gelu_part, &ctx, pool_parts(ctx.n, pool.grain / 8));
         Py_END_ALLOW_THREADS
@@ -2224,9 +2250,9 @@ chain(PyObject *self, PyObject *plan_obj)
     for (int64_t d = 0; d < ndim - 2; d++) {
         ctx.tiles *= dims[d];
     }
-    Py_ssize_t plane = dims[ndim - 2] * dims[ndim - 1];
+    Py_ssize_t plane = dims[ndim - 2] * dims[ndim - 1], items = ctx.tiles * plane;
     ctx.tiles *= (plane + CHAIN_TILE - 1) / CHAIN_TILE;
-    Py_ssize_t parts = pool_parts(ctx.tiles * CHAIN_TILE, pool.grain);
+    Py_ssize_t parts = pool_parts(items * (nops + 1), pool.grain);
     if (parts > 1) {
         free(scratch);
         scratch = malloc((size_t)parts * ctx.scratch_size);
@@ -2472,6 +2498,30 @@ col2im(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return released(views, held, refuse);
 }
 
+/* set_exp(kind, loop, data): NumPy's exp loop for float32 (kind 0) or float64 (kind 1), as
+ * the addresses of its inner loop and its data (loop 0 forgets it). The caller checked its
+ * bits against np.exp. */
+static PyObject *
+set_exp(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "set_exp(kind, loop, data) takes 3 arguments, got %zd",
+                     nargs);
+        return NULL;
+    }
+    long kind;
+    if (float_kind(args[0], "set_exp", &kind) == 0) {
+        return NULL;
+    }
+    void *loop = PyLong_AsVoidPtr(args[1]), *data = PyLong_AsVoidPtr(args[2]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    memcpy(&exp_loops[kind], &loop, sizeof loop);
+    exp_data[kind] = data;
+    Py_RETURN_NONE;
+}
+
 /* threads(n): the executors the pool splits a kernel over (the calling thread one of them),
  * 1 to POOL_MAX, or 0 to leave it; returns the count before. */
 static PyObject *
@@ -2553,6 +2603,8 @@ blas_pool(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyMethodDef methods[] = {
+    {"set_exp", (PyCFunction)(void (*)(void))set_exp, METH_FASTCALL,
+     "set_exp(kind, loop, data): NumPy's exp loop for gelu_op's gradient (loop 0 forgets it)."},
     {"threads", threads, METH_O,
      "threads(n): the executors the pool splits a kernel over (0 leaves it); the count before."},
     {"tuning", (PyCFunction)(void (*)(void))tuning, METH_FASTCALL,
@@ -2619,10 +2671,10 @@ static PyMethodDef methods[] = {
      "float64 (kind 1) a over its last axis into out (one item a row); the number of rows "
      "whose maximum is NaN or zero, or False when it cannot take the call."},
     {"gelu_op", (PyCFunction)(void (*)(void))gelu_op, METH_FASTCALL,
-     "gelu_op(kind, out, x[, g, e]): exact GELU (out, x) or its gradient (out, x, g and e = "
-     "exp((x * -0.5) * x)) on contiguous float32 (kind 0) or float64 (kind 1) arrays of one "
-     "shape, in one pass, the bits of the table's formulas; False when it cannot take the "
-     "call."},
+     "gelu_op(kind, out, x[, g[, e]]): exact GELU (out, x) or its gradient (out, x, g and e = "
+     "exp((x * -0.5) * x), or without e NumPy's exp loop given to set_exp) on contiguous "
+     "float32 (kind 0) or float64 (kind 1) arrays of one shape, in one pass, the bits of the "
+     "table's formulas; False when it cannot take the call."},
     {"set_avx512", set_avx512, METH_O,
      "set_avx512(flag): the erf core's AVX-512F loop when flag and present; returns whether "
      "it is used."},

@@ -10,6 +10,7 @@ relies on NumPy's own overlap handling.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import os
@@ -256,6 +257,64 @@ def _gelu(kernel: Any) -> Any:
     return gelu
 
 
+def _ufunc_loop(ufunc: np.ufunc, dtype: np.dtype) -> tuple[int, int] | None:
+    """The (inner loop, data) addresses of a one-input NumPy ufunc's loop for `dtype` -> `dtype`,
+    read from the ufunc object's public C layout (numpy/ufuncobject.h: after the object's
+    header, int nin, nout, nargs, identity; then functions, data, int ntypes, reserved; then
+    name, types), or None where the object does not read as that layout says (its name and
+    arity are checked first). The caller checks the loop's bits before it uses it."""
+    if ufunc.nin != 1 or ufunc.nout != 1:
+        return None
+    base, word = id(ufunc), ctypes.sizeof(ctypes.c_void_p)
+    head = object.__basicsize__  # NOTE: PyObject_HEAD
+
+    def read(offset: int, kind: Any) -> Any:
+        return kind.from_address(base + offset).value
+
+    ints = [read(head + 4 * k, ctypes.c_int) for k in range(3)]
+    functions, data = read(head + 16, ctypes.c_void_p), read(head + 16 + word, ctypes.c_void_p)
+    ntypes = read(head + 16 + 2 * word, ctypes.c_int)
+    name, types = read(head + 24 + 2 * word, ctypes.c_void_p), read(
+        head + 24 + 3 * word, ctypes.c_void_p)
+    if (ints != [1, 1, 2] or not functions or not name or not types or not 0 < ntypes < 256
+            or ctypes.string_at(name) != ufunc.__name__.encode()):
+        return None
+    codes = ctypes.string_at(types, 2 * ntypes)
+    for k in range(ntypes):
+        if codes[2 * k] == codes[2 * k + 1] == dtype.num:
+            loop = ctypes.c_void_p.from_address(functions + k * word).value
+            given = ctypes.c_void_p.from_address(data + k * word).value if data else None
+            return (loop, given or 0) if loop else None
+    return None
+
+
+def _exp_in_c() -> set[int]:
+    """The float kinds whose gelu gradient takes NumPy's exp loop in C (`_halfconv.set_exp`):
+    those whose loop reads from np.exp's object and gives np.exp's bits on values around
+    every exponent and the special values (NaN as NaN)."""
+    kinds = set()
+    for dtype, kind in _FLOAT_OP.items():
+        found = _ufunc_loop(np.exp, dtype)
+        if found is None:
+            continue
+        _halfconv.set_exp(kind, *found)
+        rng = np.random.default_rng(0)
+        x = np.concatenate([rng.standard_normal(4096) * 40, rng.uniform(-120, 90, 4096),
+                            [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-30, -1e-30, 88.7, 709.8,
+                             -745.2, -103.9]]).astype(dtype)
+        g = rng.standard_normal(x.size).astype(dtype)
+        got, want = np.empty_like(x), np.empty_like(x)
+        with np.errstate(all="ignore"):
+            e = np.exp((x * dtype.type(-0.5)) * x)
+            passed = (_halfconv.gelu_op(kind, got, x, g)
+                      and _halfconv.gelu_op(kind, want, x, g, e))
+        if passed and got.tobytes() == want.tobytes():
+            kinds.add(kind)
+        else:
+            _halfconv.set_exp(kind, 0, 0)
+    return kinds
+
+
 def _gelu_backward(kernel: Any) -> Any:
     """gelu_backward's kernel over contiguous float32 and float64 g, x and out of one shape,
     in tiles: exp((x * -0.5) * x) by NumPy into a tile (the formula's own ufunc calls, so its
@@ -269,6 +328,8 @@ def _gelu_backward(kernel: Any) -> Any:
                         and out.flags.c_contiguous and out.flags.writeable)):
             kernel(g, x, out=out)
             return
+        if kind in _EXP_IN_C and _halfconv.gelu_op(kind, out, x, g):
+            return  # NOTE: NumPy's exp loop on each tile, inside the one pass
         gs, xs, outs = g.reshape(-1), x.reshape(-1), out.reshape(-1)
         tile = np.empty(min(outs.size, _GELU_TILE), out.dtype)
         for start in range(0, outs.size, _GELU_TILE):
@@ -290,6 +351,8 @@ def _gelu_backward(kernel: Any) -> Any:
 #: inputs) or with out=
 _KERNELS = {op.name: _in_c(op.name, _kernel(op)) if op.name in _IN_C else _kernel(op)
             for op in optable.OPS}
+#: The float kinds whose gelu gradient runs NumPy's exp loop in C (`_exp_in_c`)
+_EXP_IN_C = _exp_in_c() if _halfconv is not None else set()
 if _halfconv is not None:
     _KERNELS.update(gelu=_gelu(_KERNELS["gelu"]),
                     gelu_backward=_gelu_backward(_KERNELS["gelu_backward"]))

@@ -5,8 +5,10 @@ opened, so `make asan` runs this file under the sanitizers."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -445,9 +447,9 @@ def _gelu_values(dtype: type, seed: int, size: int) -> np.ndarray:
        seed=st.integers(0, 2**32 - 1), in_place=st.sampled_from([None, "x", "g"]))
 def test_gelu_in_one_pass_has_the_formulas_bits(dtype, size, seed, in_place):
     """The CPU's gelu and gelu_backward kernels (`_halfconv.gelu_op`, a tile of NumPy's exp
-    for the gradient) give the bits of the table's formulas run op by op (`_kernel`, their
-    twin), on every erf loop this CPU has, over sizes that end mid tile, with out the input
-    itself; a NaN need only meet a NaN."""
+    for the gradient: its loop called in C, or np.exp's call in Python) give the bits of the
+    table's formulas run op by op (`_kernel`, their twin), on every erf loop this CPU has, over
+    sizes that end mid tile, with out the input itself; a NaN need only meet a NaN."""
     module = pytest.importorskip("backends._halfconv", reason="the C kernels are not built")
     from backends import numpy as cpu
     from backends import optable
@@ -455,7 +457,8 @@ def test_gelu_in_one_pass_has_the_formulas_bits(dtype, size, seed, in_place):
     x = _gelu_values(dtype, seed, size)
     g = np.random.default_rng(seed + 1).standard_normal(x.size).astype(dtype)
     formulas = {name: cpu._kernel(optable.BY_NAME[name]) for name in ("gelu", "gelu_backward")}
-    for f16c, avx512 in _erf_gen.PATHS.values():
+    exp_paths = [cpu._EXP_IN_C, set()]  # NOTE: NumPy's exp loop in C, then np.exp's call
+    for (f16c, avx512), exp_in_c in itertools.product(_erf_gen.PATHS.values(), exp_paths):
         module.set_f16c(f16c)
         module.set_avx512(avx512)
         try:
@@ -466,12 +469,32 @@ def test_gelu_in_one_pass_has_the_formulas_bits(dtype, size, seed, in_place):
                 copies = [a.copy() for a in inputs]
                 out = (np.empty_like(x) if in_place is None
                        else copies[0 if in_place == "g" or name == "gelu" else 1])
-                with np.errstate(all="ignore"):  # NOTE: as the device calls its kernels
+                with (np.errstate(all="ignore"),  # NOTE: as the device calls its kernels
+                      mock.patch.object(cpu, "_EXP_IN_C", exp_in_c)):
                     cpu._KERNELS[name](*copies, out=out)
-                assert _equal_or_both_nan(out, want), (name, f16c, avx512)
+                assert _equal_or_both_nan(out, want), (name, f16c, avx512, exp_in_c)
         finally:
             module.set_f16c(True)
             module.set_avx512(True)
+
+
+def test_numpys_exp_loop_is_taken_only_where_it_gives_np_exps_bits():
+    """gelu's gradient calls NumPy's exp loop in C only after reading it from np.exp's object
+    and checking its bits; another ufunc's loop read in its place is refused and forgotten."""
+    module = pytest.importorskip("backends._halfconv", reason="the C kernels are not built")
+    from backends import numpy as cpu
+
+    assert cpu._ufunc_loop(np.add, np.dtype(np.float32)) is None  # NOTE: two inputs
+    assert cpu._ufunc_loop(np.exp, np.dtype(np.int8)) is None  # NOTE: no int8 -> int8 loop
+    assert cpu._ufunc_loop(np.exp, np.dtype(np.float32)) is not None
+    sin = {dtype: cpu._ufunc_loop(np.sin, dtype) for dtype in cpu._FLOAT_OP}
+    try:
+        with mock.patch.object(cpu, "_ufunc_loop", lambda ufunc, dtype: sin[dtype]):
+            assert cpu._exp_in_c() == set()
+        x = np.linspace(-3, 3, 64, dtype=np.float32)
+        assert not module.gelu_op(0, np.empty_like(x), x, x)  # NOTE: forgotten: e is needed
+    finally:
+        assert cpu._exp_in_c() == cpu._EXP_IN_C  # NOTE: np.exp's own loops back
 
 
 def test_gelu_in_one_pass_refuses_what_it_cannot_take():
@@ -488,8 +511,8 @@ def test_gelu_in_one_pass_refuses_what_it_cannot_take():
     assert not module.gelu_op(0, out[::2], x[::2])
     assert not module.gelu_op(1, out, x)
     assert (out == 7.0).all()
-    with pytest.raises(TypeError, match="takes 3 or 5 arguments, got 4"):
-        module.gelu_op(0, out, x, x)
+    with pytest.raises(TypeError, match="takes 3 to 5 arguments, got 6"):
+        module.gelu_op(0, out, x, x, x, x)
     with pytest.raises(ValueError, match="kind 3 names no dtype"):
         module.gelu_op(3, out, x)
     for name, inputs in (("gelu", (x[::2],)), ("gelu_backward", (x[::2], x[::2]))):
