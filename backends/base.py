@@ -1097,13 +1097,20 @@ class Device:
         self._prepared(program, inputs, out, {})()
 
     def prepare_fused(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],
-                      out: Any, scratch: dict | None = None) -> Callable[[], None]:
+                      out: Any, scratch: dict | None = None, *,
+                      compiled_only: bool = False) -> Callable[[], None] | None:
         """`fused(program, inputs, out)` checked and set up once, as a function that runs it:
         for a caller that runs the same chain on the same views many times (a graph's replay).
         The backend's kernel is found and its arguments made here, as are the default's scratch
         arrays and block views, not at every run; pass the same `scratch` dict to chains that
-        never run at the same time and they share them."""
+        never run at the same time and they share them. With `compiled_only`, None where the
+        backend has no kernel of its own for the chain (the caller runs it another way, not
+        by the blocked default): a graph's lone elementwise step runs as a one-link chain only
+        where that is the backend's compiled kernel."""
         self._check_chain(program, inputs, out)
+        if compiled_only:
+            return (self._compile_fused(program, inputs, out)
+                    if self.capabilities.compiles_fused else None)
         return self._prepared(program, inputs, out, {} if scratch is None else scratch)
 
     def _check_chain(self, program: Sequence[tuple[str, tuple, Any]], inputs: Sequence[Any],

@@ -14,7 +14,7 @@ from runtime import aliasing, dlpack
 from runtime._tensor import Tensor, contiguous_strides, host_array
 from runtime.block import Block
 from runtime.errors import UseAfterFreeError
-from runtime.graph.fuse import _arguments, _fused_program
+from runtime.graph.fuse import _arguments, _fusable, _fused_program
 from runtime.graph.program import _Capture, _Step
 from runtime.tape import Instruction, Operand
 
@@ -318,7 +318,8 @@ def _bind(step: _Step, capture: _Capture, memory: Memory,
     elif len(step.instructions) > 1:
         run = _bind_fused(step, capture, memory)
     else:
-        run = _bind_one(step.instructions[0], capture, memory, staging)
+        run = (_bind_compiled(step, capture, memory) if _fusable(step.instructions[0]) else None
+               ) or _bind_one(step.instructions[0], capture, memory, staging)
     if not marks:
         return run
 
@@ -383,6 +384,18 @@ def _bind_fused(step: _Step, capture: _Capture, memory: Memory,
     out = _view(step.instructions[-1].outputs[0], capture, memory)
     inputs = [_view(operand, capture, memory) for operand in operands]
     return capture.device.prepare_fused(program, inputs, out, capture.scratch)
+
+
+def _bind_compiled(step: _Step, capture: _Capture, memory: Memory) -> Callable[[], None] | None:
+    """A lone elementwise step as a one-link chain, where the device compiles that chain (on
+    the CPU a `_halfconv.chain`, whose work splits over the pool: Note [one pool for kernels and
+    products] in backends/threads.py), with its views bound once; else None. A chain's link
+    gives the bits of the op run alone (Note [one formula on every backend] in
+    backends/base.py)."""
+    program, operands = _fused_program(step.instructions, step.internal)
+    out = _view(step.instructions[-1].outputs[0], capture, memory)
+    inputs = [_view(operand, capture, memory) for operand in operands]
+    return capture.device.prepare_fused(program, inputs, out, compiled_only=True)
 
 
 def _release(capture: _Capture) -> None:
