@@ -1469,21 +1469,27 @@ erf_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return released(views, held, refuse);
 }
 
-/* NumPy's own exp loop for float32 and float64 (a ufunc inner loop: args, dimensions, steps,
- * data), set by backends/numpy.py after it checked the loop's bits against np.exp
- * (`set_exp`); NULL: gelu_op's gradient takes e from its caller. */
+/* NumPy's own loops of one-input ufuncs for float32 and float64 (a ufunc inner loop: args,
+ * dimensions, steps, data): LOOP_EXP, LOOP_LOG, LOOP_TANH, set by backends/numpy.py after it
+ * checked each loop's bits against the ufunc's (`set_loop`); NULL where it did not. A chain's
+ * link of code OP_COUNT + k runs loop k; gelu_op's gradient runs LOOP_EXP (or takes e from its
+ * caller). */
+#define LOOP_EXP 0
+#define LOOP_LOG 1
+#define LOOP_TANH 2
+#define LOOPS 3
 typedef void (*numpy_loop)(char **args, const Py_ssize_t *dims, const Py_ssize_t *steps,
                            void *data);
-static numpy_loop exp_loops[2];
-static void *exp_data[2];
+static numpy_loop loops[LOOPS][2];
+static void *loop_data[LOOPS][2];
 
-/* exp of n items of a tile in place, by NumPy's loop (`exp_loops[kind]`) */
+/* loop `which` of `kind` from n items at a to r (r may be a) */
 static void
-numpy_exp(int kind, void *tile, Py_ssize_t n, Py_ssize_t itemsize)
+numpy_unary(int which, int kind, void *r, const void *a, Py_ssize_t n, Py_ssize_t itemsize)
 {
-    char *args[2] = {tile, tile};
+    char *args[2] = {(char *)a, r};
     Py_ssize_t dims[1] = {n}, steps[2] = {itemsize, itemsize};
-    exp_loops[kind](args, dims, steps, exp_data[kind]);
+    loops[which][kind](args, dims, steps, loop_data[which][kind]);
 }
 
 /* gelu_op(kind, out, x[, g[, e]]): backends/optable.py's exact GELU, x * 0.5 * (1 + erf(x *
@@ -1513,7 +1519,7 @@ numpy_exp(int kind, void *tile, Py_ssize_t n, Py_ssize_t itemsize)
             ERF;                                                                              \
             if (backward && e == NULL) {                                                      \
                 for (Py_ssize_t i = 0; i < m; i++) w[i] = (x[s + i] * (T)-0.5) * x[s + i];     \
-                numpy_exp((int)c->kind, w, m, sizeof(T));                                     \
+                numpy_unary(LOOP_EXP, (int)c->kind, w, w, m, sizeof(T));                      \
             }                                                                                 \
             if (backward) {                                                                   \
                 for (Py_ssize_t i = 0; i < m; i++) {                                          \
@@ -1563,7 +1569,7 @@ gelu_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     int backward = nargs >= 4;
-    if (nargs == 4 && exp_loops[kind] == NULL) {
+    if (nargs == 4 && loops[LOOP_EXP][kind] == NULL) {
         Py_RETURN_FALSE;  /* NOTE: no exp of NumPy's here: the caller gives e */
     }
     Py_buffer views[4];
@@ -2169,6 +2175,9 @@ channel_dots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                                               : scratch + (-1 - link[2]) * CHAIN_TILE;       \
                     if (link[0] == OP_COPY) {                                                \
                         if (r != a) memmove(r, a, (size_t)n * sizeof(T));                    \
+                    } else if (link[0] >= OP_COUNT) { /* NumPy's loop: `set_loop` */         \
+                        numpy_unary((int)(link[0] - OP_COUNT), (int)head[0], r, a, n,        \
+                                    sizeof(T));                                              \
                     } else {                                                                 \
                         optable_##SUFFIX((int)link[0], r, a, b, 1, n, 0);                    \
                     }                                                                        \
@@ -2228,8 +2237,10 @@ chain(PyObject *self, PyObject *plan_obj)
     const int64_t *links = plan + 5 + ndim;
     for (int64_t l = 0; l < nlinks && !bad; l++) {
         const int64_t *link = links + 3 * l;
-        bad = link[0] < 0 || link[0] >= OP_COUNT;
-        for (int k = 1; k <= op_arity[bad ? 0 : link[0]] && !bad; k++) {
+        bad = link[0] < 0 || link[0] >= OP_COUNT + LOOPS
+            || (link[0] >= OP_COUNT && loops[link[0] - OP_COUNT][plan[0] ? 1 : 0] == NULL);
+        int arity = bad ? 0 : link[0] >= OP_COUNT ? 1 : op_arity[link[0]];
+        for (int k = 1; k <= arity && !bad; k++) {
             bad = link[k] >= nops || link[k] < -l;  /* an operand, or an earlier link */
         }
     }
@@ -2498,28 +2509,38 @@ col2im(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return released(views, held, refuse);
 }
 
-/* set_exp(kind, loop, data): NumPy's exp loop for float32 (kind 0) or float64 (kind 1), as
- * the addresses of its inner loop and its data (loop 0 forgets it). The caller checked its
- * bits against np.exp. */
+/* set_loop(which, kind, loop, data): NumPy's loop `which` (0 exp, 1 log, 2 tanh) for float32
+ * (kind 0) or float64 (kind 1), as the addresses of its inner loop and its data (loop 0
+ * forgets it); returns its chain code, OP_COUNT + which. The caller checks its bits. */
 static PyObject *
-set_exp(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+set_loop(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "set_exp(kind, loop, data) takes 3 arguments, got %zd",
-                     nargs);
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "set_loop(which, kind, loop, data) takes 4 arguments, "
+                     "got %zd", nargs);
         return NULL;
     }
-    long kind;
-    if (float_kind(args[0], "set_exp", &kind) == 0) {
+    long which = PyLong_AsLong(args[0]), kind;
+    if (which == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    void *loop = PyLong_AsVoidPtr(args[1]), *data = PyLong_AsVoidPtr(args[2]);
+    if (which < 0 || which >= LOOPS) {
+        PyErr_Format(PyExc_ValueError, "set_loop: loop %ld is not one of 0 to %d", which,
+                     LOOPS - 1);
+        return NULL;
+    }
+    if (float_kind(args[1], "set_loop", &kind) == 0) {
+        return NULL;
+    }
+    void *loop = PyLong_AsVoidPtr(args[2]), *data = PyLong_AsVoidPtr(args[3]);
     if (PyErr_Occurred()) {
         return NULL;
     }
-    memcpy(&exp_loops[kind], &loop, sizeof loop);
-    exp_data[kind] = data;
-    Py_RETURN_NONE;
+    pthread_mutex_lock(&pool.lock);  /* NOTE: not while a chain of the pool runs it */
+    memcpy(&loops[which][kind], &loop, sizeof loop);
+    loop_data[which][kind] = data;
+    pthread_mutex_unlock(&pool.lock);
+    return PyLong_FromLong(OP_COUNT + which);
 }
 
 /* threads(n): the executors the pool splits a kernel over (the calling thread one of them),
@@ -2603,8 +2624,9 @@ blas_pool(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyMethodDef methods[] = {
-    {"set_exp", (PyCFunction)(void (*)(void))set_exp, METH_FASTCALL,
-     "set_exp(kind, loop, data): NumPy's exp loop for gelu_op's gradient (loop 0 forgets it)."},
+    {"set_loop", (PyCFunction)(void (*)(void))set_loop, METH_FASTCALL,
+     "set_loop(which, kind, loop, data): NumPy's exp (0), log (1) or tanh (2) loop for chains "
+     "and gelu_op's gradient (loop 0 forgets it); returns its chain code."},
     {"threads", threads, METH_O,
      "threads(n): the executors the pool splits a kernel over (0 leaves it); the count before."},
     {"tuning", (PyCFunction)(void (*)(void))tuning, METH_FASTCALL,
@@ -2672,7 +2694,7 @@ static PyMethodDef methods[] = {
      "whose maximum is NaN or zero, or False when it cannot take the call."},
     {"gelu_op", (PyCFunction)(void (*)(void))gelu_op, METH_FASTCALL,
      "gelu_op(kind, out, x[, g[, e]]): exact GELU (out, x) or its gradient (out, x, g and e = "
-     "exp((x * -0.5) * x), or without e NumPy's exp loop given to set_exp) on contiguous "
+     "exp((x * -0.5) * x), or without e NumPy's exp loop given to set_loop) on contiguous "
      "float32 (kind 0) or float64 (kind 1) arrays of one shape, in one pass, the bits of the "
      "table's formulas; False when it cannot take the call."},
     {"set_avx512", set_avx512, METH_O,

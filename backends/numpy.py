@@ -288,31 +288,40 @@ def _ufunc_loop(ufunc: np.ufunc, dtype: np.dtype) -> tuple[int, int] | None:
     return None
 
 
-def _exp_in_c() -> set[int]:
-    """The float kinds whose gelu gradient takes NumPy's exp loop in C (`_halfconv.set_exp`):
-    those whose loop reads from np.exp's object and gives np.exp's bits on values around
-    every exponent and the special values (NaN as NaN)."""
-    kinds = set()
-    for dtype, kind in _FLOAT_OP.items():
-        found = _ufunc_loop(np.exp, dtype)
-        if found is None:
-            continue
-        _halfconv.set_exp(kind, *found)
-        rng = np.random.default_rng(0)
-        x = np.concatenate([rng.standard_normal(4096) * 40, rng.uniform(-120, 90, 4096),
-                            [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-30, -1e-30, 88.7, 709.8,
-                             -745.2, -103.9]]).astype(dtype)
-        g = rng.standard_normal(x.size).astype(dtype)
-        got, want = np.empty_like(x), np.empty_like(x)
-        with np.errstate(all="ignore"):
-            e = np.exp((x * dtype.type(-0.5)) * x)
-            passed = (_halfconv.gelu_op(kind, got, x, g)
-                      and _halfconv.gelu_op(kind, want, x, g, e))
-        if passed and got.tobytes() == want.tobytes():
-            kinds.add(kind)
-        else:
-            _halfconv.set_exp(kind, 0, 0)
-    return kinds
+#: The one-input ufuncs whose NumPy loops C may call (`_halfconv.set_loop`'s order)
+_LOOPS = ("exp", "log", "tanh")
+
+
+def _loops_in_c() -> dict[tuple[str, int], int]:
+    """The chain code of each (ufunc name, float kind) whose NumPy loop C calls: the loop read
+    from the ufunc's object (`_ufunc_loop`), then checked in a one-link chain against the
+    ufunc's own bits on values around every exponent and the special values; a loop that
+    fails is forgotten (`_halfconv.set_loop` with 0). gelu's gradient calls the exp loops, and
+    a chain of `_chain_plan` may take these ufuncs as links."""
+    codes = {}
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.standard_normal(4096) * 40, rng.uniform(-120, 90, 4096),
+                             rng.uniform(0, 2, 4096), [0.0, -0.0, np.inf, -np.inf, np.nan,
+                             1e-30, -1e-30, 88.7, 709.8, -745.2, -103.9, 1e-310, -1.0]])
+    for which, name in enumerate(_LOOPS):
+        ufunc = _PRIMITIVES[name]
+        for dtype, kind in _FLOAT_OP.items():
+            found = _ufunc_loop(ufunc, dtype)
+            if found is None:
+                continue
+            code = _halfconv.set_loop(which, kind, *found)
+            x = values.astype(dtype)
+            got, want = np.empty_like(x), np.empty_like(x)
+            with np.errstate(all="ignore"):
+                ufunc(x, out=want)
+                plan = _chain_plan([(name, (("input", 0),), dtype)], [x], got,
+                                   {(name, kind): code})
+                _halfconv.chain(plan)
+            if got.tobytes() == want.tobytes():
+                codes[(name, kind)] = code
+            else:
+                _halfconv.set_loop(which, kind, 0, 0)
+    return codes
 
 
 def _gelu_backward(kernel: Any) -> Any:
@@ -328,7 +337,7 @@ def _gelu_backward(kernel: Any) -> Any:
                         and out.flags.c_contiguous and out.flags.writeable)):
             kernel(g, x, out=out)
             return
-        if kind in _EXP_IN_C and _halfconv.gelu_op(kind, out, x, g):
+        if ("exp", kind) in _LOOP_CODES and _halfconv.gelu_op(kind, out, x, g):
             return  # NOTE: NumPy's exp loop on each tile, inside the one pass
         gs, xs, outs = g.reshape(-1), x.reshape(-1), out.reshape(-1)
         tile = np.empty(min(outs.size, _GELU_TILE), out.dtype)
@@ -351,8 +360,6 @@ def _gelu_backward(kernel: Any) -> Any:
 #: inputs) or with out=
 _KERNELS = {op.name: _in_c(op.name, _kernel(op)) if op.name in _IN_C else _kernel(op)
             for op in optable.OPS}
-#: The float kinds whose gelu gradient runs NumPy's exp loop in C (`_exp_in_c`)
-_EXP_IN_C = _exp_in_c() if _halfconv is not None else set()
 if _halfconv is not None:
     _KERNELS.update(gelu=_gelu(_KERNELS["gelu"]),
                     gelu_backward=_gelu_backward(_KERNELS["gelu_backward"]))
@@ -539,30 +546,34 @@ def _bound(blas: Any, a: np.ndarray, b: np.ndarray, out: np.ndarray, alpha: floa
 _CHAIN_DIMS, _CHAIN_OPERANDS = 8, 64
 
 
-def _chain_ops(program: Any, dtype: np.dtype) -> bool:
-    """Whether `_halfconv.chain` runs every link of `program` (an op of `_CODE`, of one or two
-    operands, of `dtype`, float32 or float64) with out of `dtype`."""
-    return dtype in _FLOAT_OP and all(
-        name in _CODE and np.dtype(link) == dtype and len(args) <= 2
+def _chain_ops(program: Any, dtype: np.dtype, loops: Any = None) -> bool:
+    """Whether `_halfconv.chain` runs every link of `program` (an op of `_CODE` or one of
+    NumPy's loops that C calls, `_LOOP_CODES`, of one or two operands, of `dtype`, float32 or
+    float64) with out of `dtype`."""
+    kind = _FLOAT_OP.get(dtype)
+    loops = _LOOP_CODES if loops is None else loops
+    return kind is not None and all(
+        (name in _CODE or (name, kind) in loops) and np.dtype(link) == dtype and len(args) <= 2
         for name, args, link in program)
 
 
-def _chain_plan(program: Any, inputs: Sequence[np.ndarray], out: np.ndarray
-                ) -> np.ndarray | None:
+def _chain_plan(program: Any, inputs: Sequence[np.ndarray], out: np.ndarray,
+                loops: Any = None) -> np.ndarray | None:
     """The int64 plan of `_halfconv.chain` for a fused chain (`Device.fused`): every link an
     op of `_CODE` of its arity, every dtype out's float32 or float64, out C-contiguous, and
     the operands (inputs, and each number as a one-item array) laid over out's dims after
     merging the neighbours that every operand walks alike; the plan holds the arrays it
     points into. None where the chain is not of that form (the blocked default runs it)."""
     kind = _FLOAT_OP.get(out.dtype)
+    loops = _LOOP_CODES if loops is None else loops
     if (kind is None or not out.flags.c_contiguous or out.size == 0
-            or not _chain_ops(program, out.dtype)):
+            or not _chain_ops(program, out.dtype, loops)):
         return None
     shape = out.shape
     numbers: list[np.ndarray] = []
     links: list[int] = []
     for name, args, _ in program:
-        code = _CODE[name]
+        code = _CODE[name] if name in _CODE else loops[(name, kind)]
         refs = []
         for what, ref in args:
             if what == "input":
@@ -611,6 +622,10 @@ class _Plan(np.ndarray):
         obj = plan.view(cls)
         obj.held = held
         return obj
+
+
+#: NumPy's loops that C calls, by (ufunc name, float kind): their chain codes (`_loops_in_c`)
+_LOOP_CODES = _loops_in_c() if _halfconv is not None else {}
 
 
 class NumpyDevice(Device):

@@ -457,7 +457,7 @@ def test_gelu_in_one_pass_has_the_formulas_bits(dtype, size, seed, in_place):
     x = _gelu_values(dtype, seed, size)
     g = np.random.default_rng(seed + 1).standard_normal(x.size).astype(dtype)
     formulas = {name: cpu._kernel(optable.BY_NAME[name]) for name in ("gelu", "gelu_backward")}
-    exp_paths = [cpu._EXP_IN_C, set()]  # NOTE: NumPy's exp loop in C, then np.exp's call
+    exp_paths = [cpu._LOOP_CODES, {}]  # NOTE: NumPy's exp loop in C, then np.exp's call
     for (f16c, avx512), exp_in_c in itertools.product(_erf_gen.PATHS.values(), exp_paths):
         module.set_f16c(f16c)
         module.set_avx512(avx512)
@@ -470,7 +470,7 @@ def test_gelu_in_one_pass_has_the_formulas_bits(dtype, size, seed, in_place):
                 out = (np.empty_like(x) if in_place is None
                        else copies[0 if in_place == "g" or name == "gelu" else 1])
                 with (np.errstate(all="ignore"),  # NOTE: as the device calls its kernels
-                      mock.patch.object(cpu, "_EXP_IN_C", exp_in_c)):
+                      mock.patch.object(cpu, "_LOOP_CODES", exp_in_c)):
                     cpu._KERNELS[name](*copies, out=out)
                 assert _equal_or_both_nan(out, want), (name, f16c, avx512, exp_in_c)
         finally:
@@ -479,8 +479,9 @@ def test_gelu_in_one_pass_has_the_formulas_bits(dtype, size, seed, in_place):
 
 
 def test_numpys_exp_loop_is_taken_only_where_it_gives_np_exps_bits():
-    """gelu's gradient calls NumPy's exp loop in C only after reading it from np.exp's object
-    and checking its bits; another ufunc's loop read in its place is refused and forgotten."""
+    """gelu's gradient and the chains call NumPy's exp, log and tanh loops in C only after
+    reading each from its ufunc's object and checking its bits; another ufunc's loop read in
+    its place is refused and forgotten."""
     module = pytest.importorskip("backends._halfconv", reason="the C kernels are not built")
     from backends import numpy as cpu
 
@@ -490,11 +491,11 @@ def test_numpys_exp_loop_is_taken_only_where_it_gives_np_exps_bits():
     sin = {dtype: cpu._ufunc_loop(np.sin, dtype) for dtype in cpu._FLOAT_OP}
     try:
         with mock.patch.object(cpu, "_ufunc_loop", lambda ufunc, dtype: sin[dtype]):
-            assert cpu._exp_in_c() == set()
+            assert cpu._loops_in_c() == {}
         x = np.linspace(-3, 3, 64, dtype=np.float32)
         assert not module.gelu_op(0, np.empty_like(x), x, x)  # NOTE: forgotten: e is needed
     finally:
-        assert cpu._exp_in_c() == cpu._EXP_IN_C  # NOTE: np.exp's own loops back
+        assert cpu._loops_in_c() == cpu._LOOP_CODES  # NOTE: the ufuncs' own loops back
 
 
 def test_gelu_in_one_pass_refuses_what_it_cannot_take():
