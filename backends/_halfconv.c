@@ -1538,7 +1538,7 @@ numpy_unary(int which, int kind, void *r, const void *a, Py_ssize_t n, Py_ssize_
 typedef struct {
     long kind;
     void *out;
-    const void *x, *g, *e;  /* g and e NULL: the forward */
+    const void *x, *g, *e;  /* g NULL: the forward; e NULL: NumPy's exp loop makes it */
     Py_ssize_t n;
 } gelu_ctx;
 

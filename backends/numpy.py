@@ -168,7 +168,9 @@ def _copy(x: np.ndarray, out: np.ndarray) -> None:
         # 2, 3) transpose: 0.48 ms, 0.25 on two threads, 0.31 with the plan's making; Intel
         # Xeon, 2 vCPUs)
         spread = np.broadcast_to(x, out.shape)
-        if spread.strides[-1] in (0, x.itemsize):
+        # NOTE: the chain reads a tile before writing it, which an x that overlaps out
+        # elsewhere (a shifted view) would not survive: NumPy's copy takes those
+        if spread.strides[-1] in (0, x.itemsize) and not np.may_share_memory(out, x):
             plan = _chain_plan(_COPY_PROGRAMS[out.dtype], [spread], out)
             if plan is not None:
                 _halfconv.chain(plan)

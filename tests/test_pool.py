@@ -201,6 +201,11 @@ def test_a_large_copy_splits_over_the_pool_and_copies_every_item():
         results = _on_threads(run)
         _all_equal(results)
         assert np.array_equal(results[-1], np.broadcast_to(source, shape)), what
+    # NOTE: out overlapping x one row further on: NumPy's copy, which buffers
+    flat = rng.standard_normal(x.size + 40).astype(np.float32)
+    want = flat[:x.size].copy()
+    cpu._copy(flat[:x.size], flat[40:])
+    assert np.array_equal(flat[40:], want)
 
 
 def _openblas_bits(shapes: list[tuple]) -> list[np.ndarray]:
