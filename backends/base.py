@@ -428,6 +428,10 @@ class Capabilities:
     #: `_compile_fused` makes a fused chain one kernel of the device's own; False: the base
     #: runs a chain's links block by block (`Device.fused`).
     compiles_fused: bool = False
+    #: a graph runs each lone elementwise step as a one-link chain of `_compile_fused` (the
+    #: CPU's chains split over its pool of threads, where its single kernels are NumPy's
+    #: loops on one thread); False: as the op's own kernel. Needs `compiles_fused`.
+    chains_lone_steps: bool = False
     #: `gemm(a, b, out, alpha, beta)` accumulates into out in the product itself (BLAS's beta,
     #: `_gemm`), so a graph folds an update such as w -= lr * (a @ b) into the product and
     #: saves a pass; False: a graph never asks for it (the base's `_gemm` is a product into

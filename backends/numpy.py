@@ -640,6 +640,9 @@ class NumpyDevice(Device):
         half_elementwise=True,  # NOTE: `_halfconv.apply`, where the extension is built
         # NOTE: `_halfconv.chain` for float32 / float64 chains of its ops, where it is built
         compiles_fused=_halfconv is not None,
+        # NOTE: a graph's lone elementwise steps too, so that they split over the pool (Note
+        # [one pool for kernels and products] in backends/threads.py)
+        chains_lone_steps=_halfconv is not None,
         # NOTE: `_halfconv.im2col` and `col2im`, one C pass each (their NumPy references
         # without the extension)
         conv_columns=True,

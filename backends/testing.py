@@ -573,6 +573,9 @@ def check_capabilities(device: Device, examples: int = 20) -> None:
                                               + ("the runtime would not know of its read-only "
                                                  "memory" if capability == "read_only_memory"
                                                  else "they never run"))
+    _check(not record.chains_lone_steps or record.compiles_fused, rule, device,
+           "claims chains_lone_steps without compiles_fused: a graph's lone steps would have no "
+           "compiled chain to run as")
     _check(not (record.half_kernels and record.half_elementwise), rule, device,
            "claims half_elementwise with half_kernels, which hands every hook its halves: "
            "_half_elementwise never runs")

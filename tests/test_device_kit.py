@@ -147,6 +147,14 @@ class ClaimsCompiledChains(NumpyDevice):
     _compile_fused = Device._compile_fused
 
 
+class ChainsLoneStepsWithoutChains(NumpyDevice):
+    """Planted: asks a graph to run its lone steps as compiled chains, and compiles none."""
+
+    capabilities = dataclasses.replace(NumpyDevice.capabilities, compiles_fused=False,
+                                       chains_lone_steps=True)
+    _compile_fused = Device._compile_fused
+
+
 class MomentsDropsASample(NumpyDevice):
     """Planted: batch norm's statistics over every sample but the last."""
 
@@ -242,6 +250,8 @@ PLANTED = [
     (WritesBeforeItChecks, "cross entropy", "a refused label left probs written"),
     (ClaimsCompiledChains, "capabilities", "claims compiles_fused but does not write "
                                            "_compile_fused"),
+    (ChainsLoneStepsWithoutChains, "capabilities", "claims chains_lone_steps without "
+                                                   "compiles_fused"),
     (MomentsDropsASample, "channel statistics", r"moments\(float32\) of \(2, 3, 5\)"),
     (ColumnsLoseTheLastTap, "convolution columns", r"kernel \(3, 3\).*: im2col"),
     (HidesReadOnlyMemory, "capabilities", "writes _raw_alloc_read_only, _is_read_only but does "

@@ -318,7 +318,8 @@ def _bind(step: _Step, capture: _Capture, memory: Memory,
     elif len(step.instructions) > 1:
         run = _bind_fused(step, capture, memory)
     else:
-        run = (_bind_compiled(step, capture, memory) if _fusable(step.instructions[0]) else None
+        lone = capture.device.capabilities.chains_lone_steps and _fusable(step.instructions[0])
+        run = (_bind_compiled(step, capture, memory) if lone else None
                ) or _bind_one(step.instructions[0], capture, memory, staging)
     if not marks:
         return run
@@ -387,9 +388,10 @@ def _bind_fused(step: _Step, capture: _Capture, memory: Memory,
 
 
 def _bind_compiled(step: _Step, capture: _Capture, memory: Memory) -> Callable[[], None] | None:
-    """A lone elementwise step as a one-link chain, where the device compiles that chain (on
-    the CPU a `_halfconv.chain`, whose work splits over the pool: Note [one pool for kernels and
-    products] in backends/threads.py), with its views bound once; else None. A chain's link
+    """A lone elementwise step as a one-link chain, where the device asks for that
+    (`chains_lone_steps`) and compiles the chain (on the CPU a `_halfconv.chain`, whose work
+    splits over the pool: Note [one pool for kernels and products] in backends/threads.py),
+    with its views bound once; else None. A chain's link
     gives the bits of the op run alone (Note [one formula on every backend] in
     backends/base.py)."""
     program, operands = _fused_program(step.instructions, step.internal)
