@@ -1483,6 +1483,12 @@ typedef void (*numpy_loop)(char **args, const Py_ssize_t *dims, const Py_ssize_t
 static numpy_loop loops[LOOPS][2];
 static void *loop_data[LOOPS][2];
 
+/* NumPy's add loop for float32 and float64, which its reduction over a contiguous last axis
+ * calls once a row in reduce mode (the output's step 0: its pairwise sum from 0); set by
+ * backends/numpy.py after it checked the bits (`set_sum_loop`). */
+static numpy_loop add_loops[2];
+static void *add_data[2];
+
 /* loop `which` of `kind` from n items at a to r (r may be a) */
 static void
 numpy_unary(int which, int kind, void *r, const void *a, Py_ssize_t n, Py_ssize_t itemsize)
@@ -2543,6 +2549,99 @@ set_loop(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(OP_COUNT + which);
 }
 
+/* set_sum_loop(kind, loop, data): NumPy's add loop for float32 (kind 0) or float64 (kind 1),
+ * for `sum_last` (loop 0 forgets it). The caller checks its bits. */
+static PyObject *
+set_sum_loop(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "set_sum_loop(kind, loop, data) takes 3 arguments, got "
+                     "%zd", nargs);
+        return NULL;
+    }
+    long kind;
+    if (float_kind(args[0], "set_sum_loop", &kind) == 0) {
+        return NULL;
+    }
+    void *loop = PyLong_AsVoidPtr(args[1]), *data = PyLong_AsVoidPtr(args[2]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    pthread_mutex_lock(&pool.lock);
+    memcpy(&add_loops[kind], &loop, sizeof loop);
+    add_data[kind] = data;
+    pthread_mutex_unlock(&pool.lock);
+    Py_RETURN_NONE;
+}
+
+typedef struct {
+    long kind;
+    size_t size;
+    char *out;
+    const char *x;
+    Py_ssize_t rows, n;
+} sum_last_ctx;
+
+/* A part of sum_last: a range of rows, each out[r] = 0 then NumPy's add loop in reduce mode. */
+static void
+sum_last_part(void *arg, Py_ssize_t part, Py_ssize_t parts)
+{
+    sum_last_ctx *c = arg;
+    Py_ssize_t lo, hi, steps[3] = {0, (Py_ssize_t)c->size, 0}, dims[1] = {c->n};
+    pool_range(c->rows, part, parts, 1, &lo, &hi);
+    for (Py_ssize_t r = lo; r < hi; r++) {
+        char *o = c->out + (size_t)r * c->size;
+        char *args[3] = {o, (char *)c->x + (size_t)(r * c->n) * c->size, o};
+        if (c->kind) {
+            *(double *)o = 0.0;
+        } else {
+            *(float *)o = 0.0f;
+        }
+        add_loops[c->kind](args, dims, steps, add_data[c->kind]);
+    }
+}
+
+/* sum_last(kind, out, x): the sum over the last axis of a C-contiguous float32 (kind 0) or
+ * float64 (kind 1) x into out (its rows, contiguous), each row by NumPy's add loop as its
+ * reduction calls it (`set_sum_loop`), rows split over the pool; False, nothing written,
+ * where the loop is not set, a row is longer than NumPy's buffer of 8192 items (NumPy then
+ * sums it in pieces) or anything else does not fit. */
+static PyObject *
+sum_last(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "sum_last(kind, out, x) takes 3 arguments, got %zd",
+                     nargs);
+        return NULL;
+    }
+    long kind;
+    Py_ssize_t itemsize = float_kind(args[0], "sum_last", &kind);
+    if (itemsize == 0) {
+        return NULL;
+    }
+    if (add_loops[kind] == NULL) {
+        Py_RETURN_FALSE;
+    }
+    Py_buffer views[2];
+    int held = 0, refuse = acquire_pair(args[1], args[2], views, &held);
+    Py_ssize_t n = 0, rows = 0;
+    if (!refuse) {
+        Py_buffer *o = &views[0], *v = &views[1];
+        n = v->ndim >= 1 ? v->shape[v->ndim - 1] : 0;
+        rows = n > 0 ? v->len / (n * itemsize) : 0;
+        refuse = !(v->itemsize == itemsize && o->itemsize == itemsize && n >= 1 && n <= 8192
+                   && rows >= 1 && o->len == rows * itemsize) || !apart(o, v);
+    }
+    if (!refuse) {
+        sum_last_ctx ctx = {kind, (size_t)itemsize, views[0].buf, views[1].buf, rows, n};
+        Py_ssize_t parts = pool_parts(rows * n, pool.grain);
+        Py_BEGIN_ALLOW_THREADS
+        pool_run(sum_last_part, &ctx, parts < rows ? parts : rows);
+        Py_END_ALLOW_THREADS
+    }
+    return released(views, held, refuse);
+}
+
 /* threads(n): the executors the pool splits a kernel over (the calling thread one of them),
  * 1 to POOL_MAX, or 0 to leave it; returns the count before. */
 static PyObject *
@@ -2627,6 +2726,11 @@ static PyMethodDef methods[] = {
     {"set_loop", (PyCFunction)(void (*)(void))set_loop, METH_FASTCALL,
      "set_loop(which, kind, loop, data): NumPy's exp (0), log (1) or tanh (2) loop for chains "
      "and gelu_op's gradient (loop 0 forgets it); returns its chain code."},
+    {"set_sum_loop", (PyCFunction)(void (*)(void))set_sum_loop, METH_FASTCALL,
+     "set_sum_loop(kind, loop, data): NumPy's add loop for sum_last (loop 0 forgets it)."},
+    {"sum_last", (PyCFunction)(void (*)(void))sum_last, METH_FASTCALL,
+     "sum_last(kind, out, x): the sum over x's last axis by NumPy's add loop a row, rows split "
+     "over the pool; False where it cannot take the call."},
     {"threads", threads, METH_O,
      "threads(n): the executors the pool splits a kernel over (0 leaves it); the count before."},
     {"tuning", (PyCFunction)(void (*)(void))tuning, METH_FASTCALL,

@@ -260,12 +260,12 @@ def _gelu(kernel: Any) -> Any:
 
 
 def _ufunc_loop(ufunc: np.ufunc, dtype: np.dtype) -> tuple[int, int] | None:
-    """The (inner loop, data) addresses of a one-input NumPy ufunc's loop for `dtype` -> `dtype`,
+    """The (inner loop, data) addresses of a NumPy ufunc's loop with every operand of `dtype`,
     read from the ufunc object's public C layout (numpy/ufuncobject.h: after the object's
     header, int nin, nout, nargs, identity; then functions, data, int ntypes, reserved; then
     name, types), or None where the object does not read as that layout says (its name and
     arity are checked first). The caller checks the loop's bits before it uses it."""
-    if ufunc.nin != 1 or ufunc.nout != 1:
+    if ufunc.nout != 1 or ufunc.nin not in (1, 2):
         return None
     base, word = id(ufunc), ctypes.sizeof(ctypes.c_void_p)
     head = object.__basicsize__  # NOTE: PyObject_HEAD
@@ -278,12 +278,13 @@ def _ufunc_loop(ufunc: np.ufunc, dtype: np.dtype) -> tuple[int, int] | None:
     ntypes = read(head + 16 + 2 * word, ctypes.c_int)
     name, types = read(head + 24 + 2 * word, ctypes.c_void_p), read(
         head + 24 + 3 * word, ctypes.c_void_p)
-    if (ints != [1, 1, 2] or not functions or not name or not types or not 0 < ntypes < 256
-            or ctypes.string_at(name) != ufunc.__name__.encode()):
+    nargs = ufunc.nin + 1
+    if (ints != [ufunc.nin, 1, nargs] or not functions or not name or not types
+            or not 0 < ntypes < 256 or ctypes.string_at(name) != ufunc.__name__.encode()):
         return None
-    codes = ctypes.string_at(types, 2 * ntypes)
+    codes = ctypes.string_at(types, nargs * ntypes)
     for k in range(ntypes):
-        if codes[2 * k] == codes[2 * k + 1] == dtype.num:
+        if all(code == dtype.num for code in codes[nargs * k:nargs * (k + 1)]):
             loop = ctypes.c_void_p.from_address(functions + k * word).value
             given = ctypes.c_void_p.from_address(data + k * word).value if data else None
             return (loop, given or 0) if loop else None
@@ -324,6 +325,36 @@ def _loops_in_c() -> dict[tuple[str, int], int]:
             else:
                 _halfconv.set_loop(which, kind, 0, 0)
     return codes
+
+
+def _sum_loops_in_c() -> set[int]:
+    """The float kinds whose sums over a last axis run NumPy's add loop from C
+    (`_halfconv.sum_last`): the loop read from np.add's object, then checked against
+    np.add.reduce's bits over rows of every length up to 3000 and of the special values
+    (-0.0, NaN, infinities); forgotten where they differ."""
+    kinds = set()
+    rng = np.random.default_rng(1)
+    for dtype, kind in _FLOAT_OP.items():
+        found = _ufunc_loop(np.add, dtype)
+        if found is None:
+            continue
+        _halfconv.set_sum_loop(kind, *found)
+        cases = [(rng.standard_normal((3, n)) * 10.0 ** rng.integers(-3, 4)).astype(dtype)
+                 for n in (1, 2, 7, 8, 9, 31, 128, 129, 768, 3000)]
+        cases += [np.array([[-0.0], [-0.0], [0.0]], dtype),
+                  np.array([[-0.0, -0.0], [np.inf, -np.inf], [np.nan, 1.0]], dtype)]
+        same = True
+        for x in cases:
+            got, want = np.empty(x.shape[0], dtype), np.empty(x.shape[0], dtype)
+            with np.errstate(all="ignore"):
+                np.add.reduce(x, axis=-1, out=want)
+                same = same and _halfconv.sum_last(kind, got, x) and (
+                    got.tobytes() == want.tobytes())
+        if same:
+            kinds.add(kind)
+        else:
+            _halfconv.set_sum_loop(kind, 0, 0)
+    return kinds
 
 
 def _gelu_backward(kernel: Any) -> Any:
@@ -379,7 +410,7 @@ def _reduce(name: str, x: np.ndarray, axis: tuple[int, ...] | None, keepdims: bo
         # of the time of a small reduction): the same ufunc calls, the same bits; and over no
         # element 0 / 0, NaN, where np.mean would warn "Mean of empty slice" (Note [IEEE
         # results, no floating-point signals] in backends/base.py)
-        if not _rows_summed(x, axis, out):
+        if not (_rows_summed(x, axis, out) or _last_summed(x, axis, out)):
             np.add.reduce(x, axis=axis, keepdims=keepdims, out=out)
         if name == "mean":
             count = x.size if axis is None else math.prod(x.shape[i] for i in axis)
@@ -394,6 +425,16 @@ def _rows_summed(x: np.ndarray, axis: tuple[int, ...] | None, out: np.ndarray) -
     gradient, 2-3x NumPy's speed at 64x256); False, nothing written, where it does not apply."""
     return (axis == (0,) and x.ndim == 2 and bool(_FLOAT_OP)
             and _halfconv.sum_rows(_FLOAT_OP[x.dtype], out, x))
+
+
+def _last_summed(x: np.ndarray, axis: tuple[int, ...] | None, out: np.ndarray) -> bool:
+    """Sum a C-contiguous float x over its last axis in C, each row by NumPy's own add loop as
+    its reduction calls it (`_halfconv.sum_last`, rows split over the pool: layer norm's
+    means, softmax's sums), NumPy's bits by construction (checked at import:
+    `_sum_loops_in_c`); False, nothing written, where it does not apply."""
+    kind = _FLOAT_OP.get(x.dtype)
+    return (kind in _SUM_IN_C and axis == (x.ndim - 1,) and x.flags.c_contiguous
+            and out.flags.c_contiguous and bool(_halfconv.sum_last(kind, out, x)))
 
 
 def _max_rows(x: np.ndarray, axis: tuple[int, ...] | None, out: np.ndarray) -> bool:
@@ -628,6 +669,8 @@ class _Plan(np.ndarray):
 
 #: NumPy's loops that C calls, by (ufunc name, float kind): their chain codes (`_loops_in_c`)
 _LOOP_CODES = _loops_in_c() if _halfconv is not None else {}
+#: The float kinds whose last-axis sums run NumPy's add loop from C (`_sum_loops_in_c`)
+_SUM_IN_C = _sum_loops_in_c() if _halfconv is not None else set()
 
 
 class NumpyDevice(Device):

@@ -485,7 +485,7 @@ def test_numpys_exp_loop_is_taken_only_where_it_gives_np_exps_bits():
     module = pytest.importorskip("backends._halfconv", reason="the C kernels are not built")
     from backends import numpy as cpu
 
-    assert cpu._ufunc_loop(np.add, np.dtype(np.float32)) is None  # NOTE: two inputs
+    assert cpu._ufunc_loop(np.divmod, np.dtype(np.float32)) is None  # NOTE: two outputs
     assert cpu._ufunc_loop(np.exp, np.dtype(np.int8)) is None  # NOTE: no int8 -> int8 loop
     assert cpu._ufunc_loop(np.exp, np.dtype(np.float32)) is not None
     sin = {dtype: cpu._ufunc_loop(np.sin, dtype) for dtype in cpu._FLOAT_OP}
@@ -496,6 +496,27 @@ def test_numpys_exp_loop_is_taken_only_where_it_gives_np_exps_bits():
         assert not module.gelu_op(0, np.empty_like(x), x, x)  # NOTE: forgotten: e is needed
     finally:
         assert cpu._loops_in_c() == cpu._LOOP_CODES  # NOTE: the ufuncs' own loops back
+
+
+def test_numpys_add_loop_sums_rows_only_where_it_gives_np_sums_bits():
+    """The last-axis sums call NumPy's add loop in C only after reading it from np.add's object
+    and checking its bits; np.multiply's loop read in its place is refused and forgotten, and
+    a row longer than NumPy's buffer is left to NumPy."""
+    module = pytest.importorskip("backends._halfconv", reason="the C kernels are not built")
+    from backends import numpy as cpu
+
+    times = {dtype: cpu._ufunc_loop(np.multiply, dtype) for dtype in cpu._FLOAT_OP}
+    x = np.linspace(-3, 3, 64, dtype=np.float32).reshape(4, 16)
+    try:
+        with mock.patch.object(cpu, "_ufunc_loop", lambda ufunc, dtype: times[dtype]):
+            assert cpu._sum_loops_in_c() == set()
+        assert not module.sum_last(0, np.empty(4, np.float32), x)  # NOTE: forgotten
+    finally:
+        assert cpu._sum_loops_in_c() == cpu._SUM_IN_C  # NOTE: np.add's own loops back
+    if 0 in cpu._SUM_IN_C:
+        long = np.ones((2, 8193), np.float32)
+        assert not module.sum_last(0, np.empty(2, np.float32), long)
+        assert module.sum_last(0, np.empty(2, np.float32), long[:, :8192].copy())
 
 
 def test_gelu_in_one_pass_refuses_what_it_cannot_take():

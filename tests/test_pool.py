@@ -355,3 +355,35 @@ def test_blockrt_info_says_how_many_threads_and_who_runs_openblas_jobs():
     assert line.startswith("CPU threads: 3 for the C kernels (from BLOCKRT_NUM_THREADS")
     if threads._openblas is not None:
         assert line.endswith("OpenBLAS's jobs run on the pool")
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype=DTYPES, shape=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+       n=st.integers(1, 2000), special=st.booleans(), seed=st.integers(0, 99))
+def test_sums_over_the_last_axis_keep_numpys_bits_on_any_count_of_threads(
+        tiny_parts, dtype, shape, n, special, seed):
+    """The CPU's sum and mean over a contiguous last axis (NumPy's add loop a row, from C,
+    rows split over the pool) give np.add.reduce's and np.mean's bits."""
+    from backends import numpy as cpu
+    if int(dtype == np.float64) not in cpu._SUM_IN_C:
+        pytest.skip("NumPy's add loop is not called from C here")
+    rng = np.random.default_rng(seed)
+    x = _floats(rng, (*shape, n), dtype) * dtype(10.0 ** int(rng.integers(-3, 4)))
+    if special:
+        x.flat[rng.integers(0, x.size, 3)] = rng.choice([np.nan, np.inf, -np.inf, -0.0], 3)
+    axis = (x.ndim - 1,)
+
+    def run() -> tuple:
+        total, mean = np.empty(shape, dtype), np.empty((*shape, 1), dtype)
+        with np.errstate(all="ignore"):
+            cpu._reduce("sum", x, axis, False, total)
+            cpu._reduce("mean", x, axis, True, mean)
+        return total, mean
+
+    results = _on_threads(run)
+    _all_equal(results)
+    with np.errstate(all="ignore"):
+        want_sum = np.add.reduce(x, axis=-1)
+        want_mean = np.mean(x, axis=-1, keepdims=True)
+    assert results[0][0].tobytes() == want_sum.tobytes()
+    assert results[0][1].tobytes() == want_mean.tobytes()
