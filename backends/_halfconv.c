@@ -25,6 +25,13 @@
  * gradient in one pass, max_rows(kind, out, a) its maximum over a last axis (NumPy's bits
  * where the maximum is neither NaN nor zero), max_pool and max_pool_backward its max pooling
  * (PyTorch's scan and indices; `numpy_max_pool2d` in backends/base.py is their twin).
+ *
+ * Most kernels split their work over one pool of threads (backends/_pool.h; Note [one pool for
+ * kernels and products] in backends/threads.py), by rows, channels, planes or tiles, with the
+ * bits of one thread: threads(n) and tuning(spin_ns, grain) set it, blas_pool(setter, on)
+ * hands it OpenBLAS's jobs. set_loop and set_sum_loop take NumPy's own exp, log, tanh and add
+ * loops (their bits checked by backends/numpy.py), which the chains, gelu_op's gradient and
+ * sum_last(kind, out, x), the sum over a contiguous last axis, call from C.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
