@@ -45,7 +45,7 @@ import numpy as np
 from backends._blas_choice import Chooser, DiskCache, product_of
 
 __all__ = ["CACHE_ENV", "CHOICES", "ENV", "Gemm", "Report", "Settings", "choice", "expect",
-           "find", "load", "present", "report"]
+           "find", "load", "openblas_naming", "present", "report"]
 
 ENV = "BLOCKRT_BLAS"
 CACHE_ENV = "BLOCKRT_BLAS_CACHE"
@@ -196,23 +196,31 @@ def _library(path: str) -> ctypes.CDLL | None:
         return None
 
 
+def openblas_naming(library: ctypes.CDLL | None) -> tuple[str, str] | None:
+    """The (symbol prefix, symbol suffix) of an OpenBLAS library's entry points (`_NAMINGS`:
+    NumPy's wheels, then plain builds), or None where it is no OpenBLAS with a CBLAS."""
+    for prefix, suffix in _NAMINGS:
+        if library is not None and all(hasattr(library, f"{prefix}{name}{suffix}")
+                                       for name in ("openblas_get_config", "cblas_sgemm")):
+            return prefix, suffix
+    return None
+
+
 def _open_openblas(path: str) -> Gemm | None:
     library = _library(path)
-    if library is None:
+    naming = openblas_naming(library)
+    if naming is None:
         return None
-    for prefix, suffix in _NAMINGS:
-        config = getattr(library, f"{prefix}openblas_get_config{suffix}", None)
-        if config is None or not hasattr(library, f"{prefix}cblas_sgemm{suffix}"):
-            continue
-        config.restype = ctypes.c_char_p
-        text = (config() or b"").decode(errors="replace")
-        wide = "USE64BITINT" in text
-        name = " ".join(text.split()[:2]) or "OpenBLAS"
-        threads = getattr(library, f"{prefix}openblas_get_num_threads{suffix}", None)
-        gemm = Gemm(library, prefix, suffix, ctypes.c_int64 if wide else ctypes.c_int32, name,
-                    products=False, threads=threads)
-        return gemm if _passes(gemm) else None
-    return None
+    prefix, suffix = naming
+    config = getattr(library, f"{prefix}openblas_get_config{suffix}")
+    config.restype = ctypes.c_char_p
+    text = (config() or b"").decode(errors="replace")
+    wide = "USE64BITINT" in text
+    name = " ".join(text.split()[:2]) or "OpenBLAS"
+    threads = getattr(library, f"{prefix}openblas_get_num_threads{suffix}", None)
+    gemm = Gemm(library, prefix, suffix, ctypes.c_int64 if wide else ctypes.c_int32, name,
+                products=False, threads=threads)
+    return gemm if _passes(gemm) else None
 
 
 def _open_mkl(path: str) -> Gemm | None:

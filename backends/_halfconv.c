@@ -29,8 +29,8 @@
  * Most kernels split their work over one pool of threads (backends/_pool.h; Note [one pool for
  * kernels and products] in backends/threads.py), by rows, channels, planes or tiles, with the
  * bits of one thread: threads(n) and tuning(spin_ns, grain) set it, blas_pool(setter, on)
- * hands it OpenBLAS's jobs. set_loop and set_sum_loop take NumPy's own exp, log, tanh and add
- * loops (their bits checked by backends/numpy.py), which the chains, gelu_op's gradient and
+ * hands it OpenBLAS's jobs. set_loop takes NumPy's own exp, log, tanh and add loops (their
+ * bits checked by backends/numpy.py), which the chains, gelu_op's gradient and
  * sum_last(kind, out, x), the sum over a contiguous last axis, call from C.
  */
 #define PY_SSIZE_T_CLEAN
@@ -1118,7 +1118,7 @@ float_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                             nviews == 3 ? views[2].buf : NULL, row ? (cols ? n / cols : 0) : 1,
                             cols};
         Py_BEGIN_ALLOW_THREADS
-        pool_run(float_op_part, &ctx, pool_parts(n * nviews, pool.grain));
+        pool_run(float_op_part, &ctx, pool_parts(n * nviews, pool.grain, n));
         Py_END_ALLOW_THREADS
     }
     return released(views, held, refuse);
@@ -1181,7 +1181,7 @@ sum_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         rows_ctx ctx = {kind, (size_t)itemsize, views[0].buf, views[1].buf, views[1].shape[0],
                         views[1].shape[1]};
         Py_BEGIN_ALLOW_THREADS
-        pool_run(sum_rows_part, &ctx, pool_parts(ctx.rows * ctx.cols, pool.grain));
+        pool_run(sum_rows_part, &ctx, pool_parts(ctx.rows * ctx.cols, pool.grain, ctx.cols));
         Py_END_ALLOW_THREADS
     }
     return released(views, held, refuse);
@@ -1296,8 +1296,7 @@ max_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t again = 0;  /* rows whose maximum is NaN or zero */
     if (!refuse) {
         rows_ctx ctx = {kind, (size_t)itemsize, views[0].buf, views[1].buf, rows, cols};
-        Py_ssize_t parts = pool_parts(rows * cols, pool.grain);
-        parts = parts < rows ? parts : rows;
+        Py_ssize_t parts = pool_parts(rows * cols, pool.grain, rows);
         Py_BEGIN_ALLOW_THREADS
         pool_run(max_rows_part, &ctx, parts);
         Py_END_ALLOW_THREADS
@@ -1476,25 +1475,22 @@ erf_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return released(views, held, refuse);
 }
 
-/* NumPy's own loops of one-input ufuncs for float32 and float64 (a ufunc inner loop: args,
- * dimensions, steps, data): LOOP_EXP, LOOP_LOG, LOOP_TANH, set by backends/numpy.py after it
+/* NumPy's own ufunc loops for float32 and float64 (a ufunc inner loop: args, dimensions,
+ * steps, data): LOOP_EXP, LOOP_LOG, LOOP_TANH and LOOP_ADD, set by backends/numpy.py after it
  * checked each loop's bits against the ufunc's (`set_loop`); NULL where it did not. A chain's
- * link of code OP_COUNT + k runs loop k; gelu_op's gradient runs LOOP_EXP (or takes e from its
- * caller). */
+ * link of code OP_COUNT + k runs one-input loop k (k < LOOP_LINKS); gelu_op's gradient runs
+ * LOOP_EXP (or takes e from its caller); sum_last runs LOOP_ADD in reduce mode, as NumPy's
+ * reduction over a contiguous last axis calls it. */
 #define LOOP_EXP 0
 #define LOOP_LOG 1
 #define LOOP_TANH 2
-#define LOOPS 3
+#define LOOP_LINKS 3
+#define LOOP_ADD 3
+#define LOOPS 4
 typedef void (*numpy_loop)(char **args, const Py_ssize_t *dims, const Py_ssize_t *steps,
                            void *data);
 static numpy_loop loops[LOOPS][2];
 static void *loop_data[LOOPS][2];
-
-/* NumPy's add loop for float32 and float64, which its reduction over a contiguous last axis
- * calls once a row in reduce mode (the output's step 0: its pairwise sum from 0); set by
- * backends/numpy.py after it checked the bits (`set_sum_loop`). */
-static numpy_loop add_loops[2];
-static void *add_data[2];
 
 /* loop `which` of `kind` from n items at a to r (r may be a) */
 static void
@@ -1591,7 +1587,7 @@ gelu_op(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         gelu_ctx ctx = {kind, views[0].buf, views[1].buf, backward ? views[2].buf : NULL,
                         nargs == 5 ? views[3].buf : NULL, views[0].len / itemsize};
         Py_BEGIN_ALLOW_THREADS
-        pool_run(gelu_part, &ctx, pool_parts(ctx.n, pool.grain / 8));
+        pool_run(gelu_part, &ctx, pool_parts(ctx.n, pool.grain / 8, ctx.n));
         Py_END_ALLOW_THREADS
     }
     return released(views, held, refuse);
@@ -1782,8 +1778,7 @@ max_pool(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t planes = views[1].shape[0] * views[1].shape[1];
         Py_ssize_t h = views[1].shape[2], w = views[1].shape[3];
         Py_ssize_t ho = views[0].shape[2], wo = views[0].shape[3];
-        Py_ssize_t parts = pool_parts(planes * h * w, pool.grain);
-        parts = parts < planes ? parts : planes;
+        Py_ssize_t parts = pool_parts(planes * h * w, pool.grain, planes);
         /* without indices, one row of scratch for them a part, used again for every row */
         int64_t *where = want ? views[2].buf : malloc((size_t)(parts * wo) * sizeof(int64_t));
         pool_ctx ctx = {kind, views[0].buf, where, want ? wo : 0, views[1].buf, planes, h, w,
@@ -1847,9 +1842,8 @@ max_pool_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!refuse) {
         pool_ctx ctx = {kind, views[0].buf, views[2].buf, 0, views[1].buf, planes, 0, size,
                         count};
-        Py_ssize_t parts = pool_parts(planes * size, pool.grain);
         Py_BEGIN_ALLOW_THREADS
-        pool_run(max_pool_backward_part, &ctx, parts < planes ? parts : planes);
+        pool_run(max_pool_backward_part, &ctx, pool_parts(planes * size, pool.grain, planes));
         Py_END_ALLOW_THREADS
     }
     return released(views, held, refuse);
@@ -1928,7 +1922,7 @@ transpose(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         transpose_ctx ctx = {(size_t)views[0].itemsize, views[0].buf, views[1].buf,
                              views[0].shape[0], views[0].shape[1]};
         Py_BEGIN_ALLOW_THREADS
-        pool_run(transpose_part, &ctx, pool_parts(ctx.rows * ctx.cols, pool.grain));
+        pool_run(transpose_part, &ctx, pool_parts(ctx.rows * ctx.cols, pool.grain, ctx.rows));
         Py_END_ALLOW_THREADS
     }
     return released(views, held, refuse);
@@ -2084,10 +2078,9 @@ channel_stats(const char *name, int inputs, PyObject *const *args, Py_ssize_t na
         stats_ctx ctx = {kind, inputs, views[0].buf, views[1].buf, views[2].buf,
                          inputs == 2 ? views[3].buf : NULL, views[2].shape[0],
                          views[2].shape[1], views[2].shape[2]};
-        Py_ssize_t items = ctx.n * ctx.c * ctx.s * inputs, parts = pool_parts(items, pool.grain);
-        parts = parts < ctx.c ? parts : ctx.c;
+        Py_ssize_t items = ctx.n * ctx.c * ctx.s * inputs;
         Py_BEGIN_ALLOW_THREADS
-        pool_run(stats_part, &ctx, parts);
+        pool_run(stats_part, &ctx, pool_parts(items, pool.grain, ctx.c));
         Py_END_ALLOW_THREADS
     }
     return released(views, held, refuse);
@@ -2250,7 +2243,7 @@ chain(PyObject *self, PyObject *plan_obj)
     const int64_t *links = plan + 5 + ndim;
     for (int64_t l = 0; l < nlinks && !bad; l++) {
         const int64_t *link = links + 3 * l;
-        bad = link[0] < 0 || link[0] >= OP_COUNT + LOOPS
+        bad = link[0] < 0 || link[0] >= OP_COUNT + LOOP_LINKS
             || (link[0] >= OP_COUNT && loops[link[0] - OP_COUNT][plan[0] ? 1 : 0] == NULL);
         int arity = bad ? 0 : link[0] >= OP_COUNT ? 1 : op_arity[link[0]];
         for (int k = 1; k <= arity && !bad; k++) {
@@ -2276,7 +2269,7 @@ chain(PyObject *self, PyObject *plan_obj)
     }
     Py_ssize_t plane = dims[ndim - 2] * dims[ndim - 1], items = ctx.tiles * plane;
     ctx.tiles *= (plane + CHAIN_TILE - 1) / CHAIN_TILE;
-    Py_ssize_t parts = pool_parts(items * (nops + 1), pool.grain);
+    Py_ssize_t parts = pool_parts(items * (nops + 1), pool.grain, ctx.tiles);
     if (parts > 1) {
         free(scratch);
         scratch = malloc((size_t)parts * ctx.scratch_size);
@@ -2476,8 +2469,7 @@ im2col(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!refuse) {
         conv_ctx ctx = {(int)views[0].itemsize, views[0].buf, views[1].buf};
         memcpy(ctx.g, g, sizeof ctx.g);
-        Py_ssize_t parts = pool_parts(views[0].len / views[0].itemsize, pool.grain);
-        parts = parts < g[1] ? parts : g[1];
+        Py_ssize_t parts = pool_parts(views[0].len / views[0].itemsize, pool.grain, g[1]);
         Py_BEGIN_ALLOW_THREADS
         pool_run(im2col_part, &ctx, parts);
         Py_END_ALLOW_THREADS
@@ -2513,8 +2505,7 @@ col2im(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!refuse) {
         conv_ctx ctx = {(int)kind, views[0].buf, views[1].buf};
         memcpy(ctx.g, g, sizeof ctx.g);
-        Py_ssize_t parts = pool_parts(views[1].len / itemsize, pool.grain);
-        parts = parts < g[0] * g[1] ? parts : g[0] * g[1];
+        Py_ssize_t parts = pool_parts(views[1].len / itemsize, pool.grain, g[0] * g[1]);
         Py_BEGIN_ALLOW_THREADS
         pool_run(col2im_part, &ctx, parts);
         Py_END_ALLOW_THREADS
@@ -2522,9 +2513,10 @@ col2im(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return released(views, held, refuse);
 }
 
-/* set_loop(which, kind, loop, data): NumPy's loop `which` (0 exp, 1 log, 2 tanh) for float32
- * (kind 0) or float64 (kind 1), as the addresses of its inner loop and its data (loop 0
- * forgets it); returns its chain code, OP_COUNT + which. The caller checks its bits. */
+/* set_loop(which, kind, loop, data): NumPy's loop `which` (0 exp, 1 log, 2 tanh, 3 add) for
+ * float32 (kind 0) or float64 (kind 1), as the addresses of its inner loop and its data (loop
+ * 0 forgets it); returns its chain code, OP_COUNT + which (a link only below LOOP_LINKS). The
+ * caller checks its bits. */
 static PyObject *
 set_loop(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -2556,31 +2548,6 @@ set_loop(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(OP_COUNT + which);
 }
 
-/* set_sum_loop(kind, loop, data): NumPy's add loop for float32 (kind 0) or float64 (kind 1),
- * for `sum_last` (loop 0 forgets it). The caller checks its bits. */
-static PyObject *
-set_sum_loop(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "set_sum_loop(kind, loop, data) takes 3 arguments, got "
-                     "%zd", nargs);
-        return NULL;
-    }
-    long kind;
-    if (float_kind(args[0], "set_sum_loop", &kind) == 0) {
-        return NULL;
-    }
-    void *loop = PyLong_AsVoidPtr(args[1]), *data = PyLong_AsVoidPtr(args[2]);
-    if (PyErr_Occurred()) {
-        return NULL;
-    }
-    pthread_mutex_lock(&pool.lock);
-    memcpy(&add_loops[kind], &loop, sizeof loop);
-    add_data[kind] = data;
-    pthread_mutex_unlock(&pool.lock);
-    Py_RETURN_NONE;
-}
-
 typedef struct {
     long kind;
     size_t size;
@@ -2604,13 +2571,13 @@ sum_last_part(void *arg, Py_ssize_t part, Py_ssize_t parts)
         } else {
             *(float *)o = 0.0f;
         }
-        add_loops[c->kind](args, dims, steps, add_data[c->kind]);
+        loops[LOOP_ADD][c->kind](args, dims, steps, loop_data[LOOP_ADD][c->kind]);
     }
 }
 
 /* sum_last(kind, out, x): the sum over the last axis of a C-contiguous float32 (kind 0) or
  * float64 (kind 1) x into out (its rows, contiguous), each row by NumPy's add loop as its
- * reduction calls it (`set_sum_loop`), rows split over the pool; False, nothing written,
+ * reduction calls it (`set_loop`'s LOOP_ADD), rows split over the pool; False, nothing written,
  * where the loop is not set, a row is longer than NumPy's buffer of 8192 items (NumPy then
  * sums it in pieces) or anything else does not fit. */
 static PyObject *
@@ -2626,7 +2593,7 @@ sum_last(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (itemsize == 0) {
         return NULL;
     }
-    if (add_loops[kind] == NULL) {
+    if (loops[LOOP_ADD][kind] == NULL) {
         Py_RETURN_FALSE;
     }
     Py_buffer views[2];
@@ -2641,9 +2608,8 @@ sum_last(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (!refuse) {
         sum_last_ctx ctx = {kind, (size_t)itemsize, views[0].buf, views[1].buf, rows, n};
-        Py_ssize_t parts = pool_parts(rows * n, pool.grain);
         Py_BEGIN_ALLOW_THREADS
-        pool_run(sum_last_part, &ctx, parts < rows ? parts : rows);
+        pool_run(sum_last_part, &ctx, pool_parts(rows * n, pool.grain, rows));
         Py_END_ALLOW_THREADS
     }
     return released(views, held, refuse);
@@ -2732,9 +2698,8 @@ blas_pool(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 static PyMethodDef methods[] = {
     {"set_loop", (PyCFunction)(void (*)(void))set_loop, METH_FASTCALL,
      "set_loop(which, kind, loop, data): NumPy's exp (0), log (1) or tanh (2) loop for chains "
-     "and gelu_op's gradient (loop 0 forgets it); returns its chain code."},
-    {"set_sum_loop", (PyCFunction)(void (*)(void))set_sum_loop, METH_FASTCALL,
-     "set_sum_loop(kind, loop, data): NumPy's add loop for sum_last (loop 0 forgets it)."},
+     "and gelu_op's gradient, or its add loop (3) for sum_last (loop 0 forgets it); returns "
+     "its chain code."},
     {"sum_last", (PyCFunction)(void (*)(void))sum_last, METH_FASTCALL,
      "sum_last(kind, out, x): the sum over x's last axis by NumPy's add loop a row, rows split "
      "over the pool; False where it cannot take the call."},

@@ -163,12 +163,13 @@ pool_run(pool_task task, void *ctx, Py_ssize_t parts)
 }
 
 /* How many parts a kernel over `items` splits into: one per executor, each of at least
- * `grain` items. */
+ * `grain` items, and at most `most` (the rows, channels or planes it splits). */
 static Py_ssize_t
-pool_parts(Py_ssize_t items, Py_ssize_t grain)
+pool_parts(Py_ssize_t items, Py_ssize_t grain, Py_ssize_t most)
 {
     Py_ssize_t parts = grain > 0 ? items / grain : items;
     parts = parts < pool.threads ? parts : pool.threads;
+    parts = parts < most ? parts : most;
     return parts < 1 ? 1 : parts;
 }
 

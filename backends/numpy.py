@@ -14,7 +14,7 @@ import ctypes
 import functools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -291,69 +291,78 @@ def _ufunc_loop(ufunc: np.ufunc, dtype: np.dtype) -> tuple[int, int] | None:
     return None
 
 
-#: The one-input ufuncs whose NumPy loops C may call (`_halfconv.set_loop`'s order)
+#: The one-input ufuncs whose NumPy loops a chain may call as links, in `_halfconv.set_loop`'s
+#: order; np.add's loop comes next (`_ADD_LOOP`), for `_halfconv.sum_last`
 _LOOPS = ("exp", "log", "tanh")
+_ADD_LOOP = len(_LOOPS)
+
+
+def _taken(which: int, ufunc: np.ufunc, dtype: np.dtype, kind: int,
+           same: Callable[[int], bool]) -> int | None:
+    """NumPy's loop of `ufunc` for `dtype`, read from its object (`_ufunc_loop`) and handed to
+    C as loop `which` (`_halfconv.set_loop`): its chain code where `same(code)` finds the
+    ufunc's own bits (run with floating-point warnings off), else None, the loop forgotten."""
+    found = _ufunc_loop(ufunc, dtype)
+    if found is None:
+        return None
+    code = _halfconv.set_loop(which, kind, *found)
+    with np.errstate(all="ignore"):
+        if same(code):
+            return code
+    _halfconv.set_loop(which, kind, 0, 0)
+    return None
 
 
 def _loops_in_c() -> dict[tuple[str, int], int]:
-    """The chain code of each (ufunc name, float kind) whose NumPy loop C calls: the loop read
-    from the ufunc's object (`_ufunc_loop`), then checked in a one-link chain against the
-    ufunc's own bits on values around every exponent and the special values; a loop that
-    fails is forgotten (`_halfconv.set_loop` with 0). gelu's gradient calls the exp loops, and
-    a chain of `_chain_plan` may take these ufuncs as links."""
-    codes = {}
+    """The chain code of each (ufunc name, float kind) whose NumPy loop C calls (`_taken`),
+    checked in a one-link chain against the ufunc's own bits on values around every exponent
+    and the special values. gelu's gradient calls the exp loops, and a chain of `_chain_plan`
+    may take these ufuncs as links."""
     rng = np.random.default_rng(0)
     values = np.concatenate([rng.standard_normal(4096) * 40, rng.uniform(-120, 90, 4096),
                              rng.uniform(0, 2, 4096), [0.0, -0.0, np.inf, -np.inf, np.nan,
                              1e-30, -1e-30, 88.7, 709.8, -745.2, -103.9, 1e-310, -1.0]])
+    codes = {}
     for which, name in enumerate(_LOOPS):
         ufunc = _PRIMITIVES[name]
         for dtype, kind in _FLOAT_OP.items():
-            found = _ufunc_loop(ufunc, dtype)
-            if found is None:
-                continue
-            code = _halfconv.set_loop(which, kind, *found)
             x = values.astype(dtype)
-            got, want = np.empty_like(x), np.empty_like(x)
-            with np.errstate(all="ignore"):
-                ufunc(x, out=want)
-                plan = _chain_plan([(name, (("input", 0),), dtype)], [x], got,
-                                   {(name, kind): code})
-                _halfconv.chain(plan)
-            if got.tobytes() == want.tobytes():
+
+            def same(code: int, x: np.ndarray = x, name: str = name, kind: int = kind,
+                     ufunc: np.ufunc = ufunc) -> bool:
+                got = np.empty_like(x)
+                _halfconv.chain(_chain_plan([(name, (("input", 0),), x.dtype)], [x], got,
+                                            {(name, kind): code}))
+                return got.tobytes() == ufunc(x).tobytes()
+
+            code = _taken(which, ufunc, dtype, kind, same)
+            if code is not None:
                 codes[(name, kind)] = code
-            else:
-                _halfconv.set_loop(which, kind, 0, 0)
     return codes
 
 
 def _sum_loops_in_c() -> set[int]:
     """The float kinds whose sums over a last axis run NumPy's add loop from C
-    (`_halfconv.sum_last`): the loop read from np.add's object, then checked against
-    np.add.reduce's bits over rows of every length up to 3000 and of the special values
-    (-0.0, NaN, infinities); forgotten where they differ."""
-    kinds = set()
+    (`_halfconv.sum_last`, `_taken`), checked against np.add.reduce's bits over rows of every
+    length up to 3000 and of the special values (-0.0, NaN, infinities)."""
     rng = np.random.default_rng(1)
+    kinds = set()
     for dtype, kind in _FLOAT_OP.items():
-        found = _ufunc_loop(np.add, dtype)
-        if found is None:
-            continue
-        _halfconv.set_sum_loop(kind, *found)
         cases = [(rng.standard_normal((3, n)) * 10.0 ** rng.integers(-3, 4)).astype(dtype)
                  for n in (1, 2, 7, 8, 9, 31, 128, 129, 768, 3000)]
         cases += [np.array([[-0.0], [-0.0], [0.0]], dtype),
                   np.array([[-0.0, -0.0], [np.inf, -np.inf], [np.nan, 1.0]], dtype)]
-        same = True
-        for x in cases:
-            got, want = np.empty(x.shape[0], dtype), np.empty(x.shape[0], dtype)
-            with np.errstate(all="ignore"):
-                np.add.reduce(x, axis=-1, out=want)
-                same = same and _halfconv.sum_last(kind, got, x) and (
-                    got.tobytes() == want.tobytes())
-        if same:
+
+        def same(code: int, cases: list = cases, kind: int = kind) -> bool:
+            for x in cases:
+                got = np.empty(x.shape[0], x.dtype)
+                if not (_halfconv.sum_last(kind, got, x)
+                        and got.tobytes() == np.add.reduce(x, axis=-1).tobytes()):
+                    return False
+            return True
+
+        if _taken(_ADD_LOOP, np.add, dtype, kind, same) is not None:
             kinds.add(kind)
-        else:
-            _halfconv.set_sum_loop(kind, 0, 0)
     return kinds
 
 

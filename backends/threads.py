@@ -63,14 +63,15 @@ class _OpenBLAS:
 
 
 def _find_openblas() -> _OpenBLAS | None:
+    """NumPy's OpenBLAS (`_blas`'s search and naming), where it has the threads callback."""
     for path in _blas._openblas_paths():
         library = _blas._library(path)
-        for prefix, suffix in _blas._NAMINGS:
-            names = (f"{prefix}openblas_set_threads_callback_function{suffix}",
-                     f"{prefix}openblas_set_num_threads{suffix}",
-                     f"{prefix}openblas_get_num_threads{suffix}")
-            if library is not None and all(hasattr(library, name) for name in names):
-                return _OpenBLAS(library, prefix, suffix)
+        naming = _blas.openblas_naming(library)
+        if naming is not None and all(
+                hasattr(library, f"{naming[0]}openblas_{name}{naming[1]}")
+                for name in ("set_threads_callback_function", "set_num_threads",
+                             "get_num_threads")):
+            return _OpenBLAS(library, *naming)
     return None
 
 

@@ -513,6 +513,11 @@ def test_numpys_add_loop_sums_rows_only_where_it_gives_np_sums_bits():
         assert not module.sum_last(0, np.empty(4, np.float32), x)  # NOTE: forgotten
     finally:
         assert cpu._sum_loops_in_c() == cpu._SUM_IN_C  # NOTE: np.add's own loops back
+    add = cpu._ADD_LOOP + len(module.ops)  # NOTE: the add loop's code: never a chain's link
+    plan = np.array([0, 1, 1, 2, x.ctypes.data, 4, 16, add, 0, 0, x.ctypes.data, 16, 1],
+                    np.int64)
+    with pytest.raises(ValueError, match="chain: the plan is malformed"):
+        module.chain(plan)
     if 0 in cpu._SUM_IN_C:
         long = np.ones((2, 8193), np.float32)
         assert not module.sum_last(0, np.empty(2, np.float32), long)

@@ -391,9 +391,8 @@ def _bind_compiled(step: _Step, capture: _Capture, memory: Memory) -> Callable[[
     """A lone elementwise step as a one-link chain, where the device asks for that
     (`chains_lone_steps`) and compiles the chain (on the CPU a `_halfconv.chain`, whose work
     splits over the pool: Note [one pool for kernels and products] in backends/threads.py),
-    with its views bound once; else None. A chain's link
-    gives the bits of the op run alone (Note [one formula on every backend] in
-    backends/base.py)."""
+    with its views bound once; else None. A chain's link gives the bits of the op run alone
+    (Note [one formula on every backend] in backends/base.py)."""
     program, operands = _fused_program(step.instructions, step.internal)
     out = _view(step.instructions[-1].outputs[0], capture, memory)
     inputs = [_view(operand, capture, memory) for operand in operands]
